@@ -1,0 +1,73 @@
+"""`torchrelay VERB`: a thin layer over the library; each verb is one library call plus printing."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from torchrelay.errors import EXIT_ERROR, RelayError
+
+# verb -> module under torchrelay.commands exposing `add_arguments(parser)` and `run(args) -> int`
+VERBS: dict[str, str] = {
+    "status": "status",
+    "stop": "stop",
+    "ledger": "ledger",
+    "pack": "pack",
+    "verify": "verify",
+    "prepare": "prepare",
+    "diff": "diff",
+    "launch": "launch",
+    "sbatch": "sbatch",
+    "audit": "audit",
+    "report": "report",
+}
+
+HELP = {
+    "status": "show a run: progress, exposures, loss, checkpoints, segments",
+    "stop": "ask a running run to save a checkpoint and stop at the next update",
+    "ledger": "prove from the exposure logs that every sample was seen exactly once",
+    "pack": "write a verifiable bundle of a stopped run for another cluster",
+    "verify": "check every file of a bundle against SHA256SUMS",
+    "prepare": "re-point a bundle at this cluster's paths, with proof nothing else changed",
+    "diff": "show the contract difference between two runs, checkpoints or bundles",
+    "launch": "run a plan: preflight, smoke, then the formal run, budget-aware",
+    "sbatch": "write (and submit) a Slurm batch script that runs a plan and requeues itself",
+    "audit": "prove that a training script resumes exactly",
+    "report": "plot a run (loss, LR, speed, segments) into PNGs and one HTML page",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchrelay", description=__doc__)
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for verb, module_name in VERBS.items():
+        try:
+            module = importlib.import_module(f"torchrelay.commands.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"torchrelay.commands.{module_name}":
+                raise
+            continue  # a verb whose module is not written yet is simply not offered
+        p = sub.add_parser(verb, help=HELP.get(verb), description=HELP.get(verb))
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb and return its exit code; library errors become a message and their own code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except RelayError as exc:
+        print(f"torchrelay {args.verb}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"torchrelay {args.verb}: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def entry() -> None:
+    sys.exit(main())
