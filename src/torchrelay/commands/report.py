@@ -1,0 +1,23 @@
+"""`torchrelay report RUN_DIR [--out DIR]`: draw a run into PNGs and one self-contained HTML page."""
+
+from __future__ import annotations
+
+import argparse
+
+from torchrelay.report import render
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory to draw")
+    parser.add_argument(
+        "--out", metavar="DIR", default=None, help="where to write the report (default RUN_DIR/report)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    result = render(args.run_dir, args.out)
+    print(f"report: {result.html}")
+    for path in result.pngs():
+        print(f"  plot: {path}")
+    print(f"  {result.updates} update(s), {result.segments} segment(s)")
+    return 0

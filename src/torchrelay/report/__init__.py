@@ -1,0 +1,57 @@
+"""`torchrelay report`: PNG plots and one self-contained HTML page of a run, segments and checkpoints marked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchrelay.report.series import ReportError, RunSeries, read_series
+
+__all__ = ["ReportError", "ReportResult", "RunSeries", "read_series", "render"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportResult:
+    """Where the report was written: the HTML page, the overview PNG and one PNG per quantity."""
+
+    out_dir: Path
+    html: Path
+    overview: Path
+    plots: dict[str, Path]
+    segments: int
+    updates: int
+
+    def pngs(self) -> list[Path]:
+        """Every PNG written, the overview first."""
+        return [self.overview, *self.plots.values()]
+
+
+def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResult:
+    """Draw the run in `run_dir` into `out_dir` (default RUN_DIR/report): overview.png, one PNG per plot, report.html."""
+    # Imported here so that `import torchrelay.report` stays cheap for tools that only read series.
+    from torchrelay.report.html import write_html
+    from torchrelay.report.plots import PANELS, draw_overview, draw_panel
+
+    series = read_series(run_dir)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(
+            f"{out}: cannot create the report directory ({exc.strerror})",
+            hint="pass --out DIR somewhere writable",
+        ) from exc
+    overview = draw_overview(series, out / "overview.png")
+    plots = {name: draw_panel(name, series, out / f"{name}.png") for name in PANELS}
+    images = {"overview": ("Overview", overview)} | {
+        name: (PANELS[name][0], path) for name, path in plots.items()
+    }
+    page = write_html(series, images, out / "report.html")
+    return ReportResult(
+        out_dir=out,
+        html=page,
+        overview=overview,
+        plots=plots,
+        segments=len(series.segments),
+        updates=len(series.updates),
+    )

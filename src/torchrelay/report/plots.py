@@ -1,0 +1,229 @@
+"""Draw a run's series into PNG files: one overview and one file per quantity, segments shaded, checkpoints marked."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: reports are drawn on login nodes and CI machines without a display
+
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from torchrelay.report.series import RunSeries  # noqa: E402
+
+SEGMENT_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#E45756", "#72B7B2", "#9D755D", "#EECA3B"]
+DPI = 110
+
+
+def smooth(values: list[float], weight: float | None = None) -> list[float]:
+    """Debiased exponential moving average (as TensorBoard draws it); NaNs are carried, not smoothed over."""
+    if weight is None:
+        # Longer runs get a longer memory so the trend stays readable at any length.
+        weight = min(0.95, max(0.0, 1.0 - 10.0 / max(len(values), 1)))
+    out, avg, norm = [], 0.0, 0.0
+    for value in values:
+        if not math.isfinite(value):
+            out.append(math.nan)
+            continue
+        avg = weight * avg + (1.0 - weight) * value
+        norm = weight * norm + (1.0 - weight)
+        out.append(avg / norm if norm else value)
+    return out
+
+
+def _x_range(series: RunSeries) -> tuple[float, float]:
+    last = max(series.updates[-1], max(series.checkpoints, default=0))
+    return series.updates[0] - 0.5, last + 0.5
+
+
+def _decorate(ax: Axes, series: RunSeries, *, labels: bool) -> None:
+    """Shade each segment, draw segment boundaries and checkpoint markers on one axis."""
+    lo, hi = _x_range(series)
+    for seg in series.segments:
+        end = seg.last_update if seg.last_update is not None else series.updates[-1]
+        if end < seg.first_update:
+            continue  # a launch that stopped before its first update has no width to shade
+        color = SEGMENT_COLORS[(seg.index - 1) % len(SEGMENT_COLORS)]
+        ax.axvspan(seg.first_update - 0.5, end + 0.5, color=color, alpha=0.13, lw=0)
+        ax.axvline(seg.first_update - 0.5, color=color, lw=1.0, alpha=0.7)
+        if labels:
+            middle = (seg.first_update + end) / 2
+            ax.text(
+                middle,
+                0.97,
+                f"#{seg.index}",
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="top",
+                fontsize=9,
+                fontweight="bold",
+                color=color,
+            )
+    for update in series.checkpoints:
+        ax.axvline(update, color="0.35", lw=0.8, ls=":", zorder=1)
+    if series.checkpoints:
+        ax.plot(
+            series.checkpoints,
+            [0.0] * len(series.checkpoints),
+            marker="v",
+            ls="none",
+            color="0.2",
+            markersize=6,
+            transform=ax.get_xaxis_transform(),
+            clip_on=False,
+            zorder=3,
+        )
+        if labels and len(series.checkpoints) <= 16:
+            for update in series.checkpoints:
+                ax.text(
+                    update,
+                    0.02,
+                    f" ckpt {update}",
+                    transform=ax.get_xaxis_transform(),
+                    rotation=90,
+                    fontsize=7,
+                    color="0.3",
+                    va="bottom",
+                    ha="right",
+                )
+    ax.set_xlim(lo, hi)
+    ax.grid(True, alpha=0.25)
+
+
+def _legend_handles(series: RunSeries) -> list[Any]:
+    handles: list[Any] = [
+        Patch(color=SEGMENT_COLORS[(s.index - 1) % len(SEGMENT_COLORS)], alpha=0.35, label=s.label())
+        for s in series.segments
+    ]
+    if series.checkpoints:
+        handles.append(plt.Line2D([], [], color="0.2", marker="v", ls=":", label="complete checkpoint"))
+    return handles
+
+
+def _has_values(values: list[float]) -> bool:
+    return any(math.isfinite(v) for v in values)
+
+
+def _no_data(ax: Axes, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
+
+
+def draw_loss(ax: Axes, s: RunSeries) -> None:
+    if not _has_values(s.loss):
+        return _no_data(ax, "loss")
+    ax.plot(
+        s.updates, s.loss, color="0.6", lw=0.9, marker="." if len(s.updates) <= 60 else None, label="loss"
+    )
+    ax.plot(s.updates, smooth(s.loss), color="#1F3B73", lw=2.0, label="loss (smoothed)")
+    ax.set_ylabel("loss" + (f" (mean of {s.ranks} ranks)" if s.ranks > 1 else ""))
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def draw_lr(ax: Axes, s: RunSeries) -> None:
+    if not _has_values(s.lr):
+        return _no_data(ax, "learning rate")
+    ax.plot(s.updates, s.lr, color="#B23A48", lw=1.6, drawstyle="steps-mid")
+    ax.set_ylabel("learning rate")
+    # Plain tick labels like 3e-04: matplotlib's shared offset text would collide with the panel title.
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:.3g}"))
+
+
+def draw_update_time(ax: Axes, s: RunSeries) -> None:
+    if not _has_values(s.update_time):
+        return _no_data(ax, "update time")
+    ax.plot(s.updates, s.update_time, color="#2F7F5F", lw=1.2, marker="." if len(s.updates) <= 60 else None)
+    ax.set_ylabel("update time (s, slowest rank)")
+    ax.set_ylim(bottom=0)
+
+
+def draw_samples_per_s(ax: Axes, s: RunSeries) -> None:
+    if not _has_values(s.samples_per_s):
+        return _no_data(ax, "samples/s")
+    ax.plot(s.updates, s.samples_per_s, color="#7A4E9E", lw=1.2, marker="." if len(s.updates) <= 60 else None)
+    ax.set_ylabel("samples / s")
+    ax.set_ylim(bottom=0)
+
+
+def draw_exposures(ax: Axes, s: RunSeries) -> None:
+    if not s.exposure_updates:
+        return _no_data(ax, "exposure")
+    ax.plot(s.exposure_updates, s.distinct_samples, color="#C96F16", lw=2.0, label="distinct samples")
+    ax.plot(
+        s.exposure_updates, s.total_exposures, color="0.45", lw=1.0, ls="--", label="exposures (with repeats)"
+    )
+    if s.manifest_size:
+        ax.axhline(
+            s.manifest_size, color="0.2", lw=0.8, ls="-.", label=f"manifest: {s.manifest_size} samples"
+        )
+    ax.set_ylabel("samples seen")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+
+
+Drawer = Callable[[Axes, RunSeries], None]
+
+# name -> (title, drawer); the order is the order of the overview's panels and of the HTML page.
+PANELS: dict[str, tuple[str, Drawer]] = {
+    "loss": ("Loss (raw and smoothed)", draw_loss),
+    "lr": ("Learning rate", draw_lr),
+    "update_time": ("Update time", draw_update_time),
+    "samples_per_s": ("Throughput", draw_samples_per_s),
+    "exposures": ("Exposure progress", draw_exposures),
+}
+
+
+def _title(series: RunSeries) -> str:
+    return (
+        f"{series.run_dir.name}: updates {series.updates[0]}–{series.updates[-1]}, "
+        f"{len(series.segments)} segment(s), {len(series.checkpoints)} checkpoint(s)"
+    )
+
+
+def _legend_inches(series: RunSeries) -> float:
+    """Height to keep free under the axes for the segment legend (two columns, about 0.2 inch a row)."""
+    entries = len(series.segments) + bool(series.checkpoints)
+    return 0.22 * math.ceil(entries / 2) + 0.1 if entries else 0.0
+
+
+def _finish(fig: Any, series: RunSeries, path: Path) -> Path:
+    handles = _legend_handles(series)
+    if handles:
+        fig.legend(handles=handles, loc="lower center", ncol=min(2, len(handles)), fontsize=8, frameon=False)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def draw_overview(series: RunSeries, path: Path) -> Path:
+    """All panels stacked on one shared update axis."""
+    rows = len(PANELS)
+    height = 2.4 * rows + _legend_inches(series) + 0.8
+    fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(12, height))
+    for ax, (title, drawer) in zip(axes, PANELS.values()):
+        drawer(ax, series)
+        _decorate(ax, series, labels=ax is axes[0])
+        ax.set_title(title, fontsize=10, loc="left")
+    axes[-1].set_xlabel("update")
+    fig.suptitle(_title(series), fontsize=12)
+    fig.tight_layout(rect=(0, _legend_inches(series) / height, 1, 1 - 0.25 / height))
+    return _finish(fig, series, path)
+
+
+def draw_panel(name: str, series: RunSeries, path: Path) -> Path:
+    """One quantity against the update, with the same segment shading and checkpoint marks."""
+    title, drawer = PANELS[name]
+    height = 4.0 + _legend_inches(series)
+    fig, ax = plt.subplots(figsize=(10, height))
+    drawer(ax, series)
+    _decorate(ax, series, labels=True)
+    ax.set_title(f"{title} — {series.run_dir.name}", fontsize=11, loc="left")
+    ax.set_xlabel("update")
+    fig.tight_layout(rect=(0, _legend_inches(series) / height, 1, 1))
+    return _finish(fig, series, path)

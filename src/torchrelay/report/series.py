@@ -1,0 +1,202 @@
+"""Read a run directory into the plain series a report draws: metrics, segments, checkpoints, exposures."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.errors import RelayError
+
+_RANK_FILE = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+class ReportError(RelayError):
+    """The run directory cannot be reported on (missing, or nothing logged yet)."""
+
+
+@dataclass(slots=True)
+class Segment:
+    """One launch of the run, as history.jsonl records it."""
+
+    index: int
+    segment_id: str
+    first_update: int
+    last_update: int | None
+    job: str | None
+    hosts: list[str]
+    world_size: int | None
+    ended: str
+    exit_code: int | None
+    resumed_from: int | None
+    started: float | None = None
+
+    def label(self) -> str:
+        """A short label: number, job, hosts, world size and how the segment ended."""
+        job = f"job {self.job}" if self.job else "no job"
+        hosts = ",".join(self.hosts) if self.hosts else "?"
+        if len(hosts) > 28:
+            hosts = f"{self.hosts[0]}+{len(self.hosts) - 1}"
+        world = f"W={self.world_size}" if self.world_size is not None else "W=?"
+        return f"#{self.index} {job} · {hosts} · {world} · {self.ended}"
+
+
+@dataclass(slots=True)
+class RunSeries:
+    """Everything the plots need, per update; missing values are NaN."""
+
+    run_dir: Path
+    updates: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    update_time: list[float] = field(default_factory=list)
+    samples_per_s: list[float] = field(default_factory=list)
+    ranks: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+    exposure_updates: list[int] = field(default_factory=list)
+    distinct_samples: list[int] = field(default_factory=list)
+    total_exposures: list[int] = field(default_factory=list)
+    manifest_size: int | None = None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Parse a JSONL file, skipping a torn last line (a crash mid-write) but no other bad line."""
+    rows: list[dict[str, Any]] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break  # a torn final line is what a killed writer leaves; everything before it is whole
+            raise ReportError(f"{path}: line {number} is not JSON ({exc.msg})") from exc
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def rank_files(train_dir: Path, kind: str) -> dict[int, Path]:
+    """`{rank: path}` of train/<kind>-rank<r>.jsonl files."""
+    found: dict[int, Path] = {}
+    if train_dir.is_dir():
+        for path in train_dir.iterdir():
+            match = _RANK_FILE.match(path.name)
+            if match and match.group(1) == kind:
+                found[int(match.group(2))] = path
+    return dict(sorted(found.items()))
+
+
+def complete_checkpoints(run_dir: Path) -> list[int]:
+    """Updates of checkpoint-N directories that carry their COMPLETE.json marker."""
+    found = []
+    for path in run_dir.iterdir():
+        match = _CHECKPOINT_DIR.match(path.name)
+        if match and path.is_dir() and (path / "COMPLETE.json").is_file():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def _float(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+
+
+def _by_update(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    # A later line for the same update wins: it is the one of the segment that went on from it.
+    out: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if isinstance(row.get("update"), int):
+            out[row["update"]] = row
+    return out
+
+
+def _segments(run_dir: Path) -> list[Segment]:
+    path = run_dir / "history.jsonl"
+    if not path.is_file():
+        return []
+    segments = []
+    for index, row in enumerate(read_jsonl(path), start=1):
+        hosts = row.get("hosts") or []
+        segments.append(
+            Segment(
+                index=index,
+                segment_id=str(row.get("segment", index)),
+                first_update=int(row.get("first_update") or 1),
+                last_update=row.get("last_update") if isinstance(row.get("last_update"), int) else None,
+                job=None if row.get("job") is None else str(row["job"]),
+                hosts=[str(h) for h in hosts] if isinstance(hosts, list) else [str(hosts)],
+                world_size=row.get("world_size") if isinstance(row.get("world_size"), int) else None,
+                ended=str(row.get("ended") or "?"),
+                exit_code=row.get("exit_code") if isinstance(row.get("exit_code"), int) else None,
+                resumed_from=row.get("resumed_from") if isinstance(row.get("resumed_from"), int) else None,
+                started=float(row["started"]) if isinstance(row.get("started"), int | float) else None,
+            )
+        )
+    return segments
+
+
+def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
+    # Cumulative distinct manifest indices and total exposures after each update, over all ranks.
+    per_update: dict[int, list[int]] = {}
+    for path in rank_files(train_dir, "exposures").values():
+        for row in read_jsonl(path):
+            update, indices = row.get("u"), row.get("i")
+            if isinstance(update, int) and isinstance(indices, list):
+                per_update.setdefault(update, []).extend(int(i) for i in indices)
+    seen: set[int] = set()
+    updates, distinct, total = [], [], []
+    count = 0
+    for update in sorted(per_update):
+        seen.update(per_update[update])
+        count += len(per_update[update])
+        updates.append(update)
+        distinct.append(len(seen))
+        total.append(count)
+    return updates, distinct, total
+
+
+def _manifest_size(run_dir: Path) -> int | None:
+    path = run_dir / "data" / "manifest.jsonl"
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def read_series(run_dir: str | Path) -> RunSeries:
+    """Read metrics (loss averaged over ranks, LR and speed from rank 0), segments, checkpoints and exposures."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise ReportError(f"{root}: no such run directory", hint="pass the directory given to Run.open")
+    train_dir = root / "train"
+    per_rank = {rank: _by_update(read_jsonl(p)) for rank, p in rank_files(train_dir, "metrics").items()}
+    if not per_rank or not any(per_rank.values()):
+        raise ReportError(
+            f"{train_dir}: no metrics-rank*.jsonl lines yet",
+            hint="report on a run that has logged at least one update (step.log)",
+        )
+    series = RunSeries(run_dir=root, ranks=len(per_rank))
+    first_rank = next(iter(per_rank.values()))
+    series.updates = sorted(set().union(*(rows.keys() for rows in per_rank.values())))
+    for update in series.updates:
+        losses = [_float(rows[update].get("loss")) for rows in per_rank.values() if update in rows]
+        finite = [x for x in losses if math.isfinite(x)]
+        series.loss.append(sum(finite) / len(finite) if finite else math.nan)
+        row = first_rank.get(update, {})
+        series.lr.append(_float(row.get("lr")))
+        # The slowest rank sets the pace of an update.
+        times = [_float(rows[update].get("update_time")) for rows in per_rank.values() if update in rows]
+        finite_times = [t for t in times if math.isfinite(t)]
+        series.update_time.append(max(finite_times) if finite_times else math.nan)
+        series.samples_per_s.append(_float(row.get("samples_per_s")))
+    series.segments = _segments(root)
+    series.checkpoints = complete_checkpoints(root)
+    series.exposure_updates, series.distinct_samples, series.total_exposures = _exposures(train_dir)
+    series.manifest_size = _manifest_size(root)
+    return series
