@@ -1,0 +1,30 @@
+"""`torchrelay audit`: prove that a training script resumes exactly, or say where and why it does not."""
+
+from __future__ import annotations
+
+from torchrelay.audit.diagnose import CAUSES, DATA_ORDER, NONDETERMINISM, RNG, UNREGISTERED
+from torchrelay.audit.runner import AuditError
+from torchrelay.audit.verdict import Verdict, describe, last_verdict
+
+__all__ = [
+    "CAUSES",
+    "DATA_ORDER",
+    "NONDETERMINISM",
+    "RNG",
+    "UNREGISTERED",
+    "AuditError",
+    "AuditPlan",
+    "Verdict",
+    "describe",
+    "last_verdict",
+    "run_audit",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The runner pulls in torch; `torchrelay status` only needs last_verdict and should stay fast.
+    if name in ("AuditPlan", "run_audit"):
+        from torchrelay.audit import plan
+
+        return getattr(plan, name)
+    raise AttributeError(name)

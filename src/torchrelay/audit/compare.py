@@ -1,0 +1,213 @@
+"""Compare two run directories that should be equal: final tensors, exposure ledgers and metric logs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchrelay.report.series import rank_files, read_jsonl
+
+# Wall-clock keys differ between any two runs; they say nothing about resumability.
+TIMING_KEYS = frozenset({"update_time", "time", "samples_per_s"})
+
+TensorLoader = Callable[[Path], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDiff:
+    """One tensor that differs: its flat name and largest absolute difference (inf when shapes or presence differ)."""
+
+    name: str
+    max_abs: float
+    note: str = ""
+
+
+@dataclass(slots=True)
+class TensorComparison:
+    """The comparison of two checkpoints' tensors, the largest differences first."""
+
+    compared: int = 0
+    differing: list[TensorDiff] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return not self.differing
+
+
+@dataclass(slots=True)
+class LogComparison:
+    """Where two per-rank logs part: the first update, the rank, and the keys that differ there."""
+
+    what: str
+    first_update: int | None = None
+    rank: int | None = None
+    keys: list[str] = field(default_factory=list)
+    first_by_key: dict[str, int] = field(default_factory=dict)
+    detail: str = ""
+    compared_updates: int = 0
+
+    @property
+    def equal(self) -> bool:
+        return self.first_update is None
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor, atol: float) -> tuple[bool, float, str]:
+    if a.shape != b.shape:
+        return False, math.inf, f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    if a.dtype != b.dtype:
+        return False, math.inf, f"dtype {a.dtype} vs {b.dtype}"
+    if a.numel() == 0:
+        return True, 0.0, ""
+    if not (a.is_floating_point() or a.is_complex()):
+        diff = float((a.to(torch.int64) - b.to(torch.int64)).abs().max())
+        return diff <= atol, diff, ""
+    da, db = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    both_nan = torch.isnan(da) & torch.isnan(db)
+    delta = torch.where(both_nan, torch.zeros_like(da), (da - db).abs())
+    delta = torch.nan_to_num(delta, nan=math.inf)
+    diff = float(delta.max())
+    if atol == 0.0:
+        # Bit for bit: equal values with different bits (-0.0 vs 0.0) still count as a difference.
+        same = torch.equal(_bytes(a), _bytes(b))
+        return same, diff, "" if same or diff else "same values, different bits (signed zero or NaN payload)"
+    return diff <= atol, diff, ""
+
+
+def compare_tensors(
+    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], atol: float = 0.0
+) -> TensorComparison:
+    """Compare every tensor by name: bit for bit when atol is 0, else within atol (absolute)."""
+    result = TensorComparison()
+    for name in sorted(set(a) | set(b)):
+        result.compared += 1
+        if name not in a or name not in b:
+            side = "interrupted" if name not in b else "uninterrupted"
+            result.differing.append(TensorDiff(name, math.inf, f"missing in the {side} run"))
+            continue
+        same, diff, note = _same_tensor(a[name], b[name], atol)
+        if not same:
+            result.differing.append(TensorDiff(name, diff, note))
+    result.differing.sort(key=lambda d: (-d.max_abs, d.name))
+    return result
+
+
+def load_checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors (core reader) plus the tensors of registered statefuls, under `state/`."""
+    from torchrelay.checkpoint.reader import load_tensors
+
+    tensors = dict(load_tensors(ckpt_dir))
+    extra = ckpt_dir / "state_tensors.safetensors"
+    if extra.is_file():
+        from safetensors.torch import load_file
+
+        tensors.update({f"state/{k}": v for k, v in load_file(str(extra)).items()})
+    return tensors
+
+
+def compare_checkpoints(
+    a: Path, b: Path, atol: float = 0.0, loader: TensorLoader | None = None
+) -> TensorComparison:
+    """Compare the tensors of two checkpoint directories."""
+    load = loader or load_checkpoint_tensors
+    return compare_tensors(load(a), load(b), atol)
+
+
+def _close(x: Any, y: Any, atol: float) -> bool:
+    if isinstance(x, bool) or isinstance(y, bool):
+        return x == y
+    if isinstance(x, int | float) and isinstance(y, int | float):
+        if atol == 0.0:
+            # JSON floats round-trip exactly, so == on parsed values is bit equality (NaN logged as NaN is equal).
+            return x == y or (
+                isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
+            )
+        return abs(x - y) <= atol or (math.isnan(float(x)) and math.isnan(float(y)))
+    return bool(x == y)
+
+
+def _metrics_by_update(path: Path | None) -> dict[int, dict[str, Any]]:
+    if path is None:
+        return {}
+    rows: dict[int, dict[str, Any]] = {}
+    for row in read_jsonl(path):
+        if isinstance(row.get("update"), int):
+            rows[row["update"]] = {k: v for k, v in row.items() if k not in TIMING_KEYS and k != "update"}
+    return rows
+
+
+def _record_first(result: LogComparison, update: int, rank: int, keys: list[str], detail: str) -> None:
+    if result.first_update is None or (update, rank) < (result.first_update, result.rank or 0):
+        result.first_update, result.rank, result.keys, result.detail = update, rank, keys, detail
+    elif update == result.first_update:
+        result.keys = sorted(set(result.keys) | set(keys))
+
+
+def compare_metrics(a_dir: Path, b_dir: Path, atol: float = 0.0) -> LogComparison:
+    """Compare train/metrics-rank*.jsonl line by line, timing keys left out; note where each key first parts."""
+    result = LogComparison(what="metrics")
+    a_files, b_files = rank_files(a_dir / "train", "metrics"), rank_files(b_dir / "train", "metrics")
+    for rank in sorted(set(a_files) | set(b_files)):
+        a_rows, b_rows = _metrics_by_update(a_files.get(rank)), _metrics_by_update(b_files.get(rank))
+        for update in sorted(set(a_rows) | set(b_rows)):
+            result.compared_updates = max(result.compared_updates, update)
+            if update not in a_rows or update not in b_rows:
+                side = "interrupted" if update not in b_rows else "uninterrupted"
+                _record_first(
+                    result,
+                    update,
+                    rank,
+                    ["<line>"],
+                    f"rank {rank} logged no update {update} in the {side} run",
+                )
+                continue
+            ra, rb = a_rows[update], b_rows[update]
+            keys = sorted(k for k in set(ra) | set(rb) if not _close(ra.get(k), rb.get(k), atol))
+            for key in keys:
+                if key not in result.first_by_key or update < result.first_by_key[key]:
+                    result.first_by_key[key] = update
+            if keys:
+                shown = ", ".join(f"{k}: {ra.get(k)!r} vs {rb.get(k)!r}" for k in keys[:3])
+                _record_first(result, update, rank, keys, f"rank {rank} update {update}: {shown}")
+    return result
+
+
+def _ledger_by_update(path: Path | None) -> dict[int, list[tuple[int, list[int]]]]:
+    if path is None:
+        return {}
+    rows: dict[int, list[tuple[int, list[int]]]] = {}
+    for row in read_jsonl(path):
+        update, micro, indices = row.get("u"), row.get("m"), row.get("i")
+        if isinstance(update, int):
+            rows.setdefault(update, []).append((int(micro or 0), [int(i) for i in indices or []]))
+    return {u: sorted(v) for u, v in rows.items()}
+
+
+def compare_ledgers(a_dir: Path, b_dir: Path) -> LogComparison:
+    """Compare train/exposures-rank*.jsonl: the same manifest indices in the same micro-steps of the same updates."""
+    result = LogComparison(what="ledger")
+    a_files, b_files = rank_files(a_dir / "train", "exposures"), rank_files(b_dir / "train", "exposures")
+    for rank in sorted(set(a_files) | set(b_files)):
+        a_rows, b_rows = _ledger_by_update(a_files.get(rank)), _ledger_by_update(b_files.get(rank))
+        for update in sorted(set(a_rows) | set(b_rows)):
+            result.compared_updates = max(result.compared_updates, update)
+            ra, rb = a_rows.get(update), b_rows.get(update)
+            if ra == rb:
+                continue
+            if ra is None or rb is None:
+                side = "interrupted" if rb is None else "uninterrupted"
+                detail = f"rank {rank} recorded no exposures for update {update} in the {side} run"
+            else:
+                first_a = ra[0][1][:4] if ra else []
+                first_b = rb[0][1][:4] if rb else []
+                detail = f"rank {rank} update {update}: samples {first_a}… vs {first_b}…"
+            _record_first(result, update, rank, ["i"], detail)
+    return result

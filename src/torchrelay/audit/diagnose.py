@@ -1,0 +1,153 @@
+"""Name the likely cause of a resumability difference from where and how the two runs part."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for annotations: keeps `import torchrelay.audit` free of torch for status
+    from torchrelay.audit.compare import LogComparison, TensorComparison
+
+RNG = "RNG not restored"
+DATA_ORDER = "data order not restored"
+NONDETERMINISM = "non-deterministic kernels"
+UNREGISTERED = "state not registered with torchrelay"
+CAUSES = (RNG, DATA_ORDER, NONDETERMINISM, UNREGISTERED)
+
+# Metric keys that a learning-rate schedule writes; a difference here first points at the scheduler.
+LR_KEYS = ("lr", "learning_rate")
+
+# Runs the uninterrupted launch a second time and says where it parts from the first (None: bit for bit equal).
+Rerun = Callable[[], str | None]
+
+
+@dataclass(slots=True)
+class Cause:
+    """A likely cause, why we think so, and what the user should do."""
+
+    name: str
+    evidence: str
+    fix: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "evidence": self.evidence, "fix": self.fix}
+
+
+@dataclass(slots=True)
+class Evidence:
+    """What the comparison found, in the terms the heuristics use."""
+
+    stops: list[int]
+    metrics: LogComparison
+    ledger: LogComparison
+    tensors: TensorComparison
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def resumes(self) -> list[int]:
+        """The first update of each continued segment."""
+        return [stop + 1 for stop in self.stops]
+
+
+FIXES = {
+    RNG: "register every torch.Generator / numpy or python Random you draw from with run.track(name=...), "
+    "or draw from the global RNGs torchrelay restores",
+    DATA_ORDER: "feed the loop from run.dataloader(dataset) (the torchrelay sampler); do not shuffle in your own "
+    "DataLoader or sampler",
+    NONDETERMINISM: "call torch.use_deterministic_algorithms(True) and seed everything from the run's seed; "
+    "a second uninterrupted run differs from the first",
+    UNREGISTERED: "pass every object with state (LR scheduler, EMA, gradient scaler, counters) to run.track(...)",
+}
+
+
+def _cause(name: str, evidence: str) -> Cause:
+    return Cause(name=name, evidence=evidence, fix=FIXES[name])
+
+
+def _lr_first(metrics: LogComparison) -> int | None:
+    found = [metrics.first_by_key[k] for k in LR_KEYS if k in metrics.first_by_key]
+    return min(found) if found else None
+
+
+def _confirm_nondeterminism(rerun: Rerun | None, before: str) -> list[Cause] | None:
+    """Run the uninterrupted run again when the evidence alone cannot tell; None when no rerun is possible."""
+    if rerun is None:
+        return None
+    again = rerun()
+    if again is None:
+        return []
+    return [
+        _cause(
+            NONDETERMINISM, f"{before}; a second uninterrupted run already differs from the first: {again}"
+        )
+    ]
+
+
+def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
+    """The likely causes, most likely first; empty when the runs are equal."""
+    if ev.metrics.equal and ev.ledger.equal and ev.tensors.equal:
+        return []
+    first_stop = min(ev.stops) if ev.stops else None
+    parted = [c.first_update for c in (ev.metrics, ev.ledger) if c.first_update is not None]
+    first = min(parted) if parted else None
+    resumes = ev.resumes
+
+    # 1. Parting before any stop cannot be caused by resuming: the two runs were still the same launch.
+    if first is not None and first_stop is not None and first <= first_stop:
+        where = f"the runs part at update {first}, before the first stop after update {first_stop}"
+        confirmed = _confirm_nondeterminism(rerun, where)
+        if confirmed:
+            return confirmed
+        if confirmed == []:
+            return [
+                _cause(
+                    UNREGISTERED,
+                    f"{where}, but a second uninterrupted run matches the first: something differs between the "
+                    "launches themselves (a stop request read by the script, an environment-dependent setting)",
+                )
+            ]
+        return [_cause(NONDETERMINISM, where)]
+
+    # 2. Different samples: the loader did not resume where it stopped.
+    if not ev.ledger.equal:
+        at = ev.ledger.first_update
+        when = "the first update after a resume" if at in resumes else f"update {at}"
+        return [_cause(DATA_ORDER, f"the exposure ledgers part at {when} ({ev.ledger.detail})")]
+
+    # 3. Same samples, different learning rate: a schedule started over.
+    lr_first = _lr_first(ev.metrics)
+    if lr_first is not None and (first is None or lr_first <= first):
+        when = "the first update after a resume" if lr_first in resumes else f"update {lr_first}"
+        return [
+            _cause(
+                UNREGISTERED,
+                f"the logged learning rate parts at {when} ({lr_first}) with equal ledgers: "
+                "the LR scheduler (or what sets the LR) was not restored",
+            )
+        ]
+
+    # 4. Same samples and LR, parting exactly where a segment began: hidden random state started over.
+    if first is not None and first in resumes:
+        keys = ", ".join(ev.metrics.keys) or "metrics"
+        return [
+            _cause(
+                RNG,
+                f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR: "
+                "a random stream (generator, dropout, augmentation) restarted instead of continuing",
+            ),
+            _cause(UNREGISTERED, f"or non-random state read at update {first} was not restored"),
+        ]
+
+    # 5. Parting later in a segment, or only in the final tensors: rerun to separate noise from lost state.
+    if first is not None:
+        where = f"the runs part at update {first}, after a resume but not at one ({ev.metrics.detail})"
+    else:
+        top = ev.tensors.differing[0]
+        where = f"the logs agree but {len(ev.tensors.differing)} tensor(s) differ, most {top.name} by {top.max_abs:.3g}"
+    confirmed = _confirm_nondeterminism(rerun, where)
+    if confirmed:
+        return confirmed
+    return [_cause(UNREGISTERED, where + ": state that is used only later was not restored")] + (
+        [] if confirmed == [] else [_cause(NONDETERMINISM, "or kernels that are not deterministic")]
+    )

@@ -1,0 +1,181 @@
+"""Run an audit: an uninterrupted and an interrupted run of the same launch, compared and diagnosed."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.audit import compare, diagnose, verdict
+from torchrelay.audit.runner import (
+    AuditError,
+    Launcher,
+    RunLaunches,
+    SegmentLaunch,
+    check_stops,
+    plan_stops,
+    run_segments,
+    subprocess_launcher,
+)
+
+TOP_TENSORS = 5
+
+
+@dataclass(kw_only=True, slots=True)
+class AuditPlan:
+    """What to audit and how: the launch command, U updates, where to stop, what to vary, the tolerance."""
+
+    launch: list[str]
+    updates: int = 12
+    stops: int | None = 3
+    stop_at: list[int] | None = None
+    random_stops: bool = False
+    seed: int | None = None
+    vary: dict[str, list[Any]] = field(default_factory=dict)
+    atol: float = 0.0
+    work_dir: Path | None = None
+    keep: bool = False
+    timeout_s: float = 600.0
+    confirm_nondeterminism: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.launch:
+            raise AuditError(
+                "no launch command", hint="put it after --, e.g. -- torchrun --nproc_per_node=2 train.py"
+            )
+        if self.atol < 0 or self.atol != self.atol:
+            raise AuditError(f"--atol {self.atol}: must be a number >= 0")
+        for key, values in self.vary.items():
+            if not values:
+                raise AuditError(f"--vary {key}=: give at least one value, e.g. --vary {key}=0,2")
+
+    def stop_updates(self) -> list[int]:
+        """The updates after which the interrupted run stops, sorted."""
+        if self.stop_at:
+            return check_stops(self.updates, self.stop_at)
+        rng = random.Random(self.seed) if self.random_stops else None
+        return plan_stops(self.updates, self.stops or 1, rng=rng)
+
+
+def find_script(launch: Sequence[str]) -> str | None:
+    """The user's training script in the launch command: the first argument naming an existing .py file."""
+    for arg in launch:
+        if arg.endswith(".py") and Path(arg).is_file():
+            return str(Path(arg).resolve())
+    return None
+
+
+def _difference(a: Path, b: Path, update: int, atol: float) -> str | None:
+    """Where run b parts from run a (metrics, then ledger, then tensors), or None when bit for bit equal."""
+    metrics = compare.compare_metrics(a, b, atol)
+    if not metrics.equal:
+        return f"metric logs part at update {metrics.first_update} ({metrics.detail})"
+    ledger = compare.compare_ledgers(a, b)
+    if not ledger.equal:
+        return f"exposure ledgers part at update {ledger.first_update} ({ledger.detail})"
+    tensors = compare.compare_checkpoints(a / f"checkpoint-{update}", b / f"checkpoint-{update}", atol)
+    if not tensors.equal:
+        top = tensors.differing[0]
+        return f"{len(tensors.differing)} tensor(s) differ, most {top.name} by {top.max_abs:.3g}"
+    return None
+
+
+def print_segment(name: str, seg: SegmentLaunch) -> None:
+    over = f" overrides {seg.overrides}" if seg.overrides else ""
+    """Print one line per finished launch (the CLI's progress)."""
+    print(
+        f"  {name} run, segment {seg.index}: stop after update {seg.stop_at}: exit {seg.exit_code} "
+        f"in {seg.seconds:.1f}s{over}",
+        flush=True,
+    )
+
+
+def run_audit(
+    plan: AuditPlan,
+    *,
+    launcher: Launcher = subprocess_launcher,
+    on_segment: Callable[[str, SegmentLaunch], None] | None = None,
+) -> verdict.Verdict:
+    """Launch the plan's command uninterrupted and interrupted, compare, diagnose, and record the verdict."""
+    started = time.monotonic()
+    stops = plan.stop_updates()
+    owned = plan.work_dir is None
+    work = (
+        Path(plan.work_dir)
+        if plan.work_dir is not None
+        else Path(tempfile.mkdtemp(prefix="torchrelay-audit-"))
+    )
+    if not owned and work.is_dir() and any(work.iterdir()):
+        raise AuditError(
+            f"{work}: the audit's work directory is not empty", hint="pass an empty or new --work-dir"
+        )
+    logs = work / "logs"
+    U = plan.updates
+
+    def launch(name: str, stop_after: list[int], vary: dict[str, list[Any]]) -> RunLaunches:
+        return run_segments(
+            name,
+            plan.launch,
+            work / name,
+            logs,
+            stop_after,
+            vary=vary,
+            launcher=launcher,
+            timeout_s=plan.timeout_s,
+            on_segment=on_segment,
+        )
+
+    first_values = {k: v[:1] for k, v in plan.vary.items()}
+    straight = launch("uninterrupted", [U], first_values)
+    relayed = launch("interrupted", [*stops, U], plan.vary)
+
+    a, b = straight.run_dir, relayed.run_dir
+    tensors = compare.compare_checkpoints(a / f"checkpoint-{U}", b / f"checkpoint-{U}", plan.atol)
+    metrics = compare.compare_metrics(a, b, plan.atol)
+    ledger = compare.compare_ledgers(a, b)
+
+    def rerun() -> str | None:
+        again = launch("uninterrupted-again", [U], first_values)
+        return _difference(a, again.run_dir, U, plan.atol)
+
+    evidence = diagnose.Evidence(stops=stops, metrics=metrics, ledger=ledger, tensors=tensors)
+    causes = diagnose.diagnose(evidence, rerun if plan.confirm_nondeterminism else None)
+    equal = tensors.equal and metrics.equal and ledger.equal
+    script = find_script(plan.launch)
+    result = verdict.Verdict(
+        equal=equal,
+        launch=list(plan.launch),
+        script=script,
+        script_sha256=verdict.file_sha256(script) if script else None,
+        updates=U,
+        stops=stops,
+        vary=plan.vary,
+        atol=plan.atol,
+        tensors_equal=tensors.equal,
+        tensors_compared=tensors.compared,
+        tensors_differing=len(tensors.differing),
+        top_tensors=[
+            {"name": d.name, "max_abs": d.max_abs, "note": d.note} for d in tensors.differing[:TOP_TENSORS]
+        ],
+        metrics_equal=metrics.equal,
+        metrics_first_update=metrics.first_update,
+        metrics_keys=metrics.keys,
+        metrics_detail=metrics.detail,
+        ledger_equal=ledger.equal,
+        ledger_first_update=ledger.first_update,
+        ledger_detail=ledger.detail,
+        causes=[c.to_dict() for c in causes],
+        seconds=time.monotonic() - started,
+    )
+    keep = plan.keep or not owned or not equal
+    if keep:
+        result.run_dirs = {"uninterrupted": str(a), "interrupted": str(b)}
+    verdict.save(result)
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return result

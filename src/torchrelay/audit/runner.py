@@ -1,0 +1,160 @@
+"""Launch the user's own command in a fresh run directory, stopped by request file after chosen updates."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.errors import EXIT_FINISHED, EXIT_REQUEST, RelayError
+
+
+class AuditError(RelayError):
+    """The audit could not run: a bad plan, or a launch that failed or did not stop where it was asked to."""
+
+
+# Runs argv with env, output to log; returns the exit code. Injected so tests can run without torchrun.
+Launcher = Callable[[Sequence[str], Mapping[str, str], Path, float], int]
+
+
+def subprocess_launcher(argv: Sequence[str], env: Mapping[str, str], log: Path, timeout: float) -> int:
+    """Run the launch command as a child process, stdout and stderr into `log`."""
+    with log.open("wb") as out:
+        try:
+            proc = subprocess.Popen(
+                list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        except OSError as exc:
+            raise AuditError(
+                f"cannot start {argv[0]!r}: {exc.strerror}", hint="check the command after --"
+            ) from exc
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # The whole process group: torchrun's workers must not outlive it and hold the run directory.
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise AuditError(
+                f"the launch ran past {timeout:.0f}s (log: {log})", hint="raise --timeout or lower --updates"
+            ) from None
+
+
+def plan_stops(updates: int, stops: int, *, rng: random.Random | None = None) -> list[int]:
+    """K distinct updates in [1, U-1] after which to stop: evenly spaced, or drawn from rng."""
+    if updates < 2:
+        raise AuditError(f"--updates {updates}: need at least 2 updates to stop in between")
+    if not 1 <= stops <= updates - 1:
+        raise AuditError(f"--stops {stops}: choose between 1 and {updates - 1} stops for {updates} updates")
+    if rng is not None:
+        return sorted(rng.sample(range(1, updates), stops))
+    return sorted({max(1, min(updates - 1, round(updates * (i + 1) / (stops + 1)))) for i in range(stops)})
+
+
+def check_stops(updates: int, stop_at: Sequence[int]) -> list[int]:
+    """Validate explicit stop updates: distinct, sorted, each in [1, U-1]."""
+    chosen = sorted(set(stop_at))
+    bad = [a for a in chosen if not 1 <= a < updates]
+    if bad or not chosen:
+        raise AuditError(f"--stop-at {','.join(map(str, stop_at))}: every stop must lie in 1..{updates - 1}")
+    return chosen
+
+
+@dataclass(slots=True)
+class SegmentLaunch:
+    """One launch: where it was asked to stop, with which overrides, and how it ended."""
+
+    index: int
+    stop_at: int
+    overrides: dict[str, Any]
+    exit_code: int
+    seconds: float
+    log: Path
+
+
+@dataclass(slots=True)
+class RunLaunches:
+    """A run directory and the launches that wrote it."""
+
+    name: str
+    run_dir: Path
+    segments: list[SegmentLaunch] = field(default_factory=list)
+
+    def checkpoint(self, update: int) -> Path:
+        return self.run_dir / f"checkpoint-{update}"
+
+
+def overrides_for(segment: int, vary: Mapping[str, Sequence[Any]], base: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime overrides of segment i (0-based): each varied field cycles through its values."""
+    out = dict(base)
+    for key, values in vary.items():
+        out[key] = values[segment % len(values)]
+    return out
+
+
+def _tail(log: Path, lines: int = 25) -> str:
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def run_segments(
+    name: str,
+    launch: Sequence[str],
+    run_dir: Path,
+    log_dir: Path,
+    stop_after: Sequence[int],
+    *,
+    vary: Mapping[str, Sequence[Any]] | None = None,
+    launcher: Launcher = subprocess_launcher,
+    timeout_s: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    on_segment: Callable[[str, SegmentLaunch], None] | None = None,
+) -> RunLaunches:
+    """Launch once per entry of stop_after, each a fresh process asked (by request file) to stop after that update."""
+    from torchrelay.stop import write_request
+
+    base_env = dict(os.environ if env is None else env)
+    try:
+        base_overrides = json.loads(base_env.get("TORCHRELAY_OVERRIDES") or "{}")
+    except json.JSONDecodeError as exc:
+        raise AuditError(f"TORCHRELAY_OVERRIDES is not JSON ({exc.msg})", hint="unset it or fix it") from exc
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = RunLaunches(name=name, run_dir=run_dir)
+    for index, stop in enumerate(stop_after):
+        overrides = overrides_for(index, vary or {}, base_overrides)
+        write_request(run_dir, at_update=stop, reason="audit")
+        seg_env = base_env | {
+            "TORCHRELAY_RUN_DIR": str(run_dir),
+            "TORCHRELAY_OVERRIDES": json.dumps(overrides),
+        }
+        log = log_dir / f"{name}-segment{index + 1}.log"
+        started = time.monotonic()
+        code = launcher(launch, seg_env, log, timeout_s)
+        seg = SegmentLaunch(index + 1, stop, overrides, code, time.monotonic() - started, log)
+        result.segments.append(seg)
+        if on_segment is not None:
+            on_segment(name, seg)
+        last = index == len(stop_after) - 1
+        # The last segment may also finish on its own when U is the script's total_updates.
+        if code != EXIT_REQUEST and not (last and code == EXIT_FINISHED):
+            raise AuditError(
+                f"{name} run, segment {index + 1}: the launch exited {code}, expected {EXIT_REQUEST} "
+                f"(stopped by request after update {stop}); log {log}:\n{_tail(log)}",
+                hint="run the command by hand with TORCHRELAY_RUN_DIR set; it must use torchrelay.Run and "
+                "reach --updates before its total_updates",
+            )
+        if not (result.checkpoint(stop) / "COMPLETE.json").is_file():
+            raise AuditError(
+                f"{name} run, segment {index + 1}: no complete checkpoint-{stop} in {run_dir} after the stop",
+                hint="the script must save and stop at the update boundary the request names",
+            )
+    return result

@@ -1,0 +1,216 @@
+"""The audit's verdict: a rich table for people, JSON for machines, and the last verdict kept per script."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+VERDICT_FORMAT = 1
+AUDIT_FILE = "AUDIT.json"
+
+
+@dataclass(kw_only=True, slots=True)
+class Verdict:
+    """Everything an audit concluded; `equal` is the answer, the rest says where and why not."""
+
+    equal: bool
+    launch: list[str]
+    script: str | None
+    script_sha256: str | None
+    updates: int
+    stops: list[int]
+    vary: dict[str, list[Any]] = field(default_factory=dict)
+    atol: float = 0.0
+    tensors_equal: bool = True
+    tensors_compared: int = 0
+    tensors_differing: int = 0
+    top_tensors: list[dict[str, Any]] = field(default_factory=list)  # {"name", "max_abs", "note"}
+    metrics_equal: bool = True
+    metrics_first_update: int | None = None
+    metrics_keys: list[str] = field(default_factory=list)
+    metrics_detail: str = ""
+    ledger_equal: bool = True
+    ledger_first_update: int | None = None
+    ledger_detail: str = ""
+    causes: list[dict[str, str]] = field(default_factory=list)  # {"name", "evidence", "fix"}
+    run_dirs: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    time: float = field(default_factory=time.time)
+    format: int = VERDICT_FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (infinite differences, from missing or reshaped tensors, become null)."""
+        data = asdict(self)
+        for row in data["top_tensors"]:
+            if not math.isfinite(row["max_abs"]):
+                row["max_abs"] = None
+        return data
+
+    @property
+    def cause(self) -> str | None:
+        """The most likely cause's name, or None when equal."""
+        return self.causes[0]["name"] if self.causes else None
+
+    def summary(self) -> str:
+        """One line: equal, or not equal with where and the likely cause."""
+        if self.equal:
+            return f"equal: {self.updates} updates, {len(self.stops)} stop(s), bit for bit" + (
+                f" (atol {self.atol:g})" if self.atol else ""
+            )
+        where = self.metrics_first_update or self.ledger_first_update
+        part = f" from update {where}" if where else ""
+        return f"NOT equal{part}; likely cause: {self.cause or 'unknown'}"
+
+
+def _mark(ok: bool) -> str:
+    return "[green]equal[/green]" if ok else "[bold red]not equal[/bold red]"
+
+
+def render_table(verdict: Verdict, console: Console | None = None) -> None:
+    """Print the verdict as a table: overall answer, each comparison, the tensors that differ most, the causes."""
+    out = console or Console()
+    head = "[bold green]EQUAL[/bold green]" if verdict.equal else "[bold red]NOT EQUAL[/bold red]"
+    table = Table(
+        title=f"torchrelay audit: {head}", show_header=True, header_style="bold", title_justify="left"
+    )
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    table.add_row("script", verdict.script or "?", " ".join(verdict.launch))
+    stops = ", ".join(map(str, verdict.stops))
+    vary = "; ".join(f"{k}={','.join(map(str, v))}" for k, v in verdict.vary.items())
+    table.add_row(
+        "plan", f"{verdict.updates} updates", f"stopped after {stops}" + (f"; varied {vary}" if vary else "")
+    )
+    table.add_row(
+        "tensors",
+        _mark(verdict.tensors_equal),
+        f"{verdict.tensors_compared} compared, {verdict.tensors_differing} differ"
+        + (f" (atol {verdict.atol:g})" if verdict.atol else " (bit for bit)"),
+    )
+    table.add_row(
+        "metric logs",
+        _mark(verdict.metrics_equal),
+        ""
+        if verdict.metrics_equal
+        else f"first part at update {verdict.metrics_first_update}: {verdict.metrics_detail}",
+    )
+    table.add_row(
+        "exposure ledgers",
+        _mark(verdict.ledger_equal),
+        ""
+        if verdict.ledger_equal
+        else f"first part at update {verdict.ledger_first_update}: {verdict.ledger_detail}",
+    )
+    for row in verdict.top_tensors:
+        diff = "missing/shape" if not math.isfinite(row["max_abs"] or math.inf) else f"{row['max_abs']:.3e}"
+        table.add_row(
+            "  tensor", row["name"], f"max abs diff {diff}" + (f" ({row['note']})" if row["note"] else "")
+        )
+    for rank, cause in enumerate(verdict.causes):
+        label = "likely cause" if rank == 0 else "also possible"
+        table.add_row(
+            label, f"[bold yellow]{cause['name']}[/bold yellow]", f"{cause['evidence']}\nfix: {cause['fix']}"
+        )
+    out.print(table)
+    out.print(verdict.summary())
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "torchrelay" / "audits"
+
+
+def script_key(script_path: str | Path) -> str:
+    """SHA-256 of the script's absolute path and its content: a verdict belongs to one version of one script."""
+    path = Path(script_path).resolve()
+    digest = hashlib.sha256(str(path).encode("utf-8") + b"\0")
+    try:
+        digest.update(path.read_bytes())
+    except OSError:
+        digest.update(b"<unreadable>")
+    return digest.hexdigest()
+
+
+def _path_key(script_path: str | Path) -> str:
+    return hashlib.sha256(str(Path(script_path).resolve()).encode("utf-8")).hexdigest()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    os.replace(tmp, path)
+
+
+def save(verdict: Verdict) -> list[Path]:
+    """Write AUDIT.json into each audited run directory and keep the verdict for the script; returns the paths."""
+    data = verdict.to_dict()
+    written = []
+    for run_dir in verdict.run_dirs.values():
+        if Path(run_dir).is_dir():
+            _write_json(Path(run_dir) / AUDIT_FILE, data)
+            written.append(Path(run_dir) / AUDIT_FILE)
+    if verdict.script:
+        root = _cache_root()
+        for path in (
+            root / f"{script_key(verdict.script)}.json",
+            root / "by-path" / f"{_path_key(verdict.script)}.json",
+        ):
+            _write_json(path, data)
+            written.append(path)
+    return written
+
+
+def last_verdict(script_path: str | Path, *, any_version: bool = False) -> dict[str, Any] | None:
+    """The last audit verdict (a dict, see Verdict) for this script as it is now; None if never audited.
+
+    With any_version=True, the last verdict for this path even if the script has changed since; the returned
+    dict then has "stale": True when the recorded script_sha256 differs from the file's current content.
+    """
+    root = _cache_root()
+    path = root / f"{script_key(script_path)}.json"
+    if not path.is_file():
+        if not any_version:
+            return None
+        path = root / "by-path" / f"{_path_key(script_path)}.json"
+        if not path.is_file():
+            return None
+    try:
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    data["stale"] = data.get("script_sha256") != file_sha256(script_path)
+    return data
+
+
+def file_sha256(path: str | Path) -> str | None:
+    """SHA-256 of a file's content, or None when it cannot be read."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def describe(verdict: dict[str, Any]) -> str:
+    """One line for `torchrelay status`: when the audit ran and what it found."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(verdict.get("time") or 0)))
+    stale = " (script changed since)" if verdict.get("stale") else ""
+    if verdict.get("equal"):
+        text = f"equal ({verdict.get('updates')} updates, {len(verdict.get('stops') or [])} stops)"
+    else:
+        causes = verdict.get("causes") or []
+        text = "NOT equal; likely cause: " + (causes[0]["name"] if causes else "unknown")
+    return f"{text}, audited {when}{stale}"

@@ -1,0 +1,102 @@
+"""`torchrelay audit [options] -- LAUNCH…`: run a script uninterrupted and interrupted, and compare bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from torchrelay.audit import AuditError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected updates like 3,7,9") from None
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # a bare word such as a path or a mode name
+
+
+def parse_vary(items: list[str] | None) -> dict[str, list[Any]]:
+    """`["num_workers=0,2"]` -> `{"num_workers": [0, 2]}`; values are JSON where they parse, else strings."""
+    out: dict[str, list[Any]] = {}
+    for item in items or []:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip():
+            raise AuditError(f"--vary {item!r}: expected FIELD=V1,V2 (e.g. num_workers=0,2)")
+        out[key.strip()] = [_value(v.strip()) for v in values.split(",") if v.strip()]
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--updates", type=int, default=12, metavar="U", help="audit the first U updates (default 12)"
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--stops", type=int, default=3, metavar="K", help="stop K times, evenly spaced (default 3)"
+    )
+    where.add_argument("--stop-at", type=_ints, metavar="A,B,…", help="stop after exactly these updates")
+    parser.add_argument("--random", action="store_true", help="draw the K stops at random (see --seed)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for --random")
+    parser.add_argument(
+        "--vary",
+        action="append",
+        metavar="FIELD=V1,V2",
+        help="a runtime field whose value cycles between segments (repeatable), e.g. num_workers=0,2",
+    )
+    parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
+    parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the audit's run directories here")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the temporary run directories even when equal"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one launch may take (default 600)"
+    )
+    parser.add_argument(
+        "--no-rerun",
+        action="store_true",
+        help="never launch a second uninterrupted run to confirm non-deterministic kernels",
+    )
+    parser.add_argument(
+        "launch", nargs=argparse.REMAINDER, metavar="-- LAUNCH…", help="the training launch command"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from torchrelay.audit.plan import AuditPlan, print_segment, run_audit
+    from torchrelay.audit.verdict import render_table
+
+    launch = list(args.launch)
+    if launch and launch[0] == "--":
+        launch = launch[1:]
+    plan = AuditPlan(
+        launch=launch,
+        updates=args.updates,
+        stops=args.stops,
+        stop_at=args.stop_at,
+        random_stops=args.random,
+        seed=args.seed,
+        vary=parse_vary(args.vary),
+        atol=args.atol,
+        work_dir=args.work_dir,
+        keep=args.keep,
+        timeout_s=args.timeout,
+        confirm_nondeterminism=not args.no_rerun,
+    )
+    verdict = run_audit(plan, on_segment=None if args.json else print_segment)
+    if args.json:
+        print(json.dumps(verdict.to_dict(), indent=2, sort_keys=True))
+    else:
+        render_table(verdict)
+        if verdict.run_dirs:
+            print("run directories kept: " + ", ".join(f"{k} {v}" for k, v in verdict.run_dirs.items()))
+    return 0 if verdict.equal else 1
