@@ -1,0 +1,148 @@
+"""Copy files while hashing them (each byte read once), or hardlink them where the filesystem allows."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from torchrelay.handoff.hashing import BLOCK, ByteCallback, default_jobs, sha256_file, thread_buffer
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the mapping in up front
+
+# Errors that mean "this filesystem pair cannot hardlink"; anything else is a real failure.
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
+
+
+@dataclass(frozen=True, slots=True)
+class CopyResult:
+    """Where one file went, its SHA-256 and size, and whether it is a hardlink rather than a copy."""
+
+    src: Path
+    dst: Path
+    sha256: str
+    size: int
+    linked: bool
+
+
+def copy_hashing(
+    src: Path, dst: Path, on_bytes: ByteCallback | None = None, *, fsync: bool = False
+) -> CopyResult:
+    """Copy `src` to `dst` (created, must not exist) and return the SHA-256 of the bytes written."""
+    with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
+        size = os.fstat(fin.fileno()).st_size
+        if size >= _MMAP_MIN:
+            digest = _copy_mapped(fin.fileno(), fout.fileno(), size, on_bytes)
+        else:
+            digest = _copy_buffered(fin, fout, on_bytes)
+        if fsync:
+            os.fsync(fout.fileno())
+    st = os.stat(src)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return CopyResult(Path(src), Path(dst), digest.hexdigest(), os.stat(dst).st_size, linked=False)
+
+
+# Above this size the source is memory-mapped: hashing and writing straight from the page cache saves one
+# memcpy per byte, which is what keeps hash-while-copy close to `cp` (which copies inside the kernel).
+_MMAP_MIN = 1 << 20
+
+
+def _copy_mapped(fd_in: int, fd_out: int, size: int, on_bytes: ByteCallback | None) -> hashlib._Hash:
+    digest = hashlib.sha256()
+    with mmap.mmap(fd_in, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            for offset in range(0, size, BLOCK):
+                chunk = view[offset : offset + BLOCK]
+                digest.update(chunk)
+                _write_all(fd_out, chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+                chunk.release()
+        finally:
+            view.release()
+    return digest
+
+
+def _copy_buffered(fin: BinaryIO, fout: BinaryIO, on_bytes: ByteCallback | None) -> hashlib._Hash:
+    buf = thread_buffer()
+    view = memoryview(buf)
+    digest = hashlib.sha256()
+    while True:
+        n = fin.readinto(buf)  # type: ignore[attr-defined]  # raw FileIO has readinto
+        if not n:
+            break
+        chunk = view[:n]
+        digest.update(chunk)
+        _write_all(fout.fileno(), chunk)
+        if on_bytes is not None:
+            on_bytes(n)
+    return digest
+
+
+def _write_all(fd: int, chunk: memoryview) -> None:
+    written = 0
+    while written < len(chunk):  # a raw write may be short
+        written += os.write(fd, chunk[written:])
+
+
+def link_or_copy(
+    src: Path, dst: Path, *, link: bool, on_bytes: ByteCallback | None = None, fsync: bool = False
+) -> CopyResult:
+    """Hardlink `src` to `dst` when asked and possible (then hash it in place), otherwise copy while hashing."""
+    if link:
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+        else:
+            digest, size = sha256_file(Path(dst), on_bytes)
+            return CopyResult(Path(src), Path(dst), digest, size, linked=True)
+    return copy_hashing(src, dst, on_bytes, fsync=fsync)
+
+
+def copy_many(
+    pairs: Iterable[tuple[Path, Path]],
+    *,
+    link: bool = False,
+    jobs: int | None = None,
+    on_bytes: ByteCallback | None = None,
+    fsync: bool = False,
+    on_done: Callable[[CopyResult], None] | None = None,
+) -> list[CopyResult]:
+    """Copy (or link) many files in parallel, largest first; parent directories are created as needed."""
+    items = list(pairs)
+    for _, dst in items:
+        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    items.sort(key=lambda p: _size(p[0]), reverse=True)
+
+    def one(pair: tuple[Path, Path]) -> CopyResult:
+        result = link_or_copy(pair[0], pair[1], link=link, on_bytes=on_bytes, fsync=fsync)
+        if on_done is not None:
+            on_done(result)
+        return result
+
+    workers = max(1, jobs or default_jobs())
+    if workers == 1 or len(items) <= 1:
+        return [one(p) for p in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="copy") as pool:
+        return list(pool.map(one, items))
+
+
+def total_size(paths: Iterable[Path]) -> int:
+    """Sum of the sizes of existing files (for a progress bar's total)."""
+    return sum(_size(p) for p in paths)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
