@@ -182,17 +182,18 @@ def last_verdict(script_path: str | Path, *, any_version: bool = False) -> dict[
     """
     root = _cache_root()
     path = root / f"{script_key(script_path)}.json"
+    stale = False
     if not path.is_file():
         if not any_version:
             return None
-        path = root / "by-path" / f"{_path_key(script_path)}.json"
+        path, stale = root / "by-path" / f"{_path_key(script_path)}.json", True
         if not path.is_file():
             return None
     try:
         data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    data["stale"] = data.get("script_sha256") != file_sha256(script_path)
+    data["stale"] = stale
     return data
 
 

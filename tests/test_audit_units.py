@@ -1,0 +1,178 @@
+"""The audit's pieces without launches: tensor comparison, the cause heuristics, the plan, the kept verdict."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchrelay.audit import (
+    DATA_ORDER,
+    NONDETERMINISM,
+    RNG,
+    UNREGISTERED,
+    AuditError,
+    AuditPlan,
+    Verdict,
+    describe,
+    last_verdict,
+)
+from torchrelay.audit.compare import (
+    LogComparison,
+    TensorComparison,
+    TensorDiff,
+    compare_ledgers,
+    compare_metrics,
+    compare_tensors,
+)
+from torchrelay.audit.diagnose import Evidence, diagnose
+from torchrelay.audit.runner import plan_stops
+from torchrelay.audit.verdict import save
+from torchrelay.cli import main
+from torchrelay.commands.audit import parse_vary
+
+
+def test_tensors_bit_for_bit_and_within_atol():
+    a = {"w": torch.ones(3), "z": torch.zeros(1), "gone": torch.zeros(2)}
+    b = {"w": torch.ones(3) + torch.tensor([0.0, 1e-6, 0.0]), "z": -torch.zeros(1), "new": torch.zeros(2)}
+    exact = compare_tensors(a, b)
+    assert [d.name for d in exact.differing] == ["gone", "new", "w", "z"]  # missing first (inf), then by size
+    assert math.isinf(exact.differing[0].max_abs) and "missing" in exact.differing[0].note
+    assert "signed zero" in exact.differing[3].note
+    loose = compare_tensors({"w": a["w"]}, {"w": b["w"]}, atol=1e-5)
+    assert loose.equal and loose.compared == 1
+    shaped = compare_tensors({"w": torch.ones(2)}, {"w": torch.ones(3)})
+    assert "shape" in shaped.differing[0].note
+
+
+def _write_logs(run: Path, lrs: list[float], losses: list[float], ledger: list[list[int]]) -> None:
+    (run / "train").mkdir(parents=True)
+    with (run / "train" / "metrics-rank0.jsonl").open("w") as f:
+        for u, (lr, loss) in enumerate(zip(lrs, losses), start=1):
+            f.write(
+                json.dumps({"update": u, "loss": loss, "lr": lr, "update_time": u * 0.1, "time": 1e9 + u})
+                + "\n"
+            )
+    with (run / "train" / "exposures-rank0.jsonl").open("w") as f:
+        for u, ids in enumerate(ledger, start=1):
+            f.write(json.dumps({"u": u, "m": 0, "i": ids}) + "\n")
+
+
+def test_logs_part_where_they_differ_and_ignore_timing(tmp_path):
+    _write_logs(tmp_path / "a", [1.0] * 4, [4.0, 3.0, 2.0, 1.0], [[0], [1], [2], [3]])
+    _write_logs(tmp_path / "b", [1.0, 1.0, 0.5, 0.5], [4.0, 3.0, 2.0, 1.5], [[0], [1], [3], [2]])
+    metrics = compare_metrics(tmp_path / "a", tmp_path / "a")
+    assert metrics.equal
+    metrics = compare_metrics(tmp_path / "a", tmp_path / "b")
+    assert (metrics.first_update, metrics.keys, metrics.first_by_key) == (3, ["lr"], {"lr": 3, "loss": 4})
+    ledger = compare_ledgers(tmp_path / "a", tmp_path / "b")
+    assert ledger.first_update == 3 and "rank 0 update 3" in ledger.detail
+
+
+def _parted(update: int | None, keys: tuple[str, ...] = ("loss",)) -> LogComparison:
+    if update is None:
+        return LogComparison(what="x")
+    return LogComparison(
+        what="x", first_update=update, rank=0, keys=list(keys), first_by_key=dict.fromkeys(keys, update)
+    )
+
+
+def _tensors(differ: bool = True) -> TensorComparison:
+    return TensorComparison(compared=2, differing=[TensorDiff("model.w", 0.1)] if differ else [])
+
+
+@pytest.mark.parametrize(
+    ("metrics", "ledger", "rerun", "expected"),
+    [
+        (_parted(5), _parted(5, ("i",)), None, DATA_ORDER),  # the samples differ after the resume at 5
+        (_parted(5, ("loss", "lr")), _parted(None), None, UNREGISTERED),  # LR starts over at the resume
+        (_parted(5), _parted(None), None, RNG),  # only the random stream after the resume
+        (
+            _parted(2),
+            _parted(None),
+            "update 2 differs",
+            NONDETERMINISM,
+        ),  # before any stop: not a resume issue
+        (
+            _parted(7),
+            _parted(None),
+            "update 7 differs",
+            NONDETERMINISM,
+        ),  # mid-segment, and a rerun differs too
+        (_parted(7), _parted(None), None, UNREGISTERED),  # mid-segment, reruns agree: lost state used later
+    ],
+)
+def test_cause_heuristics(metrics, ledger, rerun, expected):
+    calls = []
+
+    def again():
+        calls.append(1)
+        return rerun
+
+    causes = diagnose(Evidence(stops=[4, 8], metrics=metrics, ledger=ledger, tensors=_tensors()), again)
+    assert causes[0].name == expected, causes
+    # The costly second run is launched only when the evidence alone cannot tell.
+    assert bool(calls) == (expected == NONDETERMINISM or metrics.first_update == 7)
+
+
+def test_equal_runs_have_no_cause():
+    assert (
+        diagnose(Evidence(stops=[3], metrics=_parted(None), ledger=_parted(None), tensors=_tensors(False)))
+        == []
+    )
+
+
+def test_stops_are_planned_inside_the_run():
+    assert plan_stops(12, 3) == [3, 6, 9]
+    assert plan_stops(10, 3) == [2, 5, 8]
+    import random
+
+    drawn = plan_stops(10, 3, rng=random.Random(1))
+    assert len(drawn) == 3 and all(1 <= a < 10 for a in drawn)
+    with pytest.raises(AuditError, match="between 1 and 9"):
+        plan_stops(10, 10)
+    with pytest.raises(AuditError, match="every stop must lie in 1..9"):
+        AuditPlan(launch=["x"], updates=10, stop_at=[0, 3]).stop_updates()
+    with pytest.raises(AuditError, match="no launch command"):
+        AuditPlan(launch=[])
+
+
+def test_vary_parsing():
+    assert parse_vary(["num_workers=0,2", "mode=fast"]) == {"num_workers": [0, 2], "mode": ["fast"]}
+    with pytest.raises(AuditError, match="expected FIELD=V1,V2"):
+        parse_vary(["num_workers"])
+
+
+def test_cli_refuses_a_missing_launch(capsys):
+    assert main(["audit", "--updates", "4"]) == 1
+    assert "no launch command" in capsys.readouterr().err
+
+
+def test_verdict_is_kept_per_script_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    script = tmp_path / "train.py"
+    script.write_text("print('v1')\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    v = Verdict(
+        equal=False,
+        launch=["torchrun", str(script)],
+        script=str(script),
+        script_sha256=None,
+        updates=8,
+        stops=[4],
+        causes=[{"name": RNG, "evidence": "e", "fix": "f"}],
+        run_dirs={"interrupted": str(run_dir)},
+    )
+    save(v)
+    assert json.loads((run_dir / "AUDIT.json").read_text())["causes"][0]["name"] == RNG
+    found = last_verdict(script)
+    assert found is not None and found["equal"] is False and "NOT equal; likely cause: RNG" in describe(found)
+    script.write_text("print('v2')\n")
+    assert last_verdict(script) is None  # the verdict was for another version of the script
+    stale = last_verdict(script, any_version=True)
+    assert stale is not None and stale["stale"] is True and "script changed since" in describe(stale)
+    assert last_verdict(tmp_path / "never.py") is None
