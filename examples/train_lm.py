@@ -1,0 +1,141 @@
+"""Train a tiny byte-level transformer LM on Python source, resumable bit for bit with torchrelay.
+
+    torchrun --nproc_per_node=2 examples/train_lm.py --run-dir runs/lm --config examples/lm.yaml
+    torchrun --nproc_per_node=2 examples/train_lm.py --run-dir runs/lm          # continues it
+
+Everything torchrelay needs is in four calls: Run.open, run.track, run.dataloader, run.steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+
+import torchrelay as tr
+from torchrelay.config import parse_assignments
+
+
+class ByteLM(nn.Module):
+    def __init__(self, d_model: int, layers: int, heads: int, seq_len: int, dropout: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(256, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, 256, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+class SourceBytes(torch.utils.data.Dataset):
+    """Sample i = the bytes the manifest's line i names, padded to seq_len + 1."""
+
+    def __init__(self, records, seq_len: int) -> None:
+        self.records, self.seq_len = records, seq_len
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int):
+        rec = self.records[i]
+        with open(rec["path"], "rb") as f:
+            f.seek(rec["offset"])
+            data = f.read(min(rec["length"], self.seq_len + 1))
+        x = torch.zeros(self.seq_len + 1, dtype=torch.long)
+        x[: len(data)] = torch.tensor(list(data), dtype=torch.long)
+        return x, len(data)
+
+
+def collate(items):
+    xs = torch.stack([x for x, _ in items])
+    lengths = torch.tensor([n for _, n in items])
+    return xs, lengths
+
+
+def lm_loss(model: nn.Module, xs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    inputs, targets = xs[:, :-1], xs[:, 1:]
+    valid = torch.arange(targets.shape[1])[None, :] < (lengths[:, None] - 1)
+    logits = model(inputs)
+    return F.cross_entropy(logits[valid], targets[valid])
+
+
+def load_config(path: Path | None) -> tr.RelayConfig | None:
+    if path is None:
+        return None
+    data = yaml.safe_load(path.read_text())
+    base = path.parent
+    for key in ("manifest", "data_root"):  # paths in the YAML are relative to the YAML file
+        if data.get(key) and not os.path.isabs(data[key]):
+            data[key] = str((base / data[key]).resolve())
+    return tr.RelayConfig.from_dict(data, source=str(path))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--config", type=Path, default=None, help="YAML config; needed to create a run")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # two ranks share two cores; one thread each is also deterministic
+    dist.init_process_group("gloo")
+    try:
+        with tr.Run.open(args.run_dir, load_config(args.config), overrides=parse_assignments(args.set)) as run:
+            p = run.config.params
+            torch.manual_seed(run.config.seed)
+            model: nn.Module = ByteLM(p["d_model"], p["layers"], p["heads"], p["seq_len"], p["dropout"])
+            if p.get("parallel", "ddp") == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                for block in model.blocks.layers:
+                    fully_shard(block)
+                fully_shard(model)
+            else:
+                model = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+            cfg = run.config
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, tr.warmup_cosine(cfg.total_updates, cfg.warmup_updates))
+            run.track(model=model, optimizer=opt, scheduler=sched)
+
+            loader = run.dataloader(SourceBytes(run.manifest.records, p["seq_len"]), collate_fn=collate)
+            for step in run.steps(loader):
+                if step.update == p.get("crash_at_update"):
+                    raise RuntimeError(f"crash_at_update={step.update} (test hook)")
+                total = 0.0
+                for micro, (xs, lengths) in step.micro_batches():
+                    last = micro == cfg.grad_accum - 1
+                    sync = contextlib.nullcontext() if last or p.get("parallel") == "fsdp2" else model.no_sync()
+                    with sync:
+                        loss = lm_loss(model, xs, lengths) / cfg.grad_accum
+                        if step.update == p.get("nan_at_update"):
+                            loss = loss * math.nan
+                        loss.backward()
+                    total += loss.item()
+                lr = sched.get_last_lr()[0]
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                step.log(loss=total, lr=lr)
+        return run.exit_code
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Atomic, verifiable checkpoints: `checkpoint-<update>/` with an inventory written last."""

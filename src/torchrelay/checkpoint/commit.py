@@ -1,0 +1,149 @@
+"""The commit protocol across ranks: temporary directory → files fsynced → inventory last → rename → fsync.
+
+Rank 0 owns the directory operations; every rank writes its own files and hashes a share of them, so
+the inventory costs one pass over the bytes spread over all ranks. A crash anywhere before the rename
+leaves only a `.tmp-checkpoint-*` directory, which readers ignore and the next start removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
+from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.errors import CheckpointError, DiskFull
+from torchrelay.fsutil import fsync_dir
+
+TMP_PREFIX = ".tmp-checkpoint-"
+DELETING_PREFIX = ".deleting-checkpoint-"
+KILL_ENV = "TORCHRELAY_TEST_KILL"  # "<phase>:<update>:<rank>", phases: shards, inventory, rename
+
+
+def kill_hook_for(update: int, rank: int) -> Callable[[str], None] | None:
+    """A crash-test hook: SIGKILL this very process at a named phase of one save (tests only)."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return None
+    phase, at_update, at_rank = spec.split(":")
+    if int(at_update) != update or int(at_rank) != rank:
+        return None
+
+    def hook(current: str) -> None:
+        if current == phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def clean_stale(run_dir: Path) -> list[str]:
+    """Remove temporaries a crashed save or delete left behind (rank 0, at start)."""
+    removed = []
+    for child in run_dir.iterdir():
+        if child.name.startswith((TMP_PREFIX, DELETING_PREFIX)) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child.name)
+    return removed
+
+
+def _broadcast(obj: Any, distributed: bool) -> Any:
+    if not distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def commit_checkpoint(
+    run_dir: Path,
+    update: int,
+    write: Callable[[Path, Callable[[str], None] | None], None],
+    *,
+    rank: int,
+    world_size: int,
+    info: dict[str, Any],
+    keep: int,
+) -> tuple[Path, float]:
+    """Write `checkpoint-<update>/` through the protocol; returns its path and the seconds it took."""
+    distributed = world_size > 1
+    started = time.perf_counter()
+    hook = kill_hook_for(update, rank)
+    tmp_name = None
+    error = ""
+    if rank == 0:
+        tmp_name = f"{TMP_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
+        try:
+            (run_dir / tmp_name).mkdir()
+        except OSError as exc:
+            error = f"cannot create {run_dir / tmp_name}: {exc.strerror}"
+    tmp_name, error = _broadcast((tmp_name, error), distributed)
+    if error:
+        raise CheckpointError(error)
+    tmp = run_dir / tmp_name
+    local_error = ""
+    try:
+        write(tmp, hook)
+    except OSError as exc:
+        local_error = f"rank {rank}: {exc}" + (" (disk full)" if exc.errno == errno.ENOSPC else "")
+    # Every rank learns whether any rank failed, so none renames a partial directory.
+    errors = [local_error]
+    if distributed:
+        errors = [""] * world_size
+        dist.all_gather_object(errors, local_error)
+    failed = [e for e in errors if e]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cls = DiskFull if any("disk full" in e for e in failed) else CheckpointError
+        raise cls(
+            f"saving checkpoint-{update} failed: {'; '.join(failed)}",
+            hint="the previous complete checkpoint is untouched; free space or fix the cause and resume",
+        )
+    if hook:
+        hook("inventory")
+    files = list_files(tmp)
+    mine = [entry(tmp, rel) for i, rel in enumerate(files) if i % world_size == rank]
+    gathered: list[Any] = [mine]
+    if distributed:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+    final = run_dir / f"checkpoint-{update}"
+    if rank == 0:
+        entries = [e for part in gathered for e in part]
+        seconds = time.perf_counter() - started
+        write_inventory(tmp, entries, update=update, save_seconds=round(seconds, 4), world_size=world_size, **info)
+        for sub in sorted({p.parent for p in tmp.rglob("*") if p.is_file()}, key=lambda p: -len(p.parts)):
+            fsync_dir(sub)
+        if hook:
+            hook("rename")
+        if final.exists():  # a complete checkpoint of the same update from an earlier segment
+            os.rename(final, run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}")
+        os.rename(tmp, final)
+        fsync_dir(run_dir)
+        _retain(run_dir, keep)
+    elif hook:
+        hook("rename")
+    if distributed:
+        dist.barrier()
+    return final, time.perf_counter() - started
+
+
+def _retain(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; never the newest one, never an incomplete one."""
+    complete = [c for c in list_checkpoints(run_dir) if c.complete and not c.handed_off]
+    for old in complete[: max(0, len(complete) - keep)]:
+        doomed = run_dir / f"{DELETING_PREFIX}{old.update}-{os.getpid()}"
+        os.rename(old.path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for child in run_dir.iterdir():
+        if child.name.startswith(DELETING_PREFIX):
+            shutil.rmtree(child, ignore_errors=True)
+    fsync_dir(run_dir)

@@ -1,0 +1,121 @@
+"""COMPLETE.json: each file's relative path, size and SHA-256, written last; the proof a checkpoint is whole."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from torchrelay.errors import IntegrityError, UnsafeInput
+
+INVENTORY = "COMPLETE.json"
+INVENTORY_FORMAT = 1
+# Files that tools add beside the inventory after the commit (fork guard, prepare's record, kept originals).
+EXTRA_ALLOWED = ("HANDED_OFF.json", "REBASE_RECORD.json")
+
+
+def sha256_of(path: Path, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        buf = bytearray(block)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def list_files(root: Path) -> list[str]:
+    """Relative paths of every regular file under root, sorted; symlinks are refused."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            full = Path(dirpath) / name
+            if full.is_symlink():
+                raise UnsafeInput(f"{full} is a symbolic link; checkpoints hold regular files only")
+            out.append(str(full.relative_to(root)))
+    return sorted(out)
+
+
+def entry(root: Path, rel: str) -> dict[str, Any]:
+    path = root / rel
+    return {"path": rel, "size": path.stat().st_size, "sha256": sha256_of(path)}
+
+
+def write_inventory(root: Path, entries: Iterable[dict[str, Any]], **info: Any) -> Path:
+    """Write COMPLETE.json (fsynced) listing `entries`; call only after every listed file is fsynced."""
+    doc = {"format": INVENTORY_FORMAT, **info, "files": sorted(entries, key=lambda e: e["path"])}
+    path = root / INVENTORY
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def safe_relpath(root: Path, rel: object, source: Path) -> Path:
+    """Resolve an inventory path, refusing absolute paths, '..' and symlinks that leave root."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+        raise UnsafeInput(f"{source}: path {rel!r} is absolute or malformed; refusing it")
+    if any(part in ("..", "") for part in rel.split("/")):
+        raise UnsafeInput(f"{source}: path {rel!r} contains '..' or an empty part; refusing it")
+    full = root / rel
+    real_root = root.resolve()
+    cur = root
+    for part in rel.split("/"):
+        cur = cur / part
+        try:
+            if stat.S_ISLNK(cur.lstat().st_mode):
+                raise UnsafeInput(f"{source}: path {rel!r} goes through the symbolic link {cur}; refusing it")
+        except FileNotFoundError:
+            break
+    if not str(full.resolve()).startswith(str(real_root) + os.sep):
+        raise UnsafeInput(f"{source}: path {rel!r} leaves {root}; refusing it")
+    return full
+
+
+def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
+    path = ckpt_dir / INVENTORY
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{path} is missing: the checkpoint is incomplete") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{path} is not valid JSON: the checkpoint is incomplete or damaged") from exc
+    if not isinstance(doc, dict) or doc.get("format") != INVENTORY_FORMAT or not isinstance(doc.get("files"), list):
+        raise IntegrityError(f"{path}: not a torchrelay inventory of format {INVENTORY_FORMAT}")
+    return doc
+
+
+def validate_complete(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, Any]:
+    """Check every file against the inventory (size, and SHA-256 unless hashes=False); name the first bad file."""
+    root = Path(ckpt_dir)
+    doc = read_inventory(root)
+    listed = set()
+    for item in doc["files"]:
+        if not isinstance(item, dict):
+            raise IntegrityError(f"{root / INVENTORY}: malformed entry {item!r}")
+        full = safe_relpath(root, item.get("path"), root / INVENTORY)
+        listed.add(item["path"])
+        if not full.is_file():
+            raise IntegrityError(f"{full} is listed in {INVENTORY} but missing", hint="restore it from a copy")
+        size = full.stat().st_size
+        if size != item.get("size"):
+            raise IntegrityError(
+                f"{full} has {size} bytes, the inventory says {item.get('size')}",
+                hint=f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint",
+            )
+        if hashes and sha256_of(full) != item.get("sha256"):
+            raise IntegrityError(
+                f"{full} does not match its SHA-256 in {INVENTORY}",
+                hint=f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint",
+            )
+    for rel in list_files(root):
+        if rel == INVENTORY or rel in listed or rel in EXTRA_ALLOWED or rel.endswith(".orig"):
+            continue
+        raise IntegrityError(f"{root / rel} is not listed in {INVENTORY}: unexpected file in a checkpoint")
+    return doc

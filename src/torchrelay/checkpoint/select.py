@@ -1,0 +1,52 @@
+"""Which checkpoints a run has, and the newest complete one (the only one a resume may choose)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
+from torchrelay.errors import IntegrityError
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    update: int
+    path: Path
+    complete: bool
+    reason: str  # why it is not complete, or "" when it is
+    size: int = 0
+    handed_off: bool = False
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """Every `checkpoint-N/`, oldest first, with whether its inventory is present and readable."""
+    root = Path(run_dir)
+    out = []
+    if not root.is_dir():
+        return out
+    for child in root.iterdir():
+        m = _NAME.match(child.name)
+        if not m or not child.is_dir():
+            continue
+        try:
+            doc = read_inventory(child)
+            ok = doc.get("update") == int(m.group(1))
+            reason = "" if ok else f"{INVENTORY} names update {doc.get('update')}"
+            size = sum(int(f.get("size", 0)) for f in doc["files"]) if ok else 0
+        except IntegrityError as exc:
+            ok, reason, size = False, exc.message, 0
+        out.append(
+            CheckpointInfo(int(m.group(1)), child, ok, reason, size, (child / "HANDED_OFF.json").exists())
+        )
+    return sorted(out, key=lambda c: c.update)
+
+
+def latest_complete(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint with a valid inventory; one without is never chosen."""
+    complete = [c for c in list_checkpoints(run_dir) if c.complete]
+    return complete[-1].path if complete else None

@@ -1,0 +1,148 @@
+"""The typed configuration of a run, and which of its fields are runtime-only (the rest is the contract)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchrelay.errors import ConfigError
+
+SAMPLERS = ("shuffled", "length_bucketed")
+
+# Fields that do not change the math: they may differ between segments (server paths, worker count,
+# when to save, how long to run). Everything else, and every key of `params` not in `runtime_params`,
+# is part of the resume contract.
+RUNTIME_FIELDS = (
+    "manifest",
+    "data_root",
+    "num_workers",
+    "save_every",
+    "keep",
+    "external_files",
+    "runtime_params",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class RelayConfig:
+    """What torchrelay needs to know about a run; `params` holds the user's own hyper-parameters."""
+
+    seed: int
+    micro_batch: int
+    grad_accum: int = 1
+    total_updates: int
+    warmup_updates: int = 0
+    sampler: str = "shuffled"
+    bucket_size: int = 64  # length_bucketed: global batches sorted by length within this many batches
+    manifest: str
+    data_root: str = ""
+    num_workers: int = 0
+    save_every: int = 100
+    keep: int = 2
+    pins: list[str] = field(default_factory=list)
+    external_files: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    runtime_params: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("seed", "micro_batch", "grad_accum", "total_updates", "warmup_updates", "num_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
+        for name in ("micro_batch", "grad_accum", "total_updates", "save_every", "bucket_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config field {name!r} must be >= 1, got {getattr(self, name)!r}")
+        if self.warmup_updates < 0 or self.warmup_updates > self.total_updates:
+            raise ConfigError(
+                f"config field 'warmup_updates' must be in [0, total_updates={self.total_updates}], "
+                f"got {self.warmup_updates}"
+            )
+        if self.num_workers < 0:
+            raise ConfigError(f"config field 'num_workers' must be >= 0, got {self.num_workers}")
+        if self.keep < 2:
+            raise ConfigError(
+                f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
+                f"and one more survives a crash during a save), got {self.keep}"
+            )
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"config field 'sampler' must be one of {SAMPLERS}, got {self.sampler!r}")
+        if not self.manifest:
+            raise ConfigError("config field 'manifest' is required: the JSONL file listing the samples")
+        missing = [k for k in self.runtime_params if k not in self.params]
+        if missing:
+            raise ConfigError(f"runtime_params names keys not in params: {missing}")
+        try:
+            json.dumps(self.params, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config 'params' must be plain JSON values (no NaN): {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy of every field."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> RelayConfig:
+        """Build from a dict (YAML or JSON), naming unknown or missing fields."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown field(s) {unknown}",
+                hint=f"torchrelay fields are {sorted(known)}; put your own hyper-parameters under 'params'",
+            )
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+
+    def replace(self, **changes: Any) -> RelayConfig:
+        """A copy with some fields changed (re-validated)."""
+        return RelayConfig.from_dict({**self.to_dict(), **changes})
+
+    def with_overrides(self, overrides: dict[str, Any]) -> RelayConfig:
+        """Apply `key=value` overrides; `params.lr` style keys reach into params."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            if key.startswith("params."):
+                data["params"][key.removeprefix("params.")] = value
+            elif key in data:
+                data[key] = value
+            elif key in data["params"]:
+                data["params"][key] = value
+            else:
+                raise ConfigError(
+                    f"override {key!r} names no config field",
+                    hint="use a torchrelay field (e.g. num_workers) or params.<name>",
+                )
+        return RelayConfig.from_dict(data, source="overrides")
+
+    def runtime_keys(self) -> list[str]:
+        """Flat dotted keys that may change between segments without breaking the contract."""
+        keys = [k for k in RUNTIME_FIELDS if k != "external_files"]
+        keys += [f"external_files.{name}" for name in self.external_files]
+        keys += [f"params.{name}" for name in self.runtime_params]
+        return keys
+
+    def global_batch_for(self, world_size: int) -> int:
+        return self.micro_batch * self.grad_accum * world_size
+
+
+def parse_value(text: str) -> Any:
+    """A `--set KEY=VALUE` value: JSON when it parses (numbers, true, lists), else the plain string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_assignments(items: list[str]) -> dict[str, Any]:
+    """Turn ['a=1', 'b=x'] into {'a': 1, 'b': 'x'}, refusing items without '='."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = parse_value(value)
+    return out

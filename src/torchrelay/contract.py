@@ -1,0 +1,133 @@
+"""The resume contract: every field that must not change for a continuation to be the same run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torchrelay.config import RUNTIME_FIELDS, RelayConfig
+from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
+from torchrelay.identity import code_identity, versions
+from torchrelay.manifest import Manifest, sha256_file
+
+CONTRACT_FORMAT = 1
+CONTRACT_FILE = "resume_contract.json"
+# A plain source tree (an extracted `git archive`) knows its tree hash but not its commit: the commit is
+# compared only when both sides know it, the tree always.
+_OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
+
+
+def canonical_json(obj: Any) -> str:
+    """The one serialization that is hashed: sorted keys, no spaces, UTF-8."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values."""
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def contract_sha256(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(fields).encode()).hexdigest()
+
+
+def build_contract(
+    cfg: RelayConfig,
+    world_size: int,
+    code_dir: str | os.PathLike[str] | None,
+    manifest: Manifest | None = None,
+) -> dict[str, Any]:
+    """Recompute the contract from a configuration and what is installed and on disk here."""
+    manifest = manifest or Manifest.load(cfg.manifest, cfg.data_root)
+    config = cfg.to_dict()
+    for name in RUNTIME_FIELDS:
+        config.pop(name, None)
+    config["params"] = {k: v for k, v in cfg.params.items() if k not in cfg.runtime_params}
+    pinned = versions(cfg.pins)
+    fields: dict[str, Any] = {
+        **flatten(config),
+        "world_size": world_size,
+        "global_batch": cfg.global_batch_for(world_size),
+        "schedule.total_updates": cfg.total_updates,
+        "schedule.warmup_updates": cfg.warmup_updates,
+        "data.fingerprint": manifest.fingerprint(),
+        "data.samples": len(manifest),
+        **{f"code.{k}": v for k, v in code_identity(code_dir).items()},
+        "versions.python": pinned["python"],
+        "versions.torch": pinned["torch"],
+        **{f"versions.{k}": v for k, v in pinned.items() if k not in ("python", "torch", "torchrelay")},
+    }
+    for name, path in sorted(cfg.external_files.items()):
+        if not Path(path).is_file():
+            raise ConfigError(
+                f"external file {name!r} not found at {path}",
+                hint=f"point config field external_files.{name} at the file (a runtime field)",
+            )
+        fields[f"external.{name}.sha256"] = sha256_file(path)
+    return {"format": CONTRACT_FORMAT, "fields": fields, "sha256": contract_sha256(fields)}
+
+
+def contract_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every field whose value differs, as (field, old, new), sorted by field."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if key in _OPTIONAL_WHEN_UNKNOWN and (a is None or b is None):
+            continue
+        if a != b:
+            out.append((key, a, b))
+    return out
+
+
+def write_contract(run_dir: Path, contract: dict[str, Any]) -> None:
+    from torchrelay.fsutil import atomic_write_text
+
+    atomic_write_text(run_dir / CONTRACT_FILE, canonical_json(contract) + "\n")
+
+
+def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The recorded contract, checked against its own hash."""
+    path = Path(run_dir) / CONTRACT_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{path} is missing: this directory holds no torchrelay run") from exc
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(f"{path} is not valid JSON ({exc.msg})") from exc
+    if data.get("format") != CONTRACT_FORMAT:
+        raise IntegrityError(
+            f"{path}: contract format {data.get('format')!r} is not {CONTRACT_FORMAT}",
+            hint="this run was written by another torchrelay version; use that version to continue it",
+        )
+    if contract_sha256(data.get("fields", {})) != data.get("sha256"):
+        raise IntegrityError(f"{path}: the contract's fields do not match its recorded sha256 (edited by hand?)")
+    return data
+
+
+def check_contract(run_dir: Path, recomputed: dict[str, Any]) -> None:
+    """Refuse with every differing field listed, or return quietly."""
+    recorded = load_contract(run_dir)
+    diffs = contract_diff(recorded["fields"], recomputed["fields"])
+    if diffs:
+        raise ContractMismatch(str(run_dir / CONTRACT_FILE), diffs)
+
+
+def runtime_changes(old: RelayConfig, new: RelayConfig) -> dict[str, list[Any]]:
+    """Runtime fields that changed between the stored and the new configuration: {field: [old, new]}."""
+    a, b = flatten(old.to_dict()), flatten(new.to_dict())
+    keys = set(old.runtime_keys()) | set(new.runtime_keys())
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        if (key in keys or key.split(".")[0] in RUNTIME_FIELDS) and a.get(key) != b.get(key):
+            out[key] = [a.get(key), b.get(key)]
+    return out

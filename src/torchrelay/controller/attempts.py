@@ -1,0 +1,154 @@
+"""Attempts: every launch of a plan is `RUN_DIR/attempts/attempt_NN/` with what it ran and how it ended.
+
+```
+RUN_DIR/attempts/
+  plan.frozen.yaml           the first attempt's resolved plan: what later attempts are compared against
+  attempt_01/
+    plan.resolved.yaml       the plan this attempt ran (after --set)
+    overrides.json           the --set assignments given on the command line
+    plan.diff.json           [[dotted key, frozen value, this value], ...]: the change against the frozen plan
+    measurements.json        update/save/startup seconds and checkpoint size from the smoke (when it ran)
+    outcome.json             exit code, ended, stage reached, updates done, notes (written last)
+    smoke/                   the throwaway run directory of the smoke run
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from torchrelay.controller.plan import plan_diff
+from torchrelay.errors import ConfigError
+from torchrelay.fsutil import atomic_write_text
+
+ATTEMPTS_DIR = "attempts"
+FROZEN_PLAN = "plan.frozen.yaml"
+_NAME = re.compile(r"^attempt_(\d+)$")
+STAGES = ("preflight", "smoke", "formal", "done")
+
+
+@dataclass(kw_only=True, slots=True)
+class Outcome:
+    """How an attempt ended; `exit_code` is the controller's own."""
+
+    exit_code: int
+    ended: str  # finished | budget | request | signal | memory | memory-killed | crash | error | refused
+    stage: str  # the last stage entered: preflight | smoke | formal | done
+    updates_before: int = 0
+    updates_after: int = 0
+    message: str = ""
+    started: float = 0.0
+    stopped: float = 0.0
+    job: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ConfigError(f"attempt outcome: stage must be one of {STAGES}, got {self.stage!r}")
+
+    @property
+    def updates_done(self) -> int:
+        return max(0, self.updates_after - self.updates_before)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "updates_done": self.updates_done}
+
+
+class Attempt:
+    """One attempt folder; files are written atomically, `outcome.json` last."""
+
+    def __init__(self, path: Path, number: int) -> None:
+        self.path = path
+        self.number = number
+        self.notes: list[str] = []
+
+    @property
+    def smoke_dir(self) -> Path:
+        return self.path / "smoke"
+
+    def note(self, text: str) -> None:
+        """Remember a line for the outcome (and print nothing: the caller reports)."""
+        self.notes.append(text)
+
+    def write_json(self, name: str, data: Any) -> Path:
+        path = self.path / name
+        atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return path
+
+    def read_json(self, name: str) -> Any:
+        try:
+            return json.loads((self.path / name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def finish(self, outcome: Outcome) -> Path:
+        """Write outcome.json (with this attempt's notes)."""
+        outcome.notes = [*outcome.notes, *(n for n in self.notes if n not in outcome.notes)]
+        return self.write_json("outcome.json", outcome.to_dict())
+
+
+class Attempts:
+    """The attempts folder of a run directory."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(run_dir) / ATTEMPTS_DIR
+
+    def list(self) -> list[Attempt]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for child in self.root.iterdir():
+            m = _NAME.match(child.name)
+            if m and child.is_dir():
+                found.append(Attempt(child, int(m.group(1))))
+        return sorted(found, key=lambda a: a.number)
+
+    def frozen_plan(self) -> dict[str, Any] | None:
+        path = self.root / FROZEN_PLAN
+        if not path.exists():
+            return None
+        data = yaml.safe_load(path.read_text())
+        return data if isinstance(data, dict) else None
+
+    def start(self, plan: dict[str, Any], sets: dict[str, Any]) -> tuple[Attempt, list[tuple[str, Any, Any]]]:
+        """Create the next attempt folder, freezing the plan on the first; returns it and its diff."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        frozen = self.frozen_plan()
+        if frozen is None:
+            atomic_write_text(self.root / FROZEN_PLAN, _yaml(plan))
+            frozen = plan
+        number = (self.list()[-1].number + 1) if self.list() else 1
+        while True:  # two launches at once must not share a folder
+            path = self.root / f"attempt_{number:02d}"
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                number += 1
+        attempt = Attempt(path, number)
+        diff = plan_diff(frozen, plan)
+        atomic_write_text(path / "plan.resolved.yaml", _yaml(plan))
+        attempt.write_json("overrides.json", sets)
+        attempt.write_json("plan.diff.json", [list(d) for d in diff])
+        attempt.write_json("started.json", {"time": time.time(), "pid": os.getpid()})
+        return attempt, diff
+
+    def latest_measurements(self) -> dict[str, Any] | None:
+        """measurements.json of the newest attempt that has one (a later attempt may skip the smoke)."""
+        for attempt in reversed(self.list()):
+            data = attempt.read_json("measurements.json")
+            if isinstance(data, dict):
+                return data
+        return None
+
+
+def _yaml(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,94 @@
+"""The cost model: is there time for one more update, a save and the margin? Pure objects, no clock inside."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from torchrelay.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurements:
+    """Seconds measured by a smoke run (or estimated in the plan) and the size of one checkpoint."""
+
+    update_s: float = 0.0
+    save_s: float = 0.0
+    startup_s: float = 0.0  # launch until the first update starts (imports, rendezvous, restore)
+    checkpoint_bytes: int = 0
+    source: str = "plan"  # smoke | plan | attempt_NN
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> Measurements:
+        return cls(
+            update_s=float(data.get("update_s", 0.0)),
+            save_s=float(data.get("save_s", 0.0)),
+            startup_s=float(data.get("startup_s", 0.0)),
+            checkpoint_bytes=int(data.get("checkpoint_bytes", 0)),
+            source=source or str(data.get("source", "plan")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    go: bool
+    needed_s: float
+    left_s: float | None
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """Start (or continue) only when startup + one update + one save + margin fit before the deadline."""
+
+    measurements: Measurements
+    margin_s: float
+
+    def needed_s(self) -> float:
+        m = self.measurements
+        return m.startup_s + m.update_s + m.save_s + self.margin_s
+
+    def decide(self, deadline: float | None, now: float) -> Decision:
+        needed = self.needed_s()
+        if deadline is None:
+            return Decision(True, needed, None, "no deadline")
+        left = deadline - now
+        m = self.measurements
+        parts = (
+            f"startup {m.startup_s:.1f}s + update {m.update_s:.2f}s + save {m.save_s:.2f}s + margin {self.margin_s:.1f}s"
+        )
+        if left < needed:
+            return Decision(False, needed, left, f"{left:.1f}s left < {needed:.1f}s needed ({parts})")
+        return Decision(True, needed, left, f"{left:.1f}s left >= {needed:.1f}s needed ({parts})")
+
+    def training_deadline(self, deadline: float | None) -> float | None:
+        """The TORCHRELAY_DEADLINE handed to training: the deadline less the margin (process teardown)."""
+        return None if deadline is None else deadline - self.margin_s
+
+
+def parse_deadline(text: str) -> float:
+    """`--deadline`: unix seconds or an ISO 8601 time (naive times are local)."""
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            value = datetime.fromisoformat(text.strip().replace("Z", "+00:00")).timestamp()
+        except ValueError as exc:
+            raise ConfigError(
+                f"--deadline {text!r} is neither unix seconds nor an ISO time",
+                hint="e.g. --deadline 1767225600 or --deadline 2026-12-31T23:00:00",
+            ) from exc
+    if not math.isfinite(value):
+        raise ConfigError(f"--deadline {text!r} is not a finite time")
+    return value
+
+
+def earliest(*deadlines: float | None) -> float | None:
+    """The earliest of the given deadlines, or None when none is given."""
+    given = [d for d in deadlines if d is not None]
+    return min(given) if given else None

@@ -1,0 +1,245 @@
+"""Run one training command and watch it: memory guard, forwarded stop signals, a last-resort deadline.
+
+torchrun turns SIGUSR1 into its own death and does not pass it on, so a stop signal meant for the ranks is sent to
+torchrun's children (the rank processes) — only once they are ready (their handlers are installed when the run
+has opened), because a rank still importing torch would die of it. On several nodes the command is `srun`, which
+forwards the signal to one copy of this module per node (`python -m torchrelay.controller.supervisor`), and each
+of those forwards it to its own torchrun's ranks and guards its node's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
+from torchrelay.stop import write_request
+
+# How long after a forwarded clean-stop signal, or after the hard deadline, before the tree is killed.
+KILL_GRACE_S = 60.0
+
+
+@dataclass(slots=True)
+class Supervised:
+    """What happened while a command ran."""
+
+    returncode: int
+    wall_s: float
+    peak_rss: int = 0
+    memory: str = ""  # "" | "soft" (stop requested) | "hard" (tree killed)
+    signals: list[str] = field(default_factory=list)  # signals forwarded to the ranks
+    killed: str = ""  # why the tree was killed, if it was
+    tail: list[str] = field(default_factory=list)  # the last lines of output
+
+
+@dataclass(kw_only=True, slots=True)
+class Supervisor:
+    """Runs `argv` in its own session; `stop(sig)` may be called from a signal handler."""
+
+    argv: Sequence[str]
+    cwd: str | os.PathLike[str]
+    env: dict[str, str]
+    run_dir: Path | None = None  # where a memory stop request is written
+    limits: MemoryLimits | None = None
+    poll_s: float = 0.5
+    ranks_ready: Callable[[], bool] = lambda: True
+    forward_to: str = "children"  # "children": the ranks under torchrun; "self": srun forwards it on
+    kill_at: float | None = None  # unix time after which a still-running tree is stopped, then killed
+    job: str | None = None
+    output: IO[str] | None = None  # where the command's output is echoed (default: stdout)
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    _proc: subprocess.Popen[str] | None = None
+    _pending: list[int] = field(default_factory=list)
+    _sent: list[str] = field(default_factory=list)
+    _term_sent_at: float | None = None
+
+    def stop(self, signum: int) -> None:
+        """Ask the ranks to stop cleanly with `signum` (delivered as soon as they can take it)."""
+        self._pending.append(signum)
+
+    def run(self) -> Supervised:
+        start = time.time()
+        guard = MemoryGuard(self.limits) if self.limits else None
+        tail: collections.deque[str] = collections.deque(maxlen=200)
+        proc = subprocess.Popen(
+            list(self.argv),
+            cwd=self.cwd,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # a terminal's Ctrl-C reaches us, and we decide what the ranks get
+        )
+        self._proc = proc
+        reader = threading.Thread(target=_pump, args=(proc.stdout, self.output or sys.stdout, tail), daemon=True)
+        reader.start()
+        memory, killed = "", ""
+        while proc.poll() is None:
+            if self._pending and self._deliver():
+                self._term_sent_at = self._term_sent_at or time.time()
+            if guard is not None:
+                rss = tree_rss(proc.pid)
+                verdict = guard.observe(rss)
+                if verdict == SOFT:
+                    memory = SOFT
+                    self.log(
+                        f"torchrelay: memory guard: training tree uses {rss / GIB:.2f} GiB >= soft limit "
+                        f"{guard.limits.soft_bytes / GIB:.2f} GiB: asking for a clean stop"
+                    )
+                    if self.run_dir is not None:
+                        write_request(self.run_dir, job=self.job, reason="memory")
+                elif verdict == HARD:
+                    memory = HARD
+                    killed = (
+                        f"memory guard: {rss / GIB:.2f} GiB >= hard limit {guard.limits.hard_bytes / GIB:.2f} GiB"
+                    )
+                    self.log(f"torchrelay: {killed}: killing the training process tree")
+                    kill_tree(proc.pid)
+                    break
+            now = time.time()
+            if self.kill_at is not None and now > self.kill_at and self._term_sent_at is None:
+                self.log("torchrelay: past the deadline and still running: sending SIGTERM to the ranks")
+                self.stop(signal.SIGTERM)
+                self._term_sent_at = now
+            if self._term_sent_at is not None and now - self._term_sent_at > KILL_GRACE_S:
+                killed = f"still running {KILL_GRACE_S:.0f}s after a stop signal"
+                self.log(f"torchrelay: {killed}: killing the training process tree")
+                kill_tree(proc.pid)
+                break
+            time.sleep(self.poll_s)
+        returncode = proc.wait()
+        reader.join(timeout=5)
+        self._proc = None
+        return Supervised(
+            returncode=returncode,
+            wall_s=time.time() - start,
+            peak_rss=guard.peak if guard else 0,
+            memory=memory,
+            signals=list(self._sent),
+            killed=killed,
+            tail=list(tail),
+        )
+
+    def _deliver(self) -> bool:
+        """Send pending signals when the ranks can take them; True when sent."""
+        proc = self._proc
+        if proc is None or not self.ranks_ready():
+            return False
+        targets: list[Any]
+        try:
+            root = psutil.Process(proc.pid)
+            targets = [root] if self.forward_to == "self" else root.children(recursive=False)
+        except psutil.NoSuchProcess:
+            return False
+        if not targets:
+            return False
+        while self._pending:
+            signum = self._pending.pop(0)
+            name = signal.Signals(signum).name
+            for target in targets:
+                try:
+                    target.send_signal(signum)
+                except psutil.NoSuchProcess:
+                    continue
+            self._sent.append(name)
+            self.log(f"torchrelay: forwarded {name} to {len(targets)} process(es)")
+        return True
+
+
+def _pump(stream: IO[str] | None, out: IO[str], tail: collections.deque[str]) -> None:
+    if stream is None:
+        return
+    for line in stream:
+        tail.append(line.rstrip("\n"))
+        try:
+            out.write(line)
+            out.flush()
+        except (OSError, ValueError):
+            pass  # our own output is gone (closed terminal); keep draining so the child never blocks
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a process and every descendant (children first, so none is re-parented and missed)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            continue
+
+
+class SignalRelay:
+    """Installs handlers that hand SIGUSR1/SIGTERM (and Ctrl-C as SIGTERM) to whatever runs now."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self.current: Supervisor | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalRelay:
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.append(signal.Signals(signum).name)
+        if self.current is not None:
+            self.current.stop(signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.received)
+
+
+def node_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m torchrelay.controller.supervisor [--run-dir D] -- CMD...`: the per-node agent under srun."""
+    parser = argparse.ArgumentParser(prog="python -m torchrelay.controller.supervisor")
+    parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--soft-gib", type=float, default=0.0)
+    parser.add_argument("--hard-gib", type=float, default=0.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    node_rank = os.environ.get("SLURM_NODEID", "0")
+    command = [a.replace("{SLURM_NODEID}", node_rank) for a in command]
+    limits = None
+    if args.soft_gib > 0:
+        limits = MemoryLimits(soft_bytes=int(args.soft_gib * GIB), hard_bytes=int(max(args.hard_gib, args.soft_gib) * GIB))
+    sup = Supervisor(
+        argv=command,
+        cwd=os.getcwd(),
+        env=dict(os.environ),
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        limits=limits,
+        job=os.environ.get("SLURM_JOB_ID"),
+    )
+    with SignalRelay() as relay:
+        relay.current = sup
+        return sup.run().returncode
+
+
+if __name__ == "__main__":
+    sys.exit(node_main())

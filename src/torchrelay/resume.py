@@ -1,0 +1,81 @@
+"""The trainer's own resume validation, also run by `prepare` and `launch` before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.select import latest_complete
+from torchrelay.config import RelayConfig
+from torchrelay.contract import build_contract, check_contract, load_contract, runtime_changes
+from torchrelay.errors import ConfigError, ForkRefused
+from torchrelay.manifest import Manifest
+from torchrelay.rundir import RunDir
+
+RECLAIM_ENV = "TORCHRELAY_RECLAIM"
+
+
+@dataclass(slots=True)
+class ResumeCheck:
+    """What a resume would do: from which checkpoint, under which contract, with which runtime changes."""
+
+    contract: dict[str, Any]
+    checkpoint: Path | None
+    update: int
+    runtime_changes: dict[str, list[Any]] = field(default_factory=dict)
+    passed: list[str] = field(default_factory=list)
+
+
+def schedule_gate(cfg: RelayConfig, update: int, where: str) -> str:
+    """The schedule must still hold the checkpoint's update; returns the gate's line."""
+    if update > cfg.total_updates:
+        raise ConfigError(
+            f"{where}: checkpoint update {update} is past total_updates {cfg.total_updates}",
+            hint="the schedule is part of the contract and cannot shrink",
+        )
+    return f"SCHEDULE_GATE_PASS ({cfg.total_updates}, {cfg.warmup_updates})"
+
+
+def check_fork_guard(ckpt: Path) -> None:
+    marker = ckpt / "HANDED_OFF.json"
+    if marker.exists() and os.environ.get(RECLAIM_ENV) != "1":
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, json.JSONDecodeError):
+            info = {}
+        raise ForkRefused(
+            f"{ckpt.name} was handed off (bundle lineage {info.get('lineage', '?')}, "
+            f"packed {info.get('packed_at', '?')}); continuing it here would fork the run",
+            hint=f"continue from the bundle instead, or set {RECLAIM_ENV}=1 to reclaim it here on purpose",
+        )
+
+
+def validate_resume(
+    run_dir: str | os.PathLike[str],
+    cfg: RelayConfig,
+    world_size: int,
+    code_dir: str | os.PathLike[str] | None = None,
+    *,
+    deep: bool = True,
+) -> ResumeCheck:
+    """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint."""
+    rd = RunDir(run_dir)
+    stored = rd.load_config()
+    manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
+    contract = build_contract(cfg, world_size, code_dir, Manifest.load(manifest_path, cfg.data_root))
+    check_contract(rd.path, contract)
+    passed = [f"contract {contract['sha256'][:16]} matches {rd.contract_path}"]
+    ckpt = latest_complete(rd.path)
+    update = 0
+    if ckpt is not None:
+        doc = validate_complete(ckpt, hashes=deep)
+        update = int(doc["update"])
+        passed.append(f"{ckpt.name}: inventory of {len(doc['files'])} files verified")
+        check_fork_guard(ckpt)
+    passed.append(schedule_gate(cfg, update, str(rd.path)))
+    load_contract(rd.path)
+    return ResumeCheck(contract, ckpt, update, runtime_changes(stored, cfg), passed)

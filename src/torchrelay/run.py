@@ -1,0 +1,506 @@
+"""The Run: opens or resumes a run directory, restores state, drives the update loop, stops cleanly.
+
+A newcomer should read this file top to bottom: `open` (contract, checkpoint choice, history), `track`
+(restore), `steps` (the loop and its boundaries), `_save` (the commit protocol), `close` (history, exit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchrelay import __version__
+from torchrelay.checkpoint import state as ckpt_state
+from torchrelay.checkpoint.commit import clean_stale, commit_checkpoint
+from torchrelay.config import RelayConfig
+from torchrelay.contract import build_contract, canonical_json, write_contract
+from torchrelay.data.loader import RankBatches, RelayLoader
+from torchrelay.data.order import GlobalOrder
+from torchrelay.errors import (
+    EXIT_ERROR,
+    EXIT_FINISHED,
+    ConfigError,
+    RelayError,
+)
+from torchrelay.fsutil import atomic_write_text
+from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
+from torchrelay.identity import find_code_dir, versions
+from torchrelay.logs import RankLog, exposures_path, metrics_path, rank_logs, read_jsonl, trim_after
+from torchrelay.manifest import Manifest
+from torchrelay.resume import validate_resume
+from torchrelay.rundir import RunDir
+from torchrelay.stop import (
+    ENDED,
+    REQUEST_FILE,
+    SignalFlag,
+    StopContext,
+    StopRequest,
+    deadline_from_env,
+    decide,
+    is_stale,
+)
+
+MANIFEST_IN_RUN = "data/manifest.jsonl"
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Step:
+    """One update: its micro-batches and what the loop logs about it."""
+
+    __slots__ = ("update", "_it", "_accum", "_ids", "metrics")
+
+    def __init__(self, update: int, it: Iterator[Any], accum: int) -> None:
+        self.update = update
+        self._it = it
+        self._accum = accum
+        self._ids: list[list[int]] = []
+        self.metrics: dict[str, Any] = {}
+
+    def micro_batches(self) -> Iterator[tuple[int, Any]]:
+        """(micro_step, batch) for each of the update's gradient-accumulation steps."""
+        for micro in range(self._accum):
+            ids, batch = next(self._it)
+            self._ids.append(ids)
+            yield micro, batch
+
+    def log(self, **metrics: Any) -> None:
+        """Record this rank's metrics for the update (loss, lr, ...); tensors become floats."""
+        for key, value in metrics.items():
+            self.metrics[key] = float(value) if isinstance(value, torch.Tensor) else value
+
+
+class Run:
+    """A resumable training run in a run directory (see docs/CORE_API.md for the loop)."""
+
+    def __init__(self) -> None:  # use Run.open
+        raise TypeError("use Run.open(run_dir, config)")
+
+    # ---------------------------------------------------------------------------------- opening
+    @classmethod
+    def open(
+        cls,
+        run_dir: str | os.PathLike[str] | None,
+        config: RelayConfig | None = None,
+        *,
+        code_dir: str | os.PathLike[str] | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> Run:
+        """Create the run, or validate and resume it from its newest complete checkpoint (every rank)."""
+        self = object.__new__(cls)
+        self.rank, self.world_size = _dist()
+        self.distributed = self.world_size > 1
+        env_dir = os.environ.get("TORCHRELAY_RUN_DIR")
+        if env_dir:
+            run_dir = env_dir
+        if run_dir is None:
+            raise ConfigError("no run directory given (argument or TORCHRELAY_RUN_DIR)")
+        self.dir = RunDir(Path(run_dir).resolve())
+        self.code_dir = Path(code_dir) if code_dir else find_code_dir()
+        self.exit_code = EXIT_ERROR
+        self.ended = "running"
+        self._closed = False
+        self._stale_reported = False
+        self._notes: list[str] = []
+        overrides = dict(overrides or {})
+        if os.environ.get("TORCHRELAY_OVERRIDES"):
+            overrides.update(json.loads(os.environ["TORCHRELAY_OVERRIDES"]))
+
+        # Rank 0 validates and prepares the directory; the outcome (or the error) reaches every rank.
+        outcome: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                outcome = self._prepare_dir(config, overrides)
+            except RelayError as exc:
+                outcome = {"error": (type(exc).__name__, exc.message, exc.hint, exc.exit_code)}
+        outcome = self._broadcast(outcome)
+        if "error" in outcome:
+            name, message, hint, code = outcome["error"]
+            err = RelayError(message, hint)
+            err.exit_code = code
+            raise err
+        self.config = RelayConfig.from_dict(outcome["config"])
+        self.contract_sha = outcome["contract_sha"]
+        self.resume_from = Path(outcome["checkpoint"]) if outcome["checkpoint"] else None
+        self.start_update = int(outcome["update"])
+        self.segment = outcome["segment"]
+        self.gate = outcome["gate"]
+        self.hosts = self._gather(socket.gethostname())
+
+        manifest_path = self._manifest_path(self.config)
+        self.manifest = Manifest.load(manifest_path, self.config.data_root)
+        self.global_batch = self.config.global_batch_for(self.world_size)
+        self.order = GlobalOrder(
+            num_samples=len(self.manifest),
+            seed=self.config.seed,
+            global_batch=self.global_batch,
+            kind=self.config.sampler,
+            lengths=self.manifest.lengths() if self.config.sampler == "length_bucketed" else None,
+            bucket_size=self.config.bucket_size,
+        )
+        self.metrics_log = RankLog(metrics_path(self.dir.train_dir, self.rank))
+        self.exposures_log = RankLog(exposures_path(self.dir.train_dir, self.rank))
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._statefuls: dict[str, Any] = {}
+        self._signals = SignalFlag()
+        self._signals.install()
+        self._segment_start = time.time()
+        self._deadline = deadline_from_env(self._segment_start)
+        self._save_estimate = float(os.environ.get("TORCHRELAY_SAVE_ESTIMATE_S", outcome["last_save_s"] or 0.0))
+        self._margin = float(os.environ.get("TORCHRELAY_MARGIN_S", "1.0"))
+        self._request_cache: tuple[tuple[int, int], StopRequest | None] | None = None
+        self.job = os.environ.get("SLURM_JOB_ID")
+        if self.rank == 0:
+            self.segment["hosts"] = self.hosts
+            upsert(self.dir.path, self.segment)
+        return self
+
+    def _manifest_path(self, cfg: RelayConfig) -> Path:
+        p = Path(cfg.manifest)
+        return p if p.is_absolute() else self.dir.path / p
+
+    def _prepare_dir(self, config: RelayConfig | None, overrides: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: create a new run, or check the contract and choose the checkpoint to resume."""
+        rd = self.dir
+        if rd.exists():
+            stored = rd.load_config()
+            cfg = config if config is not None else stored
+            if config is not None and cfg.manifest != stored.manifest:
+                cfg = cfg.replace(manifest=stored.manifest)  # the run's own copy, unless overridden below
+            cfg = cfg.with_overrides(overrides) if overrides else cfg
+            check = validate_resume(rd.path, cfg, self.world_size, self.code_dir)
+            clean_stale(rd.path)
+            history = read_history(rd.path)
+            last_logged = max((int(r["update"]) for r in read_jsonl(metrics_path(rd.train_dir, 0))), default=None)
+            write_history(rd.path, close_crashed(history, last_logged))
+            archived = trim_after(rd.train_dir, check.update)
+            if check.runtime_changes:
+                atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+            contract_sha = check.contract["sha256"]
+            update, ckpt = check.update, check.checkpoint
+            changes = check.runtime_changes
+            gate = check.passed[-1]
+            last_save = _last_save_seconds(ckpt)
+            parent = history[-1]["segment"] if history else None
+            notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
+        else:
+            if config is None:
+                raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
+            cfg = config.with_overrides(overrides) if overrides else config
+            if rd.path.exists() and any(rd.path.iterdir()):
+                leftovers = sorted(p.name for p in rd.path.iterdir())[:5]
+                raise ConfigError(
+                    f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",
+                    hint="choose an empty or new run directory",
+                )
+            (rd.path / "data").mkdir(parents=True, exist_ok=True)
+            rd.train_dir.mkdir(exist_ok=True)
+            shutil.copyfile(cfg.manifest, rd.path / MANIFEST_IN_RUN)
+            cfg = cfg.replace(manifest=MANIFEST_IN_RUN)
+            contract = build_contract(
+                cfg.replace(manifest=str(rd.path / MANIFEST_IN_RUN)), self.world_size, self.code_dir
+            )
+            atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+            write_contract(rd.path, contract)
+            atomic_write_text(rd.path / "lineage.json", json.dumps({"lineage": new_id(), "parent_lineage": None}))
+            contract_sha, update, ckpt, changes, last_save, parent, notes = contract["sha256"], 0, None, {}, None, None, []
+            gate = f"SCHEDULE_GATE_PASS ({cfg.total_updates}, {cfg.warmup_updates})"
+        lineage = _read_lineage(rd.path)
+        segment = {
+            "segment": new_id(),
+            "parent": parent,
+            "lineage": lineage.get("lineage"),
+            "parent_lineage": lineage.get("parent_lineage"),
+            "job": os.environ.get("SLURM_JOB_ID"),
+            "hosts": [],
+            "world_size": self.world_size,
+            "first_update": update + 1,
+            "last_update": None,
+            "resumed_from": update if ckpt else None,
+            "ended": "running",
+            "exit_code": None,
+            "started": time.time(),
+            "stopped": None,
+            "contract_sha256": contract_sha,
+            "code": {k.removeprefix("code."): v for k, v in _contract_code(rd.path).items()},
+            "versions": versions([]) | {"torchrelay": __version__},
+            "runtime_changes": changes,
+            "notes": notes,
+        }
+        return {
+            "config": cfg.to_dict(),
+            "contract_sha": contract_sha,
+            "checkpoint": str(ckpt) if ckpt else None,
+            "update": update,
+            "segment": segment,
+            "gate": gate,
+            "last_save_s": last_save,
+        }
+
+    # ---------------------------------------------------------------------------------- collectives
+    def _broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return sorted(set(out))
+
+    def _agree(self, code: int) -> int:
+        """The stop code every rank acts on: the largest any rank proposed (one tiny all-reduce)."""
+        if not self.distributed:
+            return code
+        t = torch.tensor([code], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    # ---------------------------------------------------------------------------------- state
+    def track(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **statefuls: Any,
+    ) -> None:
+        """Register what must resume (model, optimizer, scheduler, scaler, ...) and restore it if resuming."""
+        for name, obj in statefuls.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"run.track({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
+        self._model, self._optimizer, self._statefuls = model, optimizer, dict(statefuls)
+        if self.resume_from is not None:
+            loop = ckpt_state.load_state(
+                self.resume_from,
+                rank=self.rank,
+                model=model,
+                optimizer=optimizer,
+                statefuls=self._statefuls,
+            )
+            if int(loop["update"]) != self.start_update:
+                raise RelayError(f"{self.resume_from}: trainer state says update {loop['update']}")
+
+    def dataloader(
+        self,
+        dataset: Any,
+        collate_fn: Any = None,
+        *,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> RelayLoader:
+        """A loader over `dataset[i]` (i = manifest index) in the run's exact order; workers from the config."""
+        return RelayLoader(dataset, collate_fn, self.config.num_workers, pin_memory, prefetch_factor)
+
+    # ---------------------------------------------------------------------------------- the loop
+    def steps(self, loader: RelayLoader) -> Iterator[Step]:
+        """Yield one Step per update until the schedule ends or a stop is agreed; saves on the way."""
+        cfg = self.config
+        if self.resume_from is not None:
+            ckpt_state.load_rng(self.resume_from, self.rank)
+        print(f"[rank {self.rank}] {self.gate}", flush=True)
+        print(f"[rank {self.rank}] TRAINING_CONTRACT {self.contract_sha}", flush=True)
+        batches = RankBatches(
+            self.order, self.start_update, cfg.total_updates, self.rank, self.world_size, cfg.micro_batch, cfg.grad_accum
+        )
+        it = iter(loader.build(batches, cfg.seed))
+        done = self.start_update
+        last_saved = self.start_update if self.resume_from is not None else -1
+        recent: deque[float] = deque(maxlen=5)
+        try:
+            while True:
+                code = self._agree(self._local_stop_code(done, recent))
+                if done >= cfg.total_updates or code:
+                    if last_saved != done:
+                        self._save(done)
+                    self._finish(EXIT_FINISHED if done >= cfg.total_updates and not code else code, done)
+                    return
+                step = Step(done + 1, it, cfg.grad_accum)
+                t0 = time.perf_counter()
+                yield step
+                dt = time.perf_counter() - t0
+                recent.append(dt)
+                done += 1
+                self._record(step, dt)
+                if done % cfg.save_every == 0 and done < cfg.total_updates:
+                    self._save(done)
+                    last_saved = done
+        finally:
+            del it  # stops loader workers
+
+    def _local_stop_code(self, done: int, recent: deque[float]) -> int:
+        """This rank's proposal at a boundary; only rank 0 reads the request file."""
+        request = self._read_request() if self.rank == 0 else None
+        if request is not None and is_stale(request, self.job):
+            if not self._stale_reported:
+                note = f"ignored stale stop request for job {request.job} (this job: {self.job})"
+                print(f"[torchrelay] {note}", file=sys.stderr, flush=True)
+                self._notes.append(note)
+                self._stale_reported = True
+            request = None
+        ctx = StopContext(
+            updates_done=done,
+            now=time.time(),
+            job=self.job,
+            request=request,
+            signal_name=self._signals.received,
+            deadline=self._deadline,
+            update_seconds=max(recent) if recent else 0.0,
+            save_seconds=self._save_estimate,
+            margin_seconds=self._margin,
+        )
+        verdict = decide(ctx)
+        if verdict is None:
+            return 0
+        self._stop_why = verdict.why
+        return verdict.code
+
+    def _read_request(self) -> StopRequest | None:
+        path = self.dir.path / REQUEST_FILE
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        key = (st.st_mtime_ns, st.st_size)
+        if self._request_cache is None or self._request_cache[0] != key:
+            self._request_cache = (key, StopRequest.read(path))
+        return self._request_cache[1]
+
+    def _record(self, step: Step, dt: float) -> None:
+        rec = {"update": step.update, **step.metrics}
+        rec["update_time"] = round(dt, 6)
+        rec["samples_per_s"] = round(self.global_batch / dt, 3) if dt > 0 else None
+        rec["time"] = round(time.time(), 3)
+        self.metrics_log.write(rec)
+        for micro, ids in enumerate(step._ids):
+            self.exposures_log.write({"u": step.update, "m": micro, "i": ids})
+        self.metrics_log.flush()
+        self.exposures_log.flush()
+
+    # ---------------------------------------------------------------------------------- saving
+    def _save(self, update: int) -> Path:
+        """Commit checkpoint-<update>: logs made durable first, then the protocol across ranks."""
+        self.metrics_log.flush(durable=True)
+        self.exposures_log.flush(durable=True)
+        loop = {
+            "update": update,
+            "samples_consumed": self.order.position(update),
+            "epoch": update / self.order.updates_per_epoch,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "segment": self.segment["segment"],
+        }
+
+        def write(tmp: Path, hook: Any) -> None:
+            ckpt_state.save_state(
+                tmp,
+                rank=self.rank,
+                model=self._model,
+                optimizer=self._optimizer,
+                statefuls=self._statefuls,
+                loop=loop,
+                kill_hook=hook,
+            )
+
+        path, seconds = commit_checkpoint(
+            self.dir.path,
+            update,
+            write,
+            rank=self.rank,
+            world_size=self.world_size,
+            info={"contract_sha256": self.contract_sha, "segment": self.segment["segment"], "created": time.time()},
+            keep=self.config.keep,
+        )
+        self._save_estimate = max(self._save_estimate, seconds) if self._save_estimate else seconds
+        return path
+
+    # ---------------------------------------------------------------------------------- ending
+    def _finish(self, code: int, done: int) -> None:
+        self.exit_code = code
+        self.ended = "finished" if code == EXIT_FINISHED else ENDED.get(code, "error")
+        if self.rank == 0:
+            why = getattr(self, "_stop_why", "")
+            print(f"[torchrelay] stopped at update {done}: {self.ended} {why}".rstrip(), flush=True)
+            if code and self.ended in ("request", "memory"):
+                self._consume_request()
+        self._end_segment(done)
+
+    def _consume_request(self) -> None:
+        src = self.dir.path / REQUEST_FILE
+        if src.exists():
+            dst = self.dir.train_dir / "stop-requests"
+            dst.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst / f"REQUEST_STOP-{int(time.time() * 1000)}.json")
+
+    def _end_segment(self, last_update: int | None) -> None:
+        self.metrics_log.close()
+        self.exposures_log.close()
+        if self.rank == 0:
+            seg = self.segment
+            seg.update(
+                ended=self.ended,
+                exit_code=self.exit_code,
+                stopped=time.time(),
+                last_update=last_update,
+                notes=seg["notes"] + self._notes,
+            )
+            upsert(self.dir.path, seg)
+        self._signals.restore()
+        self._closed = True
+
+    def close(self) -> int:
+        """Finish the segment's history record and return the process exit code."""
+        if not self._closed:
+            last = max((int(r["update"]) for r in read_jsonl(self.metrics_log.path)), default=None)
+            self.ended = "error"
+            self.exit_code = EXIT_ERROR
+            self._end_segment(last)
+        return self.exit_code
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
+
+
+def _read_lineage(run_dir: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((run_dir / "lineage.json").read_text()))
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _contract_code(run_dir: Path) -> dict[str, Any]:
+    fields = json.loads((run_dir / "resume_contract.json").read_text())["fields"]
+    return {k: v for k, v in fields.items() if k.startswith("code.")}
+
+
+def _last_save_seconds(ckpt: Path | None) -> float | None:
+    if ckpt is None:
+        return None
+    try:
+        return float(json.loads((ckpt / "COMPLETE.json").read_text()).get("save_seconds"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+__all__ = ["Run", "Step", "canonical_json"]
