@@ -1,0 +1,159 @@
+"""`diff`: the contract (and runtime configuration) difference between two runs, checkpoints or bundles."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.config import RUNTIME_FIELDS, RelayConfig
+from torchrelay.contract import CONTRACT_FILE, contract_diff, flatten, load_contract
+from torchrelay.errors import ConfigError, IntegrityError
+
+_CHECKPOINT_PREFIX = "checkpoint-"
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One side of a diff: what it is, its contract fields, its flat configuration, its checkpoint (if any)."""
+
+    path: Path
+    kind: str  # "run" | "bundle" | "checkpoint" | "prepared run"
+    contract_sha256: str
+    fields: dict[str, Any]
+    config: dict[str, Any]
+    checkpoint: str | None = None
+    checkpoint_contract: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FieldDiff:
+    """One differing field; `runtime` fields may differ between segments of one run."""
+
+    key: str
+    a: Any
+    b: Any
+    runtime: bool
+
+
+@dataclass(slots=True)
+class DiffReport:
+    """Every differing field, contract first; `same_contract` says whether one run could continue the other."""
+
+    a: Side
+    b: Side
+    contract: list[FieldDiff] = field(default_factory=list)
+    runtime: list[FieldDiff] = field(default_factory=list)
+
+    @property
+    def same_contract(self) -> bool:
+        return not self.contract
+
+
+def load_side(path: Path) -> Side:
+    """Read a run dir, a bundle, or a checkpoint dir (whose run is its parent); JSON only, nothing executed."""
+    path = Path(path)
+    checkpoint = None
+    checkpoint_contract = None
+    root = path
+    if path.name.startswith(_CHECKPOINT_PREFIX) and (path / "COMPLETE.json").exists():
+        root, checkpoint = path.parent, path.name
+        try:
+            doc = json.loads((path / "COMPLETE.json").read_text(encoding="utf-8"))
+            checkpoint_contract = doc.get("contract_sha256") if isinstance(doc, dict) else None
+        except (OSError, ValueError):
+            checkpoint_contract = None
+    if not (root / CONTRACT_FILE).is_file():
+        raise ConfigError(
+            f"{path} is not a run directory, a bundle or a checkpoint (no {CONTRACT_FILE} at {root})",
+            hint="pass a run dir, a bundle dir, or a run's checkpoint-N dir",
+        )
+    contract = load_contract(root)
+    try:
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise IntegrityError(f"{root / 'config.json'} is unreadable: {exc}") from None
+    if (root / "bundle.json").is_file() and (root / "SHA256SUMS").is_file():
+        kind = "bundle"
+    elif (root / "REBASE_RECORD.json").is_file():
+        kind = "prepared run"
+    else:
+        kind = "run"
+    if checkpoint is not None:
+        kind = f"checkpoint of a {kind}"
+    return Side(
+        path,
+        kind,
+        str(contract["sha256"]),
+        dict(contract["fields"]),
+        flatten(config),
+        checkpoint,
+        checkpoint_contract,
+    )
+
+
+def diff(a_path: Path, b_path: Path) -> DiffReport:
+    """Field-by-field difference between two sides: contract fields, then runtime configuration fields."""
+    a, b = load_side(a_path), load_side(b_path)
+    report = DiffReport(a, b)
+    for key, old, new in contract_diff(a.fields, b.fields):
+        report.contract.append(FieldDiff(key, old, new, runtime=False))
+    runtime = _runtime_keys(a.config) | _runtime_keys(b.config)
+    for key in sorted(set(a.config) | set(b.config)):
+        if key in runtime and a.config.get(key) != b.config.get(key):
+            report.runtime.append(
+                FieldDiff(key, a.config.get(key, "<absent>"), b.config.get(key, "<absent>"), True)
+            )
+    return report
+
+
+def _runtime_keys(flat_config: dict[str, Any]) -> set[str]:
+    keys = {k for k in flat_config if k.split(".", 1)[0] in RUNTIME_FIELDS}
+    try:
+        cfg = RelayConfig.from_dict(_unflatten(flat_config))
+    except Exception:  # noqa: BLE001 - a config from another version still diffs; fall back to the field list
+        return keys
+    return keys | set(cfg.runtime_keys())
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        head, _, tail = key.partition(".")
+        if tail and head in ("params", "external_files"):
+            out.setdefault(head, {})[tail] = value
+        else:
+            out[key] = value
+    out.setdefault("params", {})
+    out.setdefault("external_files", {})
+    return out
+
+
+def format_report(report: DiffReport) -> list[str]:
+    """Human lines: one per differing field, runtime-only fields marked."""
+    lines = [
+        f"A: {report.a.path} ({report.a.kind}{', ' + report.a.checkpoint if report.a.checkpoint else ''}), "
+        f"contract {report.a.contract_sha256[:16]}",
+        f"B: {report.b.path} ({report.b.kind}{', ' + report.b.checkpoint if report.b.checkpoint else ''}), "
+        f"contract {report.b.contract_sha256[:16]}",
+    ]
+    for side in (report.a, report.b):
+        if side.checkpoint_contract and side.checkpoint_contract != side.contract_sha256:
+            lines.append(f"note: {side.path} was saved under contract {side.checkpoint_contract[:16]}")
+    if report.contract:
+        lines.append(f"contract fields that differ ({len(report.contract)}): one cannot continue the other")
+        lines.extend(f"  {d.key}: {_short(d.a)} -> {_short(d.b)}" for d in report.contract)
+    else:
+        lines.append("contract: identical (one can continue the other)")
+    if report.runtime:
+        lines.append(f"runtime-only fields that differ ({len(report.runtime)}): allowed between segments")
+        lines.extend(f"  {d.key}: {_short(d.a)} -> {_short(d.b)}  [runtime]" for d in report.runtime)
+    else:
+        lines.append("runtime fields: identical")
+    return lines
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,277 @@
+"""`pack`: write a verifiable bundle of a stopped run, and mark the source checkpoint as handed off."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay import __version__
+from torchrelay.checkpoint.inventory import read_inventory
+from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.contract import load_contract
+from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError
+from torchrelay.fsutil import atomic_write_text, fsync_dir
+from torchrelay.handoff.bundle_readme import render_readme
+from torchrelay.handoff.copying import CopyResult, copy_many
+from torchrelay.handoff.hashing import ByteCallback, sha256_file
+from torchrelay.handoff.safepath import walk_files
+from torchrelay.handoff.source import SOURCE_DIR, write_source
+from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
+from torchrelay.history import new_id, read_history
+from torchrelay.logs import rank_logs, trim_copy
+from torchrelay.manifest import Manifest
+from torchrelay.resume import RECLAIM_ENV
+from torchrelay.rundir import RunDir
+
+BUNDLE_FORMAT = 1
+BUNDLE_INFO = "bundle.json"
+HANDED_OFF = "HANDED_OFF.json"
+MANIFEST_INFO = "data/manifest_info.json"
+PROGRESS = "data/training_progress.json"
+# Copied verbatim from the run directory when present.
+RUN_FILES = ("config.json", "resume_contract.json", "history.jsonl", "data/manifest.jsonl")
+
+
+@dataclass(kw_only=True, slots=True)
+class PackOptions:
+    """How to pack: which checkpoint, link or copy, where the run's source lives."""
+
+    checkpoint: int | None = None  # None: the newest complete checkpoint
+    link: bool = False
+    code_dir: Path | None = None
+    allow_dirty: bool = False
+    jobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.checkpoint is not None and self.checkpoint < 0:
+            raise ConfigError(f"--checkpoint must be an update number >= 0, got {self.checkpoint}")
+
+
+@dataclass(slots=True)
+class PackResult:
+    """What was packed, where, and how long it took."""
+
+    bundle: Path
+    lineage: str
+    update: int
+    files: int = 0
+    bytes: int = 0
+    linked: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+def checkpoint_to_pack(run_dir: Path, which: int | None) -> Path:
+    """The complete checkpoint to pack: the newest, or checkpoint-N; refuses incomplete or handed-off ones."""
+    infos = list_checkpoints(run_dir)
+    complete = [c for c in infos if c.complete]
+    if which is None:
+        if not complete:
+            raise CheckpointError(
+                f"{run_dir} has no complete checkpoint to pack", hint="stop the run cleanly first"
+            )
+        chosen = complete[-1]
+    else:
+        matches = [c for c in infos if c.update == which]
+        if not matches:
+            have = ", ".join(str(c.update) for c in complete) or "none"
+            raise CheckpointError(f"{run_dir}/checkpoint-{which} does not exist (complete: {have})")
+        chosen = matches[0]
+        if not chosen.complete:
+            raise CheckpointError(f"{chosen.path} is incomplete ({chosen.reason}); it cannot be packed")
+    if (chosen.path / HANDED_OFF).exists() and os.environ.get(RECLAIM_ENV) != "1":
+        info = _read_json(chosen.path / HANDED_OFF)
+        raise ForkRefused(
+            f"{chosen.path} was already handed off (bundle lineage {info.get('lineage', '?')}, "
+            f"to {info.get('bundle', '?')}); packing it again would let the run continue in two places",
+            hint=f"continue from that bundle, or set {RECLAIM_ENV}=1 if that bundle was discarded",
+        )
+    return chosen.path
+
+
+def pack(
+    run_dir: Path, bundle: Path, options: PackOptions, on_bytes: ByteCallback | None = None
+) -> PackResult:
+    """Write `bundle` from `run_dir`'s checkpoint, then mark that checkpoint HANDED_OFF in the source run."""
+    started = time.perf_counter()
+    rd = RunDir(Path(run_dir))
+    bundle = Path(bundle)
+    contract = load_contract(rd.path)
+    cfg = rd.load_config()
+    ckpt = checkpoint_to_pack(rd.path, options.checkpoint)
+    inventory = read_inventory(ckpt)
+    update = int(inventory["update"])
+    if bundle.exists() and (not bundle.is_dir() or any(bundle.iterdir())):
+        raise ConfigError(f"{bundle} already exists and is not empty", hint="choose a new bundle directory")
+
+    lineage = new_id()
+    tmp = bundle.parent / f".{bundle.name}.pack-tmp-{lineage}"
+    tmp.mkdir(parents=True)
+    try:
+        result = _write_bundle(rd, cfg, contract, ckpt, inventory, tmp, lineage, options, on_bytes)
+        if bundle.exists():
+            bundle.rmdir()
+        os.rename(tmp, bundle)
+        fsync_dir(bundle.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.bundle = bundle
+    # The fork guard: from now on the source refuses to continue from this checkpoint unless reclaimed.
+    marker = {
+        "format": 1,
+        "lineage": lineage,
+        "bundle": str(bundle.resolve()),
+        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "by": _who(),
+        "update": update,
+    }
+    atomic_write_text(ckpt / HANDED_OFF, json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _write_bundle(
+    rd: RunDir,
+    cfg: Any,
+    contract: dict[str, Any],
+    ckpt: Path,
+    inventory: dict[str, Any],
+    out: Path,
+    lineage: str,
+    options: PackOptions,
+    on_bytes: ByteCallback | None,
+) -> PackResult:
+    update = int(inventory["update"])
+    result = PackResult(bundle=out, lineage=lineage, update=update)
+    digests: dict[str, str] = {}
+
+    # 1. The checkpoint, hashed while copied and held against its own inventory.
+    expected = {f["path"]: f for f in inventory["files"]}
+    names = [rel for rel in walk_files(ckpt) if rel != HANDED_OFF]
+    pairs = [(ckpt / rel, out / ckpt.name / rel) for rel in names]
+    # 2. The run's own files, verbatim (the checkpoint's files may be linked; these are always copied).
+    run_pairs = [(rd.path / rel, out / rel) for rel in RUN_FILES if (rd.path / rel).is_file()]
+    copied: list[CopyResult] = copy_many(pairs, link=options.link, jobs=options.jobs, on_bytes=on_bytes)
+    copied += copy_many(run_pairs, link=False, jobs=options.jobs, on_bytes=on_bytes)
+    for c in copied:
+        rel = c.dst.relative_to(out).as_posix()
+        digests[rel] = c.sha256
+        result.bytes += c.size
+        result.linked += int(c.linked)
+        inner = c.dst.relative_to(out / ckpt.name).as_posix() if rel.startswith(ckpt.name + "/") else None
+        if inner is not None and inner in expected:
+            want = expected[inner]
+            if c.sha256 != want["sha256"] or c.size != want["size"]:
+                raise IntegrityError(
+                    f"{c.src} does not match {ckpt / 'COMPLETE.json'} (sha256 or size differs)",
+                    hint="the source checkpoint is damaged; pack an older one with --checkpoint N",
+                )
+    missing = sorted(set(expected) - set(names))
+    if missing:
+        raise IntegrityError(
+            f"{ckpt}: {missing[0]} is listed in COMPLETE.json but missing", hint="pack an older one"
+        )
+
+    # 3. Per-rank logs up to the checkpoint's update (lines past it belong to no bundle).
+    (out / "train").mkdir(exist_ok=True)
+    for kind in ("metrics", "exposures"):
+        for _rank, path in rank_logs(rd.train_dir, kind).items():
+            trim_copy(path, out / "train" / path.name, update)
+
+    # 4. Manifest identity, the exact source, progress at the stop, lineage, the README.
+    manifest = Manifest.load(rd.manifest_path, cfg.data_root)
+    manifest_info = {
+        "path": "data/manifest.jsonl",
+        "sha256": manifest.sha256(),
+        "fingerprint": manifest.fingerprint(),
+        "data_root": cfg.data_root,
+        "samples": len(manifest),
+    }
+    _write_json(out / MANIFEST_INFO, manifest_info)
+    fields = contract["fields"]
+    code = {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}
+    source = write_source(code, options.code_dir, out / SOURCE_DIR, allow_dirty=options.allow_dirty)
+    result.warnings.extend(source.warnings)
+    progress = training_progress(out, update)
+    _write_json(out / PROGRESS, progress)
+    source_lineage = _read_json(rd.path / "lineage.json")
+    info = {
+        "format": BUNDLE_FORMAT,
+        "lineage": lineage,
+        "parent_lineage": source_lineage.get("lineage"),
+        "checkpoint": ckpt.name,
+        "update": update,
+        "contract_sha256": contract["sha256"],
+        "world_size": fields.get("world_size"),
+        "runtime_keys": cfg.runtime_keys(),
+        "source_run": str(rd.path.resolve()),
+        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "packed_by": _who(),
+        "tool_version": __version__,
+        "source": source.to_dict(),
+        "warnings": result.warnings,
+    }
+    _write_json(out / BUNDLE_INFO, info)
+    history = read_history(rd.path)
+    readme = render_readme(info, contract, cfg.to_dict(), manifest_info, progress, history)
+    (out / "README.md").write_text(readme, encoding="utf-8")
+
+    # 5. SHA256SUMS over everything; files written here (small) are hashed now, the big ones already were.
+    entries = []
+    for rel in walk_files(out):
+        digest = digests.get(rel)
+        if digest is None:
+            digest, size = sha256_file(out / rel)
+            result.bytes += size
+        entries.append(SumEntry(rel, digest))
+    write_sums(out / SUMS_NAME, entries)
+    result.files = len(entries)
+    # No per-file fsync: a bundle is proven by SHA256SUMS on arrival, not by durability on the way out.
+    return result
+
+
+def training_progress(bundle_like: Path, update: int) -> dict[str, Any]:
+    """Updates done/left, epoch, exposures, LR and mean losses at the stop, from the bundle's own copies."""
+    try:
+        from torchrelay.progress import summarize
+    except ImportError:  # the core's progress module is optional for packing
+        summary: dict[str, Any] = {}
+    else:
+        summary = dict(summarize(bundle_like))
+    summary.setdefault("update", update)
+    try:
+        from torchrelay.ledger import prove
+
+        summary.setdefault("ledger", prove(bundle_like).to_dict())
+    except Exception as exc:  # noqa: BLE001 - progress is informative; a pack must not fail on it
+        summary.setdefault("ledger_error", f"{type(exc).__name__}: {exc}")
+    return summary
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "?"
+    return f"{user}@{socket.gethostname()}"

@@ -1,0 +1,422 @@
+"""`prepare`: re-point a bundle at this cluster's paths, prove nothing else changed, and lay out the run dir.
+
+Order matters: every check that can fail runs before anything lands in the run directory; the run
+directory is assembled in a temporary sibling and renamed into place only at the end, so a failure
+leaves nothing half-prepared, and a second run on a prepared directory only re-checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay import __version__
+from torchrelay.config import RelayConfig
+from torchrelay.contract import flatten, load_contract
+from torchrelay.errors import ConfigError, IntegrityError, RelayError
+from torchrelay.fsutil import atomic_write_text, fsync_dir
+from torchrelay.handoff.copying import copy_many
+from torchrelay.handoff.hashing import ByteCallback, sha256_file
+from torchrelay.handoff.pack import BUNDLE_INFO, MANIFEST_INFO
+from torchrelay.handoff.safepath import check_relative, resolve_inside
+from torchrelay.handoff.source import extract_source
+from torchrelay.handoff.sums import SUMS_NAME
+from torchrelay.handoff.verify import VerifyReport, verify_bundle
+from torchrelay.history import new_id
+from torchrelay.manifest import Manifest
+from torchrelay.resume import validate_resume
+from torchrelay.rundir import RunDir
+
+RECORD = "REBASE_RECORD.json"
+MANIFEST_REL = "data/manifest.jsonl"
+# Keys prepare owns itself: the manifest always lives in the run directory.
+_MANAGED = {
+    "manifest": "the manifest is always the run directory's data/manifest.jsonl; set data_root instead"
+}
+# Files that carry on appending or get rewritten in the run dir are never hardlinked to the bundle.
+_NEVER_LINK_PREFIXES = ("train/", "history.jsonl", "config.json", MANIFEST_REL)
+
+Say = Callable[[str], None]
+
+
+class PreflightFailed(IntegrityError):
+    """One or more preflight checks failed; `failures` names each."""
+
+    def __init__(self, failures: list[str]) -> None:
+        body = "\n".join(f"  - {f}" for f in failures)
+        super().__init__(
+            f"PREFLIGHT: FAIL ({len(failures)} problem(s)); nothing was written to the run directory:\n{body}",
+            hint="fix each problem and run prepare again",
+        )
+        self.failures = failures
+
+
+@dataclass(kw_only=True, slots=True)
+class PrepareOptions:
+    """Where to prepare, what to change, and how to copy."""
+
+    run_dir: Path
+    sets: dict[str, Any] = field(default_factory=dict)
+    copy_mode: str = "copy"
+    check_files: bool = False
+    code_dir: Path | None = None
+    jobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.copy_mode not in ("copy", "hardlink"):
+            raise ConfigError(f"--copy-mode must be 'copy' or 'hardlink', got {self.copy_mode!r}")
+
+
+@dataclass(slots=True)
+class PrepareResult:
+    """The prepared run directory, what changed (old -> new), and the passed checks."""
+
+    run_dir: Path
+    changes: dict[str, list[Any]]
+    passed: list[str]
+    already_prepared: bool = False
+    code_dir: Path | None = None
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Hooks:
+    say: Say
+    on_bytes: ByteCallback | None
+    on_files: Callable[[int], None] | None
+
+
+def allowed_keys(cfg: RelayConfig) -> list[str]:
+    """The keys `--set` accepts: the configuration's runtime keys, minus the ones prepare manages."""
+    return [k for k in cfg.runtime_keys() if k not in _MANAGED]
+
+
+def apply_sets(cfg: RelayConfig, sets: dict[str, Any]) -> tuple[RelayConfig, dict[str, list[Any]]]:
+    """The configuration with `sets` applied, and {key: [old, new]}; refuses any non-runtime key."""
+    allowed = allowed_keys(cfg)
+    refused = [k for k in sets if k not in allowed]
+    if refused:
+        why = [f"{k} ({_MANAGED[k]})" for k in refused if k in _MANAGED]
+        raise ConfigError(
+            f"--set refused for {', '.join(refused)}: only server-specific (runtime) fields may change"
+            + (f"; {'; '.join(why)}" if why else ""),
+            hint=f"allowed keys: {', '.join(allowed)}; every other field is part of the training contract",
+        )
+    data = cfg.to_dict()
+    before = flatten(data)
+    for key, value in sets.items():
+        head, _, tail = key.partition(".")
+        if tail:
+            data[head] = {**data[head], tail: value}
+        else:
+            data[key] = value
+    new = RelayConfig.from_dict(data, source="--set")
+    after = flatten(new.to_dict())
+    changes = {
+        k: [before.get(k), after.get(k)]
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    }
+    return new, changes
+
+
+def prepare(
+    bundle: Path,
+    options: PrepareOptions,
+    *,
+    say: Say = print,
+    on_bytes: ByteCallback | None = None,
+    on_files: Callable[[int], None] | None = None,
+) -> PrepareResult:
+    """Check everything, then assemble the run directory from the bundle; raise PreflightFailed naming each failure."""
+    started = time.perf_counter()
+    hooks = _Hooks(say, on_bytes, on_files)
+    bundle = Path(bundle).resolve()
+    run_dir = Path(options.run_dir).absolute()
+    info = _read_json(bundle / BUNDLE_INFO, "the bundle's lineage record")
+    contract = load_contract(bundle)
+    stored = RunDir(bundle).load_config()
+    new_cfg, changes = apply_sets(stored, options.sets)
+
+    existing = _existing_state(run_dir, info)
+    if existing is not None:
+        return _recheck(run_dir, existing, changes, options, contract, hooks, started)
+
+    tmp = run_dir.parent / f".{run_dir.name}.prepare-tmp-{new_id()}"
+    tmp.mkdir(parents=True)
+    try:
+        result = _prepare_into(tmp, bundle, info, contract, stored, new_cfg, changes, options, hooks)
+        if run_dir.exists():
+            run_dir.rmdir()  # existed but empty (checked above)
+        os.rename(tmp, run_dir)
+        fsync_dir(run_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.run_dir = run_dir
+    if result.code_dir is not None and options.code_dir is None:
+        result.code_dir = run_dir / result.code_dir.relative_to(tmp)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _prepare_into(
+    tmp: Path,
+    bundle: Path,
+    info: dict[str, Any],
+    contract: dict[str, Any],
+    stored: RelayConfig,
+    new_cfg: RelayConfig,
+    changes: dict[str, list[Any]],
+    options: PrepareOptions,
+    hooks: _Hooks,
+) -> PrepareResult:
+    fields = contract["fields"]
+    failures: list[str] = []
+    proofs: list[str] = []
+
+    # 1. Data: rebase the manifest into the temporary dir and prove the fingerprint unchanged.
+    (tmp / "data").mkdir()
+    manifest_src = resolve_inside(bundle, MANIFEST_REL, source=str(bundle))
+    old_manifest = Manifest.load(manifest_src, stored.data_root)
+    recorded = _read_json(bundle / MANIFEST_INFO, "the manifest's identity").get("fingerprint")
+    fp_old = old_manifest.fingerprint()
+    rebased_path = tmp / MANIFEST_REL
+    if new_cfg.data_root != stored.data_root:
+        lines = old_manifest.rebased_lines(new_cfg.data_root)
+        rebased_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    else:
+        shutil.copyfile(manifest_src, rebased_path)
+    new_manifest = Manifest.load(rebased_path, new_cfg.data_root)
+    fp_new = new_manifest.fingerprint()
+    if not (fp_old == fp_new == fields.get("data.fingerprint") == recorded):
+        failures.append(
+            f"data manifest fingerprint changed: recorded {fields.get('data.fingerprint')}, "
+            f"manifest_info {recorded}, before rebase {fp_old}, after rebase {fp_new}"
+        )
+    else:
+        proofs.append(
+            f"manifest rebased {stored.data_root!r} -> {new_cfg.data_root!r}: sha256 {old_manifest.sha256()[:16]}... "
+            f"-> {new_manifest.sha256()[:16]}..., fingerprint unchanged {fp_new}"
+        )
+        hooks.say(f"manifest fingerprint unchanged: {fp_new}")
+    if options.check_files:
+        failures.extend(_check_files(new_manifest, hooks, proofs))
+
+    # 2. External files: each must hash to the identity the contract recorded.
+    for name, path in sorted(new_cfg.external_files.items()):
+        want = fields.get(f"external.{name}.sha256")
+        if not Path(path).is_file():
+            failures.append(f"external file {name!r}: {path} does not exist (set external_files.{name}=PATH)")
+            continue
+        got = sha256_file(Path(path))[0]
+        if got != want:
+            failures.append(
+                f"external file {name!r}: {path} has SHA-256 {got}, the run was trained with {want}"
+            )
+        else:
+            proofs.append(f"external file {name}: {path} SHA-256 {got} = contract external.{name}.sha256")
+
+    # 3. Every byte of the bundle against SHA256SUMS, and the checkpoint inventory against its files.
+    hooks.say("verifying the bundle against SHA256SUMS")
+    report = verify_bundle(bundle, jobs=options.jobs, on_bytes=hooks.on_bytes)
+    if not report.ok:
+        failures.extend(f"bundle file {p}" for p in report.problems())
+    else:
+        proofs.append(
+            f"{len(report.sums.checks)} bundle files ({report.sums.total_bytes:,} bytes) match SHA256SUMS "
+            f"(sha256 {sha256_file(bundle / SUMS_NAME)[0]}); inventories of {', '.join(report.checkpoints)} match"
+        )
+
+    # 4. The exact code: the bundle's archive, extracted (or the caller's checkout).
+    code_dir = options.code_dir
+    source = info.get("source") or {}
+    if code_dir is None and source.get("archive"):
+        archive = resolve_inside(bundle, str(source["archive"]), source=str(bundle / BUNDLE_INFO))
+        prefix = check_relative(str(source.get("archive_prefix")), source="bundle.json source.archive_prefix")
+        code_dir = extract_source(archive, tmp / "source", prefix.as_posix())
+    if failures:
+        raise PreflightFailed(failures)
+
+    # 5. The trainer's own validation, on the bundle itself, before anything is copied.
+    check_cfg = new_cfg.replace(manifest=str(rebased_path))
+    world_size = int(fields["world_size"])
+    try:
+        check = validate_resume(bundle, check_cfg, world_size, code_dir, deep=False)
+    except RelayError as exc:
+        raise PreflightFailed([f"trainer validation on the bundle: {exc}"]) from None
+
+    # 6. Copy (or link) into the temporary run dir, re-hashing every byte against what was verified.
+    _copy_bundle(bundle, tmp, report, options, hooks)
+    (tmp / (MANIFEST_REL + ".orig")).unlink(missing_ok=True)
+    shutil.copyfile(manifest_src, tmp / (MANIFEST_REL + ".orig"))
+    shutil.copyfile(bundle / "config.json", tmp / "config.json.orig")
+    final_cfg = new_cfg.replace(manifest=stored.manifest)
+    atomic_write_text(tmp / "config.json", json.dumps(final_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+    lineage = {"lineage": info.get("lineage"), "parent_lineage": info.get("parent_lineage")}
+    atomic_write_text(tmp / "lineage.json", json.dumps(lineage))
+
+    # 7. The same validation again on the assembled directory, which is what the launch will see.
+    try:
+        final = validate_resume(
+            tmp, final_cfg.replace(manifest=str(tmp / MANIFEST_REL)), world_size, code_dir, deep=False
+        )
+    except RelayError as exc:
+        raise PreflightFailed([f"trainer validation on the prepared directory: {exc}"]) from None
+    passed = proofs + check.passed + [p for p in final.passed if p not in check.passed]
+    record = {
+        "format": 1,
+        "tool": f"torchrelay {__version__}",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "bundle": str(bundle),
+        "bundle_lineage": info.get("lineage"),
+        "parent_lineage": info.get("parent_lineage"),
+        "sums_sha256": sha256_file(bundle / SUMS_NAME)[0],
+        "checkpoint": info.get("checkpoint"),
+        "update": final.update,
+        "contract_sha256": contract["sha256"],
+        "copy_mode": options.copy_mode,
+        "code_dir": str(code_dir) if code_dir else None,
+        "changes": changes,
+        "proofs": passed,
+        "originals": ["config.json.orig", MANIFEST_REL + ".orig"],
+    }
+    atomic_write_text(tmp / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return PrepareResult(run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir)
+
+
+def _copy_bundle(
+    bundle: Path, tmp: Path, report: VerifyReport, options: PrepareOptions, hooks: _Hooks
+) -> None:
+    digests = report.sums.digests()
+    checkpoints = tuple(c + "/" for c in report.checkpoints)
+    wanted = [
+        c.path
+        for c in report.sums.checks
+        if c.path.startswith(checkpoints)
+        or c.path.startswith("train/")
+        or c.path in ("config.json", "resume_contract.json", "history.jsonl")
+    ]
+    link_ok = options.copy_mode == "hardlink"
+    linkable = [p for p in wanted if link_ok and not p.startswith(_NEVER_LINK_PREFIXES)]
+    rest = [p for p in wanted if p not in set(linkable)]
+    results = copy_many(
+        [(resolve_inside(bundle, p, source=str(bundle)), tmp / p) for p in linkable],
+        link=True,
+        jobs=options.jobs,
+        on_bytes=hooks.on_bytes,
+    )
+    results += copy_many(
+        [(resolve_inside(bundle, p, source=str(bundle)), tmp / p) for p in rest],
+        link=False,
+        jobs=options.jobs,
+        on_bytes=hooks.on_bytes,
+    )
+    for r in results:
+        rel = r.dst.relative_to(tmp).as_posix()
+        if digests.get(rel, ("", -1))[0] != r.sha256:
+            raise IntegrityError(
+                f"{bundle / rel} changed between verification and copy (SHA-256 {r.sha256})",
+                hint="something is writing into the bundle; re-download it and run prepare again",
+            )
+
+
+def _check_files(manifest: Manifest, hooks: _Hooks, proofs: list[str]) -> list[str]:
+    paths = list(manifest.paths())
+    missing: list[str] = []
+    for i, path in enumerate(paths, 1):
+        if not os.path.exists(path):
+            missing.append(path)
+        if hooks.on_files is not None and (i % 256 == 0 or i == len(paths)):
+            hooks.on_files(256 if i % 256 == 0 else i % 256)
+    if missing:
+        examples = ", ".join(missing[:5])
+        return [
+            f"--check-files: {len(missing)} of {len(paths)} manifest files missing under the new root, e.g. {examples}"
+        ]
+    proofs.append(f"--check-files: all {len(paths)} manifest files exist under {manifest.data_root}")
+    hooks.say(f"all {len(paths)} manifest files exist")
+    return []
+
+
+def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | None:
+    """None for a new or empty run dir; the record if it was prepared from this bundle; refuse otherwise."""
+    if not run_dir.exists():
+        return None
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} exists and is not a directory", hint="choose another --run-dir")
+    if not any(run_dir.iterdir()):
+        return None
+    record_path = run_dir / RECORD
+    if record_path.is_file():
+        record = _read_json(record_path, "the rebase record")
+        if record.get("bundle_lineage") == info.get("lineage"):
+            return record
+        raise ConfigError(
+            f"{run_dir} was prepared from another bundle (lineage {record.get('bundle_lineage')}, "
+            f"this bundle is {info.get('lineage')})",
+            hint="choose a new --run-dir",
+        )
+    shown = sorted(p.name for p in run_dir.iterdir())[:5]
+    raise ConfigError(
+        f"{run_dir} is not empty ({shown}) and was not prepared from this bundle",
+        hint="choose a new or empty --run-dir; prepare never writes into an unrelated directory",
+    )
+
+
+def _recheck(
+    run_dir: Path,
+    record: dict[str, Any],
+    changes: dict[str, list[Any]],
+    options: PrepareOptions,
+    contract: dict[str, Any],
+    hooks: _Hooks,
+    started: float,
+) -> PrepareResult:
+    """A second prepare on the same directory changes nothing; it re-runs the trainer's validation."""
+    if options.sets and changes != record.get("changes"):
+        raise ConfigError(
+            f"{run_dir} was already prepared from this bundle with {record.get('changes')}, not {changes}",
+            hint="to change a runtime field now, launch with TORCHRELAY_OVERRIDES, or prepare a new --run-dir",
+        )
+    hooks.say(f"{run_dir} was already prepared from this bundle at {record.get('time')}; re-checking only")
+    rd = RunDir(run_dir)
+    cfg = rd.load_config()
+    code_dir = options.code_dir or (Path(record["code_dir"]) if record.get("code_dir") else None)
+    if code_dir is not None and not code_dir.is_dir():
+        code_dir = None
+    try:
+        check = validate_resume(
+            run_dir,
+            cfg.replace(manifest=str(run_dir / MANIFEST_REL)),
+            int(contract["fields"]["world_size"]),
+            code_dir,
+        )
+    except RelayError as exc:
+        raise PreflightFailed([f"trainer validation on {run_dir}: {exc}"]) from None
+    return PrepareResult(
+        run_dir=run_dir,
+        changes=record.get("changes", {}),
+        passed=check.passed,
+        already_prepared=True,
+        code_dir=code_dir,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path} is missing ({what})", hint="is this a torchrelay bundle?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"{path} is unreadable ({what}): {exc}", hint="re-download the bundle") from None
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{path} does not hold a JSON object ({what})", hint="re-download the bundle")
+    return data

@@ -1,0 +1,204 @@
+"""The exact source of a run, for a bundle: a `git archive` of the recorded commit, a `git bundle` of its
+branch, and a manifest of the archive's files; or, for a run trained from a plain tree, a tarball of it."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import subprocess
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
+from torchrelay.identity import code_identity
+
+SOURCE_DIR = "source"
+SOURCE_MANIFEST = "source_manifest.sha256"
+_SKIP = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+
+
+@dataclass(slots=True)
+class SourceInfo:
+    """What `pack` wrote under source/ (paths relative to the bundle) and how it proved them exact."""
+
+    archive: str | None = None
+    archive_prefix: str | None = None
+    git_bundle: str | None = None
+    branch: str | None = None
+    commit: str | None = None
+    tree: str | None = None
+    manifest: str | None = None
+    proofs: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def _git(code_dir: Path, *args: str, binary: bool = False) -> subprocess.CompletedProcess[Any]:
+    return subprocess.run(
+        ["git", "-C", str(code_dir), *args], capture_output=True, text=not binary, check=False
+    )
+
+
+def write_source(
+    code: dict[str, Any], code_dir: Path | None, out_dir: Path, *, allow_dirty: bool
+) -> SourceInfo:
+    """Write the source recorded by the contract's code identity into `out_dir` (the bundle's source/)."""
+    info = SourceInfo(commit=code.get("commit"), tree=code.get("tree"))
+    if code.get("dirty"):
+        message = (
+            "the run was trained from a git tree with uncommitted changes "
+            f"(code.dirty_sha256 {str(code.get('dirty_sha256'))[:16]}...): no archive can reproduce that code"
+        )
+        if not allow_dirty:
+            raise ConfigError(
+                message,
+                hint="commit the changes and start a new run, or pass --allow-dirty to pack without exact source",
+            )
+        info.warnings.append(
+            message + "; packed anyway (--allow-dirty): a continuation's contract check will fail"
+        )
+    if not code.get("tree"):
+        info.warnings.append("the contract records no code identity: no source is included")
+        return info
+    if code_dir is None:
+        raise ConfigError(
+            f"the run's code (commit {code.get('commit')}, tree {code.get('tree')}) must be packed, "
+            "but no code directory was given",
+            hint="pass --code-dir with the git checkout (or plain tree) the run was trained from",
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if code.get("commit"):
+        _from_git(info, Path(code_dir), out_dir)
+    else:
+        _from_plain_tree(info, Path(code_dir), out_dir)
+    return info
+
+
+def _from_git(info: SourceInfo, code_dir: Path, out_dir: Path) -> None:
+    commit = str(info.commit)
+    if _git(code_dir, "cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        raise ConfigError(
+            f"{code_dir} does not hold commit {commit}, which the run was trained from",
+            hint="pass --code-dir with a clone that has this commit (git fetch it first)",
+        )
+    tree = _git(code_dir, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
+    if tree != info.tree:
+        raise IntegrityError(f"commit {commit} has tree {tree}, but the contract records tree {info.tree}")
+    info.proofs.append(f"git rev-parse {commit[:12]}^{{tree}} = {tree} = contract code.tree")
+    name = code_dir.resolve().name or "source"
+    prefix = f"{name}-{commit[:7]}"
+    archive = out_dir / f"{prefix}.tar.gz"
+    # `git archive` output is deterministic for a commit; gzip -n keeps it so (no name or time stamp).
+    tar = _git(code_dir, "archive", "--format=tar", f"--prefix={prefix}/", commit, binary=True)
+    if tar.returncode != 0:
+        raise ConfigError(f"git archive {commit} failed in {code_dir}: {tar.stderr.decode(errors='replace')}")
+    with open(archive, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+        gz.write(tar.stdout)
+    info.archive, info.archive_prefix = f"{SOURCE_DIR}/{archive.name}", prefix
+    info.manifest = _write_manifest(tar.stdout, out_dir)
+    info.proofs.append(f"{info.archive} = git archive {commit[:12]} (prefix {prefix}/)")
+
+    branch = _branch_containing(code_dir, commit)
+    if branch is None:
+        info.warnings.append(
+            f"no local branch contains {commit[:12]}: no git history (git bundle) is included"
+        )
+        return
+    safe = branch.replace("/", "_")
+    bundle = out_dir / f"{safe}.bundle"
+    made = _git(code_dir, "bundle", "create", str(bundle.resolve()), branch)
+    if made.returncode != 0:
+        info.warnings.append(f"git bundle create failed ({made.stderr.strip()}): no git history included")
+        bundle.unlink(missing_ok=True)
+        return
+    info.git_bundle, info.branch = f"{SOURCE_DIR}/{bundle.name}", branch
+    tip = _git(code_dir, "rev-parse", branch).stdout.strip()
+    info.proofs.append(f"{info.git_bundle}: branch {branch}, tip {tip[:12]}, contains {commit[:12]}")
+
+
+def _branch_containing(code_dir: Path, commit: str) -> str | None:
+    current = _git(code_dir, "symbolic-ref", "--quiet", "--short", "HEAD").stdout.strip()
+    listed = _git(code_dir, "branch", "--contains", commit, "--format=%(refname:short)").stdout.split()
+    if current and current in listed:
+        return current
+    return listed[0] if listed else None
+
+
+def _from_plain_tree(info: SourceInfo, code_dir: Path, out_dir: Path) -> None:
+    tree = code_identity(code_dir)["tree"]
+    if tree != info.tree:
+        raise IntegrityError(
+            f"{code_dir} hashes to tree {tree}, but the run was trained from tree {info.tree}",
+            hint="pass --code-dir with the exact source tree the run was trained from",
+        )
+    info.proofs.append(f"{code_dir} has git tree hash {tree} = contract code.tree")
+    prefix = f"{code_dir.resolve().name}-{str(tree)[:7]}"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(_plain_files(code_dir)):
+            rel = path.relative_to(code_dir).as_posix()
+            ti = tar.gettarinfo(str(path), arcname=f"{prefix}/{rel}")
+            ti.uid = ti.gid = 0
+            ti.uname = ti.gname = ""
+            ti.mtime = 0
+            if ti.isreg():
+                with open(path, "rb") as f:
+                    tar.addfile(ti, f)
+            else:
+                tar.addfile(ti)
+    archive = out_dir / f"{prefix}.tar.gz"
+    with open(archive, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+        gz.write(buf.getvalue())
+    info.archive, info.archive_prefix = f"{SOURCE_DIR}/{archive.name}", prefix
+    info.manifest = _write_manifest(buf.getvalue(), out_dir)
+    info.warnings.append("the run was trained from a plain tree (no git commit): no git history is included")
+
+
+def _plain_files(root: Path) -> list[Path]:
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP]
+        out.extend(Path(dirpath) / n for n in filenames)
+        out.extend(Path(dirpath) / d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))
+    return out
+
+
+def _write_manifest(tar_bytes: bytes, out_dir: Path) -> str:
+    """source_manifest.sha256: `sha256sum` lines for every regular file inside the archive."""
+    lines = []
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:") as tar:
+        for member in tar.getmembers():
+            if member.isreg():
+                data = tar.extractfile(member)
+                assert data is not None  # a regular member always has data
+                lines.append(f"{hashlib.sha256(data.read()).hexdigest()}  {member.name}\n")
+    (out_dir / SOURCE_MANIFEST).write_text("".join(sorted(lines, key=lambda s: s[66:])))
+    return f"{SOURCE_DIR}/{SOURCE_MANIFEST}"
+
+
+def extract_source(archive: Path, dest: Path, prefix: str) -> Path:
+    """Extract an (untrusted) source archive with tarfile's `data` filter; return the tree's folder."""
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, mode="r:gz") as tar:
+            for member in tar.getmembers():
+                top = member.name.split("/", 1)[0]
+                if top != prefix:
+                    raise UnsafeInput(
+                        f"{archive}: member {member.name!r} is outside the expected folder {prefix}/",
+                        hint="the bundle's source archive is damaged or forged",
+                    )
+            tar.extractall(dest, filter="data")
+    except tarfile.FilterError as exc:
+        raise UnsafeInput(
+            f"{archive}: refused member ({exc})", hint="the bundle's source archive is forged"
+        ) from exc
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise IntegrityError(f"{archive}: cannot extract ({exc})", hint="re-download the bundle") from exc
+    return dest / prefix
