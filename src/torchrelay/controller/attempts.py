@@ -28,6 +28,7 @@ import yaml
 from torchrelay.controller.plan import plan_diff
 from torchrelay.errors import ConfigError
 from torchrelay.fsutil import atomic_write_text
+from torchrelay.rundir import RunDir
 
 ATTEMPTS_DIR = "attempts"
 FROZEN_PLAN = "plan.frozen.yaml"
@@ -96,12 +97,37 @@ class Attempt:
 
 
 class Attempts:
-    """The attempts folder of a run directory."""
+    """The attempts folder of a run directory.
+
+    Run.open creates a run only in an empty directory, so before the run exists the attempts wait beside it in
+    `.<name>.attempts/` and `settle()` moves them in once the formal run has created it.
+    """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.root = Path(run_dir) / ATTEMPTS_DIR
+        self.run_dir = Path(run_dir)
+        self.final = self.run_dir / ATTEMPTS_DIR
+        self.staging = self.run_dir.parent / f".{self.run_dir.name}.{ATTEMPTS_DIR}"
+        self.settle()
+        self.root = self.final if RunDir(self.run_dir).exists() or self.final.exists() else self.staging
 
-    def list(self) -> list[Attempt]:
+    def settle(self, attempt: Attempt | None = None) -> Attempt | None:
+        """Move staged attempts into the run directory once it holds a run; returns `attempt` at its new place."""
+        if not self.staging.is_dir() or not RunDir(self.run_dir).exists():
+            return attempt
+        self.final.mkdir(exist_ok=True)
+        for child in sorted(self.staging.iterdir()):
+            target = self.final / child.name
+            if child.name == FROZEN_PLAN and target.exists():
+                child.unlink()
+                continue
+            os.replace(child, target)
+        self.staging.rmdir()
+        self.root = self.final
+        if attempt is not None and attempt.path.parent != self.final:
+            attempt.path = self.final / attempt.path.name
+        return attempt
+
+    def all(self) -> list[Attempt]:
         if not self.root.is_dir():
             return []
         found = []
@@ -125,7 +151,7 @@ class Attempts:
         if frozen is None:
             atomic_write_text(self.root / FROZEN_PLAN, _yaml(plan))
             frozen = plan
-        number = (self.list()[-1].number + 1) if self.list() else 1
+        number = (self.all()[-1].number + 1) if self.all() else 1
         while True:  # two launches at once must not share a folder
             path = self.root / f"attempt_{number:02d}"
             try:
@@ -143,7 +169,7 @@ class Attempts:
 
     def latest_measurements(self) -> dict[str, Any] | None:
         """measurements.json of the newest attempt that has one (a later attempt may skip the smoke)."""
-        for attempt in reversed(self.list()):
+        for attempt in reversed(self.all()):
             data = attempt.read_json("measurements.json")
             if isinstance(data, dict):
                 return data

@@ -59,9 +59,7 @@ class CostModel:
             return Decision(True, needed, None, "no deadline")
         left = deadline - now
         m = self.measurements
-        parts = (
-            f"startup {m.startup_s:.1f}s + update {m.update_s:.2f}s + save {m.save_s:.2f}s + margin {self.margin_s:.1f}s"
-        )
+        parts = f"startup {m.startup_s:.1f}s + update {m.update_s:.2f}s + save {m.save_s:.2f}s + margin {self.margin_s:.1f}s"
         if left < needed:
             return Decision(False, needed, left, f"{left:.1f}s left < {needed:.1f}s needed ({parts})")
         return Decision(True, needed, left, f"{left:.1f}s left >= {needed:.1f}s needed ({parts})")

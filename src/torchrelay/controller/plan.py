@@ -109,10 +109,14 @@ class PreflightSpec:
     def __post_init__(self) -> None:
         _check_type("plan preflight", "checkpoints_ahead", self.checkpoints_ahead, int)
         if self.checkpoints_ahead < 0:
-            raise ConfigError(f"plan preflight: 'checkpoints_ahead' must be >= 0, got {self.checkpoints_ahead}")
+            raise ConfigError(
+                f"plan preflight: 'checkpoints_ahead' must be >= 0, got {self.checkpoints_ahead}"
+            )
         if not isinstance(self.checks, list):
             raise ConfigError(f"plan preflight: 'checks' must be a list, got {self.checks!r}")
-        self.checks = [c if isinstance(c, CheckSpec) else _build(CheckSpec, c, "preflight.checks") for c in self.checks]
+        self.checks = [
+            c if isinstance(c, CheckSpec) else _build(CheckSpec, c, "preflight.checks") for c in self.checks
+        ]
         names = [c.name for c in self.checks]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -306,7 +310,9 @@ def read_plan_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"plan file {p} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"plan file {p} must hold a mapping (run_dir, train, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"plan file {p} must hold a mapping (run_dir, train, ...), got {type(data).__name__}"
+        )
     return data
 
 

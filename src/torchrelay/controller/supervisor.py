@@ -25,6 +25,7 @@ from typing import IO, Any
 import psutil
 
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
+from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 
 # How long after a forwarded clean-stop signal, or after the hard deadline, before the tree is killed.
@@ -55,6 +56,7 @@ class Supervisor:
     limits: MemoryLimits | None = None
     poll_s: float = 0.5
     ranks_ready: Callable[[], bool] = lambda: True
+    on_poll: Callable[[], None] = lambda: None  # called every poll while the command runs
     forward_to: str = "children"  # "children": the ranks under torchrun; "self": srun forwards it on
     kill_at: float | None = None  # unix time after which a still-running tree is stopped, then killed
     job: str | None = None
@@ -84,10 +86,14 @@ class Supervisor:
             start_new_session=True,  # a terminal's Ctrl-C reaches us, and we decide what the ranks get
         )
         self._proc = proc
-        reader = threading.Thread(target=_pump, args=(proc.stdout, self.output or sys.stdout, tail), daemon=True)
+        reader = threading.Thread(
+            target=_pump, args=(proc.stdout, self.output or sys.stdout, tail), daemon=True
+        )
         reader.start()
         memory, killed = "", ""
+        request_written = False
         while proc.poll() is None:
+            self.on_poll()
             if self._pending and self._deliver():
                 self._term_sent_at = self._term_sent_at or time.time()
             if guard is not None:
@@ -99,16 +105,16 @@ class Supervisor:
                         f"torchrelay: memory guard: training tree uses {rss / GIB:.2f} GiB >= soft limit "
                         f"{guard.limits.soft_bytes / GIB:.2f} GiB: asking for a clean stop"
                     )
-                    if self.run_dir is not None:
-                        write_request(self.run_dir, job=self.job, reason="memory")
                 elif verdict == HARD:
                     memory = HARD
-                    killed = (
-                        f"memory guard: {rss / GIB:.2f} GiB >= hard limit {guard.limits.hard_bytes / GIB:.2f} GiB"
-                    )
+                    killed = f"memory guard: {rss / GIB:.2f} GiB >= hard limit {guard.limits.hard_bytes / GIB:.2f} GiB"
                     self.log(f"torchrelay: {killed}: killing the training process tree")
                     kill_tree(proc.pid)
                     break
+            # Before the run exists a request would make its directory non-empty: wait for it.
+            if memory == SOFT and not request_written and self.run_dir and RunDir(self.run_dir).exists():
+                write_request(self.run_dir, job=self.job, reason="memory")
+                request_written = True
             now = time.time()
             if self.kill_at is not None and now > self.kill_at and self._term_sent_at is None:
                 self.log("torchrelay: past the deadline and still running: sending SIGTERM to the ranks")
@@ -227,7 +233,9 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     command = [a.replace("{SLURM_NODEID}", node_rank) for a in command]
     limits = None
     if args.soft_gib > 0:
-        limits = MemoryLimits(soft_bytes=int(args.soft_gib * GIB), hard_bytes=int(max(args.hard_gib, args.soft_gib) * GIB))
+        limits = MemoryLimits(
+            soft_bytes=int(args.soft_gib * GIB), hard_bytes=int(max(args.hard_gib, args.soft_gib) * GIB)
+        )
     sup = Supervisor(
         argv=command,
         cwd=os.getcwd(),

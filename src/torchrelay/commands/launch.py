@@ -1,0 +1,33 @@
+"""`torchrelay launch PLAN.yaml`: one attempt of a plan (preflight, smoke, formal run), exit code of its outcome."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from torchrelay.config import parse_assignments
+from torchrelay.controller.costmodel import parse_deadline
+from torchrelay.controller.launcher import LaunchRequest, launch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", type=Path, help="the plan YAML (training command, run directory, stages)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a plan field (dotted key)"
+    )
+    parser.add_argument(
+        "--deadline", default=None, help="stop cleanly by this time (unix seconds or ISO 8601)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=None, metavar="SECONDS", help="stop cleanly within this"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    request = LaunchRequest(
+        plan_path=args.plan,
+        sets=parse_assignments(args.set),
+        deadline=parse_deadline(args.deadline) if args.deadline else None,
+        budget_s=args.budget,
+    )
+    return launch(request).exit_code

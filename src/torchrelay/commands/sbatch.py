@@ -1,0 +1,67 @@
+"""`torchrelay sbatch PLAN.yaml`: write (and with --submit, submit) a self-requeueing Slurm batch script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from torchrelay.config import parse_assignments
+from torchrelay.controller.plan import load_plan
+from torchrelay.slurm import BatchSpec, render_batch_script, submit
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", type=Path, help="the plan YAML")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="plan override, per launch"
+    )
+    parser.add_argument(
+        "--time", default=None, help="time limit per job (Slurm format); default plan slurm.time"
+    )
+    parser.add_argument("--nodes", type=int, default=None, help="default plan train.nnodes")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default plan slurm.gpus_per_node")
+    parser.add_argument(
+        "--signal", type=int, default=None, metavar="SECONDS", help="warning signal before the end"
+    )
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--account", default=None)
+    parser.add_argument(
+        "--output", type=Path, default=None, help="where to write the script (default RUN_DIR.sbatch)"
+    )
+    parser.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
+
+
+def run(args: argparse.Namespace) -> int:
+    sets = parse_assignments(args.set)
+    plan = load_plan(args.plan, sets)
+    s = plan.slurm
+    spec = BatchSpec(
+        plan_path=args.plan.resolve(),
+        run_dir=plan.run_path,
+        workdir=plan.work_path,
+        time=args.time or s.time,
+        nodes=args.nodes or s.nodes or plan.train.nnodes,
+        gpus_per_node=s.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node,
+        cpus_per_task=s.cpus_per_task,
+        mem=s.mem,
+        partition=args.partition or s.partition,
+        account=args.account or s.account,
+        job_name=s.job_name or f"relay-{plan.name}",
+        signal_s=args.signal or s.signal_s,
+        max_requeues=s.max_requeues,
+        output=s.output,
+        extra=list(s.extra),
+        sets=list(args.set),
+        python=plan.train.python,
+    )
+    if spec.nodes != plan.train.nnodes:
+        spec.sets.append(f"train.nnodes={spec.nodes}")
+    script = args.output or plan.run_path.parent / f"{plan.run_path.name}.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(render_batch_script(spec))
+    os.chmod(script, 0o755)
+    print(f"wrote {script}")
+    if args.submit:
+        print(f"submitted job {submit(script)}")
+    return 0

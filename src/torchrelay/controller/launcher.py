@@ -1,0 +1,403 @@
+"""One attempt of a plan: preflight → smoke → formal run in the same allocation, budget-aware and supervised.
+
+The outcome comes from the run directory, not from torchrun's exit status (torchrun turns any worker's non-zero
+exit into its own 1): the segment this attempt started in history.jsonl says how it ended, and that maps to the
+controller's exit code — 0 finished, 3 budget, 4 request, 5 signal, 6 memory, 1 crash or error, 2 refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.controller.attempts import Attempt, Attempts, Outcome
+from torchrelay.controller.costmodel import CostModel, Measurements, earliest
+from torchrelay.controller.memguard import MemoryLimits
+from torchrelay.controller.plan import Plan, load_plan
+from torchrelay.controller.preflight import CheckResult, PreflightReport, check_disk, run_preflight
+from torchrelay.controller.smoke import SmokeFailed, discard, evaluate, smoke_overrides
+from torchrelay.controller.supervisor import SignalRelay, Supervised, Supervisor
+from torchrelay.errors import (
+    EXIT_BUDGET,
+    EXIT_ERROR,
+    EXIT_FINISHED,
+    EXIT_MEMORY,
+    EXIT_REFUSED,
+    EXIT_REQUEST,
+    EXIT_SIGNAL,
+    RelayError,
+)
+from torchrelay.history import read_history
+from torchrelay.rundir import RunDir
+from torchrelay.stop import write_request
+
+EXIT_OF_ENDED = {
+    "finished": EXIT_FINISHED,
+    "budget": EXIT_BUDGET,
+    "request": EXIT_REQUEST,
+    "signal": EXIT_SIGNAL,
+    "memory": EXIT_MEMORY,
+    "memory-killed": EXIT_MEMORY,
+    "refused": EXIT_REFUSED,
+}
+# Variables the controller sets itself for each stage; inherited values must not leak into a stage.
+STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
+_TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def exit_code_of(ended: str) -> int:
+    return EXIT_OF_ENDED.get(ended, EXIT_ERROR)
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchRequest:
+    """A `torchrelay launch`: the plan file, its `--set` overrides and the time limits."""
+
+    plan_path: Path
+    sets: dict[str, Any] = field(default_factory=dict)
+    deadline: float | None = None  # unix seconds
+    budget_s: float | None = None  # seconds from now
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    clock: Callable[[], float] = time.time
+    time_left: Callable[[str], float | None] | None = None  # job id -> end time; default asks squeue
+
+
+class Controller:
+    """Runs one attempt; `run()` returns its Outcome (also written to outcome.json)."""
+
+    def __init__(self, request: LaunchRequest, console: Console | None = None) -> None:
+        self.req = request
+        self.console = console or Console(stderr=True, highlight=False)
+        self.plan: Plan = load_plan(request.plan_path, request.sets)
+        self.attempts = Attempts(self.plan.run_path)
+        self.job = request.env.get("SLURM_JOB_ID") or None
+        self.relay = SignalRelay()
+
+    # ------------------------------------------------------------------------------------------ the stages
+    def run(self) -> Outcome:
+        started = self.req.clock()
+        deadline = self._deadline(started)
+        attempt, diff = self.attempts.start(self.plan.to_dict(), self.req.sets)
+        self._show_attempt(attempt, diff, deadline)
+        before = _saved_update(self.plan.run_path)
+        outcome = Outcome(
+            exit_code=EXIT_ERROR, ended="error", stage="preflight", started=started, job=self.job
+        )
+        outcome.updates_before = outcome.updates_after = before
+        with self.relay:
+            try:
+                outcome = self._stages(attempt, outcome, deadline)
+            except RelayError as exc:
+                outcome.exit_code = exc.exit_code
+                outcome.ended = "refused" if exc.exit_code == EXIT_REFUSED else "error"
+                outcome.message = str(exc)
+        outcome.stopped = self.req.clock()
+        outcome.updates_after = max(outcome.updates_after, _saved_update(self.plan.run_path))
+        attempt = self.attempts.settle(attempt) or attempt
+        attempt.finish(outcome)
+        self._show_outcome(attempt, outcome)
+        return outcome
+
+    def _stages(self, attempt: Attempt, outcome: Outcome, deadline: float | None) -> Outcome:
+        plan = self.plan
+        report = run_preflight(plan, self._env({}), on_result=self._show_check)
+        attempt.write_json("preflight.json", report.to_list())
+        if self._interrupted(outcome, "before the smoke run"):
+            return outcome
+
+        outcome.stage = "smoke"
+        measurements = self._measurements(attempt)
+        if measurements is None:
+            measurements = self._smoke(attempt, outcome)
+            if measurements is None:
+                return outcome
+            check_disk(
+                plan.run_path,
+                measurements.checkpoint_bytes,
+                plan.preflight.checkpoints_ahead,
+                PreflightReport(),
+            )
+        if self._interrupted(outcome, "after the smoke run"):
+            return outcome
+
+        outcome.stage = "formal"
+        cost = CostModel(measurements=measurements, margin_s=plan.budget.margin_s)
+        decision = cost.decide(deadline, self.req.clock())
+        self.console.print(f"[bold]cost model[/]: {decision.why}")
+        if not decision.go:
+            outcome.exit_code, outcome.ended = EXIT_REFUSED, "refused"
+            outcome.message = f"not enough time to start the formal run: {decision.why}"
+            return outcome
+        return self._formal(attempt, outcome, cost, deadline)
+
+    def _measurements(self, attempt: Attempt) -> Measurements | None:
+        """Measurements to use without a smoke run, or None: run the smoke."""
+        smoke, budget = self.plan.smoke, self.plan.budget
+        if smoke.when == "first":
+            previous = self.attempts.latest_measurements()
+            if previous is None:
+                return None
+            m = Measurements.from_dict(previous)
+            self.console.print(
+                f"smoke: skipped (when: first); using the {m.source} measurements of an earlier attempt"
+            )
+        elif smoke.when == "never":
+            m = Measurements(update_s=budget.update_s, save_s=budget.save_s, startup_s=budget.startup_s)
+            self.console.print("smoke: skipped (when: never); using the plan's budget estimates")
+        else:
+            return None
+        attempt.write_json("measurements.json", m.to_dict())
+        return m
+
+    def _smoke(self, attempt: Attempt, outcome: Outcome) -> Measurements | None:
+        plan, smoke = self.plan, self.plan.smoke
+        smoke_dir = attempt.smoke_dir
+        overrides = smoke_overrides(plan.train.overrides, smoke.overrides, smoke.save_every)
+        env = self._env({"TORCHRELAY_RUN_DIR": str(smoke_dir), "TORCHRELAY_OVERRIDES": json.dumps(overrides)})
+        self.console.rule(f"smoke: {smoke.updates} updates on {plan.train.world_size} rank(s) in {smoke_dir}")
+        requested = False
+
+        def stop_at_updates() -> None:
+            nonlocal requested
+            if not requested and RunDir(smoke_dir).exists():
+                write_request(smoke_dir, at_update=smoke.updates, reason="smoke")
+                requested = True
+
+        launched = self.req.clock()
+        sup = self._supervisor(
+            env, smoke_dir, launched, on_poll=stop_at_updates, kill_at=launched + smoke.timeout_s
+        )
+        result = self._supervise(sup)
+        if self._memory(outcome, result, attempt, "smoke") or self._interrupted(
+            outcome, "during the smoke run"
+        ):
+            return None
+        try:
+            measured = evaluate(smoke_dir, launched, smoke.updates, result.returncode, result.tail)
+        except SmokeFailed as exc:
+            outcome.exit_code, outcome.ended, outcome.message = EXIT_ERROR, "smoke-failed", str(exc)
+            return None
+        finally:
+            discard(smoke_dir)
+        m = measured.measurements
+        attempt.write_json("measurements.json", m.to_dict())
+        self.console.print(
+            f"smoke: {measured.updates} updates, losses {', '.join(f'{x:.4f}' for x in measured.losses)}; "
+            f"update {m.update_s:.3f}s, save {m.save_s:.3f}s, startup {m.startup_s:.1f}s, "
+            f"checkpoint {m.checkpoint_bytes / 2**20:.1f} MiB"
+        )
+        return m
+
+    def _formal(self, attempt: Attempt, outcome: Outcome, cost: CostModel, deadline: float | None) -> Outcome:
+        plan = self.plan
+        extra = {"TORCHRELAY_RUN_DIR": str(plan.run_path)}
+        if plan.train.overrides:
+            extra["TORCHRELAY_OVERRIDES"] = json.dumps(plan.train.overrides)
+        training_deadline = cost.training_deadline(deadline)
+        if training_deadline is not None:
+            extra["TORCHRELAY_DEADLINE"] = f"{training_deadline:.3f}"
+        if cost.measurements.save_s:
+            extra["TORCHRELAY_SAVE_ESTIMATE_S"] = f"{cost.measurements.save_s:.3f}"
+        self.console.rule(f"formal run: {plan.run_path} ({plan.train.world_size} rank(s))")
+        launched = self.req.clock()
+        sup = self._supervisor(self._env(extra), plan.run_path, launched, kill_at=deadline)
+        result = self._supervise(sup)
+        attempt = self.attempts.settle(attempt) or attempt
+        if result.signals:
+            attempt.note(f"forwarded {', '.join(result.signals)} to the ranks")
+        if self._memory(outcome, result, attempt, "formal"):
+            if outcome.ended != "memory-killed":
+                outcome.ended = self._ended_since(launched, result) or "memory"
+                outcome.exit_code = exit_code_of(outcome.ended)
+            return outcome
+        outcome.ended = self._ended_since(launched, result)
+        outcome.exit_code = exit_code_of(outcome.ended)
+        if outcome.ended == "finished":
+            outcome.stage = "done"
+        if result.killed:
+            attempt.note(f"killed: {result.killed}")
+        return outcome
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _deadline(self, now: float) -> float | None:
+        slurm_end = None
+        if self.job:
+            from torchrelay import slurm
+
+            ask = self.req.time_left or (lambda job: slurm.job_end_time(job))
+            slurm_end = ask(self.job)
+        budget_end = now + self.req.budget_s if self.req.budget_s is not None else None
+        return earliest(self.req.deadline, budget_end, slurm_end)
+
+    def _env(self, extra: dict[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in self.req.env.items() if k not in STAGE_VARS}
+        env.update(self.plan.train.env)
+        env.update(extra)
+        return env
+
+    def _supervisor(
+        self,
+        env: dict[str, str],
+        run_dir: Path,
+        launched: float,
+        on_poll: Callable[[], None] = lambda: None,
+        kill_at: float | None = None,
+    ) -> Supervisor:
+        plan = self.plan
+        multi = plan.train.nnodes > 1
+        limits = MemoryLimits.resolve(plan.memory, env=self.req.env)
+        return Supervisor(
+            argv=training_argv(plan, run_dir, limits, env),
+            cwd=plan.work_path,
+            env=env,
+            run_dir=run_dir,
+            limits=None if multi else limits,  # on several nodes each node's agent guards its own memory
+            poll_s=min(plan.memory.poll_s, 0.5),
+            ranks_ready=segment_started(run_dir, launched),
+            on_poll=on_poll,
+            forward_to="self" if multi else "children",
+            kill_at=kill_at,
+            job=self.job,
+        )
+
+    def _supervise(self, sup: Supervisor) -> Supervised:
+        self.relay.current = sup
+        try:
+            return sup.run()
+        finally:
+            self.relay.current = None
+
+    def _interrupted(self, outcome: Outcome, when: str) -> bool:
+        if not self.relay.stopped:
+            return False
+        outcome.exit_code, outcome.ended = EXIT_SIGNAL, "signal"
+        outcome.message = f"{', '.join(self.relay.received)} received {when}; the formal run was not started"
+        return True
+
+    def _memory(self, outcome: Outcome, result: Supervised, attempt: Attempt, stage: str) -> bool:
+        if not result.memory:
+            return False
+        limits = MemoryLimits.resolve(self.plan.memory, env=self.req.env)
+        peak = f"peak {result.peak_rss / 2**30:.2f} GiB ({limits.describe()})"
+        if result.memory == "hard":
+            outcome.exit_code, outcome.ended = EXIT_MEMORY, "memory-killed"
+            outcome.message = f"memory guard killed the {stage} run: {result.killed}; {peak}"
+        else:
+            outcome.exit_code, outcome.ended = EXIT_MEMORY, "memory"
+            outcome.message = f"memory guard asked the {stage} run to stop cleanly; {peak}"
+        attempt.note(outcome.message)
+        return True
+
+    def _ended_since(self, launched: float, result: Supervised) -> str:
+        """How the segment this attempt started ended; 'crash' or 'refused' when it wrote none."""
+        mine = [s for s in read_history(self.plan.run_path) if float(s.get("started") or 0) >= launched - 1]
+        if mine:
+            ended = str(mine[-1].get("ended"))
+            return "crash" if ended == "running" else ended
+        codes = [int(c) for c in _TORCHRUN_EXIT.findall("\n".join(result.tail))]
+        if result.returncode == EXIT_REFUSED or EXIT_REFUSED in codes:
+            return "refused"
+        return "crash"
+
+    # ------------------------------------------------------------------------------------------ printing
+    def _show_attempt(
+        self, attempt: Attempt, diff: list[tuple[str, Any, Any]], deadline: float | None
+    ) -> None:
+        left = f"{deadline - self.req.clock():.0f}s left" if deadline is not None else "no deadline"
+        self.console.rule(f"[bold]{self.plan.name}[/]: attempt {attempt.number:02d} ({left})")
+        self.console.print(f"attempt folder: {attempt.path}")
+        if diff:
+            table = Table(title="changes against the frozen plan", title_justify="left")
+            for col in ("key", "frozen", "this attempt"):
+                table.add_column(col)
+            for key, old, new in diff:
+                table.add_row(key, repr(old), repr(new))
+            self.console.print(table)
+
+    def _show_check(self, result: CheckResult) -> None:
+        mark = "[yellow]skip[/]" if result.skipped else "[green]ok[/]"
+        self.console.print(f"preflight {result.name}: {mark} {result.detail}")
+
+    def _show_outcome(self, attempt: Attempt, outcome: Outcome) -> None:
+        table = Table(title=f"attempt {attempt.number:02d} outcome", title_justify="left", show_header=False)
+        table.add_column("field")
+        table.add_column("value")
+        table.add_row("ended", outcome.ended)
+        table.add_row("exit code", str(outcome.exit_code))
+        table.add_row("stage reached", outcome.stage)
+        table.add_row(
+            "updates", f"{outcome.updates_before} -> {outcome.updates_after} (+{outcome.updates_done})"
+        )
+        for note in outcome.notes:
+            table.add_row("note", note)
+        self.console.print(table)
+        if outcome.message:
+            self.console.print(outcome.message, markup=False)
+
+
+def training_argv(plan: Plan, run_dir: Path, limits: MemoryLimits, env: Mapping[str, str]) -> list[str]:
+    """torchrun on this node, or (several nodes) srun starting a per-node agent that runs torchrun."""
+    t = plan.train
+    user_rdzv = any(a.startswith(("--rdzv", "--master", "--standalone")) for a in t.torchrun_args)
+    if t.nnodes == 1:
+        rdzv = [] if user_rdzv else ["--standalone"]
+        return [t.python, "-m", "torch.distributed.run", *rdzv, "--nnodes=1",
+                f"--nproc_per_node={t.nproc_per_node}", *t.torchrun_args, t.script, *t.args]  # fmt: skip
+    from torchrelay import slurm
+
+    master, port, nodes = slurm.rendezvous(env)
+    if nodes != t.nnodes:
+        raise RelayError(
+            f"plan train.nnodes is {t.nnodes} but the allocation has {nodes} node(s)",
+            hint="submit with --nodes equal to train.nnodes (torchrelay sbatch does)",
+        )
+    rdzv = [] if user_rdzv else [f"--master_addr={master}", f"--master_port={port}"]
+    torchrun = [t.python, "-m", "torch.distributed.run", f"--nnodes={t.nnodes}", "--node_rank={SLURM_NODEID}",
+                f"--nproc_per_node={t.nproc_per_node}", *rdzv, *t.torchrun_args, t.script, *t.args]  # fmt: skip
+    agent = [t.python, "-m", "torchrelay.controller.supervisor", "--run-dir", str(run_dir),
+             f"--soft-gib={limits.soft_bytes / 2**30:.3f}", f"--hard-gib={limits.hard_bytes / 2**30:.3f}"]  # fmt: skip
+    srun = [
+        "srun",
+        f"--nodes={t.nnodes}",
+        f"--ntasks={t.nnodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
+    return [*srun, *agent, "--", *torchrun]
+
+
+def segment_started(run_dir: Path, since: float) -> Callable[[], bool]:
+    """True once a history segment started after `since` is running: the ranks' signal handlers are in place."""
+    seen = False
+
+    def ready() -> bool:
+        nonlocal seen
+        if not seen:
+            seen = any(
+                float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
+                for s in read_history(run_dir)
+            )
+        return seen
+
+    return ready
+
+
+def _saved_update(run_dir: Path) -> int:
+    """The update of the newest complete checkpoint: the progress that survives."""
+    complete = [c.update for c in list_checkpoints(run_dir) if c.complete]
+    return complete[-1] if complete else 0
+
+
+def launch(request: LaunchRequest, console: Console | None = None) -> Outcome:
+    """Run one attempt of the plan and return its outcome (exit code in `outcome.exit_code`)."""
+    return Controller(request, console).run()
