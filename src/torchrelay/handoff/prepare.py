@@ -282,7 +282,8 @@ def _prepare_into(
         "update": final.update,
         "contract_sha256": contract["sha256"],
         "copy_mode": options.copy_mode,
-        "code_dir": str(code_dir) if code_dir else None,
+        # inside the run dir: stored relative, since the temporary dir is renamed into place
+        "code_dir": _relative_if_inside(code_dir, tmp),
         "changes": changes,
         "proofs": passed,
         "originals": ["config.json.orig", MANIFEST_REL + ".orig"],
@@ -388,7 +389,7 @@ def _recheck(
     hooks.say(f"{run_dir} was already prepared from this bundle at {record.get('time')}; re-checking only")
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    code_dir = options.code_dir or (Path(record["code_dir"]) if record.get("code_dir") else None)
+    code_dir = options.code_dir or (run_dir / record["code_dir"] if record.get("code_dir") else None)
     if code_dir is not None and not code_dir.is_dir():
         code_dir = None
     try:
@@ -408,6 +409,12 @@ def _recheck(
         code_dir=code_dir,
         seconds=time.perf_counter() - started,
     )
+
+
+def _relative_if_inside(path: Path | None, root: Path) -> str | None:
+    if path is None:
+        return None
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:

@@ -1,0 +1,30 @@
+"""`torchrelay diff A B`: the contract difference between two runs, checkpoints or bundles, field by field."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from torchrelay.handoff.diff import diff, format_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", type=Path, help="a run dir, a bundle, or a checkpoint-N dir")
+    parser.add_argument("b", type=Path, help="a run dir, a bundle, or a checkpoint-N dir")
+    parser.add_argument("--json", action="store_true", help="print the differences as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when the contracts are identical (runtime fields may differ), 1 when they differ."""
+    report = diff(args.a, args.b)
+    if args.json:
+        out = {
+            "same_contract": report.same_contract,
+            "contract": [[d.key, d.a, d.b] for d in report.contract],
+            "runtime": [[d.key, d.a, d.b] for d in report.runtime],
+        }
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        print("\n".join(format_report(report)))
+    return 0 if report.same_contract else 1

@@ -1,0 +1,56 @@
+"""`torchrelay pack RUN_DIR BUNDLE`: a verifiable bundle of a stopped run; the source checkpoint is marked handed off."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from torchrelay.errors import EXIT_FINISHED
+from torchrelay.handoff import bars
+from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
+
+
+def _checkpoint(text: str) -> int | None:
+    return None if text == "latest" else int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", type=Path, help="the stopped run directory")
+    parser.add_argument("bundle", type=Path, help="the bundle directory to write (new or empty)")
+    parser.add_argument(
+        "--checkpoint", type=_checkpoint, default=None, metavar="N|latest", help="default: latest"
+    )
+    parser.add_argument("--link", action="store_true", help="hardlink checkpoint files instead of copying")
+    parser.add_argument("--code-dir", type=Path, default=None, help="git checkout the run was trained from")
+    parser.add_argument("--allow-dirty", action="store_true", help="pack a run trained from uncommitted code")
+    parser.add_argument("--jobs", type=int, default=None, help="copy/hash threads (default: one per core)")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = PackOptions(
+        checkpoint=args.checkpoint,
+        link=args.link,
+        code_dir=args.code_dir or _default_code_dir(),
+        allow_dirty=args.allow_dirty,
+        jobs=args.jobs,
+    )
+    ckpt = checkpoint_to_pack(args.run_dir, options.checkpoint)
+    total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+    with bars.byte_bar(f"pack {ckpt.name}", total) as advance:
+        result = pack(args.run_dir, args.bundle, options, on_bytes=advance)
+    for warning in result.warnings:
+        print(f"WARNING: {warning}")
+    rate = result.bytes / result.seconds / 1e9 if result.seconds else 0.0
+    print(
+        f"packed update {result.update} into {result.bundle}: {result.files} files, {result.bytes / 1e9:.3f} GB "
+        f"({result.linked} hardlinked) in {result.seconds:.2f} s ({rate:.2f} GB/s)"
+    )
+    print(f"bundle lineage {result.lineage}; {ckpt}/HANDED_OFF.json now refuses a second continuation here")
+    print("PACK_OK")
+    return EXIT_FINISHED
+
+
+def _default_code_dir() -> Path | None:
+    # pack is usually run from the training repository's checkout
+    cwd = Path.cwd()
+    return cwd if (cwd / ".git").exists() else None

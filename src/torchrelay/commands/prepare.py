@@ -1,0 +1,69 @@
+"""`torchrelay prepare BUNDLE --run-dir DIR --set KEY=VALUE ...`: re-point a bundle at this cluster, with proof."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from torchrelay.config import parse_assignments
+from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
+from torchrelay.handoff import bars
+from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
+from torchrelay.handoff.verify import bundle_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", type=Path, help="the verified bundle directory")
+    parser.add_argument(
+        "--run-dir", type=Path, required=True, help="the run directory to create (new or empty)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a runtime field (data_root, num_workers, ...)",
+    )
+    parser.add_argument("--copy-mode", choices=("copy", "hardlink"), default="copy")
+    parser.add_argument(
+        "--check-files", action="store_true", help="check every manifest file exists under the new root"
+    )
+    parser.add_argument(
+        "--code-dir",
+        type=Path,
+        default=None,
+        help="validate against this checkout instead of the bundle's source",
+    )
+    parser.add_argument("--jobs", type=int, default=None, help="hash/copy threads (default: one per core)")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = PrepareOptions(
+        run_dir=args.run_dir,
+        sets=parse_assignments(args.set),
+        copy_mode=args.copy_mode,
+        check_files=args.check_files,
+        code_dir=args.code_dir,
+        jobs=args.jobs,
+    )
+    total = 2 * bundle_bytes(args.bundle)  # verified once, then copied once
+    try:
+        with bars.byte_bar("prepare", total) as advance:
+            result = prepare(args.bundle, options, on_bytes=advance)
+    except PreflightFailed as exc:
+        print("PREFLIGHT: FAIL")
+        for failure in exc.failures:
+            print(f"  - {failure}")
+        return EXIT_REFUSED
+    for key, (old, new) in result.changes.items():
+        print(f"changed {key}: {old!r} -> {new!r}")
+    for line in result.passed:
+        print(f"  pass: {line}")
+    print("PREFLIGHT: PASS")
+    if result.code_dir is not None:
+        print(f"code: {result.code_dir} (launch the training script from here)")
+    print(
+        f"run dir: {result.run_dir}{' (already prepared; nothing changed)' if result.already_prepared else ''}"
+    )
+    print("PREPARE_OK")
+    return EXIT_FINISHED

@@ -1,0 +1,245 @@
+"""Handoff end to end: train -> stop -> pack -> verify -> move everything -> prepare -> continue == uninterrupted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from handoff_fixtures import STOP_AT, TOTAL, Packed, build_packed
+from helpers import assert_same_final_state, assert_same_logs, launch, segments
+from torchrelay.cli import main
+from torchrelay.errors import ConfigError, ForkRefused
+from torchrelay.handoff.diff import diff
+from torchrelay.handoff.pack import PackOptions, pack
+from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
+from torchrelay.handoff.verify import verify_bundle
+from torchrelay.ledger import prove
+from torchrelay.resume import validate_resume
+from torchrelay.rundir import RunDir
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
+    return build_packed(tmp_path_factory.mktemp("handoff"))
+
+
+def test_bundle_contents_and_readme(packed: Packed) -> None:
+    b = packed.bundle
+    for rel in (
+        f"checkpoint-{STOP_AT}/COMPLETE.json",
+        "resume_contract.json",
+        "config.json",
+        "data/manifest.jsonl",
+        "data/manifest_info.json",
+        "data/training_progress.json",
+        "history.jsonl",
+        "README.md",
+        "SHA256SUMS",
+        "source/source_manifest.sha256",
+        "train/exposures-rank0.jsonl",
+        "train/metrics-rank1.jsonl",
+    ):
+        assert (b / rel).is_file(), rel
+    assert not (b / f"checkpoint-{STOP_AT}" / "HANDED_OFF.json").exists()
+    assert list((b / "source").glob("code-*.tar.gz")) and list((b / "source").glob("main.bundle"))
+    # logs trimmed to the checkpoint
+    last = [json.loads(x)["update"] for x in (b / "train/metrics-rank0.jsonl").read_text().splitlines()]
+    assert max(last) == STOP_AT
+    readme = (b / "README.md").read_text()
+    for needle in (
+        "Invariants: do not change",
+        "sha256sum -c",
+        "torchrelay prepare",
+        f"update {STOP_AT}",
+        "History",
+    ):
+        assert needle in readme, needle
+    # SHA256SUMS is what coreutils reads
+    out = subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=b, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # the git bundle holds the recorded commit
+    info = json.loads((b / "bundle.json").read_text())
+    clone = packed.base / "clone"
+    subprocess.run(
+        ["git", "clone", "-q", "-b", "main", str(b / "source/main.bundle"), str(clone)], check=True
+    )
+    assert (
+        info["source"]["commit"]
+        in subprocess.run(
+            ["git", "-C", str(clone), "log", "--format=%H"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+
+
+def test_verify_cli_passes(packed: Packed, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(packed.bundle), "--jobs", "2"]) == 0
+    assert "VERIFY_OK" in capsys.readouterr().out
+
+
+def test_fork_guard_refuses_source_and_second_pack(packed: Packed, tmp_path: Path) -> None:
+    marker = json.loads((packed.source / f"checkpoint-{STOP_AT}" / "HANDED_OFF.json").read_text())
+    assert marker["lineage"] == packed.lineage
+    out = launch(packed.code, packed.source)
+    assert out.returncode != 0
+    assert "handed off" in out.stdout + out.stderr and "TORCHRELAY_RECLAIM" in out.stdout + out.stderr
+    with pytest.raises(ForkRefused, match="already handed off"):
+        pack(packed.source, tmp_path / "again", PackOptions(code_dir=packed.code))
+    # reclaiming is explicit, and then the trainer's validation lets it through
+    cfg = RunDir(packed.source).load_config()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHRELAY_RECLAIM", "1")
+    try:
+        check = validate_resume(packed.source, cfg, 2, packed.code)
+    finally:
+        mp.undo()
+    assert check.update == STOP_AT
+
+
+def test_end_to_end_elsewhere_bit_for_bit(
+    packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the bundle is downloaded elsewhere, the data lives under another root, the teacher at another path
+    bundle = tmp_path / "download" / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+    assert main(["verify", str(bundle)]) == 0
+    new_root = tmp_path / "cluster2" / "data-root"
+    shutil.copytree(packed.root, new_root)
+    teacher = tmp_path / "cluster2" / "models" / "teacher.bin"
+    teacher.parent.mkdir(parents=True)
+    shutil.copyfile(packed.teacher, teacher)
+    run_dir = tmp_path / "cluster2" / "run"
+    argv = [
+        "prepare",
+        str(bundle),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"data_root={new_root}",
+        "--set",
+        f"external_files.teacher={teacher}",
+        "--set",
+        "num_workers=2",
+        "--check-files",
+    ]
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PREFLIGHT: PASS" in out and out.strip().splitlines()[-1] == "PREPARE_OK", out
+    assert "fingerprint unchanged" in out
+    record = json.loads((run_dir / "REBASE_RECORD.json").read_text())
+    assert set(record["changes"]) == {"data_root", "external_files.teacher", "num_workers"}
+    assert record["changes"]["num_workers"] == [0, 2]
+    assert (run_dir / "config.json.orig").is_file() and (run_dir / "data/manifest.jsonl.orig").is_file()
+    assert str(new_root) in (run_dir / "data/manifest.jsonl").read_text()
+    # running it twice is harmless
+    assert main(argv) == 0
+    assert "already prepared" in capsys.readouterr().out
+
+    # the old cluster's data and teacher are gone from view while the continuation runs
+    hidden_root, hidden_teacher = packed.root.with_name("root-hidden"), packed.teacher.with_name("hidden.bin")
+    packed.root.rename(hidden_root)
+    packed.teacher.rename(hidden_teacher)
+    try:
+        code = next((run_dir / "source").iterdir())
+        result = launch(code, run_dir)
+    finally:
+        hidden_root.rename(packed.root)
+        hidden_teacher.rename(packed.teacher)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SCHEDULE_GATE_PASS ({TOTAL}, 2)" in result.stdout
+
+    assert assert_same_final_state(packed.baseline, run_dir, TOTAL) > 10
+    assert_same_logs(packed.baseline, run_dir)
+    ledger = prove(run_dir)
+    assert ledger.ok and ledger.exposures == ledger.distinct == TOTAL * 16
+    seg = segments(run_dir)[-1]
+    assert seg["lineage"] == packed.lineage
+    assert seg["parent_lineage"] == json.loads((packed.source / "lineage.json").read_text())["lineage"]
+    assert seg["runtime_changes"] == {} and seg["resumed_from"] == STOP_AT
+    # diff: same contract, runtime fields marked
+    report = diff(packed.bundle, run_dir)
+    assert report.same_contract
+    assert {d.key for d in report.runtime} >= {"data_root", "num_workers", "external_files.teacher"}
+
+
+def _prepare(packed: Packed, run_dir: Path, **sets: object) -> None:
+    base = {"data_root": str(packed.root), "external_files.teacher": str(packed.teacher)}
+    prepare(
+        packed.bundle,
+        PrepareOptions(run_dir=run_dir, sets={**base, **sets}, check_files=True),
+        say=lambda s: None,
+    )
+
+
+def test_set_of_a_contract_field_is_refused(
+    packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["prepare", str(packed.bundle), "--run-dir", str(tmp_path / "r"), "--set", "seed=7"])
+    err = capsys.readouterr().err
+    assert code == 2 and "seed" in err and "allowed keys: data_root" in err and "num_workers" in err
+    with pytest.raises(ConfigError, match="params.lr"):
+        _prepare(packed, tmp_path / "r", **{"params.lr": 0.1})
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_data_file_with_check_files(packed: Packed, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(packed.root, root)
+    victim = sorted(root.iterdir())[0]
+    victim.unlink()
+    with pytest.raises(PreflightFailed) as info:
+        _prepare(packed, tmp_path / "r", data_root=str(root))
+    text = str(info.value)
+    n = len((packed.bundle / "data/manifest.jsonl").read_text().splitlines())
+    assert "manifest files missing" in text and f"of {n}" in text and victim.name in text
+    assert not (tmp_path / "r").exists() and not list(tmp_path.glob(".r.prepare-tmp-*"))
+
+
+def test_teacher_with_wrong_hash_is_refused(packed: Packed, tmp_path: Path) -> None:
+    wrong = tmp_path / "teacher.bin"
+    wrong.write_bytes(packed.teacher.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(PreflightFailed, match="external file 'teacher'.*SHA-256"):
+        _prepare(packed, tmp_path / "r", **{"external_files.teacher": str(wrong)})
+    assert not (tmp_path / "r").exists()
+
+
+def test_nonempty_unrelated_run_dir_is_refused(packed: Packed, tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty"):
+        _prepare(packed, run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
+
+
+def test_hardlink_prepare_shares_checkpoint_files(packed: Packed, tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+    run_dir = tmp_path / "r"
+    base = {"data_root": str(packed.root), "external_files.teacher": str(packed.teacher)}
+    prepare(bundle, PrepareOptions(run_dir=run_dir, sets=base, copy_mode="hardlink"), say=lambda s: None)
+    shard = next((run_dir / f"checkpoint-{STOP_AT}" / "model").glob("*.distcp"))
+    assert shard.stat().st_nlink == 2
+    assert (run_dir / "train/metrics-rank0.jsonl").stat().st_nlink == 1  # appended to later: never linked
+    assert verify_bundle(bundle).ok
+
+
+def test_diff_names_contract_fields(
+    packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchrelay.contract import contract_sha256
+
+    other = tmp_path / "other"
+    shutil.copytree(packed.bundle, other)
+    contract = json.loads((other / "resume_contract.json").read_text())
+    contract["fields"]["seed"] = 99
+    contract["sha256"] = contract_sha256(contract["fields"])
+    (other / "resume_contract.json").write_text(json.dumps(contract))
+    assert main(["diff", str(packed.source / f"checkpoint-{STOP_AT}"), str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "seed: 1234 -> 99" in out and "one cannot continue the other" in out
+    assert main(["diff", str(packed.source), str(packed.bundle)]) == 0
