@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from helpers import launch, make_code_repo, make_data, write_config
 from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.stop import write_request
@@ -50,3 +52,9 @@ def build_packed(base: Path) -> Packed:
     info = json.loads((bundle / "bundle.json").read_text())
     assert info["lineage"] == result.lineage
     return Packed(base, code, root, manifest, teacher, config, baseline, source, bundle, result.lineage)
+
+
+@pytest.fixture(scope="session")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
+    """Built once per session and shared by the handoff and security tests; tests copy it before changing it."""
+    return build_packed(tmp_path_factory.mktemp("handoff"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_fixtures import STOP_AT, TOTAL, Packed, build_packed
+from handoff_fixtures import STOP_AT, TOTAL, Packed, packed  # noqa: F401 - `packed` is a fixture
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
 from torchrelay.cli import main
 from torchrelay.errors import ConfigError, ForkRefused
@@ -20,11 +20,6 @@ from torchrelay.handoff.verify import verify_bundle
 from torchrelay.ledger import prove
 from torchrelay.resume import validate_resume
 from torchrelay.rundir import RunDir
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
-    return build_packed(tmp_path_factory.mktemp("handoff"))
 
 
 def test_bundle_contents_and_readme(packed: Packed) -> None:

@@ -203,8 +203,9 @@ class Run:
             if config is None:
                 raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
             cfg = config.with_overrides(overrides) if overrides else config
-            if rd.path.exists() and any(rd.path.iterdir()):
-                leftovers = sorted(p.name for p in rd.path.iterdir())[:5]
+            # A stop request may be written before the first launch (audits stop at chosen updates).
+            leftovers = sorted(p.name for p in rd.path.iterdir() if p.name != REQUEST_FILE)[:5] if rd.path.exists() else []
+            if leftovers:
                 raise ConfigError(
                     f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",
                     hint="choose an empty or new run directory",
@@ -466,12 +467,14 @@ class Run:
         self._signals.restore()
         self._closed = True
 
-    def close(self) -> int:
+    def close(self, error: BaseException | None = None) -> int:
         """Finish the segment's history record and return the process exit code."""
         if not self._closed:
             last = max((int(r["update"]) for r in read_jsonl(self.metrics_log.path)), default=None)
             self.ended = "error"
             self.exit_code = EXIT_ERROR
+            if error is not None:
+                self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
             self._end_segment(last)
         return self.exit_code
 
@@ -479,7 +482,7 @@ class Run:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close()
+        self.close(exc)
 
 
 def _read_lineage(run_dir: Path) -> dict[str, Any]:

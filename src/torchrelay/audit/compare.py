@@ -211,3 +211,28 @@ def compare_ledgers(a_dir: Path, b_dir: Path) -> LogComparison:
                 detail = f"rank {rank} update {update}: samples {first_a}… vs {first_b}…"
             _record_first(result, update, rank, ["i"], detail)
     return result
+
+
+def compare_own_batches(a_probe: Path, b_probe: Path) -> LogComparison:
+    """Compare the digests of batches from the script's own DataLoaders (see probe.py), in drawing order."""
+    from torchrelay.audit.probe import read
+
+    result = LogComparison(what="own loaders")
+    a_runs, b_runs = read(a_probe), read(b_probe)
+    for rank in sorted(set(a_runs) | set(b_runs)):
+        ra, rb = a_runs.get(rank, []), b_runs.get(rank, [])
+        result.compared_updates = max([result.compared_updates] + [u for u, _ in ra + rb])
+        for n in range(max(len(ra), len(rb))):
+            if n < len(ra) and n < len(rb) and ra[n] == rb[n]:
+                continue
+            if n >= len(ra) or n >= len(rb):
+                update = (ra[n] if n < len(ra) else rb[n])[0]
+                detail = (
+                    f"rank {rank}: one run drew {abs(len(ra) - len(rb))} more batch(es) from its own loader"
+                )
+            else:
+                update = min(ra[n][0], rb[n][0])
+                detail = f"rank {rank}, batch {n} of the script's own DataLoader (update {rb[n][0]}) holds other data"
+            _record_first(result, update, rank, ["batch"], detail)
+            break
+    return result

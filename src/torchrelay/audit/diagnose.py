@@ -42,7 +42,8 @@ class Evidence:
     metrics: LogComparison
     ledger: LogComparison
     tensors: TensorComparison
-    notes: list[str] = field(default_factory=list)
+    own_batches: LogComparison | None = None  # the probe's digests of the script's own DataLoaders
+    own_samplers: list[str] = field(default_factory=list)
 
     @property
     def resumes(self) -> list[int]:
@@ -87,9 +88,12 @@ def _confirm_nondeterminism(rerun: Rerun | None, before: str) -> list[Cause] | N
 def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
     """The likely causes, most likely first; empty when the runs are equal."""
     if ev.metrics.equal and ev.ledger.equal and ev.tensors.equal:
-        return []
+        return []  # a differing validation loader, say, does not make training differ
     first_stop = min(ev.stops) if ev.stops else None
-    parted = [c.first_update for c in (ev.metrics, ev.ledger) if c.first_update is not None]
+    own = ev.own_batches
+    parted = [
+        c.first_update for c in (ev.metrics, ev.ledger, own) if c is not None and c.first_update is not None
+    ]
     first = min(parted) if parted else None
     resumes = ev.resumes
 
@@ -114,6 +118,19 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
         at = ev.ledger.first_update
         when = "the first update after a resume" if at in resumes else f"update {at}"
         return [_cause(DATA_ORDER, f"the exposure ledgers part at {when} ({ev.ledger.detail})")]
+
+    # 2b. torchrelay's ledger agrees, but the script trained on batches of its own loader, and those differ.
+    if own is not None and not own.equal:
+        at = own.first_update
+        when = "the first update after a resume" if at in resumes else f"update {at}"
+        kinds = ", ".join(ev.own_samplers) or "a sampler"
+        return [
+            _cause(
+                DATA_ORDER,
+                f"the batches of the script's own DataLoader ({kinds}) part at {when} ({own.detail}); "
+                "torchrelay's ledger cannot see them, so their order was never saved",
+            )
+        ]
 
     # 3. Same samples, different learning rate: a schedule started over.
     lr_first = _lr_first(ev.metrics)

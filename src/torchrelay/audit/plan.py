@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.audit import compare, diagnose, verdict
+from torchrelay.audit import compare, diagnose, probe, verdict
 from torchrelay.audit.runner import (
     AuditError,
     Launcher,
@@ -42,6 +43,7 @@ class AuditPlan:
     keep: bool = False
     timeout_s: float = 600.0
     confirm_nondeterminism: bool = True
+    probe: bool = True  # watch the script's own DataLoaders from inside (see probe.py)
 
     def __post_init__(self) -> None:
         if not self.launch:
@@ -89,7 +91,7 @@ def print_segment(name: str, seg: SegmentLaunch) -> None:
     over = f" overrides {seg.overrides}" if seg.overrides else ""
     """Print one line per finished launch (the CLI's progress)."""
     print(
-        f"  {name} run, segment {seg.index}: stop after update {seg.stop_at}: exit {seg.exit_code} "
+        f"  {name} run, segment {seg.index}: stop after update {seg.stop_at}: {seg.ended} "
         f"in {seg.seconds:.1f}s{over}",
         flush=True,
     )
@@ -118,6 +120,10 @@ def run_audit(
     U = plan.updates
 
     def launch(name: str, stop_after: list[int], vary: dict[str, list[Any]]) -> RunLaunches:
+        env = dict(os.environ)
+        if plan.probe:
+            env[probe.ENV] = str(work / "probe" / name)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe.SITE_DIR), env.get("PYTHONPATH")) if p)
         return run_segments(
             name,
             plan.launch,
@@ -138,12 +144,21 @@ def run_audit(
     tensors = compare.compare_checkpoints(a / f"checkpoint-{U}", b / f"checkpoint-{U}", plan.atol)
     metrics = compare.compare_metrics(a, b, plan.atol)
     ledger = compare.compare_ledgers(a, b)
+    own = compare.compare_own_batches(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
+    own_loaders = probe.samplers(work / "probe" / "interrupted")
 
     def rerun() -> str | None:
         again = launch("uninterrupted-again", [U], first_values)
         return _difference(a, again.run_dir, U, plan.atol)
 
-    evidence = diagnose.Evidence(stops=stops, metrics=metrics, ledger=ledger, tensors=tensors)
+    evidence = diagnose.Evidence(
+        stops=stops,
+        metrics=metrics,
+        ledger=ledger,
+        tensors=tensors,
+        own_batches=own if own_loaders else None,
+        own_samplers=own_loaders,
+    )
     causes = diagnose.diagnose(evidence, rerun if plan.confirm_nondeterminism else None)
     equal = tensors.equal and metrics.equal and ledger.equal
     script = find_script(plan.launch)
@@ -169,6 +184,10 @@ def run_audit(
         ledger_equal=ledger.equal,
         ledger_first_update=ledger.first_update,
         ledger_detail=ledger.detail,
+        own_loaders=own_loaders,
+        own_batches_equal=own.equal,
+        own_batches_first_update=own.first_update,
+        own_batches_detail=own.detail,
         causes=[c.to_dict() for c in causes],
         seconds=time.monotonic() - started,
     )

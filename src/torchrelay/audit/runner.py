@@ -6,13 +6,14 @@ import json
 import os
 import random
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import EXIT_FINISHED, EXIT_REQUEST, RelayError
+from torchrelay.errors import RelayError
 
 
 class AuditError(RelayError):
@@ -72,9 +73,10 @@ class SegmentLaunch:
     index: int
     stop_at: int
     overrides: dict[str, Any]
-    exit_code: int
+    exit_code: int  # of the launch command (torchrun turns any failing worker into 1)
     seconds: float
     log: Path
+    ended: str | None = None  # how history.jsonl says the segment ended
 
 
 @dataclass(slots=True)
@@ -97,12 +99,51 @@ def overrides_for(segment: int, vary: Mapping[str, Sequence[Any]], base: Mapping
     return out
 
 
+class _LateRequest:
+    """Writes the stop request as soon as a fresh run has created its directory.
+
+    Run.open refuses a non-empty directory that holds no run yet, so the first launch cannot find the request
+    file waiting; it appears the moment the contract does, long before the first update boundary can pass.
+    """
+
+    def __init__(self, run_dir: Path, stop: int) -> None:
+        self.run_dir, self.stop, self.written = run_dir, stop, False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="torchrelay-audit-request", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        from torchrelay.stop import write_request
+
+        marker = self.run_dir / "resume_contract.json"
+        while not self._done.is_set():
+            if marker.exists():
+                write_request(self.run_dir, at_update=self.stop, reason="audit")
+                self.written = True
+                return
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def _tail(log: Path, lines: int = 25) -> str:
     try:
         text = log.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return "(no log)"
     return "\n".join("    " + line for line in text[-lines:])
+
+
+def _last_segment(run_dir: Path) -> tuple[str | None, int | None]:
+    """How the newest segment in history.jsonl ended, and its last update."""
+    from torchrelay.history import read_history
+
+    segments = read_history(run_dir)
+    if not segments:
+        return None, None
+    return segments[-1].get("ended"), segments[-1].get("last_update")
 
 
 def run_segments(
@@ -131,26 +172,35 @@ def run_segments(
     result = RunLaunches(name=name, run_dir=run_dir)
     for index, stop in enumerate(stop_after):
         overrides = overrides_for(index, vary or {}, base_overrides)
-        write_request(run_dir, at_update=stop, reason="audit")
+        fresh = not (run_dir / "resume_contract.json").exists()
+        late = _LateRequest(run_dir, stop) if fresh else None
+        if late is None:
+            write_request(run_dir, at_update=stop, reason="audit")
         seg_env = base_env | {
             "TORCHRELAY_RUN_DIR": str(run_dir),
             "TORCHRELAY_OVERRIDES": json.dumps(overrides),
         }
         log = log_dir / f"{name}-segment{index + 1}.log"
         started = time.monotonic()
-        code = launcher(launch, seg_env, log, timeout_s)
-        seg = SegmentLaunch(index + 1, stop, overrides, code, time.monotonic() - started, log)
+        try:
+            code = launcher(launch, seg_env, log, timeout_s)
+        finally:
+            if late is not None:
+                late.close()
+        # torchrun reports any failing worker as exit 1, so how the segment ended is read from history.jsonl.
+        ended, last_update = _last_segment(run_dir)
+        seg = SegmentLaunch(index + 1, stop, overrides, code, time.monotonic() - started, log, ended)
         result.segments.append(seg)
         if on_segment is not None:
             on_segment(name, seg)
         last = index == len(stop_after) - 1
-        # The last segment may also finish on its own when U is the script's total_updates.
-        if code != EXIT_REQUEST and not (last and code == EXIT_FINISHED):
+        stopped = ended == "request" or (last and ended == "finished")
+        if not stopped or last_update != stop:
             raise AuditError(
-                f"{name} run, segment {index + 1}: the launch exited {code}, expected {EXIT_REQUEST} "
-                f"(stopped by request after update {stop}); log {log}:\n{_tail(log)}",
-                hint="run the command by hand with TORCHRELAY_RUN_DIR set; it must use torchrelay.Run and "
-                "reach --updates before its total_updates",
+                f"{name} run, segment {index + 1}: asked to stop after update {stop}, the launch exited {code} and "
+                f"history.jsonl says it ended {ended!r} at update {last_update}; log {log}:\n{_tail(log)}",
+                hint="run the command by hand with TORCHRELAY_RUN_DIR set; it must use torchrelay.Run, reach "
+                "--updates before its total_updates, and reach run.steps() before its first update boundary",
             )
         if not (result.checkpoint(stop) / "COMPLETE.json").is_file():
             raise AuditError(

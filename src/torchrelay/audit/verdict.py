@@ -42,6 +42,10 @@ class Verdict:
     ledger_equal: bool = True
     ledger_first_update: int | None = None
     ledger_detail: str = ""
+    own_loaders: list[str] = field(default_factory=list)  # sampler classes of the script's own DataLoaders
+    own_batches_equal: bool = True
+    own_batches_first_update: int | None = None
+    own_batches_detail: str = ""
     causes: list[dict[str, str]] = field(default_factory=list)  # {"name", "evidence", "fix"}
     run_dirs: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -78,7 +82,8 @@ def _mark(ok: bool) -> str:
 
 def render_table(verdict: Verdict, console: Console | None = None) -> None:
     """Print the verdict as a table: overall answer, each comparison, the tensors that differ most, the causes."""
-    out = console or Console()
+    # Off a terminal rich assumes 80 columns; a log file or CI page reads better wider.
+    out = console or (Console() if Console().is_terminal else Console(width=130))
     head = "[bold green]EQUAL[/bold green]" if verdict.equal else "[bold red]NOT EQUAL[/bold red]"
     table = Table(
         title=f"torchrelay audit: {head}", show_header=True, header_style="bold", title_justify="left"
@@ -112,6 +117,18 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         if verdict.ledger_equal
         else f"first part at update {verdict.ledger_first_update}: {verdict.ledger_detail}",
     )
+    if verdict.own_loaders:
+        table.add_row(
+            "own DataLoaders",
+            _mark(verdict.own_batches_equal),
+            f"samplers {', '.join(verdict.own_loaders)}"
+            + (
+                ""
+                if verdict.own_batches_equal
+                else f"; first part at update {verdict.own_batches_first_update}: "
+                f"{verdict.own_batches_detail}"
+            ),
+        )
     for row in verdict.top_tensors:
         diff = "missing/shape" if not math.isfinite(row["max_abs"] or math.inf) else f"{row['max_abs']:.3e}"
         table.add_row(

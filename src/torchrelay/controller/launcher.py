@@ -11,7 +11,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,7 @@ class Controller:
 
     def __init__(self, request: LaunchRequest, console: Console | None = None) -> None:
         self.req = request
-        self.console = console or Console(stderr=True, highlight=False)
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
         self.plan: Plan = load_plan(request.plan_path, request.sets)
         self.attempts = Attempts(self.plan.run_path)
         self.job = request.env.get("SLURM_JOB_ID") or None
@@ -177,10 +177,10 @@ class Controller:
         sup = self._supervisor(
             env, smoke_dir, launched, on_poll=stop_at_updates, kill_at=launched + smoke.timeout_s
         )
-        result = self._supervise(sup)
-        if self._memory(outcome, result, attempt, "smoke") or self._interrupted(
-            outcome, "during the smoke run"
-        ):
+        # A stop signal during the smoke is only recorded: the smoke ends by itself within a few updates, and its
+        # measurements let the next attempt (e.g. the requeued job) skip it and spend its time on the formal run.
+        result = sup.run()
+        if self._memory(outcome, result, attempt, "smoke"):
             return None
         try:
             measured = evaluate(smoke_dir, launched, smoke.updates, result.returncode, result.tail)
@@ -345,7 +345,13 @@ class Controller:
             self.console.print(outcome.message, markup=False)
 
 
-def training_argv(plan: Plan, run_dir: Path, limits: MemoryLimits, env: Mapping[str, str]) -> list[str]:
+def training_argv(
+    plan: Plan,
+    run_dir: Path,
+    limits: MemoryLimits,
+    env: Mapping[str, str],
+    runner: Callable[[Sequence[str]], str] | None = None,
+) -> list[str]:
     """torchrun on this node, or (several nodes) srun starting a per-node agent that runs torchrun."""
     t = plan.train
     user_rdzv = any(a.startswith(("--rdzv", "--master", "--standalone")) for a in t.torchrun_args)
@@ -355,7 +361,7 @@ def training_argv(plan: Plan, run_dir: Path, limits: MemoryLimits, env: Mapping[
                 f"--nproc_per_node={t.nproc_per_node}", *t.torchrun_args, t.script, *t.args]  # fmt: skip
     from torchrelay import slurm
 
-    master, port, nodes = slurm.rendezvous(env)
+    master, port, nodes = slurm.rendezvous(env, runner or slurm.run_command)
     if nodes != t.nnodes:
         raise RelayError(
             f"plan train.nnodes is {t.nnodes} but the allocation has {nodes} node(s)",

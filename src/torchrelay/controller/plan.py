@@ -323,8 +323,8 @@ def load_plan(path: str | os.PathLike[str], sets: dict[str, Any] | None = None) 
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values."""
-    if isinstance(data, dict) and data:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values, empty mappings vanish."""
+    if isinstance(data, dict):
         out: dict[str, Any] = {}
         for key, value in data.items():
             out.update(flatten(value, f"{prefix}{key}."))

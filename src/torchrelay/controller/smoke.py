@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,10 @@ from torchrelay.controller.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
 from torchrelay.history import read_history
 from torchrelay.logs import metrics_path, read_jsonl
+
+
+# The last line of a Python traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ...".
+_ERROR_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([\w.]+\.)?\w*(Error|Exception)\b.*:")
 
 
 class SmokeFailed(RelayError):
@@ -50,6 +55,12 @@ def evaluate(
     history = read_history(smoke_dir)
     ended = history[-1].get("ended", "crash") if history else "crash"
     output = "\n".join(f"  | {line}" for line in tail[-25:]) or "  (no output)"
+    causes = [
+        re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
+        for line in tail
+        if _ERROR_LINE.match(line.strip()) and "ChildFailedError" not in line
+    ]
+    cause = f"; the error: {causes[-1]}" if causes else ""
     bad = [r for r in rows if not _finite(r.get("loss"))]
     if bad:
         raise SmokeFailed(
@@ -58,8 +69,8 @@ def evaluate(
         )
     if ended not in ("request", "finished"):
         raise SmokeFailed(
-            f"smoke run in {smoke_dir} ended {ended!r} (torchrun exit {returncode}) after {len(rows)} update(s); "
-            f"last output:\n{output}",
+            f"smoke run in {smoke_dir} ended {ended!r} (torchrun exit {returncode}) after {len(rows)} update(s)"
+            f"{cause}; last output:\n{output}",
             hint="the formal run was not started; fix the crash the output shows and launch again",
         )
     if len(rows) < min(2, updates):

@@ -25,7 +25,7 @@ from torchrelay.handoff.safepath import walk_files
 from torchrelay.handoff.source import SOURCE_DIR, write_source
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.history import new_id, read_history
-from torchrelay.logs import rank_logs, trim_copy
+from torchrelay.logs import rank_logs, read_jsonl, trim_copy
 from torchrelay.manifest import Manifest
 from torchrelay.resume import RECLAIM_ENV
 from torchrelay.rundir import RunDir
@@ -200,7 +200,7 @@ def _write_bundle(
     code = {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}
     source = write_source(code, options.code_dir, out / SOURCE_DIR, allow_dirty=options.allow_dirty)
     result.warnings.extend(source.warnings)
-    progress = training_progress(out, update)
+    progress = training_progress(out, update, cfg.total_updates)
     _write_json(out / PROGRESS, progress)
     source_lineage = _read_json(rd.path / "lineage.json")
     info = {
@@ -211,7 +211,7 @@ def _write_bundle(
         "update": update,
         "contract_sha256": contract["sha256"],
         "world_size": fields.get("world_size"),
-        "runtime_keys": cfg.runtime_keys(),
+        "runtime_keys": [k for k in cfg.runtime_keys() if k != "manifest"],  # prepare owns the manifest
         "source_run": str(rd.path.resolve()),
         "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "packed_by": _who(),
@@ -238,20 +238,42 @@ def _write_bundle(
     return result
 
 
-def training_progress(bundle_like: Path, update: int) -> dict[str, Any]:
+def training_progress(bundle_like: Path, update: int, total_updates: int) -> dict[str, Any]:
     """Updates done/left, epoch, exposures, LR and mean losses at the stop, from the bundle's own copies."""
+    summary: dict[str, Any] = {}
     try:
-        from torchrelay.progress import summarize
-    except ImportError:  # the core's progress module is optional for packing
-        summary: dict[str, Any] = {}
+        from torchrelay.progress import summarize  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # the core's status summary is optional for packing; the basics follow below
+        pass
     else:
-        summary = dict(summarize(bundle_like))
+        try:
+            summary = dict(summarize(bundle_like))
+        except Exception as exc:  # noqa: BLE001 - progress is informative; a pack must not fail on it
+            summary["summarize_error"] = f"{type(exc).__name__}: {exc}"
     summary.setdefault("update", update)
+    summary.setdefault("updates_done", update)
+    summary.setdefault("updates_left", max(total_updates - update, 0))
+    summary.setdefault("total_updates", total_updates)
+    losses: dict[int, list[float]] = {}
+    lr = None
+    for _rank, path in rank_logs(bundle_like / "train", "metrics").items():
+        for rec in read_jsonl(path):
+            u = int(rec.get("update", 0))
+            if isinstance(rec.get("loss"), (int, float)):
+                losses.setdefault(u, []).append(float(rec["loss"]))
+            if u == update and isinstance(rec.get("lr"), (int, float)):
+                lr = float(rec["lr"])
+    last = sorted(losses)[-100:]
+    if last:
+        # per update, the mean over ranks; then the mean over the last (up to) 100 updates
+        summary.setdefault("loss_mean_100", sum(sum(losses[u]) / len(losses[u]) for u in last) / len(last))
+    if lr is not None:
+        summary.setdefault("lr", lr)
     try:
         from torchrelay.ledger import prove
 
         summary.setdefault("ledger", prove(bundle_like).to_dict())
-    except Exception as exc:  # noqa: BLE001 - progress is informative; a pack must not fail on it
+    except Exception as exc:  # noqa: BLE001 - as above
         summary.setdefault("ledger_error", f"{type(exc).__name__}: {exc}")
     return summary
 

@@ -1,0 +1,154 @@
+"""Shared test helpers: a code repo holding the example, its data, and real torchrun launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+TIMING_KEYS = ("update_time", "time", "samples_per_s")
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True,
+        env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+             "GIT_COMMITTER_EMAIL": "t@t"},
+    ).stdout.strip()
+
+
+def make_code_repo(dest: Path, scripts: tuple[str, ...] = ("train_lm.py",)) -> Path:
+    """A git repo holding the example script(s): its commit is the run's code identity."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in scripts:
+        src = EXAMPLES / name
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+    git(dest, "init", "-q", "-b", "main")
+    git(dest, "add", "-A")
+    git(dest, "commit", "-q", "-m", "example")
+    return dest
+
+
+def make_data(dest: Path, files: int = 6, max_bytes: int = 128) -> tuple[Path, Path]:
+    """The example's data (Python stdlib source) under dest/root, and dest/manifest.jsonl."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import prepare_data  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    root, manifest = prepare_data.build(dest, files, max_bytes)
+    return root, manifest
+
+
+def write_config(path: Path, manifest: Path, data_root: Path, **changes: Any) -> Path:
+    """examples/lm.yaml with the data paths filled in and small-run changes (params.<k> reaches params)."""
+    cfg = yaml.safe_load((EXAMPLES / "lm.yaml").read_text())
+    cfg["manifest"], cfg["data_root"] = str(manifest), str(data_root)
+    cfg.update({"total_updates": 16, "warmup_updates": 2, "save_every": 8})
+    cfg["params"].update({"d_model": 32, "layers": 1, "heads": 2, "seq_len": 64})
+    for key, value in changes.items():
+        if key.startswith("params."):
+            cfg["params"][key.removeprefix("params.")] = value
+        else:
+            cfg[key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def torchrun_cmd(code: Path, run_dir: Path, nproc: int = 2, config: Path | None = None,
+                 sets: dict[str, Any] | None = None, script: str = "train_lm.py") -> list[str]:
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5",
+           str(code / script), "--run-dir", str(run_dir)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    for k, v in (sets or {}).items():
+        cmd += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    return cmd
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHRELAY_", "SLURM_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def launch(code: Path, run_dir: Path, *, nproc: int = 2, config: Path | None = None,
+           sets: dict[str, Any] | None = None, env: dict[str, str] | None = None, timeout: float = 300,
+           script: str = "train_lm.py") -> subprocess.CompletedProcess[str]:
+    """One real torchrun launch of the example, to completion (or its clean stop, or its crash)."""
+    return subprocess.run(
+        torchrun_cmd(code, run_dir, nproc, config, sets, script), capture_output=True, text=True,
+        timeout=timeout, env=clean_env(**(env or {})), cwd=code,
+    )
+
+
+def launch_bg(code: Path, run_dir: Path, **kw: Any) -> subprocess.Popen[str]:
+    env = clean_env(**kw.pop("env", {}) or {})
+    return subprocess.Popen(torchrun_cmd(code, run_dir, **kw), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=code, start_new_session=True)
+
+
+def wait_for_update(run_dir: Path, update: int, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Block until rank 0 has logged `update` (or the process ended)."""
+    path = run_dir / "train" / "metrics-rank0.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists():
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            if lines and json.loads(lines[-1])["update"] >= update:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"run did not reach update {update} (exit {proc.poll()})")
+
+
+def sigterm(proc: subprocess.Popen[str]) -> None:
+    os.kill(proc.pid, signal.SIGTERM)
+
+
+def last_segment(run_dir: Path) -> dict[str, Any]:
+    return [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines() if x.strip()][-1]
+
+
+def segments(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines() if x.strip()]
+
+
+def metrics(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    lines = (run_dir / "train" / f"metrics-rank{rank}.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS} for x in lines if x.strip()]
+
+
+def exposures(run_dir: Path, rank: int) -> list[str]:
+    return (run_dir / "train" / f"exposures-rank{rank}.jsonl").read_text().splitlines()
+
+
+def assert_same_final_state(a: Path, b: Path, update: int) -> int:
+    """Every model and optimizer tensor torch.equal; returns how many were compared."""
+    from torchrelay.checkpoint.reader import load_tensors
+
+    ta, tb = load_tensors(a / f"checkpoint-{update}"), load_tensors(b / f"checkpoint-{update}")
+    assert ta.keys() == tb.keys()
+    differ = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+    return len(ta)
+
+
+def assert_same_logs(a: Path, b: Path, ranks: int = 2) -> None:
+    for r in range(ranks):
+        assert metrics(a, r) == metrics(b, r), f"metrics of rank {r} differ"
+        assert exposures(a, r) == exposures(b, r), f"exposures of rank {r} differ"

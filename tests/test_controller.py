@@ -1,0 +1,208 @@
+"""`torchrelay launch`: preflight refuses, a bad smoke blocks the formal run, budgets stop cleanly and continue,
+the memory guard stops (or kills) and says so — each with the real CLI, real torchrun and the example LM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helpers import clean_env, segments, write_config
+from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.select import latest_complete
+from torchrelay.controller.attempts import Attempts
+from torchrelay.controller.costmodel import CostModel, Measurements, parse_deadline
+from torchrelay.controller.memguard import GIB, MemoryGuard, MemoryLimits
+from torchrelay.controller.plan import MemorySpec, Plan, load_plan, plan_diff
+from torchrelay.errors import ConfigError
+from torchrelay.ledger import prove
+
+CLI = [sys.executable, "-c", "from torchrelay.cli import entry; entry()"]
+
+
+def write_plan(path: Path, code: Path, config: Path, run_dir: Path, **sections: Any) -> Path:
+    """A plan running the example with `config` on 2 ranks; `sections` replace or extend the defaults."""
+    plan: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "workdir": str(code),
+        "train": {"script": "train_lm.py", "args": ["--config", str(config)], "nproc_per_node": 2},
+        "smoke": {"updates": 3, "save_every": 2, "timeout_s": 120},
+        "budget": {"margin_s": 1.0},
+    }
+    for key, value in sections.items():
+        plan[key] = {**plan.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def launch_cli(plan: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "launch", str(plan), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(**(env or {})),
+    )
+
+
+def outcome_of(run_dir: Path) -> dict[str, Any]:
+    """outcome.json of the newest attempt (staged beside the run while it does not exist)."""
+    attempts = Attempts(run_dir).all()
+    assert attempts, f"no attempt recorded for {run_dir}"
+    return json.loads((attempts[-1].path / "outcome.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------ units
+def test_plan_fields_are_validated_and_named(tmp_path: Path) -> None:
+    base = {"run_dir": "runs/x", "train": {"script": "t.py", "nproc_per_node": 2}}
+    plan = Plan.from_dict(base, tmp_path)
+    assert plan.run_dir == str(tmp_path / "runs" / "x") and plan.workdir == str(tmp_path)
+    assert plan.train.world_size == 2 and plan.smoke.when == "always" and plan.memory.soft_fraction == 0.9
+    with pytest.raises(ConfigError, match=r"plan smoke: unknown field\(s\) \['updatez'\]"):
+        Plan.from_dict({**base, "smoke": {"updatez": 3}}, tmp_path)
+    with pytest.raises(ConfigError, match="plan train: field 'nproc_per_node' must be >= 1"):
+        Plan.from_dict({**base, "train": {"script": "t.py", "nproc_per_node": 0}}, tmp_path)
+    with pytest.raises(ConfigError, match="'when' must be one of"):
+        Plan.from_dict({**base, "smoke": {"when": "sometimes"}}, tmp_path)
+    with pytest.raises(ConfigError, match="check names must be unique"):
+        Plan.from_dict({**base, "preflight": {"checks": [{"name": "a", "run": "true"}] * 2}}, tmp_path)
+    with pytest.raises(ConfigError, match="'train' is required"):
+        Plan.from_dict({"run_dir": "x"}, tmp_path)
+    f = tmp_path / "plan.yaml"
+    f.write_text(yaml.safe_dump(base))
+    changed = load_plan(f, {"train.overrides.num_workers": 2, "smoke.when": "never"})
+    diff = plan_diff(load_plan(f).to_dict(), changed.to_dict())
+    assert diff == [("smoke.when", "always", "never"), ("train.overrides.num_workers", None, 2)]
+    with pytest.raises(ConfigError, match="plan file .* does not exist"):
+        load_plan(tmp_path / "missing.yaml")
+
+
+def test_cost_model_needs_one_update_one_save_and_the_margin() -> None:
+    m = Measurements(update_s=2.0, save_s=5.0, startup_s=10.0)
+    cost = CostModel(measurements=m, margin_s=3.0)
+    assert cost.needed_s() == 20.0
+    assert cost.decide(None, 0.0).go
+    assert cost.decide(1020.0, 1000.0).go
+    no = cost.decide(1019.0, 1000.0)
+    assert not no.go and "19.0s left < 20.0s needed" in no.why
+    assert cost.training_deadline(1000.0) == 997.0
+    assert parse_deadline("1767225600") == 1767225600.0
+    assert parse_deadline("2026-01-01T00:00:00Z") == 1767225600.0
+    with pytest.raises(ConfigError, match="neither unix seconds nor an ISO time"):
+        parse_deadline("tomorrow")
+
+
+def test_memory_limits_from_plan_env_and_ram() -> None:
+    spec = MemorySpec()
+    limits = MemoryLimits.resolve(spec, total_bytes=100 * GIB, env={})
+    assert limits.soft_bytes == 90 * GIB and limits.hard_bytes == 97 * GIB
+    env_limits = MemoryLimits.resolve(spec, total_bytes=100 * GIB, env={"TORCHRELAY_MEM_SOFT_GIB": "8"})
+    assert env_limits.soft_bytes == 8 * GIB and env_limits.hard_bytes == 97 * GIB
+    with pytest.raises(ConfigError, match="TORCHRELAY_MEM_HARD_GIB='x' is not a number"):
+        MemoryLimits.resolve(spec, total_bytes=GIB, env={"TORCHRELAY_MEM_HARD_GIB": "x"})
+    with pytest.raises(ConfigError, match="0 < soft <= hard"):
+        MemoryLimits.resolve(MemorySpec(soft_gib=4, hard_gib=2), total_bytes=GIB, env={})
+    guard = MemoryGuard(MemoryLimits(soft_bytes=10, hard_bytes=20))
+    assert [guard.observe(x) for x in (5, 10, 15, 25)] == ["ok", "soft", "ok", "hard"]
+    assert guard.peak == 25
+
+
+# ------------------------------------------------------------------------------------------------ real launches
+def test_failing_user_check_starts_nothing(example: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    check = {"name": "mask-cache", "run": "echo 'live vs cache: 3 of 50 frames differ' >&2; exit 7"}
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], example["config"], run, preflight={"checks": [check]}
+    )
+    out = launch_cli(plan)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "preflight check 'mask-cache' failed with exit code 7" in out.stderr
+    assert "live vs cache: 3 of 50 frames differ" in out.stderr
+    assert "SCHEDULE_GATE_PASS" not in out.stdout and not run.exists()  # no rank ever started
+    outcome = outcome_of(run)
+    assert (outcome["exit_code"], outcome["ended"], outcome["stage"]) == (2, "refused", "preflight")
+    assert "mask-cache" in outcome["message"]
+
+
+@pytest.mark.parametrize(
+    ("hook", "expected"),
+    [("params.crash_at_update", "the error: RuntimeError: crash_at_update=2 (test hook)"), ("params.nan_at_update", "non-finite loss nan at update 2")],
+)
+def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Path, hook: str, expected: str) -> None:
+    run = tmp_path / "run"
+    plan = write_plan(tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"overrides": {hook: 2}})
+    out = launch_cli(plan)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert expected in out.stderr and "the formal run was not started" in out.stderr
+    assert not run.exists()  # the formal run never created its directory
+    outcome = outcome_of(run)
+    assert (outcome["ended"], outcome["stage"], outcome["updates_done"]) == ("smoke-failed", "smoke", 0)
+
+
+def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, Path], tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=120, save_every=1000
+    )
+    run = tmp_path / "run"
+    estimates = {"margin_s": 1.0, "startup_s": 1.0, "update_s": 0.1, "save_s": 0.2}
+    plan = write_plan(tmp_path / "plan.yaml", example["code"], config, run, smoke={"when": "never"}, budget=estimates)
+    t0 = time.time()
+    first = launch_cli(plan, "--budget", "12")
+    took = time.time() - t0
+    assert first.returncode == 3, first.stdout + first.stderr
+    seg = segments(run)[-1]
+    assert seg["ended"] == "budget" and seg["last_update"] < 120
+    ckpt = latest_complete(run)
+    assert ckpt is not None and ckpt.name == f"checkpoint-{seg['last_update']}"
+    validate_complete(ckpt)
+    assert took < 12 + 8, f"the budget of 12 s was overrun: {took:.1f}s"
+    outcome = outcome_of(run)
+    assert (outcome["exit_code"], outcome["ended"], outcome["stage"]) == (3, "budget", "formal")
+    assert outcome["updates_after"] == seg["last_update"]
+
+    second = launch_cli(plan, "--set", "train.overrides.num_workers=1")
+    assert second.returncode == 0, second.stdout + second.stderr
+    first_seg, last_seg = segments(run)
+    assert last_seg["first_update"] == first_seg["last_update"] + 1 and last_seg["ended"] == "finished"
+    report = prove(run)
+    assert report.prefix_ok and report.repeats == 0 and report.skipped == 0
+    attempts = Attempts(run).all()
+    assert [a.number for a in attempts] == [1, 2]
+    assert json.loads((attempts[1].path / "overrides.json").read_text()) == {"train.overrides.num_workers": 1}
+    diff = json.loads((attempts[1].path / "plan.diff.json").read_text())
+    assert diff == [["train.overrides.num_workers", None, 1]]
+    assert json.loads((attempts[1].path / "outcome.json").read_text())["stage"] == "done"
+
+
+def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    plan = write_plan(tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"when": "never"})
+    # A few MiB: any Python process tree is above it, so the guard trips as soon as the run exists.
+    out = launch_cli(plan, env={"TORCHRELAY_MEM_SOFT_GIB": "0.01", "TORCHRELAY_MEM_HARD_GIB": "64"})
+    assert out.returncode == 6, out.stdout + out.stderr
+    assert "memory guard: training tree uses" in out.stderr
+    seg = segments(run)[-1]
+    assert seg["ended"] == "memory" and seg["exit_code"] == 6
+    ckpt = latest_complete(run)
+    assert ckpt is not None and ckpt.name == f"checkpoint-{seg['last_update']}"
+    outcome = outcome_of(run)
+    assert (outcome["exit_code"], outcome["ended"]) == (6, "memory")
+    assert any("memory guard asked the formal run to stop cleanly" in n for n in outcome["notes"])
+    assert not (run / "REQUEST_STOP").exists()  # the request was consumed by the stop
+
+
+def test_memory_guard_hard_limit_kills_the_tree(example: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    plan = write_plan(tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"when": "never"})
+    out = launch_cli(plan, env={"TORCHRELAY_MEM_SOFT_GIB": "0.01", "TORCHRELAY_MEM_HARD_GIB": "0.02"}, timeout=60)
+    assert out.returncode == 6, out.stdout + out.stderr
+    assert "killing the training process tree" in out.stderr
+    outcome = outcome_of(run)
+    assert (outcome["ended"], outcome["exit_code"]) == ("memory-killed", 6)
+    assert any("memory guard killed the formal run" in n for n in outcome["notes"])

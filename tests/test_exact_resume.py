@@ -1,0 +1,128 @@
+"""The property everything rests on: stopped anywhere and continued, a run ends bit for bit where it would have."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import (
+    assert_same_final_state,
+    assert_same_logs,
+    launch,
+    launch_bg,
+    segments,
+    sigterm,
+    wait_for_update,
+)
+from torchrelay.ledger import prove
+from torchrelay.stop import write_request
+
+U = 16
+
+
+@pytest.fixture(scope="module")
+def baseline(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("baseline") / "run"
+    out = launch(example["code"], run, config=example["config"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SCHEDULE_GATE_PASS (16, 2)" in out.stdout and "TRAINING_CONTRACT" in out.stdout
+    return run
+
+
+def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code = example["code"]
+    # 1. a request file, honoured after update 3
+    run.mkdir()
+    write_request(run, at_update=3)
+    out = launch(code, run, config=example["config"])
+    assert out.returncode != 0 and "exitcode  : 4" in out.stderr
+    assert segments(run)[-1]["ended"] == "request" and segments(run)[-1]["last_update"] == 3
+    # 2. SIGTERM to torchrun once update 6 is logged
+    proc = launch_bg(code, run)
+    wait_for_update(run, 6, proc)
+    sigterm(proc)
+    proc.wait(timeout=120)
+    seg = segments(run)[-1]
+    assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
+    assert 6 <= seg["last_update"] < U
+    # 3. a time budget: stops while a checkpoint still fits
+    out = launch(code, run, env={"TORCHRELAY_BUDGET_S": "0.9", "TORCHRELAY_MARGIN_S": "0.6"})
+    seg = segments(run)[-1]
+    assert seg["ended"] == "budget", out.stdout + out.stderr
+    assert seg["last_update"] < U and "exitcode  : 3" in out.stderr
+    # 4. to the end
+    out = launch(code, run)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [s["ended"] for s in segments(run)] == ["request", "signal", "budget", "finished"]
+    assert assert_same_final_state(baseline, run, U) > 10
+    assert_same_logs(baseline, run)
+    report = prove(run)
+    assert report.ok and report.exposures == U * 16 and report.distinct == U * 16
+    assert (run / "train" / "recovery-history").exists() or all(
+        s["resumed_from"] == s2["last_update"] for s, s2 in zip(segments(run)[1:], segments(run))
+    )
+
+
+def test_num_workers_change_between_segments(example: dict[str, Path], baseline: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    write_request(run, at_update=5)
+    launch(example["code"], run, config=example["config"])
+    out = launch(example["code"], run, sets={"num_workers": 2})
+    assert out.returncode == 0, out.stdout + out.stderr
+    seg = segments(run)[-1]
+    assert seg["runtime_changes"] == {"num_workers": [0, 2]}
+    assert_same_final_state(baseline, run, U)
+    assert_same_logs(baseline, run)
+
+
+def test_fsdp2_stop_and_continue(example: dict[str, Path], tmp_path: Path) -> None:
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    sets = {"params.parallel": "fsdp2"}
+    out = launch(example["code"], straight, config=example["config"], sets=sets)
+    assert out.returncode == 0, out.stdout + out.stderr
+    stopped.mkdir()
+    write_request(stopped, at_update=7)
+    launch(example["code"], stopped, config=example["config"], sets=sets)
+    assert segments(stopped)[-1]["last_update"] == 7
+    out = launch(example["code"], stopped)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert assert_same_final_state(straight, stopped, U) > 10
+    assert_same_logs(straight, stopped)
+
+
+@pytest.mark.parametrize("phases", [("shards:16:1", "inventory:16:0", "rename:16:0")])
+def test_sigkill_during_saves(example: dict[str, Path], baseline: Path, tmp_path: Path, phases: tuple[str, ...]) -> None:
+    """A rank SIGKILLed while writing shards, before the inventory, before the rename: resumes from checkpoint-8."""
+    run = tmp_path / "run"
+    for i, phase in enumerate(phases):
+        out = launch(example["code"], run, config=example["config"] if i == 0 else None,
+                     env={"TORCHRELAY_TEST_KILL": phase})
+        assert out.returncode != 0 and "Signal 9" in out.stderr or "SIGKILL" in out.stderr, out.stderr[-2000:]
+        assert not (run / "checkpoint-16").exists()
+        assert (run / "checkpoint-8" / "COMPLETE.json").exists()
+        if i:
+            assert segments(run)[-1]["resumed_from"] == 8
+    out = launch(example["code"], run)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ended = [s["ended"] for s in segments(run)]
+    # rank 0 sees its peer vanish mid-collective ("error", with the cause noted) or is killed itself ("crash")
+    assert all(e in ("crash", "error") for e in ended[:3]) and ended[3] == "finished", ended
+    assert not [p for p in run.iterdir() if p.name.startswith(".tmp-checkpoint-")]
+    assert_same_final_state(baseline, run, U)
+    assert_same_logs(baseline, run)
+    assert prove(run).ok
+
+
+def test_checkpoint_without_inventory_is_never_chosen(example: dict[str, Path], baseline: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(baseline, run)
+    (run / "checkpoint-16" / "COMPLETE.json").unlink()
+    out = launch(example["code"], run)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert segments(run)[-1]["resumed_from"] == 8
+    assert_same_final_state(baseline, run, U)
+    assert_same_logs(baseline, run)

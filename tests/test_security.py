@@ -1,0 +1,201 @@
+"""A bundle is untrusted input: planted pickles never run, and paths never leave the bundle."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import pickle
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from handoff_fixtures import STOP_AT, Packed, packed  # noqa: F401 - `packed` is a fixture
+from helpers import launch
+from torchrelay.checkpoint import dcp_io
+from torchrelay.cli import VERBS, main
+from torchrelay.errors import RelayError, UnsafeInput
+from torchrelay.handoff.hashing import sha256_file
+from torchrelay.handoff.prepare import PrepareOptions, prepare
+from torchrelay.handoff.safepath import walk_files
+from torchrelay.handoff.source import extract_source
+from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
+from torchrelay.handoff.verify import verify_bundle
+
+CKPT = f"checkpoint-{STOP_AT}"
+
+
+class _Payload:
+    """A real malicious pickle: unpickling it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (builtins.open, (self.marker, "w"))
+
+
+def payload(marker: Path) -> bytes:
+    return pickle.dumps(_Payload(marker))
+
+
+def resign(bundle: Path) -> None:
+    """Do what an attacker who controls the bundle can: make inventories and SHA256SUMS agree with the files."""
+    ckpt = bundle / CKPT
+    doc = json.loads((ckpt / "COMPLETE.json").read_text())
+    listed = {f["path"] for f in doc["files"]}
+    for rel in walk_files(ckpt):
+        if rel != "COMPLETE.json" and rel not in listed:
+            doc["files"].append({"path": rel, "size": 0, "sha256": ""})
+    for f in doc["files"]:
+        digest, size = sha256_file(ckpt / f["path"])
+        f["sha256"], f["size"] = digest, size
+    (ckpt / "COMPLETE.json").write_text(json.dumps(doc))
+    entries = [SumEntry(rel, sha256_file(bundle / rel)[0]) for rel in walk_files(bundle) if rel != SUMS_NAME]
+    write_sums(bundle / SUMS_NAME, entries)
+
+
+def plant_in_shard(shard: Path, model_dir: Path, marker: Path) -> None:
+    """Put a torch.save'd payload where DCP will read the shard's first tensor (same offset, fits its length)."""
+    md = dcp_io.read_metadata(model_dir)
+    items = [s for s in md.storage_data.values() if Path(str(s.relative_path)).name == shard.name]
+    first = min(items, key=lambda s: s.offset)
+    buf = io.BytesIO()
+    import torch
+
+    torch.save(_Payload(marker), buf)
+    data = buf.getvalue()
+    assert len(data) <= first.length, "the payload must fit where the first tensor is read"
+    raw = bytearray(shard.read_bytes())
+    raw[first.offset : first.offset + len(data)] = data
+    shard.write_bytes(bytes(raw))
+
+
+PLACES = [
+    f"{CKPT}/model/.metadata",
+    f"{CKPT}/model/__0_0.distcp",
+    f"{CKPT}/rng/rank-0.safetensors",
+    f"{CKPT}/state_tensors.safetensors",
+    f"{CKPT}/trainer_state.json",
+    "config.json",
+    "bundle.json",
+]
+
+
+def test_the_payload_is_live(tmp_path: Path) -> None:
+    marker = tmp_path / "sanity"
+    pickle.loads(payload(marker))  # noqa: S301 - proving the payload really executes when unpickled
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_planted_pickle_never_runs(packed: Packed, tmp_path: Path, place: str) -> None:
+    marker = tmp_path / "PWNED"
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+    target = bundle / place
+    if place.endswith(".distcp"):
+        plant_in_shard(target, bundle / CKPT / "model", marker)
+    else:
+        target.write_bytes(payload(marker))
+    resign(bundle)
+
+    outcomes = {}
+    outcomes["verify"] = main(["verify", str(bundle)])
+    outcomes["diff"] = _quiet(lambda: main(["diff", str(bundle), str(packed.bundle)]))
+    for verb in ("status", "ledger"):
+        if verb in VERBS and _has_verb(verb):
+            outcomes[verb] = _quiet(lambda v=verb: main([v, str(bundle)]))  # type: ignore[misc]
+    from torchrelay.ledger import prove
+
+    outcomes["ledger-lib"] = _quiet(lambda: prove(bundle))
+    run_dir = tmp_path / "run"
+    outcomes["prepare"] = main(["prepare", str(bundle), "--run-dir", str(run_dir)])
+    if run_dir.exists():
+        out = launch(next((run_dir / "source").iterdir()), run_dir)
+        outcomes["resume"] = out.returncode
+        assert out.returncode != 0, "a tampered checkpoint must not train"
+    assert not marker.exists(), f"payload in {place} executed; outcomes {outcomes}"
+
+
+def _has_verb(verb: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(f"torchrelay.commands.{VERBS[verb]}")
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def _quiet(fn: object) -> object:
+    try:
+        return fn()  # type: ignore[operator]
+    except (RelayError, ValueError, OSError) as exc:
+        return type(exc).__name__
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../outside.txt", "a/../../outside.txt", "ok/./../../x"])
+def test_unsafe_paths_in_sha256sums_are_refused(packed: Packed, tmp_path: Path, bad: str) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+    (tmp_path / "outside.txt").write_text("secret")
+    with open(bundle / SUMS_NAME, "a") as f:
+        f.write(f"{'0' * 64}  {bad}\n")
+    with pytest.raises(UnsafeInput, match="absolute|climbs out"):
+        verify_bundle(bundle)
+    with pytest.raises(UnsafeInput):
+        prepare(bundle, PrepareOptions(run_dir=tmp_path / "run"), say=lambda s: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_symlink_out_of_the_bundle_is_refused(packed: Packed, tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret")
+    os.symlink(secret, bundle / "data" / "link.txt")
+    with open(bundle / SUMS_NAME, "a") as f:
+        f.write(f"{sha256_file(secret)[0]}  data/link.txt\n")
+    with pytest.raises(UnsafeInput, match="symlink"):
+        verify_bundle(bundle)
+    # a symlinked directory on the way out is refused the same
+    (bundle / "data" / "link.txt").unlink()
+    os.symlink(tmp_path, bundle / "escape")
+    lines = (bundle / SUMS_NAME).read_text().replace("data/link.txt", "escape/secret.txt")
+    (bundle / SUMS_NAME).write_text(lines)
+    with pytest.raises(UnsafeInput, match="symlink"):
+        verify_bundle(bundle)
+
+
+@pytest.mark.parametrize("bad", ["../../outside.txt", "/etc/passwd"])
+def test_unsafe_paths_in_an_inventory_are_refused(packed: Packed, tmp_path: Path, bad: str) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+    doc = json.loads((bundle / CKPT / "COMPLETE.json").read_text())
+    doc["files"].append({"path": bad, "size": 6, "sha256": "0" * 64})
+    (bundle / CKPT / "COMPLETE.json").write_text(json.dumps(doc))
+    resign_sums_only(bundle)
+    with pytest.raises(UnsafeInput):
+        verify_bundle(bundle)
+
+
+def resign_sums_only(bundle: Path) -> None:
+    entries = [SumEntry(rel, sha256_file(bundle / rel)[0]) for rel in walk_files(bundle) if rel != SUMS_NAME]
+    write_sums(bundle / SUMS_NAME, entries)
+
+
+def test_source_archive_escaping_its_folder_is_refused(tmp_path: Path) -> None:
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("code-1/ok.py", "code-1/../../escaped.py"):
+            data = b"print(1)\n"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(UnsafeInput):
+        extract_source(archive, tmp_path / "out", "code-1")
+    assert not (tmp_path / "escaped.py").exists()
