@@ -64,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RelayError as exc:
         print(f"torchrelay {args.verb}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # `torchrelay status --json | head`
+        return 0
     except KeyboardInterrupt:
         print(f"torchrelay {args.verb}: interrupted", file=sys.stderr)
         return EXIT_ERROR

@@ -1,0 +1,34 @@
+"""`torchrelay ledger RUN_DIR [--json]`: exit 1 on any repeat, gap or out-of-order exposure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+
+from torchrelay.ledger import prove
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    rep = prove(args.run_dir)
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=1))
+        return 0 if rep.ok else 1
+    con = Console()
+    con.print(f"updates        {rep.updates:,}")
+    con.print(f"exposures      {rep.exposures:,}")
+    con.print(f"distinct       {rep.distinct:,}")
+    con.print(f"repeats        {rep.repeats:,}")
+    con.print(f"skipped        {rep.skipped:,}")
+    con.print(f"remaining      {rep.remaining_in_epoch:,} in epoch {rep.epoch} ({rep.epoch_fraction:.4f} epochs done)")
+    con.print(f"prefix of order {'yes' if rep.prefix_ok else 'NO'}")
+    for problem in rep.problems:
+        con.print(f"[red]  {problem}[/]")
+    con.print("[green]LEDGER_OK: every sample exactly once, in the run's order[/]" if rep.ok else "[red]LEDGER_FAIL[/]")
+    return 0 if rep.ok else 1

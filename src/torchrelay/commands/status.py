@@ -1,0 +1,85 @@
+"""`torchrelay status RUN_DIR [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from torchrelay.progress import summarize
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _fmt(value: object, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def run(args: argparse.Namespace) -> int:
+    s = summarize(args.run_dir)
+    if args.json:
+        print(json.dumps(s, indent=1, sort_keys=True))
+        return 0
+    console = Console()
+    t = Table(title=f"torchrelay status — {s['run_dir']}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("updates done / left", f"{s['updates_done']:,} / {s['updates_left']:,} of {s['total_updates']:,}")
+    t.add_row("epoch", _fmt(s["epoch"], ".4f"))
+    t.add_row(
+        "exposures",
+        f"{s['exposures']:,} ({s['distinct']:,} distinct, {s['repeats']} repeats, {s['skipped']} skipped); "
+        f"{s['remaining_in_epoch']:,} remaining in the epoch",
+    )
+    t.add_row("ledger", "[green]exactly once, in order[/]" if s["ledger_ok"] else "[red]NOT clean: run torchrelay ledger[/]")
+    t.add_row("LR", _fmt(s["lr"], ".4g"))
+    t.add_row(f"loss (mean of last {s['loss_window']})", _fmt(s["loss_mean"], ".4f"))
+    t.add_row("update time (mean)", f"{s['update_time_mean']:.3f} s" if s["update_time_mean"] else "-")
+    t.add_row("ETA", _duration(s["eta_seconds"]))
+    if s.get("audit"):
+        a = s["audit"]
+        t.add_row("last audit", f"{a.get('verdict', a)}")
+    console.print(t)
+    c = Table(title="checkpoints")
+    for col in ("update", "state", "size"):
+        c.add_column(col)
+    for ck in s["checkpoints"]:
+        state = "complete" if ck["complete"] else f"[red]incomplete[/]: {ck['reason']}"
+        if ck["handed_off"]:
+            state += " (handed off)"
+        c.add_row(f"checkpoint-{ck['update']}", state, f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-")
+    console.print(c)
+    g = Table(title="segments" + (f" — {len(s['lineages'])} lineages" if len(s["lineages"]) > 1 else ""))
+    for col in ("#", "segment", "job", "hosts", "world", "updates", "ended", "notes"):
+        g.add_column(col)
+    for i, seg in enumerate(s["segments"], 1):
+        notes = "; ".join(seg.get("notes") or [])
+        if seg.get("runtime_changes"):
+            notes = f"runtime: {seg['runtime_changes']} " + notes
+        g.add_row(
+            str(i),
+            seg["segment"] or "-",
+            seg["job"] or "-",
+            ",".join(seg["hosts"] or []),
+            str(seg["world_size"]),
+            f"{seg['first_update']}–{_fmt(seg['last_update'])}",
+            seg["ended"] or "-",
+            notes[:80],
+        )
+    console.print(g)
+    return 0

@@ -1,0 +1,78 @@
+"""A run's state at a glance: what `torchrelay status` shows and what `pack` writes as training_progress.json."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.history import read_history
+from torchrelay.ledger import prove
+from torchrelay.logs import metrics_path, read_jsonl
+from torchrelay.rundir import RunDir
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, Any]:
+    """Updates done/left, epoch fraction, exposures, LR, recent loss and speed, ETA, checkpoints, segments."""
+    rd = RunDir(run_dir)
+    cfg = rd.load_config()
+    records = list(read_jsonl(metrics_path(rd.train_dir, 0)))
+    done = records[-1]["update"] if records else 0
+    recent = records[-window:]
+    losses = [float(r["loss"]) for r in recent if isinstance(r.get("loss"), int | float)]
+    times = [float(r["update_time"]) for r in recent if isinstance(r.get("update_time"), int | float)]
+    left = cfg.total_updates - done
+    mean_time = _mean(times)
+    ledger = prove(rd.path)
+    ckpts = list_checkpoints(rd.path)
+    history = read_history(rd.path)
+    lineages = sorted({s.get("lineage") for s in history if s.get("lineage")})
+    out: dict[str, Any] = {
+        "run_dir": str(rd.path),
+        "updates_done": done,
+        "updates_left": left,
+        "total_updates": cfg.total_updates,
+        "epoch": round(ledger.epoch_fraction, 4),
+        "exposures": ledger.exposures,
+        "distinct": ledger.distinct,
+        "repeats": ledger.repeats,
+        "skipped": ledger.skipped,
+        "remaining_in_epoch": ledger.remaining_in_epoch,
+        "ledger_ok": ledger.ok,
+        "lr": records[-1].get("lr") if records else None,
+        "loss_mean": _mean(losses),
+        "loss_window": len(losses),
+        "update_time_mean": mean_time,
+        "eta_seconds": left * mean_time if mean_time is not None else None,
+        "checkpoints": [
+            {"update": c.update, "complete": c.complete, "reason": c.reason, "bytes": c.size, "handed_off": c.handed_off}
+            for c in ckpts
+        ],
+        "segments": [
+            {k: s.get(k) for k in ("segment", "parent", "lineage", "parent_lineage", "job", "hosts", "world_size",
+                                   "first_update", "last_update", "ended", "exit_code", "runtime_changes", "notes")}
+            for s in history
+        ],
+        "lineages": lineages,
+        "running": bool(history) and history[-1].get("ended") == "running",
+    }
+    out["audit"] = _audit_verdict(rd.path)
+    return out
+
+
+def _audit_verdict(run_dir: Path) -> dict[str, Any] | None:
+    """The resumability audit's last verdict for this run's script, when the audit module has one."""
+    try:
+        from torchrelay.audit import verdict_for_run  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        result = verdict_for_run(run_dir)
+    except Exception:  # noqa: BLE001 - status must show the run even if the audit record is unreadable
+        return None
+    return dict(result) if result else None
