@@ -134,6 +134,7 @@ def run_audit(
             launcher=launcher,
             timeout_s=plan.timeout_s,
             on_segment=on_segment,
+            env=env,
         )
 
     first_values = {k: v[:1] for k, v in plan.vary.items()}
