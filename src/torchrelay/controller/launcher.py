@@ -52,6 +52,7 @@ EXIT_OF_ENDED = {
 }
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
 STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
+FORMAL_GRACE_S = 15.0
 _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
@@ -210,7 +211,9 @@ class Controller:
             extra["TORCHRELAY_SAVE_ESTIMATE_S"] = f"{cost.measurements.save_s:.3f}"
         self.console.rule(f"formal run: {plan.run_path} ({plan.train.world_size} rank(s))")
         launched = self.req.clock()
-        sup = self._supervisor(self._env(extra), plan.run_path, launched, kill_at=deadline)
+        # The training stops itself before the deadline; past it (plus a grace for the save) it is stopped.
+        kill_at = None if deadline is None else deadline + FORMAL_GRACE_S
+        sup = self._supervisor(self._env(extra), plan.run_path, launched, kill_at=kill_at)
         result = self._supervise(sup)
         attempt = self.attempts.settle(attempt) or attempt
         if result.signals:
