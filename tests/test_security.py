@@ -119,6 +119,9 @@ def test_planted_pickle_never_runs(packed: Packed, tmp_path: Path, place: str) -
         outcomes["resume"] = out.returncode
         assert out.returncode != 0, "a tampered checkpoint must not train"
     assert not marker.exists(), f"payload in {place} executed; outcomes {outcomes}"
+    if place.startswith(CKPT):
+        # a re-signed checkpoint passes every integrity check, so the payload really reached the loaders
+        assert outcomes["verify"] == 0 and outcomes["prepare"] == 0 and "resume" in outcomes, outcomes
 
 
 def _has_verb(verb: str) -> bool:

@@ -141,7 +141,9 @@ def prepare(
     run_dir = Path(options.run_dir).absolute()
     info = _read_json(bundle / BUNDLE_INFO, "the bundle's lineage record")
     contract = load_contract(bundle)
-    stored = RunDir(bundle).load_config()
+    stored = RelayConfig.from_dict(
+        _read_json(bundle / "config.json", "the run's configuration"), source="config.json"
+    )
     new_cfg, changes = apply_sets(stored, options.sets)
 
     existing = _existing_state(run_dir, info)
