@@ -54,7 +54,7 @@ def build_packed(base: Path) -> Packed:
     return Packed(base, code, root, manifest, teacher, config, baseline, source, bundle, result.lineage)
 
 
-@pytest.fixture(scope="session")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
+@pytest.fixture(scope="session", name="packed")
+def packed_fixture(tmp_path_factory: pytest.TempPathFactory) -> Packed:
     """Built once per session and shared by the handoff and security tests; tests copy it before changing it."""
     return build_packed(tmp_path_factory.mktemp("handoff"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_fixtures import STOP_AT, TOTAL, Packed, packed  # noqa: F401 - `packed` is a fixture
+from handoff_fixtures import STOP_AT, TOTAL, Packed, packed_fixture  # noqa: F401 - the `packed` fixture
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
 from torchrelay.cli import main
 from torchrelay.errors import ConfigError, ForkRefused
