@@ -39,7 +39,9 @@ class StopRequest:
             data = json.loads(text) if text.strip() else {}
         except json.JSONDecodeError:
             data = {"job": text.strip()}  # the G3A1 convention: the file holds just a job id
-        if not isinstance(data, dict):
+        if isinstance(data, int | str):
+            data = {"job": str(data)}
+        elif not isinstance(data, dict):
             data = {}
         job = data.get("job")
         at = data.get("at_update")

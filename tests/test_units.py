@@ -1,0 +1,158 @@
+"""Fast in-process tests of the pure parts: order, manifest, contract, inventory, stop policies, ledger."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchrelay.checkpoint.inventory import safe_relpath, validate_complete, write_inventory, entry
+from torchrelay.checkpoint.select import latest_complete
+from torchrelay.cli import main
+from torchrelay.config import RelayConfig
+from torchrelay.contract import contract_diff
+from torchrelay.data.order import GlobalOrder
+from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, IntegrityError, UnsafeInput
+from torchrelay.manifest import Manifest
+from torchrelay.stop import StopContext, StopRequest, decide
+
+
+def test_order_is_pure_and_world_size_independent() -> None:
+    a = GlobalOrder(num_samples=1000, seed=3, global_batch=16)
+    b = GlobalOrder(num_samples=1000, seed=3, global_batch=16)
+    assert np.array_equal(a.epoch_order(1), b.epoch_order(1))
+    assert not np.array_equal(a.epoch_order(0), a.epoch_order(1))
+    for u in (0, 5, 61, 62, 130):  # across epoch boundaries (62 updates per epoch)
+        # 2 ranks × micro 4 × accum 2 and 4 ranks × micro 4 × accum 1 consume the same global batch
+        two = [i for m in range(2) for r in range(2) for i in a.slot(u, m, r, 2, 4)]
+        four = [i for r in range(4) for i in a.slot(u, 0, r, 4, 4)]
+        assert two == four == a.global_batch_indices(u).tolist()
+    epoch0 = np.concatenate([a.global_batch_indices(u) for u in range(a.updates_per_epoch)])
+    assert len(set(epoch0.tolist())) == len(epoch0) == 992
+
+
+def test_length_bucketed_groups_lengths_and_covers_epoch() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 500, size=640).tolist()
+    order = GlobalOrder(num_samples=640, seed=1, global_batch=8, kind="length_bucketed", lengths=lengths, bucket_size=10)
+    ep = order.epoch_order(0)
+    assert sorted(ep.tolist()) == list(range(640))
+    spread = np.mean([np.ptp(np.asarray(lengths)[order.global_batch_indices(u)]) for u in range(80)])
+    plain = GlobalOrder(num_samples=640, seed=1, global_batch=8)
+    plain_spread = np.mean([np.ptp(np.asarray(lengths)[plain.global_batch_indices(u)]) for u in range(80)])
+    assert spread < plain_spread / 3
+
+
+def test_manifest_fingerprint_survives_moving_the_data(tmp_path: Path) -> None:
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"id": str(i), "path": f"/old/root/f{i}.txt"}) + "\n" for i in range(5)))
+    m = Manifest.load(a, "/old/root")
+    b = tmp_path / "b.jsonl"
+    b.write_text("\n".join(m.rebased_lines("/new/place")) + "\n")
+    m2 = Manifest.load(b, "/new/place")
+    assert m.fingerprint() == m2.fingerprint() and m.sha256() != m2.sha256()
+    c = tmp_path / "c.jsonl"
+    c.write_text(a.read_text().replace('"3"', '"3b"'))
+    assert Manifest.load(c, "/old/root").fingerprint() != m.fingerprint()
+    dup = tmp_path / "d.jsonl"
+    dup.write_text('{"id": "x"}\n{"id": "x"}\n')
+    with pytest.raises(ConfigError, match="d.jsonl:2: duplicate sample id 'x'"):
+        Manifest.load(dup)
+
+
+def test_contract_diff_lists_every_field_and_skips_unknown_commit() -> None:
+    old = {"seed": 1, "params.lr": 0.1, "code.commit": "abc", "code.tree": "t1"}
+    new = {"seed": 2, "params.lr": 0.1, "code.commit": None, "code.tree": "t2"}
+    assert contract_diff(old, new) == [("code.tree", "t1", "t2"), ("seed", 1, 2)]
+
+
+def test_config_validation_names_the_field() -> None:
+    base = {"seed": 1, "micro_batch": 2, "total_updates": 10, "manifest": "m.jsonl"}
+    RelayConfig.from_dict(base)
+    with pytest.raises(ConfigError, match="'keep' must be >= 2"):
+        RelayConfig.from_dict({**base, "keep": 1})
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['lr'\]"):
+        RelayConfig.from_dict({**base, "lr": 0.1})
+    with pytest.raises(ConfigError, match="override 'nope' names no config field"):
+        RelayConfig.from_dict(base).with_overrides({"nope": 1})
+
+
+def test_inventory_refuses_unsafe_paths(tmp_path: Path) -> None:
+    (tmp_path / "outside").write_text("x")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "link").symlink_to(tmp_path)
+    for bad in ("/etc/passwd", "../outside", "a/../../outside", "link/outside"):
+        with pytest.raises(UnsafeInput):
+            safe_relpath(ck, bad, ck / "COMPLETE.json")
+
+
+def test_inventory_detects_damage_and_extra_files(tmp_path: Path) -> None:
+    ck = tmp_path / "checkpoint-4"
+    (ck / "sub").mkdir(parents=True)
+    (ck / "sub" / "a.bin").write_bytes(b"abc" * 100)
+    write_inventory(ck, [entry(ck, "sub/a.bin")], update=4)
+    validate_complete(ck)
+    assert latest_complete(tmp_path) == ck
+    (ck / "extra").write_text("?")
+    with pytest.raises(IntegrityError, match="extra is not listed"):
+        validate_complete(ck)
+    (ck / "extra").unlink()
+    (ck / "sub" / "a.bin").write_bytes(b"abd" * 100)
+    with pytest.raises(IntegrityError, match="a.bin does not match its SHA-256"):
+        validate_complete(ck)
+    (ck / "COMPLETE.json").write_text("{trunc")
+    assert latest_complete(tmp_path) is None
+
+
+def test_stop_policies() -> None:
+    ctx = StopContext(updates_done=5, now=100.0, job="7")
+    assert decide(ctx) is None
+    ctx.request = StopRequest(job="8", at_update=None, reason="user", time=0, by="")
+    assert decide(ctx) is None  # another job's request
+    ctx.request = StopRequest(job="7", at_update=6, reason="user", time=0, by="")
+    assert decide(ctx) is None  # not yet
+    ctx.updates_done = 6
+    assert decide(ctx).code == EXIT_REQUEST
+    ctx.request = StopRequest(job=None, at_update=None, reason="memory", time=0, by="")
+    assert decide(ctx).code == EXIT_MEMORY
+    ctx.request, ctx.signal_name = None, "SIGUSR1"
+    assert decide(ctx).code == EXIT_SIGNAL
+    ctx.signal_name, ctx.deadline = None, 110.0
+    ctx.update_seconds, ctx.save_seconds, ctx.margin_seconds = 3.0, 4.0, 2.0
+    assert decide(ctx) is None  # 10 s left >= 9 s needed
+    ctx.now = 101.5
+    assert decide(ctx).code == EXIT_BUDGET
+
+
+def test_stop_request_file_plain_job_id(tmp_path: Path) -> None:
+    (tmp_path / "REQUEST_STOP").write_text("4242")  # the G3A1 card's `echo -n $SLURM_JOB_ID > ...`
+    req = StopRequest.read(tmp_path / "REQUEST_STOP")
+    assert req is not None and req.job == "4242" and req.at_update is None
+
+
+def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stop", str(tmp_path)]) == 2
+    assert "holds no torchrelay run" in capsys.readouterr().err
+    assert main(["status", str(tmp_path)]) == 2
+    assert "config.json is missing" in capsys.readouterr().err
+
+
+def test_ledger_cli_fails_on_a_repeat(example: dict[str, Path], tmp_path: Path) -> None:
+    """A real run's ledger passes; a duplicated exposure line makes `torchrelay ledger` exit 1."""
+    from helpers import launch
+
+    run = tmp_path / "run"
+    out = launch(example["code"], run, config=example["config"], sets={"total_updates": 4, "save_every": 2})
+    assert out.returncode == 0, out.stderr
+    assert main(["ledger", str(run)]) == 0
+    log = run / "train" / "exposures-rank1.jsonl"
+    lines = log.read_text().splitlines()
+    tampered = json.loads(lines[2])
+    tampered["u"] = 4
+    log.write_text("\n".join(lines + [json.dumps(tampered)]) + "\n")
+    assert main(["ledger", str(run)]) == 1
+    shutil.rmtree(run)
