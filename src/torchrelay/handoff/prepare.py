@@ -139,6 +139,21 @@ def prepare(
     hooks = _Hooks(say, on_bytes, on_files)
     bundle = Path(bundle).resolve()
     run_dir = Path(options.run_dir).absolute()
+    # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory.
+    try:
+        early = RelayConfig.from_dict(_read_json(bundle / "config.json", "the run's configuration"))
+    except (RelayError, ValueError):
+        early = None  # a damaged file: the verification below names it
+    if early is not None:
+        apply_sets(early, options.sets)
+    _refuse_unrelated(run_dir)
+
+    # Every byte against SHA256SUMS before any file of the bundle is believed.
+    say("verifying the bundle against SHA256SUMS")
+    report = verify_bundle(bundle, jobs=options.jobs, on_bytes=on_bytes)
+    if not report.ok:
+        raise PreflightFailed([f"bundle file {p}" for p in report.problems()])
+
     info = _read_json(bundle / BUNDLE_INFO, "the bundle's lineage record")
     contract = load_contract(bundle)
     stored = RelayConfig.from_dict(
@@ -153,7 +168,7 @@ def prepare(
     tmp = run_dir.parent / f".{run_dir.name}.prepare-tmp-{new_id()}"
     tmp.mkdir(parents=True)
     try:
-        result = _prepare_into(tmp, bundle, info, contract, stored, new_cfg, changes, options, hooks)
+        result = _prepare_into(tmp, bundle, report, info, contract, stored, new_cfg, changes, options, hooks)
         if run_dir.exists():
             run_dir.rmdir()  # existed but empty (checked above)
         os.rename(tmp, run_dir)
@@ -171,6 +186,7 @@ def prepare(
 def _prepare_into(
     tmp: Path,
     bundle: Path,
+    report: VerifyReport,
     info: dict[str, Any],
     contract: dict[str, Any],
     stored: RelayConfig,
@@ -225,16 +241,11 @@ def _prepare_into(
         else:
             proofs.append(f"external file {name}: {path} SHA-256 {got} = contract external.{name}.sha256")
 
-    # 3. Every byte of the bundle against SHA256SUMS, and the checkpoint inventory against its files.
-    hooks.say("verifying the bundle against SHA256SUMS")
-    report = verify_bundle(bundle, jobs=options.jobs, on_bytes=hooks.on_bytes)
-    if not report.ok:
-        failures.extend(f"bundle file {p}" for p in report.problems())
-    else:
-        proofs.append(
-            f"{len(report.sums.checks)} bundle files ({report.sums.total_bytes:,} bytes) match SHA256SUMS "
-            f"(sha256 {sha256_file(bundle / SUMS_NAME)[0]}); inventories of {', '.join(report.checkpoints)} match"
-        )
+    # 3. The bundle was verified before it was read; record the proof.
+    proofs.append(
+        f"{len(report.sums.checks)} bundle files ({report.sums.total_bytes:,} bytes) match SHA256SUMS "
+        f"(sha256 {sha256_file(bundle / SUMS_NAME)[0]}); inventories of {', '.join(report.checkpoints)} match"
+    )
 
     # 4. The exact code: the bundle's archive, extracted (or the caller's checkout).
     code_dir = options.code_dir
@@ -346,6 +357,16 @@ def _check_files(manifest: Manifest, hooks: _Hooks, proofs: list[str]) -> list[s
     proofs.append(f"--check-files: all {len(paths)} manifest files exist under {manifest.data_root}")
     hooks.say(f"all {len(paths)} manifest files exist")
     return []
+
+
+def _refuse_unrelated(run_dir: Path) -> None:
+    """Refuse at once a non-empty directory that no prepare wrote (the bundle's lineage is compared later)."""
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_dir / RECORD).is_file():
+        shown = sorted(p.name for p in run_dir.iterdir())[:5]
+        raise ConfigError(
+            f"{run_dir} is not empty ({shown}) and was not prepared from a bundle",
+            hint="choose a new or empty --run-dir; prepare never writes into an unrelated directory",
+        )
 
 
 def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | None:
