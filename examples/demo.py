@@ -1,0 +1,108 @@
+"""The torchrelay demo: stop a real training run on its time budget, continue it, prove it, show it.
+
+1. make a data set from this machine's Python standard library source;
+2. launch the example LM under torchrun (2 ranks, gloo) with a time budget too short for the schedule:
+   it saves a complete checkpoint and stops (exit code 3);
+3. launch it again: it resumes from that checkpoint and finishes;
+4. train the same run uninterrupted and compare every model and optimizer tensor bit for bit;
+5. show `torchrelay status`, `torchrelay ledger` and `torchrelay report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+con = Console()
+
+
+def launch(run_dir: Path, log: Path, config: Path | None = None, env: dict[str, str] | None = None) -> int:
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(HERE / "train_lm.py"), "--run-dir", str(run_dir)]
+    if config:
+        cmd += ["--config", str(config)]
+    shown = " ".join(["torchrun", "--nproc_per_node=2", "examples/train_lm.py", "--run-dir", str(run_dir)])
+    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    con.print(f"[bold]$ {extra + ' ' if extra else ''}{shown}{' --config ' + str(config) if config else ''}[/]")
+    started = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO)
+    for line in log.read_text().splitlines():
+        if any(key in line for key in ("SCHEDULE_GATE_PASS", "TRAINING_CONTRACT", "[torchrelay]", "exitcode  :")):
+            con.print(f"  {line.strip()}", soft_wrap=True, highlight=False)
+    con.print(f"  [dim]({time.time() - started:.1f} s, full log in {log})[/]")
+    return rc
+
+
+def cli(*args: str) -> int:
+    con.print(f"[bold]$ torchrelay {' '.join(args)}[/]")
+    return subprocess.call([sys.executable, "-m", "torchrelay", *args], cwd=REPO)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "demo-run")
+    parser.add_argument("--updates", type=int, default=60)
+    parser.add_argument("--budget", type=float, default=6.0, help="seconds the first launch may run")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "logs").mkdir(parents=True)
+
+    sys.path.insert(0, str(HERE))
+    import prepare_data
+
+    con.rule("1. data: the Python standard library's source, as bytes")
+    root, manifest = prepare_data.build(out / "data", files=12, max_bytes=128)
+    n = sum(1 for _ in open(manifest))
+    con.print(f"data root {root}, manifest {manifest}: {n:,} samples")
+    cfg = yaml.safe_load((HERE / "lm.yaml").read_text())
+    cfg.update(manifest=str(manifest), data_root=str(root), total_updates=args.updates, save_every=20)
+    config = out / "lm.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    run = out / "run"
+    con.rule(f"2. first launch, with a {args.budget:g} s budget: stops cleanly while a checkpoint still fits")
+    launch(run, out / "logs" / "launch-1.log", config, env={"TORCHRELAY_BUDGET_S": str(args.budget)})
+    con.rule("3. second launch: resumes from the newest complete checkpoint and finishes")
+    rc = launch(run, out / "logs" / "launch-2.log")
+    if rc != 0:
+        con.print(f"[red]the second launch failed (exit {rc})[/]")
+        return rc
+
+    con.rule("4. the same run, uninterrupted, for comparison")
+    ref = out / "reference"
+    launch(ref, out / "logs" / "reference.log", config)
+    from torchrelay.checkpoint.reader import load_tensors
+
+    a = load_tensors(run / f"checkpoint-{args.updates}")
+    b = load_tensors(ref / f"checkpoint-{args.updates}")
+    equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    nbytes = sum(t.numel() * t.element_size() for t in a.values())
+    verdict = "[green]bit-for-bit EQUAL[/]" if equal else "[red]NOT equal[/]"
+    con.print(f"stopped + continued vs uninterrupted: {len(a)} tensors ({nbytes / 1e6:.1f} MB) {verdict}")
+
+    con.rule("5. the run")
+    cli("status", str(run))
+    cli("ledger", str(run))
+    cli("report", str(run), "--out", str(out / "report"))
+    html = out / "report" / "report.html"
+    if html.exists():
+        con.print(f"report: {html}")
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

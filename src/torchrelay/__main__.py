@@ -1,0 +1,5 @@
+"""`python -m torchrelay VERB ...`."""
+
+from torchrelay.cli import entry
+
+entry()
