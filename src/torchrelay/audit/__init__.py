@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchrelay.audit.diagnose import CAUSES, DATA_ORDER, NONDETERMINISM, RNG, UNREGISTERED
 from torchrelay.audit.runner import AuditError
-from torchrelay.audit.verdict import Verdict, describe, last_verdict
+from torchrelay.audit.verdict import Verdict, describe, last_verdict, verdict_for_run
 
 __all__ = [
     "CAUSES",
@@ -18,6 +18,7 @@ __all__ = [
     "describe",
     "last_verdict",
     "run_audit",
+    "verdict_for_run",
 ]
 
 

@@ -23,6 +23,7 @@ from torchrelay.audit.runner import (
     run_segments,
     subprocess_launcher,
 )
+from torchrelay.history import read_history
 
 TOP_TENSORS = 5
 
@@ -163,6 +164,7 @@ def run_audit(
     causes = diagnose.diagnose(evidence, rerun if plan.confirm_nondeterminism else None)
     equal = tensors.equal and metrics.equal and ledger.equal
     script = find_script(plan.launch)
+    history = read_history(b)
     result = verdict.Verdict(
         equal=equal,
         launch=list(plan.launch),
@@ -191,6 +193,7 @@ def run_audit(
         own_batches_detail=own.detail,
         causes=[c.to_dict() for c in causes],
         seconds=time.monotonic() - started,
+        code=dict(history[-1].get("code") or {}) if history else {},
     )
     keep = plan.keep or not owned or not equal
     if keep:

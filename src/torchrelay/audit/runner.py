@@ -6,7 +6,6 @@ import json
 import os
 import random
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,35 +98,6 @@ def overrides_for(segment: int, vary: Mapping[str, Sequence[Any]], base: Mapping
     return out
 
 
-class _LateRequest:
-    """Writes the stop request as soon as a fresh run has created its directory.
-
-    Run.open refuses a non-empty directory that holds no run yet, so the first launch cannot find the request
-    file waiting; it appears the moment the contract does, long before the first update boundary can pass.
-    """
-
-    def __init__(self, run_dir: Path, stop: int) -> None:
-        self.run_dir, self.stop, self.written = run_dir, stop, False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="torchrelay-audit-request", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        from torchrelay.stop import write_request
-
-        marker = self.run_dir / "resume_contract.json"
-        while not self._done.is_set():
-            if marker.exists():
-                write_request(self.run_dir, at_update=self.stop, reason="audit")
-                self.written = True
-                return
-            time.sleep(0.002)
-
-    def close(self) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def _tail(log: Path, lines: int = 25) -> str:
     try:
         text = log.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -172,21 +142,15 @@ def run_segments(
     result = RunLaunches(name=name, run_dir=run_dir)
     for index, stop in enumerate(stop_after):
         overrides = overrides_for(index, vary or {}, base_overrides)
-        fresh = not (run_dir / "resume_contract.json").exists()
-        late = _LateRequest(run_dir, stop) if fresh else None
-        if late is None:
-            write_request(run_dir, at_update=stop, reason="audit")
+        # Written before the launch: Run.open accepts a fresh directory holding only the request.
+        write_request(run_dir, at_update=stop, reason="audit")
         seg_env = base_env | {
             "TORCHRELAY_RUN_DIR": str(run_dir),
             "TORCHRELAY_OVERRIDES": json.dumps(overrides),
         }
         log = log_dir / f"{name}-segment{index + 1}.log"
         started = time.monotonic()
-        try:
-            code = launcher(launch, seg_env, log, timeout_s)
-        finally:
-            if late is not None:
-                late.close()
+        code = launcher(launch, seg_env, log, timeout_s)
         # torchrun reports any failing worker as exit 1, so how the segment ended is read from history.jsonl.
         ended, last_update = _last_segment(run_dir)
         seg = SegmentLaunch(index + 1, stop, overrides, code, time.monotonic() - started, log, ended)

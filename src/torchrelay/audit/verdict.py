@@ -48,6 +48,9 @@ class Verdict:
     own_batches_detail: str = ""
     causes: list[dict[str, str]] = field(default_factory=list)  # {"name", "evidence", "fix"}
     run_dirs: dict[str, str] = field(default_factory=dict)
+    code: dict[str, Any] = field(
+        default_factory=dict
+    )  # the audited runs' code identity (history.jsonl "code")
     seconds: float = 0.0
     time: float = field(default_factory=time.time)
     format: int = VERDICT_FORMAT
@@ -180,15 +183,72 @@ def save(verdict: Verdict) -> list[Path]:
         if Path(run_dir).is_dir():
             _write_json(Path(run_dir) / AUDIT_FILE, data)
             written.append(Path(run_dir) / AUDIT_FILE)
+    root = _cache_root()
+    targets = []
     if verdict.script:
-        root = _cache_root()
-        for path in (
+        targets += [
             root / f"{script_key(verdict.script)}.json",
             root / "by-path" / f"{_path_key(verdict.script)}.json",
-        ):
-            _write_json(path, data)
-            written.append(path)
+        ]
+    if verdict.code:
+        name = _path_key(verdict.script or " ".join(verdict.launch))
+        targets.append(root / "by-code" / code_key(verdict.code) / f"{name}.json")
+    for path in targets:
+        _write_json(path, data)
+        written.append(path)
     return written
+
+
+def code_key(code: dict[str, Any]) -> str:
+    """SHA-256 of a code identity (commit, tree, dirty, dirty_sha256) as history.jsonl records it."""
+    canonical = json.dumps(code, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def verdict_for_run(run_dir: str | Path) -> dict[str, Any] | None:
+    """The last audit verdict that applies to a run directory, for `torchrelay status`; None if none applies.
+
+    In order: the run's own AUDIT.json (an audited run); the verdict for the run's script when history.jsonl
+    names it ("code": {"script": path}); else the newest verdict for a script audited at the run's exact code
+    identity (commit, tree and uncommitted diff). The dict is a Verdict's, plus "verdict" (one line for
+    status), "source" (how it was found) and "stale".
+    """
+    root = Path(run_dir)
+    own = root / AUDIT_FILE
+    if own.is_file():
+        return _shown(_read(own), "this run was audited", stale=False)
+    from torchrelay.history import read_history
+
+    segments = read_history(root)
+    code = dict(segments[-1].get("code") or {}) if segments else {}
+    script = code.pop("script", None)
+    if isinstance(script, str):
+        found = last_verdict(script, any_version=True)
+        if found is not None:
+            return _shown(found, f"audit of {script}", stale=bool(found.get("stale")))
+    if not code:
+        return None
+    folder = _cache_root() / "by-code" / code_key(code)
+    candidates = [d for d in (_read(p) for p in folder.glob("*.json")) if d] if folder.is_dir() else []
+    if not candidates:
+        return None
+    newest = max(candidates, key=lambda d: float(d.get("time") or 0))
+    others = f" (newest of {len(candidates)} scripts audited at this code)" if len(candidates) > 1 else ""
+    return _shown(newest, f"audit of {newest.get('script') or 'a script'} at this code{others}", stale=False)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _shown(data: dict[str, Any], source: str, *, stale: bool) -> dict[str, Any]:
+    data = dict(data, stale=stale, source=source)
+    data["verdict"] = f"{describe(data)} — {source}"
+    return data
 
 
 def last_verdict(script_path: str | Path, *, any_version: bool = False) -> dict[str, Any] | None:

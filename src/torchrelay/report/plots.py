@@ -26,7 +26,7 @@ def smooth(values: list[float], weight: float | None = None) -> list[float]:
     """Debiased exponential moving average (as TensorBoard draws it); NaNs are carried, not smoothed over."""
     if weight is None:
         # Longer runs get a longer memory so the trend stays readable at any length.
-        weight = min(0.95, max(0.0, 1.0 - 10.0 / max(len(values), 1)))
+        weight = min(0.95, max(0.5, 1.0 - 10.0 / max(len(values), 1)))
     out, avg, norm = [], 0.0, 0.0
     for value in values:
         if not math.isfinite(value):
@@ -123,7 +123,7 @@ def draw_loss(ax: Axes, s: RunSeries) -> None:
     )
     ax.plot(s.updates, smooth(s.loss), color="#1F3B73", lw=2.0, label="loss (smoothed)")
     ax.set_ylabel("loss" + (f" (mean of {s.ranks} ranks)" if s.ranks > 1 else ""))
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)  # a falling loss leaves that corner empty
 
 
 def draw_lr(ax: Axes, s: RunSeries) -> None:
@@ -159,9 +159,12 @@ def draw_exposures(ax: Axes, s: RunSeries) -> None:
         s.exposure_updates, s.total_exposures, color="0.45", lw=1.0, ls="--", label="exposures (with repeats)"
     )
     if s.manifest_size:
-        ax.axhline(
-            s.manifest_size, color="0.2", lw=0.8, ls="-.", label=f"manifest: {s.manifest_size} samples"
-        )
+        seen = s.distinct_samples[-1] / s.manifest_size
+        label = f"manifest: {s.manifest_size} samples ({seen:.0%} seen)"
+        if seen >= 0.3:
+            ax.axhline(s.manifest_size, color="0.2", lw=0.8, ls="-.", label=label)
+        else:  # a line far above the curve would flatten it; say it in words instead
+            ax.plot([], [], ls="none", label=label)
     ax.set_ylabel("samples seen")
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)

@@ -1,0 +1,129 @@
+"""`torchrelay audit` under real torchrun: the good example is equal bit for bit; each broken one is caught."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import TORCHRUN, make_code_repo
+from torchrelay.audit import (
+    DATA_ORDER,
+    RNG,
+    UNREGISTERED,
+    AuditPlan,
+    last_verdict,
+    run_audit,
+    verdict_for_run,
+)
+from torchrelay.cli import main
+
+BROKEN = {
+    "broken/unregistered_generator.py": RNG,
+    "broken/own_shuffle.py": DATA_ORDER,
+    "broken/unregistered_scheduler.py": UNREGISTERED,
+}
+
+
+@pytest.fixture(scope="module")
+def code(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A git repo with the good example and the broken ones next to it (they import its model and data)."""
+    return make_code_repo(tmp_path_factory.mktemp("audit") / "code", ("train_lm.py", *BROKEN))
+
+
+@pytest.fixture(autouse=True)
+def verdict_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Keep verdicts out of the real ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for key in ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    return tmp_path / "cache"
+
+
+def launch_cmd(code: Path, script: str, config: Path) -> list[str]:
+    return [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor_interval=0.5",
+        str(code / script),
+        "--config",
+        str(config),
+    ]
+
+
+def test_good_example_is_equal_with_three_stops(code, example, tmp_path, capsys):
+    work = tmp_path / "work"
+    cmd = launch_cmd(code, "train_lm.py", example["config"])
+    argv = [
+        "audit",
+        "--updates",
+        "10",
+        "--stops",
+        "3",
+        "--vary",
+        "num_workers=0,2",
+        "--work-dir",
+        str(work),
+        "--json",
+    ]
+    assert main([*argv, "--", *cmd]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["equal"] is True and verdict["causes"] == []
+    assert verdict["stops"] == [2, 5, 8] and verdict["vary"] == {"num_workers": [0, 2]}
+    assert verdict["tensors_compared"] > 20 and verdict["tensors_differing"] == 0
+    assert verdict["metrics_equal"] and verdict["ledger_equal"]
+
+    # The interrupted run really was four launches, with num_workers cycling 0, 2, 0, 2.
+    history = [json.loads(x) for x in (work / "interrupted" / "history.jsonl").read_text().splitlines()]
+    assert [(s["first_update"], s["last_update"], s["ended"]) for s in history] == [
+        (1, 2, "request"),
+        (3, 5, "request"),
+        (6, 8, "request"),
+        (9, 10, "request"),
+    ]
+    assert any("num_workers" in (s.get("runtime_changes") or {}) for s in history[1:])
+
+    # The verdict is kept for the script, in each audited run directory, and found for status.
+    kept = last_verdict(code / "train_lm.py")
+    assert kept is not None and kept["equal"] is True and kept["stale"] is False
+    assert json.loads((work / "interrupted" / "AUDIT.json").read_text())["equal"] is True
+    shown = verdict_for_run(work / "interrupted")
+    assert shown is not None and shown["verdict"].startswith("equal (10 updates, 3 stops)")
+
+
+@pytest.mark.parametrize("script", list(BROKEN))
+def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
+    plan = AuditPlan(
+        launch=launch_cmd(code, script, example["config"]), updates=8, stop_at=[4], work_dir=tmp_path / "work"
+    )
+    verdict = run_audit(plan)
+    assert not verdict.equal
+    assert verdict.cause == BROKEN[script], verdict.causes
+    # They all part at the first update after the resume, and the final tensors differ.
+    assert verdict.metrics_first_update == 5
+    assert not verdict.tensors_equal and verdict.top_tensors and verdict.top_tensors[0]["max_abs"] > 0
+    if script.endswith("own_shuffle.py"):
+        assert verdict.ledger_equal  # torchrelay's ledger is blind to the script's own loader ...
+        assert (
+            verdict.own_loaders == ["RandomSampler"] and verdict.own_batches_first_update == 5
+        )  # ... the probe is not
+    if script.endswith("unregistered_scheduler.py"):
+        assert "lr" in verdict.metrics_keys
+    # A failed audit keeps its run directories for a look, and status finds the verdict for the script's code.
+    kept = last_verdict(code / script)
+    assert kept is not None and kept["equal"] is False
+    assert (tmp_path / "work" / "interrupted" / "AUDIT.json").is_file()
+
+
+def test_audit_explains_a_launch_that_does_not_stop(code, example, tmp_path, capsys):
+    # Two updates past the script's total_updates (16): the last segment can never stop at U.
+    cmd = launch_cmd(code, "train_lm.py", example["config"])
+    assert (
+        main(["audit", "--updates", "18", "--stop-at", "17", "--work-dir", str(tmp_path / "w"), "--", *cmd])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "uninterrupted run, segment 1: asked to stop after update 18" in err
+    assert "ended 'finished' at update 16" in err
