@@ -176,3 +176,34 @@ def test_verdict_is_kept_per_script_version(tmp_path, monkeypatch):
     stale = last_verdict(script, any_version=True)
     assert stale is not None and stale["stale"] is True and "script changed since" in describe(stale)
     assert last_verdict(tmp_path / "never.py") is None
+
+
+def test_status_finds_the_verdict_for_a_run_of_the_audited_code(tmp_path, monkeypatch):
+    from torchrelay.audit import verdict_for_run
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = {"commit": "abc", "tree": "def", "dirty": False, "dirty_sha256": None}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "history.jsonl").write_text(json.dumps({"segment": "s1", "code": code}) + "\n")
+    assert verdict_for_run(run_dir) is None
+    for name, equal, when in (("a.py", True, 1.0), ("b.py", False, 2.0)):
+        save(
+            Verdict(
+                equal=equal,
+                launch=[name],
+                script=str(tmp_path / name),
+                script_sha256=None,
+                updates=8,
+                stops=[4],
+                code=code,
+                time=when,
+            )
+        )
+    shown = verdict_for_run(run_dir)
+    assert shown is not None and shown["script"] == str(tmp_path / "b.py")
+    assert "newest of 2 scripts audited at this code" in shown["verdict"]
+    (run_dir / "history.jsonl").write_text(
+        json.dumps({"segment": "s1", "code": {**code, "commit": "zzz"}}) + "\n"
+    )
+    assert verdict_for_run(run_dir) is None  # other code: no verdict applies
