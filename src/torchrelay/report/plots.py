@@ -57,11 +57,12 @@ def _decorate(ax: Axes, series: RunSeries, *, labels: bool) -> None:
             middle = (seg.first_update + end) / 2
             ax.text(
                 middle,
-                0.97,
+                1.01,  # just above the axes: no legend or curve can hide it
                 f"#{seg.index}",
                 transform=ax.get_xaxis_transform(),
                 ha="center",
-                va="top",
+                va="bottom",
+                clip_on=False,
                 fontsize=9,
                 fontweight="bold",
                 color=color,
@@ -212,7 +213,7 @@ def draw_overview(series: RunSeries, path: Path) -> Path:
     for ax, (title, drawer) in zip(axes, PANELS.values()):
         drawer(ax, series)
         _decorate(ax, series, labels=ax is axes[0])
-        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_title(title, fontsize=10, loc="left", pad=16 if ax is axes[0] else 6)
     axes[-1].set_xlabel("update")
     fig.suptitle(_title(series), fontsize=12)
     fig.tight_layout(rect=(0, _legend_inches(series) / height, 1, 1 - 0.25 / height))
@@ -226,7 +227,7 @@ def draw_panel(name: str, series: RunSeries, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(10, height))
     drawer(ax, series)
     _decorate(ax, series, labels=True)
-    ax.set_title(f"{title} — {series.run_dir.name}", fontsize=11, loc="left")
+    ax.set_title(f"{title} — {series.run_dir.name}", fontsize=11, loc="left", pad=16)
     ax.set_xlabel("update")
     fig.tight_layout(rect=(0, _legend_inches(series) / height, 1, 1))
     return _finish(fig, series, path)
