@@ -68,6 +68,7 @@ def test_logs_part_where_they_differ_and_ignore_timing(tmp_path):
     assert metrics.equal
     metrics = compare_metrics(tmp_path / "a", tmp_path / "b")
     assert (metrics.first_update, metrics.keys, metrics.first_by_key) == (3, ["lr"], {"lr": 3, "loss": 4})
+    assert compare_metrics(tmp_path / "a", tmp_path / "b", ignore=frozenset({"lr"})).first_update == 4
     ledger = compare_ledgers(tmp_path / "a", tmp_path / "b")
     assert ledger.first_update == 3 and "rank 0 update 3" in ledger.detail
 

@@ -138,13 +138,14 @@ def _close(x: Any, y: Any, atol: float) -> bool:
     return bool(x == y)
 
 
-def _metrics_by_update(path: Path | None) -> dict[int, dict[str, Any]]:
+def _metrics_by_update(path: Path | None, ignore: frozenset[str]) -> dict[int, dict[str, Any]]:
     if path is None:
         return {}
     rows: dict[int, dict[str, Any]] = {}
+    skip = TIMING_KEYS | ignore | {"update"}
     for row in read_jsonl(path):
         if isinstance(row.get("update"), int):
-            rows[row["update"]] = {k: v for k, v in row.items() if k not in TIMING_KEYS and k != "update"}
+            rows[row["update"]] = {k: v for k, v in row.items() if k not in skip}
     return rows
 
 
@@ -155,12 +156,17 @@ def _record_first(result: LogComparison, update: int, rank: int, keys: list[str]
         result.keys = sorted(set(result.keys) | set(keys))
 
 
-def compare_metrics(a_dir: Path, b_dir: Path, atol: float = 0.0) -> LogComparison:
-    """Compare train/metrics-rank*.jsonl line by line, timing keys left out; note where each key first parts."""
+def compare_metrics(
+    a_dir: Path, b_dir: Path, atol: float = 0.0, ignore: frozenset[str] = frozenset()
+) -> LogComparison:
+    """Compare train/metrics-rank*.jsonl line by line, timing and ignored keys left out; note where each key parts."""
     result = LogComparison(what="metrics")
     a_files, b_files = rank_files(a_dir / "train", "metrics"), rank_files(b_dir / "train", "metrics")
     for rank in sorted(set(a_files) | set(b_files)):
-        a_rows, b_rows = _metrics_by_update(a_files.get(rank)), _metrics_by_update(b_files.get(rank))
+        a_rows, b_rows = (
+            _metrics_by_update(a_files.get(rank), ignore),
+            _metrics_by_update(b_files.get(rank), ignore),
+        )
         for update in sorted(set(a_rows) | set(b_rows)):
             result.compared_updates = max(result.compared_updates, update)
             if update not in a_rows or update not in b_rows:

@@ -40,6 +40,7 @@ class AuditPlan:
     seed: int | None = None
     vary: dict[str, list[Any]] = field(default_factory=dict)
     atol: float = 0.0
+    ignore_keys: list[str] = field(default_factory=list)  # metric keys that may differ (memory, host names)
     work_dir: Path | None = None
     keep: bool = False
     timeout_s: float = 600.0
@@ -73,9 +74,9 @@ def find_script(launch: Sequence[str]) -> str | None:
     return None
 
 
-def _difference(a: Path, b: Path, update: int, atol: float) -> str | None:
+def _difference(a: Path, b: Path, update: int, atol: float, ignore: frozenset[str]) -> str | None:
     """Where run b parts from run a (metrics, then ledger, then tensors), or None when bit for bit equal."""
-    metrics = compare.compare_metrics(a, b, atol)
+    metrics = compare.compare_metrics(a, b, atol, ignore)
     if not metrics.equal:
         return f"metric logs part at update {metrics.first_update} ({metrics.detail})"
     ledger = compare.compare_ledgers(a, b)
@@ -144,14 +145,15 @@ def run_audit(
 
     a, b = straight.run_dir, relayed.run_dir
     tensors = compare.compare_checkpoints(a / f"checkpoint-{U}", b / f"checkpoint-{U}", plan.atol)
-    metrics = compare.compare_metrics(a, b, plan.atol)
+    ignore = frozenset(plan.ignore_keys)
+    metrics = compare.compare_metrics(a, b, plan.atol, ignore)
     ledger = compare.compare_ledgers(a, b)
     own = compare.compare_own_batches(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
     own_loaders = probe.samplers(work / "probe" / "interrupted")
 
     def rerun() -> str | None:
         again = launch("uninterrupted-again", [U], first_values)
-        return _difference(a, again.run_dir, U, plan.atol)
+        return _difference(a, again.run_dir, U, plan.atol, ignore)
 
     evidence = diagnose.Evidence(
         stops=stops,
@@ -174,6 +176,7 @@ def run_audit(
         stops=stops,
         vary=plan.vary,
         atol=plan.atol,
+        ignored_keys=sorted(ignore),
         tensors_equal=tensors.equal,
         tensors_compared=tensors.compared,
         tensors_differing=len(tensors.differing),

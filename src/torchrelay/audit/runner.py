@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,12 +39,25 @@ def subprocess_launcher(argv: Sequence[str], env: Mapping[str, str], log: Path, 
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # The whole process group: torchrun's workers must not outlive it and hold the run directory.
-            os.killpg(proc.pid, 9)
-            proc.wait()
+            _kill_group(proc)
             raise AuditError(
                 f"the launch ran past {timeout:.0f}s (log: {log})", hint="raise --timeout or lower --updates"
             ) from None
+        except BaseException:
+            _kill_group(proc)  # Ctrl-C reaches only us: the launch runs in its own session
+            raise
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """End the launch and its whole process group: torchrun's workers must not outlive the audit."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def plan_stops(updates: int, stops: int, *, rng: random.Random | None = None) -> list[int]:

@@ -31,6 +31,7 @@ class Verdict:
     stops: list[int]
     vary: dict[str, list[Any]] = field(default_factory=dict)
     atol: float = 0.0
+    ignored_keys: list[str] = field(default_factory=list)
     tensors_equal: bool = True
     tensors_compared: int = 0
     tensors_differing: int = 0

@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a runtime field whose value cycles between segments (repeatable), e.g. num_workers=0,2",
     )
     parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a metric key that may differ between runs, e.g. a memory reading (repeatable); timing keys always are",
+    )
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the audit's run directories here")
     parser.add_argument(
@@ -87,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         vary=parse_vary(args.vary),
         atol=args.atol,
+        ignore_keys=list(args.ignore),
         work_dir=args.work_dir,
         keep=args.keep,
         timeout_s=args.timeout,
