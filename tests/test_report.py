@@ -64,6 +64,7 @@ def check_report(run_dir: Path, out: Path, n_segments: int) -> None:
     for png in pngs:  # every plot is embedded, byte for byte: the page stands alone
         assert base64.b64encode(png.read_bytes()).decode("ascii") in page
     assert "<img" in page and 'src="http' not in page and "src='" not in page
+    assert "Resumability audit:" in page
     for index, seg in enumerate(history, start=1):  # every segment is named, with how it ended
         assert seg["segment"] in page and f"#{index}" in page
         assert f"{seg['first_update']}–{seg['last_update']}" in page

@@ -46,7 +46,7 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResu
     images = {"overview": ("Overview", overview)} | {
         name: (PANELS[name][0], path) for name, path in plots.items()
     }
-    page = write_html(series, images, out / "report.html")
+    page = write_html(series, images, out / "report.html", audit=_audit_line(run_dir))
     return ReportResult(
         out_dir=out,
         html=page,
@@ -55,3 +55,14 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResu
         segments=len(series.segments),
         updates=len(series.updates),
     )
+
+
+def _audit_line(run_dir: str | Path) -> str | None:
+    """The audit's verdict for this run, when there is one; a report never fails over it."""
+    from torchrelay.audit.verdict import verdict_for_run
+
+    try:
+        found = verdict_for_run(run_dir)
+    except Exception:  # noqa: BLE001 - an unreadable audit record must not cost the user the plots
+        return None
+    return str(found["verdict"]) if found else None

@@ -51,7 +51,9 @@ img { max-width: 100%; border: 1px solid #ddd; }
 """
 
 
-def write_html(series: RunSeries, images: dict[str, tuple[str, Path]], path: Path) -> Path:
+def write_html(
+    series: RunSeries, images: dict[str, tuple[str, Path]], path: Path, audit: str | None = None
+) -> Path:
     """Write the page; `images` maps a plot name to (title, PNG path), embedded in that order."""
     last = series.updates[-1]
     loss = series.loss[-1]
@@ -81,6 +83,7 @@ def write_html(series: RunSeries, images: dict[str, tuple[str, Path]], path: Pat
 <h1>torchrelay report: {html.escape(series.run_dir.name)}</h1>
 <p class="muted">{html.escape(str(series.run_dir.resolve()))} · first segment started {started}</p>
 <p>{html.escape(summary)}</p>
+<p>Resumability audit: {html.escape(audit or "none recorded for this run's code (run `torchrelay audit`)")}</p>
 <h2>Segments</h2>
 {segments}
 <h2>Checkpoints</h2>
