@@ -41,7 +41,9 @@ def write_plan(path: Path, code: Path, config: Path, run_dir: Path, **sections: 
     return path
 
 
-def launch_cli(plan: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def launch_cli(
+    plan: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, "launch", str(plan), *args],
         capture_output=True,
@@ -139,10 +141,18 @@ def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Pat
     procs = {}
     for name, (hook, _) in cases.items():
         plan = write_plan(
-            tmp_path / f"{name}.yaml", example["code"], example["config"], tmp_path / name, smoke={"overrides": {hook: 2}}
+            tmp_path / f"{name}.yaml",
+            example["code"],
+            example["config"],
+            tmp_path / name,
+            smoke={"overrides": {hook: 2}},
         )
         procs[name] = subprocess.Popen(
-            [*CLI, "launch", str(plan)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+            [*CLI, "launch", str(plan)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
         )
     for name, (_, expected) in cases.items():
         stdout, stderr = procs[name].communicate(timeout=240)
@@ -159,7 +169,9 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
     )
     run = tmp_path / "run"
     estimates = {"margin_s": 1.0, "startup_s": 1.0, "update_s": 0.1, "save_s": 0.2}
-    plan = write_plan(tmp_path / "plan.yaml", example["code"], config, run, smoke={"when": "never"}, budget=estimates)
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], config, run, smoke={"when": "never"}, budget=estimates
+    )
     t0 = time.time()
     first = launch_cli(plan, "--budget", "15")
     took = time.time() - t0
@@ -190,7 +202,9 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
 
 def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
-    plan = write_plan(tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"when": "never"})
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"when": "never"}
+    )
     # A few MiB: any Python process tree is above it, so the guard trips as soon as the run exists.
     out = launch_cli(plan, env={"TORCHRELAY_MEM_SOFT_GIB": "0.01", "TORCHRELAY_MEM_HARD_GIB": "64"})
     assert out.returncode == 6, out.stdout + out.stderr
@@ -207,8 +221,12 @@ def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_pat
 
 def test_memory_guard_hard_limit_kills_the_tree(example: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
-    plan = write_plan(tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"when": "never"})
-    out = launch_cli(plan, env={"TORCHRELAY_MEM_SOFT_GIB": "0.01", "TORCHRELAY_MEM_HARD_GIB": "0.02"}, timeout=60)
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"when": "never"}
+    )
+    out = launch_cli(
+        plan, env={"TORCHRELAY_MEM_SOFT_GIB": "0.01", "TORCHRELAY_MEM_HARD_GIB": "0.02"}, timeout=60
+    )
     assert out.returncode == 6, out.stdout + out.stderr
     assert "killing the training process tree" in out.stderr
     outcome = outcome_of(run)

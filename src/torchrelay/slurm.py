@@ -22,6 +22,7 @@ from torchrelay.errors import EXIT_BUDGET, EXIT_SIGNAL, ConfigError, RelayError
 
 Runner = Callable[[Sequence[str]], str]
 REQUEUE_CODES = (EXIT_BUDGET, EXIT_SIGNAL)
+STALE_WARNING_S = 10
 
 
 class SlurmError(RelayError):
@@ -182,19 +183,28 @@ def render_batch_script(spec: BatchSpec) -> str:
     body = f"""
 # Written by `torchrelay sbatch`. Runs the plan's controller: preflight, smoke, formal run (budget-aware).
 set -u
-{exports}cd {q(str(spec.workdir))}
-echo "torchrelay: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $(hostname -s) at $(date -u +%FT%TZ)"
 
 # --signal=B:USR1 reaches this shell only; hand it to the controller, which hands it to the ranks.
+# Slurm 22.05 delivers the previous run's warning again the moment a requeued job starts: a USR1 within
+# {STALE_WARNING_S} s of a requeued start is that stale warning (the controller's deadline from squeue still holds).
+started=$(date +%s)
 ctl=""
 forward() {{
+  if [ "$1" = USR1 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && [ $(( $(date +%s) - started )) -lt {STALE_WARNING_S} ]; then
+    echo "torchrelay: ignoring USR1 at the start of requeued run ${{SLURM_RESTART_COUNT}} (the previous run's warning)"
+    return
+  fi
   echo "torchrelay: $1 received at $(date -u +%FT%TZ); asking the run to save and stop"
   [ -n "$ctl" ] && kill -"$1" "$ctl" 2>/dev/null
 }}
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
-{shlex.join(launch)} &
+{exports}cd {q(str(spec.workdir))}
+echo "torchrelay: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $(hostname -s) at $(date -u +%FT%TZ)"
+
+# Started with USR1/TERM ignored, so a signal before Python has installed its handlers cannot kill it.
+( trap '' USR1 TERM; exec {shlex.join(launch)} ) &
 ctl=$!
 # `wait` returns early when a trapped signal arrives; wait again until the controller has really exited.
 while :; do

@@ -267,6 +267,7 @@ class Controller:
             limits=None if multi else limits,  # on several nodes each node's agent guards its own memory
             poll_s=min(plan.memory.poll_s, 0.5),
             ranks_ready=segment_started(run_dir, launched),
+            segment_ended=segment_ended(run_dir, launched),
             on_poll=on_poll,
             forward_to="self" if multi else "children",
             kill_at=kill_at,
@@ -399,6 +400,18 @@ def segment_started(run_dir: Path, since: float) -> Callable[[], bool]:
         return seen
 
     return ready
+
+
+def segment_ended(run_dir: Path, since: float) -> Callable[[], bool]:
+    """True once a history segment started after `since` has recorded how it ended."""
+
+    def ended() -> bool:
+        return any(
+            float(s.get("started") or 0) >= since - 1 and s.get("ended") not in (None, "running")
+            for s in read_history(run_dir)
+        )
+
+    return ended
 
 
 def _saved_update(run_dir: Path) -> int:

@@ -23,7 +23,6 @@ from torchrelay.errors import EXIT_ERROR, RelayError
 from torchrelay.history import read_history
 from torchrelay.logs import metrics_path, read_jsonl
 
-
 # The last line of a Python traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ...".
 _ERROR_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([\w.]+\.)?\w*(Error|Exception)\b.*:")
 

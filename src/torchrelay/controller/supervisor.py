@@ -57,6 +57,10 @@ class Supervisor:
     poll_s: float = 0.5
     ranks_ready: Callable[[], bool] = lambda: True
     on_poll: Callable[[], None] = lambda: None  # called every poll while the command runs
+    segment_ended: Callable[[], bool] = lambda: (
+        False
+    )  # the run has recorded its end: the ranks should exit now
+    exit_grace_s: float = 20.0
     forward_to: str = "children"  # "children": the ranks under torchrun; "self": srun forwards it on
     kill_at: float | None = None  # unix time after which a still-running tree is stopped, then killed
     job: str | None = None
@@ -92,6 +96,7 @@ class Supervisor:
         reader.start()
         memory, killed = "", ""
         request_written = False
+        ended_at: float | None = None
         while proc.poll() is None:
             self.on_poll()
             if self._pending and self._deliver():
@@ -116,6 +121,14 @@ class Supervisor:
                 write_request(self.run_dir, job=self.job, reason="memory")
                 request_written = True
             now = time.time()
+            if ended_at is None and self.segment_ended():
+                ended_at = now
+            if ended_at is not None and now - ended_at > self.exit_grace_s:
+                # The history is final and every checkpoint committed; a rank stuck in teardown only burns time.
+                killed = f"a rank was still alive {self.exit_grace_s:.0f}s after the run recorded its end"
+                self.log(f"torchrelay: {killed}: killing the training process tree")
+                kill_tree(proc.pid)
+                break
             if self.kill_at is not None and now > self.kill_at and self._term_sent_at is None:
                 self.log("torchrelay: past the deadline and still running: sending SIGTERM to the ranks")
                 self.stop(signal.SIGTERM)

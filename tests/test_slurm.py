@@ -1,0 +1,176 @@
+"""`torchrelay sbatch` under a real one-node Slurm (.ci/slurm-up.sh): warning signal, clean stop, requeue, resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, assert_same_final_state, clean_env, launch_bg, segments, write_config
+from test_controller import CLI, write_plan
+from torchrelay.controller.attempts import Attempts
+from torchrelay.controller.launcher import training_argv
+from torchrelay.controller.memguard import GIB, MemoryLimits
+from torchrelay.controller.plan import Plan
+from torchrelay.errors import ConfigError
+from torchrelay.ledger import prove
+from torchrelay.slurm import BatchSpec, parse_end_time, render_batch_script, rendezvous, time_limit_minutes
+
+U = 300
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+
+
+@pytest.fixture(scope="session")
+def slurm_up() -> str:
+    """A running one-node Slurm; started by .ci/slurm-up.sh when it is not up yet. Returns the node name."""
+    if os.name != "posix" or os.geteuid() != 0:
+        pytest.skip("Slurm needs root here: .ci/slurm-up.sh installs slurm-wlm/munge and starts the daemons")
+    out = subprocess.run(
+        ["bash", str(REPO / ".ci" / "slurm-up.sh")], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, f".ci/slurm-up.sh failed:\n{out.stdout}\n{out.stderr}"
+    return subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+# ------------------------------------------------------------------------------------------------ units
+def test_batch_script_asks_for_the_signal_traps_it_and_requeues(tmp_path: Path) -> None:
+    spec = BatchSpec(
+        plan_path=tmp_path / "plan.yaml",
+        run_dir=tmp_path / "runs" / "lm",
+        workdir=tmp_path,
+        time="04:00:00",
+        nodes=2,
+        gpus_per_node=8,
+        signal_s=300,
+        sets=["smoke.when=first"],
+        partition="gpu",
+    )
+    text = render_batch_script(spec)
+    for line in (
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --nodes=2",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        f"#SBATCH --output={tmp_path / 'runs' / 'lm.slurm-%j.out'}",
+        "trap 'forward USR1' USR1",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        "3|5)",
+    ):
+        assert line in text, line
+    assert f"launch {tmp_path / 'plan.yaml'} --set smoke.when=first ) &" in text
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    with pytest.raises(ConfigError, match="leaves no time before the warning signal"):
+        BatchSpec(plan_path=script, run_dir=tmp_path, workdir=tmp_path, time="5", signal_s=300)
+    assert time_limit_minutes("1-02:03:04") == 1440 + 123 + 4 / 60
+    assert time_limit_minutes("90") == 90 and time_limit_minutes("1:30") == 1.5
+    assert parse_end_time("N/A") is None
+    assert parse_end_time("2026-01-01T00:00:00") == time.mktime((2026, 1, 1, 0, 0, 0, 0, 0, -1))
+
+
+def test_multi_node_command_comes_from_the_allocation(tmp_path: Path) -> None:
+    plan = Plan.from_dict(
+        {
+            "run_dir": "run",
+            "train": {"script": "train.py", "args": ["--x"], "nproc_per_node": 8, "nnodes": 4},
+        },
+        tmp_path,
+    )
+    calls = []
+
+    def runner(argv: list[str]) -> str:
+        calls.append(list(argv))
+        return "gpu01\ngpu02\ngpu03\ngpu04\n"
+
+    env = {"SLURM_JOB_ID": "170648", "SLURM_JOB_NODELIST": "gpu[01-04]"}
+    assert rendezvous(env, runner) == ("gpu01", 20000 + 170648 % 20000, 4)
+    limits = MemoryLimits(soft_bytes=int(691.2 * GIB), hard_bytes=740 * GIB)
+    argv = training_argv(plan, tmp_path / "run", limits, env, runner)
+    assert calls[-1] == ["scontrol", "show", "hostnames", "gpu[01-04]"]
+    srun, rest = argv[: argv.index("-m")], argv[argv.index("-m") :]
+    assert srun[0] == "srun" and "--nodes=4" in srun and "--ntasks-per-node=1" in srun
+    assert rest[:2] == ["-m", "torchrelay.controller.supervisor"] and "--soft-gib=691.200" in rest
+    torchrun = rest[rest.index("--") + 1 :]
+    assert "--nnodes=4" in torchrun and "--node_rank={SLURM_NODEID}" in torchrun
+    assert "--master_addr=gpu01" in torchrun and "--nproc_per_node=8" in torchrun
+    assert torchrun[-2:] == ["train.py", "--x"]
+
+
+# ------------------------------------------------------------------------------------------------ real Slurm
+def job_state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True).stdout
+    state = re.search(r"JobState=(\S+)", out)
+    return state.group(1) if state else "GONE"
+
+
+@pytest.mark.slurm
+def test_short_job_is_signalled_requeued_and_ends_bit_exact(
+    example: dict[str, Path], slurm_up: str, tmp_path: Path
+) -> None:
+    # Slurm's warning comes 15-45 s into a one-minute job with @15 (its timer ticks every ~30 s), so ~30 s of
+    # training cannot end in the first job; the second (or a third) finishes it.
+    changes = {"params.d_model": 64, "params.layers": 2, "params.seq_len": 128}
+    config = write_config(
+        tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=U, save_every=60, **changes
+    )
+    run = tmp_path / "runs" / "lm"
+    plan = write_plan(
+        tmp_path / "plan.yaml",
+        example["code"],
+        config,
+        run,
+        smoke={"when": "never"},  # the smoke is tested in test_controller; here every second counts
+        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": 0.2, "save_s": 0.5},
+        slurm={"time": "1", "signal_s": 15, "job_name": "relay-test", "max_requeues": 5},
+        train={"env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}},
+    )
+    sub = subprocess.run(
+        [*CLI, "sbatch", str(plan), "--submit"], capture_output=True, text=True, env=clean_env(), timeout=60
+    )
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job = re.search(r"submitted job (\d+)", sub.stdout).group(1)  # type: ignore[union-attr]
+    log = tmp_path / "runs" / f"lm.slurm-{job}.out"
+    # The uninterrupted reference runs meanwhile: the slower updates change no bit, only the job count.
+    ref = tmp_path / "reference"
+    reference = launch_bg(example["code"], ref, config=config)
+    t0 = time.time()
+    try:
+        state = "PENDING"
+        while time.time() - t0 < 360:
+            state = job_state(job)
+            if state in FINAL_STATES:
+                break
+            time.sleep(2)
+        else:
+            pytest.fail(f"job {job} still {state} after 360 s:\n{log.read_text() if log.exists() else ''}")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    text = log.read_text()
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{text}"
+    assert reference.wait(timeout=120) == 0, reference.stdout.read() if reference.stdout else ""
+
+    # one attempt and one history segment per run of the job (the appended log shows each start)
+    starts = re.findall(rf"torchrelay: job {job} \(restart (\d+)\)", text)
+    assert starts == [str(i) for i in range(len(starts))] and len(starts) >= 2, text
+    assert "USR1 received" in text and f"requeueing job {job}" in text, text
+    segs = segments(run)
+    assert len(segs) == len(starts) == len(Attempts(run).all()), text
+    assert all(s["job"] == job for s in segs)
+    assert "signal" in [s["ended"] for s in segs[:-1]], [s["ended"] for s in segs]
+    assert all(s["ended"] in ("signal", "budget") for s in segs[:-1]) and segs[-1]["ended"] == "finished"
+    for before, after in zip(segs, segs[1:]):
+        assert (
+            after["first_update"] == before["last_update"] + 1
+            and after["resumed_from"] == before["last_update"]
+        )
+
+    assert assert_same_final_state(ref, run, U) > 10
+    report = prove(run)
+    assert report.prefix_ok and report.repeats == 0 and report.skipped == 0
