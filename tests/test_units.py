@@ -123,8 +123,10 @@ def test_stop_policies() -> None:
     assert decide(ctx).code == EXIT_SIGNAL
     ctx.signal_name, ctx.deadline = None, 110.0
     ctx.update_seconds, ctx.save_seconds, ctx.margin_seconds = 3.0, 4.0, 2.0
-    assert decide(ctx) is None  # 10 s left >= 9 s needed
+    assert decide(ctx) is None  # 10 s left >= one update + save + margin = 9 s
     ctx.now = 101.5
+    assert decide(ctx).code == EXIT_BUDGET
+    ctx.now, ctx.updates_to_next_check = 100.0, 2  # agreeing every 2 updates needs 12 s
     assert decide(ctx).code == EXIT_BUDGET
 
 

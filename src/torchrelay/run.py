@@ -7,6 +7,7 @@ A newcomer should read this file top to bottom: `open` (contract, checkpoint cho
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -166,6 +167,10 @@ class Run:
         self._margin = float(os.environ.get("TORCHRELAY_MARGIN_S", "1.0"))
         self._request_cache: tuple[tuple[int, int], StopRequest | None] | None = None
         self.job = os.environ.get("SLURM_JOB_ID")
+        self._agree_group = dist.new_group(backend="gloo") if self.distributed else None
+        self._agree_seconds = 0.0
+        self._max_interval = int(os.environ.get("TORCHRELAY_CHECK_EVERY", "64"))
+        self._last_flush = 0.0
         if self.rank == 0:
             self.segment["hosts"] = self.hosts
             upsert(self.dir.path, self.segment)
@@ -269,13 +274,17 @@ class Run:
         dist.all_gather_object(out, obj)
         return sorted(set(out))
 
-    def _agree(self, code: int) -> int:
-        """The stop code every rank acts on: the largest any rank proposed (one tiny all-reduce)."""
+    def _agree(self, code: int, interval: int) -> tuple[int, int]:
+        """(largest stop code, smallest interval) over ranks: one all-reduce of two integers, on a CPU group
+        of its own so that a CUDA run never synchronizes its stream for it."""
         if not self.distributed:
-            return code
-        t = torch.tensor([code], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+            return code, interval
+        t0 = time.perf_counter()
+        t = torch.tensor([code, -interval], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
+        spent = time.perf_counter() - t0
+        self._agree_seconds = spent if not self._agree_seconds else 0.8 * self._agree_seconds + 0.2 * spent
+        return int(t[0]), -int(t[1])
 
     # ---------------------------------------------------------------------------------- state
     def track(
@@ -326,9 +335,13 @@ class Run:
         done = self.start_update
         last_saved = self.start_update if self.resume_from is not None else -1
         recent: deque[float] = deque(maxlen=5)
+        next_check = done  # the first boundary always agrees
         try:
             while True:
-                code = self._agree(self._local_stop_code(done, recent))
+                code = 0
+                if done == next_check:
+                    code, interval = self._agree(*self._propose(done, recent))
+                    next_check = done + interval
                 if done >= cfg.total_updates or code:
                     if last_saved != done:
                         self._save(done)
@@ -347,9 +360,26 @@ class Run:
         finally:
             del it  # stops loader workers
 
-    def _local_stop_code(self, done: int, recent: deque[float]) -> int:
-        """This rank's proposal at a boundary; only rank 0 reads the request file."""
+    def _propose(self, done: int, recent: deque[float]) -> tuple[int, int]:
+        """This rank's stop code and the number of updates until the next agreement.
+
+        Agreeing costs one small all-reduce; when updates are short the ranks agree every few updates, so
+        that agreement stays under 0.25 % of update time and a stop lands within about a second.
+        """
+        update_s = max(recent) if recent else 0.0
+        interval = 1
+        if update_s > 0 and self._agree_seconds > 0:
+            interval = math.ceil(self._agree_seconds / (0.0025 * update_s))
+            interval = max(1, min(interval, int(1.0 / update_s) or 1, self._max_interval))
         request = self._read_request() if self.rank == 0 else None
+        if request is not None and request.at_update is not None and request.at_update > done:
+            if not is_stale(request, self.job):
+                interval = min(interval, request.at_update - done)  # land exactly on the requested update
+        interval = min(interval, max(1, self.config.total_updates - done))
+        return self._local_stop_code(done, update_s, interval, request), interval
+
+    def _local_stop_code(self, done: int, update_s: float, interval: int, request: StopRequest | None) -> int:
+        """This rank's stop proposal at an agreement boundary; only rank 0 reads the request file."""
         if request is not None and is_stale(request, self.job):
             if not self._stale_reported:
                 note = f"ignored stale stop request for job {request.job} (this job: {self.job})"
@@ -364,9 +394,10 @@ class Run:
             request=request,
             signal_name=self._signals.received,
             deadline=self._deadline,
-            update_seconds=max(recent) if recent else 0.0,
+            update_seconds=update_s,
             save_seconds=self._save_estimate,
             margin_seconds=self._margin,
+            updates_to_next_check=interval,
         )
         verdict = decide(ctx)
         if verdict is None:
@@ -393,8 +424,13 @@ class Run:
         self.metrics_log.write(rec)
         for micro, ids in enumerate(step._ids):
             self.exposures_log.write({"u": step.update, "m": micro, "i": ids})
-        self.metrics_log.flush()
-        self.exposures_log.flush()
+        # Lines past the newest checkpoint are trimmed on resume anyway, so flushing about twice a second
+        # (and durably before every save) loses nothing a resume needs and keeps syscalls out of the loop.
+        now = time.perf_counter()
+        if now - self._last_flush > 0.5:
+            self.metrics_log.flush()
+            self.exposures_log.flush()
+            self._last_flush = now
 
     # ---------------------------------------------------------------------------------- saving
     def _save(self, update: int) -> Path:

@@ -70,7 +70,7 @@ def write_request(
 
 @dataclass(slots=True)
 class StopContext:
-    """What the loop knows at an update boundary."""
+    """What the loop knows at an agreement boundary (ranks agree every `updates_to_next_check` updates)."""
 
     updates_done: int
     now: float
@@ -81,6 +81,7 @@ class StopContext:
     update_seconds: float = 0.0
     save_seconds: float = 0.0
     margin_seconds: float = 1.0
+    updates_to_next_check: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,17 +109,19 @@ class SignalPolicy:
 
 
 class BudgetPolicy:
-    """Stop while a checkpoint still fits: one more update, a save and the margin must end by the deadline."""
+    """Stop while a checkpoint still fits: if the run goes on to the next agreement, those updates, a save
+    and the margin must all end by the deadline."""
 
     def decide(self, ctx: StopContext) -> Verdict | None:
         if ctx.deadline is None:
             return None
-        needed = ctx.update_seconds + ctx.save_seconds + ctx.margin_seconds
+        ahead = ctx.updates_to_next_check * ctx.update_seconds
+        needed = ahead + ctx.save_seconds + ctx.margin_seconds
         left = ctx.deadline - ctx.now
         if left < needed:
             return Verdict(
                 EXIT_BUDGET,
-                f"{left:.1f}s left < one update {ctx.update_seconds:.2f}s + save {ctx.save_seconds:.2f}s"
+                f"{left:.1f}s left < {ctx.updates_to_next_check} update(s) of {ctx.update_seconds:.2f}s + save {ctx.save_seconds:.2f}s"
                 f" + margin {ctx.margin_seconds:.1f}s",
             )
         return None
