@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -17,10 +18,10 @@ from torchrelay.stop import write_request
 SMALL = {"total_updates": 10, "save_every": 3, "warmup_updates": 2}
 
 
-def relay(example: dict[str, Path], run_dir: Path, stops: list[int]) -> Path:
-    """One launch per stop (stopped by request file), then one that finishes the run."""
+def relay(example: dict[str, Path], run_dir: Path, stops: list[int], finish: bool = True) -> Path:
+    """One launch per stop (stopped by request file), then, with finish, one that finishes the run."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stop in [*stops, None]:
+    for stop in [*stops, None] if finish else stops:
         if stop is not None:
             write_request(run_dir, at_update=stop)
         done = launch(example["code"], run_dir, config=example["config"], sets=SMALL)
@@ -29,13 +30,22 @@ def relay(example: dict[str, Path], run_dir: Path, stops: list[int]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_segments(example, tmp_path_factory) -> Path:
-    return relay(example, tmp_path_factory.mktemp("report") / "two", [5])
+def runs(example, tmp_path_factory) -> dict[int, Path]:
+    """A two-segment and a four-segment run that share their first segment (five launches, not six)."""
+    base = tmp_path_factory.mktemp("report")
+    first = relay(example, base / "four", [3], finish=False)
+    shutil.copytree(first, base / "two")
+    return {2: relay(example, base / "two", []), 4: relay(example, first, [5, 7])}
 
 
 @pytest.fixture(scope="module")
-def four_segments(example, tmp_path_factory) -> Path:
-    return relay(example, tmp_path_factory.mktemp("report") / "four", [2, 5, 7])
+def two_segments(runs) -> Path:
+    return runs[2]
+
+
+@pytest.fixture(scope="module")
+def four_segments(runs) -> Path:
+    return runs[4]
 
 
 def check_report(run_dir: Path, out: Path, n_segments: int) -> None:
@@ -96,8 +106,6 @@ def test_report_refuses_a_run_without_metrics(tmp_path, capsys):
 
 def test_a_torn_last_metrics_line_is_skipped(two_segments, tmp_path):
     # A killed writer leaves half a line; the report draws everything before it.
-    import shutil
-
     copy = tmp_path / "run"
     shutil.copytree(two_segments, copy, ignore=shutil.ignore_patterns("checkpoint-*"))
     with (copy / "train" / "metrics-rank0.jsonl").open("a") as f:
