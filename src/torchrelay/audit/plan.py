@@ -119,7 +119,7 @@ def run_audit(
             f"{work}: the audit's work directory is not empty", hint="pass an empty or new --work-dir"
         )
     logs = work / "logs"
-    U = plan.updates
+    target = plan.updates  # both runs end with checkpoint-<target>
 
     def launch(name: str, stop_after: list[int], vary: dict[str, list[Any]]) -> RunLaunches:
         env = dict(os.environ)
@@ -140,11 +140,11 @@ def run_audit(
         )
 
     first_values = {k: v[:1] for k, v in plan.vary.items()}
-    straight = launch("uninterrupted", [U], first_values)
-    relayed = launch("interrupted", [*stops, U], plan.vary)
+    straight = launch("uninterrupted", [target], first_values)
+    relayed = launch("interrupted", [*stops, target], plan.vary)
 
     a, b = straight.run_dir, relayed.run_dir
-    tensors = compare.compare_checkpoints(a / f"checkpoint-{U}", b / f"checkpoint-{U}", plan.atol)
+    tensors = compare.compare_checkpoints(a / f"checkpoint-{target}", b / f"checkpoint-{target}", plan.atol)
     ignore = frozenset(plan.ignore_keys)
     metrics = compare.compare_metrics(a, b, plan.atol, ignore)
     ledger = compare.compare_ledgers(a, b)
@@ -152,8 +152,8 @@ def run_audit(
     own_loaders = probe.samplers(work / "probe" / "interrupted")
 
     def rerun() -> str | None:
-        again = launch("uninterrupted-again", [U], first_values)
-        return _difference(a, again.run_dir, U, plan.atol, ignore)
+        again = launch("uninterrupted-again", [target], first_values)
+        return _difference(a, again.run_dir, target, plan.atol, ignore)
 
     evidence = diagnose.Evidence(
         stops=stops,
@@ -172,7 +172,7 @@ def run_audit(
         launch=list(plan.launch),
         script=script,
         script_sha256=verdict.file_sha256(script) if script else None,
-        updates=U,
+        updates=target,
         stops=stops,
         vary=plan.vary,
         atol=plan.atol,
@@ -201,6 +201,8 @@ def run_audit(
     keep = plan.keep or not owned or not equal
     if keep:
         result.run_dirs = {"uninterrupted": str(a), "interrupted": str(b)}
+        if (work / "uninterrupted-again").is_dir():
+            result.run_dirs["uninterrupted-again"] = str(work / "uninterrupted-again")
     verdict.save(result)
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
