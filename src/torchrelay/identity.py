@@ -41,6 +41,8 @@ def _git_tree_of_dir(root: Path) -> str:
                 data = os.readlink(child).encode()
                 entries.append((child.name, b"120000 " + child.name.encode() + b"\0" + _blob(data)))
             elif stat.S_ISDIR(st.st_mode):
+                if (child / "resume_contract.json").exists():
+                    continue  # a run directory inside a plain source tree is output, not code
                 sub = tree(child)
                 if sub:  # git does not record empty directories
                     entries.append((child.name + "/", b"40000 " + child.name.encode() + b"\0" + sub))

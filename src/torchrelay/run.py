@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchrelay import __version__
+from torchrelay import errors as errors_module
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import clean_stale, commit_checkpoint
 from torchrelay.config import RelayConfig
@@ -132,7 +133,9 @@ class Run:
         outcome = self._broadcast(outcome)
         if "error" in outcome:
             name, message, hint, code = outcome["error"]
-            err = RelayError(message, hint)
+            cls_ = getattr(errors_module, name, RelayError)
+            err = cls_.__new__(cls_)  # the same class on every rank, whatever its constructor takes
+            RelayError.__init__(err, message, hint)
             err.exit_code = code
             raise err
         self.config = RelayConfig.from_dict(outcome["config"])
