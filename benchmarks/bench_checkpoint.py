@@ -78,16 +78,25 @@ def main() -> None:
                 os.fsync(f.fileno())
             peer_s = time.perf_counter() - t0
             (base / "peer.pt").unlink()
-            results.append({
-                "params_million": sum(p.numel() for p in model.parameters()) / 1e6,
-                "bytes": nbytes, "save_s": round(save_s, 3), "load_s": round(load_s, 3),
-                "save_GBps": round(nbytes / save_s / 1e9, 3), "load_GBps": round(nbytes / load_s / 1e9, 3),
-                "peer_torch_save_fsync_s": round(peer_s, 3),
-            })
+            results.append(
+                {
+                    "params_million": sum(p.numel() for p in model.parameters()) / 1e6,
+                    "bytes": nbytes,
+                    "save_s": round(save_s, 3),
+                    "load_s": round(load_s, 3),
+                    "save_GBps": round(nbytes / save_s / 1e9, 3),
+                    "load_GBps": round(nbytes / load_s / 1e9, 3),
+                    "peer_torch_save_fsync_s": round(peer_s, 3),
+                }
+            )
         shutil.rmtree(base / f"run-{size}", ignore_errors=True) if rank == 0 else None
         dist.barrier()
     if rank == 0:
-        print(json.dumps({"world_size": world, "backend": args.backend, "dir": str(base), "results": results}, indent=1))
+        print(
+            json.dumps(
+                {"world_size": world, "backend": args.backend, "dir": str(base), "results": results}, indent=1
+            )
+        )
         shutil.rmtree(base, ignore_errors=True)
     dist.destroy_process_group()
 

@@ -54,8 +54,14 @@ def main() -> None:
     if rank == 0:
         manifest.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(100_000)))
     dist.barrier()
-    cfg = tr.RelayConfig(seed=0, micro_batch=4, grad_accum=2, total_updates=args.updates, manifest=str(manifest),
-                         save_every=10**9)
+    cfg = tr.RelayConfig(
+        seed=0,
+        micro_batch=4,
+        grad_accum=2,
+        total_updates=args.updates,
+        manifest=str(manifest),
+        save_every=10**9,
+    )
     plain_times, relay_times, agree_times, boundary_times = [], [], [], []
     for rep in range(args.repeats):
         # --- plain: the same batches through a plain DataLoader, no torchrelay in the loop
@@ -108,14 +114,25 @@ def main() -> None:
         agree = statistics.median(agree_times) * 1e6
         overhead = relay - plain
         boundary = statistics.median(boundary_times) * 1e6
-        print(json.dumps({
-            "backend": args.backend, "world_size": world, "updates": args.updates, "repeats": args.repeats,
-            "work_ms": args.work_ms, "boundary_us_per_update": round(boundary, 1),
-            "boundary_of_100ms_percent": round(boundary / 1e5 * 100, 3),
-            "plain_loop_us_per_update": round(plain, 1), "torchrelay_loop_us_per_update": round(relay, 1),
-            "overhead_us_per_update": round(overhead, 1), "of_100ms_update_percent": round(overhead / 1e5 * 100, 3),
-            "stop_agreement_allreduce_us": round(agree, 1),
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "backend": args.backend,
+                    "world_size": world,
+                    "updates": args.updates,
+                    "repeats": args.repeats,
+                    "work_ms": args.work_ms,
+                    "boundary_us_per_update": round(boundary, 1),
+                    "boundary_of_100ms_percent": round(boundary / 1e5 * 100, 3),
+                    "plain_loop_us_per_update": round(plain, 1),
+                    "torchrelay_loop_us_per_update": round(relay, 1),
+                    "overhead_us_per_update": round(overhead, 1),
+                    "of_100ms_update_percent": round(overhead / 1e5 * 100, 3),
+                    "stop_agreement_allreduce_us": round(agree, 1),
+                },
+                indent=1,
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 

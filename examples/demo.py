@@ -29,17 +29,30 @@ con = Console()
 
 
 def launch(run_dir: Path, log: Path, config: Path | None = None, env: dict[str, str] | None = None) -> int:
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(HERE / "train_lm.py"), "--run-dir", str(run_dir)]
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        str(HERE / "train_lm.py"),
+        "--run-dir",
+        str(run_dir),
+    ]
     if config:
         cmd += ["--config", str(config)]
     shown = " ".join(["torchrun", "--nproc_per_node=2", "examples/train_lm.py", "--run-dir", str(run_dir)])
     extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    con.print(f"[bold]$ {extra + ' ' if extra else ''}{shown}{' --config ' + str(config) if config else ''}[/]")
+    con.print(
+        f"[bold]$ {extra + ' ' if extra else ''}{shown}{' --config ' + str(config) if config else ''}[/]"
+    )
     started = time.time()
     with open(log, "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO)
+        rc = subprocess.call(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO
+        )
     for line in log.read_text().splitlines():
-        if any(key in line for key in ("SCHEDULE_GATE_PASS", "TRAINING_CONTRACT", "[torchrelay]", "exitcode  :")):
+        if any(
+            key in line for key in ("SCHEDULE_GATE_PASS", "TRAINING_CONTRACT", "[torchrelay]", "exitcode  :")
+        ):
             con.print(f"  {line.strip()}", soft_wrap=True, highlight=False)
     con.print(f"  [dim]({time.time() - started:.1f} s, full log in {log})[/]")
     return rc
@@ -51,7 +64,9 @@ def cli(*args: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=REPO / "demo-run")
     parser.add_argument("--updates", type=int, default=60)
     parser.add_argument("--budget", type=float, default=6.0, help="seconds the first launch may run")
@@ -66,7 +81,7 @@ def main() -> int:
 
     con.rule("1. data: the Python standard library's source, as bytes")
     root, manifest = prepare_data.build(out / "data", files=12, max_bytes=128)
-    n = sum(1 for _ in open(manifest))
+    n = len(manifest.read_text().splitlines())
     con.print(f"data root {root}, manifest {manifest}: {n:,} samples")
     cfg = yaml.safe_load((HERE / "lm.yaml").read_text())
     cfg.update(manifest=str(manifest), data_root=str(root), total_updates=args.updates, save_every=20)

@@ -30,13 +30,31 @@ def build(out: Path, files: int, max_bytes: int) -> tuple[Path, Path]:
             pos = 0
             for line in lines:
                 if pos + len(line) - start > max_bytes and pos > start:
-                    f.write(json.dumps({"id": f"{src.stem}#{chunk}", "path": str(dst), "offset": start,
-                                        "length": pos - start}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "id": f"{src.stem}#{chunk}",
+                                "path": str(dst),
+                                "offset": start,
+                                "length": pos - start,
+                            }
+                        )
+                        + "\n"
+                    )
                     start, chunk = pos, chunk + 1
                 pos += len(line)
             if pos > start:
-                f.write(json.dumps({"id": f"{src.stem}#{chunk}", "path": str(dst), "offset": start,
-                                    "length": min(pos - start, max_bytes)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": f"{src.stem}#{chunk}",
+                            "path": str(dst),
+                            "offset": start,
+                            "length": min(pos - start, max_bytes),
+                        }
+                    )
+                    + "\n"
+                )
     return root, manifest
 
 
@@ -47,7 +65,7 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=128)
     args = parser.parse_args()
     root, manifest = build(args.out, args.files, args.max_bytes)
-    n = sum(1 for _ in open(manifest))
+    n = len(manifest.read_text().splitlines())
     print(f"data root {root}\nmanifest {manifest} ({n} samples)")
 
 

@@ -30,11 +30,15 @@ class ByteLM(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(256, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout, batch_first=True, norm_first=True)
+        block = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, 256, bias=False)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
@@ -87,7 +91,9 @@ def load_config(path: Path | None) -> tr.RelayConfig | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--config", type=Path, default=None, help="YAML config; needed to create a run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -96,7 +102,9 @@ def main() -> int:
     torch.set_num_threads(1)  # two ranks share two cores; one thread each is also deterministic
     dist.init_process_group("gloo")
     try:
-        with tr.Run.open(args.run_dir, load_config(args.config), overrides=parse_assignments(args.set)) as run:
+        with tr.Run.open(
+            args.run_dir, load_config(args.config), overrides=parse_assignments(args.set)
+        ) as run:
             p = run.config.params
             torch.manual_seed(run.config.seed)
             model: nn.Module = ByteLM(p["d_model"], p["layers"], p["heads"], p["seq_len"], p["dropout"])
@@ -110,7 +118,9 @@ def main() -> int:
                 model = nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
             cfg = run.config
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, tr.warmup_cosine(cfg.total_updates, cfg.warmup_updates))
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                opt, tr.warmup_cosine(cfg.total_updates, cfg.warmup_updates)
+            )
             run.track(model=model, optimizer=opt, scheduler=sched)
 
             loader = run.dataloader(SourceBytes(run.manifest.records, p["seq_len"]), collate_fn=collate)
@@ -120,7 +130,9 @@ def main() -> int:
                 total = 0.0
                 for micro, (xs, lengths) in step.micro_batches():
                     last = micro == cfg.grad_accum - 1
-                    sync = contextlib.nullcontext() if last or p.get("parallel") == "fsdp2" else model.no_sync()
+                    sync = (
+                        contextlib.nullcontext() if last or p.get("parallel") == "fsdp2" else model.no_sync()
+                    )
                     with sync:
                         loss = lm_loss(model, xs, lengths) / cfg.grad_accum
                         if step.update == p.get("nan_at_update"):

@@ -24,9 +24,17 @@ TIMING_KEYS = ("update_time", "time", "samples_per_s")
 
 def git(cwd: Path, *args: str) -> str:
     return subprocess.run(
-        ["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True,
-        env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-             "GIT_COMMITTER_EMAIL": "t@t"},
+        ["git", "-C", str(cwd), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        },
     ).stdout.strip()
 
 
@@ -70,10 +78,23 @@ def write_config(path: Path, manifest: Path, data_root: Path, **changes: Any) ->
     return path
 
 
-def torchrun_cmd(code: Path, run_dir: Path, nproc: int = 2, config: Path | None = None,
-                 sets: dict[str, Any] | None = None, script: str = "train_lm.py") -> list[str]:
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5",
-           str(code / script), "--run-dir", str(run_dir)]
+def torchrun_cmd(
+    code: Path,
+    run_dir: Path,
+    nproc: int = 2,
+    config: Path | None = None,
+    sets: dict[str, Any] | None = None,
+    script: str = "train_lm.py",
+) -> list[str]:
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--monitor_interval=0.5",
+        str(code / script),
+        "--run-dir",
+        str(run_dir),
+    ]
     if config is not None:
         cmd += ["--config", str(config)]
     for k, v in (sets or {}).items():
@@ -87,20 +108,39 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(code: Path, run_dir: Path, *, nproc: int = 2, config: Path | None = None,
-           sets: dict[str, Any] | None = None, env: dict[str, str] | None = None, timeout: float = 300,
-           script: str = "train_lm.py") -> subprocess.CompletedProcess[str]:
+def launch(
+    code: Path,
+    run_dir: Path,
+    *,
+    nproc: int = 2,
+    config: Path | None = None,
+    sets: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    script: str = "train_lm.py",
+) -> subprocess.CompletedProcess[str]:
     """One real torchrun launch of the example, to completion (or its clean stop, or its crash)."""
     return subprocess.run(
-        torchrun_cmd(code, run_dir, nproc, config, sets, script), capture_output=True, text=True,
-        timeout=timeout, env=clean_env(**(env or {})), cwd=code,
+        torchrun_cmd(code, run_dir, nproc, config, sets, script),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(**(env or {})),
+        cwd=code,
     )
 
 
 def launch_bg(code: Path, run_dir: Path, **kw: Any) -> subprocess.Popen[str]:
     env = clean_env(**kw.pop("env", {}) or {})
-    return subprocess.Popen(torchrun_cmd(code, run_dir, **kw), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=code, start_new_session=True)
+    return subprocess.Popen(
+        torchrun_cmd(code, run_dir, **kw),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=code,
+        start_new_session=True,
+    )
 
 
 def wait_for_update(run_dir: Path, update: int, proc: subprocess.Popen[str], timeout: float = 120) -> None:

@@ -39,7 +39,14 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     ],
 )
 def test_contract_field_changed_is_refused(
-    example: dict[str, Path], stopped: Path, tmp_path: Path, sets: dict, nproc: int, field: str, old: str, new: str
+    example: dict[str, Path],
+    stopped: Path,
+    tmp_path: Path,
+    sets: dict,
+    nproc: int,
+    field: str,
+    old: str,
+    new: str,
 ) -> None:
     run = _copy(stopped, tmp_path)
     before = (run / "history.jsonl").read_text()
@@ -58,7 +65,9 @@ def test_manifest_content_change_is_refused(example: dict[str, Path], stopped: P
     other.write_text("\n".join(lines[:-1]) + "\n")  # one sample fewer
     out = launch(example["code"], run, sets={"manifest": str(other)})
     assert out.returncode != 0
-    assert "data.fingerprint: 'fingerprint_v1:" in out.stderr and "data.samples:" in out.stderr, out.stderr[-3000:]
+    assert "data.fingerprint: 'fingerprint_v1:" in out.stderr and "data.samples:" in out.stderr, out.stderr[
+        -3000:
+    ]
 
 
 def test_code_commit_change_is_refused(example: dict[str, Path], stopped: Path, tmp_path: Path) -> None:
@@ -74,7 +83,9 @@ def test_code_commit_change_is_refused(example: dict[str, Path], stopped: Path, 
     assert f"code.commit: '{old}' -> '{new}'" in out.stderr, out.stderr[-3000:]
 
 
-def test_runtime_field_change_resumes_and_is_recorded(example: dict[str, Path], stopped: Path, tmp_path: Path) -> None:
+def test_runtime_field_change_resumes_and_is_recorded(
+    example: dict[str, Path], stopped: Path, tmp_path: Path
+) -> None:
     run = _copy(stopped, tmp_path)
     out = launch(example["code"], run, sets={"params.log_every": 5, "save_every": 4})
     assert out.returncode == 0, out.stdout + out.stderr
@@ -83,7 +94,9 @@ def test_runtime_field_change_resumes_and_is_recorded(example: dict[str, Path], 
     assert json.loads((run / "config.json").read_text())["save_every"] == 4
 
 
-def test_stale_stop_request_is_ignored_and_reported(example: dict[str, Path], stopped: Path, tmp_path: Path) -> None:
+def test_stale_stop_request_is_ignored_and_reported(
+    example: dict[str, Path], stopped: Path, tmp_path: Path
+) -> None:
     run = _copy(stopped, tmp_path)
     write_request(run, job="999")
     out = launch(example["code"], run, env={"SLURM_JOB_ID": "123"})

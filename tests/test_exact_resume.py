@@ -66,7 +66,9 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     )
 
 
-def test_num_workers_change_between_segments(example: dict[str, Path], baseline: Path, tmp_path: Path) -> None:
+def test_num_workers_change_between_segments(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
     run.mkdir()
     write_request(run, at_update=5)
@@ -95,12 +97,18 @@ def test_fsdp2_stop_and_continue(example: dict[str, Path], tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("phases", [("shards:16:1", "inventory:16:0", "rename:16:0")])
-def test_sigkill_during_saves(example: dict[str, Path], baseline: Path, tmp_path: Path, phases: tuple[str, ...]) -> None:
+def test_sigkill_during_saves(
+    example: dict[str, Path], baseline: Path, tmp_path: Path, phases: tuple[str, ...]
+) -> None:
     """A rank SIGKILLed while writing shards, before the inventory, before the rename: resumes from checkpoint-8."""
     run = tmp_path / "run"
     for i, phase in enumerate(phases):
-        out = launch(example["code"], run, config=example["config"] if i == 0 else None,
-                     env={"TORCHRELAY_TEST_KILL": phase})
+        out = launch(
+            example["code"],
+            run,
+            config=example["config"] if i == 0 else None,
+            env={"TORCHRELAY_TEST_KILL": phase},
+        )
         assert out.returncode != 0 and "Signal 9" in out.stderr or "SIGKILL" in out.stderr, out.stderr[-2000:]
         assert not (run / "checkpoint-16").exists()
         assert (run / "checkpoint-8" / "COMPLETE.json").exists()
@@ -117,7 +125,9 @@ def test_sigkill_during_saves(example: dict[str, Path], baseline: Path, tmp_path
     assert prove(run).ok
 
 
-def test_checkpoint_without_inventory_is_never_chosen(example: dict[str, Path], baseline: Path, tmp_path: Path) -> None:
+def test_checkpoint_without_inventory_is_never_chosen(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
     shutil.copytree(baseline, run)
     (run / "checkpoint-16" / "COMPLETE.json").unlink()

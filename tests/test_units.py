@@ -9,13 +9,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchrelay.checkpoint.inventory import safe_relpath, validate_complete, write_inventory, entry
+from torchrelay.checkpoint.inventory import entry, safe_relpath, validate_complete, write_inventory
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.cli import main
 from torchrelay.config import RelayConfig
 from torchrelay.contract import contract_diff
 from torchrelay.data.order import GlobalOrder
-from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, IntegrityError, UnsafeInput
+from torchrelay.errors import (
+    EXIT_BUDGET,
+    EXIT_MEMORY,
+    EXIT_REQUEST,
+    EXIT_SIGNAL,
+    ConfigError,
+    IntegrityError,
+    UnsafeInput,
+)
 from torchrelay.manifest import Manifest
 from torchrelay.stop import StopContext, StopRequest, decide
 
@@ -37,7 +45,9 @@ def test_order_is_pure_and_world_size_independent() -> None:
 def test_length_bucketed_groups_lengths_and_covers_epoch() -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 500, size=640).tolist()
-    order = GlobalOrder(num_samples=640, seed=1, global_batch=8, kind="length_bucketed", lengths=lengths, bucket_size=10)
+    order = GlobalOrder(
+        num_samples=640, seed=1, global_batch=8, kind="length_bucketed", lengths=lengths, bucket_size=10
+    )
     ep = order.epoch_order(0)
     assert sorted(ep.tolist()) == list(range(640))
     spread = np.mean([np.ptp(np.asarray(lengths)[order.global_batch_indices(u)]) for u in range(80)])

@@ -110,7 +110,9 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
             hint="this run was written by another torchrelay version; use that version to continue it",
         )
     if contract_sha256(data.get("fields", {})) != data.get("sha256"):
-        raise IntegrityError(f"{path}: the contract's fields do not match its recorded sha256 (edited by hand?)")
+        raise IntegrityError(
+            f"{path}: the contract's fields do not match its recorded sha256 (edited by hand?)"
+        )
     return data
 
 

@@ -38,7 +38,9 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
-            raise DiskFull(f"no space left to write {path}", hint="free disk space; nothing was replaced") from exc
+            raise DiskFull(
+                f"no space left to write {path}", hint="free disk space; nothing was replaced"
+            ) from exc
         raise
     fsync_dir(path.parent)
 

@@ -48,7 +48,9 @@ def _git_tree_of_dir(root: Path) -> str:
                     entries.append((child.name + "/", b"40000 " + child.name.encode() + b"\0" + sub))
             elif stat.S_ISREG(st.st_mode):
                 mode = b"100755" if st.st_mode & 0o111 else b"100644"
-                entries.append((child.name, mode + b" " + child.name.encode() + b"\0" + _blob(child.read_bytes())))
+                entries.append(
+                    (child.name, mode + b" " + child.name.encode() + b"\0" + _blob(child.read_bytes()))
+                )
         if not entries:
             return b""
         body = b"".join(e for _, e in sorted(entries))

@@ -79,7 +79,8 @@ def trim_after(train_dir: Path, update: int) -> Path | None:
     for path in sorted(train_dir.iterdir()):
         if not _RANK_LOG.match(path.name):
             continue
-        keep, moved = [], []
+        keep: list[str] = []
+        moved: list[str] = []
         with open(path) as f:
             for line in f:
                 u = _update_of(line) if line.endswith("\n") else None

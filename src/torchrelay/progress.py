@@ -31,7 +31,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
     ledger = prove(rd.path)
     ckpts = list_checkpoints(rd.path)
     history = read_history(rd.path)
-    lineages = sorted({s.get("lineage") for s in history if s.get("lineage")})
+    lineages = sorted({str(s["lineage"]) for s in history if s.get("lineage")})
     out: dict[str, Any] = {
         "run_dir": str(rd.path),
         "updates_done": done,
@@ -50,12 +50,34 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
         "update_time_mean": mean_time,
         "eta_seconds": left * mean_time if mean_time is not None else None,
         "checkpoints": [
-            {"update": c.update, "complete": c.complete, "reason": c.reason, "bytes": c.size, "handed_off": c.handed_off}
+            {
+                "update": c.update,
+                "complete": c.complete,
+                "reason": c.reason,
+                "bytes": c.size,
+                "handed_off": c.handed_off,
+            }
             for c in ckpts
         ],
         "segments": [
-            {k: s.get(k) for k in ("segment", "parent", "lineage", "parent_lineage", "job", "hosts", "world_size",
-                                   "first_update", "last_update", "ended", "exit_code", "runtime_changes", "notes")}
+            {
+                k: s.get(k)
+                for k in (
+                    "segment",
+                    "parent",
+                    "lineage",
+                    "parent_lineage",
+                    "job",
+                    "hosts",
+                    "world_size",
+                    "first_update",
+                    "last_update",
+                    "ended",
+                    "exit_code",
+                    "runtime_changes",
+                    "notes",
+                )
+            }
             for s in history
         ],
         "lineages": lineages,
@@ -68,7 +90,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
 def _audit_verdict(run_dir: Path) -> dict[str, Any] | None:
     """The resumability audit's last verdict for this run's script, when the audit module has one."""
     try:
-        from torchrelay.audit import verdict_for_run  # type: ignore[attr-defined]
+        from torchrelay.audit import verdict_for_run
     except ImportError:
         return None
     try:

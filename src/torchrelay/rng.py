@@ -35,7 +35,9 @@ def capture() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         "format": str(RNG_FORMAT),
         "python_version": str(py_version),
         "python_gauss": json.dumps(py_gauss),
-        "numpy": json.dumps({"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}),
+        "numpy": json.dumps(
+            {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+        ),
         "cuda_devices": str(torch.cuda.device_count() if torch.cuda.is_available() else 0),
     }
     return tensors, meta
@@ -56,11 +58,21 @@ def load(path: str | os.PathLike[str]) -> None:
         raise CheckpointError(f"{path}: RNG state format {meta.get('format')!r} is not {RNG_FORMAT}")
     tensors = load_file(str(path))
     random.setstate(
-        (int(meta["python_version"]), tuple(int(x) for x in tensors["python"].tolist()), json.loads(meta["python_gauss"]))
+        (
+            int(meta["python_version"]),
+            tuple(int(x) for x in tensors["python"].tolist()),
+            json.loads(meta["python_gauss"]),
+        )
     )
     npm = json.loads(meta["numpy"])
     np.random.set_state(
-        (npm["name"], tensors["numpy_keys"].numpy().astype(np.uint32), npm["pos"], npm["has_gauss"], npm["cached"])
+        (
+            npm["name"],
+            tensors["numpy_keys"].numpy().astype(np.uint32),
+            npm["pos"],
+            npm["has_gauss"],
+            npm["cached"],
+        )
     )
     torch.set_rng_state(tensors["torch_cpu"])
     saved_cuda = int(meta.get("cuda_devices", "0"))

@@ -38,7 +38,7 @@ from torchrelay.errors import (
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
 from torchrelay.identity import find_code_dir, versions
-from torchrelay.logs import RankLog, exposures_path, metrics_path, rank_logs, read_jsonl, trim_after
+from torchrelay.logs import RankLog, exposures_path, metrics_path, read_jsonl, trim_after
 from torchrelay.manifest import Manifest
 from torchrelay.resume import validate_resume
 from torchrelay.rundir import RunDir
@@ -90,6 +90,44 @@ class Step:
 class Run:
     """A resumable training run in a run directory (see docs/CORE_API.md for the loop)."""
 
+    rank: int
+    world_size: int
+    distributed: bool
+    dir: RunDir
+    code_dir: Path | None
+    config: RelayConfig
+    contract_sha: str
+    resume_from: Path | None
+    start_update: int
+    segment: dict[str, Any]
+    gate: str
+    hosts: list[Any]
+    manifest: Manifest
+    global_batch: int
+    order: GlobalOrder
+    metrics_log: RankLog
+    exposures_log: RankLog
+    exit_code: int
+    ended: str
+    job: str | None
+    _closed: bool
+    _stale_reported: bool
+    _notes: list[str]
+    _model: torch.nn.Module | None
+    _optimizer: torch.optim.Optimizer | None
+    _statefuls: dict[str, Any]
+    _signals: SignalFlag
+    _segment_start: float
+    _deadline: float | None
+    _save_estimate: float
+    _margin: float
+    _request_cache: tuple[tuple[int, int], StopRequest | None] | None
+    _agree_group: Any
+    _agree_seconds: float
+    _max_interval: int
+    _last_flush: float
+    _stop_why: str
+
     def __init__(self) -> None:  # use Run.open
         raise TypeError("use Run.open(run_dir, config)")
 
@@ -118,7 +156,7 @@ class Run:
         self.ended = "running"
         self._closed = False
         self._stale_reported = False
-        self._notes: list[str] = []
+        self._notes = []
         overrides = dict(overrides or {})
         if os.environ.get("TORCHRELAY_OVERRIDES"):
             overrides.update(json.loads(os.environ["TORCHRELAY_OVERRIDES"]))
@@ -159,16 +197,18 @@ class Run:
         )
         self.metrics_log = RankLog(metrics_path(self.dir.train_dir, self.rank))
         self.exposures_log = RankLog(exposures_path(self.dir.train_dir, self.rank))
-        self._model: torch.nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._statefuls: dict[str, Any] = {}
+        self._model = None
+        self._optimizer = None
+        self._statefuls = {}
         self._signals = SignalFlag()
         self._signals.install()
         self._segment_start = time.time()
         self._deadline = deadline_from_env(self._segment_start)
-        self._save_estimate = float(os.environ.get("TORCHRELAY_SAVE_ESTIMATE_S", outcome["last_save_s"] or 0.0))
+        self._save_estimate = float(
+            os.environ.get("TORCHRELAY_SAVE_ESTIMATE_S", outcome["last_save_s"] or 0.0)
+        )
         self._margin = float(os.environ.get("TORCHRELAY_MARGIN_S", "1.0"))
-        self._request_cache: tuple[tuple[int, int], StopRequest | None] | None = None
+        self._request_cache = None
         self.job = os.environ.get("SLURM_JOB_ID")
         self._agree_group = dist.new_group(backend="gloo") if self.distributed else None
         self._agree_seconds = 0.0
@@ -195,7 +235,9 @@ class Run:
             check = validate_resume(rd.path, cfg, self.world_size, self.code_dir)
             clean_stale(rd.path)
             history = read_history(rd.path)
-            last_logged = max((int(r["update"]) for r in read_jsonl(metrics_path(rd.train_dir, 0))), default=None)
+            last_logged = max(
+                (int(r["update"]) for r in read_jsonl(metrics_path(rd.train_dir, 0))), default=None
+            )
             write_history(rd.path, close_crashed(history, last_logged))
             archived = trim_after(rd.train_dir, check.update)
             if check.runtime_changes:
@@ -206,13 +248,21 @@ class Run:
             gate = check.passed[-1]
             last_save = _last_save_seconds(ckpt)
             parent = history[-1]["segment"] if history else None
-            notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
+            notes = (
+                [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"]
+                if archived
+                else []
+            )
         else:
             if config is None:
                 raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
             cfg = config.with_overrides(overrides) if overrides else config
             # A stop request may be written before the first launch (audits stop at chosen updates).
-            leftovers = sorted(p.name for p in rd.path.iterdir() if p.name != REQUEST_FILE)[:5] if rd.path.exists() else []
+            leftovers = (
+                sorted(p.name for p in rd.path.iterdir() if p.name != REQUEST_FILE)[:5]
+                if rd.path.exists()
+                else []
+            )
             if leftovers:
                 raise ConfigError(
                     f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",
@@ -227,8 +277,18 @@ class Run:
             )
             atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             write_contract(rd.path, contract)
-            atomic_write_text(rd.path / "lineage.json", json.dumps({"lineage": new_id(), "parent_lineage": None}))
-            contract_sha, update, ckpt, changes, last_save, parent, notes = contract["sha256"], 0, None, {}, None, None, []
+            atomic_write_text(
+                rd.path / "lineage.json", json.dumps({"lineage": new_id(), "parent_lineage": None})
+            )
+            contract_sha, update, ckpt, changes, last_save, parent, notes = (
+                contract["sha256"],
+                0,
+                None,
+                {},
+                None,
+                None,
+                [],
+            )
             gate = f"SCHEDULE_GATE_PASS ({cfg.total_updates}, {cfg.warmup_updates})"
         lineage = _read_lineage(rd.path)
         segment = {
@@ -299,7 +359,9 @@ class Run:
         """Register what must resume (model, optimizer, scheduler, scaler, ...) and restore it if resuming."""
         for name, obj in statefuls.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise ConfigError(f"run.track({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
+                raise ConfigError(
+                    f"run.track({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict"
+                )
         self._model, self._optimizer, self._statefuls = model, optimizer, dict(statefuls)
         if self.resume_from is not None:
             loop = ckpt_state.load_state(
@@ -332,7 +394,13 @@ class Run:
         print(f"[rank {self.rank}] {self.gate}", flush=True)
         print(f"[rank {self.rank}] TRAINING_CONTRACT {self.contract_sha}", flush=True)
         batches = RankBatches(
-            self.order, self.start_update, cfg.total_updates, self.rank, self.world_size, cfg.micro_batch, cfg.grad_accum
+            self.order,
+            self.start_update,
+            cfg.total_updates,
+            self.rank,
+            self.world_size,
+            cfg.micro_batch,
+            cfg.grad_accum,
         )
         it = iter(loader.build(batches, cfg.seed))
         done = self.start_update
@@ -375,9 +443,13 @@ class Run:
             interval = math.ceil(self._agree_seconds / (0.0025 * update_s))
             interval = max(1, min(interval, int(1.0 / update_s) or 1, self._max_interval))
         request = self._read_request() if self.rank == 0 else None
-        if request is not None and request.at_update is not None and request.at_update > done:
-            if not is_stale(request, self.job):
-                interval = min(interval, request.at_update - done)  # land exactly on the requested update
+        if (
+            request is not None
+            and request.at_update is not None
+            and request.at_update > done
+            and not is_stale(request, self.job)
+        ):
+            interval = min(interval, request.at_update - done)  # land exactly on the requested update
         interval = min(interval, max(1, self.config.total_updates - done))
         return self._local_stop_code(done, update_s, interval, request), interval
 
@@ -466,7 +538,11 @@ class Run:
             write,
             rank=self.rank,
             world_size=self.world_size,
-            info={"contract_sha256": self.contract_sha, "segment": self.segment["segment"], "created": time.time()},
+            info={
+                "contract_sha256": self.contract_sha,
+                "segment": self.segment["segment"],
+                "created": time.time(),
+            },
             keep=self.config.keep,
         )
         self._save_estimate = max(self._save_estimate, seconds) if self._save_estimate else seconds

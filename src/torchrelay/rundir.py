@@ -34,7 +34,9 @@ class RunDir:
         try:
             data = json.loads(self.config_path.read_text())
         except FileNotFoundError as exc:
-            raise IntegrityError(f"{self.config_path} is missing: {self.path} holds no torchrelay run") from exc
+            raise IntegrityError(
+                f"{self.config_path} is missing: {self.path} holds no torchrelay run"
+            ) from exc
         except json.JSONDecodeError as exc:
             raise IntegrityError(f"{self.config_path} is not valid JSON ({exc.msg})") from exc
         return RelayConfig.from_dict(data, source=str(self.config_path))

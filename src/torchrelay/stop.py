@@ -55,7 +55,10 @@ class StopRequest:
 
 
 def write_request(
-    run_dir: str | os.PathLike[str], job: str | None = None, at_update: int | None = None, reason: str = "user"
+    run_dir: str | os.PathLike[str],
+    job: str | None = None,
+    at_update: int | None = None,
+    reason: str = "user",
 ) -> Path:
     """Ask the run in `run_dir` to save and stop (at the next boundary, or after `at_update`)."""
     path = Path(run_dir) / REQUEST_FILE

@@ -119,7 +119,9 @@ def commit_checkpoint(
     if rank == 0:
         entries = [e for part in gathered for e in part]
         seconds = time.perf_counter() - started
-        write_inventory(tmp, entries, update=update, save_seconds=round(seconds, 4), world_size=world_size, **info)
+        write_inventory(
+            tmp, entries, update=update, save_seconds=round(seconds, 4), world_size=world_size, **info
+        )
         for sub in sorted({p.parent for p in tmp.rglob("*") if p.is_file()}, key=lambda p: -len(p.parts)):
             fsync_dir(sub)
         if hook:

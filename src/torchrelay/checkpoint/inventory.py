@@ -86,7 +86,11 @@ def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
         raise IntegrityError(f"{path} is missing: the checkpoint is incomplete") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"{path} is not valid JSON: the checkpoint is incomplete or damaged") from exc
-    if not isinstance(doc, dict) or doc.get("format") != INVENTORY_FORMAT or not isinstance(doc.get("files"), list):
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != INVENTORY_FORMAT
+        or not isinstance(doc.get("files"), list)
+    ):
         raise IntegrityError(f"{path}: not a torchrelay inventory of format {INVENTORY_FORMAT}")
     return doc
 
@@ -102,7 +106,9 @@ def validate_complete(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True) 
         full = safe_relpath(root, item.get("path"), root / INVENTORY)
         listed.add(item["path"])
         if not full.is_file():
-            raise IntegrityError(f"{full} is listed in {INVENTORY} but missing", hint="restore it from a copy")
+            raise IntegrityError(
+                f"{full} is listed in {INVENTORY} but missing", hint="restore it from a copy"
+            )
         size = full.stat().st_size
         if size != item.get("size"):
             raise IntegrityError(

@@ -26,7 +26,7 @@ class CheckpointInfo:
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
     """Every `checkpoint-N/`, oldest first, with whether its inventory is present and readable."""
     root = Path(run_dir)
-    out = []
+    out: list[CheckpointInfo] = []
     if not root.is_dir():
         return out
     for child in root.iterdir():

@@ -161,13 +161,13 @@ def load_state(
     if model is not None:
         msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
         otensors, _ = _split_optimizer(osd) if optimizer is not None else ({}, None)
-        target = {"model": msd, "optim": otensors}
+        target: dict[str, Any] = {"model": msd, "optim": otensors}
         dcp_io.load(target, ckpt_dir / MODEL_DIR)
         kwargs: dict[str, Any] = {"model_state_dict": target["model"]}
         if optimizer is not None:
             if doc.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt_dir}: holds no optimizer state but an optimizer is tracked")
-            kwargs["optim_state_dict"] = _join_optimizer(target["optim"], doc["optimizer"])
+            kwargs["optim_state_dict"] = _join_optimizer(otensors, doc["optimizer"])
         set_state_dict(model, optimizer or [], options=_OPTS, **kwargs)
     tensors = load_file(str(ckpt_dir / STATE_TENSORS)) if (ckpt_dir / STATE_TENSORS).exists() else {}
     stored = doc.get("statefuls", {})

@@ -26,9 +26,15 @@ def run(args: argparse.Namespace) -> int:
     con.print(f"distinct       {rep.distinct:,}")
     con.print(f"repeats        {rep.repeats:,}")
     con.print(f"skipped        {rep.skipped:,}")
-    con.print(f"remaining      {rep.remaining_in_epoch:,} in epoch {rep.epoch} ({rep.epoch_fraction:.4f} epochs done)")
+    con.print(
+        f"remaining      {rep.remaining_in_epoch:,} in epoch {rep.epoch} ({rep.epoch_fraction:.4f} epochs done)"
+    )
     con.print(f"prefix of order {'yes' if rep.prefix_ok else 'NO'}")
     for problem in rep.problems:
         con.print(f"[red]  {problem}[/]")
-    con.print("[green]LEDGER_OK: every sample exactly once, in the run's order[/]" if rep.ok else "[red]LEDGER_FAIL[/]")
+    con.print(
+        "[green]LEDGER_OK: every sample exactly once, in the run's order[/]"
+        if rep.ok
+        else "[red]LEDGER_FAIL[/]"
+    )
     return 0 if rep.ok else 1

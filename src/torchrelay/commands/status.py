@@ -39,14 +39,19 @@ def run(args: argparse.Namespace) -> int:
     t = Table(title=f"torchrelay status — {s['run_dir']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("updates done / left", f"{s['updates_done']:,} / {s['updates_left']:,} of {s['total_updates']:,}")
+    t.add_row(
+        "updates done / left", f"{s['updates_done']:,} / {s['updates_left']:,} of {s['total_updates']:,}"
+    )
     t.add_row("epoch", _fmt(s["epoch"], ".4f"))
     t.add_row(
         "exposures",
         f"{s['exposures']:,} ({s['distinct']:,} distinct, {s['repeats']} repeats, {s['skipped']} skipped); "
         f"{s['remaining_in_epoch']:,} remaining in the epoch",
     )
-    t.add_row("ledger", "[green]exactly once, in order[/]" if s["ledger_ok"] else "[red]NOT clean: run torchrelay ledger[/]")
+    t.add_row(
+        "ledger",
+        "[green]exactly once, in order[/]" if s["ledger_ok"] else "[red]NOT clean: run torchrelay ledger[/]",
+    )
     t.add_row("LR", _fmt(s["lr"], ".4g"))
     t.add_row(f"loss (mean of last {s['loss_window']})", _fmt(s["loss_mean"], ".4f"))
     t.add_row("update time (mean)", f"{s['update_time_mean']:.3f} s" if s["update_time_mean"] else "-")
@@ -62,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
         state = "complete" if ck["complete"] else f"[red]incomplete[/]: {ck['reason']}"
         if ck["handed_off"]:
             state += " (handed off)"
-        c.add_row(f"checkpoint-{ck['update']}", state, f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-")
+        c.add_row(
+            f"checkpoint-{ck['update']}", state, f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-"
+        )
     console.print(c)
     g = Table(title="segments" + (f" — {len(s['lineages'])} lineages" if len(s["lineages"]) > 1 else ""))
     for col in ("#", "segment", "job", "hosts", "world", "updates", "ended", "notes"):

@@ -17,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not (Path(args.run_dir) / "resume_contract.json").exists():
-        raise ConfigError(f"{args.run_dir} holds no torchrelay run", hint="pass the run directory the trainer uses")
+        raise ConfigError(
+            f"{args.run_dir} holds no torchrelay run", hint="pass the run directory the trainer uses"
+        )
     path = write_request(args.run_dir, job=args.job, at_update=args.at_update)
     when = f"after update {args.at_update}" if args.at_update else "at the next update boundary"
     who = f"job {args.job}" if args.job else "whichever job runs it"
