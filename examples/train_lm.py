@@ -15,14 +15,17 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-import yaml
+# Deterministic cuBLAS needs this before CUDA starts; harmless on the CPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import torchrelay as tr
-from torchrelay.config import parse_assignments
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import yaml  # noqa: E402
+
+import torchrelay as tr  # noqa: E402
+from torchrelay.config import parse_assignments  # noqa: E402
 
 
 class ByteLM(nn.Module):
@@ -74,7 +77,7 @@ def collate(items):
 
 def lm_loss(model: nn.Module, xs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     inputs, targets = xs[:, :-1], xs[:, 1:]
-    valid = torch.arange(targets.shape[1])[None, :] < (lengths[:, None] - 1)
+    valid = torch.arange(targets.shape[1], device=xs.device)[None, :] < (lengths[:, None] - 1)
     logits = model(inputs)
     return F.cross_entropy(logits[valid], targets[valid])
 
@@ -90,6 +93,19 @@ def load_config(path: Path | None) -> tr.RelayConfig | None:
     return tr.RelayConfig.from_dict(data, source=str(path))
 
 
+def _device_of(args: argparse.Namespace) -> str:
+    """params.device of the run (from --config for a new run, else the run directory's config.json)."""
+    if any(item.startswith("params.device=") for item in args.set):
+        return next(i.split("=", 1)[1] for i in args.set if i.startswith("params.device="))
+    run_dir = os.environ.get("TORCHRELAY_RUN_DIR") or args.run_dir
+    stored = Path(run_dir) / "config.json" if run_dir else None
+    if stored is not None and stored.exists():
+        return yaml.safe_load(stored.read_text())["params"].get("device", "cpu")
+    if args.config is not None:
+        return yaml.safe_load(args.config.read_text())["params"].get("device", "cpu")
+    return "cpu"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -100,14 +116,21 @@ def main() -> int:
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # two ranks share two cores; one thread each is also deterministic
-    dist.init_process_group("gloo")
+    cuda = _device_of(args) == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.use_deterministic_algorithms(True)  # bit-exact resume needs bit-exact kernels
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     try:
         with tr.Run.open(
             args.run_dir, load_config(args.config), overrides=parse_assignments(args.set)
         ) as run:
             p = run.config.params
             torch.manual_seed(run.config.seed)
-            model: nn.Module = ByteLM(p["d_model"], p["layers"], p["heads"], p["seq_len"], p["dropout"])
+            model: nn.Module = ByteLM(p["d_model"], p["layers"], p["heads"], p["seq_len"], p["dropout"]).to(
+                device
+            )
             if p.get("parallel", "ddp") == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
@@ -115,7 +138,9 @@ def main() -> int:
                     fully_shard(block)
                 fully_shard(model)
             else:
-                model = nn.parallel.DistributedDataParallel(model)
+                model = nn.parallel.DistributedDataParallel(
+                    model, device_ids=[device.index] if cuda else None
+                )
             opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
             cfg = run.config
             sched = torch.optim.lr_scheduler.LambdaLR(
@@ -129,6 +154,7 @@ def main() -> int:
                     raise RuntimeError(f"crash_at_update={step.update} (test hook)")
                 total = 0.0
                 for micro, (xs, lengths) in step.micro_batches():
+                    xs, lengths = xs.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
                     last = micro == cfg.grad_accum - 1
                     sync = (
                         contextlib.nullcontext() if last or p.get("parallel") == "fsdp2" else model.no_sync()
