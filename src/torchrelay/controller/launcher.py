@@ -38,6 +38,7 @@ from torchrelay.errors import (
     RelayError,
 )
 from torchrelay.history import read_history
+from torchrelay.logs import metrics_path
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 
@@ -53,6 +54,7 @@ EXIT_OF_ENDED = {
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
 STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
 FORMAL_GRACE_S = 15.0
+CLEAN_STOPS = ("budget", "request", "signal", "memory")
 _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
@@ -224,6 +226,11 @@ class Controller:
                 outcome.exit_code = exit_code_of(outcome.ended)
             return outcome
         outcome.ended = self._ended_since(launched, result)
+        total = _total_updates(plan.run_path)
+        if outcome.ended in CLEAN_STOPS and total is not None and _saved_update(plan.run_path) >= total:
+            # A stop agreed at the last boundary: the run is complete; another job would only record that.
+            attempt.note(f"stopped ({outcome.ended}) at its last update {total}: the run is complete")
+            outcome.ended = "finished"
         outcome.exit_code = exit_code_of(outcome.ended)
         if outcome.ended == "finished":
             outcome.stage = "done"
@@ -266,7 +273,7 @@ class Controller:
             run_dir=run_dir,
             limits=None if multi else limits,  # on several nodes each node's agent guards its own memory
             poll_s=min(plan.memory.poll_s, 0.5),
-            ranks_ready=segment_started(run_dir, launched),
+            ranks_ready=first_update_done(run_dir, launched),
             segment_ended=segment_ended(run_dir, launched),
             on_poll=on_poll,
             forward_to="self" if multi else "children",
@@ -386,20 +393,47 @@ def training_argv(
     return [*srun, *agent, "--", *torchrun]
 
 
-def segment_started(run_dir: Path, since: float) -> Callable[[], bool]:
-    """True once a history segment started after `since` is running: the ranks' signal handlers are in place."""
-    seen = False
+def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
+    """True once a segment started after `since` is running and rank 0 has logged its first update.
 
-    def ready() -> bool:
-        nonlocal seen
-        if not seen:
-            seen = any(
-                float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
-                for s in read_history(run_dir)
-            )
-        return seen
+    Then the ranks' signal handlers are in place, and a stop makes progress: every job of a requeued chain moves
+    the run forward by at least one update (no endless requeues that only restart), and no checkpoint is written
+    at the update the segment resumed from.
+    """
+    ready = False
 
-    return ready
+    def check() -> bool:
+        nonlocal ready
+        if ready:
+            return True
+        mine = [
+            s
+            for s in read_history(run_dir)
+            if float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
+        ]
+        if mine:
+            last = _last_logged_update(metrics_path(run_dir / "train", 0))
+            ready = last is not None and last >= int(mine[-1].get("first_update") or 1)
+        return ready
+
+    return check
+
+
+def _last_logged_update(path: Path) -> int | None:
+    """The update of the last complete line of a metrics log (reads only its tail)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["update"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line, or the tail's cut first line
+    return None
 
 
 def segment_ended(run_dir: Path, since: float) -> Callable[[], bool]:
@@ -412,6 +446,13 @@ def segment_ended(run_dir: Path, since: float) -> Callable[[], bool]:
         )
 
     return ended
+
+
+def _total_updates(run_dir: Path) -> int | None:
+    try:
+        return RunDir(run_dir).load_config().total_updates
+    except RelayError:
+        return None
 
 
 def _saved_update(run_dir: Path) -> int:
