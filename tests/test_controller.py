@@ -219,6 +219,7 @@ def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_pat
     assert (outcome["exit_code"], outcome["ended"]) == (6, "memory")
     assert any("memory guard asked the formal run to stop cleanly" in n for n in outcome["notes"])
     assert not (run / "REQUEST_STOP").exists()  # the request was consumed by the stop
+    assert any(n.startswith("host-memory guard: memory guard asked") for n in seg["notes"])
 
 
 def test_memory_guard_hard_limit_kills_the_tree(example: dict[str, Path], tmp_path: Path) -> None:

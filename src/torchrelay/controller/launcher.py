@@ -37,7 +37,7 @@ from torchrelay.errors import (
     EXIT_SIGNAL,
     RelayError,
 )
-from torchrelay.history import read_history
+from torchrelay.history import read_history, upsert
 from torchrelay.logs import metrics_path
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
@@ -224,6 +224,7 @@ class Controller:
             if outcome.ended != "memory-killed":
                 outcome.ended = self._ended_since(launched, result) or "memory"
                 outcome.exit_code = exit_code_of(outcome.ended)
+            self._note_history(launched, outcome.message, killed=outcome.ended == "memory-killed")
             return outcome
         outcome.ended = self._ended_since(launched, result)
         total = _total_updates(plan.run_path)
@@ -245,7 +246,11 @@ class Controller:
             from torchrelay import slurm
 
             ask = self.req.time_left or (lambda job: slurm.job_end_time(job))
-            slurm_end = ask(self.job)
+            try:
+                slurm_end = ask(self.job)
+            except slurm.SlurmError as exc:
+                # The warning signal still stops the run cleanly; say why the budget is not known.
+                self.console.print(f"[yellow]time left of job {self.job} unknown[/]: {exc}")
         budget_end = now + self.req.budget_s if self.req.budget_s is not None else None
         return earliest(self.req.deadline, budget_end, slurm_end)
 
@@ -308,6 +313,19 @@ class Controller:
             outcome.message = f"memory guard asked the {stage} run to stop cleanly; {peak}"
         attempt.note(outcome.message)
         return True
+
+    def _note_history(self, launched: float, note: str, *, killed: bool) -> None:
+        """Add the guard's note to this attempt's history segment; a killed segment is closed as a crash."""
+        mine = [s for s in read_history(self.plan.run_path) if float(s.get("started") or 0) >= launched - 1]
+        if not mine:
+            return  # killed before the run opened: the attempt's outcome is the record
+        seg = mine[-1]
+        seg["notes"] = [*seg.get("notes", []), f"host-memory guard: {note}"]
+        if killed and seg.get("ended") == "running":
+            # The ranks died without closing it; what they logged last is where the run stands.
+            seg.update(ended="crash", exit_code=-9, stopped=self.req.clock())
+            seg["last_update"] = _last_logged_update(metrics_path(self.plan.run_path / "train", 0))
+        upsert(self.plan.run_path, seg)
 
     def _ended_since(self, launched: float, result: Supervised) -> str:
         """How the segment this attempt started ended; 'crash' or 'refused' when it wrote none."""
