@@ -182,7 +182,10 @@ class Controller:
         )
         # A stop signal during the smoke is only recorded: the smoke ends by itself within a few updates, and its
         # measurements let the next attempt (e.g. the requeued job) skip it and spend its time on the formal run.
-        result = sup.run()
+        # Its output (torchrun reports the planned stop as a failure) goes to a log; a failure quotes its tail.
+        with open(attempt.path / "smoke.log", "w") as log:
+            sup.output = log
+            result = sup.run()
         if self._memory(outcome, result, attempt, "smoke"):
             return None
         try:
