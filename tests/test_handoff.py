@@ -238,3 +238,18 @@ def test_diff_names_contract_fields(
     out = capsys.readouterr().out
     assert "seed: 1234 -> 99" in out and "one cannot continue the other" in out
     assert main(["diff", str(packed.source), str(packed.bundle)]) == 0
+
+
+def test_pack_refuses_a_dirty_tree_and_a_second_handoff(
+    packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchrelay.handoff.source import write_source
+
+    dirty = {"commit": "0" * 40, "tree": "1" * 40, "dirty": True, "dirty_sha256": "2" * 64}
+    with pytest.raises(ConfigError, match="uncommitted changes"):
+        write_source(dirty, packed.code, tmp_path / "src", allow_dirty=False)
+    info = write_source({**dirty, "tree": None}, packed.code, tmp_path / "src2", allow_dirty=True)
+    assert any("uncommitted" in w for w in info.warnings)
+    code = main(["pack", str(packed.source), str(tmp_path / "b2"), "--code-dir", str(packed.code)])
+    assert code == 2 and "already handed off" in capsys.readouterr().err
+    assert not (tmp_path / "b2").exists()

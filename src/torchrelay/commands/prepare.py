@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     )
     total = 2 * bundle_bytes(args.bundle)  # verified once, then copied once
     try:
-        with bars.byte_bar("prepare", total) as advance:
-            result = prepare(args.bundle, options, on_bytes=advance)
+        with bars.PrepareBars(total) as shown:
+            result = prepare(args.bundle, options, on_bytes=shown.on_bytes, on_files=shown.on_files)
     except PreflightFailed as exc:
         print("PREFLIGHT: FAIL")
         for failure in exc.failures:

@@ -12,6 +12,7 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -62,3 +63,42 @@ def item_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
     with progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
+
+
+class PrepareBars:
+    """One live display with two bars: bytes verified/copied, and manifest files checked (when asked)."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self._progress: Progress | None = None
+        self._bytes_task: TaskID | None = None
+        self._files_task: TaskID | None = None
+        self.total_bytes = total_bytes
+
+    def __enter__(self) -> PrepareBars:
+        if enabled():
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=_console,
+            )
+            self._progress.__enter__()
+            self._bytes_task = self._progress.add_task("verify + copy (bytes)", total=self.total_bytes)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+
+    def on_bytes(self, n: int) -> None:
+        if self._progress is not None and self._bytes_task is not None:
+            self._progress.advance(self._bytes_task, n)
+
+    def on_files(self, done: int, total: int) -> None:
+        if self._progress is None:
+            return
+        if self._files_task is None:
+            self._files_task = self._progress.add_task("check manifest files", total=total)
+        self._progress.update(self._files_task, completed=done, total=total)

@@ -89,7 +89,7 @@ class PrepareResult:
 class _Hooks:
     say: Say
     on_bytes: ByteCallback | None
-    on_files: Callable[[int], None] | None
+    on_files: Callable[[int, int], None] | None
 
 
 def allowed_keys(cfg: RelayConfig) -> list[str]:
@@ -132,7 +132,7 @@ def prepare(
     *,
     say: Say = print,
     on_bytes: ByteCallback | None = None,
-    on_files: Callable[[int], None] | None = None,
+    on_files: Callable[[int, int], None] | None = None,
 ) -> PrepareResult:
     """Check everything, then assemble the run directory from the bundle; raise PreflightFailed naming each failure."""
     started = time.perf_counter()
@@ -348,7 +348,7 @@ def _check_files(manifest: Manifest, hooks: _Hooks, proofs: list[str]) -> list[s
         if not os.path.exists(path):
             missing.append(path)
         if hooks.on_files is not None and (i % 256 == 0 or i == len(paths)):
-            hooks.on_files(256 if i % 256 == 0 else i % 256)
+            hooks.on_files(i, len(paths))  # (checked so far, total)
     if missing:
         examples = ", ".join(missing[:5])
         return [
