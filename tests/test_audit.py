@@ -13,11 +13,13 @@ from torchrelay.audit import (
     DATA_ORDER,
     RNG,
     UNREGISTERED,
+    AuditError,
     AuditPlan,
     last_verdict,
     run_audit,
     verdict_for_run,
 )
+from torchrelay.audit.plan import _check_vary
 from torchrelay.cli import main
 
 BROKEN = {
@@ -82,6 +84,10 @@ def test_good_example_is_equal_with_three_stops(code, example, tmp_path, capsys)
     assert json.loads((work / "interrupted" / "AUDIT.json").read_text())["equal"] is True
     shown = verdict_for_run(work / "interrupted")
     assert shown is not None and shown["verdict"].startswith("equal (8 updates, 3 stops)")
+
+    # Varying a contract field would only get the resume refused: the audit says so before launching again.
+    with pytest.raises(AuditError, match="--vary seed: not a runtime field of this run"):
+        _check_vary(work / "interrupted", {"seed": [1, 2]})
 
 
 @pytest.mark.parametrize("script", list(BROKEN))

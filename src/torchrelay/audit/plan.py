@@ -74,6 +74,23 @@ def find_script(launch: Sequence[str]) -> str | None:
     return None
 
 
+def _check_vary(run_dir: Path, vary: dict[str, list[Any]]) -> None:
+    """Refuse, before the interrupted run, to vary a field the run's contract fixes (its resume would be refused)."""
+    if not vary:
+        return
+    from torchrelay.rundir import RunDir
+
+    cfg = RunDir(run_dir).load_config()
+    runtime = set(cfg.runtime_keys())
+    for key in vary:
+        dotted = key if key.startswith("params.") or key in cfg.to_dict() else f"params.{key}"
+        if dotted not in runtime:
+            raise AuditError(
+                f"--vary {key}: not a runtime field of this run, so a resume with another value is refused",
+                hint=f"vary one of: {', '.join(sorted(runtime))}",
+            )
+
+
 def _difference(a: Path, b: Path, update: int, atol: float, ignore: frozenset[str]) -> str | None:
     """Where run b parts from run a (metrics, then ledger, then tensors), or None when bit for bit equal."""
     metrics = compare.compare_metrics(a, b, atol, ignore)
@@ -141,6 +158,7 @@ def run_audit(
 
     first_values = {k: v[:1] for k, v in plan.vary.items()}
     straight = launch("uninterrupted", [target], first_values)
+    _check_vary(straight.run_dir, plan.vary)
     relayed = launch("interrupted", [*stops, target], plan.vary)
 
     a, b = straight.run_dir, relayed.run_dir
