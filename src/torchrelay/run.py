@@ -435,12 +435,12 @@ class Run:
         """This rank's stop code and the number of updates until the next agreement.
 
         Agreeing costs one small all-reduce; when updates are short the ranks agree every few updates, so
-        that agreement stays under 0.25 % of update time and a stop lands within about a second.
+        that agreement stays under 0.1 % of update time and a stop lands within about a second.
         """
         update_s = max(recent) if recent else 0.0
         interval = 1
         if update_s > 0 and self._agree_seconds > 0:
-            interval = math.ceil(self._agree_seconds / (0.0025 * update_s))
+            interval = math.ceil(self._agree_seconds / (0.001 * update_s))
             interval = max(1, min(interval, int(1.0 / update_s) or 1, self._max_interval))
         request = self._read_request() if self.rank == 0 else None
         if (
