@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers import REPO, assert_same_final_state, clean_env, launch_bg, segments, write_config
@@ -176,3 +179,42 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
     assert assert_same_final_state(ref, run, U) > 10
     report = prove(run)
     assert report.prefix_ok and report.repeats == 0 and report.skipped == 0
+
+
+@pytest.mark.slurm
+def test_srun_agent_chain_forwards_the_stop_signal(
+    example: dict[str, Path], slurm_up: str, tmp_path: Path
+) -> None:
+    """The multi-node path on one node: controller -> srun -> per-node agent -> torchrun's ranks."""
+    config = write_config(tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=2000)
+    run = tmp_path / "run"
+    plan = write_plan(tmp_path / "plan.yaml", example["code"], config, run, smoke={"when": "never"})
+    proc = subprocess.Popen(
+        ["salloc", "-N1", "--time=3", *CLI, "launch", str(plan), "--set", "train.srun=true"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+        start_new_session=True,
+    )
+    try:
+        metrics_file = run / "train" / "metrics-rank0.jsonl"
+        t0 = time.time()
+        while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
+            assert proc.poll() is None and time.time() - t0 < 120, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+        controller = next(
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "launch" in p.cmdline()
+        )
+        chain = [c.cmdline() for c in controller.children(recursive=True)]
+        assert chain[0][0] == "srun"  # the ranks sit behind srun and the agent
+        controller.send_signal(signal.SIGUSR1)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 5, output
+    seg = segments(run)[-1]
+    assert seg["ended"] == "signal" and 5 <= seg["last_update"] < 2000 and seg["job"], output
+    notes = json.loads((Attempts(run).all()[-1].path / "outcome.json").read_text())["notes"]
+    assert "forwarded SIGUSR1 to the ranks" in notes

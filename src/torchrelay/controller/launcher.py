@@ -26,7 +26,14 @@ from torchrelay.controller.memguard import MemoryLimits
 from torchrelay.controller.plan import Plan, load_plan
 from torchrelay.controller.preflight import CheckResult, PreflightReport, check_disk, run_preflight
 from torchrelay.controller.smoke import SmokeFailed, discard, evaluate, smoke_overrides
-from torchrelay.controller.supervisor import SignalRelay, Supervised, Supervisor
+from torchrelay.controller.supervisor import (
+    SignalRelay,
+    Supervised,
+    Supervisor,
+    first_update_done,
+    last_logged_update,
+    segment_ended,
+)
 from torchrelay.errors import (
     EXIT_BUDGET,
     EXIT_ERROR,
@@ -272,7 +279,7 @@ class Controller:
         kill_at: float | None = None,
     ) -> Supervisor:
         plan = self.plan
-        multi = plan.train.nnodes > 1
+        multi = plan.train.uses_srun
         limits = MemoryLimits.resolve(plan.memory, env=self.req.env)
         return Supervisor(
             argv=training_argv(plan, run_dir, limits, env),
@@ -327,7 +334,7 @@ class Controller:
         if killed and seg.get("ended") == "running":
             # The ranks died without closing it; what they logged last is where the run stands.
             seg.update(ended="crash", exit_code=-9, stopped=self.req.clock())
-            seg["last_update"] = _last_logged_update(metrics_path(self.plan.run_path / "train", 0))
+            seg["last_update"] = last_logged_update(metrics_path(self.plan.run_path / "train", 0))
         upsert(self.plan.run_path, seg)
 
     def _ended_since(self, launched: float, result: Supervised) -> str:
@@ -387,7 +394,7 @@ def training_argv(
     """torchrun on this node, or (several nodes) srun starting a per-node agent that runs torchrun."""
     t = plan.train
     user_rdzv = any(a.startswith(("--rdzv", "--master", "--standalone")) for a in t.torchrun_args)
-    if t.nnodes == 1:
+    if not t.uses_srun:
         rdzv = [] if user_rdzv else ["--standalone"]
         return [t.python, "-m", "torch.distributed.run", *rdzv, "--nnodes=1",
                 f"--nproc_per_node={t.nproc_per_node}", *t.torchrun_args, t.script, *t.args]  # fmt: skip
@@ -412,61 +419,6 @@ def training_argv(
         "--kill-on-bad-exit=1",
     ]
     return [*srun, *agent, "--", *torchrun]
-
-
-def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
-    """True once a segment started after `since` is running and rank 0 has logged its first update.
-
-    Then the ranks' signal handlers are in place, and a stop makes progress: every job of a requeued chain moves
-    the run forward by at least one update (no endless requeues that only restart), and no checkpoint is written
-    at the update the segment resumed from.
-    """
-    ready = False
-
-    def check() -> bool:
-        nonlocal ready
-        if ready:
-            return True
-        mine = [
-            s
-            for s in read_history(run_dir)
-            if float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
-        ]
-        if mine:
-            last = _last_logged_update(metrics_path(run_dir / "train", 0))
-            ready = last is not None and last >= int(mine[-1].get("first_update") or 1)
-        return ready
-
-    return check
-
-
-def _last_logged_update(path: Path) -> int | None:
-    """The update of the last complete line of a metrics log (reads only its tail)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["update"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line, or the tail's cut first line
-    return None
-
-
-def segment_ended(run_dir: Path, since: float) -> Callable[[], bool]:
-    """True once a history segment started after `since` has recorded how it ended."""
-
-    def ended() -> bool:
-        return any(
-            float(s.get("started") or 0) >= since - 1 and s.get("ended") not in (None, "running")
-            for s in read_history(run_dir)
-        )
-
-    return ended
 
 
 def _total_updates(run_dir: Path) -> int | None:

@@ -73,6 +73,9 @@ class TrainSpec:
     nnodes: int = 1
     torchrun_args: list[str] = field(default_factory=list)
     python: str = ""  # the interpreter that runs torchrun; empty: this one
+    srun: bool = (
+        False  # start torchrun through srun and a per-node agent even on one node (always when nnodes > 1)
+    )
     overrides: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -90,9 +93,14 @@ class TrainSpec:
             setattr(self, name, [str(a) for a in value])
         _check_type(src, "overrides", self.overrides, dict)
         _check_type(src, "env", self.env, dict)
+        _check_type(src, "srun", self.srun, bool)
         self.env = {str(k): str(v) for k, v in self.env.items()}
         if not self.python:
             self.python = sys.executable
+
+    @property
+    def uses_srun(self) -> bool:
+        return self.srun or self.nnodes > 1
 
     @property
     def world_size(self) -> int:

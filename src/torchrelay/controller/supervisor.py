@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from typing import IO, Any
 import psutil
 
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
+from torchrelay.history import read_history
+from torchrelay.logs import metrics_path
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 
@@ -233,6 +236,61 @@ class SignalRelay:
         return bool(self.received)
 
 
+def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
+    """True once a segment started after `since` is running and rank 0 has logged its first update.
+
+    Then the ranks' signal handlers are in place, and a stop makes progress: every job of a requeued chain moves
+    the run forward by at least one update (no endless requeues that only restart), and no checkpoint is written
+    at the update the segment resumed from.
+    """
+    ready = False
+
+    def check() -> bool:
+        nonlocal ready
+        if ready:
+            return True
+        mine = [
+            s
+            for s in read_history(run_dir)
+            if float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
+        ]
+        if mine:
+            last = last_logged_update(metrics_path(run_dir / "train", 0))
+            ready = last is not None and last >= int(mine[-1].get("first_update") or 1)
+        return ready
+
+    return check
+
+
+def last_logged_update(path: Path) -> int | None:
+    """The update of the last complete line of a metrics log (reads only its tail)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["update"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line, or the tail's cut first line
+    return None
+
+
+def segment_ended(run_dir: Path, since: float) -> Callable[[], bool]:
+    """True once a history segment started after `since` has recorded how it ended."""
+
+    def ended() -> bool:
+        return any(
+            float(s.get("started") or 0) >= since - 1 and s.get("ended") not in (None, "running")
+            for s in read_history(run_dir)
+        )
+
+    return ended
+
+
 def node_main(argv: Sequence[str] | None = None) -> int:
     """`python -m torchrelay.controller.supervisor [--run-dir D] -- CMD...`: the per-node agent under srun."""
     parser = argparse.ArgumentParser(prog="python -m torchrelay.controller.supervisor")
@@ -249,13 +307,17 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         limits = MemoryLimits(
             soft_bytes=int(args.soft_gib * GIB), hard_bytes=int(max(args.hard_gib, args.soft_gib) * GIB)
         )
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    started = time.time()
     sup = Supervisor(
         argv=command,
         cwd=os.getcwd(),
         env=dict(os.environ),
-        run_dir=Path(args.run_dir) if args.run_dir else None,
+        run_dir=run_dir,
         limits=limits,
         job=os.environ.get("SLURM_JOB_ID"),
+        ranks_ready=first_update_done(run_dir, started) if run_dir else (lambda: True),
+        segment_ended=segment_ended(run_dir, started) if run_dir else (lambda: False),
     )
     with SignalRelay() as relay:
         relay.current = sup
