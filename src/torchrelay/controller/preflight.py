@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +206,3 @@ def run_preflight(
     for check in plan.preflight.checks:
         step(run_user_check, check, plan.work_path, env)
     return report
-
-
-def default_python() -> str:
-    return sys.executable
