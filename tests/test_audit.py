@@ -11,6 +11,7 @@ import pytest
 from helpers import TORCHRUN, make_code_repo
 from torchrelay.audit import (
     DATA_ORDER,
+    NONDETERMINISM,
     RNG,
     UNREGISTERED,
     AuditError,
@@ -98,6 +99,7 @@ def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
     verdict = run_audit(plan)
     assert not verdict.equal
     assert verdict.cause == BROKEN[script], verdict.causes
+    assert "uninterrupted-again" not in verdict.run_dirs  # the evidence sufficed: no second uninterrupted run
     # They all part at the first update after the resume, and the final tensors differ.
     assert verdict.metrics_first_update == 5
     assert not verdict.tensors_equal and verdict.top_tensors and verdict.top_tensors[0]["max_abs"] > 0
@@ -131,3 +133,26 @@ def test_audit_refuses_a_used_work_dir(tmp_path, capsys):
     (tmp_path / "w" / "old").write_text("x")
     assert main(["audit", "--work-dir", str(tmp_path / "w"), "--", "true"]) == 1
     assert "the audit's work directory is not empty" in capsys.readouterr().err
+
+
+def test_a_run_that_does_not_repeat_itself_is_confirmed_by_a_second_run(code, example, tmp_path):
+    # The augmentation generator is seeded from the OS: even two uninterrupted runs differ from update 1.
+    source = (code / "broken" / "unregistered_generator.py").read_text()
+    seeded = "augment = torch.Generator().manual_seed(cfg.seed + dist.get_rank())"
+    assert seeded in source
+    (code / "broken" / "unseeded.py").write_text(
+        source.replace(seeded, "augment = torch.Generator()\n" + " " * 12 + "augment.seed()")
+    )
+    plan = AuditPlan(
+        launch=launch_cmd(code, "broken/unseeded.py", example["config"]),
+        updates=4,
+        stop_at=[2],
+        work_dir=tmp_path / "work",
+    )
+    verdict = run_audit(plan)
+    assert not verdict.equal and verdict.metrics_first_update == 1
+    assert verdict.cause == NONDETERMINISM
+    assert "a second uninterrupted run already differs from the first" in verdict.causes[0]["evidence"]
+    assert (
+        "uninterrupted-again" in verdict.run_dirs
+    )  # launched only because the evidence alone could not tell
