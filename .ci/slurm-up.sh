@@ -99,9 +99,11 @@ fi
 chmod 644 "$conf"
 
 start_daemon() { # name
-  if [ "$restart" = 1 ] && pgrep -x "$1" >/dev/null 2>&1; then
-    pkill -x "$1" || true
-    sleep 1
+  # A changed slurm.conf needs a restart: stop the daemon this script started, by the pid in its pid file.
+  pidfile=/run/slurm/$1.pid
+  if [ "$restart" = 1 ] && [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+    kill "$(cat "$pidfile")" || true
+    for _ in $(seq 50); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
   fi
   if ! pgrep -x "$1" >/dev/null 2>&1; then
     log "starting $1"

@@ -115,8 +115,8 @@ class Supervisor:
                     )
                 elif verdict == HARD:
                     memory = HARD
-                    killed = f"memory guard: {rss / GIB:.2f} GiB >= hard limit {guard.limits.hard_bytes / GIB:.2f} GiB"
-                    self.log(f"torchrelay: {killed}: killing the training process tree")
+                    killed = f"training tree uses {rss / GIB:.2f} GiB >= hard limit {guard.limits.hard_bytes / GIB:.2f} GiB"
+                    self.log(f"torchrelay: memory guard: {killed}: killing the training process tree")
                     kill_tree(proc.pid)
                     break
             # Before the run exists a request would make its directory non-empty: wait for it.
