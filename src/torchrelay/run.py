@@ -578,7 +578,10 @@ class Run:
                 last_update=last_update,
                 notes=seg["notes"] + self._notes,
             )
-            upsert(self.dir.path, seg)
+            try:
+                upsert(self.dir.path, seg)
+            except (OSError, RelayError) as exc:  # a full disk must not hide the error that ended the run
+                print(f"[torchrelay] could not record the segment in history.jsonl: {exc}", file=sys.stderr)
         self._signals.restore()
         self._closed = True
 

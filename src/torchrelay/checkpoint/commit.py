@@ -8,6 +8,7 @@ leaves only a `.tmp-checkpoint-*` directory, which readers ignore and the next s
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
 from torchrelay.checkpoint.select import list_checkpoints
@@ -91,8 +93,13 @@ def commit_checkpoint(
     local_error = ""
     try:
         write(tmp, hook)
-    except OSError as exc:
-        local_error = f"rank {rank}: {exc}" + (" (disk full)" if exc.errno == errno.ENOSPC else "")
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must learn of any failure
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        local_error = f"rank {rank}: {type(exc).__name__}: {first_line}"[:500]
+        if _is_disk_full(exc) or _nearly_full(run_dir):
+            local_error = f"rank {rank}: no space left on the device holding {run_dir} (disk full)"
+        del exc
+        gc.collect()  # a writer that failed mid-file may still hold it open, and its space with it
     # Every rank learns whether any rank failed, so none renames a partial directory.
     errors = [local_error]
     if distributed:
@@ -136,6 +143,22 @@ def commit_checkpoint(
     if distributed:
         dist.barrier()
     return final, time.perf_counter() - started
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _nearly_full(path: Path) -> bool:
+    usage = shutil.disk_usage(path)
+    return usage.free < min(1 << 20, usage.total // 100) or usage.free < 64 << 10
 
 
 def _retain(run_dir: Path, keep: int) -> None:

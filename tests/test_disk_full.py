@@ -1,0 +1,56 @@
+"""A full disk during a save: a clear error naming it, no partial checkpoint, the last complete one survives,
+and after space is freed the run continues to the same bits."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_same_final_state, launch, segments
+from torchrelay.checkpoint.select import list_checkpoints
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mnt = tmp_path / "disk"
+    if not _mount_tmpfs(mnt, "3m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount permission)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_save_keeps_last_checkpoint(
+    example: dict[str, Path], small_disk: Path, tmp_path: Path
+) -> None:
+    baseline = tmp_path / "baseline"
+    out = launch(example["code"], baseline, config=example["config"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    ckpt_bytes = list_checkpoints(baseline)[-1].size
+    # room for the run's small files and one checkpoint, not two
+    subprocess.run(["mount", "-o", f"remount,size={int(ckpt_bytes * 1.6)}", str(small_disk)], check=True)
+    run = small_disk / "run"
+    out = launch(example["code"], run, config=example["config"], sets={"save_every": 4, "keep": 2})
+    assert out.returncode != 0
+    assert "DiskFull" in out.stderr and "(disk full)" in out.stderr, out.stderr[-3000:]
+    assert "the previous complete checkpoint is untouched" in out.stderr
+    ckpts = list_checkpoints(run)
+    assert ckpts and all(c.complete for c in ckpts), ckpts
+    assert not [p for p in run.iterdir() if p.name.startswith(".tmp-checkpoint-")]
+    assert segments(run)[-1]["ended"] in ("error", "running")  # recorded if the full disk allowed it
+    # free space and continue: same bits as the uninterrupted run
+    subprocess.run(["mount", "-o", "remount,size=200m", str(small_disk)], check=True)
+    out = launch(example["code"], run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_final_state(baseline, run, 16)
