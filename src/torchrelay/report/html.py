@@ -27,8 +27,19 @@ def _segment_row(seg: Segment) -> str:
         "start" if seg.resumed_from is None else f"checkpoint-{seg.resumed_from}",
         seg.ended,
         "—" if seg.exit_code is None else str(seg.exit_code),
+        "; ".join(f"{k}: {old} → {new}" for k, (old, new) in _pairs(seg.runtime_changes)) or "—",
+        "; ".join(seg.notes) or "—",
     ]
     return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+
+
+def _pairs(changes: dict[str, object]) -> list[tuple[str, tuple[object, object]]]:
+    """history.jsonl's {field: [old, new]}; anything else is shown as it is."""
+    out = []
+    for key, value in changes.items():
+        pair = tuple(value) if isinstance(value, list | tuple) and len(value) == 2 else ("?", value)
+        out.append((key, (pair[0], pair[1])))
+    return out
 
 
 def _image(title: str, path: Path) -> str:
@@ -65,7 +76,19 @@ def write_html(
     if series.distinct_samples:
         of = f" of {series.manifest_size}" if series.manifest_size else ""
         summary += f"; {series.distinct_samples[-1]}{of} distinct samples seen"
-    head = ["#", "segment", "job", "hosts", "world size", "updates", "resumed from", "ended", "exit code"]
+    head = [
+        "#",
+        "segment",
+        "job",
+        "hosts",
+        "world size",
+        "updates",
+        "resumed from",
+        "ended",
+        "exit code",
+        "runtime changes",
+        "notes",
+    ]
     rows = "\n".join(_segment_row(s) for s in series.segments)
     segments = (
         "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>\n" + rows + "</table>"

@@ -34,6 +34,8 @@ class Segment:
     exit_code: int | None
     resumed_from: int | None
     started: float | None = None
+    runtime_changes: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def label(self) -> str:
         """A short label: number, job, hosts, world size and how the segment ended."""
@@ -136,6 +138,8 @@ def _segments(run_dir: Path) -> list[Segment]:
                 exit_code=row.get("exit_code") if isinstance(row.get("exit_code"), int) else None,
                 resumed_from=row.get("resumed_from") if isinstance(row.get("resumed_from"), int) else None,
                 started=float(row["started"]) if isinstance(row.get("started"), int | float) else None,
+                runtime_changes=dict(row.get("runtime_changes") or {}),
+                notes=[str(n) for n in row.get("notes") or []],
             )
         )
     return segments
