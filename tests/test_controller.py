@@ -23,7 +23,7 @@ from torchrelay.controller.plan import MemorySpec, Plan, load_plan, plan_diff
 from torchrelay.errors import ConfigError
 from torchrelay.ledger import prove
 
-CLI = [sys.executable, "-c", "from torchrelay.cli import entry; entry()"]
+CLI = [sys.executable, "-m", "torchrelay"]
 
 
 def write_plan(path: Path, code: Path, config: Path, run_dir: Path, **sections: Any) -> Path:

@@ -175,7 +175,7 @@ def render_batch_script(spec: BatchSpec) -> str:
         if value:
             lines.append(f"#SBATCH {flag}={value}")
     lines += [f"#SBATCH {opt}" for opt in spec.extra]
-    launch = [spec.python, "-c", "from torchrelay.cli import entry; entry()", "launch", str(spec.plan_path)]
+    launch = [spec.python, "-m", "torchrelay", "launch", str(spec.plan_path)]
     for item in spec.sets:
         launch += ["--set", item]
     launch += spec.launch_args
