@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,7 +88,9 @@ class Controller:
 
     def __init__(self, request: LaunchRequest, console: Console | None = None) -> None:
         self.req = request
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        # Logs (Slurm's output file) get wide tables; a terminal keeps its own width.
+        width = None if sys.stderr.isatty() else 140
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, width=width)
         self.plan: Plan = load_plan(request.plan_path, request.sets)
         self.attempts = Attempts(self.plan.run_path)
         self.job = request.env.get("SLURM_JOB_ID") or None
