@@ -307,7 +307,10 @@ class Run:
             "started": time.time(),
             "stopped": None,
             "contract_sha256": contract_sha,
-            "code": {k.removeprefix("code."): v for k, v in _contract_code(rd.path).items()},
+            "code": {
+                **{k.removeprefix("code."): v for k, v in _contract_code(rd.path).items()},
+                "script": str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else None,
+            },
             "versions": versions([]) | {"torchrelay": __version__},
             "runtime_changes": changes,
             "notes": notes,
