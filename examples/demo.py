@@ -113,9 +113,8 @@ def main() -> int:
     cli("status", str(run))
     cli("ledger", str(run))
     cli("report", str(run), "--out", str(out / "report"))
-    html = out / "report" / "report.html"
-    if html.exists():
-        con.print(f"report: {html}")
+    if not (out / "report" / "report.html").exists():
+        con.print("[red]the report was not written[/]")
     return 0 if equal else 1
 
 
