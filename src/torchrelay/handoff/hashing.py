@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # 1 MiB: large enough that Python overhead vanishes, small enough that each block is still in L2 when hashed.
 BLOCK = 1 << 20
@@ -28,20 +30,54 @@ def thread_buffer(size: int = BLOCK) -> bytearray:
 
 def sha256_file(path: Path, on_bytes: ByteCallback | None = None) -> tuple[str, int]:
     """Return (hex SHA-256, size in bytes) of the file, reading each byte once."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size >= MAP_MIN:
+            try:
+                return _sha256_mapped(f.fileno(), size, on_bytes), size
+            except (OSError, ValueError):
+                f.seek(0)  # a filesystem that cannot map: read it instead
+        return _sha256_read(f, on_bytes)
+
+
+# Files from this size on are hashed through a read-only mapping: the page cache is hashed in place,
+# which saves the copy into a buffer (about a tenth of the time per byte next to SHA-256 itself).
+MAP_MIN = 1 << 20
+_MAP_CHUNK = 16 << 20  # progress granularity; large enough that the GIL round trips do not show
+
+
+def _sha256_mapped(fd: int, size: int, on_bytes: ByteCallback | None) -> str:
+    digest = hashlib.sha256()
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapped:
+        if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        view = memoryview(mapped)
+        try:
+            for offset in range(0, size, _MAP_CHUNK):
+                chunk = view[offset : offset + _MAP_CHUNK]
+                digest.update(chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+                chunk.release()
+        finally:
+            view.release()
+    return digest.hexdigest()
+
+
+def _sha256_read(f: Any, on_bytes: ByteCallback | None) -> tuple[str, int]:
     buf = thread_buffer()
     view = memoryview(buf)
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb", buffering=0) as f:
-        _advise_sequential(f.fileno())
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            digest.update(view[:n])
-            size += n
-            if on_bytes is not None:
-                on_bytes(n)
+    _advise_sequential(f.fileno())
+    while True:
+        n = f.readinto(buf)
+        if not n:
+            break
+        digest.update(view[:n])
+        size += n
+        if on_bytes is not None:
+            on_bytes(n)
     return digest.hexdigest(), size
 
 

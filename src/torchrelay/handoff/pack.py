@@ -112,6 +112,14 @@ def pack(
         raise ConfigError(f"{bundle} already exists and is not empty", hint="choose a new bundle directory")
 
     lineage = new_id()
+    if bundle.parent.is_dir():  # a pack killed mid-way leaves only its temporary sibling
+        for child in bundle.parent.iterdir():
+            if (
+                child.name.startswith(f".{bundle.name}.pack-tmp-")
+                and child.is_dir()
+                and not child.is_symlink()
+            ):
+                shutil.rmtree(child, ignore_errors=True)
     tmp = bundle.parent / f".{bundle.name}.pack-tmp-{lineage}"
     tmp.mkdir(parents=True)
     try:

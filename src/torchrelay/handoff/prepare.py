@@ -165,6 +165,7 @@ def prepare(
     if existing is not None:
         return _recheck(run_dir, existing, changes, options, contract, hooks, started)
 
+    _remove_stale_temporaries(run_dir.parent, f".{run_dir.name}.prepare-tmp-")
     tmp = run_dir.parent / f".{run_dir.name}.prepare-tmp-{new_id()}"
     tmp.mkdir(parents=True)
     try:
@@ -357,6 +358,14 @@ def _check_files(manifest: Manifest, hooks: _Hooks, proofs: list[str]) -> list[s
     proofs.append(f"--check-files: all {len(paths)} manifest files exist under {manifest.data_root}")
     hooks.say(f"all {len(paths)} manifest files exist")
     return []
+
+
+def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
+    """A prepare killed mid-way leaves only its temporary sibling; the next one removes it."""
+    if parent.is_dir():
+        for child in parent.iterdir():
+            if child.name.startswith(prefix) and child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
 
 
 def _refuse_unrelated(run_dir: Path) -> None:

@@ -1,0 +1,182 @@
+"""Benchmark `pack` (hash while copying) against `cp -r` alone and `cp -r` + a separate `sha256sum` pass,
+and `prepare --copy-mode hardlink` against `--copy-mode copy`, on a synthetic multi-GB run directory.
+
+Each trial waits for an idle machine and starts after `sync`, so the page cache is warm and no
+write-back of the previous trial is pending; the timed command's own write-back is not waited for
+(the same for every contender).
+
+    .venv/bin/python benchmarks/bench_pack.py --gb 3 --files 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from benchlib import append_results, command_line, median, run_cmd, timed, wait_quiet, warm, write_files
+from torchrelay.checkpoint.inventory import write_inventory
+from torchrelay.config import RelayConfig
+from torchrelay.contract import build_contract, write_contract
+from torchrelay.handoff.hashing import default_jobs, sha256_file
+from torchrelay.handoff.pack import HANDED_OFF, PackOptions, pack
+from torchrelay.handoff.prepare import PrepareOptions, prepare
+from torchrelay.history import write_history
+
+UPDATE = 10
+
+
+def make_run(run: Path, total: int, files: int) -> list[Path]:
+    """A run directory whose checkpoint holds `files` big shards; everything else is small and real."""
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "manifest.jsonl").write_text(
+        "".join(json.dumps({"id": f"s{i}", "path": f"/data/s{i}.bin"}) + "\n" for i in range(64))
+    )
+    cfg = RelayConfig(
+        seed=1, micro_batch=1, total_updates=100, manifest="data/manifest.jsonl", data_root="/data"
+    )
+    (run / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+    write_contract(run, build_contract(cfg.replace(manifest=str(run / "data/manifest.jsonl")), 1, None))
+    (run / "lineage.json").write_text(json.dumps({"lineage": "bench", "parent_lineage": None}))
+    write_history(
+        run,
+        [
+            {
+                "segment": "s1",
+                "parent": None,
+                "lineage": "bench",
+                "world_size": 1,
+                "first_update": 1,
+                "last_update": UPDATE,
+                "ended": "request",
+                "started": time.time() - 60,
+                "hosts": ["bench"],
+            }
+        ],
+    )
+    (run / "train").mkdir()
+    with (
+        open(run / "train" / "metrics-rank0.jsonl", "w") as m,
+        open(run / "train" / "exposures-rank0.jsonl", "w") as e,
+    ):
+        for u in range(1, UPDATE + 1):
+            m.write(json.dumps({"update": u, "loss": 1.0 / u, "lr": 1e-3}) + "\n")
+            e.write(json.dumps({"u": u, "m": 0, "i": [u - 1]}) + "\n")
+    ckpt = run / f"checkpoint-{UPDATE}"
+    shards = write_files(ckpt / "model", total, files)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"format": 1, "loop": {"update": UPDATE}}))
+    with ThreadPoolExecutor(default_jobs()) as pool:
+        digests = list(pool.map(sha256_file, [*shards, ckpt / "trainer_state.json"]))
+    entries = [
+        {"path": p.relative_to(ckpt).as_posix(), "size": size, "sha256": d}
+        for p, (d, size) in zip([*shards, ckpt / "trainer_state.json"], digests)
+    ]
+    write_inventory(ckpt, entries, update=UPDATE)
+    return shards
+
+
+def fresh(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/torchrelay-bench-pack"))
+    ap.add_argument("--gb", type=float, default=3.0)
+    ap.add_argument("--files", type=int, default=50)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument(
+        "--quiet-wait", type=float, default=60.0, help="seconds to wait for an idle machine per step"
+    )
+    args = ap.parse_args()
+    base = args.dir
+    shutil.rmtree(base, ignore_errors=True)
+    run, out = base / "run", base / "out"
+    total = int(args.gb * 1e9)
+    print(
+        f"writing a run with {args.files} checkpoint files, {total / 1e9:.2f} GB, under {run} ...", flush=True
+    )
+    shards = make_run(run, total, args.files)
+    marker = run / f"checkpoint-{UPDATE}" / HANDED_OFF
+    results: dict[str, list[float]] = {
+        k: [] for k in ("cp", "pack", "cp+sha256sum", "cp+sha256sum-P", "pack-link")
+    }
+    try:
+        warm(shards)
+        for i in range(args.trials):
+            fresh(out)
+            wait_quiet(args.quiet_wait)
+            results["cp"].append(run_cmd(["cp", "-r", str(run), str(out)]))
+            fresh(out)
+            wait_quiet(args.quiet_wait)
+            results["pack"].append(timed(lambda: pack(run, out, PackOptions())))
+            marker.unlink()
+            fresh(out)
+            wait_quiet(args.quiet_wait)
+            sums = f"cp -r {run} {out} && cd {out} && find . -type f -print0 | xargs -0 sha256sum > /dev/null"
+            results["cp+sha256sum"].append(run_cmd(sums))
+            fresh(out)
+            wait_quiet(args.quiet_wait)
+            jobs = default_jobs()
+            sums_p = f"cp -r {run} {out} && cd {out} && find . -type f -print0 | xargs -0 -n 4 -P {jobs} sha256sum > /dev/null"
+            results["cp+sha256sum-P"].append(run_cmd(sums_p))
+            fresh(out)
+            wait_quiet(args.quiet_wait)
+            results["pack-link"].append(timed(lambda: pack(run, out, PackOptions(link=True))))
+            marker.unlink()
+            print(f"trial {i}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in results.items()), flush=True)
+        # prepare: from a packed bundle, copy vs hardlink (same filesystem)
+        fresh(out)
+        pack(run, out, PackOptions())
+        marker.unlink()
+        warm([p for p in out.rglob("*") if p.is_file()])
+        prep: dict[str, list[float]] = {"copy": [], "hardlink": []}
+        for _ in range(args.trials):
+            for mode in ("copy", "hardlink"):
+                target = base / f"prepared-{mode}"
+                fresh(target)
+                wait_quiet(args.quiet_wait)
+                prep[mode].append(
+                    timed(
+                        lambda m=mode, t=target: prepare(
+                            out, PrepareOptions(run_dir=t, copy_mode=m), say=lambda s: None
+                        )
+                    )
+                )
+                shutil.rmtree(target)
+        med = {k: median(v) for k, v in results.items()}
+        gb = total / 1e9
+        lines = [
+            f"run: {gb:.2f} GB in {args.files} checkpoint files + small files; warm page cache; {args.trials} trials (medians; all in raw)",
+            f"cp -r alone: {med['cp']:.2f} s ({gb / med['cp']:.2f} GB/s)",
+            f"torchrelay pack (hash while copying, SHA256SUMS, README, progress): {med['pack']:.2f} s "
+            f"({gb / med['pack']:.2f} GB/s) = **{med['pack'] / med['cp']:.2f} x cp -r** (goal <= 1.10)",
+            f"cp -r + separate sha256sum pass: {med['cp+sha256sum']:.2f} s = {med['cp+sha256sum'] / med['pack']:.2f} x pack's time; "
+            f"with {default_jobs()} parallel sha256sum: {med['cp+sha256sum-P']:.2f} s",
+            f"pack --link (hardlinks, hashing in place): {med['pack-link']:.2f} s",
+            f"prepare --copy-mode copy: median {median(prep['copy']):.2f} s; --copy-mode hardlink: median "
+            f"{median(prep['hardlink']):.2f} s (both verify every byte first, then copy/link and re-hash)",
+        ]
+        print("\n".join(lines))
+        if not args.no_record:
+            append_results(
+                "pack / prepare",
+                command_line(),
+                lines,
+                {"bytes": total, "files": args.files, **results, "prepare": prep},
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        subprocess.run(["sync"], check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
