@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchlib import append_results, command_line, median, run_cmd, timed, wait_quiet, warm, write_files
+
 from torchrelay.checkpoint.inventory import write_inventory
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, write_contract

@@ -29,6 +29,7 @@ from benchlib import (
     warm,
     write_files,
 )
+
 from torchrelay.handoff.hashing import default_jobs, sha256_file
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.handoff.verify import verify_bundle
