@@ -4,8 +4,10 @@ the memory guard stops (or kills) and says so — each with the real CLI, real t
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from torchrelay.controller.attempts import Attempts
 from torchrelay.controller.costmodel import CostModel, Measurements, parse_deadline
 from torchrelay.controller.memguard import GIB, MemoryGuard, MemoryLimits
 from torchrelay.controller.plan import MemorySpec, Plan, load_plan, plan_diff
+from torchrelay.controller.supervisor import Supervisor
 from torchrelay.errors import ConfigError
 from torchrelay.ledger import prove
 
@@ -235,3 +238,44 @@ def test_memory_guard_hard_limit_kills_the_tree(example: dict[str, Path], tmp_pa
     outcome = outcome_of(run)
     assert (outcome["ended"], outcome["exit_code"]) == ("memory-killed", 6)
     assert any("memory guard killed the formal run" in n for n in outcome["notes"])
+
+
+# ------------------------------------------------------------------------------------------------ supervisor
+RANK = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *a: sys.exit(5))  # a rank: a clean stop on SIGUSR1
+time.sleep(60)
+"""
+LAUNCHER = f"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", {RANK!r}])  # like torchrun: USR1 would kill it, not the rank
+sys.exit(child.wait())
+"""
+
+
+def test_supervisor_forwards_stop_signals_to_the_ranks_and_reaps_stuck_ones(tmp_path: Path) -> None:
+    ready = {"now": False}
+    sup = Supervisor(
+        argv=[sys.executable, "-c", LAUNCHER],
+        cwd=tmp_path,
+        env=clean_env(),
+        poll_s=0.05,
+        ranks_ready=lambda: ready["now"],
+    )
+    sup.stop(signal.SIGUSR1)  # before the ranks are ready: held back
+    t0 = time.time()
+    timer = threading.Timer(1.0, lambda: ready.update(now=True))
+    timer.start()
+    result = sup.run()
+    assert result.returncode == 5 and result.signals == ["SIGUSR1"] and 1.0 <= time.time() - t0 < 10
+    assert not result.killed
+
+    stuck = Supervisor(
+        argv=[sys.executable, "-c", LAUNCHER], cwd=tmp_path, env=clean_env(), poll_s=0.05,
+        segment_ended=lambda: True, exit_grace_s=0.5,
+    )  # fmt: skip
+    result = stuck.run()
+    assert (
+        result.returncode == -signal.SIGKILL
+        and "still alive 0.5s after the run recorded its end" in result.killed
+    )

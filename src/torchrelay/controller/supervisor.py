@@ -128,7 +128,7 @@ class Supervisor:
                 ended_at = now
             if ended_at is not None and now - ended_at > self.exit_grace_s:
                 # The history is final and every checkpoint committed; a rank stuck in teardown only burns time.
-                killed = f"a rank was still alive {self.exit_grace_s:.0f}s after the run recorded its end"
+                killed = f"a rank was still alive {self.exit_grace_s:g}s after the run recorded its end"
                 self.log(f"torchrelay: {killed}: killing the training process tree")
                 kill_tree(proc.pid)
                 break
