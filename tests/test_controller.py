@@ -181,7 +181,7 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
         out = launch_cli(plan, "--budget", "10", *sets)
         took = time.time() - t0
         assert out.returncode == 3, out.stdout + out.stderr
-        assert took < 10 + 10, f"the budget of 10 s was overrun: {took:.1f}s"
+        assert took < 10 + 15, f"the budget of 10 s was overrun: {took:.1f}s (with start-up and teardown)"
         seg = segments(run)[-1]
         assert seg["ended"] == "budget" and seg["exit_code"] == 3 and seg["last_update"] < 2000
         ckpt = latest_complete(run)
