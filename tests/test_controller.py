@@ -84,6 +84,8 @@ def test_plan_fields_are_validated_and_named(tmp_path: Path) -> None:
     changed = load_plan(f, {"train.overrides.num_workers": 2, "smoke.when": "never"})
     diff = plan_diff(load_plan(f).to_dict(), changed.to_dict())
     assert diff == [("smoke.when", "always", "never"), ("train.overrides.num_workers", None, 2)]
+    lr = load_plan(f, {"train.overrides.params.lr": 0.1, "smoke.overrides.params.nan_at_update": 2})
+    assert lr.train.overrides == {"params.lr": 0.1} and lr.smoke.overrides == {"params.nan_at_update": 2}
     with pytest.raises(ConfigError, match="plan file .* does not exist"):
         load_plan(tmp_path / "missing.yaml")
 
@@ -203,6 +205,16 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
     assert json.loads((attempt.path / "plan.diff.json").read_text()) == [
         ["train.overrides.num_workers", None, 1]
     ]
+
+    # a contract field changed on the command line: the preflight refuses before any rank starts
+    refused = launch_cli(plan, "--set", "train.overrides.params.lr=0.1")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert (
+        "resume refused: the training contract" in refused.stderr
+        and "params.lr: 0.003 -> 0.1" in refused.stderr
+    )
+    assert len(segments(run)) == 2 and "SCHEDULE_GATE_PASS" not in refused.stdout
+    assert (outcome_of(run)["ended"], outcome_of(run)["stage"]) == ("refused", "preflight")
 
 
 def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_path: Path) -> None:

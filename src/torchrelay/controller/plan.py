@@ -35,6 +35,8 @@ import yaml
 from torchrelay.errors import ConfigError
 
 SMOKE_WHEN = ("always", "first", "never")
+# Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.
+FREE_FORM = (("train", "overrides"), ("train", "env"), ("smoke", "overrides"))
 
 
 def _check_type(source: str, name: str, value: object, kind: type | tuple[type, ...]) -> None:
@@ -296,6 +298,11 @@ def apply_sets(data: dict[str, Any], sets: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(data)
     for key, value in sets.items():
         parts = key.split(".")
+        for (
+            section
+        ) in FREE_FORM:  # their keys are dotted themselves: train.overrides.params.lr -> "params.lr"
+            if tuple(parts[: len(section)]) == section and len(parts) > len(section) + 1:
+                parts = [*section, ".".join(parts[len(section) :])]
         node = out
         for part in parts[:-1]:
             child = node.get(part)
