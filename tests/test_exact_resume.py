@@ -136,3 +136,22 @@ def test_checkpoint_without_inventory_is_never_chosen(
     assert segments(run)[-1]["resumed_from"] == 8
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
+
+
+def test_stop_before_the_first_update_leaves_no_checkpoint_and_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """A stop agreed at update 0 writes no checkpoint (an optimizer that never stepped has no true state)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    write_request(run)  # no update named: honoured at the first boundary
+    out = launch(example["code"], run, config=example["config"])
+    assert out.returncode != 0
+    seg = segments(run)[-1]
+    assert (seg["ended"], seg["last_update"]) == ("request", 0)
+    assert not list(run.glob("checkpoint-*"))
+    out = launch(example["code"], run)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert segments(run)[-1]["resumed_from"] is None
+    assert_same_final_state(baseline, run, U)
+    assert_same_logs(baseline, run)

@@ -39,17 +39,15 @@ HELP = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen verb's module is imported (some pull in torch, which takes seconds)."""
     parser = argparse.ArgumentParser(prog="torchrelay", description=__doc__)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    for verb, module_name in VERBS.items():
-        try:
-            module = importlib.import_module(f"torchrelay.commands.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"torchrelay.commands.{module_name}":
-                raise
-            continue  # a verb whose module is not written yet is simply not offered
-        p = sub.add_parser(verb, help=HELP.get(verb), description=HELP.get(verb))
+    for name, module_name in VERBS.items():
+        p = sub.add_parser(name, help=HELP.get(name), description=HELP.get(name))
+        if name != verb:
+            continue
+        module = importlib.import_module(f"torchrelay.commands.{module_name}")
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
@@ -57,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb and return its exit code; library errors become a message and their own code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(verb if verb in VERBS else None)
     args = parser.parse_args(argv)
     try:
         return int(args._run(args))

@@ -257,9 +257,10 @@ class Run:
             if config is None:
                 raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
             cfg = config.with_overrides(overrides) if overrides else config
-            # A stop request may be written before the first launch (audits stop at chosen updates).
+            # A stop request may be written before the first launch (audits stop at chosen updates), and a
+            # controller may have recorded its attempts there.
             leftovers = (
-                sorted(p.name for p in rd.path.iterdir() if p.name != REQUEST_FILE)[:5]
+                sorted(p.name for p in rd.path.iterdir() if p.name not in (REQUEST_FILE, "attempts"))[:5]
                 if rd.path.exists()
                 else []
             )
@@ -417,9 +418,11 @@ class Run:
                     code, interval = self._agree(*self._propose(done, recent))
                     next_check = done + interval
                 if done >= cfg.total_updates or code:
-                    if last_saved != done:
+                    # Update 0 needs no checkpoint: starting again from nothing is the same run, and a
+                    # checkpoint of an optimizer that never stepped would hold a made-up step count.
+                    if last_saved != done and done > 0:
                         self._save(done)
-                    self._finish(EXIT_FINISHED if done >= cfg.total_updates and not code else code, done)
+                    self._finish(EXIT_FINISHED if done >= cfg.total_updates else code, done)
                     return
                 step = Step(done + 1, it, cfg.grad_accum)
                 t0 = time.perf_counter()
