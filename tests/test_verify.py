@@ -90,6 +90,11 @@ def test_copy_while_hashing_and_links(tmp_path: Path) -> None:
     results = copy_many(pairs, jobs=2)
     for r in results:
         assert r.sha256 == sha256_file(r.src)[0] and r.dst.read_bytes() == r.src.read_bytes() and not r.linked
+    kernel = copy_many(
+        [(root / rel, tmp_path / "k" / rel) for rel in walk_files(root)], jobs=2, kernel_copy=True
+    )
+    for r in kernel:
+        assert r.sha256 == sha256_file(r.src)[0] and r.dst.read_bytes() == r.src.read_bytes()
     linked = copy_many([(root / "a.bin", tmp_path / "l" / "a.bin")], link=True)
     assert linked[0].linked and (root / "a.bin").stat().st_nlink == 2
 

@@ -29,13 +29,26 @@ class CopyResult:
 
 
 def copy_hashing(
-    src: Path, dst: Path, on_bytes: ByteCallback | None = None, *, fsync: bool = False
+    src: Path,
+    dst: Path,
+    on_bytes: ByteCallback | None = None,
+    *,
+    fsync: bool = False,
+    kernel_copy: bool = False,
 ) -> CopyResult:
-    """Copy `src` to `dst` (created, must not exist) and return the SHA-256 of the bytes written."""
+    """Copy `src` to `dst` (created, must not exist) and return the SHA-256 of the bytes read.
+
+    Each block is read once from storage into a reused buffer and hashed. Without `kernel_copy` the
+    buffer is written out, so the digest is exactly of the bytes written (what `prepare` needs: the
+    source is untrusted). With it, the kernel copies the block, still in the page cache, to the
+    destination (`copy_file_range`): measured here 1.5-2.3x faster for multi-GB copies, because writes
+    from user space are throttled to the disk's write-back speed far sooner; for `pack`, whose source
+    is the run's own immutable checkpoint and whose result is re-verified on arrival."""
     with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
-        # Read into a reused 1 MiB buffer, hash it while it is still in cache, write it out. Measured
-        # here against mapping the source: the mapping's page-table work costs more than the copy it saves.
-        digest = _copy_buffered(fin, fout, on_bytes)
+        if kernel_copy and hasattr(os, "copy_file_range"):
+            digest = _copy_kernel(fin, fout, on_bytes)
+        else:
+            digest = _copy_buffered(fin, fout, on_bytes)
         if fsync:
             os.fsync(fout.fileno())
     st = os.stat(src)
@@ -59,6 +72,36 @@ def _copy_buffered(fin: BinaryIO, fout: BinaryIO, on_bytes: ByteCallback | None)
     return digest
 
 
+def _copy_kernel(fin: BinaryIO, fout: BinaryIO, on_bytes: ByteCallback | None) -> hashlib._Hash:
+    buf = thread_buffer()
+    view = memoryview(buf)
+    digest = hashlib.sha256()
+    offset = 0
+    fd_in, fd_out = fin.fileno(), fout.fileno()
+    while True:
+        n = fin.readinto(buf)  # type: ignore[attr-defined]  # raw FileIO has readinto
+        if not n:
+            break
+        digest.update(view[:n])
+        done = 0
+        while done < n:
+            try:
+                k = os.copy_file_range(fd_in, fd_out, n - done, offset + done, offset + done)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                k = 0
+            if k == 0:  # not supported here (or the file shrank): write the block from the buffer
+                os.lseek(fd_out, offset + done, os.SEEK_SET)
+                _write_all(fd_out, view[done:n])
+                break
+            done += k
+        offset += n
+        if on_bytes is not None:
+            on_bytes(n)
+    return digest
+
+
 def _write_all(fd: int, chunk: memoryview) -> None:
     written = 0
     while written < len(chunk):  # a raw write may be short
@@ -66,7 +109,13 @@ def _write_all(fd: int, chunk: memoryview) -> None:
 
 
 def link_or_copy(
-    src: Path, dst: Path, *, link: bool, on_bytes: ByteCallback | None = None, fsync: bool = False
+    src: Path,
+    dst: Path,
+    *,
+    link: bool,
+    on_bytes: ByteCallback | None = None,
+    fsync: bool = False,
+    kernel_copy: bool = False,
 ) -> CopyResult:
     """Hardlink `src` to `dst` when asked and possible (then hash it in place), otherwise copy while hashing."""
     if link:
@@ -78,7 +127,7 @@ def link_or_copy(
         else:
             digest, size = sha256_file(Path(dst), on_bytes)
             return CopyResult(Path(src), Path(dst), digest, size, linked=True)
-    return copy_hashing(src, dst, on_bytes, fsync=fsync)
+    return copy_hashing(src, dst, on_bytes, fsync=fsync, kernel_copy=kernel_copy)
 
 
 def copy_many(
@@ -89,6 +138,7 @@ def copy_many(
     on_bytes: ByteCallback | None = None,
     fsync: bool = False,
     on_done: Callable[[CopyResult], None] | None = None,
+    kernel_copy: bool = False,
 ) -> list[CopyResult]:
     """Copy (or link) many files in parallel, largest first; parent directories are created as needed."""
     items = list(pairs)
@@ -97,7 +147,9 @@ def copy_many(
     items.sort(key=lambda p: _size(p[0]), reverse=True)
 
     def one(pair: tuple[Path, Path]) -> CopyResult:
-        result = link_or_copy(pair[0], pair[1], link=link, on_bytes=on_bytes, fsync=fsync)
+        result = link_or_copy(
+            pair[0], pair[1], link=link, on_bytes=on_bytes, fsync=fsync, kernel_copy=kernel_copy
+        )
         if on_done is not None:
             on_done(result)
         return result

@@ -167,7 +167,9 @@ def _write_bundle(
     pairs = [(ckpt / rel, out / ckpt.name / rel) for rel in names]
     # 2. The run's own files, verbatim (the checkpoint's files may be linked; these are always copied).
     run_pairs = [(rd.path / rel, out / rel) for rel in RUN_FILES if (rd.path / rel).is_file()]
-    copied: list[CopyResult] = copy_many(pairs, link=options.link, jobs=options.jobs, on_bytes=on_bytes)
+    copied: list[CopyResult] = copy_many(
+        pairs, link=options.link, jobs=options.jobs, on_bytes=on_bytes, kernel_copy=True
+    )
     copied += copy_many(run_pairs, link=False, jobs=options.jobs, on_bytes=on_bytes)
     for c in copied:
         rel = c.dst.relative_to(out).as_posix()
