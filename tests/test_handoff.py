@@ -253,3 +253,24 @@ def test_pack_refuses_a_dirty_tree_and_a_second_handoff(
     code = main(["pack", str(packed.source), str(tmp_path / "b2"), "--code-dir", str(packed.code)])
     assert code == 2 and "already handed off" in capsys.readouterr().err
     assert not (tmp_path / "b2").exists()
+
+
+def test_reclaiming_the_source_starts_a_new_lineage_on_record(packed: Packed, tmp_path: Path) -> None:
+    """TORCHRELAY_RECLAIM=1 continues the handed-off source on purpose; status then shows two lineages."""
+    source = tmp_path / "source"
+    shutil.copytree(packed.source, source)
+    before = json.loads((source / "lineage.json").read_text())
+    out = launch(packed.code, source, env={"TORCHRELAY_RECLAIM": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = source / f"checkpoint-{STOP_AT}"
+    if ckpt.exists():  # retention may have removed it by the end of the run
+        assert not (ckpt / "HANDED_OFF.json").exists()
+    after = json.loads((source / "lineage.json").read_text())
+    assert after["parent_lineage"] == before["lineage"] and after["lineage"] != before["lineage"]
+    seg = segments(source)[-1]
+    assert seg["lineage"] == after["lineage"] and seg["command"][-2:] == ["--run-dir", str(source)]
+    assert any(f"reclaimed checkpoint-{STOP_AT}" in note for note in seg["notes"])
+    from torchrelay.progress import summarize
+
+    assert len(summarize(source)["lineages"]) == 2
+    assert_same_final_state(packed.baseline, source, TOTAL)

@@ -168,3 +168,18 @@ def test_ledger_cli_fails_on_a_repeat(example: dict[str, Path], tmp_path: Path) 
     log.write_text("\n".join(lines + [json.dumps(tampered)]) + "\n")
     assert main(["ledger", str(run)]) == 1
     shutil.rmtree(run)
+
+
+def test_non_utf8_run_files_are_named(tmp_path: Path) -> None:
+    from torchrelay.contract import load_contract
+    from torchrelay.history import read_history
+    from torchrelay.rundir import RunDir
+
+    for name in ("config.json", "resume_contract.json", "history.jsonl"):
+        (tmp_path / name).write_bytes(b"\xff\xfe\x80 not utf-8")
+    with pytest.raises(IntegrityError, match="config.json is not valid UTF-8 JSON"):
+        RunDir(tmp_path).load_config()
+    with pytest.raises(IntegrityError, match="resume_contract.json is not valid UTF-8 JSON"):
+        load_contract(tmp_path)
+    with pytest.raises(IntegrityError, match="history.jsonl is not UTF-8"):
+        read_history(tmp_path)

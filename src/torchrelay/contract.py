@@ -102,8 +102,10 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise IntegrityError(f"{path} is missing: this directory holds no torchrelay run") from exc
-    except json.JSONDecodeError as exc:
-        raise IntegrityError(f"{path} is not valid JSON ({exc.msg})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{path} is not valid UTF-8 JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{path} does not hold a JSON object")
     if data.get("format") != CONTRACT_FORMAT:
         raise IntegrityError(
             f"{path}: contract format {data.get('format')!r} is not {CONTRACT_FORMAT}",

@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from torchrelay.errors import IntegrityError
 from torchrelay.fsutil import atomic_write_text
 
 HISTORY_FILE = "history.jsonl"
@@ -18,12 +19,20 @@ def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(
+            f"{path} is not UTF-8 text ({exc})", hint="restore history.jsonl from a copy"
+        ) from exc
+    for line in text.splitlines():
         if line.strip():
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn line cannot be a finished record
+            if isinstance(record, dict):
+                out.append(record)
     return out
 
 

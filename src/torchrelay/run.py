@@ -244,6 +244,7 @@ class Run:
                 atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             contract_sha = check.contract["sha256"]
             update, ckpt = check.update, check.checkpoint
+            reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
             changes = check.runtime_changes
             gate = check.passed[-1]
             last_save = _last_save_seconds(ckpt)
@@ -253,6 +254,8 @@ class Run:
                 if archived
                 else []
             )
+            if reclaim_note:
+                notes.append(reclaim_note)
         else:
             if config is None:
                 raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
@@ -298,6 +301,7 @@ class Run:
             "lineage": lineage.get("lineage"),
             "parent_lineage": lineage.get("parent_lineage"),
             "job": os.environ.get("SLURM_JOB_ID"),
+            "command": [sys.executable, *sys.argv],
             "hosts": [],
             "world_size": self.world_size,
             "first_update": update + 1,
@@ -607,6 +611,26 @@ class Run:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(exc)
+
+
+def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
+    """Continuing a handed-off checkpoint on purpose (TORCHRELAY_RECLAIM=1) starts a new lineage, on record."""
+    marker = ckpt / "HANDED_OFF.json"
+    if not marker.exists():
+        return None
+    try:
+        handed = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        handed = {}
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    os.replace(marker, ckpt / f"HANDED_OFF.reclaimed-{stamp}.json")
+    old = _read_lineage(run_dir)
+    new = {"lineage": new_id(), "parent_lineage": old.get("lineage")}
+    atomic_write_text(run_dir / "lineage.json", json.dumps(new))
+    return (
+        f"reclaimed {ckpt.name}, handed off to bundle lineage {handed.get('lineage', '?')}: "
+        f"new lineage {new['lineage']} (parent {old.get('lineage')})"
+    )
 
 
 def _read_lineage(run_dir: Path) -> dict[str, Any]:

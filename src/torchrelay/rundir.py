@@ -37,6 +37,8 @@ class RunDir:
             raise IntegrityError(
                 f"{self.config_path} is missing: {self.path} holds no torchrelay run"
             ) from exc
-        except json.JSONDecodeError as exc:
-            raise IntegrityError(f"{self.config_path} is not valid JSON ({exc.msg})") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise IntegrityError(f"{self.config_path} is not valid UTF-8 JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise IntegrityError(f"{self.config_path} does not hold a JSON object")
         return RelayConfig.from_dict(data, source=str(self.config_path))

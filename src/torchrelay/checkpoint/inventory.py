@@ -121,7 +121,8 @@ def validate_complete(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True) 
                 hint=f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint",
             )
     for rel in list_files(root):
-        if rel == INVENTORY or rel in listed or rel in EXTRA_ALLOWED or rel.endswith(".orig"):
+        reclaimed = rel.startswith("HANDED_OFF.reclaimed-") and rel.endswith(".json") and "/" not in rel
+        if rel == INVENTORY or rel in listed or rel in EXTRA_ALLOWED or rel.endswith(".orig") or reclaimed:
             continue
         raise IntegrityError(f"{root / rel} is not listed in {INVENTORY}: unexpected file in a checkpoint")
     return doc
