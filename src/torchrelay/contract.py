@@ -118,12 +118,13 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def check_contract(run_dir: Path, recomputed: dict[str, Any]) -> None:
-    """Refuse with every differing field listed, or return quietly."""
+def check_contract(run_dir: Path, recomputed: dict[str, Any]) -> dict[str, Any]:
+    """Refuse with every differing field listed, or return the recorded contract."""
     recorded = load_contract(run_dir)
     diffs = contract_diff(recorded["fields"], recomputed["fields"])
     if diffs:
         raise ContractMismatch(str(run_dir / CONTRACT_FILE), diffs)
+    return recorded
 
 
 def runtime_changes(old: RelayConfig, new: RelayConfig) -> dict[str, list[Any]]:

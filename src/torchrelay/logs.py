@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,7 +117,3 @@ def rank_logs(train_dir: Path, kind: str) -> dict[int, Path]:
             if m and m.group(1) == kind:
                 out[int(m.group(2))] = path
     return dict(sorted(out.items()))
-
-
-def copy_tree(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, dirs_exist_ok=True)

@@ -11,7 +11,7 @@ from typing import Any
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract, check_contract, load_contract, runtime_changes
+from torchrelay.contract import build_contract, check_contract, runtime_changes
 from torchrelay.errors import ConfigError, ForkRefused
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
@@ -24,6 +24,8 @@ class ResumeCheck:
     """What a resume would do: from which checkpoint, under which contract, with which runtime changes."""
 
     contract: dict[str, Any]
+    recorded: dict[str, Any]
+    manifest: Manifest
     checkpoint: Path | None
     update: int
     runtime_changes: dict[str, list[Any]] = field(default_factory=dict)
@@ -66,8 +68,9 @@ def validate_resume(
     rd = RunDir(run_dir)
     stored = rd.load_config()
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
-    contract = build_contract(cfg, world_size, code_dir, Manifest.load(manifest_path, cfg.data_root))
-    check_contract(rd.path, contract)
+    manifest = Manifest.load(manifest_path, cfg.data_root)
+    contract = build_contract(cfg, world_size, code_dir, manifest)
+    recorded = check_contract(rd.path, contract)
     passed = [f"contract {contract['sha256'][:16]} matches {rd.contract_path}"]
     ckpt = latest_complete(rd.path)
     update = 0
@@ -77,5 +80,4 @@ def validate_resume(
         passed.append(f"{ckpt.name}: inventory of {len(doc['files'])} files verified")
         check_fork_guard(ckpt)
     passed.append(schedule_gate(cfg, update, str(rd.path)))
-    load_contract(rd.path)
-    return ResumeCheck(contract, ckpt, update, runtime_changes(stored, cfg), passed)
+    return ResumeCheck(contract, recorded, manifest, ckpt, update, runtime_changes(stored, cfg), passed)

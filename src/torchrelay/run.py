@@ -40,7 +40,7 @@ from torchrelay.history import close_crashed, new_id, read_history, upsert, writ
 from torchrelay.identity import find_code_dir, versions
 from torchrelay.logs import RankLog, exposures_path, metrics_path, read_jsonl, trim_after
 from torchrelay.manifest import Manifest
-from torchrelay.resume import validate_resume
+from torchrelay.resume import schedule_gate, validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.stop import (
     ENDED,
@@ -113,6 +113,7 @@ class Run:
     _closed: bool
     _stale_reported: bool
     _notes: list[str]
+    _rank0_manifest: Manifest | None
     _model: torch.nn.Module | None
     _optimizer: torch.optim.Optimizer | None
     _statefuls: dict[str, Any]
@@ -157,6 +158,7 @@ class Run:
         self._closed = False
         self._stale_reported = False
         self._notes = []
+        self._rank0_manifest = None
         overrides = dict(overrides or {})
         if os.environ.get("TORCHRELAY_OVERRIDES"):
             overrides.update(json.loads(os.environ["TORCHRELAY_OVERRIDES"]))
@@ -184,8 +186,13 @@ class Run:
         self.gate = outcome["gate"]
         self.hosts = self._gather(socket.gethostname())
 
-        manifest_path = self._manifest_path(self.config)
-        self.manifest = Manifest.load(manifest_path, self.config.data_root)
+        # Rank 0 read the manifest to check the contract; the others read it here.
+        self.manifest = (
+            self._rank0_manifest
+            if self._rank0_manifest is not None
+            else Manifest.load(self._manifest_path(self.config), self.config.data_root)
+        )
+        self._rank0_manifest = None
         self.global_batch = self.config.global_batch_for(self.world_size)
         self.order = GlobalOrder(
             num_samples=len(self.manifest),
@@ -243,6 +250,8 @@ class Run:
             if check.runtime_changes:
                 atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             contract_sha = check.contract["sha256"]
+            code_fields = check.recorded["fields"]
+            self._rank0_manifest = check.manifest
             update, ckpt = check.update, check.checkpoint
             reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
             changes = check.runtime_changes
@@ -276,9 +285,9 @@ class Run:
             rd.train_dir.mkdir(exist_ok=True)
             shutil.copyfile(cfg.manifest, rd.path / MANIFEST_IN_RUN)
             cfg = cfg.replace(manifest=MANIFEST_IN_RUN)
-            contract = build_contract(
-                cfg.replace(manifest=str(rd.path / MANIFEST_IN_RUN)), self.world_size, self.code_dir
-            )
+            self._rank0_manifest = Manifest.load(rd.path / MANIFEST_IN_RUN, cfg.data_root)
+            contract = build_contract(cfg, self.world_size, self.code_dir, self._rank0_manifest)
+            code_fields = contract["fields"]
             atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             write_contract(rd.path, contract)
             atomic_write_text(
@@ -293,7 +302,7 @@ class Run:
                 None,
                 [],
             )
-            gate = f"SCHEDULE_GATE_PASS ({cfg.total_updates}, {cfg.warmup_updates})"
+            gate = schedule_gate(cfg, 0, str(rd.path))
         lineage = _read_lineage(rd.path)
         segment = {
             "segment": new_id(),
@@ -313,7 +322,7 @@ class Run:
             "stopped": None,
             "contract_sha256": contract_sha,
             "code": {
-                **{k.removeprefix("code."): v for k, v in _contract_code(rd.path).items()},
+                **{k.removeprefix("code."): v for k, v in code_fields.items() if k.startswith("code.")},
                 "script": str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else None,
             },
             "versions": versions([]) | {"torchrelay": __version__},
@@ -638,11 +647,6 @@ def _read_lineage(run_dir: Path) -> dict[str, Any]:
         return dict(json.loads((run_dir / "lineage.json").read_text()))
     except (OSError, json.JSONDecodeError):
         return {}
-
-
-def _contract_code(run_dir: Path) -> dict[str, Any]:
-    fields = json.loads((run_dir / "resume_contract.json").read_text())["fields"]
-    return {k: v for k, v in fields.items() if k.startswith("code.")}
 
 
 def _last_save_seconds(ckpt: Path | None) -> float | None:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_io
 from torchrelay.errors import CheckpointError
+from torchrelay.fsutil import fsync_file
 
 STATE_FORMAT = 1
 TRAINER_STATE = "trainer_state.json"
@@ -120,14 +121,14 @@ def save_state(
         kill_hook("shards")
     (directory / "rng").mkdir(exist_ok=True)
     rng.save(rng.rank_file(directory, rank))
-    _fsync(rng.rank_file(directory, rank))
+    fsync_file(rng.rank_file(directory, rank))
     if rank == 0:
         tensors: dict[str, torch.Tensor] = {}
         trees = {name: _to_tree(obj.state_dict(), name, tensors) for name, obj in statefuls.items()}
         doc = {"format": STATE_FORMAT, "loop": loop, "optimizer": optim_meta, "statefuls": trees}
         if tensors:
             save_file(tensors, str(directory / STATE_TENSORS))
-            _fsync(directory / STATE_TENSORS)
+            fsync_file(directory / STATE_TENSORS)
         with open(directory / TRAINER_STATE, "w") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
             f.flush()
@@ -193,11 +194,3 @@ def load_rng(ckpt_dir: Path, rank: int) -> None:
             hint="resume with the world size that saved it",
         )
     rng.load(rng_file)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

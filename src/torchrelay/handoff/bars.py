@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from rich.console import Console
 from rich.progress import (
@@ -12,6 +12,7 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TaskID,
     TextColumn,
     TimeRemainingColumn,
@@ -28,41 +29,25 @@ def enabled() -> bool:
 
 
 @contextmanager
-def byte_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    """Yield a callback `advance(nbytes)` driving a bytes progress bar (a no-op when not on a terminal)."""
+def _bar(description: str, total: int, *columns: ProgressColumn) -> Iterator[Callable[[int], None]]:
+    """Yield a callback `advance(n)` driving a progress bar (a no-op when not on a terminal)."""
     if not enabled():
         yield lambda n: None
         return
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=_console,
-        transient=False,
-    )
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), *columns, console=_console)
     with progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
 
 
-@contextmanager
-def item_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    """Yield a callback `advance(count)` driving a count progress bar (a no-op when not on a terminal)."""
-    if not enabled():
-        yield lambda n: None
-        return
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=_console,
-    )
-    with progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n: progress.advance(task, n)
+def byte_bar(description: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
+    """A bytes progress bar: `with byte_bar(...) as advance: advance(nbytes)`."""
+    return _bar(description, total, DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+
+
+def item_bar(description: str, total: int) -> AbstractContextManager[Callable[[int], None]]:
+    """A count progress bar: `with item_bar(...) as advance: advance(count)`."""
+    return _bar(description, total, MofNCompleteColumn(), TimeRemainingColumn())
 
 
 class PrepareBars:
