@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 # Deterministic cuBLAS needs this before CUDA starts; harmless on the CPU.
@@ -149,7 +150,9 @@ def main() -> int:
             run.track(model=model, optimizer=opt, scheduler=sched)
 
             loader = run.dataloader(SourceBytes(run.manifest.records, p["seq_len"]), collate_fn=collate)
+            pace = float(p.get("min_update_s", 0))
             for step in run.steps(loader):
+                started = time.perf_counter()
                 if step.update == p.get("crash_at_update"):
                     raise RuntimeError(f"crash_at_update={step.update} (test hook)")
                 total = 0.0
@@ -170,6 +173,8 @@ def main() -> int:
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 step.log(loss=total, lr=lr)
+                if pace > 0:  # a slower update, never a different one
+                    time.sleep(max(0.0, pace - (time.perf_counter() - started)))
         return run.exit_code
     finally:
         dist.destroy_process_group()

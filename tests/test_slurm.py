@@ -24,6 +24,7 @@ from torchrelay.ledger import prove
 from torchrelay.slurm import BatchSpec, parse_end_time, render_batch_script, rendezvous, time_limit_minutes
 
 U = 240
+PACE = 0.25
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
 
@@ -118,8 +119,9 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
     example: dict[str, Path], slurm_up: str, tmp_path: Path
 ) -> None:
     # Slurm's warning comes 10-40 s into a one-minute job with @20 (slurmctld checks every ~30 s), and a requeued
-    # job starts on the next check: ~25 s of training (slower while the reference runs) needs 2-3 jobs.
-    changes = {"params.d_model": 64, "params.layers": 2, "params.seq_len": 128}
+    # job starts on the next check. Paced to >= 0.25 s an update (a runtime param: no bit changes), the 240
+    # updates take >= 60 s of training on any machine, so one job can never finish them: 2-4 jobs.
+    changes = {"params.d_model": 64, "params.layers": 2, "params.seq_len": 128, "params.min_update_s": PACE}
     config = write_config(
         tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=U, save_every=60, **changes
     )
@@ -130,7 +132,7 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
         config,
         run,
         smoke={"when": "never"},  # the smoke is tested in test_controller; here every second counts
-        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": 0.2, "save_s": 0.5},
+        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": PACE + 0.05, "save_s": 0.5},
         slurm={"time": "1", "signal_s": 20, "job_name": "relay-test", "max_requeues": 5},
         train={"env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}},
     )
@@ -146,13 +148,13 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
     t0 = time.time()
     try:
         state = "PENDING"
-        while time.time() - t0 < 360:
+        while time.time() - t0 < 480:
             state = job_state(job)
             if state in FINAL_STATES:
                 break
             time.sleep(2)
         else:
-            pytest.fail(f"job {job} still {state} after 360 s:\n{log.read_text() if log.exists() else ''}")
+            pytest.fail(f"job {job} still {state} after 480 s:\n{log.read_text() if log.exists() else ''}")
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     text = log.read_text()
