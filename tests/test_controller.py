@@ -169,9 +169,14 @@ def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Pat
 
 
 def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, Path], tmp_path: Path) -> None:
-    # 2000 updates take minutes on this machine, far more than either budget of 10 s.
+    # 2000 updates paced to >= 20 ms each take >= 40 s on any machine, far more than either budget of 10 s.
     config = write_config(
-        tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=2000, save_every=10000
+        tmp_path / "lm.yaml",
+        example["manifest"],
+        example["root"],
+        total_updates=2000,
+        save_every=10000,
+        **{"params.min_update_s": 0.02},
     )
     run = tmp_path / "run"
     estimates = {"margin_s": 1.0, "startup_s": 1.0, "update_s": 0.1, "save_s": 0.2}

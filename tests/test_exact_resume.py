@@ -48,13 +48,14 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     seg = segments(run)[-1]
     assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
     assert 6 <= seg["last_update"] < U
-    # 3. a time budget: stops while a checkpoint still fits
-    out = launch(code, run, env={"TORCHRELAY_BUDGET_S": "0.9", "TORCHRELAY_MARGIN_S": "0.6"})
+    # 3. a time budget: stops while a checkpoint still fits (paced updates: the rest can never fit in 0.9 s)
+    budget = {"TORCHRELAY_BUDGET_S": "0.9", "TORCHRELAY_MARGIN_S": "0.6"}
+    out = launch(code, run, sets={"params.min_update_s": 0.2}, env=budget)
     seg = segments(run)[-1]
     assert seg["ended"] == "budget", out.stdout + out.stderr
     assert seg["last_update"] < U and "exitcode  : 3" in out.stderr
     # 4. to the end
-    out = launch(code, run)
+    out = launch(code, run, sets={"params.min_update_s": 0})
     assert out.returncode == 0, out.stdout + out.stderr
     assert [s["ended"] for s in segments(run)] == ["request", "signal", "budget", "finished"]
     assert assert_same_final_state(baseline, run, U) > 10

@@ -9,6 +9,7 @@ from typing import Any
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.history import read_history
 from torchrelay.ledger import prove
+from torchrelay.lock import holder
 from torchrelay.logs import metrics_path, read_jsonl
 from torchrelay.rundir import RunDir
 
@@ -81,8 +82,13 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
             for s in history
         ],
         "lineages": lineages,
-        "running": bool(history) and history[-1].get("ended") == "running",
+        # Live holders of the run's locks (torchrelay.lock): who trains it and which controller launched it.
+        "trained_by": holder(rd.path, "train"),
+        "launched_by": holder(rd.path, "launch"),
     }
+    out["running"] = out["trained_by"] is not None
+    # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
+    out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]
     out["audit"] = _audit_verdict(rd.path)
     return out
 

@@ -38,6 +38,7 @@ from torchrelay.errors import (
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
 from torchrelay.identity import find_code_dir, versions
+from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.logs import RankLog, exposures_path, metrics_path, read_jsonl, trim_after
 from torchrelay.manifest import Manifest
 from torchrelay.resume import schedule_gate, validate_resume
@@ -54,6 +55,8 @@ from torchrelay.stop import (
 )
 
 MANIFEST_IN_RUN = "data/manifest.jsonl"
+# A relaunch may start while the previous holder's last DataLoader worker still exits, or while `status` peeks.
+LOCK_WAIT_S = float(os.environ.get("TORCHRELAY_LOCK_WAIT_S", "3"))
 
 
 def _dist() -> tuple[int, int]:
@@ -128,6 +131,7 @@ class Run:
     _max_interval: int
     _last_flush: float
     _stop_why: str
+    _lock: RunLock | None
 
     def __init__(self) -> None:  # use Run.open
         raise TypeError("use Run.open(run_dir, config)")
@@ -159,6 +163,7 @@ class Run:
         self._stale_reported = False
         self._notes = []
         self._rank0_manifest = None
+        self._lock = None
         overrides = dict(overrides or {})
         if os.environ.get("TORCHRELAY_OVERRIDES"):
             overrides.update(json.loads(os.environ["TORCHRELAY_OVERRIDES"]))
@@ -169,6 +174,7 @@ class Run:
             try:
                 outcome = self._prepare_dir(config, overrides)
             except RelayError as exc:
+                self._unlock()
                 outcome = {"error": (type(exc).__name__, exc.message, exc.hint, exc.exit_code)}
         outcome = self._broadcast(outcome)
         if "error" in outcome:
@@ -233,6 +239,10 @@ class Run:
     def _prepare_dir(self, config: RelayConfig | None, overrides: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: create a new run, or check the contract and choose the checkpoint to resume."""
         rd = self.dir
+        if config is None and not rd.exists():
+            raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
+        # One writer per run directory, from here to the end of the segment (a second launch is refused).
+        self._lock = RunLock(rd.path, "train").acquire(wait_s=LOCK_WAIT_S, create_dir=True)
         if rd.exists():
             stored = rd.load_config()
             cfg = config if config is not None else stored
@@ -266,13 +276,14 @@ class Run:
             if reclaim_note:
                 notes.append(reclaim_note)
         else:
-            if config is None:
-                raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
+            assert config is not None
             cfg = config.with_overrides(overrides) if overrides else config
             # A stop request may be written before the first launch (audits stop at chosen updates), and a
             # controller may have recorded its attempts there.
             leftovers = (
-                sorted(p.name for p in rd.path.iterdir() if p.name not in (REQUEST_FILE, "attempts"))[:5]
+                sorted(
+                    p.name for p in rd.path.iterdir() if p.name not in (REQUEST_FILE, "attempts", *LOCK_FILES)
+                )[:5]
                 if rd.path.exists()
                 else []
             )
@@ -281,13 +292,15 @@ class Run:
                     f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",
                     hint="choose an empty or new run directory",
                 )
-            (rd.path / "data").mkdir(parents=True, exist_ok=True)
-            rd.train_dir.mkdir(exist_ok=True)
-            shutil.copyfile(cfg.manifest, rd.path / MANIFEST_IN_RUN)
+            # Everything that can refuse (the manifest, the code identity) is checked before anything is written.
+            source_manifest = cfg.manifest
+            self._rank0_manifest = Manifest.load(source_manifest, cfg.data_root)
             cfg = cfg.replace(manifest=MANIFEST_IN_RUN)
-            self._rank0_manifest = Manifest.load(rd.path / MANIFEST_IN_RUN, cfg.data_root)
             contract = build_contract(cfg, self.world_size, self.code_dir, self._rank0_manifest)
             code_fields = contract["fields"]
+            (rd.path / "data").mkdir(parents=True, exist_ok=True)
+            rd.train_dir.mkdir(exist_ok=True)
+            shutil.copyfile(source_manifest, rd.path / MANIFEST_IN_RUN)
             atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             write_contract(rd.path, contract)
             atomic_write_text(
@@ -601,8 +614,14 @@ class Run:
                 upsert(self.dir.path, seg)
             except (OSError, RelayError) as exc:  # a full disk must not hide the error that ended the run
                 print(f"[torchrelay] could not record the segment in history.jsonl: {exc}", file=sys.stderr)
+        self._unlock()
         self._signals.restore()
         self._closed = True
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def close(self, error: BaseException | None = None) -> int:
         """Finish the segment's history record and return the process exit code."""

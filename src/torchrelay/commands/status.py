@@ -30,6 +30,24 @@ def _duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def _who(h: dict[str, object]) -> str:
+    job = f", Slurm job {h['job']}" if h.get("job") else ""
+    return f"pid {h.get('pid', '?')} on {h.get('host', '?')}{job}, since {h.get('since', '?')}"
+
+
+def _state(s: dict[str, object]) -> str:
+    trained, launched = s["trained_by"], s["launched_by"]
+    if isinstance(trained, dict):
+        text = f"[green]training[/] ({_who(trained)})"
+    elif s["ended_unrecorded"]:
+        text = "[red]not running[/]: the last segment ended unrecorded (killed or crashed); the next launch resumes"
+    else:
+        text = "not running"
+    if isinstance(launched, dict):
+        text += f"; controller {_who(launched)}"
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     s = summarize(args.run_dir)
     if args.json:
@@ -39,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     t = Table(title=f"torchrelay status — {s['run_dir']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
+    t.add_row("state", _state(s))
     t.add_row(
         "updates done / left", f"{s['updates_done']:,} / {s['updates_left']:,} of {s['total_updates']:,}"
     )

@@ -46,6 +46,7 @@ from torchrelay.errors import (
     RelayError,
 )
 from torchrelay.history import read_history, upsert
+from torchrelay.lock import RunLock
 from torchrelay.logs import metrics_path
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
@@ -86,12 +87,14 @@ class LaunchRequest:
 class Controller:
     """Runs one attempt; `run()` returns its Outcome (also written to outcome.json)."""
 
-    def __init__(self, request: LaunchRequest, console: Console | None = None) -> None:
+    def __init__(
+        self, request: LaunchRequest, console: Console | None = None, plan: Plan | None = None
+    ) -> None:
         self.req = request
         # Logs (Slurm's output file) get wide tables; a terminal keeps its own width.
         width = None if sys.stderr.isatty() else 140
         self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, width=width)
-        self.plan: Plan = load_plan(request.plan_path, request.sets)
+        self.plan: Plan = plan or load_plan(request.plan_path, request.sets)
         self.attempts = Attempts(self.plan.run_path)
         self.job = request.env.get("SLURM_JOB_ID") or None
         self.relay = SignalRelay()
@@ -438,5 +441,11 @@ def _saved_update(run_dir: Path) -> int:
 
 
 def launch(request: LaunchRequest, console: Console | None = None) -> Outcome:
-    """Run one attempt of the plan and return its outcome (exit code in `outcome.exit_code`)."""
-    return Controller(request, console).run()
+    """Run one attempt of the plan and return its outcome (exit code in `outcome.exit_code`).
+
+    One controller per run: a second launch of the same run directory is refused (RunBusy, exit 2) before it
+    records an attempt or starts anything.
+    """
+    plan = load_plan(request.plan_path, request.sets)
+    with RunLock(plan.run_path, "launch"):
+        return Controller(request, console, plan).run()

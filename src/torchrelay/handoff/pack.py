@@ -25,6 +25,7 @@ from torchrelay.handoff.safepath import walk_files
 from torchrelay.handoff.source import SOURCE_DIR, write_source
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.history import new_id, read_history
+from torchrelay.lock import RunLock
 from torchrelay.logs import rank_logs, read_jsonl, trim_copy
 from torchrelay.manifest import Manifest
 from torchrelay.resume import RECLAIM_ENV
@@ -99,7 +100,21 @@ def checkpoint_to_pack(run_dir: Path, which: int | None) -> Path:
 def pack(
     run_dir: Path, bundle: Path, options: PackOptions, on_bytes: ByteCallback | None = None
 ) -> PackResult:
-    """Write `bundle` from `run_dir`'s checkpoint, then mark that checkpoint HANDED_OFF in the source run."""
+    """Write `bundle` from `run_dir`'s checkpoint, then mark that checkpoint HANDED_OFF in the source run.
+
+    Packing holds the run's writer lock: a run still training is refused (it would go on past the handed-off
+    checkpoint, a fork), and no training can start until the checkpoint is marked.
+    """
+    lock = RunLock(Path(run_dir), "train").acquire()
+    try:
+        return _pack(Path(run_dir), bundle, options, on_bytes)
+    finally:
+        lock.release()
+
+
+def _pack(
+    run_dir: Path, bundle: Path, options: PackOptions, on_bytes: ByteCallback | None = None
+) -> PackResult:
     started = time.perf_counter()
     rd = RunDir(Path(run_dir))
     bundle = Path(bundle)
