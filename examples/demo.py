@@ -1,11 +1,14 @@
-"""The torchrelay demo: stop a real training run on its time budget, continue it, prove it, show it.
+"""The torchrelay demo: stop a real training run twice, continue it, prove it, show it.
 
 1. make a data set from this machine's Python standard library source;
-2. launch the example LM under torchrun (2 ranks, gloo) with a time budget too short for the schedule:
-   it saves a complete checkpoint and stops (exit code 3);
-3. launch it again: it resumes from that checkpoint and finishes;
-4. train the same run uninterrupted and compare every model and optimizer tensor bit for bit;
-5. show `torchrelay status`, `torchrelay ledger` and `torchrelay report`.
+2. launch the example LM under torchrun (2 ranks, gloo) with a stop request for update 20 (the file that
+   `torchrelay stop --at-update` writes): it saves a complete checkpoint there and stops (exit code 4);
+3. launch it again with 2 loader workers and a time budget too short for the rest: it resumes, and stops while a
+   checkpoint still fits (exit code 3). Its updates are paced to >= 0.25 s (`params.min_update_s`, a runtime
+   param: slower, never different) so the budget lands mid-run on any machine;
+4. launch it a third time: it resumes and finishes;
+5. train the same run uninterrupted and compare every model and optimizer tensor bit for bit;
+6. show `torchrelay status`, `torchrelay ledger` and `torchrelay report`.
 """
 
 from __future__ import annotations
@@ -28,22 +31,22 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 con = Console()
 
 
-def launch(run_dir: Path, log: Path, config: Path | None = None, env: dict[str, str] | None = None) -> int:
-    cmd = [
-        TORCHRUN,
-        "--standalone",
-        "--nproc_per_node=2",
-        str(HERE / "train_lm.py"),
-        "--run-dir",
-        str(run_dir),
-    ]
+def launch(
+    run_dir: Path,
+    log: Path,
+    config: Path | None = None,
+    env: dict[str, str] | None = None,
+    sets: tuple[str, ...] = (),
+) -> int:
+    args = ["--run-dir", str(run_dir)]
     if config:
-        cmd += ["--config", str(config)]
-    shown = " ".join(["torchrun", "--nproc_per_node=2", "examples/train_lm.py", "--run-dir", str(run_dir)])
+        args += ["--config", str(config)]
+    for item in sets:
+        args += ["--set", item]
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(HERE / "train_lm.py"), *args]
+    shown = " ".join(["torchrun", "--nproc_per_node=2", "examples/train_lm.py", *args])
     extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    con.print(
-        f"[bold]$ {extra + ' ' if extra else ''}{shown}{' --config ' + str(config) if config else ''}[/]"
-    )
+    con.print(f"[bold]$ {extra + ' ' if extra else ''}{shown}[/]", soft_wrap=True)
     started = time.time()
     with open(log, "w") as f:
         rc = subprocess.call(
@@ -69,7 +72,8 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=REPO / "demo-run")
     parser.add_argument("--updates", type=int, default=60)
-    parser.add_argument("--budget", type=float, default=6.0, help="seconds the first launch may run")
+    parser.add_argument("--stop-at", type=int, default=20, help="update the first launch is asked to stop at")
+    parser.add_argument("--budget", type=float, default=4.0, help="seconds the second launch may run")
     args = parser.parse_args()
     out = args.out.resolve()
     if out.exists():
@@ -89,15 +93,32 @@ def main() -> int:
     config.write_text(yaml.safe_dump(cfg))
 
     run = out / "run"
-    con.rule(f"2. first launch, with a {args.budget:g} s budget: stops cleanly while a checkpoint still fits")
-    launch(run, out / "logs" / "launch-1.log", config, env={"TORCHRELAY_BUDGET_S": str(args.budget)})
-    con.rule("3. second launch: resumes from the newest complete checkpoint and finishes")
-    rc = launch(run, out / "logs" / "launch-2.log")
-    if rc != 0:
-        con.print(f"[red]the second launch failed (exit {rc})[/]")
-        return rc
+    con.rule(f"2. first launch, asked to stop at update {args.stop_at}")
+    # `torchrelay stop RUN --at-update N` needs an existing run; before the first launch the library writes it.
+    from torchrelay.stop import write_request
 
-    con.rule("4. the same run, uninterrupted, for comparison")
+    con.print(f"[bold]>>> torchrelay.stop.write_request({str(run)!r}, at_update={args.stop_at})[/]")
+    run.mkdir()
+    write_request(run, at_update=args.stop_at)
+    launch(run, out / "logs" / "launch-1.log", config)
+    con.rule(
+        f"3. second launch: 2 loader workers, a {args.budget:g} s budget; stops while a checkpoint still fits"
+    )
+    paced = ("num_workers=2", "params.min_update_s=0.25")
+    launch(run, out / "logs" / "launch-2.log", env={"TORCHRELAY_BUDGET_S": str(args.budget)}, sets=paced)
+    con.rule("4. third launch: resumes from the newest complete checkpoint and finishes")
+    rc = launch(run, out / "logs" / "launch-3.log", sets=("params.min_update_s=0",))
+    if rc != 0:
+        con.print(f"[red]the third launch failed (exit {rc})[/]")
+        return rc
+    from torchrelay.history import read_history
+
+    ended = [seg["ended"] for seg in read_history(run)]
+    if ended != ["request", "budget", "finished"]:
+        con.print(f"[red]the segments ended {ended}, not request, budget, finished[/]")
+        return 1
+
+    con.rule("5. the same run, uninterrupted, for comparison")
     ref = out / "reference"
     launch(ref, out / "logs" / "reference.log", config)
     from torchrelay.checkpoint.reader import load_tensors
@@ -109,7 +130,7 @@ def main() -> int:
     verdict = "[green]bit-for-bit EQUAL[/]" if equal else "[red]NOT equal[/]"
     con.print(f"stopped + continued vs uninterrupted: {len(a)} tensors ({nbytes / 1e6:.1f} MB) {verdict}")
 
-    con.rule("5. the run")
+    con.rule("6. the run")
     cli("status", str(run))
     cli("ledger", str(run))
     cli("report", str(run), "--out", str(out / "report"))
