@@ -44,11 +44,12 @@ def sha256_file(path: Path, on_bytes: ByteCallback | None = None) -> tuple[str, 
 # which saves the copy into a buffer (about a tenth of the time per byte next to SHA-256 itself).
 MAP_MIN = 1 << 20
 _MAP_CHUNK = 16 << 20  # progress granularity; large enough that the GIL round trips do not show
+MAP_FLAGS = mmap.MAP_SHARED
 
 
 def _sha256_mapped(fd: int, size: int, on_bytes: ByteCallback | None) -> str:
     digest = hashlib.sha256()
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapped:
+    with mmap.mmap(fd, size, flags=MAP_FLAGS, prot=mmap.PROT_READ) as mapped:
         if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
             mapped.madvise(mmap.MADV_SEQUENTIAL)
         view = memoryview(mapped)
