@@ -41,7 +41,8 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     assert out.returncode != 0 and "exitcode  : 4" in out.stderr
     assert segments(run)[-1]["ended"] == "request" and segments(run)[-1]["last_update"] == 3
     # 2. SIGTERM to torchrun once update 6 is logged
-    proc = launch_bg(code, run, env={"TORCHRELAY_CHECK_EVERY": "1"})  # agree at every boundary: tiny updates
+    # agree at every boundary; paced so the signal surely lands before the end (a runtime param: no bit changes)
+    proc = launch_bg(code, run, sets={"params.min_update_s": 0.2}, env={"TORCHRELAY_CHECK_EVERY": "1"})
     wait_for_update(run, 6, proc)
     sigterm(proc)
     proc.wait(timeout=120)

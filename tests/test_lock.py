@@ -84,7 +84,11 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
 
 def test_second_writer_is_refused_while_the_run_trains(example: dict[str, Path], tmp_path: Path) -> None:
     config = write_config(
-        tmp_path / "lm.yaml", example["manifest"], example["root"], **{"params.min_update_s": 1.0}
+        tmp_path / "lm.yaml",
+        example["manifest"],
+        example["root"],
+        total_updates=24,
+        **{"params.min_update_s": 1.0},  # >= 15 s of training left after update 9 for the refusals below
     )
     run = tmp_path / "run"
     first = launch_bg(example["code"], run, config=config)
