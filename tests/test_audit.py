@@ -27,6 +27,7 @@ BROKEN = {
     "broken/unregistered_generator.py": RNG,
     "broken/own_shuffle.py": DATA_ORDER,
     "broken/unregistered_scheduler.py": UNREGISTERED,
+    "broken/unregistered_counter.py": UNREGISTERED,
 }
 
 
@@ -110,6 +111,13 @@ def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
         )  # ... the probe is not
     if script.endswith("unregistered_scheduler.py"):
         assert "lr" in verdict.metrics_keys
+    # The probe's digests of the script's random streams at the resume tell the two hidden-state causes apart.
+    if script.endswith("unregistered_generator.py"):
+        assert len(verdict.causes) == 1 and "random stream(s) the script holds (torch.Generator)" in str(
+            verdict.causes[0]
+        )
+    if script.endswith("unregistered_counter.py"):
+        assert "lr" not in verdict.metrics_keys and "non-random state read there" in str(verdict.causes[0])
     # A failed audit keeps its run directories for a look, and status finds the verdict for the script's code.
     kept = last_verdict(code / script)
     assert kept is not None and kept["equal"] is False
@@ -156,3 +164,33 @@ def test_a_run_that_does_not_repeat_itself_is_confirmed_by_a_second_run(code, ex
     assert (
         "uninterrupted-again" in verdict.run_dirs
     )  # launched only because the evidence alone could not tell
+
+
+def test_probe_finds_the_scripts_own_random_streams_only() -> None:
+    """Locals of the script's frames and one level inside them; not the global RNGs, not a library's streams."""
+    import random
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from torchrelay.audit.probe import random_streams
+
+    tempfile._get_candidate_names()  # the stdlib's own Random, seeded from the OS: not the script's
+    baseline = random_streams()
+
+    class Augment:
+        def __init__(self) -> None:
+            self.gen = torch.Generator().manual_seed(7)
+
+    aug, rng, np_rng = Augment(), random.Random(3), np.random.default_rng(5)
+    found = random_streams()
+    kinds = sorted(k for k, _ in found if (k, _) not in baseline)
+    assert kinds == ["numpy Generator", "random.Random", "torch.Generator"], found
+    before = dict(found)
+    torch.rand(3, generator=aug.gen)
+    rng.random()
+    np_rng.random()
+    after = dict(random_streams())
+    assert all(after[k] != before[k] for k in ("torch.Generator", "random.Random", "numpy Generator"))
+    assert torch.default_generator is not None and len(random_streams()) == len(found)

@@ -246,3 +246,36 @@ def compare_own_batches(a_probe: Path, b_probe: Path) -> LogComparison:
             _record_first(result, update, rank, ["batch"], detail)
             break
     return result
+
+
+@dataclass(slots=True)
+class StreamComparison:
+    """The random streams each run held at the start of the updates where the interrupted run resumed."""
+
+    # update -> (streams compared on every rank, the types of streams whose state differs there)
+    at: dict[int, tuple[int, list[str]]] = field(default_factory=dict)
+
+    def differing(self, update: int) -> list[str]:
+        return self.at.get(update, (0, []))[1]
+
+    def seen(self, update: int) -> bool:
+        return update in self.at
+
+
+def compare_streams(a_probe: Path, b_probe: Path) -> StreamComparison:
+    """Compare the probe's stream digests at each (rank, update) both runs recorded (see probe.py)."""
+    from torchrelay.audit.probe import read_streams
+
+    result = StreamComparison()
+    a_rows, b_rows = read_streams(a_probe), read_streams(b_probe)
+    for rank, update in sorted(set(a_rows) & set(b_rows)):
+        a_streams, b_streams = list(a_rows[(rank, update)]), list(b_rows[(rank, update)])
+        differ = []
+        for stream in b_streams:  # a multiset difference: the same stream may exist twice
+            if stream in a_streams:
+                a_streams.remove(stream)
+            else:
+                differ.append(stream[0])
+        count, before = result.at.get(update, (0, []))
+        result.at[update] = (count + len(b_rows[(rank, update)]), before + differ)
+    return result

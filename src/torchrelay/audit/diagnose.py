@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for annotations: keeps `import torchrelay.audit` free of torch for status
-    from torchrelay.audit.compare import LogComparison, TensorComparison
+    from torchrelay.audit.compare import LogComparison, StreamComparison, TensorComparison
 
 RNG = "RNG not restored"
 DATA_ORDER = "data order not restored"
@@ -44,6 +44,7 @@ class Evidence:
     tensors: TensorComparison
     own_batches: LogComparison | None = None  # the probe's digests of the script's own DataLoaders
     own_samplers: list[str] = field(default_factory=list)
+    streams: StreamComparison | None = None  # the probe's random-stream digests where segments began
 
     @property
     def resumes(self) -> list[int]:
@@ -144,9 +145,39 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             )
         ]
 
-    # 4. Same samples and LR, parting exactly where a segment began: hidden random state started over.
+    # 4. Same samples and LR, parting exactly where a segment began: hidden state started over. The probe's
+    #    digests of the script's random streams there tell a restarted stream from non-random state.
     if first is not None and first in resumes:
         keys = ", ".join(ev.metrics.keys) or "metrics"
+        streams = ev.streams
+        if streams is not None and streams.differing(first):
+            held = sorted(set(streams.differing(first)))
+            return [
+                _cause(
+                    RNG,
+                    f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR, "
+                    f"and {len(streams.differing(first))} random stream(s) the script holds ({', '.join(held)}) "
+                    f"start update {first} in another state than in the uninterrupted run: they restarted "
+                    "instead of continuing",
+                )
+            ]
+        if streams is not None and streams.seen(first):
+            count = streams.at[first][0]
+            same = (
+                f"all {count} random stream(s) the script holds start it in the same state as in the "
+                "uninterrupted run"
+                if count
+                else "the script holds no random stream besides the global ones torchrelay restores"
+            )
+            return [
+                _cause(
+                    UNREGISTERED,
+                    f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR, "
+                    f"while {same}: non-random state read there (a counter, a running statistic, a cache) "
+                    "was not restored",
+                ),
+                _cause(RNG, "or a random stream held outside the training processes (a DataLoader worker)"),
+            ]
         return [
             _cause(
                 RNG,

@@ -142,6 +142,7 @@ def run_audit(
         env = dict(os.environ)
         if plan.probe:
             env[probe.ENV] = str(work / "probe" / name)
+            env[probe.STREAMS_AT_ENV] = ",".join(str(stop + 1) for stop in stops)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe.SITE_DIR), env.get("PYTHONPATH")) if p)
         return run_segments(
             name,
@@ -168,6 +169,7 @@ def run_audit(
     ledger = compare.compare_ledgers(a, b)
     own = compare.compare_own_batches(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
     own_loaders = probe.samplers(work / "probe" / "interrupted")
+    streams = compare.compare_streams(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
 
     def rerun() -> str | None:
         again = launch("uninterrupted-again", [target], first_values)
@@ -180,6 +182,7 @@ def run_audit(
         tensors=tensors,
         own_batches=own if own_loaders else None,
         own_samplers=own_loaders,
+        streams=streams if plan.probe else None,
     )
     causes = diagnose.diagnose(evidence, rerun if plan.confirm_nondeterminism else None)
     equal = tensors.equal and metrics.equal and ledger.equal

@@ -1,9 +1,16 @@
-"""A probe inside the audited processes: digests of the batches that the script's own DataLoaders deliver.
+"""A probe inside the audited processes: digests of the batches that the script's own DataLoaders deliver, and
+of the random streams the script holds where a segment begins.
 
 torchrelay's ledger records what its own loader delivers. A script that also (or instead) draws batches from
 a DataLoader of its own is invisible to it, so the audit puts `_site/` on PYTHONPATH; its sitecustomize calls
 `install()` in every process of the launch, which records, per rank, a digest of each batch such a loader
 yields, with the update it was drawn in. Two runs whose digests part were fed different data.
+
+At the start of the updates the audit names (the first update of each continued segment, and the same updates
+of the uninterrupted run) the probe also digests the state of every random stream the process holds besides the
+global ones torchrelay restores: each torch.Generator, numpy Generator and random.Random that the script's own
+frames and globals hold. A stream whose state differs there restarted instead of continuing; when they all agree, a
+difference at the resume lies in non-random state.
 """
 
 from __future__ import annotations
@@ -12,10 +19,14 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 ENV = "TORCHRELAY_AUDIT_PROBE"  # the folder the probe writes rank<r>.jsonl into; unset: the probe is off
+# Updates at whose start the probe also records the state of every random stream the process holds
+# (streams-rank<r>.jsonl): the audit passes the first update of each continued segment.
+STREAMS_AT_ENV = "TORCHRELAY_AUDIT_STREAMS_AT"
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 
 _state: dict[str, Any] = {"update": 0}
@@ -82,8 +93,13 @@ def install() -> None:
             _record(self, batch)
         return batch
 
+    streams_at = {int(u) for u in os.environ.get(STREAMS_AT_ENV, "").split(",") if u.strip()}
+
     def step_init(self: Any, update: int, *args: Any, **kwargs: Any) -> None:
         _state["update"] = update
+        if update in streams_at:
+            with contextlib.suppress(Exception):  # the probe must never break the audited run
+                _record_streams(update)
         original_step(self, update, *args, **kwargs)
 
     dl._BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
@@ -91,12 +107,109 @@ def install() -> None:
     _state["installed"] = True
 
 
+def random_streams() -> list[tuple[str, str]]:
+    """(type, digest of its state) of each random stream the script itself holds, but the global ones.
+
+    The script's own objects are the locals of its frames on the main thread's stack and the globals of its
+    `__main__`, and one level inside each (an attribute, a list or dict entry): an augmentation object holding a
+    generator is found, the private streams of libraries (tempfile's names, seeded from the OS) are not.
+    """
+    import random
+    import sysconfig
+    import threading
+
+    import torch
+
+    kinds: tuple[type, ...] = (torch.Generator, random.Random)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        kinds = (*kinds, numpy.random.Generator)
+    skip = {id(torch.default_generator), id(random._inst)}
+    if torch.cuda.is_available():
+        skip |= {id(g) for g in torch.cuda.default_generators}
+    libraries = tuple(
+        str(Path(p).resolve())
+        for p in {
+            *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+            str(Path(__file__).resolve().parents[1]),  # torchrelay itself
+        }
+        if p
+    )
+
+    roots: list[Any] = []
+    main = sys.modules.get("__main__")
+    if main is not None:
+        roots += list(vars(main).values())
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<") and not str(Path(name).resolve()).startswith(libraries):
+            roots += list(frame.f_locals.values())
+        frame = frame.f_back
+
+    found: dict[int, Any] = {}
+
+    def consider(obj: Any) -> bool:
+        if isinstance(obj, kinds) and not isinstance(obj, random.SystemRandom):
+            if id(obj) not in skip:
+                found[id(obj)] = obj
+            return True
+        return False
+
+    for root in roots:
+        if consider(root) or isinstance(root, type) or type(root).__name__ == "module":
+            continue
+        inner: list[Any] = []
+        if isinstance(root, list | tuple | set):
+            inner = list(root)
+        elif isinstance(root, dict):
+            inner = list(root.values())
+        elif hasattr(root, "__dict__"):
+            with contextlib.suppress(TypeError):
+                inner = list(vars(root).values())
+        for item in inner:
+            consider(item)
+
+    out = []
+    for stream in found.values():
+        if isinstance(stream, torch.Generator):
+            kind, state = "torch.Generator", bytes(stream.get_state().numpy().tobytes())
+        elif isinstance(stream, random.Random):
+            kind, state = "random.Random", repr(stream.getstate()).encode()
+        else:
+            kind, state = "numpy Generator", repr(stream.bit_generator.state).encode()
+        out.append((kind, hashlib.sha256(state).hexdigest()[:20]))
+    return sorted(out)
+
+
+def _record_streams(update: int) -> None:
+    rank = os.environ.get("RANK", "0")
+    folder = Path(os.environ[ENV])
+    folder.mkdir(parents=True, exist_ok=True)
+    line = {"update": update, "streams": random_streams()}
+    with open(folder / f"streams-rank{rank}.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def read_streams(folder: Path) -> dict[tuple[int, int], list[tuple[str, str]]]:
+    """`{(rank, update): [(type, digest), ...]}` of the random streams recorded at the start of each update."""
+    out: dict[tuple[int, int], list[tuple[str, str]]] = {}
+    for path in sorted(folder.glob("streams-rank*.jsonl")) if folder.is_dir() else []:
+        rank = int(path.stem.removeprefix("streams-rank"))
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out[(rank, int(row["update"]))] = [(str(k), str(d)) for k, d in row["streams"]]
+    return out
+
+
 def read(folder: Path) -> dict[int, list[tuple[int, str]]]:
     """`{rank: [(update, digest), ...]}` in the order the batches were drawn."""
     out: dict[int, list[tuple[int, str]]] = {}
     if not folder.is_dir():
         return out
-    for path in sorted(folder.glob("rank*.jsonl")):
+    for path in sorted(folder.glob("rank[0-9]*.jsonl")):
         rank = int(path.stem.removeprefix("rank"))
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         out[rank] = [(int(r["update"]), str(r["sha"])) for r in rows]
@@ -106,7 +219,7 @@ def read(folder: Path) -> dict[int, list[tuple[int, str]]]:
 def samplers(folder: Path) -> list[str]:
     """The sampler classes of the script's own loaders that the probe saw."""
     names: set[str] = set()
-    for path in sorted(folder.glob("rank*.jsonl")) if folder.is_dir() else []:
+    for path in sorted(folder.glob("rank[0-9]*.jsonl")) if folder.is_dir() else []:
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 names.add(str(json.loads(line).get("sampler")))
