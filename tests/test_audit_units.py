@@ -208,3 +208,38 @@ def test_status_finds_the_verdict_for_a_run_of_the_audited_code(tmp_path, monkey
         json.dumps({"segment": "s1", "code": {**code, "commit": "zzz"}}) + "\n"
     )
     assert verdict_for_run(run_dir) is None  # other code: no verdict applies
+
+
+def test_stream_digests_separate_a_restarted_generator_from_lost_state(tmp_path):
+    from torchrelay.audit.compare import compare_streams
+
+    def write(run: str, rank: int, streams: list[list[str]]) -> None:
+        folder = tmp_path / run
+        folder.mkdir(exist_ok=True)
+        with open(folder / f"streams-rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"update": 5, "streams": streams}) + "\n")
+
+    for rank in (0, 1):
+        write("a", rank, [["torch.Generator", f"g{rank}-advanced"], ["random.Random", "same"]])
+        write("b", rank, [["torch.Generator", f"g{rank}-restarted"], ["random.Random", "same"]])
+        write("c", rank, [["random.Random", "same"], ["torch.Generator", f"g{rank}-advanced"]])
+    restarted, continued = (
+        compare_streams(tmp_path / "a", tmp_path / "b"),
+        compare_streams(tmp_path / "a", tmp_path / "c"),
+    )
+    assert restarted.at[5] == (4, ["torch.Generator", "torch.Generator"])
+    assert continued.at[5] == (4, []) and continued.seen(5) and not continued.seen(6)
+
+    def cause(streams):
+        ev = Evidence(
+            stops=[4], metrics=_parted(5), ledger=_parted(None), tensors=_tensors(), streams=streams
+        )
+        return diagnose(ev)
+
+    assert [c.name for c in cause(restarted)] == [RNG]
+    assert "2 random stream(s) the script holds (torch.Generator)" in cause(restarted)[0].evidence
+    assert [c.name for c in cause(continued)] == [UNREGISTERED, RNG]
+    assert (
+        "all 4 random stream(s) the script holds start it in the same state" in cause(continued)[0].evidence
+    )
+    assert [c.name for c in cause(None)] == [RNG, UNREGISTERED]  # without the probe: both, RNG first
