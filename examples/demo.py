@@ -1,8 +1,8 @@
 """The torchrelay demo: stop a real training run twice, continue it, prove it, show it.
 
 1. make a data set from this machine's Python standard library source;
-2. launch the example LM under torchrun (2 ranks, gloo) with a stop request for update 20 (the file that
-   `torchrelay stop --at-update` writes): it saves a complete checkpoint there and stops (exit code 4);
+2. launch the example LM under torchrun (2 ranks, gloo) with a stop request for update 20 (`torchrelay stop
+   --at-update 20 --before-start`): it saves a complete checkpoint there and stops (exit code 4);
 3. launch it again with 2 loader workers and a time budget too short for the rest: it resumes, and stops while a
    checkpoint still fits (exit code 3). Its updates are paced to >= 0.25 s (`params.min_update_s`, a runtime
    param: slower, never different) so the budget lands mid-run on any machine;
@@ -94,12 +94,7 @@ def main() -> int:
 
     run = out / "run"
     con.rule(f"2. first launch, asked to stop at update {args.stop_at}")
-    # `torchrelay stop RUN --at-update N` needs an existing run; before the first launch the library writes it.
-    from torchrelay.stop import write_request
-
-    con.print(f"[bold]>>> torchrelay.stop.write_request({str(run)!r}, at_update={args.stop_at})[/]")
-    run.mkdir()
-    write_request(run, at_update=args.stop_at)
+    cli("stop", str(run), "--at-update", str(args.stop_at), "--before-start")
     launch(run, out / "logs" / "launch-1.log", config)
     con.rule(
         f"3. second launch: 2 loader workers, a {args.budget:g} s budget; stops while a checkpoint still fits"

@@ -151,6 +151,15 @@ def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "holds no torchrelay run" in capsys.readouterr().err
     assert main(["status", str(tmp_path)]) == 2
     assert "config.json is missing" in capsys.readouterr().err
+    # A request for a run not launched yet needs saying so, and only into a new or empty directory.
+    new = tmp_path / "new-run"
+    assert main(["stop", str(new), "--at-update", "7", "--before-start"]) == 0
+    req = StopRequest.read(new / "REQUEST_STOP")
+    assert req is not None and req.at_update == 7
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("x")
+    assert main(["stop", str(tmp_path / "junk"), "--before-start"]) == 2
+    assert "is not empty and holds no run" in capsys.readouterr().err
 
 
 def test_ledger_cli_fails_on_a_repeat(example: dict[str, Path], tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`torchrelay stop RUN_DIR [--job ID] [--at-update N]`."""
+"""`torchrelay stop RUN_DIR [--job ID] [--at-update N] [--before-start]`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--job", help="honoured only by this Slurm job id (others ignore and report it)")
     p.add_argument("--at-update", type=int, help="stop after this update instead of the next one")
+    p.add_argument(
+        "--before-start",
+        action="store_true",
+        help="the run does not exist yet: leave the request for its first launch (the directory may be new or empty)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (Path(args.run_dir) / "resume_contract.json").exists():
+    run_dir = Path(args.run_dir)
+    exists = (run_dir / "resume_contract.json").exists()
+    if args.before_start:
+        if exists:
+            raise ConfigError(f"{run_dir} holds a run already", hint="drop --before-start")
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise ConfigError(
+                f"{run_dir} is not empty and holds no run: its first launch would refuse it",
+                hint="pass a new or empty run directory",
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+    elif not exists:
         raise ConfigError(
-            f"{args.run_dir} holds no torchrelay run", hint="pass the run directory the trainer uses"
+            f"{run_dir} holds no torchrelay run",
+            hint="pass the run directory the trainer uses, or --before-start for a run not launched yet",
         )
     path = write_request(args.run_dir, job=args.job, at_update=args.at_update)
     when = f"after update {args.at_update}" if args.at_update else "at the next update boundary"
