@@ -17,6 +17,7 @@ from helpers import (
     wait_for_update,
 )
 from torchrelay.ledger import prove
+from torchrelay.progress import summarize
 from torchrelay.stop import write_request
 
 U = 16
@@ -114,6 +115,10 @@ def test_sigkill_during_saves(
         assert out.returncode != 0 and "Signal 9" in out.stderr or "SIGKILL" in out.stderr, out.stderr[-2000:]
         assert not (run / "checkpoint-16").exists()
         assert (run / "checkpoint-8" / "COMPLETE.json").exists()
+        # The killed run left no stale lock, and status tells a segment that ended without a word.
+        state = summarize(run)
+        assert not state["running"] and state["trained_by"] is None
+        assert state["ended_unrecorded"] == (segments(run)[-1]["ended"] == "running")
         if i:
             assert segments(run)[-1]["resumed_from"] == 8
     out = launch(example["code"], run)
