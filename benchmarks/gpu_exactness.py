@@ -1,7 +1,7 @@
 """Bit-exact resume on GPUs: the example LM under torchrun with NCCL and deterministic CUDA kernels,
 uninterrupted versus stopped twice (by request file, and with the loader's worker count changed).
 
-    PYTHONPATH=src:tests python3 benchmarks/gpu_exactness.py --nproc 2 --out /tmp/gpu-exact
+    PYTHONPATH=src:tests python3 benchmarks/gpu_exactness.py --nproc 2 --out /tmp/gpu-exact [--parallel fsdp2]
 
 Prints one JSON object: tensors compared, whether all are torch.equal, ledger verdict, update times.
 """
@@ -29,6 +29,7 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("/tmp/gpu-exact"))
     parser.add_argument("--updates", type=int, default=40)
+    parser.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp")
     args = parser.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -45,6 +46,7 @@ def main() -> int:
         micro_batch=8,
         **{
             "params.device": "cuda",
+            "params.parallel": args.parallel,
             "params.d_model": 256,
             "params.layers": 4,
             "params.heads": 8,
@@ -82,6 +84,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "nproc": args.nproc,
+        "parallel": args.parallel,
         "updates": args.updates,
         "tensors": len(a),
         "bytes": sum(t.numel() * t.element_size() for t in a.values()),
