@@ -16,6 +16,7 @@ from helpers import (
     sigterm,
     wait_for_update,
 )
+from torchrelay.cli import main
 from torchrelay.ledger import prove
 from torchrelay.progress import summarize
 from torchrelay.stop import write_request
@@ -41,6 +42,7 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     out = launch(code, run, config=example["config"])
     assert out.returncode != 0 and "exitcode  : 4" in out.stderr
     assert segments(run)[-1]["ended"] == "request" and segments(run)[-1]["last_update"] == 3
+    assert main(["status", str(run), "--last-exit"]) == 4  # what torchrun's exit 1 stood for
     # 2. SIGTERM to torchrun once update 6 is logged
     # agree at every boundary; paced so the signal surely lands before the end (a runtime param: no bit changes)
     proc = launch_bg(code, run, sets={"params.min_update_s": 0.2}, env={"TORCHRELAY_CHECK_EVERY": "1"})
@@ -56,6 +58,7 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     seg = segments(run)[-1]
     assert seg["ended"] == "budget", out.stdout + out.stderr
     assert seg["last_update"] < U and "exitcode  : 3" in out.stderr
+    assert main(["status", str(run), "--last-exit"]) == 3
     # 4. to the end
     out = launch(code, run, sets={"params.min_update_s": 0})
     assert out.returncode == 0, out.stdout + out.stderr
@@ -119,6 +122,7 @@ def test_sigkill_during_saves(
         state = summarize(run)
         assert not state["running"] and state["trained_by"] is None
         assert state["ended_unrecorded"] == (segments(run)[-1]["ended"] == "running")
+        assert main(["status", str(run), "--last-exit"]) == 1
         if i:
             assert segments(run)[-1]["resumed_from"] == 8
     out = launch(example["code"], run)

@@ -1,4 +1,4 @@
-"""`torchrelay status RUN_DIR [--json]`."""
+"""`torchrelay status RUN_DIR [--json | --last-exit]`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,21 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from torchrelay.errors import EXIT_ERROR, ConfigError
+from torchrelay.history import read_history
+from torchrelay.lock import holder
 from torchrelay.progress import summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--last-exit",
+        action="store_true",
+        help="print how the last segment ended and exit with its code (0, 3 budget, 4 request, 5 signal, ...): "
+        "torchrun folds every worker code into 1, a batch script reads the real one here",
+    )
 
 
 def _fmt(value: object, spec: str = "") -> str:
@@ -28,6 +37,24 @@ def _duration(seconds: float | None) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _last_exit(run_dir: str) -> int:
+    history = read_history(run_dir)
+    if not history:
+        raise ConfigError(f"{run_dir} has no segment yet", hint="launch the run first")
+    last = history[-1]
+    code = last.get("exit_code")
+    if code is None:  # still running, or killed before it could record its end
+        running = holder(run_dir, "train") is not None
+        print(
+            f"segment {last.get('segment')}: {'running' if running else 'ended unrecorded (killed or crashed)'}"
+        )
+        return EXIT_ERROR
+    print(
+        f"segment {last.get('segment')}: ended {last.get('ended')} at update {last.get('last_update')} (exit {code})"
+    )
+    return int(code)
 
 
 def _who(h: dict[str, object]) -> str:
@@ -49,6 +76,8 @@ def _state(s: dict[str, object]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.last_exit:
+        return _last_exit(args.run_dir)
     s = summarize(args.run_dir)
     if args.json:
         print(json.dumps(s, indent=1, sort_keys=True))
