@@ -196,7 +196,9 @@ def test_missing_data_file_with_check_files(packed: Packed, tmp_path: Path) -> N
 
 def test_teacher_with_wrong_hash_is_refused(packed: Packed, tmp_path: Path) -> None:
     wrong = tmp_path / "teacher.bin"
-    wrong.write_bytes(packed.teacher.read_bytes()[:-1] + b"\x00")
+    data = bytearray(packed.teacher.read_bytes())
+    data[-1] ^= 0xFF  # always another byte (setting it to 0 was a no-op for 1 teacher in 256)
+    wrong.write_bytes(bytes(data))
     with pytest.raises(PreflightFailed, match="external file 'teacher'.*SHA-256"):
         _prepare(packed, tmp_path / "r", **{"external_files.teacher": str(wrong)})
     assert not (tmp_path / "r").exists()
