@@ -69,25 +69,13 @@ class RunBusy(RelayError):
 
     exit_code = EXIT_REFUSED
 
-    def __init__(self, run_dir: object, role: str, holder: dict[str, object]) -> None:
-        who = _holder_text(holder) if holder else "another process (it has not said who yet)"
+    def __init__(self, run_dir: object, role: str, holder: dict[str, object], who: str) -> None:
         what = "a controller" if role == "launch" else "a writer"
         super().__init__(
             f"{run_dir} is in use by {what}: {who}; a second writer would fork the run",
             hint=f"wait for it to end, or stop it cleanly with `torchrelay stop {run_dir}`",
         )
         self.holder = holder
-
-
-def _holder_text(holder: dict[str, object]) -> str:
-    text = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
-    if holder.get("job"):
-        text += f" (Slurm job {holder['job']})"
-    if holder.get("since"):
-        text += f" since {holder['since']}"
-    if holder.get("command"):
-        text += f", running `{holder['command']}`"
-    return text
 
 
 class CheckpointError(RelayError):

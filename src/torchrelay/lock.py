@@ -36,7 +36,9 @@ def lock_path(run_dir: str | os.PathLike[str], role: str) -> Path:
     raise ValueError(f"unknown lock role {role!r}")
 
 
-_HELD: dict[int, int] = {}  # fd -> pid that took it; a forked child (a DataLoader worker) lets go of its copy
+_HELD: set[int] = (
+    set()
+)  # descriptors this process locked; a forked child (a DataLoader worker) lets go of them
 
 
 def _drop_inherited() -> None:
@@ -78,7 +80,7 @@ class RunLock:
                     continue
                 holder = _read(fd)
                 os.close(fd)
-                raise RunBusy(self.run_dir, self.role, holder) from None
+                raise RunBusy(self.run_dir, self.role, holder, describe(holder)) from None
             except OSError as exc:
                 if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     os.close(fd)
@@ -97,14 +99,14 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd = fd
-        _HELD[fd] = os.getpid()
+        _HELD.add(fd)
         return self
 
     def release(self) -> None:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
-        _HELD.pop(fd, None)
+        _HELD.discard(fd)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)  # the record of a holder that has gone
         os.close(fd)  # closing the last descriptor releases the lock
@@ -133,6 +135,20 @@ def holder(run_dir: str | os.PathLike[str], role: str) -> dict[str, Any] | None:
         return None
     finally:
         os.close(fd)
+
+
+def describe(holder: dict[str, Any], command: bool = True) -> str:
+    """One line about a holder: pid, host, Slurm job, since when and (optionally) what it runs."""
+    if not holder.get("pid"):
+        return "another process (it has not said who yet)"
+    text = f"pid {holder['pid']} on {holder.get('host', '?')}"
+    if holder.get("job"):
+        text += f" (Slurm job {holder['job']})"
+    if holder.get("since"):
+        text += f" since {holder['since']}"
+    if command and holder.get("command"):
+        text += f", running `{holder['command']}`"
+    return text
 
 
 def _read(fd: int) -> dict[str, Any]:

@@ -149,14 +149,16 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
     #    digests of the script's random streams there tell a restarted stream from non-random state.
     if first is not None and first in resumes:
         keys = ", ".join(ev.metrics.keys) or "metrics"
+        parted_at = (
+            f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR"
+        )
         streams = ev.streams
         if streams is not None and streams.differing(first):
             held = sorted(set(streams.differing(first)))
             return [
                 _cause(
                     RNG,
-                    f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR, "
-                    f"and {len(streams.differing(first))} random stream(s) the script holds ({', '.join(held)}) "
+                    f"{parted_at}, and {len(streams.differing(first))} random stream(s) the script holds ({', '.join(held)}) "
                     f"start update {first} in another state than in the uninterrupted run: they restarted "
                     "instead of continuing",
                 )
@@ -172,8 +174,7 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             return [
                 _cause(
                     UNREGISTERED,
-                    f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR, "
-                    f"while {same}: non-random state read there (a counter, a running statistic, a cache) "
+                    f"{parted_at}, while {same}: non-random state read there (a counter, a running statistic, a cache) "
                     "was not restored",
                 ),
                 _cause(RNG, "or a random stream held outside the training processes (a DataLoader worker)"),
@@ -181,8 +182,7 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
         return [
             _cause(
                 RNG,
-                f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR: "
-                "a random stream (generator, dropout, augmentation) restarted instead of continuing",
+                f"{parted_at}: a random stream (generator, dropout, augmentation) restarted instead of continuing",
             ),
             _cause(UNREGISTERED, f"or non-random state read at update {first} was not restored"),
         ]

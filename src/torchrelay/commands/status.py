@@ -10,7 +10,7 @@ from rich.table import Table
 
 from torchrelay.errors import EXIT_ERROR, ConfigError
 from torchrelay.history import read_history
-from torchrelay.lock import holder
+from torchrelay.lock import describe, holder
 from torchrelay.progress import summarize
 
 
@@ -57,21 +57,16 @@ def _last_exit(run_dir: str) -> int:
     return int(code)
 
 
-def _who(h: dict[str, object]) -> str:
-    job = f", Slurm job {h['job']}" if h.get("job") else ""
-    return f"pid {h.get('pid', '?')} on {h.get('host', '?')}{job}, since {h.get('since', '?')}"
-
-
 def _state(s: dict[str, object]) -> str:
     trained, launched = s["trained_by"], s["launched_by"]
     if isinstance(trained, dict):
-        text = f"[green]training[/] ({_who(trained)})"
+        text = f"[green]training[/] ({describe(trained, command=False)})"
     elif s["ended_unrecorded"]:
         text = "[red]not running[/]: the last segment ended unrecorded (killed or crashed); the next launch resumes"
     else:
         text = "not running"
     if isinstance(launched, dict):
-        text += f"; controller {_who(launched)}"
+        text += f"; controller {describe(launched, command=False)}"
     return text
 
 
