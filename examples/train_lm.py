@@ -9,7 +9,6 @@ Everything torchrelay needs is in four calls: Run.open, run.track, run.dataloade
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -156,17 +155,13 @@ def main() -> int:
                 if step.update == p.get("crash_at_update"):
                     raise RuntimeError(f"crash_at_update={step.update} (test hook)")
                 total = 0.0
-                for micro, (xs, lengths) in step.micro_batches():
+                # Given the model, gradients are reduced only in the last micro-batch (DDP no_sync, FSDP2).
+                for _micro, (xs, lengths) in step.micro_batches(model):
                     xs, lengths = xs.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
-                    last = micro == cfg.grad_accum - 1
-                    sync = (
-                        contextlib.nullcontext() if last or p.get("parallel") == "fsdp2" else model.no_sync()
-                    )
-                    with sync:
-                        loss = lm_loss(model, xs, lengths) / cfg.grad_accum
-                        if step.update == p.get("nan_at_update"):
-                            loss = loss * math.nan
-                        loss.backward()
+                    loss = lm_loss(model, xs, lengths) / cfg.grad_accum
+                    if step.update == p.get("nan_at_update"):
+                        loss = loss * math.nan
+                    loss.backward()
                     total += loss.item()
                 lr = sched.get_last_lr()[0]
                 opt.step()

@@ -5,14 +5,32 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["RelayConfig", "Run", "Step", "__version__", "warmup_cosine"]
+__all__ = [
+    "RelayConfig",
+    "Run",
+    "SampleContext",
+    "Step",
+    "__version__",
+    "sample_generator",
+    "sample_seed",
+    "warmup_cosine",
+]
 
 if TYPE_CHECKING:
     from torchrelay.config import RelayConfig
+    from torchrelay.data.sample import SampleContext, sample_generator, sample_seed
     from torchrelay.run import Run, Step
     from torchrelay.schedule import warmup_cosine
 
-_LAZY = {"RelayConfig": "config", "Run": "run", "Step": "run", "warmup_cosine": "schedule"}
+_LAZY = {
+    "RelayConfig": "config",
+    "Run": "run",
+    "Step": "run",
+    "warmup_cosine": "schedule",
+    "SampleContext": "data.sample",
+    "sample_generator": "data.sample",
+    "sample_seed": "data.sample",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,7 @@ A newcomer should read this file top to bottom: `open` (contract, checkpoint cho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,7 +15,8 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +79,48 @@ class Step:
         self._ids: list[list[int]] = []
         self.metrics: dict[str, Any] = {}
 
-    def micro_batches(self) -> Iterator[tuple[int, Any]]:
-        """(micro_step, batch) for each of the update's gradient-accumulation steps."""
+    def micro_batches(self, model: torch.nn.Module | None = None) -> Iterator[tuple[int, Any]]:
+        """(micro_step, batch) for each of the update's gradient-accumulation steps.
+
+        Given the DDP or FSDP2 model, gradients are synchronized only in the last micro-step: the loop body
+        of every other one runs under `model.no_sync()` (DDP) or `set_requires_gradient_sync(False)` (FSDP2).
+        """
+        deferred = _sync_deferral(model)
         for micro in range(self._accum):
             ids, batch = next(self._it)
             self._ids.append(ids)
-            yield micro, batch
+            with deferred(micro == self._accum - 1):
+                yield micro, batch
 
     def log(self, **metrics: Any) -> None:
         """Record this rank's metrics for the update (loss, lr, ...); tensors become floats."""
         for key, value in metrics.items():
             self.metrics[key] = float(value) if isinstance(value, torch.Tensor) else value
+
+
+def _sync_deferral(model: torch.nn.Module | None) -> Callable[[bool], AbstractContextManager[Any]]:
+    """For a micro-step (is it the last?), the context the loop body runs in: gradients sync in the last only."""
+    if model is None:
+        return lambda last: contextlib.nullcontext()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return lambda last: contextlib.nullcontext() if last else model.no_sync()
+    set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 (fully_shard)
+    if callable(set_sync):
+
+        @contextlib.contextmanager
+        def fsdp(last: bool) -> Iterator[None]:
+            set_sync(last)
+            try:
+                yield
+            finally:
+                set_sync(True)  # a loop left early must not leave the model unsynchronized
+
+        return fsdp
+    if isinstance(model, torch.nn.Module):
+        return lambda last: contextlib.nullcontext()  # nothing to synchronize: one process or a plain module
+    raise ConfigError(
+        f"step.micro_batches(model): expected the DDP or FSDP2 model (a torch.nn.Module), got {type(model).__name__}"
+    )
 
 
 class Run:
@@ -411,9 +444,15 @@ class Run:
         *,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
     ) -> RelayLoader:
-        """A loader over `dataset[i]` (i = manifest index) in the run's exact order; workers from the config."""
-        return RelayLoader(dataset, collate_fn, self.config.num_workers, pin_memory, prefetch_factor)
+        """A loader over `dataset[i]` (i = manifest index) in the run's exact order; workers from the config.
+
+        A dataset with `wants_context = True` gets `dataset[ctx]`, a SampleContext (index, epoch, update, seed).
+        """
+        return RelayLoader(
+            dataset, collate_fn, self.config.num_workers, pin_memory, prefetch_factor, persistent_workers
+        )
 
     # ---------------------------------------------------------------------------------- the loop
     def steps(self, loader: RelayLoader) -> Iterator[Step]:

@@ -2,11 +2,14 @@
 
 The batch sampler yields, for this rank, the fixed slice of every (update, micro-step) from the resume
 position on: resuming is a jump, not a replay, and any `num_workers` gives the same batches in the same
-order because DataLoader returns batches in sampler order whatever worker produced them.
+order because DataLoader returns batches in sampler order whatever worker produced them. A dataset that sets
+`wants_context = True` receives a SampleContext (index, epoch, update, seed) instead of the bare index, so its
+augmentation can depend on the epoch inside the workers (see data/sample.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from torchrelay.data.order import GlobalOrder
+from torchrelay.data.sample import SampleContext
 
 
 @dataclass(slots=True)
@@ -28,11 +32,17 @@ class RankBatches:
     world_size: int
     micro_batch: int
     grad_accum: int
+    context: bool = False  # yield SampleContexts instead of bare indices
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         for u in range(self.start_update, self.total_updates):
+            epoch = self.order.epoch_of(u)
             for m in range(self.grad_accum):
-                yield self.order.slot(u, m, self.rank, self.world_size, self.micro_batch)
+                slot = self.order.slot(u, m, self.rank, self.world_size, self.micro_batch)
+                if self.context:
+                    yield [SampleContext(i, epoch, u + 1, self.order.seed) for i in slot]
+                else:
+                    yield slot
 
     def __len__(self) -> int:
         return (self.total_updates - self.start_update) * self.grad_accum
@@ -44,8 +54,8 @@ class _Tagged(Dataset):
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
-        return index, self.dataset[index]
+    def __getitem__(self, key: int | SampleContext) -> tuple[int, Any]:
+        return (key.index if isinstance(key, SampleContext) else key), self.dataset[key]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -68,6 +78,12 @@ class RelayLoader:
     num_workers: int
     pin_memory: bool = False
     prefetch_factor: int | None = None
+    persistent_workers: bool = False
+
+    @property
+    def wants_context(self) -> bool:
+        """The dataset asked for SampleContexts (`wants_context = True`) instead of bare indices."""
+        return getattr(self.dataset, "wants_context", False) is True
 
     def build(self, batches: RankBatches, seed: int) -> DataLoader:
         # An explicit generator keeps DataLoader from drawing its base seed from the global torch RNG,
@@ -77,6 +93,10 @@ class RelayLoader:
         kwargs: dict[str, Any] = {}
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
+        if self.num_workers > 0:
+            kwargs["persistent_workers"] = self.persistent_workers
+        if self.wants_context:
+            batches = dataclasses.replace(batches, context=True)
         return DataLoader(
             _Tagged(self.dataset),
             batch_sampler=batches,
