@@ -139,7 +139,7 @@ def test_audit_explains_a_launch_that_does_not_stop(tmp_path, capsys):
 def test_audit_refuses_a_used_work_dir(tmp_path, capsys):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "old").write_text("x")
-    assert main(["audit", "--work-dir", str(tmp_path / "w"), "--", "true"]) == 1
+    assert main(["audit", "--work-dir", str(tmp_path / "w"), "--", "true"]) == 2  # refused: bad input
     assert "the audit's work directory is not empty" in capsys.readouterr().err
 
 

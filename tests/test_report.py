@@ -100,8 +100,8 @@ def test_report_refuses_a_run_without_metrics(tmp_path, capsys):
     (empty / "train").mkdir(parents=True)
     with pytest.raises(ReportError, match="no metrics-rank"):
         render(empty, tmp_path / "out")
-    assert main(["report", str(tmp_path / "missing")]) == 1
-    assert "no such run directory" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 2  # a wrong path is refused
+    assert "missing does not exist: no run directory there" in capsys.readouterr().err
 
 
 def test_a_torn_last_metrics_line_is_skipped(two_segments, tmp_path):

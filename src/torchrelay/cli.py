@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 from collections.abc import Sequence
 
-from torchrelay.errors import EXIT_ERROR, RelayError
+from torchrelay.errors import EXIT_ERROR, RelayError, from_exception
 
 # verb -> module under torchrelay.commands exposing `add_arguments(parser)` and `run(args) -> int`
 VERBS: dict[str, str] = {
@@ -61,14 +63,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._run(args))
-    except RelayError as exc:
-        print(f"torchrelay {args.verb}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except BrokenPipeError:  # `torchrelay status --json | head`
         return 0
     except KeyboardInterrupt:
         print(f"torchrelay {args.verb}: interrupted", file=sys.stderr)
         return EXIT_ERROR
+    except (RelayError, OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # The one place where what went wrong becomes a message and an exit code: a library refusal keeps its
+        # own; a path that is a file, missing or unreadable, or a file that is not text, is refused (exit 2).
+        if os.environ.get("TORCHRELAY_TRACEBACK") == "1":
+            raise
+        err = from_exception(exc)
+        print(f"torchrelay {args.verb}: error: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 def entry() -> None:

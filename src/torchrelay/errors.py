@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import sys
+from types import TracebackType
+
 # Exit codes of a training process and of the CLI (documented in README and docs/FORMATS.md).
 EXIT_FINISHED = 0
 EXIT_ERROR = 1
@@ -78,6 +84,12 @@ class RunBusy(RelayError):
         self.holder = holder
 
 
+class PathError(RelayError):
+    """A path given as input is missing, of the wrong kind (a file where a directory belongs) or unreadable."""
+
+    exit_code = EXIT_REFUSED
+
+
 class CheckpointError(RelayError):
     """No usable checkpoint, or a checkpoint that cannot be written or read."""
 
@@ -88,6 +100,104 @@ class DiskFull(CheckpointError):
     """Not enough free space to write a checkpoint; the previous complete one is untouched."""
 
 
+# errno of an OSError that says the input path is wrong (refused, exit 2), with what to do about it.
+_PATH_HINTS = {
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a regular file stands where a directory is expected: pass the directory",
+    errno.EISDIR: "a directory stands where a file is expected: pass the file",
+    errno.EACCES: "check the permissions of the path (and of the folders above it)",
+    errno.EPERM: "check the permissions of the path (and of the folders above it)",
+    errno.EEXIST: "choose a path that does not exist yet",
+    errno.ELOOP: "a symbolic link loops: fix or remove it",
+    errno.ENAMETOOLONG: "shorten the path",
+    errno.EROFS: "the path lies on a read-only filesystem: choose a writable one",
+}
+
+
+def from_exception(exc: BaseException, what: str = "") -> RelayError:
+    """Any exception as a RelayError with one message: an OSError on a wrong path is refused (exit 2) naming the
+    path, a full disk is DiskFull, text that is not UTF-8 is an IntegrityError; anything else keeps exit 1."""
+    if isinstance(exc, RelayError):
+        return exc
+    where = f"{what}: " if what else ""
+    if isinstance(exc, OSError):
+        path = exc.filename if exc.filename is not None else ""
+        text = f"{where}{path}{': ' if path else ''}{exc.strerror or exc}"
+        if exc.errno == errno.ENOSPC:
+            return DiskFull(text, hint="free space on that filesystem and run it again")
+        if exc.errno in _PATH_HINTS:
+            return PathError(text, hint=_PATH_HINTS[exc.errno])
+        return RelayError(text)
+    if isinstance(exc, UnicodeDecodeError):
+        return IntegrityError(
+            f"{where}not UTF-8 text ({exc})", hint="the file is damaged or not what it should be"
+        )
+    if isinstance(exc, json.JSONDecodeError):
+        return IntegrityError(
+            f"{where}not valid JSON ({exc})", hint="the file is damaged or not what it should be"
+        )
+    return RelayError(f"{where}{type(exc).__name__}: {exc}")
+
+
 def _short(value: object, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------- the uncaught error
+# A training script does `with tr.Run.open(...) as run: ...` and `sys.exit(run.exit_code)`; a refusal raised by
+# Run.open (or run.steps) escapes before that line. This hook turns it into one message on rank 0 and the error's
+# exit code, instead of a traceback on every rank and exit 1. Anything that is not a RelayError goes to the hook
+# that was installed before (a traceback: it is a bug, or the user's own error).
+_previous_hook = None
+
+
+def install_excepthook() -> None:
+    """Make an uncaught RelayError print `torchrelay: <message>` (rank 0, or the rank it happened on) and exit with
+    its code; idempotent, and chained to the hook installed before for every other exception."""
+    global _previous_hook
+    if _previous_hook is not None:
+        return
+    _previous_hook = sys.excepthook
+    sys.excepthook = _excepthook
+
+
+def mark_reported(exc: RelayError) -> RelayError:
+    """The message is already out (rank 0 printed it, or this is rank 0's error carried to another rank)."""
+    exc.reported = True  # type: ignore[attr-defined]
+    return exc
+
+
+def report(exc: RelayError, rank: int) -> None:
+    """Print the error once, in the one format of an uncaught refusal."""
+    if getattr(exc, "reported", False):
+        return
+    who = "torchrelay" if rank == 0 else f"torchrelay [rank {rank}]"
+    print(f"{who}: {exc}", file=sys.stderr, flush=True)
+    mark_reported(exc)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    if not isinstance(exc, RelayError):
+        (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    report(exc, _env_rank())
+    code = int(getattr(exc, "exit_code", EXIT_ERROR))
+    # After an uncaught exception the interpreter would exit 1 whatever the hook does; run the exit handlers
+    # (logging, multiprocessing) ourselves, then leave with the documented code.
+    import atexit
+
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
+def _env_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0

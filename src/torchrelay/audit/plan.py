@@ -23,6 +23,7 @@ from torchrelay.audit.runner import (
     run_segments,
     subprocess_launcher,
 )
+from torchrelay.errors import ConfigError
 from torchrelay.history import read_history
 
 TOP_TENSORS = 5
@@ -132,7 +133,7 @@ def run_audit(
         else Path(tempfile.mkdtemp(prefix="torchrelay-audit-"))
     )
     if not owned and work.is_dir() and any(work.iterdir()):
-        raise AuditError(
+        raise ConfigError(
             f"{work}: the audit's work directory is not empty", hint="pass an empty or new --work-dir"
         )
     logs = work / "logs"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff import bars
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
@@ -34,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
         allow_dirty=args.allow_dirty,
         jobs=args.jobs,
     )
+    load_contract(
+        args.run_dir
+    )  # a path that holds no run is refused as such, before any checkpoint is looked for
     ckpt = checkpoint_to_pack(args.run_dir, options.checkpoint)
     total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     with bars.byte_bar(f"pack {ckpt.name}", total) as advance:

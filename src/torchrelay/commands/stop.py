@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.contract import CONTRACT_FILE, load_contract
 from torchrelay.errors import ConfigError
 from torchrelay.stop import write_request
 
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    exists = (run_dir / "resume_contract.json").exists()
+    exists = (run_dir / CONTRACT_FILE).exists()
     if args.before_start:
         if exists:
             raise ConfigError(f"{run_dir} holds a run already", hint="drop --before-start")
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
             f"{run_dir} holds no torchrelay run",
             hint="pass the run directory the trainer uses, or --before-start for a run not launched yet",
         )
+    else:
+        load_contract(run_dir)  # a damaged contract is no run to stop: refused naming the file
     path = write_request(args.run_dir, job=args.job, at_update=args.at_update)
     when = f"after update {args.at_update}" if args.at_update else "at the next update boundary"
     who = f"job {args.job}" if args.job else "whichever job runs it"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import RelayError
+from torchrelay.errors import IntegrityError, PathError, RelayError
 
 _RANK_FILE = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -69,7 +69,10 @@ class RunSeries:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Parse a JSONL file, skipping a torn last line (a crash mid-write) but no other bad line."""
     rows: list[dict[str, Any]] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -177,7 +180,8 @@ def read_series(run_dir: str | Path) -> RunSeries:
     """Read metrics (loss averaged over ranks, LR and speed from rank 0), segments, checkpoints and exposures."""
     root = Path(run_dir)
     if not root.is_dir():
-        raise ReportError(f"{root}: no such run directory", hint="pass the directory given to Run.open")
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
     train_dir = root / "train"
     per_rank = {rank: _by_update(read_jsonl(p)) for rank, p in rank_files(train_dir, "metrics").items()}
     if not per_rank or not any(per_rank.values()):

@@ -1,0 +1,76 @@
+"""Every verb, given any wrong path (a file, nothing, a symlink loop, a directory of garbage), answers one
+message and exit 2: no traceback, no NotADirectoryError (issue 9, defect 7)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from torchrelay.cli import main
+
+GARBAGE = bytes(range(0x80, 0x100)) * 3  # not UTF-8 from its first byte, not JSON, not a pickle
+
+
+def _paths(base: Path) -> dict[str, Path]:
+    afile = base / "afile"
+    afile.write_bytes(GARBAGE)
+    loop = base / "loop"
+    os.symlink(loop, loop)  # ELOOP on any access: what an unreadable path looks like even to root
+    junk = base / "junk"
+    for rel in (
+        "config.json",
+        "resume_contract.json",
+        "history.jsonl",
+        "SHA256SUMS",
+        "bundle.json",
+        "data/manifest.jsonl",
+        "train/metrics-rank0.jsonl",
+        "train/exposures-rank0.jsonl",
+        "checkpoint-3/COMPLETE.json",
+    ):
+        (junk / rel).parent.mkdir(parents=True, exist_ok=True)
+        (junk / rel).write_bytes(GARBAGE)
+    return {"file": afile, "missing": base / "missing", "loop": loop, "garbage": junk}
+
+
+VERBS = [
+    ["status", "{p}"],
+    ["status", "--json", "{p}"],
+    ["status", "--last-exit", "{p}"],
+    ["stop", "{p}"],
+    ["stop", "--before-start", "{p}"],
+    ["ledger", "{p}"],
+    ["ledger", "--json", "{p}"],
+    ["report", "{p}"],
+    ["pack", "{p}", "{tmp}/bundle"],
+    ["verify", "{p}"],
+    ["prepare", "{p}", "--run-dir", "{tmp}/prepared"],
+    ["diff", "{p}", "{p}"],
+    ["launch", "{p}"],
+    ["sbatch", "{p}"],
+    ["audit", "--work-dir", "{p}", "--", "python", "{tmp}/never-started.py"],
+]
+
+
+@pytest.mark.parametrize("kind", ["file", "missing", "loop", "garbage"])
+@pytest.mark.parametrize("argv", VERBS, ids=lambda a: " ".join(x for x in a if "{" not in x))
+def test_every_verb_refuses_a_wrong_path_in_one_message(
+    argv: list[str], kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _paths(tmp_path)[kind]
+    if argv[:2] == ["stop", "--before-start"] and kind == "missing":
+        pytest.skip("a new directory is exactly what --before-start is for")
+    if argv[0] == "audit" and kind == "missing":
+        pytest.skip("the audit creates its work directory")
+    args = [a.format(p=path, tmp=tmp_path) for a in argv]
+    code = main(args)
+    out = capsys.readouterr()
+    assert code == 2, (code, out.out[-2000:], out.err[-2000:])
+    assert "Traceback" not in out.err + out.out
+    message = [line for line in out.err.splitlines() if line.strip()]
+    assert message and message[0].startswith(f"torchrelay {argv[0]}: error: "), out.err
+    # one message: its line, and at most a hint (a refusal may list fields, never a stack)
+    assert len(message) <= 2 or all(not line.startswith("  File ") for line in message), out.err
+    assert not (tmp_path / "bundle").exists() and not (tmp_path / "prepared").exists()
