@@ -20,6 +20,8 @@ RUNTIME_FIELDS = (
     "num_workers",
     "save_every",
     "keep",
+    "keep_every",
+    "keep_updates",
     "external_files",
     "runtime_params",
 )
@@ -40,7 +42,9 @@ class RelayConfig:
     data_root: str = ""
     num_workers: int = 0
     save_every: int = 100
-    keep: int = 2
+    keep: int = 2  # the newest complete checkpoints kept for resuming
+    keep_every: int = 0  # also keep every checkpoint whose update is a multiple of this (0: none)
+    keep_updates: list[int] = field(default_factory=list)  # also keep (and save) these updates
     pins: list[str] = field(default_factory=list)
     external_files: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
@@ -66,6 +70,20 @@ class RelayConfig:
                 f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
                 f"and one more survives a crash during a save), got {self.keep}"
             )
+        if not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 0:
+            raise ConfigError(
+                f"config field 'keep_every' must be an integer >= 0 (0: keep no periodic checkpoints), "
+                f"got {self.keep_every!r}"
+            )
+        if not isinstance(self.keep_updates, list) or not all(
+            isinstance(u, int) and not isinstance(u, bool) and 1 <= u <= self.total_updates
+            for u in self.keep_updates
+        ):
+            raise ConfigError(
+                f"config field 'keep_updates' must be a list of updates in [1, total_updates="
+                f"{self.total_updates}], got {self.keep_updates!r}"
+            )
+        self.keep_updates = sorted(set(self.keep_updates))
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"config field 'sampler' must be one of {SAMPLERS}, got {self.sampler!r}")
         if not self.manifest:

@@ -6,7 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.checkpoint.retention import decide, policy_for
+from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
+from torchrelay.config import RelayConfig
 from torchrelay.history import read_history
 from torchrelay.ledger import prove
 from torchrelay.lock import holder
@@ -31,6 +33,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
     mean_time = _mean(times)
     ledger = prove(rd.path)
     ckpts = list_checkpoints(rd.path)
+    kept = _kept_because(cfg, ckpts)
     history = read_history(rd.path)
     lineages = sorted({str(s["lineage"]) for s in history if s.get("lineage")})
     out: dict[str, Any] = {
@@ -57,6 +60,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
                 "reason": c.reason,
                 "bytes": c.size,
                 "handed_off": c.handed_off,
+                "kept": kept.get(c.update),
             }
             for c in ckpts
         ],
@@ -90,6 +94,20 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
     # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
     out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]
     out["audit"] = _audit_verdict(rd.path)
+    return out
+
+
+def _kept_because(cfg: RelayConfig, ckpts: list[CheckpointInfo]) -> dict[int, str]:
+    """Why retention keeps each checkpoint (the policy of the stored configuration), or what happens to it."""
+    eligible = [c.update for c in ckpts if c.complete and not c.handed_off]
+    verdict = decide(policy_for(cfg), eligible)
+    out = dict(verdict.kept)
+    out.update({u: "deleted at the next save" for u in verdict.deleted})
+    for c in ckpts:
+        if c.handed_off:
+            out[c.update] = "handed off (the fork guard keeps it)"
+        elif not c.complete:
+            out[c.update] = "incomplete (never chosen, never deleted by retention)"
     return out
 
 

@@ -27,6 +27,7 @@ from torchrelay import __version__
 from torchrelay import errors as errors_module
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import clean_stale, commit_checkpoint
+from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, canonical_json, write_contract
 from torchrelay.data.loader import RankBatches, RelayLoader
@@ -472,6 +473,7 @@ class Run:
             cfg.grad_accum,
         )
         it = iter(loader.build(batches, cfg.seed))
+        retention = policy_for(cfg)  # a checkpoint kept for later (keep_updates, keep_every) must be written
         done = self.start_update
         last_saved = self.start_update if self.resume_from is not None else -1
         recent: deque[float] = deque(maxlen=5)
@@ -496,7 +498,7 @@ class Run:
                 recent.append(dt)
                 done += 1
                 self._record(step, dt)
-                if done % cfg.save_every == 0 and done < cfg.total_updates:
+                if (done % cfg.save_every == 0 or retention.saves_at(done)) and done < cfg.total_updates:
                     self._save(done)
                     last_saved = done
         finally:
@@ -614,7 +616,7 @@ class Run:
                 "segment": self.segment["segment"],
                 "created": time.time(),
             },
-            keep=self.config.keep,
+            retention=policy_for(self.config),
         )
         self._save_estimate = max(self._save_estimate, seconds) if self._save_estimate else seconds
         return path

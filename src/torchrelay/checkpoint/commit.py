@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
+from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull
 from torchrelay.fsutil import fsync_dir
@@ -72,7 +73,7 @@ def commit_checkpoint(
     rank: int,
     world_size: int,
     info: dict[str, Any],
-    keep: int,
+    retention: PreservationPolicy,
 ) -> tuple[Path, float]:
     """Write `checkpoint-<update>/` through the protocol; returns its path and the seconds it took."""
     distributed = world_size > 1
@@ -137,7 +138,7 @@ def commit_checkpoint(
             os.rename(final, run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}")
         os.rename(tmp, final)
         fsync_dir(run_dir)
-        _retain(run_dir, keep)
+        _retain(run_dir, retention)
     elif hook:
         hook("rename")
     if distributed:
@@ -161,12 +162,13 @@ def _nearly_full(path: Path) -> bool:
     return usage.free < min(1 << 20, usage.total // 100) or usage.free < 64 << 10
 
 
-def _retain(run_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; never the newest one, never an incomplete one."""
-    complete = [c for c in list_checkpoints(run_dir) if c.complete and not c.handed_off]
-    for old in complete[: max(0, len(complete) - keep)]:
-        doomed = run_dir / f"{DELETING_PREFIX}{old.update}-{os.getpid()}"
-        os.rename(old.path, doomed)
+def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
+    """Delete the complete checkpoints the policy does not preserve; never the newest, never an incomplete or
+    handed-off one (the fork guard's marker must stay where `pack` put it)."""
+    complete = {c.update: c for c in list_checkpoints(run_dir) if c.complete and not c.handed_off}
+    for update in decide(retention, complete).deleted:
+        doomed = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
+        os.rename(complete[update].path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
     for child in run_dir.iterdir():
         if child.name.startswith(DELETING_PREFIX):

@@ -104,14 +104,17 @@ def run(args: argparse.Namespace) -> int:
         t.add_row("last audit", f"{a.get('verdict', a)}")
     console.print(t)
     c = Table(title="checkpoints")
-    for col in ("update", "state", "size"):
+    for col in ("update", "state", "size", "kept because"):
         c.add_column(col)
     for ck in s["checkpoints"]:
         state = "complete" if ck["complete"] else f"[red]incomplete[/]: {ck['reason']}"
         if ck["handed_off"]:
             state += " (handed off)"
         c.add_row(
-            f"checkpoint-{ck['update']}", state, f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-"
+            f"checkpoint-{ck['update']}",
+            state,
+            f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
+            ck.get("kept") or "-",
         )
     console.print(c)
     g = Table(title="segments" + (f" — {len(s['lineages'])} lineages" if len(s["lineages"]) > 1 else ""))
