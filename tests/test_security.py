@@ -141,14 +141,17 @@ def _quiet(fn: object) -> object:
         return type(exc).__name__
 
 
-@pytest.mark.parametrize("bad", ["/etc/passwd", "../outside.txt", "a/../../outside.txt", "ok/./../../x"])
+@pytest.mark.parametrize(
+    "bad",
+    ["/etc/passwd", "../outside.txt", "a/../../outside.txt", "ok/./../../x", ".git/config", "x/.git/HEAD"],
+)
 def test_unsafe_paths_in_sha256sums_are_refused(packed: Packed, tmp_path: Path, bad: str) -> None:
     bundle = tmp_path / "bundle"
     shutil.copytree(packed.bundle, bundle)
     (tmp_path / "outside.txt").write_text("secret")
     with open(bundle / SUMS_NAME, "a") as f:
         f.write(f"{'0' * 64}  {bad}\n")
-    with pytest.raises(UnsafeInput, match="absolute|climbs out"):
+    with pytest.raises(UnsafeInput, match=r"absolute|climbs out|\.git"):
         verify_bundle(bundle)
     with pytest.raises(UnsafeInput):
         prepare(bundle, PrepareOptions(run_dir=tmp_path / "run"), say=lambda s: None)
@@ -202,3 +205,124 @@ def test_source_archive_escaping_its_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsafeInput):
         extract_source(archive, tmp_path / "out", "code-1")
     assert not (tmp_path / "escaped.py").exists()
+
+
+def _retar_source(bundle: Path, add: object) -> None:
+    """Rewrite the bundle's source archive: its files plus whatever `add(tar, prefix, workdir)` puts in."""
+    info = json.loads((bundle / "bundle.json").read_text())
+    archive, prefix = bundle / info["source"]["archive"], info["source"]["archive_prefix"]
+    work = bundle.parent / "retar"
+    with tarfile.open(archive, "r:gz") as tar:
+        tar.extractall(work, filter="data")
+    add(work, prefix)  # type: ignore[operator]
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(work / prefix, arcname=prefix)
+    shutil.rmtree(work)
+    resign_sums_only(bundle)
+
+
+def _fake_git_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A `git` first on PATH that records every call (its folder and arguments), then runs the real one."""
+    real = shutil.which("git")
+    assert real is not None
+    log = tmp_path / "git-calls.log"
+    fake = tmp_path / "fakebin" / "git"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$PWD $*" >> {log}\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+def test_a_planted_git_repository_in_the_source_never_runs(
+    packed: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: prepare ran git inside the extracted source, whose .git/config had core.fsmonitor = a command."""
+    marker = tmp_path / "FSMONITOR_RAN"
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+
+    def plant(work: Path, prefix: str) -> None:
+        from helpers import git
+
+        tree = work / prefix
+        git(tree, "init", "-q", "-b", "main")
+        git(tree, "add", "-A")
+        git(tree, "commit", "-q", "-m", "same files, hostile config")
+        git(tree, "config", "core.fsmonitor", f"touch {marker}; false")
+        git(tree, "config", "core.pager", f"touch {marker}")
+
+    _retar_source(bundle, plant)
+    calls = _fake_git_on_path(tmp_path, monkeypatch)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RelayError) as refused:
+        prepare(bundle, PrepareOptions(run_dir=run_dir), say=lambda s: None)
+    assert not marker.exists(), "git ran the bundle's core.fsmonitor command"
+    assert isinstance(refused.value, UnsafeInput) and ".git" in str(refused.value)
+    assert not run_dir.exists() and not list(tmp_path.glob(".run.prepare-tmp-*"))
+    assert not calls.exists(), f"prepare ran git: {calls.read_text()}"
+
+
+def test_prepare_and_recheck_run_no_git_at_all(
+    packed: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code identity of a tree that came from a bundle is a plain content hash: not one git call."""
+    calls = _fake_git_on_path(tmp_path, monkeypatch)
+    run_dir = tmp_path / "run"
+    base = {"data_root": str(packed.root), "external_files.teacher": str(packed.teacher)}
+    assert main(["verify", str(packed.bundle), "--quiet"]) == 0
+    prepare(packed.bundle, PrepareOptions(run_dir=run_dir, sets=base), say=lambda s: None)
+    again = prepare(packed.bundle, PrepareOptions(run_dir=run_dir, sets=base), say=lambda s: None)
+    assert again.already_prepared and (run_dir / "REBASE_RECORD.json").is_file()
+    assert not calls.exists(), f"verify or prepare ran git: {calls.read_text()}"
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
+@pytest.mark.parametrize(
+    ("member", "why"),
+    [
+        (_member("code-1/.git/config"), r"\.git"),
+        (_member("code-1/sub/.GIT/hooks/post-checkout"), r"\.git"),
+        (_member("/etc/cron.d/x"), "absolute"),
+        (_member("code-1/../../escaped.py"), r"\.\."),
+        (_member("other/x.py"), "outside the expected folder"),
+        (_member("code-1/dev", tarfile.CHRTYPE), "device"),
+        (_member("code-1/fifo", tarfile.FIFOTYPE), "device, pipe"),
+        (_member("code-1/up", tarfile.SYMTYPE, "../../etc/passwd"), "links to"),
+        (_member("code-1/abs", tarfile.SYMTYPE, "/etc/passwd"), "links to"),
+        (_member("code-1/hard", tarfile.LNKTYPE, "etc/passwd"), "links to"),
+        (_member("code-1/g", tarfile.SYMTYPE, ".git/config"), r"\.git"),
+    ],
+)
+def test_source_archive_members_that_could_escape_or_run_are_refused(
+    tmp_path: Path, member: tarfile.TarInfo, why: str
+) -> None:
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        ok = _member("code-1/ok.py")
+        ok.size = 9
+        tar.addfile(ok, io.BytesIO(b"print(1)\n"))
+        if member.isreg():
+            member.size = 1
+            tar.addfile(member, io.BytesIO(b"x"))
+        else:
+            tar.addfile(member)
+    with pytest.raises(UnsafeInput, match=why):
+        extract_source(archive, tmp_path / "out", "code-1")
+    assert not (tmp_path / "out" / "code-1" / "ok.py").exists(), "nothing may land before the refusal"
+
+
+def test_links_inside_the_source_tree_are_kept(tmp_path: Path) -> None:
+    archive = tmp_path / "fine.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        ok = _member("code-1/pkg/ok.py")
+        ok.size = 9
+        tar.addfile(ok, io.BytesIO(b"print(1)\n"))
+        tar.addfile(_member("code-1/alias.py", tarfile.SYMTYPE, "pkg/ok.py"))
+    out = extract_source(archive, tmp_path / "out", "code-1")
+    assert (out / "alias.py").read_text() == "print(1)\n"

@@ -46,8 +46,13 @@ def build_contract(
     world_size: int,
     code_dir: str | os.PathLike[str] | None,
     manifest: Manifest | None = None,
+    *,
+    use_git: bool = True,
 ) -> dict[str, Any]:
-    """Recompute the contract from a configuration and what is installed and on disk here."""
+    """Recompute the contract from a configuration and what is installed and on disk here.
+
+    use_git=False: `code_dir` is untrusted (extracted from a bundle); its identity is a plain content hash.
+    """
     manifest = manifest or Manifest.load(cfg.manifest, cfg.data_root)
     config = cfg.to_dict()
     for name in RUNTIME_FIELDS:
@@ -62,7 +67,7 @@ def build_contract(
         "schedule.warmup_updates": cfg.warmup_updates,
         "data.fingerprint": manifest.fingerprint(),
         "data.samples": len(manifest),
-        **{f"code.{k}": v for k, v in code_identity(code_dir).items()},
+        **{f"code.{k}": v for k, v in code_identity(code_dir, use_git=use_git).items()},
         "versions.python": pinned["python"],
         "versions.torch": pinned["torch"],
         **{f"versions.{k}": v for k, v in pinned.items() if k not in ("python", "torch", "torchrelay")},

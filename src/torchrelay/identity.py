@@ -64,12 +64,16 @@ def _blob(data: bytes) -> bytes:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
 
 
-def code_identity(code_dir: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """{commit, tree, dirty, dirty_sha256}; commit is None for a plain source tree (e.g. an extracted archive)."""
+def code_identity(code_dir: str | os.PathLike[str] | None, *, use_git: bool = True) -> dict[str, Any]:
+    """{commit, tree, dirty, dirty_sha256}; commit is None for a plain source tree (e.g. an extracted archive).
+
+    use_git=False hashes the files as git would without running git: for a tree that came from a bundle,
+    where a planted `.git/` (core.fsmonitor, hooks) or one in a parent folder would make git run its commands.
+    """
     if code_dir is None:
         return {"commit": None, "tree": None, "dirty": None, "dirty_sha256": None}
     root = Path(code_dir).resolve()
-    top = _git(root, "rev-parse", "--show-toplevel")
+    top = _git(root, "rev-parse", "--show-toplevel") if use_git else None
     if top is not None and Path(top).resolve() == root:
         commit = _git(root, "rev-parse", "HEAD")
         tree = _git(root, "rev-parse", "HEAD^{tree}")

@@ -63,13 +63,17 @@ def validate_resume(
     code_dir: str | os.PathLike[str] | None = None,
     *,
     deep: bool = True,
+    code_from_bundle: bool = False,
 ) -> ResumeCheck:
-    """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint."""
+    """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint.
+
+    code_from_bundle: `code_dir` came out of a bundle, so no program (git) is run inside it.
+    """
     rd = RunDir(run_dir)
     stored = rd.load_config()
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
     manifest = Manifest.load(manifest_path, cfg.data_root)
-    contract = build_contract(cfg, world_size, code_dir, manifest)
+    contract = build_contract(cfg, world_size, code_dir, manifest, use_git=not code_from_bundle)
     recorded = check_contract(rd.path, contract)
     passed = [f"contract {contract['sha256'][:16]} matches {rd.contract_path}"]
     ckpt = latest_complete(rd.path)

@@ -250,8 +250,16 @@ def _prepare_into(
 
     # 4. The exact code: the bundle's archive, extracted (or the caller's checkout).
     code_dir = options.code_dir
+    from_bundle = (
+        False  # the caller's own checkout may be asked for its git identity; the bundle's tree never
+    )
     source = info.get("source") or {}
+    if not isinstance(source, dict):
+        raise IntegrityError(
+            f"{bundle / BUNDLE_INFO}: 'source' is not an object", hint="the bundle is damaged"
+        )
     if code_dir is None and source.get("archive"):
+        from_bundle = True
         archive = resolve_inside(bundle, str(source["archive"]), source=str(bundle / BUNDLE_INFO))
         prefix = check_relative(str(source.get("archive_prefix")), source="bundle.json source.archive_prefix")
         code_dir = extract_source(archive, tmp / "source", prefix.as_posix())
@@ -262,7 +270,9 @@ def _prepare_into(
     check_cfg = new_cfg.replace(manifest=str(rebased_path))
     world_size = int(fields["world_size"])
     try:
-        check = validate_resume(bundle, check_cfg, world_size, code_dir, deep=False)
+        check = validate_resume(
+            bundle, check_cfg, world_size, code_dir, deep=False, code_from_bundle=from_bundle
+        )
     except RelayError as exc:
         raise PreflightFailed([f"trainer validation on the bundle: {exc}"]) from None
 
@@ -279,7 +289,12 @@ def _prepare_into(
     # 7. The same validation again on the assembled directory, which is what the launch will see.
     try:
         final = validate_resume(
-            tmp, final_cfg.replace(manifest=str(tmp / MANIFEST_REL)), world_size, code_dir, deep=False
+            tmp,
+            final_cfg.replace(manifest=str(tmp / MANIFEST_REL)),
+            world_size,
+            code_dir,
+            deep=False,
+            code_from_bundle=from_bundle,
         )
     except RelayError as exc:
         raise PreflightFailed([f"trainer validation on the prepared directory: {exc}"]) from None
@@ -421,7 +436,10 @@ def _recheck(
     hooks.say(f"{run_dir} was already prepared from this bundle at {record.get('time')}; re-checking only")
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    code_dir = options.code_dir or (run_dir / record["code_dir"] if record.get("code_dir") else None)
+    recorded_code = record.get("code_dir")
+    code_dir = options.code_dir or (run_dir / str(recorded_code) if recorded_code else None)
+    # the bundle's extracted source lives inside the run dir (recorded relative): never run git there
+    from_bundle = options.code_dir is None and code_dir is not None and code_dir.is_relative_to(run_dir)
     if code_dir is not None and not code_dir.is_dir():
         code_dir = None
     try:
@@ -430,6 +448,7 @@ def _recheck(
             cfg.replace(manifest=str(run_dir / MANIFEST_REL)),
             int(contract["fields"]["world_size"]),
             code_dir,
+            code_from_bundle=from_bundle,
         )
     except RelayError as exc:
         raise PreflightFailed([f"trainer validation on {run_dir}: {exc}"]) from None

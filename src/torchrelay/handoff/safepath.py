@@ -1,4 +1,4 @@
-"""Paths read from a bundle are untrusted: refuse absolute paths, `..`, and symlinks that lead out of the bundle."""
+"""Paths read from a bundle are untrusted: refuse absolute paths, `..`, `.git`, and symlinks that lead out of the bundle."""
 
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ def check_relative(rel: str, *, source: str) -> PurePosixPath:
         )
     if not parts:
         raise UnsafeInput(f"{source}: path {rel!r} names the directory itself", hint="the bundle is damaged")
+    if any(p.lower() == ".git" for p in parts):
+        # a bundle never carries a git repository: one in reach of a git command runs its config's programs
+        raise UnsafeInput(
+            f"{source}: path {rel!r} is inside a .git folder",
+            hint="a bundle carries its source as an archive and a git bundle, never a .git folder; it is forged",
+        )
     return PurePosixPath(*parts)
 
 

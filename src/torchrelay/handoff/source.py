@@ -7,13 +7,16 @@ import gzip
 import hashlib
 import io
 import os
+import posixpath
 import subprocess
 import tarfile
+import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
+from torchrelay.handoff.safepath import check_relative
 from torchrelay.identity import code_identity
 
 SOURCE_DIR = "source"
@@ -183,22 +186,46 @@ def _write_manifest(tar_bytes: bytes, out_dir: Path) -> str:
 
 
 def extract_source(archive: Path, dest: Path, prefix: str) -> Path:
-    """Extract an (untrusted) source archive with tarfile's `data` filter; return the tree's folder."""
+    """Extract an (untrusted) source archive into `dest/prefix`; refuse anything but plain files and folders
+    inside it, and any `.git` (a planted repository makes git run its config's commands); return the folder."""
     dest.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
-            for member in tar.getmembers():
-                top = member.name.split("/", 1)[0]
-                if top != prefix:
-                    raise UnsafeInput(
-                        f"{archive}: member {member.name!r} is outside the expected folder {prefix}/",
-                        hint="the bundle's source archive is damaged or forged",
-                    )
+            members = tar.getmembers()
+            for member in members:
+                _check_member(archive, member, prefix)
             tar.extractall(dest, filter="data")
     except tarfile.FilterError as exc:
         raise UnsafeInput(
             f"{archive}: refused member ({exc})", hint="the bundle's source archive is forged"
         ) from exc
-    except (tarfile.TarError, OSError, EOFError) as exc:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
         raise IntegrityError(f"{archive}: cannot extract ({exc})", hint="re-download the bundle") from exc
     return dest / prefix
+
+
+def _check_member(archive: Path, member: tarfile.TarInfo, prefix: str) -> None:
+    """Every member is checked before the first byte lands: a refusal leaves nothing half-extracted."""
+
+    def refuse(why: str) -> UnsafeInput:
+        return UnsafeInput(
+            f"{archive}: member {member.name!r} {why}; nothing was extracted",
+            hint="a source archive that `pack` wrote holds only the run's files; this one is damaged or forged",
+        )
+
+    try:
+        rel = check_relative(member.name, source=f"{archive} member")
+    except UnsafeInput as exc:
+        raise refuse(f"is not a safe relative path ({exc.message})") from None
+    if rel.parts[0] != prefix:
+        raise refuse(f"is outside the expected folder {prefix}/")
+    if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+        raise refuse("is a device, pipe or other special file")
+    if member.issym() or member.islnk():
+        # a link target is resolved against the member's folder (symlink) or the archive root (hard link)
+        base = rel.parent if member.issym() else PurePosixPath()
+        target = posixpath.normpath(str(base / member.linkname)) if member.linkname else ""
+        if not member.linkname or member.linkname.startswith("/") or target.split("/")[0] != prefix:
+            raise refuse(f"links to {member.linkname!r}, outside {prefix}/")
+        if any(part.lower() == ".git" for part in target.split("/")):
+            raise refuse("links into a .git folder")
