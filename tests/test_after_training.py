@@ -7,17 +7,21 @@ of the module that needs a run; the rest are unit tests of the pure policies.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from helpers import launch, write_config
+from helpers import clean_env, launch, make_code_repo, torchrun_cmd, write_config
 from torchrelay.checkpoint.retention import AnyOf, EveryN, Explicit, Final, LatestN, decide, policy_for
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract
 from torchrelay.errors import ConfigError
+from torchrelay.export import ExportOptions, export_weights
 from torchrelay.manifest import Manifest
 
 TOTAL = 30
@@ -109,3 +113,117 @@ def test_retention_keeps_the_listed_updates_and_the_latest_two(
     assert main(["status", str(kept_run)]) == 0
     table = capsys.readouterr().out
     assert "kept because" in table and "keep_updates" in table
+
+
+# ------------------------------------------------------------------------------------------------ export
+def test_export_of_the_example_model_streams_equal_tensors(
+    kept_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from torchrelay.checkpoint.reader import load_tensors
+
+    stored = {
+        k.removeprefix("model."): v
+        for k, v in load_tensors(kept_run / "checkpoint-30").items()
+        if k.startswith("model.")
+    }
+    out = tmp_path / "export"
+    assert main(["export", str(kept_run), str(out), "--drop", "head"]) == 0
+    exported = load_file(str(out / "model.safetensors"))
+    assert "head.weight" in stored and not any(k == "head" or k.startswith("head.") for k in exported)
+    assert exported.keys() == stored.keys() - {"head.weight"}
+    assert all(torch.equal(exported[k], stored[k]) for k in exported)
+    provenance = json.loads((out / "torchrelay_export.json").read_text())
+    contract = json.loads((kept_run / "resume_contract.json").read_text())
+    assert provenance["source"]["checkpoint"] == "checkpoint-30" and provenance["dropped"] == ["head.weight"]
+    assert provenance["source"]["contract_sha256"] == contract["sha256"]
+    assert provenance["source"]["code"]["commit"] == contract["fields"]["code.commit"]
+    sums = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, text=True)
+    assert sums.returncode == 0 and sums.stdout.count(": OK") == 2, sums.stdout
+
+    # a cast, an older checkpoint and shards small enough that HF's index is written
+    small = tmp_path / "bf16"
+    args = [
+        "export",
+        str(kept_run),
+        str(small),
+        "--checkpoint",
+        "10",
+        "--dtype",
+        "bf16",
+        "--max-shard-size",
+        "20KB",
+    ]
+    assert main(args) == 0
+    index = json.loads((small / "model.safetensors.index.json").read_text())
+    at10 = {
+        k.removeprefix("model."): v
+        for k, v in load_tensors(kept_run / "checkpoint-10").items()
+        if k.startswith("model.")
+    }
+    assert index["weight_map"].keys() == at10.keys() and len(set(index["weight_map"].values())) > 1
+    for name, file in index["weight_map"].items():
+        with safe_open(str(small / file), framework="pt") as f:
+            assert torch.equal(f.get_tensor(name), at10[name].to(torch.bfloat16)), name
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in at10.values())
+
+    # a checkpoint that fails its inventory is refused, naming the file; nothing is written
+    broken = tmp_path / "copy" / "checkpoint-25"
+    shutil.copytree(kept_run / "checkpoint-25", broken)
+    shard = next((broken / "model").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["export", str(broken), str(tmp_path / "nope")]) == 2
+    assert f"{shard.name} does not match its SHA-256" in capsys.readouterr().err
+    assert not (tmp_path / "nope").exists() and not list(tmp_path.glob(".nope.export-tmp-*"))
+    with pytest.raises(ConfigError, match="--drop 'hea' matches no model tensor"):
+        export_weights(kept_run, tmp_path / "typo", ExportOptions(drop=["hea"]))
+
+
+def test_export_of_a_hugging_face_model_loads_with_from_pretrained(
+    example: dict[str, Path], tmp_path: Path
+) -> None:
+    """A transformers Llama (from a config, random init) with a training-only head, trained on 2 ranks."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from torchrelay.checkpoint.reader import load_tensors
+
+    code = make_code_repo(tmp_path / "code", scripts=("train_lm.py", "train_hf.py"))
+    config = write_config(
+        tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=3, save_every=3
+    )
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    cmd = [*torchrun_cmd(code, run, 2, config, script="train_hf.py"), "--hf-out", str(hf)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=code)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+    export = tmp_path / "export"
+    args = [
+        "export",
+        str(run),
+        str(export),
+        "--drop",
+        "state_head",
+        "--rename",
+        "lm=",
+        "--include",
+        str(hf / "config.json"),
+    ]
+    assert main(args) == 0
+    weights = load_file(str(export / "model.safetensors"))
+    stored = load_tensors(run / "checkpoint-3")
+    assert not any("state_head" in k for k in weights) and any(
+        k.startswith("model.state_head") for k in stored
+    )
+    assert all(torch.equal(v, stored[f"model.lm.{k}"]) for k, v in weights.items())
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
+    assert model.state_dict().keys() == weights.keys()
+    probe = load_file(str(hf / "probe.safetensors"))
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+    assert torch.equal(logits, probe["logits"])

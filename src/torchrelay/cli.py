@@ -24,6 +24,7 @@ VERBS: dict[str, str] = {
     "sbatch": "sbatch",
     "audit": "audit",
     "report": "report",
+    "export": "export",
 }
 
 HELP = {
@@ -38,6 +39,7 @@ HELP = {
     "sbatch": "write (and submit) a Slurm batch script that runs a plan and requeues itself",
     "audit": "prove that a training script resumes exactly",
     "report": "plot a run (loss, LR, speed, segments) into PNGs and one HTML page",
+    "export": "write a checkpoint's model weights as safetensors (Hugging Face layout) for serving",
 }
 
 

@@ -14,9 +14,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from torchrelay.errors import UnsafeInput
+from torchrelay.checkpoint.inventory import safe_relpath
+from torchrelay.errors import CheckpointError, UnsafeInput
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -91,3 +97,66 @@ def load(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> No
     """Fill `state`'s tensors in place from `directory`."""
     read_metadata(directory)  # refuse a tampered file before DCP opens anything
     dcp.load(state, storage_reader=SafeReader(str(directory)), no_dist=no_dist)
+
+
+def read_tensor(ckpt_model_dir: Path, md: Metadata, key: str) -> torch.Tensor:
+    """One full tensor of a DCP checkpoint, assembled from its chunks without a process group.
+
+    Only the bytes of this tensor's chunks are read (each one `torch.load(weights_only=True)`), so memory stays at
+    about twice the largest tensor whatever the checkpoint's size: the way to stream a checkpoint tensor by tensor.
+    """
+    item = md.state_dict_metadata.get(key)
+    if not isinstance(item, TensorStorageMetadata):
+        raise CheckpointError(f"{ckpt_model_dir / '.metadata'}: holds no tensor {key!r}")
+    whole = len(item.chunks) == 1 and list(item.chunks[0].sizes) == list(item.size)
+    out = None if whole else torch.empty(item.size, dtype=item.properties.dtype)
+    for chunk in item.chunks:
+        part = _read_chunk(ckpt_model_dir, md, key, chunk.offsets, chunk.sizes)
+        if part.dtype != item.properties.dtype:
+            raise CheckpointError(
+                f"{ckpt_model_dir}: tensor {key!r} is stored as {part.dtype}, its metadata says "
+                f"{item.properties.dtype}",
+                hint="the checkpoint is damaged; export another one",
+            )
+        if out is None:
+            return part
+        view = out
+        for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            view = view.narrow(dim, start, length)
+        view.copy_(part)
+        del part
+    assert out is not None  # a tensor has at least one chunk
+    return out
+
+
+def _read_chunk(
+    model_dir: Path, md: Metadata, key: str, offsets: torch.Size, sizes: torch.Size
+) -> torch.Tensor:
+    info = md.storage_data.get(MetadataIndex(key, offsets))
+    source = model_dir / ".metadata"
+    if info is None:
+        raise CheckpointError(f"{source}: no storage entry for {key!r} at offsets {list(offsets)}")
+    if getattr(info, "transform_descriptors", None):
+        raise CheckpointError(
+            f"{source}: {key!r} is stored with transforms {list(info.transform_descriptors)}, "
+            "which torchrelay never writes",
+            hint="this checkpoint was not written by torchrelay; read it with torch.distributed.checkpoint",
+        )
+    path = safe_relpath(model_dir, info.relative_path, source)
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    if len(data) != info.length:
+        raise CheckpointError(f"{path}: ends before the {info.length} bytes of {key!r} at {info.offset}")
+    try:
+        part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - weights_only refuses any payload that is not plain tensors
+        raise UnsafeInput(
+            f"{path}: the bytes of {key!r} are not a plain tensor ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(part, torch.Tensor) or list(part.shape) != list(sizes):
+        raise CheckpointError(
+            f"{path}: {key!r} at offsets {list(offsets)} holds {type(part).__name__} "
+            f"{list(getattr(part, 'shape', []))}, the metadata says {list(sizes)}"
+        )
+    return part
