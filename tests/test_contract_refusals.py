@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import git, launch, segments
+from torchrelay.cli import main
 from torchrelay.stop import write_request
 
 
@@ -49,13 +50,25 @@ def test_contract_field_changed_is_refused(
     new: str,
 ) -> None:
     run = _copy(stopped, tmp_path)
-    before = (run / "history.jsonl").read_text()
+    before = segments(run)
     out = launch(example["code"], run, nproc=nproc, sets=sets)
     assert out.returncode != 0
     assert f"{field}: {old} -> {new}" in out.stderr, out.stderr[-3000:]
-    assert "resume refused" in out.stderr
-    assert (run / "history.jsonl").read_text() == before  # nothing started, nothing recorded
+    # one message from rank 0 (issue 9 defect 6); no frame of a rank, only torchrun's own ChildFailedError
+    assert out.stderr.count("torchrelay: resume refused") == 1, out.stderr[-3000:]
+    frames = [line for line in out.stderr.splitlines() if line.strip().startswith('File "')]
+    assert all("site-packages" in f or "bin/torchrun" in f for f in frames), frames
+    assert out.stderr.count("exitcode  : 2") == nproc  # every rank ended with the refusal's code
+    # nothing ran, and the launch is on record as refused (issue 8 defect 5)
+    after = segments(run)
+    assert after[:-1] == before and (after[-1]["ended"], after[-1]["exit_code"]) == ("refused", 2)
+    assert f"{field}: {old} -> {new}" in after[-1]["notes"][-1]
+    assert main(["status", "--last-exit", str(run)]) == 2
     assert (run / "checkpoint-2" / "COMPLETE.json").exists()
+    if field == "seed":  # once: the next launch continues the segment that ran, not the refused one
+        write_request(run, at_update=3)
+        launch(example["code"], run)
+        assert segments(run)[-1]["parent"] == before[-1]["segment"] and segments(run)[-1]["resumed_from"] == 2
 
 
 def test_manifest_content_change_is_refused(example: dict[str, Path], stopped: Path, tmp_path: Path) -> None:

@@ -49,10 +49,22 @@ class Manifest:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"data manifest {p} does not exist", hint="check the config field 'manifest'")
-        raw = p.read_bytes()
+        try:
+            raw = p.read_bytes()
+            text = raw.decode("utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"data manifest {p} cannot be read ({exc.strerror or exc})", hint="check its permissions"
+            ) from exc
+        except UnicodeDecodeError as exc:
+            at_line = raw[: exc.start].count(b"\n") + 1
+            raise ConfigError(
+                f"{p}:{at_line}: the data manifest is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                hint="a manifest is JSON Lines in UTF-8; regenerate it or fix that line",
+            ) from exc
         records: list[dict[str, Any]] = []
         seen: set[str] = set()
-        for lineno, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

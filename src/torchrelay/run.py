@@ -35,8 +35,14 @@ from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import (
     EXIT_ERROR,
     EXIT_FINISHED,
+    EXIT_REFUSED,
     ConfigError,
+    PathError,
     RelayError,
+    from_exception,
+    install_excepthook,
+    mark_reported,
+    report,
 )
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
@@ -88,7 +94,10 @@ class Step:
         """
         deferred = _sync_deferral(model)
         for micro in range(self._accum):
-            ids, batch = next(self._it)
+            try:
+                ids, batch = next(self._it)
+            except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
+                raise _sample_error(exc, self.update) from exc
             self._ids.append(ids)
             with deferred(micro == self._accum - 1):
                 yield micro, batch
@@ -97,6 +106,23 @@ class Step:
         """Record this rank's metrics for the update (loss, lr, ...); tensors become floats."""
         for key, value in metrics.items():
             self.metrics[key] = float(value) if isinstance(value, torch.Tensor) else value
+
+
+def _sample_error(exc: OSError, update: int) -> RelayError:
+    """A sample the dataset could not read, as one message: a worker's error carries the worker's traceback in
+    its text, of which the last line says what happened."""
+    lines = str(exc).strip().splitlines()
+    hint = (
+        "a file the manifest names is missing or unreadable: check data_root (a runtime field), or run "
+        "`torchrelay prepare --check-files` for a bundle"
+    )
+    if exc.filename is None and len(lines) > 1:
+        text = f"update {update}: reading a sample in a DataLoader worker: {lines[-1].strip()}"
+    else:
+        text = str(from_exception(exc, f"update {update}: reading a sample").message)
+    # A worker's error comes back without its errno: the type says whether the path was wrong.
+    wrong_path = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
+    return PathError(text, hint=hint) if isinstance(exc, wrong_path) else RelayError(text, hint=hint)
 
 
 def _sync_deferral(model: torch.nn.Module | None) -> Callable[[bool], AbstractContextManager[Any]]:
@@ -166,6 +192,7 @@ class Run:
     _last_flush: float
     _stop_why: str
     _lock: RunLock | None
+    _opened_at: float
 
     def __init__(self) -> None:  # use Run.open
         raise TypeError("use Run.open(run_dir, config)")
@@ -180,15 +207,21 @@ class Run:
         code_dir: str | os.PathLike[str] | None = None,
         overrides: dict[str, Any] | None = None,
     ) -> Run:
-        """Create the run, or validate and resume it from its newest complete checkpoint (every rank)."""
+        """Create the run, or validate and resume it from its newest complete checkpoint (every rank).
+
+        A refusal reaches every rank as the same RelayError; rank 0 prints it once and records the launch in
+        history.jsonl as a segment that ended `refused` (exit 2), unless another writer holds the run.
+        """
+        install_excepthook()  # an uncaught refusal: one message and its exit code, not a traceback per rank
         self = object.__new__(cls)
         self.rank, self.world_size = _dist()
         self.distributed = self.world_size > 1
+        self._opened_at = time.time()
         env_dir = os.environ.get("TORCHRELAY_RUN_DIR")
         if env_dir:
             run_dir = env_dir
         if run_dir is None:
-            raise ConfigError("no run directory given (argument or TORCHRELAY_RUN_DIR)")
+            raise self._everywhere(ConfigError("no run directory given (argument or TORCHRELAY_RUN_DIR)"))
         self.dir = RunDir(Path(run_dir).resolve())
         self.code_dir = Path(code_dir) if code_dir else find_code_dir()
         self.exit_code = EXIT_ERROR
@@ -200,50 +233,49 @@ class Run:
         self._lock = None
         overrides = dict(overrides or {})
         if os.environ.get("TORCHRELAY_OVERRIDES"):
-            overrides.update(json.loads(os.environ["TORCHRELAY_OVERRIDES"]))
+            try:
+                overrides.update(json.loads(os.environ["TORCHRELAY_OVERRIDES"]))
+            except (ValueError, TypeError) as exc:
+                raise self._everywhere(
+                    ConfigError(f"TORCHRELAY_OVERRIDES is not a JSON object ({exc})")
+                ) from None
 
-        # Rank 0 validates and prepares the directory; the outcome (or the error) reaches every rank.
+        # Rank 0 validates and prepares the directory; the outcome, or whatever it raised, reaches every rank, so
+        # that no rank waits for an answer that never comes.
         outcome: dict[str, Any] = {}
+        raised: BaseException | None = None  # what rank 0 raises when it failed
         if self.rank == 0:
             try:
                 outcome = self._prepare_dir(config, overrides)
-            except RelayError as exc:
-                self._unlock()
-                outcome = {"error": (type(exc).__name__, exc.message, exc.hint, exc.exit_code)}
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+                err = _as_relay_error(exc, 0)
+                self._refuse(err, record=isinstance(exc, Exception))
+                if _plain(exc):
+                    report(err, 0)  # said now: once the others raise, torchrun may end this process
+                raised = err if _plain(exc) else exc  # a bug keeps its traceback
+                outcome = {"error": _wire(err)}
         outcome = self._broadcast(outcome)
         if "error" in outcome:
-            name, message, hint, code = outcome["error"]
-            cls_ = getattr(errors_module, name, RelayError)
-            err = cls_.__new__(cls_)  # the same class on every rank, whatever its constructor takes
-            RelayError.__init__(err, message, hint)
-            err.exit_code = code
-            raise err
-        self.config = RelayConfig.from_dict(outcome["config"])
-        self.contract_sha = outcome["contract_sha"]
-        self.resume_from = Path(outcome["checkpoint"]) if outcome["checkpoint"] else None
-        self.start_update = int(outcome["update"])
+            raise raised if raised is not None else mark_reported(_unwire(0, outcome["error"]))
         self.segment = outcome["segment"]
-        self.gate = outcome["gate"]
-        self.hosts = self._gather(socket.gethostname())
-
-        # Rank 0 read the manifest to check the contract; the others read it here.
-        self.manifest = (
-            self._rank0_manifest
-            if self._rank0_manifest is not None
-            else Manifest.load(self._manifest_path(self.config), self.config.data_root)
-        )
-        self._rank0_manifest = None
-        self.global_batch = self.config.global_batch_for(self.world_size)
-        self.order = GlobalOrder(
-            num_samples=len(self.manifest),
-            seed=self.config.seed,
-            global_batch=self.global_batch,
-            kind=self.config.sampler,
-            lengths=self.manifest.lengths() if self.config.sampler == "length_bucketed" else None,
-            bucket_size=self.config.bucket_size,
-        )
-        self.metrics_log = RankLog(metrics_path(self.dir.train_dir, self.rank))
-        self.exposures_log = RankLog(exposures_path(self.dir.train_dir, self.rank))
+        # What every rank does on its own (read the manifest, open its logs) can fail on one rank only: the
+        # ranks agree on it in the same gather that collects the hosts.
+        local: BaseException | None = None
+        try:
+            self._open_locally(outcome)
+        except Exception as exc:  # noqa: BLE001 - as above
+            local = exc
+        mine = None if local is None else _as_relay_error(local, self.rank)
+        gathered = self._gather_all((socket.gethostname(), None if mine is None else _wire(mine)))
+        self.hosts = sorted({host for host, _ in gathered})
+        failed = [(rank, wire) for rank, (_, wire) in enumerate(gathered) if wire is not None]
+        if failed:
+            first = _unwire(*failed[0])
+            if self.rank == 0:
+                self._refuse(mine or first, record=True, segment={**self.segment, "hosts": self.hosts})
+            if local is not None and mine is not None:
+                raise mine if _plain(local) else local  # said by the hook, on this rank
+            raise mark_reported(first)  # the failing rank says it
         self._model = None
         self._optimizer = None
         self._statefuls = {}
@@ -265,6 +297,89 @@ class Run:
             self.segment["hosts"] = self.hosts
             upsert(self.dir.path, self.segment)
         return self
+
+    def _open_locally(self, outcome: dict[str, Any]) -> None:
+        """This rank's part of opening: the configuration rank 0 settled, the manifest, the order, the logs."""
+        self.config = RelayConfig.from_dict(outcome["config"])
+        self.contract_sha = outcome["contract_sha"]
+        self.resume_from = Path(outcome["checkpoint"]) if outcome["checkpoint"] else None
+        self.start_update = int(outcome["update"])
+        self.gate = outcome["gate"]
+        # Rank 0 read the manifest to check the contract; the others read it here.
+        self.manifest = (
+            self._rank0_manifest
+            if self._rank0_manifest is not None
+            else Manifest.load(self._manifest_path(self.config), self.config.data_root)
+        )
+        self._rank0_manifest = None
+        self.global_batch = self.config.global_batch_for(self.world_size)
+        self.order = GlobalOrder(
+            num_samples=len(self.manifest),
+            seed=self.config.seed,
+            global_batch=self.global_batch,
+            kind=self.config.sampler,
+            lengths=self.manifest.lengths() if self.config.sampler == "length_bucketed" else None,
+            bucket_size=self.config.bucket_size,
+        )
+        self.metrics_log = RankLog(metrics_path(self.dir.train_dir, self.rank))
+        self.exposures_log = RankLog(exposures_path(self.dir.train_dir, self.rank))
+
+    def _everywhere(self, err: RelayError) -> RelayError:
+        """An error every rank raises alike before any collective: rank 0 says it, the others stay quiet."""
+        return mark_reported(err) if self.rank != 0 else err
+
+    def _refuse(self, err: RelayError, *, record: bool, segment: dict[str, Any] | None = None) -> None:
+        """Rank 0, when opening failed: record the launch (if this process holds the run), let go of the lock."""
+        if record:
+            self._record_failed_launch(err, segment)
+        self._unlock()
+
+    def _record_failed_launch(self, err: RelayError, segment: dict[str, Any] | None) -> None:
+        """A launch that refused (or failed) before its first update is a segment of its own, `refused` with exit
+        2 (or `error`), so that `status --last-exit` and `torchrelay launch` read how it ended. Only while this
+        process holds the run's lock: a RunBusy refusal leaves the history to the writer that owns it."""
+        if self._lock is None or not self.dir.exists():
+            return
+        code = err.exit_code
+        try:
+            history = read_history(self.dir.path)
+            if segment is None:
+                last = next(
+                    (s["last_update"] for s in reversed(history) if isinstance(s.get("last_update"), int)), 0
+                )
+                lineage = _read_lineage(self.dir.path)
+                segment = {
+                    "segment": new_id(),
+                    "parent": _parent(history),
+                    "lineage": lineage.get("lineage"),
+                    "parent_lineage": lineage.get("parent_lineage"),
+                    "job": os.environ.get("SLURM_JOB_ID"),
+                    "command": [sys.executable, *sys.argv],
+                    "hosts": [socket.gethostname()],
+                    "world_size": self.world_size,
+                    "first_update": last + 1,  # no update ran: an empty range, as for a launch that had none
+                    "last_update": last,
+                    "resumed_from": None,
+                    "started": self._opened_at,
+                    "contract_sha256": None,
+                    "code": {"script": _script()},
+                    "versions": {"torchrelay": __version__},
+                    "runtime_changes": {},
+                    "notes": [],
+                }
+            else:
+                segment = dict(segment, last_update=segment["first_update"] - 1)
+            segment.update(
+                ended="refused" if code == EXIT_REFUSED else "error",
+                exit_code=code,
+                stopped=time.time(),
+                notes=[*segment.get("notes", []), err.message[:2000]],
+            )
+            write_history(self.dir.path, [*close_crashed(history, None), segment])
+        except (OSError, RelayError) as exc:
+            print(
+                f"[torchrelay] could not record the refused launch in history.jsonl: {exc}", file=sys.stderr
+            )
 
     def _manifest_path(self, cfg: RelayConfig) -> Path:
         p = Path(cfg.manifest)
@@ -301,7 +416,7 @@ class Run:
             changes = check.runtime_changes
             gate = check.passed[-1]
             last_save = _last_save_seconds(ckpt)
-            parent = history[-1]["segment"] if history else None
+            parent = _parent(history)
             notes = (
                 [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"]
                 if archived
@@ -370,7 +485,7 @@ class Run:
             "contract_sha256": contract_sha,
             "code": {
                 **{k.removeprefix("code."): v for k, v in code_fields.items() if k.startswith("code.")},
-                "script": str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else None,
+                "script": _script(),
             },
             "versions": versions([]) | {"torchrelay": __version__},
             "runtime_changes": changes,
@@ -394,12 +509,13 @@ class Run:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _gather(self, obj: Any) -> list[Any]:
+    def _gather_all(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
-        return sorted(set(out))
+        return out
 
     def _agree(self, code: int, interval: int) -> tuple[int, int]:
         """(largest stop code, smallest interval) over ranks: one all-reduce of two integers, on a CPU group
@@ -668,8 +784,9 @@ class Run:
         """Finish the segment's history record and return the process exit code."""
         if not self._closed:
             last = max((int(r["update"]) for r in read_jsonl(self.metrics_log.path)), default=None)
-            self.ended = "error"
-            self.exit_code = EXIT_ERROR
+            # A refusal met inside the loop (a tracked set that differs from the checkpoint's) ends `refused`.
+            self.exit_code = error.exit_code if isinstance(error, RelayError) else EXIT_ERROR
+            self.ended = "refused" if self.exit_code == EXIT_REFUSED else "error"
             if error is not None:
                 self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
             self._end_segment(last)
@@ -680,6 +797,47 @@ class Run:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close(exc)
+
+
+def _script() -> str | None:
+    return str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else None
+
+
+def _parent(history: list[dict[str, Any]]) -> str | None:
+    """The segment a new one continues: the last that ran (a refused launch continued nothing)."""
+    return next((s.get("segment") for s in reversed(history) if s.get("ended") != "refused"), None)
+
+
+def _plain(exc: BaseException) -> bool:
+    """An error that one message explains: the library's own, a path, a full disk, a file that is not text."""
+    return isinstance(exc, (RelayError, OSError, UnicodeDecodeError))
+
+
+def _as_relay_error(exc: BaseException, rank: int) -> RelayError:
+    """The error as it travels to the other ranks: a plain one as itself (an OSError on a path is refused naming
+    the path), any other (a bug) as a note that points to the traceback on the rank that raised it."""
+    if _plain(exc):
+        return from_exception(exc, "opening the run")
+    return RelayError(
+        f"opening the run failed on rank {rank} with {type(exc).__name__}: {str(exc)[:500]}",
+        hint=f"rank {rank}'s output holds the traceback",
+    )
+
+
+def _wire(err: RelayError) -> tuple[str, str, str | None, int]:
+    return (type(err).__name__, err.message, err.hint, err.exit_code)
+
+
+def _unwire(rank: int, wire: tuple[str, str, str | None, int]) -> RelayError:
+    """The error another rank raised, as the same class here, whatever its constructor takes."""
+    name, message, hint, code = wire
+    cls_ = getattr(errors_module, name, RelayError)
+    if not (isinstance(cls_, type) and issubclass(cls_, RelayError)):
+        cls_ = RelayError
+    err = cls_.__new__(cls_)
+    RelayError.__init__(err, message if rank == 0 else f"rank {rank}: {message}", hint)
+    err.exit_code = code
+    return err
 
 
 def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
@@ -705,7 +863,7 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
 def _read_lineage(run_dir: Path) -> dict[str, Any]:
     try:
         return dict(json.loads((run_dir / "lineage.json").read_text()))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, TypeError):  # unreadable, not UTF-8, not JSON, not an object
         return {}
 
 

@@ -51,10 +51,23 @@ def _last_exit(run_dir: str) -> int:
             f"segment {last.get('segment')}: {'running' if running else 'ended unrecorded (killed or crashed)'}"
         )
         return EXIT_ERROR
+    if last.get("ended") == "refused":  # no update ran: say why instead
+        why = next(iter(last.get("notes") or []), "")
+        print(
+            f"segment {last.get('segment')}: refused (exit {code}): {str(why).splitlines()[0] if why else '-'}"
+        )
+        return int(code)
     print(
         f"segment {last.get('segment')}: ended {last.get('ended')} at update {last.get('last_update')} (exit {code})"
     )
     return int(code)
+
+
+def _updates(seg: dict[str, object]) -> str:
+    first, last = seg.get("first_update"), seg.get("last_update")
+    if isinstance(first, int) and isinstance(last, int) and last < first:
+        return "-"  # a launch that ran no update (refused)
+    return f"{_fmt(first)}–{_fmt(last)}"
 
 
 def _state(s: dict[str, object]) -> str:
@@ -130,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             seg["job"] or "-",
             ",".join(seg["hosts"] or []),
             str(seg["world_size"]),
-            f"{seg['first_update']}–{_fmt(seg['last_update'])}",
+            _updates(seg),
             seg["ended"] or "-",
             notes[:80],
         )
