@@ -326,3 +326,112 @@ def test_links_inside_the_source_tree_are_kept(tmp_path: Path) -> None:
         tar.addfile(_member("code-1/alias.py", tarfile.SYMTYPE, "pkg/ok.py"))
     out = extract_source(archive, tmp_path / "out", "code-1")
     assert (out / "alias.py").read_text() == "print(1)\n"
+
+
+# --- DCP metadata: class state, types, shard paths ------------------------------------------------------------
+
+
+def _metadata_file(tmp_path: Path, data: bytes) -> Path:
+    model = tmp_path / "ckpt" / "model"
+    model.mkdir(parents=True)
+    (model / ".metadata").write_bytes(data)
+    return model
+
+
+def _build_on(target: bytes) -> bytes:
+    """A pickle that pushes `target` (opcodes), gives it state {'torchrelay_poisoned': 1} by BUILD, and returns it."""
+    state = b"N}" + b"\x8c\x13torchrelay_poisoned" + b"K\x01s" + b"\x86"  # (None, {'torchrelay_poisoned': 1})
+    return b"\x80\x04" + target + state + b"b."
+
+
+_POSIXPATH = b"\x8c\x07pathlib\x8c\tPosixPath\x93"
+_ENUM_MEMBER = (
+    b"\x8c%torch.distributed.checkpoint.metadata\x8c\x14_MEM_FORMAT_ENCODING\x93" + b"K\x01\x85R"
+)  # _MEM_FORMAT_ENCODING(1): the process-wide enum member, not a fresh object
+_VIA_MEMO = _POSIXPATH + b"\x94" + b"0" + b"h\x00"  # memoized, popped, fetched back: the same class
+
+
+@pytest.mark.parametrize(
+    "target", [_POSIXPATH, _ENUM_MEMBER, _VIA_MEMO], ids=["class", "enum-member", "memo"]
+)
+def test_state_given_to_a_shared_object_is_refused(tmp_path: Path, target: bytes) -> None:
+    """Defect: BUILD on an allow-listed class (or enum member) changed it for the whole process."""
+    import pathlib
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    data = _build_on(target)
+    model = _metadata_file(tmp_path, data)
+    victims = [pathlib.PosixPath, *list(_MEM_FORMAT_ENCODING)]
+    try:
+        with pytest.raises(UnsafeInput, match=r"\.metadata"):
+            dcp_io.read_metadata(model)
+        poisoned = [v for v in victims if "torchrelay_poisoned" in vars(v)]
+        assert not poisoned, f"the unpickler changed {poisoned} for the whole process"
+    finally:
+        for v in victims:
+            if "torchrelay_poisoned" in vars(v):
+                delattr(v, "torchrelay_poisoned")
+
+
+def _dumped(md: object) -> bytes:
+    return pickle.dumps(md, protocol=4)
+
+
+def _real_metadata(packed: Packed) -> object:
+    return dcp_io.read_metadata(packed.bundle / CKPT / "model")
+
+
+def test_metadata_of_the_wrong_shape_is_refused(packed: Packed, tmp_path: Path) -> None:
+    """Only allow-listed classes, yet the wrong types where DCP expects others: refused, named, never a crash."""
+    import copy
+
+    md = _real_metadata(packed)
+    cases = {}
+    for name, change in {
+        "state_dict_metadata": lambda m: setattr(m, "state_dict_metadata", "x"),
+        "storage_data": lambda m: setattr(m, "storage_data", [1, 2]),
+        "relative_path": lambda m: setattr(next(iter(m.storage_data.values())), "relative_path", 5),
+        "offset": lambda m: setattr(next(iter(m.storage_data.values())), "offset", -8),
+        "length": lambda m: setattr(next(iter(m.storage_data.values())), "length", "big"),
+        "storage_meta": lambda m: setattr(m, "storage_meta", {1, 2}),
+    }.items():
+        bad = copy.deepcopy(md)
+        change(bad)
+        cases[name] = _dumped(bad)
+    cases["not-metadata"] = _dumped({"a": 1})
+    for name, data in cases.items():
+        where = tmp_path / name
+        model = _metadata_file(where, data)
+        shutil.copyfile(packed.bundle / CKPT / "COMPLETE.json", model.parent / "COMPLETE.json")
+        with pytest.raises(UnsafeInput, match=r"\.metadata") as info:
+            dcp_io.read_metadata(model)
+        assert "Traceback" not in str(info.value), name
+
+
+@pytest.mark.parametrize(
+    "escape", ["/dev/zero", "../../../outside.distcp", "__0_0.copy.distcp", "past-the-end"]
+)
+def test_shard_paths_outside_the_checkpoint_or_its_inventory_are_refused(
+    packed: Packed, tmp_path: Path, escape: str
+) -> None:
+    """Defect: a shard path in .metadata (absolute, '..', unlisted) made the load read another file silently."""
+    from torchrelay.checkpoint.reader import load_tensors
+
+    ckpt = tmp_path / "runs" / "run" / CKPT
+    shutil.copytree(packed.bundle / CKPT, ckpt)
+    model = ckpt / "model"
+    md = dcp_io.read_metadata(model)
+    shard = sorted(model.glob("*.distcp"))[0]
+    # the same bytes where the forged path leads: a silent read would return the right tensors
+    shutil.copyfile(shard, tmp_path / "outside.distcp")
+    shutil.copyfile(shard, model / "__0_0.copy.distcp")
+    victim = next(info for info in md.storage_data.values() if info.relative_path == shard.name)
+    if escape == "past-the-end":
+        victim.offset = shard.stat().st_size
+    else:
+        victim.relative_path = escape
+    (model / ".metadata").write_bytes(_dumped(md))
+    with pytest.raises(UnsafeInput, match=r"\.metadata") as info:
+        load_tensors(ckpt)
+    assert escape in str(info.value) or "bytes" in str(info.value)
