@@ -7,11 +7,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV" >&2
   python3 -m venv "$VENV"
 fi
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scripts/constraints.txt" -nt "$STAMP" ]; then
   echo "setup: installing torchrelay and its dependencies into $VENV" >&2
-  # torch is pinned to the CPU wheel this workplace keeps on disk (a looser pin downloads a CUDA build)
-  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "is ignored" >&2 || true
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[dev]" 2>&1 | grep -v "is ignored" >&2 || true
+  # exact dev builds from the constraints file (torch: the CPU wheel on disk); the package itself has lower bounds only
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt" -e "$ROOT[dev]" 2>&1 \
+    | grep -v "is ignored" >&2 || true
   "$VENV/bin/python" -c "import torch, torchrelay, matplotlib, pytest" >/dev/null
   touch "$STAMP"
 fi
