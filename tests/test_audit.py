@@ -66,17 +66,23 @@ def test_good_example_is_equal_with_three_stops(code, example, tmp_path, capsys)
     assert main([*argv, "--", *cmd]) == 0
     verdict = json.loads(capsys.readouterr().out)
     assert verdict["equal"] is True and verdict["causes"] == []
-    assert verdict["stops"] == [2, 4, 6] and verdict["vary"] == {"num_workers": [0, 2]}
+    # Stops from early to late, and the state compared at the first checkpoint after each resume.
+    assert verdict["stops"] == [1, 4, 7] and verdict["vary"] == {"num_workers": [0, 2]}
+    assert [(c["update"], c["after_stop"], c["differing"]) for c in verdict["checkpoints"]] == [
+        (2, 1, 0),
+        (5, 4, 0),
+        (8, 7, 0),
+    ]
     assert verdict["tensors_compared"] > 20 and verdict["tensors_differing"] == 0
     assert verdict["metrics_equal"] and verdict["ledger_equal"]
 
     # The interrupted run really was four launches, with num_workers cycling 0, 2, 0, 2.
     history = [json.loads(x) for x in (work / "interrupted" / "history.jsonl").read_text().splitlines()]
     assert [(s["first_update"], s["last_update"], s["ended"]) for s in history] == [
-        (1, 2, "request"),
-        (3, 4, "request"),
-        (5, 6, "request"),
-        (7, 8, "request"),
+        (1, 1, "request"),
+        (2, 4, "request"),
+        (5, 7, "request"),
+        (8, 8, "request"),
     ]
     assert any("num_workers" in (s.get("runtime_changes") or {}) for s in history[1:])
 

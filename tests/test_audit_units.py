@@ -29,6 +29,7 @@ from torchrelay.audit.compare import (
     compare_tensors,
 )
 from torchrelay.audit.diagnose import Evidence, diagnose
+from torchrelay.audit.plan import comparison_points
 from torchrelay.audit.runner import plan_stops
 from torchrelay.audit.verdict import save
 from torchrelay.cli import main
@@ -126,9 +127,15 @@ def test_equal_runs_have_no_cause():
     )
 
 
-def test_stops_are_planned_inside_the_run():
-    assert plan_stops(12, 3) == [3, 6, 9]
-    assert plan_stops(10, 3) == [2, 5, 8]
+def test_stops_are_planned_inside_the_run_from_early_to_late():
+    # The first stop after update 1, the last one update before the end (a late resume leaves nothing to fade).
+    assert plan_stops(12, 3) == [1, 6, 11]
+    assert plan_stops(10, 3) == [1, 5, 9]
+    assert plan_stops(12, 1) == [11] and plan_stops(3, 2) == [1, 2]
+    assert len(plan_stops(12, 11)) == 11
+    # Both runs are compared at the first checkpoint after each resume, and at the end.
+    assert comparison_points([1, 6, 11], 12) == [2, 7, 12]
+    assert comparison_points([4, 5], 8) == [5, 6, 8]
     import random
 
     drawn = plan_stops(10, 3, rng=random.Random(1))

@@ -45,6 +45,8 @@ class Evidence:
     own_batches: LogComparison | None = None  # the probe's digests of the script's own DataLoaders
     own_samplers: list[str] = field(default_factory=list)
     streams: StreamComparison | None = None  # the probe's random-stream digests where segments began
+    tensors_at: int | None = None  # the checkpoint `tensors` compares (the first that differs, else the last)
+    final_equal: bool = True  # the last checkpoint's tensors are equal (a difference may have faded by then)
 
     @property
     def resumes(self) -> list[int]:
@@ -187,12 +189,17 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             _cause(UNREGISTERED, f"or non-random state read at update {first} was not restored"),
         ]
 
-    # 5. Parting later in a segment, or only in the final tensors: rerun to separate noise from lost state.
+    # 5. Parting later in a segment, or only in the saved tensors: rerun to separate noise from lost state.
     if first is not None:
         where = f"the runs part at update {first}, after a resume but not at one ({ev.metrics.detail})"
     else:
         top = ev.tensors.differing[0]
-        where = f"the logs agree but {len(ev.tensors.differing)} tensor(s) differ, most {top.name} by {top.max_abs:.3g}"
+        in_ckpt = f" in checkpoint-{ev.tensors_at}" if ev.tensors_at is not None else ""
+        faded = " (equal again in the last checkpoint: the difference faded)" if ev.final_equal else ""
+        where = (
+            f"the logs agree but {len(ev.tensors.differing)} tensor(s) differ{in_ckpt}, most {top.name} by "
+            f"{top.max_abs:.3g}{faded}"
+        )
     confirmed = _confirm_nondeterminism(rerun, where)
     if confirmed:
         return confirmed

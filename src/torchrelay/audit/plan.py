@@ -92,7 +92,33 @@ def _check_vary(run_dir: Path, vary: dict[str, list[Any]]) -> None:
             )
 
 
-def _difference(a: Path, b: Path, update: int, atol: float, ignore: frozenset[str]) -> str | None:
+def comparison_points(stops: Sequence[int], updates: int) -> list[int]:
+    """The checkpoints both runs are compared at: the first update after each resume, and the last update.
+
+    Comparing right after each resume means a difference the resume made cannot fade before it is seen.
+    """
+    return sorted({stop + 1 for stop in stops if stop + 1 <= updates} | {updates})
+
+
+def compare_points(
+    a: Path, b: Path, points: Sequence[int], atol: float
+) -> dict[int, compare.TensorComparison]:
+    """The tensors of checkpoint-P of both runs for each P; a missing one is an AuditError naming it."""
+    out = {}
+    for point in points:
+        ca, cb = a / f"checkpoint-{point}", b / f"checkpoint-{point}"
+        missing = [c for c in (ca, cb) if not (c / "COMPLETE.json").is_file()]
+        if missing:
+            raise AuditError(
+                f"no complete {missing[0].name} in {missing[0].parent}: the audit compares state there",
+                hint="the run must save and keep the updates in its keep_updates "
+                "(torchrelay.Run does both; the audit sets them as a runtime override)",
+            )
+        out[point] = compare.compare_checkpoints(ca, cb, atol)
+    return out
+
+
+def _difference(a: Path, b: Path, points: Sequence[int], atol: float, ignore: frozenset[str]) -> str | None:
     """Where run b parts from run a (metrics, then ledger, then tensors), or None when bit for bit equal."""
     metrics = compare.compare_metrics(a, b, atol, ignore)
     if not metrics.equal:
@@ -100,10 +126,10 @@ def _difference(a: Path, b: Path, update: int, atol: float, ignore: frozenset[st
     ledger = compare.compare_ledgers(a, b)
     if not ledger.equal:
         return f"exposure ledgers part at update {ledger.first_update} ({ledger.detail})"
-    tensors = compare.compare_checkpoints(a / f"checkpoint-{update}", b / f"checkpoint-{update}", atol)
-    if not tensors.equal:
-        top = tensors.differing[0]
-        return f"{len(tensors.differing)} tensor(s) differ, most {top.name} by {top.max_abs:.3g}"
+    for point, tensors in compare_points(a, b, points, atol).items():
+        if not tensors.equal:
+            top = tensors.differing[0]
+            return f"{len(tensors.differing)} tensor(s) differ in checkpoint-{point}, most {top.name} by {top.max_abs:.3g}"
     return None
 
 
@@ -138,6 +164,7 @@ def run_audit(
         )
     logs = work / "logs"
     target = plan.updates  # both runs end with checkpoint-<target>
+    points = comparison_points(stops, target)
 
     def launch(name: str, stop_after: list[int], vary: dict[str, list[Any]]) -> RunLaunches:
         env = dict(os.environ)
@@ -156,6 +183,9 @@ def run_audit(
             timeout_s=plan.timeout_s,
             on_segment=on_segment,
             env=env,
+            # Saved and kept in both runs (a runtime field, the same in every segment): later saves would
+            # otherwise delete them before the comparison.
+            extra_overrides={"keep_updates": points},
         )
 
     first_values = {k: v[:1] for k, v in plan.vary.items()}
@@ -164,7 +194,10 @@ def run_audit(
     relayed = launch("interrupted", [*stops, target], plan.vary)
 
     a, b = straight.run_dir, relayed.run_dir
-    tensors = compare.compare_checkpoints(a / f"checkpoint-{target}", b / f"checkpoint-{target}", plan.atol)
+    by_point = compare_points(a, b, points, plan.atol)
+    differing_at = [p for p, t in by_point.items() if not t.equal]
+    tensors_at = differing_at[0] if differing_at else target
+    tensors = by_point[tensors_at]
     ignore = frozenset(plan.ignore_keys)
     metrics = compare.compare_metrics(a, b, plan.atol, ignore)
     ledger = compare.compare_ledgers(a, b)
@@ -174,7 +207,7 @@ def run_audit(
 
     def rerun() -> str | None:
         again = launch("uninterrupted-again", [target], first_values)
-        return _difference(a, again.run_dir, target, plan.atol, ignore)
+        return _difference(a, again.run_dir, points, plan.atol, ignore)
 
     evidence = diagnose.Evidence(
         stops=stops,
@@ -184,6 +217,8 @@ def run_audit(
         own_batches=own if own_loaders else None,
         own_samplers=own_loaders,
         streams=streams if plan.probe else None,
+        tensors_at=tensors_at,
+        final_equal=by_point[target].equal,
     )
     causes = diagnose.diagnose(evidence, rerun if plan.confirm_nondeterminism else None)
     equal = tensors.equal and metrics.equal and ledger.equal
@@ -204,6 +239,17 @@ def run_audit(
         tensors_differing=len(tensors.differing),
         top_tensors=[
             {"name": d.name, "max_abs": d.max_abs, "note": d.note} for d in tensors.differing[:TOP_TENSORS]
+        ],
+        tensors_first_update=differing_at[0] if differing_at else None,
+        checkpoints=[
+            {
+                "update": point,
+                "after_stop": point - 1 if point - 1 in stops else None,
+                "compared": t.compared,
+                "differing": len(t.differing),
+                "top": t.differing[0].name if t.differing else None,
+            }
+            for point, t in by_point.items()
         ],
         metrics_equal=metrics.equal,
         metrics_first_update=metrics.first_update,

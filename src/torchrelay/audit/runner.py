@@ -61,14 +61,21 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def plan_stops(updates: int, stops: int, *, rng: random.Random | None = None) -> list[int]:
-    """K distinct updates in [1, U-1] after which to stop: evenly spaced, or drawn from rng."""
+    """K distinct updates in [1, U-1] after which to stop: drawn from rng, or spread from early to late.
+
+    The last stop is after update U-1 and, with K >= 2, the first after update 1: state restored wrongly at
+    a late stop has no updates left to fade in, and an early stop resumes optimizer and schedule state that
+    has barely started. The others are evenly spaced in between.
+    """
     if updates < 2:
         raise AuditError(f"--updates {updates}: need at least 2 updates to stop in between")
     if not 1 <= stops <= updates - 1:
         raise AuditError(f"--stops {stops}: choose between 1 and {updates - 1} stops for {updates} updates")
     if rng is not None:
         return sorted(rng.sample(range(1, updates), stops))
-    return sorted({max(1, min(updates - 1, round(updates * (i + 1) / (stops + 1)))) for i in range(stops)})
+    if stops == 1:
+        return [updates - 1]
+    return sorted({round(1 + i * (updates - 2) / (stops - 1)) for i in range(stops)})
 
 
 def check_stops(updates: int, stop_at: Sequence[int]) -> list[int]:
@@ -143,8 +150,12 @@ def run_segments(
     timeout_s: float = 600.0,
     env: Mapping[str, str] | None = None,
     on_segment: Callable[[str, SegmentLaunch], None] | None = None,
+    extra_overrides: Mapping[str, Any] | None = None,
 ) -> RunLaunches:
-    """Launch once per entry of stop_after, each a fresh process asked (by request file) to stop after that update."""
+    """Launch once per entry of stop_after, each a fresh process asked (by request file) to stop after that update.
+
+    Every segment gets TORCHRELAY_OVERRIDES = the environment's, then `extra_overrides`, then the varied fields.
+    """
     from torchrelay.stop import write_request
 
     base_env = dict(os.environ if env is None else env)
@@ -152,6 +163,7 @@ def run_segments(
         base_overrides = json.loads(base_env.get("TORCHRELAY_OVERRIDES") or "{}")
     except json.JSONDecodeError as exc:
         raise AuditError(f"TORCHRELAY_OVERRIDES is not JSON ({exc.msg})", hint="unset it or fix it") from exc
+    base_overrides.update(extra_overrides or {})
     run_dir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     result = RunLaunches(name=name, run_dir=run_dir)

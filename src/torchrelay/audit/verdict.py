@@ -36,6 +36,10 @@ class Verdict:
     tensors_compared: int = 0
     tensors_differing: int = 0
     top_tensors: list[dict[str, Any]] = field(default_factory=list)  # {"name", "max_abs", "note"}
+    tensors_first_update: int | None = None  # the first compared checkpoint whose tensors differ
+    # one per compared checkpoint: {"update", "after_stop" (the stop it is the first checkpoint after, or null),
+    # "compared", "differing", "top" (the most differing tensor's name, or null)}
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
     metrics_equal: bool = True
     metrics_first_update: int | None = None
     metrics_keys: list[str] = field(default_factory=list)
@@ -105,8 +109,17 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         "tensors",
         _mark(verdict.tensors_equal),
         f"{verdict.tensors_compared} compared, {verdict.tensors_differing} differ"
+        + (f" in checkpoint-{verdict.tensors_first_update}" if verdict.tensors_first_update else "")
         + (f" (atol {verdict.atol:g})" if verdict.atol else " (bit for bit)"),
     )
+    for point in verdict.checkpoints:
+        after = f"first after the stop at {point['after_stop']}" if point["after_stop"] else "the last"
+        table.add_row(
+            f"  checkpoint-{point['update']}",
+            _mark(not point["differing"]),
+            f"{after}: {point['compared']} tensors"
+            + (f", {point['differing']} differ, most {point['top']}" if point["differing"] else ""),
+        )
     table.add_row(
         "metric logs",
         _mark(verdict.metrics_equal),
