@@ -140,12 +140,25 @@ def test_end_to_end_elsewhere_bit_for_bit(
     packed.teacher.rename(hidden_teacher)
     try:
         code = next((run_dir / "source").iterdir())
-        result = launch(code, run_dir)
+        # The script passes the config it was written with (the old cluster's paths): prepare's fields win.
+        result = launch(code, run_dir, config=packed.config)
     finally:
         hidden_root.rename(packed.root)
         hidden_teacher.rename(packed.teacher)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SCHEDULE_GATE_PASS ({TOTAL}, 2)" in result.stdout
+    assert f"warning: kept data_root={str(new_root)!r} set by prepare" in result.stderr
+    # One contract digest everywhere: prepare's proof, the training's line, the record and the bundle.
+    digest = json.loads((packed.bundle / "resume_contract.json").read_text())["sha256"]
+    assert f"contract {digest} matches" in out
+    assert {line.split()[-1] for line in result.stdout.splitlines() if "TRAINING_CONTRACT" in line} == {
+        digest
+    }
+    assert (
+        record["contract_sha256"]
+        == digest
+        == json.loads((bundle / "bundle.json").read_text())["contract_sha256"]
+    )
 
     assert assert_same_final_state(packed.baseline, run_dir, TOTAL) > 10
     assert_same_logs(packed.baseline, run_dir)
@@ -155,6 +168,13 @@ def test_end_to_end_elsewhere_bit_for_bit(
     assert seg["lineage"] == packed.lineage
     assert seg["parent_lineage"] == json.loads((packed.source / "lineage.json").read_text())["lineage"]
     assert seg["runtime_changes"] == {} and seg["resumed_from"] == STOP_AT
+    kept = [n for n in seg["notes"] if n.startswith("kept ")]
+    assert [n.split("=")[0] for n in kept] == [
+        "kept data_root",
+        "kept external_files.teacher",
+        "kept num_workers",
+    ]
+    assert json.loads((run_dir / "config.json").read_text())["data_root"] == str(new_root)
     # diff: same contract, runtime fields marked
     report = diff(packed.bundle, run_dir)
     assert report.same_contract

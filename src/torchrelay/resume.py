@@ -11,12 +11,13 @@ from typing import Any
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract, check_contract, runtime_changes
+from torchrelay.contract import build_contract, check_contract, flatten, runtime_changes
 from torchrelay.errors import ConfigError, ForkRefused
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
 
 RECLAIM_ENV = "TORCHRELAY_RECLAIM"
+PREPARE_RECORD = "REBASE_RECORD.json"  # written by `prepare` (handoff/prepare.py owns its format)
 
 
 @dataclass(slots=True)
@@ -75,7 +76,9 @@ def validate_resume(
     manifest = Manifest.load(manifest_path, cfg.data_root)
     contract = build_contract(cfg, world_size, code_dir, manifest, use_git=not code_from_bundle)
     recorded = check_contract(rd.path, contract)
-    passed = [f"contract {contract['sha256'][:16]} matches {rd.contract_path}"]
+    # The recorded digest is the run's one identity: prepare, the trainer and the bundle README print it. (A
+    # recomputed digest can differ in fields the comparison skips, e.g. the commit of an extracted archive.)
+    passed = [f"contract {recorded['sha256']} matches {rd.contract_path}"]
     ckpt = latest_complete(rd.path)
     update = 0
     if ckpt is not None:
@@ -85,3 +88,55 @@ def validate_resume(
         check_fork_guard(ckpt)
     passed.append(schedule_gate(cfg, update, str(rd.path)))
     return ResumeCheck(contract, recorded, manifest, ckpt, update, runtime_changes(stored, cfg), passed)
+
+
+def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:
+    """The runtime fields `prepare` set on this run directory (REBASE_RECORD.json `changes`), dotted."""
+    path = Path(run_dir) / PREPARE_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"{path} cannot be read ({exc})", hint="restore it from the bundle's prepare"
+        ) from exc
+    changes = record.get("changes") if isinstance(record, dict) else None
+    return sorted(changes) if isinstance(changes, dict) else []
+
+
+def _overridden(key: str, overrides: dict[str, Any]) -> bool:
+    head = key.split(".", 1)[0]
+    return key in overrides or head in overrides or key.removeprefix("params.") in overrides
+
+
+def keep_prepared(
+    run_dir: str | os.PathLike[str], stored: RelayConfig, cfg: RelayConfig, overrides: dict[str, Any]
+) -> tuple[RelayConfig, list[str]]:
+    """The script's configuration with every field that `prepare` set taken from the run's stored config.
+
+    A script passes the configuration it was written with (the old cluster's data root, say) on every launch;
+    on a prepared run that would quietly rewind what `prepare` re-pointed. Those fields keep the run's value
+    unless this launch overrides them explicitly (`overrides`, TORCHRELAY_OVERRIDES, a script's --set). Returns
+    the configuration and one note per field kept.
+    """
+    keys = prepared_keys(run_dir)
+    if not keys:
+        return cfg, []
+    have, want = flatten(cfg.to_dict()), flatten(stored.to_dict())
+    kept = {k: want.get(k) for k in keys if have.get(k) != want.get(k) and not _overridden(k, overrides)}
+    if not kept:
+        return cfg, []
+    data = cfg.to_dict()
+    for key, value in kept.items():
+        head, _, tail = key.partition(".")
+        if tail:
+            data[head] = {**data[head], tail: value}
+        else:
+            data[key] = value
+    notes = [
+        f"kept {key}={value!r} set by prepare ({PREPARE_RECORD}); the script's config says {have.get(key)!r} "
+        "(to change it, override it: --set / TORCHRELAY_OVERRIDES)"
+        for key, value in kept.items()
+    ]
+    return RelayConfig.from_dict(data, source="config"), notes

@@ -50,7 +50,7 @@ from torchrelay.identity import find_code_dir, versions
 from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.logs import RankLog, exposures_path, metrics_path, read_jsonl, trim_after
 from torchrelay.manifest import Manifest
-from torchrelay.resume import schedule_gate, validate_resume
+from torchrelay.resume import keep_prepared, schedule_gate, validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.stop import (
     ENDED,
@@ -395,8 +395,13 @@ class Run:
         if rd.exists():
             stored = rd.load_config()
             cfg = config if config is not None else stored
+            kept: list[str] = []
             if config is not None and cfg.manifest != stored.manifest:
                 cfg = cfg.replace(manifest=stored.manifest)  # the run's own copy, unless overridden below
+            if config is not None:
+                cfg, kept = keep_prepared(rd.path, stored, cfg, overrides)  # prepare's fields win
+                for note in kept:
+                    print(f"[torchrelay] warning: {note}", file=sys.stderr, flush=True)
             cfg = cfg.with_overrides(overrides) if overrides else cfg
             check = validate_resume(rd.path, cfg, self.world_size, self.code_dir)
             clean_stale(rd.path)
@@ -408,7 +413,7 @@ class Run:
             archived = trim_after(rd.train_dir, check.update)
             if check.runtime_changes:
                 atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
-            contract_sha = check.contract["sha256"]
+            contract_sha = check.recorded["sha256"]  # the run's one digest (see resume.validate_resume)
             code_fields = check.recorded["fields"]
             self._rank0_manifest = check.manifest
             update, ckpt = check.update, check.checkpoint
@@ -424,6 +429,7 @@ class Run:
             )
             if reclaim_note:
                 notes.append(reclaim_note)
+            notes += kept
         else:
             assert config is not None
             cfg = config.with_overrides(overrides) if overrides else config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from torchrelay.contract import load_contract
@@ -49,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         f"packed update {result.update} into {result.bundle}: {result.files} files, {result.bytes / 1e9:.3f} GB "
         f"({result.linked} hardlinked) in {result.seconds:.2f} s ({rate:.2f} GB/s)"
     )
+    contract = json.loads((result.bundle / "bundle.json").read_text()).get("contract_sha256")
+    print(f"contract {contract} (the training prints it as TRAINING_CONTRACT)")
     print(f"bundle lineage {result.lineage}; {ckpt}/HANDED_OFF.json now refuses a second continuation here")
     print("PACK_OK")
     return EXIT_FINISHED

@@ -134,13 +134,13 @@ def format_report(report: DiffReport) -> list[str]:
     """Human lines: one per differing field, runtime-only fields marked."""
     lines = [
         f"A: {report.a.path} ({report.a.kind}{', ' + report.a.checkpoint if report.a.checkpoint else ''}), "
-        f"contract {report.a.contract_sha256[:16]}",
+        f"contract {report.a.contract_sha256}",
         f"B: {report.b.path} ({report.b.kind}{', ' + report.b.checkpoint if report.b.checkpoint else ''}), "
-        f"contract {report.b.contract_sha256[:16]}",
+        f"contract {report.b.contract_sha256}",
     ]
     for side in (report.a, report.b):
         if side.checkpoint_contract and side.checkpoint_contract != side.contract_sha256:
-            lines.append(f"note: {side.path} was saved under contract {side.checkpoint_contract[:16]}")
+            lines.append(f"note: {side.path} was saved under contract {side.checkpoint_contract}")
     if report.contract:
         lines.append(f"contract fields that differ ({len(report.contract)}): one cannot continue the other")
         lines.extend(f"  {d.key}: {_short(d.a)} -> {_short(d.b)}" for d in report.contract)

@@ -1,0 +1,62 @@
+"""On a prepared run the fields `prepare` set keep their value against the script's own config, unless overridden."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchrelay.config import RelayConfig
+from torchrelay.errors import ConfigError
+from torchrelay.resume import keep_prepared, prepared_keys
+
+
+def config(**changes: object) -> RelayConfig:
+    base = {"seed": 1, "micro_batch": 2, "total_updates": 10, "manifest": "data/manifest.jsonl"}
+    return RelayConfig.from_dict({**base, **changes})
+
+
+def prepared(tmp_path: Path, changes: dict[str, list[object]]) -> Path:
+    (tmp_path / "REBASE_RECORD.json").write_text(json.dumps({"format": 1, "changes": changes}))
+    return tmp_path
+
+
+def test_prepared_fields_win_over_the_scripts_config(tmp_path: Path) -> None:
+    run = prepared(
+        tmp_path,
+        {"data_root": ["/a", "/b"], "external_files.teacher": ["/a/t", "/b/t"], "params.log_every": [1, 5]},
+    )
+    stored = config(
+        data_root="/b",
+        external_files={"teacher": "/b/t"},
+        params={"log_every": 5, "lr": 0.1},
+        runtime_params=["log_every"],
+        num_workers=2,
+    )
+    script = config(
+        data_root="/a",
+        external_files={"teacher": "/a/t"},
+        params={"log_every": 1, "lr": 0.1},
+        runtime_params=["log_every"],
+        num_workers=4,
+    )
+    cfg, notes = keep_prepared(run, stored, script, {})
+    assert (cfg.data_root, cfg.external_files, cfg.params["log_every"]) == ("/b", {"teacher": "/b/t"}, 5)
+    assert cfg.num_workers == 4  # not set by prepare: the script may change it, as on any run
+    assert len(notes) == 3 and notes[0].startswith("kept data_root='/b' set by prepare (REBASE_RECORD.json)")
+    assert "the script's config says '/a'" in notes[0]
+
+    # An explicit override (--set, TORCHRELAY_OVERRIDES) decides instead: nothing is kept for those keys.
+    cfg, notes = keep_prepared(run, stored, script, {"data_root": "/c", "log_every": 9, "external_files": {}})
+    assert cfg.data_root == "/a" and cfg.params["log_every"] == 1 and notes == []
+
+
+def test_a_run_without_prepare_or_with_agreeing_config_keeps_nothing(tmp_path: Path) -> None:
+    stored, script = config(data_root="/b"), config(data_root="/a")
+    assert keep_prepared(tmp_path, stored, script, {}) == (script, [])
+    run = prepared(tmp_path, {"data_root": ["/a", "/b"]})
+    assert keep_prepared(run, stored, stored, {}) == (stored, [])
+    (run / "REBASE_RECORD.json").write_text("{torn")
+    with pytest.raises(ConfigError, match="REBASE_RECORD.json cannot be read"):
+        prepared_keys(run)
