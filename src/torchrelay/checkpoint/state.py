@@ -35,16 +35,29 @@ class Stateful(Protocol):
 # --- JSON trees with tensors set aside -------------------------------------------------------------
 
 
-def _to_tree(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _to_tree(
+    obj: Any, key: str, tensors: dict[str, torch.Tensor], views: dict[tuple[Any, ...], str] | None = None
+) -> Any:
+    views = {} if views is None else views
     if isinstance(obj, torch.Tensor):
-        tensors[key] = obj.detach().cpu().contiguous()
+        t = obj.detach().cpu().contiguous()
+        # Tied weights (an EMA of a model whose embedding is its output layer) reach here twice as one tensor:
+        # stored once and referenced twice (loading gives both entries the same values). safetensors refuses
+        # tensors that share memory, so a partly overlapping view is stored as a copy.
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if view in views:
+            return {"__tensor__": views[view]}
+        if any(seen[0] == view[0] for seen in views):
+            t = t.clone()
+        views[view] = key
+        tensors[key] = t
         return {"__tensor__": key}
     if isinstance(obj, dict):
         if not all(isinstance(k, str | int) for k in obj):
             raise CheckpointError(f"state {key!r}: dict keys must be str or int to be stored as JSON")
-        return {"__dict__": [[k, _to_tree(v, f"{key}.{k}", tensors)] for k, v in obj.items()]}
+        return {"__dict__": [[k, _to_tree(v, f"{key}.{k}", tensors, views)] for k, v in obj.items()]}
     if isinstance(obj, list | tuple):
-        items = [_to_tree(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+        items = [_to_tree(v, f"{key}.{i}", tensors, views) for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"__float__": repr(obj)}
