@@ -1,0 +1,620 @@
+"""Kills, measured: SIGKILL a whole 2-rank torchrun job (launcher, ranks, loader workers) at many random moments,
+most of them inside a checkpoint save, resume every time, and prove each run ends bit for bit where the
+uninterrupted run ends, with every sample seen exactly once.
+
+    PYTHONPATH=src:tests python benchmarks/bench_kill.py --kills 200 --seed 1 --out /tmp/bench-kill
+
+One launch is killed at most once; the next launch (the same command, `--config` included, as a batch script
+would repeat it) continues the same run directory, so one run directory lives through many kills. When a run
+finishes, its final checkpoint is compared tensor by tensor with an uninterrupted run of the same config, its
+logs line by line, its ledger proved, and a new run directory takes the next kills.
+
+Where a kill lands (each launch draws one plan):
+  save     a random delay after the n-th `.tmp-checkpoint-*` of the launch appears (inotify), within about one
+           save's duration: most of these land inside the save;
+  update   a random delay after the n-th checkpoint of the launch is committed (inside the next update or save);
+  startup  a random delay after the launch (torchrun start, imports, `Run.open`, restore);
+  create   (first launch of a run directory only) a random delay after the run directory's `data/` appears,
+           i.e. while `Run.open` creates the run.
+A kill is "inside a save" when a `.tmp-checkpoint-*` directory of that launch exists once every process is dead.
+
+Per kill the next launch that opens the run is judged: it must resume from the newest complete checkpoint on disk
+(else a corrupt resume), must not refuse, and must have removed every temporary the kill left (stale
+`.tmp-checkpoint-*`/`.deleting-*` directories, half-written files, a lock still held). Prints one table;
+`--out DIR/kills.json` holds every kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import random
+import re
+import select
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers import (  # noqa: E402
+    clean_env,
+    exposures,
+    make_code_repo,
+    make_data,
+    metrics,
+    segments,
+    torchrun_cmd,
+    write_config,
+)
+from torchrelay.checkpoint.commit import TMP_PREFIX  # noqa: E402
+from torchrelay.checkpoint.select import list_checkpoints  # noqa: E402
+from torchrelay.history import read_history  # noqa: E402
+from torchrelay.lock import LOCK_FILES, holder  # noqa: E402
+
+CKPT = re.compile(r"^checkpoint-(\d+)$")
+# Exit-2 errors of the library: a launch whose output names one of these was refused.
+REFUSALS = (
+    "ConfigError",
+    "ContractMismatch",
+    "IntegrityError",
+    "UnsafeInput",
+    "ForkRefused",
+    "RunBusy",
+    "refused",
+)
+PLANS = (("save", 0.72), ("update", 0.14), ("startup", 0.14))
+
+
+# ---------------------------------------------------------------------------------------- watching a directory
+class DirWatch:
+    """Names added to / removed from one directory, from inotify (a polling diff where inotify is missing)."""
+
+    _ADD, _REMOVE = 0x100 | 0x80, 0x200 | 0x40  # IN_CREATE|IN_MOVED_TO, IN_DELETE|IN_MOVED_FROM
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(path), self._ADD | self._REMOVE) >= 0:
+                self.fd = fd
+        except (OSError, AttributeError):
+            pass
+        self._names = set(os.listdir(path))
+
+    def events(self, timeout: float) -> list[tuple[str, str]]:
+        """[('add'|'remove', name)] seen within `timeout` seconds (returns early on the first events)."""
+        if self.fd < 0:
+            time.sleep(min(timeout, 0.002))
+            now = set(os.listdir(self.path))
+            out = [("add", n) for n in now - self._names] + [("remove", n) for n in self._names - now]
+            self._names = now
+            return out
+        ready, _, _ = select.select([self.fd], [], [], max(timeout, 0.0))
+        if not ready:
+            return []
+        data = os.read(self.fd, 1 << 16)
+        out, off = [], 0
+        while off + 16 <= len(data):
+            _wd, mask, _cookie, length = struct.unpack_from("iIII", data, off)
+            name = data[off + 16 : off + 16 + length].rstrip(b"\0").decode(errors="replace")
+            off += 16 + length
+            out.append(("add" if mask & self._ADD else "remove", name))
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# ---------------------------------------------------------------------------------------- killing the job
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, process group, session) of a live process, or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[2]), int(fields[3])
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _members(sessions: set[int]) -> list[int]:
+    """Live (not zombie) processes of these sessions."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st and st[0] != "Z" and st[2] in sessions:
+                out.append(int(name))
+    return out
+
+
+def kill_job(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGKILL the launcher and every rank with its loader workers, then wait until all are gone.
+
+    torchrun starts each rank in a session of its own, so killing the launcher's group alone would leave the
+    ranks training: the launcher is frozen first (it cannot start another rank), its children's groups and then
+    its own are killed.
+    """
+    agent = proc.pid
+    groups = [agent]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent, signal.SIGSTOP)
+    for child in _children(agent):
+        st = _stat(child)
+        if st:
+            groups.insert(0, st[1])
+    for g in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(g, signal.SIGKILL)
+    proc.wait()
+    sessions = set(groups)
+    deadline = time.monotonic() + timeout
+    while left := _members(sessions):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {left} survived SIGKILL")
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------- what a kill leaves
+def temporaries(run_dir: Path) -> list[str]:
+    """Every temporary in the run directory (two levels deep): what a crash leaves and a resume must clean."""
+    out = []
+    for base in [run_dir, run_dir / "train", run_dir / "data", *run_dir.glob("checkpoint-*")]:
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            if name in LOCK_FILES:
+                continue
+            if name.startswith(".") or ".tmp" in name or name.endswith((".trim", ".partial")):
+                out.append(str((base / name).relative_to(run_dir)))
+    return sorted(out)
+
+
+def newest_complete(run_dir: Path) -> int | None:
+    done = [c.update for c in list_checkpoints(run_dir) if c.complete and not c.handed_off]
+    return max(done) if done else None
+
+
+@dataclass(slots=True)
+class Kill:
+    index: int
+    run: str
+    launch: int
+    plan: str
+    delay_s: float  # after the plan's trigger
+    at_s: float  # since the launch started
+    inside_save: bool = False
+    save_update: int | None = None  # the update whose save was interrupted
+    save_phase: str = ""  # 'writing' (no inventory yet) or 'inventory written' (before the rename)
+    committed: int | None = None  # newest complete checkpoint once all processes were dead
+    opened_before_kill: bool = False  # the killed launch had opened the run (its segment was recorded)
+    left: list[str] = field(default_factory=list)  # temporaries present after the kill
+    lock_held_after: bool = False
+    # judged on the next launch that opened the run
+    resumed_from: int | None = None
+    next_outcome: str = ""  # 'resumed', 'refused', 'failed'
+    corrupt_resume: bool = False
+    refusal: bool = False
+    leftovers: list[str] = field(default_factory=list)
+    # judged when the run ends
+    bit_exact_end: bool | None = None
+
+
+@dataclass(slots=True)
+class RunEnd:
+    run: str
+    kills: int
+    launches: int
+    finished: bool
+    tensors_equal: int = 0
+    bit_exact: bool = False
+    logs_equal: bool = False
+    ledger_ok: bool = False
+    ledger_exposures: int = 0
+    temporaries_at_end: list[str] = field(default_factory=list)
+    problem: str = ""
+
+
+# ---------------------------------------------------------------------------------------- the campaign
+class Campaign:
+    """Kill launches of one config until `kills` kills are done and the last run has finished; judge everything."""
+
+    def __init__(
+        self,
+        out: Path,
+        code: Path,
+        config: Path,
+        *,
+        sets: dict[str, Any] | None = None,
+        seed: int = 0,
+        plans: list[tuple[str, int, float]] | None = None,
+        log: Any = print,
+        launch_timeout: float = 300.0,
+    ) -> None:
+        self.out, self.code, self.config, self.sets = out, code, config, dict(sets or {})
+        self.rng = random.Random(seed)
+        self.fixed_plans = list(plans) if plans is not None else None  # (kind, nth, delay_s), for tests
+        self.log = log
+        self.launch_timeout = launch_timeout
+        self.kills: list[Kill] = []
+        self.ends: list[RunEnd] = []
+        self.launches = 0
+        self.save_s: list[float] = [0.15]
+        self.startup_s: list[float] = [8.0]
+        self.update_s: list[float] = [0.1]
+        self.create_s: list[float] = [0.02]  # from data/ to resume_contract.json of a new run
+        self.baseline: Path | None = None
+        self.total = 0
+        self._pending: list[Kill] = []  # kills whose next opening launch has not come yet
+        self._stale: set[str] = set()  # temporaries left by earlier kills, not yet cleaned
+
+    # ------------------------------------------------------------------ plans
+    def _plan(self, first_of_run: bool) -> tuple[str, int, float] | None:
+        if self.fixed_plans is not None:
+            return self.fixed_plans.pop(0) if self.fixed_plans else None
+        if first_of_run and self.rng.random() < 0.4:
+            return ("create", 1, self.rng.uniform(0.0, 1.1 * statistics.median(self.create_s)))
+        kind = self.rng.choices([k for k, _ in PLANS], [w for _, w in PLANS])[0]
+        nth = self.rng.choice((1, 1, 2, 3, 4))
+        if kind == "save":
+            return (kind, nth, self.rng.uniform(0.0, 1.1 * statistics.median(self.save_s)))
+        if kind == "update":
+            return (kind, nth, self.rng.uniform(0.0, statistics.median(self.update_s)))
+        return (kind, 1, self.rng.uniform(0.0, 1.1 * statistics.median(self.startup_s)))
+
+    # ------------------------------------------------------------------ one launch
+    def _launch(self, run: Path, plan: tuple[str, int, float] | None) -> tuple[int | None, Kill | None]:
+        """Start the launch, kill it as planned; (exit code or None when killed, the kill)."""
+        self.launches += 1
+        n = self.launches
+        logfile = self.out / "logs" / f"launch-{n:04d}.txt"
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        before = len(read_history(run))
+        watch = DirWatch(run)
+        tmp_seen: dict[str, float] = {}
+        n_tmp = n_commit = 0
+        opened = False
+        last_commit_t: float | None = None
+        data_t: float | None = None
+        target: float | None = None
+        t0 = time.monotonic()
+        if plan and plan[0] == "startup":
+            target = t0 + plan[2]
+        with open(logfile, "wb") as logf:
+            proc = subprocess.Popen(
+                torchrun_cmd(self.code, run, config=self.config, sets=self.sets),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=clean_env(),
+                cwd=self.code,
+                start_new_session=True,
+            )
+            killed = False
+            try:
+                while True:
+                    now = time.monotonic()
+                    if target is not None and now >= target:
+                        kill_job(proc)
+                        killed = True
+                        break
+                    if proc.poll() is not None:
+                        break
+                    if now - t0 > self.launch_timeout:
+                        kill_job(proc)
+                        raise RuntimeError(f"launch {n} ran past {self.launch_timeout} s; see {logfile}")
+                    wait = 0.05 if target is None else min(0.05, target - now)
+                    for kind, name in watch.events(wait):
+                        now = time.monotonic()
+                        if kind == "add" and name.startswith(TMP_PREFIX):
+                            tmp_seen[name] = now
+                            n_tmp += 1
+                            if n_tmp == 1:
+                                self.startup_s.append(now - t0)
+                            if plan and plan[0] == "save" and n_tmp == plan[1] and target is None:
+                                target = now + plan[2]
+                        elif kind == "add" and (m := CKPT.match(name)):
+                            started = [t for k, t in tmp_seen.items() if k.startswith(f"{TMP_PREFIX}{m[1]}-")]
+                            if started:
+                                self.save_s.append(now - started[-1])
+                            if last_commit_t is not None:
+                                self.update_s.append(now - last_commit_t)
+                            last_commit_t = now
+                            n_commit += 1
+                            if plan and plan[0] == "update" and n_commit == plan[1] and target is None:
+                                target = now + plan[2]
+                        elif kind == "add" and name == "data":
+                            data_t = now
+                            if plan and plan[0] == "create":
+                                target = now + plan[2]
+                        elif kind == "add" and name == "resume_contract.json" and data_t is not None:
+                            self.create_s.append(now - data_t)
+                            data_t = None
+                        elif (
+                            kind == "add"
+                            and name == "history.jsonl"
+                            and not opened
+                            and len(read_history(run)) > before
+                        ):
+                            opened = True
+                            self._judge_open(run)
+            finally:
+                watch.close()
+                if proc.poll() is None:
+                    kill_job(proc)
+        if not opened and len(read_history(run)) > before:
+            opened = True
+            self._judge_open(run)
+        if not killed:
+            return proc.returncode, None
+        assert plan is not None
+        kill = Kill(
+            index=len(self.kills),
+            run=run.name,
+            launch=n,
+            plan=plan[0],
+            delay_s=round(plan[2], 4),
+            at_s=round(time.monotonic() - t0, 3),
+            opened_before_kill=opened,
+        )
+        left = temporaries(run)
+        fresh = [x for x in left if x.startswith(TMP_PREFIX) and x not in self._stale]
+        if fresh:
+            kill.inside_save = True
+            kill.save_update = int(fresh[0][len(TMP_PREFIX) :].split("-")[0])
+            kill.save_phase = (
+                "inventory written" if (run / fresh[0] / "COMPLETE.json").exists() else "writing"
+            )
+        kill.committed = newest_complete(run)
+        kill.left = left
+        kill.lock_held_after = holder(run, "train") is not None
+        self._stale |= set(left)
+        self.kills.append(kill)
+        self._pending.append(kill)
+        logfile.unlink()
+        return None, kill
+
+    def _judge_open(self, run: Path) -> None:
+        """A launch opened the run: judge the pending kills against what it did."""
+        seg = read_history(run)[-1]
+        still = set(temporaries(run))
+        for kill in self._pending:
+            kill.resumed_from = seg.get("resumed_from")
+            kill.next_outcome = "resumed"
+            kill.corrupt_resume = kill.resumed_from != kill.committed
+            kill.leftovers = sorted(x for x in kill.left if x in still)
+            if kill.lock_held_after:
+                kill.leftovers.append("lock held after every process died")
+        self._pending = []
+        self._stale &= still
+
+    def _fail_pending(self, run: Path, code: int | None, n: int) -> str:
+        text = (self.out / "logs" / f"launch-{n:04d}.txt").read_text(errors="replace")
+        refused = any(word in text for word in REFUSALS) or code == 2
+        for kill in self._pending:
+            kill.next_outcome = "refused" if refused else "failed"
+            kill.refusal = refused
+            kill.corrupt_resume = not refused
+        self._pending = []
+        return f"launch {n} of {run.name} exited {code} ({'refused' if refused else 'failed'}); log kept"
+
+    # ------------------------------------------------------------------ runs
+    def make_baseline(self) -> Path:
+        base = self.out / "baseline"
+        if base.exists():
+            shutil.rmtree(base)
+        out = subprocess.run(
+            torchrun_cmd(self.code, base, config=self.config, sets=self.sets),
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            cwd=self.code,
+            timeout=self.launch_timeout,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"the uninterrupted run failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+        self.baseline = base
+        self.total = int(segments(base)[-1]["last_update"])
+        return base
+
+    def run(self, kills: int) -> None:
+        """Kill until `kills` kills are recorded, then let the last run finish."""
+        if self.baseline is None:
+            self.make_baseline()
+        number = 0
+        while len(self.kills) < kills and (self.fixed_plans is None or self.fixed_plans):
+            number += 1
+            run = self.out / f"run-{number:03d}"
+            if run.exists():
+                shutil.rmtree(run)
+            run.mkdir(parents=True)
+            self._one_run(run, kills)
+
+    def _one_run(self, run: Path, kills: int) -> None:
+        first_launch, first_kill = self.launches + 1, len(self.kills)
+        while True:
+            want_kill = len(self.kills) < kills
+            plan = self._plan(first_of_run=self.launches + 1 == first_launch) if want_kill else None
+            code, kill = self._launch(run, plan)
+            if kill is not None:
+                self.log(
+                    f"kill {kill.index + 1:>3}/{kills} {run.name} launch {kill.launch} {kill.plan:<7} "
+                    f"+{kill.delay_s:.3f}s at {kill.at_s:6.2f}s "
+                    + (
+                        f"inside save {kill.save_update} ({kill.save_phase})"
+                        if kill.inside_save
+                        else "outside a save"
+                    )
+                    + f", newest complete {kill.committed}"
+                )
+                continue
+            mine = self.kills[first_kill:]
+            end = RunEnd(run.name, len(mine), self.launches - first_launch + 1, finished=code == 0)
+            if code != 0:
+                end.problem = self._fail_pending(run, code, self.launches)
+            else:
+                (self.out / "logs" / f"launch-{self.launches:04d}.txt").unlink()
+                self._judge_end(run, end)
+            for k in mine:
+                k.bit_exact_end = end.bit_exact
+            self.ends.append(end)
+            self.log(
+                f"run {run.name}: {end.kills} kills over {end.launches} launches, "
+                + (
+                    f"bit-exact {end.bit_exact} ({end.tensors_equal} tensors), ledger {end.ledger_ok}"
+                    if end.finished
+                    else end.problem
+                )
+            )
+            return
+
+    def _judge_end(self, run: Path, end: RunEnd) -> None:
+        from torch import equal
+
+        from torchrelay.checkpoint.reader import load_tensors
+        from torchrelay.ledger import prove
+
+        assert self.baseline is not None
+        total = self.total
+        a = load_tensors(self.baseline / f"checkpoint-{total}")
+        b = load_tensors(run / f"checkpoint-{total}")
+        same = a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        end.tensors_equal = sum(1 for k in a if k in b and equal(a[k], b[k]))
+        end.bit_exact = bool(same)
+        end.logs_equal = all(
+            metrics(self.baseline, r) == metrics(run, r) and exposures(self.baseline, r) == exposures(run, r)
+            for r in (0, 1)
+        )
+        rep = prove(run)
+        base_rep = prove(self.baseline)
+        end.ledger_exposures = rep.exposures
+        end.ledger_ok = rep.ok and rep.updates == total and rep.exposures == base_rep.exposures
+        end.temporaries_at_end = temporaries(run)
+        if holder(run, "train") is not None:
+            end.temporaries_at_end.append("lock held")
+        if not (end.bit_exact and end.logs_equal and end.ledger_ok):
+            end.problem = f"not exact: tensors {same}, logs {end.logs_equal}, ledger {rep.to_dict()}"
+
+    # ------------------------------------------------------------------ figures
+    def summary(self) -> dict[str, Any]:
+        k = self.kills
+        return {
+            "kills": len(k),
+            "inside_save": sum(x.inside_save for x in k),
+            "inside_save_phase": dict(Counter(x.save_phase for x in k if x.inside_save)),
+            "plans": dict(Counter(x.plan for x in k)),
+            "before_open": sum(not x.opened_before_kill for x in k),
+            "resumed_from_newest_complete": sum(
+                x.next_outcome == "resumed" and not x.corrupt_resume for x in k
+            ),
+            "resumed_behind_interrupted_save": sum(
+                x.inside_save and x.resumed_from is not None and x.resumed_from == (x.save_update or 0) - 1
+                for x in k
+            ),
+            "corrupt_resumes": sum(x.corrupt_resume for x in k)
+            + sum(not e.bit_exact for e in self.ends if e.finished),
+            "refusals": sum(x.refusal for x in k),
+            "leftovers": sum(bool(x.leftovers) for x in k)
+            + sum(bool(e.temporaries_at_end) for e in self.ends),
+            "temporaries_cleaned": sum(len(x.left) - len(x.leftovers) for x in k),
+            "runs": len(self.ends),
+            "runs_finished": sum(e.finished for e in self.ends),
+            "runs_bit_exact": sum(e.bit_exact and e.logs_equal for e in self.ends),
+            "runs_ledger_ok": sum(e.ledger_ok for e in self.ends),
+            "launches": self.launches,
+        }
+
+
+def table(s: dict[str, Any], wall_s: float) -> str:
+    phases = ", ".join(f"{n} {p}" for p, n in sorted(s["inside_save_phase"].items()))
+    rows = [
+        ("kills (launcher + 2 ranks + loader workers, SIGKILL)", s["kills"]),
+        ("  inside a save (`.tmp-checkpoint-*` present at death)", f"{s['inside_save']} ({phases})"),
+        (
+            "  plans: after a save began / an update / the launch",
+            ", ".join(f"{v} {k}" for k, v in s["plans"].items()),
+        ),
+        ("  before the killed launch had opened the run", s["before_open"]),
+        ("resumed from the newest complete checkpoint", s["resumed_from_newest_complete"]),
+        ("corrupt resumes (wrong checkpoint, failed, or not bit-exact) — goal 0", s["corrupt_resumes"]),
+        ("refusals — goal 0", s["refusals"]),
+        ("leftovers after the next open / at the end — goal 0", s["leftovers"]),
+        ("temporaries the next open cleaned", s["temporaries_cleaned"]),
+        (
+            "runs finished / bit-exact (tensors + logs) / ledger exactly once",
+            f"{s['runs_finished']}/{s['runs']} / {s['runs_bit_exact']} / {s['runs_ledger_ok']}",
+        ),
+        ("torchrun launches / wall time", f"{s['launches']} / {wall_s / 60:.1f} min"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"| {a:<{width}} | {b} |" for a, b in [("measure", "value"), ("---", "---"), *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kills", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-kill"))
+    parser.add_argument("--updates", type=int, default=30, help="total_updates of each run")
+    args = parser.parse_args(argv)
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    code = make_code_repo(args.out / "code")
+    root, manifest = make_data(args.out / "data")
+    config = write_config(args.out / "lm.yaml", manifest, root, total_updates=args.updates)
+    sets = {"save_every": 1, "num_workers": 1}
+    t0 = time.time()
+    camp = Campaign(args.out, code, config, sets=sets, seed=args.seed, log=lambda s: print(s, flush=True))
+    camp.run(args.kills)
+    wall = time.time() - t0
+    summary = camp.summary()
+    doc = {
+        "summary": summary,
+        "wall_s": round(wall, 1),
+        "updates": args.updates,
+        "seed": args.seed,
+        "ends": [asdict(e) for e in camp.ends],
+        "kills": [asdict(k) for k in camp.kills],
+    }
+    (args.out / "kills.json").write_text(json.dumps(doc, indent=1))
+    print(table(summary, wall))
+    print(f"every kill: {args.out / 'kills.json'}")
+    bad = summary["corrupt_resumes"] or summary["refusals"] or summary["leftovers"]
+    return 1 if bad or summary["runs_bit_exact"] != summary["runs"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
