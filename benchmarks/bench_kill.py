@@ -143,13 +143,30 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Any thread of the process still running: a killed leader shows 'Z' while its other threads, which share
+    its open files (and so the run's lock), are still being torn down."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        if text[text.rindex(")") + 2] not in "ZX":
+            return True
+    return False
+
+
 def _members(sessions: set[int]) -> list[int]:
-    """Live (not zombie) processes of these sessions."""
+    """Processes of these sessions that still have a live thread."""
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
-            if st and st[0] != "Z" and st[2] in sessions:
+            if st and st[2] in sessions and _alive(int(name)):
                 out.append(int(name))
     return out
 
@@ -218,6 +235,7 @@ class Kill:
     save_update: int | None = None  # the update whose save was interrupted
     save_phase: str = ""  # 'writing' (no inventory yet) or 'inventory written' (before the rename)
     committed: int | None = None  # newest complete checkpoint once all processes were dead
+    run_created: bool = True  # the run's contract (written last when creating it) existed
     opened_before_kill: bool = False  # the killed launch had opened the run (its segment was recorded)
     left: list[str] = field(default_factory=list)  # temporaries present after the kill
     lock_held_after: bool = False
@@ -396,6 +414,7 @@ class Campaign:
                 "inventory written" if (run / fresh[0] / "COMPLETE.json").exists() else "writing"
             )
         kill.committed = newest_complete(run)
+        kill.run_created = (run / "resume_contract.json").exists()
         kill.left = left
         kill.lock_held_after = holder(run, "train") is not None
         self._stale |= set(left)
@@ -534,6 +553,7 @@ class Campaign:
             "inside_save_phase": dict(Counter(x.save_phase for x in k if x.inside_save)),
             "plans": dict(Counter(x.plan for x in k)),
             "before_open": sum(not x.opened_before_kill for x in k),
+            "creation_interrupted": sum(not x.run_created for x in k),
             "resumed_from_newest_complete": sum(
                 x.next_outcome == "resumed" and not x.corrupt_resume for x in k
             ),
@@ -565,6 +585,7 @@ def table(s: dict[str, Any], wall_s: float) -> str:
             ", ".join(f"{v} {k}" for k, v in s["plans"].items()),
         ),
         ("  before the killed launch had opened the run", s["before_open"]),
+        ("  while creating the run, before its contract", s["creation_interrupted"]),
         ("resumed from the newest complete checkpoint", s["resumed_from_newest_complete"]),
         ("corrupt resumes (wrong checkpoint, failed, or not bit-exact) — goal 0", s["corrupt_resumes"]),
         ("refusals — goal 0", s["refusals"]),

@@ -4,10 +4,16 @@ checkpoint, refuses nothing, leaves no temporary behind, and the run ends bit fo
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 from helpers import REPO
+from torchrelay import RelayConfig, Run
+from torchrelay.errors import ConfigError
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -39,3 +45,82 @@ def test_whole_job_sigkilled_inside_saves_resumes_exactly(example: dict[str, Pat
     assert end.bit_exact and end.tensors_equal > 10 and end.logs_equal, end
     assert end.ledger_ok, end  # every sample exactly once, as many exposures as the uninterrupted run
     assert not end.temporaries_at_end, end
+
+
+def _config(example: dict[str, Path]) -> RelayConfig:
+    return RelayConfig.from_dict(yaml.safe_load(example["config"].read_text()))
+
+
+# What `Run.open` has written when a kill lands between two of its creation steps (the contract comes last).
+CREATION_STEPS = [
+    {"data/": None},
+    {"data/": None, "train/": None, "data/manifest.jsonl": '{"id": "half'},
+    {"data/": None, "train/": None, "data/manifest.jsonl": "", ".config.json.tmp-4242": "{"},
+    {
+        "data/": None,
+        "train/": None,
+        "data/manifest.jsonl": "",
+        "config.json": "{}",
+        "lineage.json": "{}",
+        ".resume_contract.json.tmp-4242": "",
+    },
+]
+
+
+@pytest.mark.parametrize("left", CREATION_STEPS, ids=lambda left: "+".join(left))
+def test_a_creation_killed_before_its_contract_is_created_again(
+    example: dict[str, Path], tmp_path: Path, left: dict[str, str | None]
+) -> None:
+    """A kill while the run was being created left no run; the same command creates it (was: refused)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for rel, text in left.items():
+        if text is None:
+            (run_dir / rel).mkdir()
+        else:
+            (run_dir / rel).write_text(text)
+    with Run.open(run_dir, _config(example), code_dir=example["code"]) as run:
+        assert run.start_update == 0
+    assert json.loads((run_dir / "lineage.json").read_text())["lineage"]
+    assert (run_dir / "data" / "manifest.jsonl").read_bytes() == example["manifest"].read_bytes()
+    assert not [p.name for p in run_dir.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("foreign", [{"notes.txt": "mine"}, {"data/": None, "config.json": "{}"}])
+def test_a_directory_not_made_by_a_creation_is_still_refused(
+    example: dict[str, Path], tmp_path: Path, foreign: dict[str, str | None]
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for rel, text in foreign.items():
+        if text is None:
+            (run_dir / rel).mkdir()
+        else:
+            (run_dir / rel).write_text(text)
+    with pytest.raises(ConfigError, match="is not empty"):
+        Run.open(run_dir, _config(example), code_dir=example["code"])
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) == sorted(
+        {rel.split("/")[0] for rel in foreign}
+    )
+
+
+def test_the_next_open_removes_half_written_files_of_a_killed_writer(
+    example: dict[str, Path], tmp_path: Path
+) -> None:
+    """A writer killed inside an atomic write or a log trim left a temporary; the next open removes it."""
+    run_dir = tmp_path / "run"
+    with Run.open(run_dir, _config(example), code_dir=example["code"]):
+        pass
+    debris = [
+        ".history.jsonl.tmp-4242",
+        ".config.json.tmp-4243",
+        ".lineage.json.tmp-1",
+        "train/metrics-rank0.jsonl.trim",
+    ]
+    for rel in debris:
+        (run_dir / rel).write_text("{half")
+    (run_dir / ".REQUEST_STOP.tmp-7").write_text("")  # another writer's (torchrelay stop): not ours to remove
+    with Run.open(run_dir, None, code_dir=example["code"]):
+        pass
+    assert not [rel for rel in debris if (run_dir / rel).exists()]
+    assert (run_dir / ".REQUEST_STOP.tmp-7").exists()

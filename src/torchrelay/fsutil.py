@@ -26,10 +26,15 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def temp_prefix(name: str) -> str:
+    """How the temporary of an atomic write of `name` starts (the writer's pid follows)."""
+    return f".{name}.tmp-"
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace `path` with `data` so a reader sees the old or the new file, never a part."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{temp_prefix(path.name)}{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)

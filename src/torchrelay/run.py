@@ -405,6 +405,7 @@ class Run:
             cfg = cfg.with_overrides(overrides) if overrides else cfg
             check = validate_resume(rd.path, cfg, self.world_size, self.code_dir)
             clean_stale(rd.path)
+            rd.remove_stale_temps()
             history = read_history(rd.path)
             last_logged = max(
                 (int(r["update"]) for r in read_jsonl(metrics_path(rd.train_dir, 0))), default=None
@@ -433,12 +434,11 @@ class Run:
         else:
             assert config is not None
             cfg = config.with_overrides(overrides) if overrides else config
-            # A stop request may be written before the first launch (audits stop at chosen updates), and a
-            # controller may have recorded its attempts there.
+            # A stop request may be written before the first launch (audits stop at chosen updates), a
+            # controller may have recorded its attempts there, and a creation killed before it wrote the
+            # contract leaves files that this creation overwrites.
             leftovers = (
-                sorted(
-                    p.name for p in rd.path.iterdir() if p.name not in (REQUEST_FILE, "attempts", *LOCK_FILES)
-                )[:5]
+                rd.unexplained_entries((REQUEST_FILE, "attempts", *LOCK_FILES))[:5]
                 if rd.path.exists()
                 else []
             )
@@ -455,12 +455,13 @@ class Run:
             code_fields = contract["fields"]
             (rd.path / "data").mkdir(parents=True, exist_ok=True)
             rd.train_dir.mkdir(exist_ok=True)
+            rd.remove_stale_temps()
             shutil.copyfile(source_manifest, rd.path / MANIFEST_IN_RUN)
             atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
-            write_contract(rd.path, contract)
             atomic_write_text(
                 rd.path / "lineage.json", json.dumps({"lineage": new_id(), "parent_lineage": None})
             )
+            write_contract(rd.path, contract)  # last: from here on the directory holds a run
             contract_sha, update, ckpt, changes, last_save, parent, notes = (
                 contract["sha256"],
                 0,

@@ -9,6 +9,11 @@ from pathlib import Path
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.config import RelayConfig
 from torchrelay.errors import IntegrityError
+from torchrelay.fsutil import temp_prefix
+
+# Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
+# leaves its temporary behind, for the next writer to remove.
+WRITER_FILES = ("config.json", "lineage.json", "resume_contract.json", "history.jsonl")
 
 
 class RunDir:
@@ -24,7 +29,41 @@ class RunDir:
     train_dir = property(lambda self: self.path / "train")
 
     def exists(self) -> bool:
+        # Creating a run writes the contract last: a creation killed before it leaves no run, only its debris.
         return self.contract_path.exists()
+
+    def unexplained_entries(self, allowed: tuple[str, ...] = ()) -> list[str]:
+        """What a directory that holds no run contains beyond `allowed` and a killed creation's own files."""
+        temps = tuple(temp_prefix(n) for n in WRITER_FILES)
+        train = self.train_dir.is_dir() and not any(self.train_dir.iterdir())
+        out = []
+        for p in sorted(self.path.iterdir()):
+            name = p.name
+            if name in allowed or name.startswith(temps):
+                continue
+            if name == "train" and train:
+                continue
+            # data/ comes first, then train/, then the manifest's copy in data/: only a creation makes both.
+            if (
+                name == "data"
+                and p.is_dir()
+                and {c.name for c in p.iterdir()} <= ({"manifest.jsonl"} if train else set())
+            ):
+                continue
+            if name in ("config.json", "lineage.json") and train and _is_json_object(p):
+                continue
+            out.append(name)
+        return out
+
+    def remove_stale_temps(self) -> list[str]:
+        """Remove what a writer killed mid-write left: atomic-write temporaries, a log's trim (hold the lock)."""
+        temps = tuple(temp_prefix(n) for n in WRITER_FILES)
+        found = [self.path / n for n in os.listdir(self.path) if n.startswith(temps)]
+        if self.train_dir.is_dir():
+            found += [p for p in self.train_dir.iterdir() if p.name.endswith(".jsonl.trim")]
+        for p in found:
+            p.unlink(missing_ok=True)
+        return [str(p.relative_to(self.path)) for p in found]
 
     def checkpoints(self) -> list[CheckpointInfo]:
         return list_checkpoints(self.path)
@@ -42,3 +81,10 @@ class RunDir:
         if not isinstance(data, dict):
             raise IntegrityError(f"{self.config_path} does not hold a JSON object")
         return RelayConfig.from_dict(data, source=str(self.config_path))
+
+
+def _is_json_object(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):
+        return False
