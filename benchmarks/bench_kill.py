@@ -218,6 +218,12 @@ def temporaries(run_dir: Path) -> list[str]:
     return sorted(out)
 
 
+def _opened(run_dir: Path, before: int) -> bool:
+    """The launch opened the run: it recorded a segment of its own (a refused launch records one that ended)."""
+    history = read_history(run_dir)
+    return len(history) > before and history[-1].get("ended") != "refused"
+
+
 def newest_complete(run_dir: Path) -> int | None:
     done = [c.update for c in list_checkpoints(run_dir) if c.complete and not c.handed_off]
     return max(done) if done else None
@@ -379,10 +385,7 @@ class Campaign:
                             self.create_s.append(now - data_t)
                             data_t = None
                         elif (
-                            kind == "add"
-                            and name == "history.jsonl"
-                            and not opened
-                            and len(read_history(run)) > before
+                            kind == "add" and name == "history.jsonl" and not opened and _opened(run, before)
                         ):
                             opened = True
                             self._judge_open(run)
@@ -390,7 +393,7 @@ class Campaign:
                 watch.close()
                 if proc.poll() is None:
                     kill_job(proc)
-        if not opened and len(read_history(run)) > before:
+        if not opened and _opened(run, before):
             opened = True
             self._judge_open(run)
         if not killed:
