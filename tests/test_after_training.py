@@ -1,28 +1,46 @@
 """After training: checkpoints preserved for later use, validation at chosen checkpoints, export for serving.
 
-One real 2-rank run of the example (save_every 5, keep 2, keep_updates [10, 20], 30 updates) serves every test
-of the module that needs a run; the rest are unit tests of the pure policies.
+One launch of a plan (a real 2-rank run of the example: save_every 5, keep 2, keep_updates [10, 20], 30 updates,
+then its validation stage) serves every test of the module that needs a run; a Hugging Face model is trained in
+one more launch; the rest are unit tests of the pure policies.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
 
-from helpers import clean_env, launch, make_code_repo, torchrun_cmd, write_config
+from helpers import EXAMPLES, clean_env, make_code_repo, segments, torchrun_cmd, write_config
+from torchrelay.checkpoint.inventory import sha256_of, validate_complete
 from torchrelay.checkpoint.retention import AnyOf, EveryN, Explicit, Final, LatestN, decide, policy_for
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract
+from torchrelay.controller.attempts import Attempts
+from torchrelay.controller.costmodel import validation_fits
 from torchrelay.errors import ConfigError
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.manifest import Manifest
+from torchrelay.report import render
+from torchrelay.validation import (
+    ValidationSpec,
+    read_pending,
+    read_records,
+    run_one,
+    select,
+    validate_checkpoints,
+)
 
 TOTAL = 30
 KEEP = {"total_updates": TOTAL, "warmup_updates": 2, "save_every": 5, "keep": 2, "keep_updates": [10, 20]}
@@ -87,13 +105,43 @@ def test_preservation_fields_are_validated_and_runtime_only(example: dict[str, P
 
 
 # ------------------------------------------------------------------------------------------------ one real run
+# The validation command: reads the checkpoint it is given (its update must be the one named), writes metrics, and
+# crashes on checkpoint-20 the way a real evaluation would (an exception, exit 1).
+VALIDATE = (
+    f"{sys.executable} -c \"import json, sys; u = json.load(open(sys.argv[1] + '/trainer_state.json'))['loop']['update']; "
+    "assert u != 20, 'evaluation crashed (test)'; "
+    "json.dump({'l1': 1.0 / u, 'update_seen': u, 'update_named': int(sys.argv[3])}, open(sys.argv[2], 'w'))\" "
+    "{checkpoint} {metrics} {update}"
+)
+
+
+def launch_plan(plan: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torchrelay", "launch", str(plan), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env())
+
+
+def last_outcome(run: Path) -> dict[str, Any]:
+    return json.loads((Attempts(run).all()[-1].path / "outcome.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def kept_run(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of a plan: the formal run (save_every 5, keep 2, keep_updates [10, 20]), then validation."""
     base = tmp_path_factory.mktemp("kept")
     config = write_config(base / "lm.yaml", example["manifest"], example["root"], **KEEP)
     run = base / "run"
-    out = launch(example["code"], run, config=config)
+    plan = {
+        "run_dir": str(run),
+        "workdir": str(example["code"]),
+        "train": {"script": "train_lm.py", "args": ["--config", str(config)], "nproc_per_node": 2},
+        "smoke": {"when": "never"},
+        "budget": {"margin_s": 1.0},
+        "validate": {"run": VALIDATE, "updates": [10, 20, 30, 40]},
+    }
+    (base / "plan.yaml").write_text(yaml.safe_dump(plan))
+    out = launch_plan(base / "plan.yaml")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "checkpoint-20: failed" in out.stderr and "checkpoint-40 not available: past the end" in out.stderr
     return run
 
 
@@ -113,6 +161,118 @@ def test_retention_keeps_the_listed_updates_and_the_latest_two(
     assert main(["status", str(kept_run)]) == 0
     table = capsys.readouterr().out
     assert "kept because" in table and "keep_updates" in table
+
+
+def test_validation_runs_after_the_formal_run_and_records_each_checkpoint(kept_run: Path) -> None:
+    records = read_records(kept_run)
+    assert sorted(records) == [10, 20, 30]
+    for update in (10, 30):
+        r = records[update]
+        assert r.status == "ok" and r.exit_code == 0 and r.checkpoint == f"checkpoint-{update}"
+        assert r.metrics == {"l1": 1.0 / update, "update_seen": update, "update_named": update}
+        assert r.code["commit"] and r.inventory_sha256 == sha256_of(
+            kept_run / f"checkpoint-{update}" / "COMPLETE.json"
+        )
+        assert r.started >= float(segments(kept_run)[-1]["stopped"])  # after the training process exited
+    crashed = records[20]
+    assert (crashed.status, crashed.exit_code, crashed.metrics) == ("failed", 1, None)
+    assert crashed.reason == "exited with code 1"
+    assert (
+        "evaluation crashed (test)" in (kept_run / "validation" / "checkpoint-20" / "output.log").read_text()
+    )
+    validate_complete(kept_run / "checkpoint-20")  # a crashing validation never costs the checkpoint
+    outcome = last_outcome(kept_run)
+    assert (outcome["exit_code"], outcome["ended"], outcome["stage"]) == (0, "finished", "done")
+    assert outcome["validation"]["validated"] == [10, 30] and outcome["validation"]["failed"] == [20]
+    assert outcome["validation"]["missing"] == {"40": "past the end of the schedule (30 updates)"}
+
+
+def test_a_second_launch_does_not_validate_again(kept_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = {u: r.started for u, r in read_records(kept_run).items()}
+    segments_before = len(segments(kept_run))
+    out = launch_plan(kept_run.parent / "plan.yaml")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "the run is complete (checkpoint-30): no smoke, no formal run" in out.stderr
+    assert {u: r.started for u, r in read_records(kept_run).items()} == before
+    assert len(segments(kept_run)) == segments_before  # nothing was trained
+    outcome = last_outcome(kept_run)
+    assert outcome["validation"]["done_before"] == [10, 20, 30] and outcome["validation"]["validated"] == []
+
+    # the plain verb validates every kept checkpoint not validated yet: checkpoint-25, with the example's real
+    # validation (held-out loss of the weights read from the checkpoint)
+    example_validation = (
+        f"{sys.executable} {EXAMPLES / 'validate_lm.py'} --checkpoint {{checkpoint}} --out {{metrics}}"
+    )
+    assert main(["validate", str(kept_run), "--cmd", example_validation]) == 0
+    assert sorted(read_records(kept_run)) == [10, 20, 25, 30]
+    metrics = read_records(kept_run)[25].metrics or {}
+    assert metrics.keys() == {"loss", "bits_per_byte", "samples"} and 0 < metrics["loss"] < 6
+    capsys.readouterr()
+    assert main(["status", str(kept_run), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)["validation"]
+    assert [(r["update"], r["status"]) for r in status["records"]] == [
+        (10, "ok"),
+        (20, "failed"),
+        (25, "ok"),
+        (30, "ok"),
+    ]
+    report = render(kept_run, kept_run.parent / "report")
+    assert (
+        report.plots["validation"].name == "validation.png"
+        and report.plots["validation"].stat().st_size > 10_000
+    )
+    page = report.html.read_text()
+    assert "<h2>Validation</h2>" in page and "checkpoint-20</td><td>failed" in page
+
+
+def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, tmp_path: Path) -> None:
+    # the cost model: a validation (measured in this run, else the plan's estimate) and the margin must fit
+    assert (
+        validation_fits(600.0, 1060.0, 1000.0, 1.0).why
+        == "60.0s left < 601.0s needed (validation 600.0s + margin 1.0s)"
+    )
+    assert validation_fits(0.0, 1060.0, 1000.0, 1.0).go and validation_fits(0.0, None, 1000.0, 1.0).go
+    assert not validation_fits(0.0, 1000.5, 1000.0, 1.0).go
+    spec = ValidationSpec(command=VALIDATE, updates=[10, 25], again=True, estimate_s=600.0)
+    report = validate_checkpoints(kept_run, spec, deadline=time.time() + 0.5, margin_s=1.0)
+    assert report.records == [] and sorted(report.left) == [10, 25] and "s left <" in report.left[10]
+    assert read_pending(kept_run)["left"].keys() == {"10", "25"}
+
+    # an unmeasured validation (a copy of the run without records) that outlives the deadline is stopped, its
+    # whole process group, and stays to do
+    fresh = tmp_path / "fresh"
+    shutil.copytree(kept_run, fresh, ignore=shutil.ignore_patterns("validation"))
+    pid_file = tmp_path / "pid"
+    sleeper = ValidationSpec(command=f"echo $$ > {pid_file}; sleep 60 & wait", updates=[25])
+    started = time.time()
+    report = validate_checkpoints(fresh, sleeper, deadline=time.time() + 2.0, margin_s=0.5)
+    assert time.time() - started < 15
+    (record,) = report.records
+    assert (record.status, record.reason) == ("interrupted", "the allocation's time ran out")
+    assert report.left == {25: "the allocation's time ran out"}
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+    assert select(fresh, [25]).todo == [25]  # interrupted: the next pass validates it again
+
+    # a command that exits 0 without metrics, and one past its own timeout, are failures
+    silent = run_one(fresh, 25, ValidationSpec(command="true", timeout_s=0))
+    assert silent.status == "failed" and "wrote no metrics" in silent.reason
+    slow = run_one(fresh, 25, ValidationSpec(command="sleep 30", timeout_s=0.5))
+    assert slow.status == "failed" and slow.reason == "took longer than timeout_s=0.5s; killed"
+    assert slow.attempt == silent.attempt + 1
+
+
+def test_validation_records_travel_in_a_bundle(
+    kept_run: Path, example: dict[str, Path], tmp_path: Path
+) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(kept_run, copy)
+    bundle = tmp_path / "bundle"
+    assert main(["pack", str(copy), str(bundle), "--code-dir", str(example["code"])]) == 0
+    sums = (bundle / "SHA256SUMS").read_text()
+    for update in (10, 20, 30):
+        assert f"  validation/checkpoint-{update}/record.json\n" in sums
+    assert main(["verify", str(bundle)]) == 0
 
 
 # ------------------------------------------------------------------------------------------------ export

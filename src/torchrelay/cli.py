@@ -24,6 +24,7 @@ VERBS: dict[str, str] = {
     "sbatch": "sbatch",
     "audit": "audit",
     "report": "report",
+    "validate": "validate",
     "export": "export",
 }
 
@@ -39,6 +40,7 @@ HELP = {
     "sbatch": "write (and submit) a Slurm batch script that runs a plan and requeues itself",
     "audit": "prove that a training script resumes exactly",
     "report": "plot a run (loss, LR, speed, segments) into PNGs and one HTML page",
+    "validate": "run a validation command on chosen checkpoints and record its metrics",
     "export": "write a checkpoint's model weights as safetensors (Hugging Face layout) for serving",
 }
 

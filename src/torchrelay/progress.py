@@ -94,7 +94,22 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
     # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
     out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]
     out["audit"] = _audit_verdict(rd.path)
+    out["validation"] = _validation(rd.path)
     return out
+
+
+def _validation(run_dir: Path) -> dict[str, Any]:
+    """Each checkpoint's recorded validation (status, metrics, when, how long) and what is left to validate."""
+    from torchrelay.validation import read_pending, read_records
+
+    records = [
+        {
+            k: r.to_dict()[k]
+            for k in ("update", "status", "reason", "metrics", "seconds", "started", "attempt")
+        }
+        for r in read_records(run_dir).values()
+    ]
+    return {"records": records, "pending": read_pending(run_dir)}
 
 
 def _kept_because(cfg: RelayConfig, ckpts: list[CheckpointInfo]) -> dict[int, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             ck.get("kept") or "-",
         )
     console.print(c)
+    _print_validation(console, s["validation"])
     g = Table(title="segments" + (f" — {len(s['lineages'])} lineages" if len(s["lineages"]) > 1 else ""))
     for col in ("#", "segment", "job", "hosts", "world", "updates", "ended", "notes"):
         g.add_column(col)
@@ -149,3 +151,30 @@ def run(args: argparse.Namespace) -> int:
         )
     console.print(g)
     return 0
+
+
+def _print_validation(console: Console, validation: dict[str, Any]) -> None:
+    records, pending = validation["records"], validation["pending"] or {}
+    left, missing = pending.get("left") or {}, pending.get("missing") or {}
+    if not records and not left and not missing:
+        return
+    v = Table(title="validation")
+    for col in ("checkpoint", "result", "metrics", "took"):
+        v.add_column(col)
+    for r in records:
+        result = {"ok": "[green]ok[/]", "failed": "[red]failed[/]"}.get(
+            r["status"], f"[yellow]{r['status']}[/]"
+        )
+        if r["reason"]:
+            result += f": {r['reason']}"
+        metrics = ", ".join(f"{k}={_metric(x)}" for k, x in (r["metrics"] or {}).items())
+        v.add_row(f"checkpoint-{r['update']}", result, metrics[:80] or "-", f"{r['seconds']:.1f} s")
+    for update, why in left.items():
+        v.add_row(f"checkpoint-{update}", f"[yellow]left for the next launch[/]: {why}", "-", "-")
+    for update, why in missing.items():
+        v.add_row(f"checkpoint-{update}", f"not available: {why}", "-", "-")
+    console.print(v)
+
+
+def _metric(value: object) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -33,7 +33,7 @@ from torchrelay.rundir import RunDir
 ATTEMPTS_DIR = "attempts"
 FROZEN_PLAN = "plan.frozen.yaml"
 _NAME = re.compile(r"^attempt_(\d+)$")
-STAGES = ("preflight", "smoke", "formal", "done")
+STAGES = ("preflight", "smoke", "formal", "validate", "done")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,7 +42,7 @@ class Outcome:
 
     exit_code: int
     ended: str  # finished | budget | request | signal | memory | memory-killed | crash | error | refused
-    stage: str  # the last stage entered: preflight | smoke | formal | done
+    stage: str  # the last stage entered: preflight | smoke | formal | validate | done
     updates_before: int = 0
     updates_after: int = 0
     message: str = ""
@@ -50,6 +50,7 @@ class Outcome:
     stopped: float = 0.0
     job: str | None = None
     notes: list[str] = field(default_factory=list)
+    validation: dict[str, Any] = field(default_factory=dict)  # the validation stage's report, when it ran
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:

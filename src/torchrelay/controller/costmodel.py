@@ -69,6 +69,24 @@ class CostModel:
         return None if deadline is None else deadline - self.margin_s
 
 
+def validation_fits(estimate_s: float, deadline: float | None, now: float, margin_s: float) -> Decision:
+    """One more validation of a checkpoint (about `estimate_s`, 0 when never measured) fits before the deadline?
+
+    An unmeasured validation starts when anything is left beyond the margin: it is stopped at the deadline and
+    recorded as interrupted, and its checkpoint stays to do for the next launch.
+    """
+    needed = estimate_s + margin_s
+    if deadline is None:
+        return Decision(True, needed, None, "no deadline")
+    left = deadline - now
+    what = (
+        f"validation {estimate_s:.1f}s + margin {margin_s:.1f}s" if estimate_s else f"margin {margin_s:.1f}s"
+    )
+    if left < needed or left <= margin_s:
+        return Decision(False, needed, left, f"{left:.1f}s left < {needed:.1f}s needed ({what})")
+    return Decision(True, needed, left, f"{left:.1f}s left >= {needed:.1f}s needed ({what})")
+
+
 def parse_deadline(text: str) -> float:
     """`--deadline`: unix seconds or an ISO 8601 time (naive times are local)."""
     try:

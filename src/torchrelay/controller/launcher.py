@@ -50,6 +50,7 @@ from torchrelay.lock import RunLock
 from torchrelay.logs import metrics_path
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
+from torchrelay.validation import ValidationRecord, ValidationSpec, validate_checkpoints
 
 EXIT_OF_ENDED = {
     "finished": EXIT_FINISHED,
@@ -130,6 +131,13 @@ class Controller:
         attempt.write_json("preflight.json", report.to_list())
         if self._interrupted(outcome, "before the smoke run"):
             return outcome
+        total = _total_updates(plan.run_path)
+        if total is not None and _saved_update(plan.run_path) >= total:
+            # Nothing to train: a launch of a complete run only does what is left after training (validation).
+            self.console.print(f"the run is complete (checkpoint-{total}): no smoke, no formal run")
+            attempt.note(f"the run was complete (checkpoint-{total}) before this attempt")
+            outcome.exit_code, outcome.ended, outcome.stage = EXIT_FINISHED, "finished", "done"
+            return self._validate(outcome, deadline)
 
         outcome.stage = "smoke"
         measurements = self._measurements(attempt)
@@ -154,7 +162,66 @@ class Controller:
             outcome.exit_code, outcome.ended = EXIT_REFUSED, "refused"
             outcome.message = f"not enough time to start the formal run: {decision.why}"
             return outcome
-        return self._formal(attempt, outcome, cost, deadline)
+        return self._validate(self._formal(attempt, outcome, cost, deadline), deadline)
+
+    def _validate(self, outcome: Outcome, deadline: float | None) -> Outcome:
+        """The validation stage: after a formal run that finished or stopped cleanly, in the time that is left."""
+        plan, spec = self.plan, self.plan.validate
+        if not spec.run or outcome.ended not in ("finished", "budget", "request"):
+            return outcome
+        if self.relay.stopped:
+            outcome.notes.append("validation not started: a stop signal arrived")
+            return outcome
+        outcome.stage = "validate"
+        self.console.rule(f"validation: {spec.run}")
+        request = ValidationSpec(
+            command=spec.run,
+            updates=spec.update_list,
+            cwd=plan.work_path,
+            env=self._env(spec.env),
+            timeout_s=spec.timeout_s,
+            estimate_s=spec.estimate_s,
+        )
+        try:
+            report = validate_checkpoints(
+                plan.run_path,
+                request,
+                deadline=deadline,
+                margin_s=plan.budget.margin_s,
+                should_stop=lambda: self.relay.stopped,
+                on_event=self._show_validation,
+                clock=self.req.clock,
+            )
+        except RelayError as exc:  # the training's outcome stands; the checkpoints stay to validate
+            outcome.notes.append(f"validation could not run: {exc.message}")
+            self.console.print(f"[red]validation could not run[/]: {exc}")
+            return outcome
+        outcome.validation = report.to_dict()
+        for update, why in sorted(report.missing.items()):
+            self.console.print(f"validation: checkpoint-{update} not available: {why}")
+        if report.failed:
+            outcome.notes.append(
+                f"validation failed for checkpoint(s) {report.failed} (see RUN_DIR/validation/)"
+            )
+        if report.left:
+            left = ", ".join(f"checkpoint-{u}" for u in sorted(report.left))
+            why = next(iter(report.left.values()))
+            outcome.notes.append(f"validation left for the next launch: {left} ({why})")
+            self.console.print(f"validation left for the next launch: {left} ({why})")
+            if outcome.ended == "finished":  # the work is not done: a batch script requeues on 3
+                outcome.exit_code = EXIT_BUDGET
+                outcome.message = f"training finished; validation of {left} left for the next launch ({why})"
+        elif outcome.ended == "finished":
+            outcome.stage = "done"
+        return outcome
+
+    def _show_validation(self, event: str, update: int, record: ValidationRecord | None) -> None:
+        if event == "start":
+            self.console.print(f"validating checkpoint-{update} ...")
+        elif record is not None:
+            metrics = ", ".join(f"{k}={v}" for k, v in (record.metrics or {}).items())
+            detail = metrics if record.status == "ok" else record.reason
+            self.console.print(f"checkpoint-{update}: {record.status} in {record.seconds:.1f}s: {detail}")
 
     def _measurements(self, attempt: Attempt) -> Measurements | None:
         """Measurements to use without a smoke run, or None: run the smoke."""
@@ -383,6 +450,12 @@ class Controller:
         table.add_row(
             "updates", f"{outcome.updates_before} -> {outcome.updates_after} (+{outcome.updates_done})"
         )
+        if outcome.validation:
+            v = outcome.validation
+            table.add_row(
+                "validation",
+                f"ok {v['validated']}, failed {v['failed']}, before {v['done_before']}, left {sorted(v['left'])}",
+            )
         for note in outcome.notes:
             table.add_row("note", note)
         self.console.print(table)

@@ -17,6 +17,7 @@ smoke: {when: always, updates: 3, save_every: 2, timeout_s: 600}
 budget: {margin_s: 10}
 memory: {soft_fraction: 0.9, hard_fraction: 0.97}
 slurm: {time: "04:00:00", nodes: 1, gpus_per_node: 8, signal_s: 300}
+validate: {run: "python tools/validate.py --checkpoint {checkpoint} --out {metrics}", updates: [4000, 8000]}
 ```
 """
 
@@ -36,7 +37,7 @@ from torchrelay.errors import ConfigError
 
 SMOKE_WHEN = ("always", "first", "never")
 # Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.
-FREE_FORM = (("train", "overrides"), ("train", "env"), ("smoke", "overrides"))
+FREE_FORM = (("train", "overrides"), ("train", "env"), ("smoke", "overrides"), ("validate", "env"))
 
 
 def _check_type(source: str, name: str, value: object, kind: type | tuple[type, ...]) -> None:
@@ -220,6 +221,36 @@ class SlurmSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class ValidateSpec:
+    """After the formal run exits (finished or stopped): a command on each named checkpoint not validated yet."""
+
+    run: str = ""  # shell command in workdir; {checkpoint} {metrics} {update} {run_dir}; empty: no stage
+    updates: Any = "kept"  # a list of updates, or "kept": every complete checkpoint
+    timeout_s: float = 0.0  # fail one validation after this long (0: only the deadline limits it)
+    estimate_s: float = 0.0  # seconds one validation takes, until one was measured (the cost model's input)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from torchrelay.validation import parse_updates
+
+        _check_type("plan validate", "run", self.run, str)
+        parse_updates(self.updates, "plan validate.updates")
+        for name in ("timeout_s", "estimate_s"):
+            _check_type("plan validate", name, getattr(self, name), (int, float))
+            if getattr(self, name) < 0:
+                raise ConfigError(f"plan validate: {name!r} must be >= 0, got {getattr(self, name)}")
+        _check_type("plan validate", "env", self.env, dict)
+        self.env = {str(k): str(v) for k, v in self.env.items()}
+
+    @property
+    def update_list(self) -> list[int] | None:
+        """The named updates, or None for every kept checkpoint."""
+        from torchrelay.validation import parse_updates
+
+        return parse_updates(self.updates, "plan validate.updates")
+
+
+@dataclass(kw_only=True, slots=True)
 class Plan:
     """A resolved plan: absolute paths, every stage typed; `to_dict()` is what an attempt records."""
 
@@ -231,6 +262,7 @@ class Plan:
     budget: BudgetSpec = field(default_factory=BudgetSpec)
     memory: MemorySpec = field(default_factory=MemorySpec)
     slurm: SlurmSpec = field(default_factory=SlurmSpec)
+    validate: ValidateSpec = field(default_factory=ValidateSpec)
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -272,6 +304,7 @@ class Plan:
             "budget": BudgetSpec,
             "memory": MemorySpec,
             "slurm": SlurmSpec,
+            "validate": ValidateSpec,
         }
         for key, spec in sections.items():
             if key in data and not isinstance(data[key], spec):

@@ -30,6 +30,7 @@ from torchrelay.logs import rank_logs, read_jsonl, trim_copy
 from torchrelay.manifest import Manifest
 from torchrelay.resume import RECLAIM_ENV
 from torchrelay.rundir import RunDir
+from torchrelay.validation import VALIDATION_DIR
 
 BUNDLE_FORMAT = 1
 BUNDLE_INFO = "bundle.json"
@@ -182,6 +183,14 @@ def _write_bundle(
     pairs = [(ckpt / rel, out / ckpt.name / rel) for rel in names]
     # 2. The run's own files, verbatim (the checkpoint's files may be linked; these are always copied).
     run_pairs = [(rd.path / rel, out / rel) for rel in RUN_FILES if (rd.path / rel).is_file()]
+    # Validation records travel too: what was validated where, so that a continuation does not repeat it.
+    validation = rd.path / VALIDATION_DIR
+    if validation.is_dir():
+        run_pairs += [
+            (validation / rel, out / VALIDATION_DIR / rel)
+            for rel in walk_files(validation)
+            if (validation / rel).is_file() and not (validation / rel).is_symlink()
+        ]
     copied: list[CopyResult] = copy_many(
         pairs, link=options.link, jobs=options.jobs, on_bytes=on_bytes, kernel_copy=True
     )

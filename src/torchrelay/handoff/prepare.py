@@ -330,7 +330,7 @@ def _copy_bundle(
         c.path
         for c in report.sums.checks
         if c.path.startswith(checkpoints)
-        or c.path.startswith("train/")
+        or c.path.startswith(("train/", "validation/"))
         or c.path in ("config.json", "resume_contract.json", "history.jsonl")
     ]
     link_ok = options.copy_mode == "hardlink"

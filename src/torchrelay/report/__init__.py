@@ -30,7 +30,7 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResu
     """Draw the run in `run_dir` into `out_dir` (default RUN_DIR/report): overview.png, one PNG per plot, report.html."""
     # Imported here so that `import torchrelay.report` stays cheap for tools that only read series.
     from torchrelay.report.html import write_html
-    from torchrelay.report.plots import PANELS, draw_overview, draw_panel
+    from torchrelay.report.plots import PANELS, draw_overview, draw_panel, draw_validation
 
     series = read_series(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
@@ -43,8 +43,13 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResu
         ) from exc
     overview = draw_overview(series, out / "overview.png")
     plots = {name: draw_panel(name, series, out / f"{name}.png") for name in PANELS}
+    if series.validation:  # only runs with validation records get the plot (and the page its table)
+        plots["validation"] = draw_validation(series, out / "validation.png")
+    titles = {name: title for name, (title, _) in PANELS.items()} | {
+        "validation": "Validation (metric vs update)"
+    }
     images = {"overview": ("Overview", overview)} | {
-        name: (PANELS[name][0], path) for name, path in plots.items()
+        name: (titles[name], path) for name, path in plots.items()
     }
     page = write_html(series, images, out / "report.html", audit=_audit_line(run_dir))
     return ReportResult(

@@ -111,12 +111,28 @@ def write_html(
 {segments}
 <h2>Checkpoints</h2>
 <p>{html.escape(checkpoints)}</p>
+{_validation_table(series)}
 <h2>Plots</h2>
 {figures}
 </body></html>
 """
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def _validation_table(series: RunSeries) -> str:
+    if not series.validation:
+        return ""
+    names = series.validation_metrics()
+    head = ["checkpoint", "status", *names, "seconds", "reason"]
+    rows = []
+    for p in series.validation:
+        cells = [f"checkpoint-{p.update}", p.status]
+        cells += [f"{p.metrics[n]:.6g}" if n in p.metrics else "—" for n in names]
+        cells += [f"{p.seconds:.1f}", p.reason or "—"]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    header = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
+    return f"<h2>Validation</h2>\n<table>{header}\n" + "\n".join(rows) + "</table>"
 
 
 def _starts(series: RunSeries) -> list[float]:

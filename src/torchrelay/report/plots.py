@@ -231,3 +231,33 @@ def draw_panel(name: str, series: RunSeries, path: Path) -> Path:
     ax.set_xlabel("update")
     fig.tight_layout(rect=(0, _legend_inches(series) / height, 1, 1))
     return _finish(fig, series, path)
+
+
+def draw_validation(series: RunSeries, path: Path, max_metrics: int = 6) -> Path:
+    """Each validation metric against the checkpoint's update (as the LingBot card's table); failed ones marked."""
+    names = series.validation_metrics()[:max_metrics] or ["(no numeric metric)"]
+    fig, axes = plt.subplots(len(names), 1, sharex=True, figsize=(10, 2.8 * len(names) + 0.8), squeeze=False)
+    failed = [p.update for p in series.validation if p.status != "ok"]
+    for ax, name in zip(axes[:, 0], names):
+        points = [(p.update, p.metrics[name]) for p in series.validation if name in p.metrics]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, color="#1F3B73", marker="o", lw=1.6)
+            for x, y in points:
+                ax.annotate(
+                    f"{y:.4g}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8
+                )
+        for update in failed:
+            ax.axvline(update, color="#C0392B", lw=1.0, ls="--", alpha=0.7)
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.25)
+    if failed:
+        axes[0, 0].plot([], [], color="#C0392B", ls="--", label="validation failed or interrupted")
+        axes[0, 0].legend(loc="best", fontsize=8)
+    axes[-1, 0].set_xticks(sorted({p.update for p in series.validation}))
+    axes[-1, 0].set_xlabel("update (checkpoint)")
+    fig.suptitle(f"{series.run_dir.name}: validation of {len(series.validation)} checkpoint(s)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path

@@ -48,6 +48,17 @@ class Segment:
 
 
 @dataclass(slots=True)
+class ValidationPoint:
+    """One checkpoint's recorded validation: its status and numeric metrics."""
+
+    update: int
+    status: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class RunSeries:
     """Everything the plots need, per update; missing values are NaN."""
 
@@ -64,6 +75,14 @@ class RunSeries:
     distinct_samples: list[int] = field(default_factory=list)
     total_exposures: list[int] = field(default_factory=list)
     manifest_size: int | None = None
+    validation: list[ValidationPoint] = field(default_factory=list)
+
+    def validation_metrics(self) -> list[str]:
+        """Names of the numeric metrics any validation recorded, in first-seen order."""
+        names: dict[str, None] = {}
+        for point in self.validation:
+            names.update(dict.fromkeys(point.metrics))
+        return list(names)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -207,4 +226,19 @@ def read_series(run_dir: str | Path) -> RunSeries:
     series.checkpoints = complete_checkpoints(root)
     series.exposure_updates, series.distinct_samples, series.total_exposures = _exposures(train_dir)
     series.manifest_size = _manifest_size(root)
+    series.validation = _validation(root)
     return series
+
+
+def _validation(run_dir: Path) -> list[ValidationPoint]:
+    from torchrelay.validation import read_records
+
+    points = []
+    for record in read_records(run_dir).values():
+        numeric = {
+            k: float(v)
+            for k, v in (record.metrics or {}).items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        }
+        points.append(ValidationPoint(record.update, record.status, numeric, record.reason, record.seconds))
+    return points

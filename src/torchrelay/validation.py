@@ -1,0 +1,425 @@
+"""Validation of chosen checkpoints after training: a user command per checkpoint, its metrics on record.
+
+The LingBot card validated steps 4000/8000/12000/20000 after the training process exited, each for about 31
+minutes. Here a validation is a shell command run once per checkpoint with the checkpoint's path; it writes a small
+JSON object of metrics. Each result is recorded in `RUN_DIR/validation/checkpoint-<N>/record.json` (command, time,
+code identity, exit code, metrics), beside the command's `metrics.json` and `output.log`. A checkpoint with a
+record that is `ok` or `failed` is not validated again (unless asked); an `interrupted` one (the allocation's time
+or a stop signal) is. A failing or crashing command is recorded as failed: the checkpoint is only ever read.
+
+Validation holds the run's writer lock, as `pack` does: retention of a training running at the same time could
+otherwise delete the checkpoint under the command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.checkpoint.inventory import INVENTORY, sha256_of, validate_complete
+from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.controller.costmodel import validation_fits
+from torchrelay.errors import ConfigError, RelayError
+from torchrelay.fsutil import atomic_write_text
+from torchrelay.identity import code_identity, find_code_dir
+from torchrelay.lock import RunLock
+from torchrelay.rundir import RunDir
+
+VALIDATION_DIR = "validation"
+RECORD = "record.json"
+METRICS = "metrics.json"
+LOG = "output.log"
+PENDING = "pending.json"
+RECORD_FORMAT = 1
+DONE = ("ok", "failed")  # an interrupted validation is still to do
+KEPT = "kept"  # the selection "every complete checkpoint the run keeps"
+PLACEHOLDERS = ("checkpoint", "metrics", "update", "run_dir")
+# Set by a controller for its own stages: a validation command must not inherit them (TORCHRELAY_RUN_DIR would
+# redirect a Run.open inside it into the run being validated).
+_STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
+KILL_GRACE_S = 10.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ValidationRecord:
+    """What one validation of one checkpoint did: `record.json`."""
+
+    update: int
+    checkpoint: str
+    command: str
+    status: str  # ok | failed | interrupted
+    reason: str = ""  # why it failed or was interrupted
+    exit_code: int | None = None
+    metrics: dict[str, Any] | None = None
+    started: float = 0.0
+    ended: float = 0.0
+    seconds: float = 0.0
+    attempt: int = 1
+    host: str = ""
+    cwd: str = ""
+    code: dict[str, Any] = field(default_factory=dict)
+    inventory_sha256: str = ""  # of the checkpoint's COMPLETE.json: exactly which bytes were validated
+    contract_sha256: str | None = None
+    format: int = RECORD_FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ValidationRecord:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @property
+    def done(self) -> bool:
+        return self.status in DONE
+
+
+@dataclass(kw_only=True, slots=True)
+class ValidationSpec:
+    """The command and which checkpoints it validates."""
+
+    command: str
+    updates: list[int] | None = None  # None: every complete checkpoint (KEPT)
+    cwd: Path = field(default_factory=Path.cwd)
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 0.0  # 0: no limit of its own (a deadline still applies)
+    estimate_s: float = 0.0  # how long one validation takes, before one was measured
+    again: bool = False  # validate checkpoints with a record too
+
+    def __post_init__(self) -> None:
+        if not self.command.strip():
+            raise ConfigError("validation needs a command (plan validate.run, or --cmd)")
+        if self.timeout_s < 0 or self.estimate_s < 0:
+            raise ConfigError("validation timeout_s and estimate_s must be >= 0")
+
+
+def parse_updates(value: Any, source: str = "validate.updates") -> list[int] | None:
+    """'kept' (or None) -> None; [10, 20] or '10,20' -> [10, 20]."""
+    if value is None or value == KEPT:
+        return None
+    if isinstance(value, str):
+        try:
+            value = [int(x) for x in value.replace(" ", "").split(",") if x]
+        except ValueError as exc:
+            raise ConfigError(
+                f"{source}: {value!r} is neither 'kept' nor a list of updates like 10,20"
+            ) from exc
+    if not isinstance(value, list) or not value or not all(isinstance(u, int) and u >= 1 for u in value):
+        raise ConfigError(f"{source}: must be 'kept' or a non-empty list of updates >= 1, got {value!r}")
+    return sorted(set(value))
+
+
+def folder(run_dir: str | os.PathLike[str], update: int) -> Path:
+    return Path(run_dir) / VALIDATION_DIR / f"checkpoint-{update}"
+
+
+def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]:
+    """Every recorded validation, by update; a folder without a readable record holds none (killed mid-way)."""
+    root = Path(run_dir) / VALIDATION_DIR
+    out: dict[int, ValidationRecord] = {}
+    if not root.is_dir():
+        return out
+    for child in root.iterdir():
+        if not child.name.startswith("checkpoint-") or not child.name[11:].isdigit():
+            continue
+        try:
+            data = json.loads((child / RECORD).read_text())
+            record = ValidationRecord.from_dict(data)
+        except (OSError, ValueError, TypeError):
+            continue
+        out[record.update] = record
+    return dict(sorted(out.items()))
+
+
+def read_pending(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """What the last validation pass left to do (`pending.json`), or None."""
+    try:
+        data = json.loads((Path(run_dir) / VALIDATION_DIR / PENDING).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass(slots=True)
+class Selection:
+    """Which checkpoints a pass validates (`todo`), which are validated already, and which cannot be yet."""
+
+    todo: list[int] = field(default_factory=list)
+    done: list[int] = field(default_factory=list)
+    missing: dict[int, str] = field(default_factory=dict)  # update -> why there is nothing to validate
+
+
+def select(run_dir: Path, updates: list[int] | None, *, again: bool = False) -> Selection:
+    """Match the named updates (None: every complete checkpoint) against the run's checkpoints and records."""
+    complete = {c.update: c for c in list_checkpoints(run_dir) if c.complete}
+    records = read_records(run_dir)
+    total = RunDir(run_dir).load_config().total_updates
+    reached = max(complete, default=0)
+    sel = Selection()
+    for update in sorted(complete) if updates is None else updates:
+        if update in complete:
+            if not again and update in records and records[update].done:
+                sel.done.append(update)
+            else:
+                sel.todo.append(update)
+        elif update > total:
+            sel.missing[update] = f"past the end of the schedule ({total} updates)"
+        elif update > reached:
+            sel.missing[update] = f"not reached yet (newest complete checkpoint: {reached})"
+        else:
+            sel.missing[update] = (
+                "no complete checkpoint: not saved, or deleted by retention (add it to keep_updates)"
+            )
+    return sel
+
+
+@dataclass(slots=True)
+class ValidationReport:
+    """One pass: what ran (records), what it left for a later pass and why."""
+
+    records: list[ValidationRecord] = field(default_factory=list)
+    done_before: list[int] = field(default_factory=list)
+    left: dict[int, str] = field(default_factory=dict)  # to do later: update -> why not now
+    missing: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[int]:
+        return [r.update for r in self.records if r.status == "failed"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "validated": [r.update for r in self.records if r.status == "ok"],
+            "failed": self.failed,
+            "interrupted": [r.update for r in self.records if r.status == "interrupted"],
+            "done_before": self.done_before,
+            "left": {str(k): v for k, v in self.left.items()},
+            "missing": {str(k): v for k, v in self.missing.items()},
+        }
+
+
+def estimate_seconds(run_dir: Path, fallback: float) -> float:
+    """The longest validation this run has measured (they are alike), else the given estimate."""
+    measured = [r.seconds for r in read_records(run_dir).values() if r.done and r.exit_code is not None]
+    return max(measured) if measured else fallback
+
+
+def validate_checkpoints(
+    run_dir: str | os.PathLike[str],
+    spec: ValidationSpec,
+    *,
+    deadline: float | None = None,
+    margin_s: float = 0.0,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_event: Callable[[str, int, ValidationRecord | None], None] = lambda *_: None,  # "start" | "end"
+    clock: Callable[[], float] = time.time,
+) -> ValidationReport:
+    """Validate every selected checkpoint not validated yet, oldest first, while the cost model says one more fits
+    before `deadline`; what does not fit (or follows a stop) is left, and written to `validation/pending.json`."""
+    rd = RunDir(run_dir)
+    if not rd.exists():
+        raise ConfigError(f"{rd.path} holds no torchrelay run", hint="validate a run directory")
+    with RunLock(rd.path, "train").acquire(wait_s=float(os.environ.get("TORCHRELAY_LOCK_WAIT_S", "3"))):
+        sel = select(rd.path, spec.updates, again=spec.again)
+        report = ValidationReport(done_before=sel.done, missing=dict(sel.missing))
+        for i, update in enumerate(sel.todo):
+            if should_stop():
+                report.left.update({u: "a stop signal arrived" for u in sel.todo[i:]})
+                break
+            estimate = estimate_seconds(rd.path, spec.estimate_s)
+            decision = validation_fits(estimate, deadline, clock(), margin_s)
+            if not decision.go:
+                report.left.update({u: decision.why for u in sel.todo[i:]})
+                break
+            on_event("start", update, None)
+            end_by = None if deadline is None else deadline - margin_s
+            record = run_one(rd.path, update, spec, end_by=end_by, should_stop=should_stop, clock=clock)
+            report.records.append(record)
+            if record.status == "interrupted":
+                report.left[update] = record.reason
+            on_event("end", update, record)
+        write_pending(rd.path, spec, report, clock())
+    return report
+
+
+def write_pending(run_dir: Path, spec: ValidationSpec, report: ValidationReport, now: float) -> None:
+    doc = {
+        "format": RECORD_FORMAT,
+        "written": now,
+        "command": spec.command,
+        "updates": spec.updates if spec.updates is not None else KEPT,
+        "left": {str(k): v for k, v in sorted(report.left.items())},
+        "missing": {str(k): v for k, v in sorted(report.missing.items())},
+    }
+    (run_dir / VALIDATION_DIR).mkdir(exist_ok=True)
+    atomic_write_text(run_dir / VALIDATION_DIR / PENDING, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+def command_for(template: str, values: dict[str, str]) -> str:
+    """The shell command with {checkpoint}, {metrics}, {update}, {run_dir} filled in (shell-quoted); other
+    braces (`${VAR}`, JSON) are left alone."""
+    out = template
+    for name in PLACEHOLDERS:
+        out = out.replace("{" + name + "}", shlex.quote(values[name]))
+    return out
+
+
+def run_one(
+    run_dir: Path,
+    update: int,
+    spec: ValidationSpec,
+    *,
+    end_by: float | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    clock: Callable[[], float] = time.time,
+) -> ValidationRecord:
+    """Run the command on checkpoint-<update> and record how it went (never raises for the command's failure)."""
+    ckpt = run_dir / f"checkpoint-{update}"
+    out = folder(run_dir, update)
+    previous = read_records(run_dir).get(update)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (METRICS, LOG):
+        (out / name).unlink(missing_ok=True)  # a result of an earlier attempt must not pass for this one's
+    values = {
+        "checkpoint": str(ckpt),
+        "metrics": str(out / METRICS),
+        "update": str(update),
+        "run_dir": str(run_dir),
+    }
+    command = command_for(spec.command, values)
+    record = ValidationRecord(
+        update=update,
+        checkpoint=ckpt.name,
+        command=command,
+        status="failed",
+        started=clock(),
+        attempt=(previous.attempt + 1) if previous else 1,
+        host=socket.gethostname(),
+        cwd=str(spec.cwd),
+        code=_code_of(spec.cwd),
+        contract_sha256=_contract_sha(run_dir),
+    )
+    try:
+        validate_complete(ckpt, hashes=False)  # sizes: the trainer hashed it when it wrote it
+        record.inventory_sha256 = sha256_of(ckpt / INVENTORY)
+    except RelayError as exc:
+        record.reason = f"checkpoint-{update} is damaged, not validated: {exc.message}"
+        return _finish(out, record, clock)
+    env = {k: v for k, v in os.environ.items() if k not in _STAGE_VARS}
+    env.update(spec.env)
+    env.update(
+        TORCHRELAY_CHECKPOINT=values["checkpoint"],
+        TORCHRELAY_VALIDATION_METRICS=values["metrics"],
+        TORCHRELAY_VALIDATION_UPDATE=values["update"],
+        TORCHRELAY_VALIDATION_RUN_DIR=values["run_dir"],
+    )
+    limit = record.started + spec.timeout_s if spec.timeout_s else None
+    with open(out / LOG, "wb") as log:
+        try:
+            proc = subprocess.Popen(
+                command, shell=True, cwd=spec.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            record.reason = f"could not start the command: {exc}"
+            return _finish(out, record, clock)
+        why = _wait(proc, limit, end_by, should_stop, clock)
+    record.exit_code = proc.returncode
+    if why == "timeout":
+        record.reason = f"took longer than timeout_s={spec.timeout_s:g}s; killed"
+    elif why:
+        record.status, record.reason = "interrupted", why
+    elif proc.returncode != 0:
+        record.reason = f"exited with code {proc.returncode}" + (
+            f" (signal {signal.Signals(-proc.returncode).name})" if proc.returncode < 0 else ""
+        )
+    else:
+        record.metrics, record.reason = _read_metrics(out / METRICS)
+        record.status = "ok" if record.metrics is not None else "failed"
+    try:
+        validate_complete(ckpt, hashes=False)
+    except RelayError as exc:  # the command wrote into the checkpoint: say so on the record and in status
+        record.status = "failed"
+        record.reason = f"the command changed checkpoint-{update}: {exc.message}"
+    return _finish(out, record, clock)
+
+
+def _wait(
+    proc: subprocess.Popen[bytes],
+    limit: float | None,
+    end_by: float | None,
+    should_stop: Callable[[], bool],
+    clock: Callable[[], float],
+) -> str:
+    """Wait for the command; '' when it exited by itself, else why it was stopped (its process group killed)."""
+    while proc.poll() is None:
+        now = clock()
+        why = ""
+        if should_stop():
+            why = "a stop signal arrived"
+        elif end_by is not None and now >= end_by:
+            why = "the allocation's time ran out"
+        elif limit is not None and now >= limit:
+            why = "timeout"
+        if why:
+            _kill_group(proc)
+            return why
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+    return ""
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the command's whole process group, SIGKILL after a grace: nothing of it survives."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # what ignored SIGTERM, and children that outlived their shell
+    proc.wait()
+
+
+def _read_metrics(path: Path) -> tuple[dict[str, Any] | None, str]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, f"exited 0 but wrote no metrics to {path.name} (the {{metrics}} path)"
+    except (OSError, ValueError) as exc:
+        return None, f"{path.name} is not valid JSON: {exc}"
+    if not isinstance(data, dict) or not data:
+        return None, f"{path.name} must hold a non-empty JSON object of metrics, got {type(data).__name__}"
+    return data, ""
+
+
+def _finish(out: Path, record: ValidationRecord, clock: Callable[[], float]) -> ValidationRecord:
+    record.ended = clock()
+    record.seconds = round(record.ended - record.started, 3)
+    atomic_write_text(out / RECORD, json.dumps(record.to_dict(), indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def _code_of(cwd: Path) -> dict[str, Any]:
+    """The identity of the code the command runs from: a git checkout's commit; a plain folder is only named
+    (hashing an arbitrary working directory could take long)."""
+    top = find_code_dir(str(cwd))
+    if top is not None and (top / ".git").exists():
+        return {"dir": str(top), **code_identity(top)}
+    return {"dir": str(top or cwd), "commit": None}
+
+
+def _contract_sha(run_dir: Path) -> str | None:
+    try:
+        return str(json.loads((run_dir / "resume_contract.json").read_text()).get("sha256"))
+    except (OSError, ValueError):
+        return None
