@@ -18,6 +18,9 @@ CONTRACT_FILE = "resume_contract.json"
 # A plain source tree (an extracted `git archive`) knows its tree hash but not its commit: the commit is
 # compared only when both sides know it, the tree always.
 _OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
+# Fields added after contracts were first written (format 1 all along): a contract without them is compared
+# without them, so a run made before them still resumes; code.dirty then keeps its old sense (tracked files only).
+LATER_FIELDS = ("code.untracked", "code.modified")
 
 
 def canonical_json(obj: Any) -> str:
@@ -48,10 +51,14 @@ def build_contract(
     manifest: Manifest | None = None,
     *,
     use_git: bool = True,
+    code_files: list[str] | tuple[str, ...] = (),
+    known: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Recompute the contract from a configuration and what is installed and on disk here.
 
     use_git=False: `code_dir` is untrusted (extracted from a bundle); its identity is a plain content hash.
+    code_files: the running program's files (identity.running_files); known: the recorded contract's fields, whose
+    code files are looked at too (see identity.code_identity).
     """
     manifest = manifest or Manifest.load(cfg.manifest, cfg.data_root)
     config = cfg.to_dict()
@@ -59,6 +66,8 @@ def build_contract(
         config.pop(name, None)
     config["params"] = {k: v for k, v in cfg.params.items() if k not in cfg.runtime_params}
     pinned = versions(cfg.pins)
+    code = code_identity(code_dir, use_git=use_git, files=code_files, known=known)
+    tracked_dirty = code.pop("_tracked_dirty", None)
     fields: dict[str, Any] = {
         **flatten(config),
         "world_size": world_size,
@@ -67,7 +76,7 @@ def build_contract(
         "schedule.warmup_updates": cfg.warmup_updates,
         "data.fingerprint": manifest.fingerprint(),
         "data.samples": len(manifest),
-        **{f"code.{k}": v for k, v in code_identity(code_dir, use_git=use_git).items()},
+        **{f"code.{k}": v for k, v in code.items()},
         "versions.python": pinned["python"],
         "versions.torch": pinned["torch"],
         **{f"versions.{k}": v for k, v in pinned.items() if k not in ("python", "torch", "torchrelay")},
@@ -79,17 +88,42 @@ def build_contract(
                 hint=f"point config field external_files.{name} at the file (a runtime field)",
             )
         fields[f"external.{name}.sha256"] = sha256_file(path)
-    return {"format": CONTRACT_FORMAT, "fields": fields, "sha256": contract_sha256(fields)}
+    # Not part of the contract: what code.dirty meant before untracked files counted, for an older contract.
+    compat = {"code.dirty": tracked_dirty}
+    return {"format": CONTRACT_FORMAT, "fields": fields, "sha256": contract_sha256(fields), "compat": compat}
+
+
+def comparable(recorded: dict[str, Any], recomputed: dict[str, Any]) -> dict[str, Any]:
+    """The recomputed contract in the recorded one's terms: a field added later (LATER_FIELDS) that the recorded
+    contract lacks is left out, and code.dirty takes its sense of then; a run made before stays resumable, and
+    its contract digest stays the one it recorded."""
+    fields = dict(recomputed["fields"])
+    if all(key in recorded for key in LATER_FIELDS):
+        return recomputed
+    for key in LATER_FIELDS:
+        if key not in recorded:
+            fields.pop(key, None)
+    compat = recomputed.get("compat") or {}
+    if "code.untracked" not in recorded and "code.dirty" in fields and compat.get("code.dirty") is not None:
+        fields["code.dirty"] = compat["code.dirty"]
+    return {**recomputed, "fields": fields, "sha256": contract_sha256(fields)}
 
 
 def contract_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """Every field whose value differs, as (field, old, new), sorted by field."""
-    out = []
+    """Every field whose value differs, as (field, old, new), sorted by field; a field holding files
+    ({path: sha256}) differs file by file, as `field[path]`."""
+    out: list[tuple[str, Any, Any]] = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if key in _OPTIONAL_WHEN_UNKNOWN and (a is None or b is None):
             continue
-        if a != b:
+        if key in LATER_FIELDS and (key not in old or key not in new):
+            continue  # one side was written before the field existed
+        if isinstance(a, dict) and isinstance(b, dict):
+            for name in sorted(set(a) | set(b)):
+                if a.get(name, "<absent>") != b.get(name, "<absent>"):
+                    out.append((f"{key}[{name}]", a.get(name, "<absent>"), b.get(name, "<absent>")))
+        elif a != b:
             out.append((key, a, b))
     return out
 
@@ -97,7 +131,8 @@ def contract_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, A
 def write_contract(run_dir: Path, contract: dict[str, Any]) -> None:
     from torchrelay.fsutil import atomic_write_text
 
-    atomic_write_text(run_dir / CONTRACT_FILE, canonical_json(contract) + "\n")
+    recorded = {k: contract[k] for k in ("format", "fields", "sha256")}  # not "compat": it is no field
+    atomic_write_text(run_dir / CONTRACT_FILE, canonical_json(recorded) + "\n")
 
 
 def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -123,9 +158,12 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def check_contract(run_dir: Path, recomputed: dict[str, Any]) -> dict[str, Any]:
+def check_contract(
+    run_dir: Path, recomputed: dict[str, Any], recorded: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Refuse with every differing field listed, or return the recorded contract."""
-    recorded = load_contract(run_dir)
+    recorded = recorded if recorded is not None else load_contract(run_dir)
+    recomputed = comparable(recorded["fields"], recomputed)
     diffs = contract_diff(recorded["fields"], recomputed["fields"])
     if diffs:
         raise ContractMismatch(str(run_dir / CONTRACT_FILE), diffs)

@@ -8,6 +8,7 @@ import platform
 import stat
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,16 @@ def _git(code_dir: Path, *args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _git_tree_of_dir(root: Path) -> str:
-    """The tree hash git would give these files: a `git archive` extracted elsewhere hashes the same."""
+def _git_tree_of_dir(root: Path, without: frozenset[str] = frozenset()) -> str:
+    """The tree hash git would give these files: a `git archive` extracted elsewhere hashes the same.
 
-    def tree(d: Path) -> bytes:
+    `without`: paths (relative, posix) left out, as git leaves out files it does not track.
+    """
+
+    def tree(d: Path, prefix: str) -> bytes:
         entries: list[tuple[str, bytes]] = []
         for child in d.iterdir():
-            if child.name in _SKIP_DIRS:
+            if child.name in _SKIP_DIRS or prefix + child.name in without:
                 continue
             st = child.lstat()
             if stat.S_ISLNK(st.st_mode):
@@ -43,7 +47,7 @@ def _git_tree_of_dir(root: Path) -> str:
             elif stat.S_ISDIR(st.st_mode):
                 if (child / "resume_contract.json").exists():
                     continue  # a run directory inside a plain source tree is output, not code
-                sub = tree(child)
+                sub = tree(child, prefix + child.name + "/")
                 if sub:  # git does not record empty directories
                     entries.append((child.name + "/", b"40000 " + child.name.encode() + b"\0" + sub))
             elif stat.S_ISREG(st.st_mode):
@@ -56,7 +60,7 @@ def _git_tree_of_dir(root: Path) -> str:
         body = b"".join(e for _, e in sorted(entries))
         return hashlib.sha1(b"tree %d\0" % len(body) + body).digest()
 
-    digest = tree(root)
+    digest = tree(root, "")
     return digest.hex() if digest else ""
 
 
@@ -64,29 +68,147 @@ def _blob(data: bytes) -> bytes:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
 
 
-def code_identity(code_dir: str | os.PathLike[str] | None, *, use_git: bool = True) -> dict[str, Any]:
-    """{commit, tree, dirty, dirty_sha256}; commit is None for a plain source tree (e.g. an extracted archive).
+def code_identity(
+    code_dir: str | os.PathLike[str] | None,
+    *,
+    use_git: bool = True,
+    files: Iterable[str | os.PathLike[str]] = (),
+    known: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """{commit, tree, dirty, dirty_sha256, untracked, modified}; commit is None for a plain source tree (e.g. an
+    extracted archive).
 
+    `files` are the running program's own files (`running_files`): each that git does not track, or whose content
+    differs from HEAD, is part of the identity by content, `untracked` or `modified` ({path: sha256}), and makes
+    the tree `dirty`. `known`, a recorded contract's fields, adds the paths that run recorded there, so that a
+    check made without the program (prepare, preflight) looks at the same files. A plain tree has no HEAD: the
+    recorded untracked files are hashed apart from its tree, which is then the tree of the commit they lay beside.
     use_git=False hashes the files as git would without running git: for a tree that came from a bundle,
     where a planted `.git/` (core.fsmonitor, hooks) or one in a parent folder would make git run its commands.
+    The private key `_tracked_dirty` is `dirty` in its sense before untracked files counted (build_contract).
     """
     if code_dir is None:
-        return {"commit": None, "tree": None, "dirty": None, "dirty_sha256": None}
+        return {
+            "commit": None,
+            "tree": None,
+            "dirty": None,
+            "dirty_sha256": None,
+            "untracked": {},
+            "modified": {},
+            "_tracked_dirty": None,
+        }
     root = Path(code_dir).resolve()
+    was_untracked = _paths_of(known, "code.untracked")
+    was_modified = _paths_of(known, "code.modified")
     top = _git(root, "rev-parse", "--show-toplevel") if use_git else None
     if top is not None and Path(top).resolve() == root:
         commit = _git(root, "rev-parse", "HEAD")
         tree = _git(root, "rev-parse", "HEAD^{tree}")
         status = _git(root, "status", "--porcelain", "--untracked-files=no") or ""
-        dirty = bool(status)
-        diff = _git(root, "diff", "HEAD", "--binary") if dirty else None
+        tracked_dirty = bool(status)
+        diff = _git(root, "diff", "HEAD", "--binary") if tracked_dirty else None
+        wanted = sorted(set(_relative(root, files)) | set(was_untracked) | set(was_modified))
+        untracked, modified = _against_head(root, wanted)
         return {
             "commit": commit,
             "tree": tree,
-            "dirty": dirty,
+            "dirty": tracked_dirty or bool(untracked),
             "dirty_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
+            "untracked": untracked,
+            "modified": modified,
+            "_tracked_dirty": tracked_dirty,
         }
-    return {"commit": None, "tree": _git_tree_of_dir(root), "dirty": False, "dirty_sha256": None}
+    untracked = {rel: _sha256_of(root / rel) for rel in was_untracked}
+    modified = {rel: _sha256_of(root / rel) for rel in was_modified}
+    return {
+        "commit": None,
+        "tree": _git_tree_of_dir(root, frozenset(was_untracked)),
+        "dirty": bool(untracked or modified),
+        "dirty_sha256": None,
+        "untracked": untracked,
+        "modified": modified,
+        "_tracked_dirty": False,
+    }
+
+
+def running_files(code_dir: str | os.PathLike[str] | None, script: str | None = None) -> list[str]:
+    """The program's own files under code_dir, relative to it: the script (torchrun's, `sys.argv[0]`) and every
+    module imported from code_dir so far, except those of a virtual environment that lies inside it."""
+    if code_dir is None:
+        return []
+    root = Path(code_dir).resolve()
+    main = script or (sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None)
+    candidates = [main, getattr(sys.modules.get("__main__"), "__file__", None)]
+    candidates += [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    return sorted(set(_relative(root, [os.path.abspath(c) for c in candidates if isinstance(c, str) and c])))
+
+
+def _relative(root: Path, paths: Iterable[str | os.PathLike[str]]) -> list[str]:
+    """Paths (absolute, or relative to root) of files under root, relative to it; others are left out."""
+    out = []
+    prefix = str(root) + os.sep
+    for path in paths:
+        resolved = os.path.realpath(os.path.join(root, path))
+        if not resolved.startswith(prefix) or not os.path.isfile(resolved):
+            continue
+        rel = Path(resolved).relative_to(root)
+        if any(p in _SKIP_DIRS or p.endswith(("site-packages", "dist-packages")) for p in rel.parts[:-1]):
+            continue  # a virtual environment (or a cache) inside the code directory is not the code
+        if "\n" not in rel.as_posix():
+            out.append(rel.as_posix())
+    return out
+
+
+def _paths_of(known: Mapping[str, Any] | None, key: str) -> list[str]:
+    value = (known or {}).get(key)
+    return sorted(str(k) for k in value) if isinstance(value, dict) else []
+
+
+def _sha256_of(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None  # gone (or unreadable): differs from any recorded content
+
+
+def _against_head(root: Path, rels: list[str]) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """({path: sha256} of those git does not have in HEAD, {path: sha256} of those whose content differs)."""
+    if not rels:
+        return {}, {}
+    head: dict[str, str] = {}
+    listing = _git_bytes(root, "--literal-pathspecs", "ls-tree", "-r", "-z", "HEAD", "--", *rels)
+    for entry in (listing or b"").split(b"\0"):
+        meta, _, name = entry.partition(b"\t")
+        parts = meta.split()
+        if len(parts) == 3 and parts[1] == b"blob":
+            head[name.decode("utf-8", "surrogateescape")] = parts[2].decode()
+    present = [rel for rel in rels if (root / rel).is_file()]
+    # git's own blob id of each working file (clean filters and line endings applied as for a commit)
+    ids = (
+        _git_bytes(root, "hash-object", "--stdin-paths", stdin="\n".join(present).encode())
+        if present
+        else b""
+    )
+    working = dict(zip(present, (ids or b"").decode().split(), strict=False))
+    untracked: dict[str, str | None] = {}
+    modified: dict[str, str | None] = {}
+    for rel in rels:
+        if rel not in head:
+            if rel in working or (root / rel).exists():
+                untracked[rel] = _sha256_of(root / rel)
+        elif working.get(rel) != head[rel]:
+            modified[rel] = _sha256_of(root / rel)
+    return untracked, modified
+
+
+def _git_bytes(code_dir: Path, *args: str, stdin: bytes | None = None) -> bytes | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(code_dir), *args], input=stdin, capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
 
 
 def find_code_dir(script: str | None = None) -> Path | None:

@@ -11,7 +11,14 @@ from typing import Any
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract, check_contract, flatten, runtime_changes
+from torchrelay.contract import (
+    build_contract,
+    check_contract,
+    comparable,
+    flatten,
+    load_contract,
+    runtime_changes,
+)
 from torchrelay.errors import ConfigError, ForkRefused
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
@@ -65,17 +72,29 @@ def validate_resume(
     *,
     deep: bool = True,
     code_from_bundle: bool = False,
+    code_files: list[str] | tuple[str, ...] = (),
 ) -> ResumeCheck:
     """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint.
 
     code_from_bundle: `code_dir` came out of a bundle, so no program (git) is run inside it.
+    code_files: the running program's files (identity.running_files), when the trainer itself checks.
     """
     rd = RunDir(run_dir)
     stored = rd.load_config()
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
     manifest = Manifest.load(manifest_path, cfg.data_root)
-    contract = build_contract(cfg, world_size, code_dir, manifest, use_git=not code_from_bundle)
-    recorded = check_contract(rd.path, contract)
+    recorded = load_contract(rd.path)
+    contract = build_contract(
+        cfg,
+        world_size,
+        code_dir,
+        manifest,
+        use_git=not code_from_bundle,
+        code_files=code_files,
+        known=recorded["fields"],
+    )
+    contract = comparable(recorded["fields"], contract)
+    check_contract(rd.path, contract, recorded)
     # The recorded digest is the run's one identity: prepare, the trainer and the bundle README print it. (A
     # recomputed digest can differ in fields the comparison skips, e.g. the commit of an extracted archive.)
     passed = [f"contract {recorded['sha256']} matches {rd.contract_path}"]

@@ -46,7 +46,7 @@ from torchrelay.errors import (
 )
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
-from torchrelay.identity import find_code_dir, versions
+from torchrelay.identity import find_code_dir, running_files, versions
 from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.logs import RankLog, exposures_path, metrics_path, read_jsonl, trim_after
 from torchrelay.manifest import Manifest
@@ -403,7 +403,10 @@ class Run:
                 for note in kept:
                     print(f"[torchrelay] warning: {note}", file=sys.stderr, flush=True)
             cfg = cfg.with_overrides(overrides) if overrides else cfg
-            check = validate_resume(rd.path, cfg, self.world_size, self.code_dir)
+            # The script and the modules it imported from the code directory, tracked by git or not.
+            check = validate_resume(
+                rd.path, cfg, self.world_size, self.code_dir, code_files=running_files(self.code_dir)
+            )
             clean_stale(rd.path)
             rd.remove_stale_temps()
             history = read_history(rd.path)
@@ -451,7 +454,13 @@ class Run:
             source_manifest = cfg.manifest
             self._rank0_manifest = Manifest.load(source_manifest, cfg.data_root)
             cfg = cfg.replace(manifest=MANIFEST_IN_RUN)
-            contract = build_contract(cfg, self.world_size, self.code_dir, self._rank0_manifest)
+            contract = build_contract(
+                cfg,
+                self.world_size,
+                self.code_dir,
+                self._rank0_manifest,
+                code_files=running_files(self.code_dir),
+            )
             code_fields = contract["fields"]
             (rd.path / "data").mkdir(parents=True, exist_ok=True)
             rd.train_dir.mkdir(exist_ok=True)

@@ -23,7 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint", type=_checkpoint, default=None, metavar="N|latest", help="default: latest"
     )
     parser.add_argument("--link", action="store_true", help="hardlink checkpoint files instead of copying")
-    parser.add_argument("--code-dir", type=Path, default=None, help="git checkout the run was trained from")
+    parser.add_argument(
+        "--code-dir",
+        type=Path,
+        default=None,
+        help="git checkout the run was trained from (default: where the run's recorded script lies)",
+    )
     parser.add_argument("--allow-dirty", action="store_true", help="pack a run trained from uncommitted code")
     parser.add_argument("--jobs", type=int, default=None, help="copy/hash threads (default: one per core)")
 
@@ -32,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     options = PackOptions(
         checkpoint=args.checkpoint,
         link=args.link,
-        code_dir=args.code_dir or _default_code_dir(),
+        code_dir=args.code_dir,
         allow_dirty=args.allow_dirty,
         jobs=args.jobs,
     )
@@ -55,9 +60,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"bundle lineage {result.lineage}; {ckpt}/HANDED_OFF.json now refuses a second continuation here")
     print("PACK_OK")
     return EXIT_FINISHED
-
-
-def _default_code_dir() -> Path | None:
-    # pack is usually run from the training repository's checkout
-    cwd = Path.cwd()
-    return cwd if (cwd / ".git").exists() else None

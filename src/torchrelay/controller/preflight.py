@@ -136,10 +136,12 @@ def check_contract(plan: Plan, report: PreflightReport) -> dict[str, Any] | None
     cfg = rd.load_config()
     if plan.train.overrides:
         cfg = cfg.with_overrides(plan.train.overrides)
-    code_dir = find_code_dir(str(plan.work_path / plan.train.script))
+    script = str(plan.work_path / plan.train.script)
+    code_dir = find_code_dir(script)
     # Sizes only: the ranks hash every checkpoint file themselves when they open the run; hashing a 70 GiB
-    # checkpoint twice would cost minutes of the allocation.
-    check = validate_resume(rd.path, cfg, plan.train.world_size, code_dir, deep=False)
+    # checkpoint twice would cost minutes of the allocation. The script is part of the code whether git tracks
+    # it or not; the modules it imports are the run's recorded ones (the ranks check what they import).
+    check = validate_resume(rd.path, cfg, plan.train.world_size, code_dir, deep=False, code_files=[script])
     report.add("contract", "; ".join(check.passed))
     return cfg.to_dict()
 

@@ -137,6 +137,8 @@ def render_readme(
         w("")
         w("# 1. exact code")
         w(f"mkdir -p $ROOT/src && tar -C $ROOT/src -xzf {source['archive']}")
+        if source.get("untracked"):  # the run's files git did not track (a script not yet committed)
+            w(f"tar -C $ROOT/src -xzf {source['untracked']}   # files git did not track, beside the commit's")
         w(f"SRC=$ROOT/src/{source.get('archive_prefix')}")
         if source.get("git_bundle"):
             w(f"#    (optional git history: git clone -b {source.get('branch')} {source['git_bundle']} repo)")
@@ -184,7 +186,8 @@ def render_readme(
     w("| data/manifest.jsonl | the exact training manifest (paths under the original data root) |")
     w("| data/manifest_info.json, data/training_progress.json | manifest identity; progress at the stop |")
     if source.get("archive"):
-        extra = f", {source['git_bundle']}" if source.get("git_bundle") else ""
+        extra = f", {source['untracked']} (files git did not track)" if source.get("untracked") else ""
+        extra += f", {source['git_bundle']}" if source.get("git_bundle") else ""
         w(f"| source/ | {source['archive']} (exact code){extra}, {source.get('manifest')} |")
     w(f"| train/ | per-rank metrics and exposures for updates 1–{update:,}, which the resume needs |")
     w("| history.jsonl | one record per launch segment |")

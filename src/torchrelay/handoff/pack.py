@@ -25,6 +25,7 @@ from torchrelay.handoff.safepath import walk_files
 from torchrelay.handoff.source import SOURCE_DIR, write_source
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.history import new_id, read_history
+from torchrelay.identity import find_code_dir
 from torchrelay.lock import RunLock
 from torchrelay.logs import rank_logs, read_jsonl, trim_copy
 from torchrelay.manifest import Manifest
@@ -47,7 +48,7 @@ class PackOptions:
 
     checkpoint: int | None = None  # None: the newest complete checkpoint
     link: bool = False
-    code_dir: Path | None = None
+    code_dir: Path | None = None  # None: where the run's recorded script lies (its git top level)
     allow_dirty: bool = False
     jobs: int | None = None
 
@@ -232,7 +233,8 @@ def _write_bundle(
     _write_json(out / MANIFEST_INFO, manifest_info)
     fields = contract["fields"]
     code = {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}
-    source = write_source(code, options.code_dir, out / SOURCE_DIR, allow_dirty=options.allow_dirty)
+    code_dir = options.code_dir or recorded_code_dir(rd.path) or _checkout_here()
+    source = write_source(code, code_dir, out / SOURCE_DIR, allow_dirty=options.allow_dirty)
     result.warnings.extend(source.warnings)
     progress = training_progress(out, update, cfg.total_updates)
     _write_json(out / PROGRESS, progress)
@@ -270,6 +272,22 @@ def _write_bundle(
     result.files = len(entries)
     # No per-file fsync: a bundle is proven by SHA256SUMS on arrival, not by durability on the way out.
     return result
+
+
+def recorded_code_dir(run_dir: Path) -> Path | None:
+    """Where the run's code lies, from what its segments recorded: the code directory (git top level, or the
+    folder) of the newest recorded script that still exists."""
+    for seg in reversed(read_history(run_dir)):
+        code = seg.get("code")
+        script = code.get("script") if isinstance(code, dict) else None
+        if isinstance(script, str) and Path(script).is_file():
+            return find_code_dir(script)
+    return None
+
+
+def _checkout_here() -> Path | None:
+    cwd = Path.cwd()  # pack run from the training repository's checkout
+    return cwd if (cwd / ".git").exists() else None
 
 
 def training_progress(bundle_like: Path, update: int, total_updates: int) -> dict[str, Any]:

@@ -263,6 +263,9 @@ def _prepare_into(
         archive = resolve_inside(bundle, str(source["archive"]), source=str(bundle / BUNDLE_INFO))
         prefix = check_relative(str(source.get("archive_prefix")), source="bundle.json source.archive_prefix")
         code_dir = extract_source(archive, tmp / "source", prefix.as_posix())
+        if source.get("untracked"):  # the program's files git did not track, beside the commit's
+            extra = resolve_inside(bundle, str(source["untracked"]), source=str(bundle / BUNDLE_INFO))
+            extract_source(extra, tmp / "source", prefix.as_posix())
     if failures:
         raise PreflightFailed(failures)
 

@@ -1,5 +1,6 @@
-"""The exact source of a run, for a bundle: a `git archive` of the recorded commit, a `git bundle` of its
-branch, and a manifest of the archive's files; or, for a run trained from a plain tree, a tarball of it."""
+"""The exact source of a run, for a bundle: a `git archive` of the recorded commit, an archive of the program's
+files git does not track (a script not yet committed), a `git bundle` of its branch, and a manifest of the
+archives' files; or, for a run trained from a plain tree, a tarball of it."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class SourceInfo:
     commit: str | None = None
     tree: str | None = None
     manifest: str | None = None
+    untracked: str | None = None  # an archive of the run's code files git does not track, same prefix
+    untracked_files: list[str] = field(default_factory=list)
     proofs: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -53,7 +56,15 @@ def write_source(
 ) -> SourceInfo:
     """Write the source recorded by the contract's code identity into `out_dir` (the bundle's source/)."""
     info = SourceInfo(commit=code.get("commit"), tree=code.get("tree"))
-    if code.get("dirty"):
+    # Untracked files of the program (a script not yet committed) are carried below; changes to tracked files
+    # are not: the archive of the commit would not be the code that ran.
+    untracked = code.get("untracked") or {}
+    tracked_changes = (
+        code.get("dirty_sha256") is not None
+        or bool(code.get("modified"))
+        or (bool(code.get("dirty")) and not untracked)
+    )
+    if tracked_changes:
         message = (
             "the run was trained from a git tree with uncommitted changes "
             f"(code.dirty_sha256 {str(code.get('dirty_sha256'))[:16]}...): no archive can reproduce that code"
@@ -78,9 +89,51 @@ def write_source(
     out_dir.mkdir(parents=True, exist_ok=True)
     if code.get("commit"):
         _from_git(info, Path(code_dir), out_dir)
+        if untracked:
+            extra = _carry_untracked(info, Path(code_dir), out_dir, untracked)
+            assert info.archive is not None  # _from_git wrote it
+            base = gzip.decompress((out_dir / Path(info.archive).name).read_bytes())
+            info.manifest = _write_manifest(base, out_dir, extra)
     else:
-        _from_plain_tree(info, Path(code_dir), out_dir)
+        _from_plain_tree(info, Path(code_dir), out_dir, untracked)
     return info
+
+
+def _carry_untracked(info: SourceInfo, code_dir: Path, out_dir: Path, files: dict[str, Any]) -> bytes:
+    """source/<prefix>.untracked.tar.gz: the program's files git does not track, each the content the run
+    recorded (code.untracked), under the archive's prefix so that they land beside the commit's files."""
+    prefix = str(info.archive_prefix)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, want in sorted(files.items()):
+            path = code_dir / check_relative(rel, source="contract code.untracked")
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(
+                    f"{path} cannot be read ({exc.strerror}): the run ran it, and git does not track it",
+                    hint="restore the file as it was when the run trained, or pass --code-dir with that tree",
+                ) from exc
+            got = hashlib.sha256(data).hexdigest()
+            if got != want:
+                raise IntegrityError(
+                    f"{path} changed since the run recorded it (sha256 {got[:16]}..., the run ran "
+                    f"{str(want)[:16]}...): the bundle must carry the code that ran",
+                    hint="restore the file as it was when the run trained (git does not track it), then pack",
+                )
+            ti = tarfile.TarInfo(f"{prefix}/{rel}")
+            ti.size, ti.mtime = len(data), 0
+            ti.mode = 0o755 if os.access(path, os.X_OK) else 0o644
+            tar.addfile(ti, io.BytesIO(data))
+    archive = out_dir / f"{prefix}.untracked.tar.gz"
+    with open(archive, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+        gz.write(buf.getvalue())
+    info.untracked, info.untracked_files = f"{SOURCE_DIR}/{archive.name}", sorted(files)
+    info.proofs.append(
+        f"{info.untracked}: {len(files)} file(s) git does not track ({', '.join(sorted(files)[:5])}"
+        f"{', ...' if len(files) > 5 else ''}) = contract code.untracked (SHA-256)"
+    )
+    return buf.getvalue()
 
 
 def _from_git(info: SourceInfo, code_dir: Path, out_dir: Path) -> None:
@@ -133,8 +186,11 @@ def _branch_containing(code_dir: Path, commit: str) -> str | None:
     return listed[0] if listed else None
 
 
-def _from_plain_tree(info: SourceInfo, code_dir: Path, out_dir: Path) -> None:
-    tree = code_identity(code_dir)["tree"]
+def _from_plain_tree(
+    info: SourceInfo, code_dir: Path, out_dir: Path, untracked: dict[str, Any] | None = None
+) -> None:
+    # A plain tree's recorded untracked files (a tree prepared from a bundle) are hashed apart from its tree.
+    tree = code_identity(code_dir, use_git=False, known={"code.untracked": untracked or {}})["tree"]
     if tree != info.tree:
         raise IntegrityError(
             f"{code_dir} hashes to tree {tree}, but the run was trained from tree {info.tree}",
@@ -172,15 +228,16 @@ def _plain_files(root: Path) -> list[Path]:
     return out
 
 
-def _write_manifest(tar_bytes: bytes, out_dir: Path) -> str:
-    """source_manifest.sha256: `sha256sum` lines for every regular file inside the archive."""
+def _write_manifest(tar_bytes: bytes, out_dir: Path, *more: bytes) -> str:
+    """source_manifest.sha256: `sha256sum` lines for every regular file inside the archive(s)."""
     lines = []
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:") as tar:
-        for member in tar.getmembers():
-            if member.isreg():
-                data = tar.extractfile(member)
-                assert data is not None  # a regular member always has data
-                lines.append(f"{hashlib.sha256(data.read()).hexdigest()}  {member.name}\n")
+    for one in (tar_bytes, *more):
+        with tarfile.open(fileobj=io.BytesIO(one), mode="r:") as tar:
+            for member in tar.getmembers():
+                if member.isreg():
+                    data = tar.extractfile(member)
+                    assert data is not None  # a regular member always has data
+                    lines.append(f"{hashlib.sha256(data.read()).hexdigest()}  {member.name}\n")
     (out_dir / SOURCE_MANIFEST).write_text("".join(sorted(lines, key=lambda s: s[66:])))
     return f"{SOURCE_DIR}/{SOURCE_MANIFEST}"
 
