@@ -51,6 +51,8 @@ VERBS = [
     ["launch", "{p}"],
     ["sbatch", "{p}"],
     ["audit", "--work-dir", "{p}", "--", "python", "{tmp}/never-started.py"],
+    ["validate", "{p}", "--cmd", "true"],
+    ["export", "{p}", "{tmp}/exported"],
 ]
 
 
@@ -73,4 +75,4 @@ def test_every_verb_refuses_a_wrong_path_in_one_message(
     assert message and message[0].startswith(f"torchrelay {argv[0]}: error: "), out.err
     # one message: its line, and at most a hint (a refusal may list fields, never a stack)
     assert len(message) <= 2 or all(not line.startswith("  File ") for line in message), out.err
-    assert not (tmp_path / "bundle").exists() and not (tmp_path / "prepared").exists()
+    assert not any((tmp_path / name).exists() for name in ("bundle", "prepared", "exported"))

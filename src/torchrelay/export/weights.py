@@ -24,6 +24,7 @@ from torchrelay import __version__
 from torchrelay.checkpoint.inventory import INVENTORY, sha256_of, validate_complete
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
@@ -167,6 +168,7 @@ def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | No
             f"{source} is neither a run directory, a bundle nor a checkpoint-<N> directory",
             hint="pass RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoint-N",
         )
+    load_contract(source)  # a damaged contract holds no run to export from: refused, naming the file
     complete = [c for c in list_checkpoints(source) if c.complete]
     if which is None:
         if not complete:
