@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,29 @@ def test_refused_launches_are_recorded_unless_another_writer_holds_the_run(
     assert (base / "history" / "history.jsonl").is_dir()
     assert "could not record the refused launch in history.jsonl" in output
     shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_uncaught_configuration_error_is_one_message_on_rank_0_and_exit_2(rank: int) -> None:
+    """Before Run.open (the script's own RelayConfig): the same error on every rank, said by rank 0 only."""
+    script = "import torchrelay as tr\ntr.RelayConfig.from_dict({'seed': 1, 'micro_batch': 4})\n"
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=clean_env(RANK=str(rank)),
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    said = "torchrelay: config: RelayConfig.__init__() missing 2 required keyword-only arguments"
+    assert out.stderr.startswith(said) if rank == 0 else out.stderr == "", out.stderr
+    # any other exception keeps its traceback and exit 1
+    other = subprocess.run(
+        [sys.executable, "-c", "import torchrelay\nraise ValueError('a bug')"],
+        capture_output=True,
+        text=True,
+        env=clean_env(RANK=str(rank)),
+        timeout=60,
+    )
+    assert other.returncode == 1 and "Traceback" in other.stderr and "ValueError: a bug" in other.stderr

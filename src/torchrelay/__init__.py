@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torchrelay.errors import install_excepthook
+
 __version__ = "0.1.0"
 __all__ = [
     "RelayConfig",
@@ -21,6 +23,10 @@ if TYPE_CHECKING:
     from torchrelay.data.sample import SampleContext, sample_generator, sample_seed
     from torchrelay.run import Run, Step
     from torchrelay.schedule import warmup_cosine
+
+# An uncaught refusal of the library (a configuration error, a contract mismatch) ends a rank with one message and
+# its exit code rather than a traceback per rank and exit 1; any other exception keeps its traceback.
+install_excepthook()
 
 _LAZY = {
     "RelayConfig": "config",

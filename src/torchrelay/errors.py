@@ -150,6 +150,9 @@ def _short(value: object, limit: int = 120) -> str:
 # exit code, instead of a traceback on every rank and exit 1. Anything that is not a RelayError goes to the hook
 # that was installed before (a traceback: it is a bug, or the user's own error).
 _previous_hook = None
+# Until a Run opens in this process, a configuration error comes from the script's own configuration, which is
+# the same on every rank: rank 0 says it for all. From Run.open on, a rank may fail alone and says so itself.
+_before_run = True
 
 
 def install_excepthook() -> None:
@@ -160,6 +163,12 @@ def install_excepthook() -> None:
         return
     _previous_hook = sys.excepthook
     sys.excepthook = _excepthook
+
+
+def run_opening() -> None:
+    """Run.open has started in this process: from here a rank's error may be its own (see _excepthook)."""
+    global _before_run
+    _before_run = False
 
 
 def mark_reported(exc: RelayError) -> RelayError:
@@ -181,7 +190,10 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     if not isinstance(exc, RelayError):
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
-    report(exc, _env_rank())
+    rank = _env_rank()
+    if rank != 0 and _before_run and isinstance(exc, ConfigError):
+        mark_reported(exc)  # rank 0 says it
+    report(exc, rank)
     code = int(getattr(exc, "exit_code", EXIT_ERROR))
     # After an uncaught exception the interpreter would exit 1 whatever the hook does; run the exit handlers
     # (logging, multiprocessing) ourselves, then leave with the documented code.

@@ -43,6 +43,7 @@ from torchrelay.errors import (
     install_excepthook,
     mark_reported,
     report,
+    run_opening,
 )
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
@@ -213,6 +214,7 @@ class Run:
         history.jsonl as a segment that ended `refused` (exit 2), unless another writer holds the run.
         """
         install_excepthook()  # an uncaught refusal: one message and its exit code, not a traceback per rank
+        run_opening()
         self = object.__new__(cls)
         self.rank, self.world_size = _dist()
         self.distributed = self.world_size > 1
