@@ -41,7 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
-        "--stops", type=int, default=3, metavar="K", help="stop K times, evenly spaced (default 3)"
+        "--stops",
+        type=int,
+        default=3,
+        metavar="K",
+        help="stop K times, from early to late: after update 1, evenly in between, after U-1 (default 3)",
     )
     where.add_argument("--stop-at", type=_ints, metavar="A,B,…", help="stop after exactly these updates")
     parser.add_argument("--random", action="store_true", help="draw the K stops at random (see --seed)")
