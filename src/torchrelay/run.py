@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torchrelay import __version__
 from torchrelay import errors as errors_module
 from torchrelay.checkpoint import state as ckpt_state
+from torchrelay.checkpoint.adapters import adapt
 from torchrelay.checkpoint.commit import clean_stale, commit_checkpoint
 from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
@@ -554,13 +555,10 @@ class Run:
         optimizer: torch.optim.Optimizer | None = None,
         **statefuls: Any,
     ) -> None:
-        """Register what must resume (model, optimizer, scheduler, scaler, ...) and restore it if resuming."""
-        for name, obj in statefuls.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise ConfigError(
-                    f"run.track({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict"
-                )
-        self._model, self._optimizer, self._statefuls = model, optimizer, dict(statefuls)
+        """Register what must resume (model, optimizer, scheduler, scaler, generators, ...) and restore it if
+        resuming; each rank's own values come back to it (see checkpoint/ranks.py)."""
+        adapted = {name: adapt(name, obj) for name, obj in statefuls.items()}
+        self._model, self._optimizer, self._statefuls = model, optimizer, adapted
         if self.resume_from is not None:
             loop = ckpt_state.load_state(
                 self.resume_from,

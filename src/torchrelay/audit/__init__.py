@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchrelay.audit.diagnose import CAUSES, DATA_ORDER, NONDETERMINISM, RNG, UNREGISTERED
+from torchrelay.audit.diagnose import CAUSES, DATA_ORDER, NONDETERMINISM, RANK_STATE, RNG, UNREGISTERED
 from torchrelay.audit.runner import AuditError
 from torchrelay.audit.verdict import Verdict, describe, last_verdict, verdict_for_run
 
@@ -10,6 +10,7 @@ __all__ = [
     "CAUSES",
     "DATA_ORDER",
     "NONDETERMINISM",
+    "RANK_STATE",
     "RNG",
     "UNREGISTERED",
     "AuditError",

@@ -102,18 +102,18 @@ def compare_tensors(
 
 
 def load_checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors (core reader) plus the tensors of registered statefuls, under `state/`."""
-    from torchrelay.checkpoint.reader import load_tensors
+    """Model and optimizer tensors (core reader) plus the tensors of registered statefuls, under `state/`.
+
+    What a checkpoint stores per rank (a buffer or a stateful that differed between ranks) is named `…@rank<r>`.
+    """
+    from torchrelay.checkpoint.reader import flat_tensors, load_statefuls, load_tensors
 
     with warnings.catch_warnings():
         # DCP warns that no process group is up; reading every shard in one process is exactly the intent.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         tensors = dict(load_tensors(ckpt_dir))
-    extra = ckpt_dir / "state_tensors.safetensors"
-    if extra.is_file():
-        from safetensors.torch import load_file
-
-        tensors.update({f"state/{k}": v for k, v in load_file(str(extra)).items()})
+    for name, state in load_statefuls(ckpt_dir).items():
+        tensors |= flat_tensors(state, f"state/{name}")
     return tensors
 
 
@@ -254,9 +254,21 @@ class StreamComparison:
 
     # update -> (streams compared on every rank, the types of streams whose state differs there)
     at: dict[int, tuple[int, list[str]]] = field(default_factory=dict)
+    # update -> state tensors (buffers, tracked objects' tensors) whose value differs between the ranks of the
+    # uninterrupted run there, and (rank, name) of those the interrupted run starts that update with otherwise
+    across_ranks: dict[int, list[str]] = field(default_factory=dict)
+    lost: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
 
     def differing(self, update: int) -> list[str]:
         return self.at.get(update, (0, []))[1]
+
+    def lost_tensors(self, update: int) -> list[tuple[int, str]]:
+        return self.lost.get(update, [])
+
+    def rank_divergent(self, update: int) -> list[str]:
+        """Lost tensors of `update` that also differ between the uninterrupted run's ranks there."""
+        split = set(self.across_ranks.get(update, []))
+        return sorted({name for _, name in self.lost_tensors(update) if name in split})
 
     def seen(self, update: int) -> bool:
         return update in self.at
@@ -264,7 +276,7 @@ class StreamComparison:
 
 def compare_streams(a_probe: Path, b_probe: Path) -> StreamComparison:
     """Compare the probe's stream digests at each (rank, update) both runs recorded (see probe.py)."""
-    from torchrelay.audit.probe import read_streams
+    from torchrelay.audit.probe import read_streams, read_tensors
 
     result = StreamComparison()
     a_rows, b_rows = read_streams(a_probe), read_streams(b_probe)
@@ -278,4 +290,28 @@ def compare_streams(a_probe: Path, b_probe: Path) -> StreamComparison:
                 differ.append(stream[0])
         count, before = result.at.get(update, (0, []))
         result.at[update] = (count + len(b_rows[(rank, update)]), before + differ)
+    _compare_state_tensors(result, read_tensors(a_probe), read_tensors(b_probe))
     return result
+
+
+def _compare_state_tensors(
+    result: StreamComparison,
+    a_rows: dict[tuple[int, int], dict[str, str]],
+    b_rows: dict[tuple[int, int], dict[str, str]],
+) -> None:
+    """Fill `across_ranks` (from the uninterrupted run `a`) and `lost` (interrupted `b` against `a`)."""
+    by_update: dict[int, dict[int, dict[str, str]]] = {}
+    for (rank, update), digests in a_rows.items():
+        by_update.setdefault(update, {})[rank] = digests
+    for update, per_rank in by_update.items():
+        names = set().union(*(set(d) for d in per_rank.values()))
+        split = sorted(n for n in names if len({d.get(n) for d in per_rank.values()}) > 1)
+        if len(per_rank) > 1 and split:
+            result.across_ranks[update] = split
+    for rank, update in sorted(set(a_rows) & set(b_rows)):
+        a_digests, b_digests = a_rows[(rank, update)], b_rows[(rank, update)]
+        lost = [
+            (rank, n) for n in sorted(set(a_digests) | set(b_digests)) if a_digests.get(n) != b_digests.get(n)
+        ]
+        if lost:
+            result.lost.setdefault(update, []).extend(lost)

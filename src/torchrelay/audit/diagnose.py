@@ -13,7 +13,8 @@ RNG = "RNG not restored"
 DATA_ORDER = "data order not restored"
 NONDETERMINISM = "non-deterministic kernels"
 UNREGISTERED = "state not registered with torchrelay"
-CAUSES = (RNG, DATA_ORDER, NONDETERMINISM, UNREGISTERED)
+RANK_STATE = "state that differs by rank restored from one copy"
+CAUSES = (RNG, DATA_ORDER, NONDETERMINISM, UNREGISTERED, RANK_STATE)
 
 # Metric keys that a learning-rate schedule writes; a difference here first points at the scheduler.
 LR_KEYS = ("lr", "learning_rate")
@@ -62,7 +63,15 @@ FIXES = {
     NONDETERMINISM: "call torch.use_deterministic_algorithms(True) and seed everything from the run's seed; "
     "a second uninterrupted run differs from the first",
     UNREGISTERED: "pass every object with state (LR scheduler, EMA, gradient scaler, counters) to run.track(...)",
+    RANK_STATE: "let each rank save its own values: track the module or object with run.track(...) and have its "
+    "state_dict() return this rank's values (not rank 0's, not a mean over ranks); torchrelay stores what differs "
+    "between ranks once per rank (docs/FORMATS.md)",
 }
+
+
+def _names(items: list[str], most: int = 4) -> str:
+    shown = ", ".join(items[:most])
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def _cause(name: str, evidence: str) -> Cause:
@@ -155,6 +164,43 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR"
         )
         streams = ev.streams
+        # Tensors the script holds as state (buffers, a tracked object's tensors) that start the update otherwise
+        # than in the uninterrupted run were not restored as they were; if the ranks held different values of
+        # them at the stop, the checkpoint kept one copy for every rank (today's most common way to get there).
+        lost = streams.lost_tensors(first) if streams is not None else []
+        also_rng = (
+            [
+                _cause(
+                    RNG,
+                    f"and random stream(s) ({', '.join(sorted(set(streams.differing(first))))}) restarted",
+                )
+            ]
+            if streams is not None and streams.differing(first)
+            else []
+        )
+        if streams is not None and streams.rank_divergent(first):
+            split = streams.rank_divergent(first)
+            on = sorted({rank for rank, name in lost if name in split})
+            return [
+                _cause(
+                    RANK_STATE,
+                    f"{parted_at}; {_names(split)} differ between the ranks of the uninterrupted run at the stop "
+                    f"(state that differs by rank), and the resumed run starts update {first} with other values of "
+                    f"them on rank(s) {', '.join(map(str, on))}: the checkpoint held one copy for all ranks",
+                ),
+                *also_rng,
+            ]
+        if lost:
+            names = sorted({name for _, name in lost})
+            return [
+                _cause(
+                    UNREGISTERED,
+                    f"{parted_at}; {_names(names)} start update {first} in another state than in the uninterrupted "
+                    "run: this state was not restored (not tracked, a buffer with persistent=False, or a "
+                    "state_dict() that leaves it out)",
+                ),
+                *also_rng,
+            ]
         if streams is not None and streams.differing(first):
             held = sorted(set(streams.differing(first)))
             return [

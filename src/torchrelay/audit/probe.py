@@ -10,7 +10,10 @@ At the start of the updates the audit names (the first update of each continued 
 of the uninterrupted run) the probe also digests the state of every random stream the process holds besides the
 global ones torchrelay restores: each torch.Generator, numpy Generator and random.Random that the script's own
 frames and globals hold. A stream whose state differs there restarted instead of continuing; when they all agree, a
-difference at the resume lies in non-random state.
+difference at the resume lies in non-random state. At the same updates it digests the state tensors the process
+holds besides parameters: every buffer of the tracked model and of modules the script holds, and the tensor
+attributes of the objects registered with `run.track`. One that differs between the ranks of the uninterrupted run
+and comes back otherwise after the resume is state that differs by rank and was saved once.
 """
 
 from __future__ import annotations
@@ -86,6 +89,11 @@ def install() -> None:
 
     original_next = dl._BaseDataLoaderIter.__next__
     original_step = relay_run.Step.__init__
+    original_track = relay_run.Run.track
+
+    def track(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _state["run"] = self  # what the script registered, to digest its state tensors at the resume
+        return original_track(self, *args, **kwargs)
 
     def __next__(self: Any) -> Any:
         batch = original_next(self)
@@ -104,6 +112,7 @@ def install() -> None:
 
     dl._BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
     relay_run.Step.__init__ = step_init
+    relay_run.Run.track = track
     _state["installed"] = True
 
 
@@ -115,8 +124,6 @@ def random_streams() -> list[tuple[str, str]]:
     generator is found, the private streams of libraries (tempfile's names, seeded from the OS) are not.
     """
     import random
-    import sysconfig
-    import threading
 
     import torch
 
@@ -128,26 +135,7 @@ def random_streams() -> list[tuple[str, str]]:
     skip = {id(torch.default_generator), id(random._inst)}
     if torch.cuda.is_available():
         skip |= {id(g) for g in torch.cuda.default_generators}
-    libraries = tuple(
-        str(Path(p).resolve())
-        for p in {
-            *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
-            str(Path(__file__).resolve().parents[1]),  # torchrelay itself
-        }
-        if p
-    )
-
-    roots: list[Any] = []
-    main = sys.modules.get("__main__")
-    if main is not None:
-        roots += list(vars(main).values())
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith("<") and not str(Path(name).resolve()).startswith(libraries):
-            roots += list(frame.f_locals.values())
-        frame = frame.f_back
-
+    roots = [obj for _, obj in _script_roots()]
     found: dict[int, Any] = {}
 
     def consider(obj: Any) -> bool:
@@ -183,11 +171,82 @@ def random_streams() -> list[tuple[str, str]]:
     return sorted(out)
 
 
+def _script_roots() -> list[tuple[str, Any]]:
+    """(name, object) of the globals of `__main__` and the locals of the script's own frames on the main thread."""
+    import sysconfig
+    import threading
+
+    libraries = tuple(
+        str(Path(p).resolve())
+        for p in {
+            *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+            str(Path(__file__).resolve().parents[1]),  # torchrelay itself
+        }
+        if p
+    )
+    roots: list[tuple[str, Any]] = []
+    main = sys.modules.get("__main__")
+    if main is not None:
+        roots += list(vars(main).items())
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<") and not str(Path(name).resolve()).startswith(libraries):
+            roots += list(frame.f_locals.items())
+        frame = frame.f_back
+    return roots
+
+
+def state_tensors() -> dict[str, str]:
+    """{name: digest} of the tensors the process holds as state, parameters aside (see the module docstring).
+
+    The tracked model's buffers are `model.<buffer>`, a tracked object's are `<track name>.<attribute>`, the
+    buffers of a module the script holds without tracking it are `<variable>.<buffer>`. Plain tensors among the
+    script's locals are left out: they are the previous update's leftovers, which a resumed process never has.
+    """
+    import torch
+
+    from torchrelay.checkpoint.ranks import tensor_digest
+
+    seen: set[int] = set()
+    out: dict[str, str] = {}
+
+    def add(name: str, tensor: Any) -> None:
+        if (
+            isinstance(tensor, torch.Tensor)
+            and not isinstance(tensor, torch.nn.Parameter)
+            and id(tensor) not in seen
+        ):
+            seen.add(id(tensor))
+            out[name] = tensor_digest(tensor)
+
+    def holder(name: str, obj: Any) -> None:
+        if isinstance(obj, torch.nn.Module):
+            for buf_name, buf in obj.named_buffers():
+                add(f"{name}.{buf_name}", buf)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for attr, value in list(vars(obj).items()):
+                add(f"{name}.{attr}", value)
+
+    run = _state.get("run")
+    if run is not None:
+        if getattr(run, "_model", None) is not None:
+            holder("model", run._model)
+        for name, obj in dict(getattr(run, "_statefuls", {})).items():
+            holder(name, obj)
+    for name, obj in _script_roots():
+        if isinstance(obj, torch.nn.Module):
+            holder(name, obj)
+    return dict(sorted(out.items()))
+
+
 def _record_streams(update: int) -> None:
     rank = os.environ.get("RANK", "0")
     folder = Path(os.environ[ENV])
     folder.mkdir(parents=True, exist_ok=True)
-    line = {"update": update, "streams": random_streams()}
+    line: dict[str, Any] = {"update": update, "streams": random_streams()}
+    with contextlib.suppress(Exception):  # the stream digests stand on their own
+        line["tensors"] = state_tensors()
     with open(folder / f"streams-rank{rank}.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -201,6 +260,19 @@ def read_streams(folder: Path) -> dict[tuple[int, int], list[tuple[str, str]]]:
             if line.strip():
                 row = json.loads(line)
                 out[(rank, int(row["update"]))] = [(str(k), str(d)) for k, d in row["streams"]]
+    return out
+
+
+def read_tensors(folder: Path) -> dict[tuple[int, int], dict[str, str]]:
+    """`{(rank, update): {name: digest}}` of the state tensors recorded at the start of each update."""
+    out: dict[tuple[int, int], dict[str, str]] = {}
+    for path in sorted(folder.glob("streams-rank*.jsonl")) if folder.is_dir() else []:
+        rank = int(path.stem.removeprefix("streams-rank"))
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                if isinstance(row.get("tensors"), dict):
+                    out[(rank, int(row["update"]))] = {str(k): str(v) for k, v in row["tensors"].items()}
     return out
 
 

@@ -3,19 +3,45 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchrelay.checkpoint import dcp_io
-from torchrelay.checkpoint.state import MODEL_DIR
+from torchrelay.checkpoint.ranks import PER_RANK
+from torchrelay.checkpoint.state import (
+    MODEL_DIR,
+    RANK_STATE_DIR,
+    STATE_TENSORS,
+    _from_tree,
+    per_rank_of,
+    read_rank_statefuls,
+    read_trainer_state,
+)
+
+_RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
+_PER_RANK_KEY = re.compile(rf"^{PER_RANK}\.(\d+)\.(model|optim)\.(.+)$", re.S)
+
+
+def _name(key: str) -> str:
+    """A DCP key as the reader names it: `model.<fqn>`, `optim.<fqn>.<state>`, `…@rank<r>` when stored per rank."""
+    own = _PER_RANK_KEY.match(key)
+    if own:
+        key = f"{own.group(2)}.{own.group(3)}@rank{own.group(1)}"
+    return key.replace("\x1f", ".")
 
 
 def load_tensors(ckpt_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every model and optimizer tensor, full (unsharded), named `model.<fqn>` / `optim.<fqn>.<state>`."""
+    """Every model and optimizer tensor, full (unsharded), named `model.<fqn>` / `optim.<fqn>.<state>`.
+
+    A tensor that differed between ranks at the save is stored per rank and read as `<name>@rank<r>`.
+    """
     model_dir = Path(ckpt_dir) / MODEL_DIR
     md = dcp_io.read_metadata(model_dir)
     state: dict[str, torch.Tensor] = {}
@@ -25,19 +51,37 @@ def load_tensors(ckpt_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # DCP warns that no process group exists, which is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp_io.load(state, model_dir, no_dist=True)
-    return {k.replace("\x1f", "."): v for k, v in sorted(state.items())}
+    return {_name(k): v for k, v in sorted(state.items())}
 
 
 MODEL_PREFIX = "model."  # DCP flattens {"model": state_dict} into "model.<fqn>"
+# A model tensor that differed between ranks at the save is stored per rank; an export takes rank 0's copy, the
+# one DDP hands every rank at its next synchronizing forward.
+EXPORT_RANK = 0
+
+
+def _model_keys(md: Any) -> dict[str, str]:
+    """{fqn: DCP key} of the model's tensors; a tensor stored per rank maps to EXPORT_RANK's copy."""
+    out = {}
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        own = _PER_RANK_KEY.match(key)
+        if key.startswith(MODEL_PREFIX):
+            out[key.removeprefix(MODEL_PREFIX)] = key
+        elif own and own.group(2) == "model" and int(own.group(1)) == EXPORT_RANK:
+            out[own.group(3)] = key
+    return dict(sorted(out.items()))
 
 
 def model_tensor_specs(ckpt_dir: str | os.PathLike[str]) -> dict[str, tuple[list[int], torch.dtype]]:
     """{fqn: (shape, dtype)} of the model's tensors, keyed as the module's own state_dict; reads no tensor."""
     md = dcp_io.read_metadata(Path(ckpt_dir) / MODEL_DIR)
     out = {}
-    for key, item in sorted(md.state_dict_metadata.items()):
-        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata):
-            out[key.removeprefix(MODEL_PREFIX)] = (list(item.size), item.properties.dtype)
+    for fqn, key in _model_keys(md).items():
+        item = md.state_dict_metadata[key]
+        assert isinstance(item, TensorStorageMetadata)
+        out[fqn] = (list(item.size), item.properties.dtype)
     return out
 
 
@@ -48,5 +92,34 @@ def iter_model_tensors(
     sorted): only one tensor is in memory at a time, whatever the checkpoint's size."""
     model_dir = Path(ckpt_dir) / MODEL_DIR
     md = dcp_io.read_metadata(model_dir)
-    for name in names if names is not None else list(model_tensor_specs(ckpt_dir)):
-        yield name, dcp_io.read_tensor(model_dir, md, MODEL_PREFIX + name)
+    keys = _model_keys(md)
+    for name in names if names is not None else list(keys):
+        yield name, dcp_io.read_tensor(model_dir, md, keys.get(name, MODEL_PREFIX + name))
+
+
+def load_statefuls(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every registered stateful's state (JSON values and tensors), by name; `<name>@rank<r>` when stored per rank."""
+    root = Path(ckpt_dir)
+    doc = read_trainer_state(root)
+    shared = load_file(str(root / STATE_TENSORS)) if (root / STATE_TENSORS).exists() else {}
+    out = {name: _from_tree(tree, shared) for name, tree in doc.get("statefuls", {}).items()}
+    if per_rank_of(doc)["statefuls"]:
+        found = (_RANK_FILE.match(p.name) for p in (root / RANK_STATE_DIR).iterdir())
+        for rank in sorted(int(m.group(1)) for m in found if m):
+            trees, tensors = read_rank_statefuls(root, rank)
+            out |= {f"{name}@rank{rank}": _from_tree(tree, tensors) for name, tree in trees.items()}
+    return dict(sorted(out.items()))
+
+
+def flat_tensors(state: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors inside a nested state (dicts, lists), named `<prefix>.<key>...`."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(state, torch.Tensor):
+        out[prefix] = state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            out |= flat_tensors(value, f"{prefix}.{key}")
+    elif isinstance(state, list | tuple):
+        for i, value in enumerate(state):
+            out |= flat_tensors(value, f"{prefix}.{i}")
+    return out

@@ -17,11 +17,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchrelay import rng
-from torchrelay.checkpoint import dcp_io
+from torchrelay.checkpoint import dcp_io, ranks
 from torchrelay.errors import CheckpointError
 from torchrelay.fsutil import fsync_file
 
-STATE_FORMAT = 1
+# Format 1: everything but the RNG from rank 0. Format 2 (written only when something differs by rank): adds
+# "per_rank" and the files it names. A checkpoint where nothing differs is still written as format 1.
+STATE_FORMAT = 2
+READABLE_FORMATS = (1, 2)
+RANK_STATE_FORMAT = 1
+RANK_STATE_DIR = "statefuls"
 TRAINER_STATE = "trainer_state.json"
 STATE_TENSORS = "state_tensors.safetensors"
 MODEL_DIR = "model"
@@ -114,6 +119,23 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> d
 _OPTS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
+def rank_state_file(ckpt_dir: Path, rank: int, suffix: str) -> Path:
+    """statefuls/rank-<r>.json (or .safetensors): the statefuls that differ by rank, as this rank holds them."""
+    return ckpt_dir / RANK_STATE_DIR / f"rank-{rank}{suffix}"
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path))
+    fsync_file(path)
+
+
 def save_state(
     directory: Path,
     *,
@@ -124,28 +146,66 @@ def save_state(
     loop: dict[str, Any],
     kill_hook: Any = None,
 ) -> None:
-    """Write this rank's part of a checkpoint into `directory` (every rank calls it)."""
+    """Write this rank's part of a checkpoint into `directory` (every rank calls it).
+
+    What is equal on every rank is stored once; what differs between ranks (see ranks.py) is stored for each
+    rank: model and optimizer tensors under DCP's `per_rank/<r>`, statefuls in `statefuls/rank-<r>.*`.
+    """
     optim_meta: dict[str, Any] | None = None
+    msd: dict[str, Any] = {}
+    otensors: dict[str, torch.Tensor] = {}
     if model is not None:
         msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
         otensors, optim_meta = _split_optimizer(osd) if optimizer is not None else ({}, None)
-        dcp_io.save({"model": msd, "optim": otensors}, directory / MODEL_DIR)
+    trees: dict[str, Any] = {}
+    own_tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, obj in statefuls.items():
+        own_tensors[name] = {}
+        trees[name] = _to_tree(obj.state_dict(), name, own_tensors[name])
+    digests = {k: ranks.tensor_digest(v) for k, v in ranks.compared(model, msd, otensors).items()}
+    digests |= {f"state/{n}": ranks.stateful_digest(trees[n], own_tensors[n]) for n in statefuls}
+    differ = ranks.differing(digests)
+    per_rank = {
+        "model": sorted(k.removeprefix("model/") for k in differ if k.startswith("model/")),
+        "optim": sorted(k.removeprefix("optim/") for k in differ if k.startswith("optim/")),
+        "statefuls": sorted(k.removeprefix("state/") for k in differ if k.startswith("state/")),
+    }
+    if model is not None:
+        shared_m, own_m = ranks.split(msd, per_rank["model"])
+        shared_o, own_o = ranks.split(otensors, per_rank["optim"])
+        tensors_doc: dict[str, Any] = {"model": shared_m, "optim": shared_o}
+        if own_m or own_o:
+            tensors_doc[ranks.PER_RANK] = {str(rank): {"model": own_m, "optim": own_o}}
+        dcp_io.save(tensors_doc, directory / MODEL_DIR)
     if kill_hook:
         kill_hook("shards")
     (directory / "rng").mkdir(exist_ok=True)
     rng.save(rng.rank_file(directory, rank))
     fsync_file(rng.rank_file(directory, rank))
+    if per_rank["statefuls"]:
+        (directory / RANK_STATE_DIR).mkdir(exist_ok=True)
+        mine = {n: trees[n] for n in per_rank["statefuls"]}
+        flat = {k: v for n in per_rank["statefuls"] for k, v in own_tensors[n].items()}
+        if flat:
+            _write_tensors(rank_state_file(directory, rank, ".safetensors"), flat)
+        _write_json(
+            rank_state_file(directory, rank, ".json"),
+            {"format": RANK_STATE_FORMAT, "rank": rank, "statefuls": mine},
+        )
     if rank == 0:
-        tensors: dict[str, torch.Tensor] = {}
-        trees = {name: _to_tree(obj.state_dict(), name, tensors) for name, obj in statefuls.items()}
-        doc = {"format": STATE_FORMAT, "loop": loop, "optimizer": optim_meta, "statefuls": trees}
-        if tensors:
-            save_file(tensors, str(directory / STATE_TENSORS))
-            fsync_file(directory / STATE_TENSORS)
-        with open(directory / TRAINER_STATE, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        shared = [n for n in statefuls if n not in per_rank["statefuls"]]
+        flat = {k: v for n in shared for k, v in own_tensors[n].items()}
+        doc: dict[str, Any] = {
+            "format": STATE_FORMAT if any(per_rank.values()) else 1,
+            "loop": loop,
+            "optimizer": optim_meta,
+            "statefuls": {n: trees[n] for n in shared},
+        }
+        if any(per_rank.values()):
+            doc["per_rank"] = per_rank
+        if flat:
+            _write_tensors(directory / STATE_TENSORS, flat)
+        _write_json(directory / TRAINER_STATE, doc)
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
@@ -154,12 +214,39 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if doc.get("format") != STATE_FORMAT:
+    if doc.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
-            f"{path}: state format {doc.get('format')!r} is not {STATE_FORMAT}",
+            f"{path}: state format {doc.get('format')!r} is not one of {list(READABLE_FORMATS)}",
             hint="continue this run with the torchrelay version that wrote it",
         )
     return doc
+
+
+def per_rank_of(doc: dict[str, Any]) -> dict[str, list[str]]:
+    """What a checkpoint stores per rank: {"model": [fqn], "optim": [key], "statefuls": [name]}."""
+    stored = doc.get("per_rank") or {}
+    return {part: list(stored.get(part, [])) for part in ("model", "optim", "statefuls")}
+
+
+def read_rank_statefuls(ckpt_dir: Path, rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The JSON trees and tensors of the statefuls stored for `rank`."""
+    path = rank_state_file(ckpt_dir, rank, ".json")
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint was saved by fewer ranks",
+            hint="resume with the world size that saved it",
+        ) from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if doc.get("format") != RANK_STATE_FORMAT or doc.get("rank") != rank:
+        raise CheckpointError(
+            f"{path}: not rank {rank}'s state of format {RANK_STATE_FORMAT} (format {doc.get('format')!r}, "
+            f"rank {doc.get('rank')!r})"
+        )
+    tensor_file = rank_state_file(ckpt_dir, rank, ".safetensors")
+    return dict(doc["statefuls"]), load_file(str(tensor_file)) if tensor_file.exists() else {}
 
 
 def load_state(
@@ -170,21 +257,34 @@ def load_state(
     optimizer: torch.optim.Optimizer | None,
     statefuls: dict[str, Stateful],
 ) -> dict[str, Any]:
-    """Restore everything this rank holds from `ckpt_dir`; returns the loop state."""
+    """Restore everything this rank holds from `ckpt_dir` (its own copy of what differs by rank); returns the loop state."""
     doc = read_trainer_state(ckpt_dir)
+    per_rank = per_rank_of(doc)
     if model is not None:
         msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
         otensors, _ = _split_optimizer(osd) if optimizer is not None else ({}, None)
-        target: dict[str, Any] = {"model": msd, "optim": otensors}
+        shared_m, own_m = ranks.split(msd, per_rank["model"])
+        shared_o, own_o = ranks.split(otensors, per_rank["optim"])
+        target: dict[str, Any] = {"model": shared_m, "optim": shared_o}
+        if own_m or own_o:
+            target[ranks.PER_RANK] = {str(rank): {"model": own_m, "optim": own_o}}
         dcp_io.load(target, ckpt_dir / MODEL_DIR)
+        if own_m or own_o:
+            mine = target[ranks.PER_RANK][str(rank)]
+            target["model"] = {**target["model"], **mine["model"]}
+            target["optim"] = {**target["optim"], **mine["optim"]}
         kwargs: dict[str, Any] = {"model_state_dict": target["model"]}
         if optimizer is not None:
             if doc.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt_dir}: holds no optimizer state but an optimizer is tracked")
-            kwargs["optim_state_dict"] = _join_optimizer(otensors, doc["optimizer"])
+            kwargs["optim_state_dict"] = _join_optimizer(target["optim"], doc["optimizer"])
         set_state_dict(model, optimizer or [], options=_OPTS, **kwargs)
     tensors = load_file(str(ckpt_dir / STATE_TENSORS)) if (ckpt_dir / STATE_TENSORS).exists() else {}
-    stored = doc.get("statefuls", {})
+    stored = dict(doc.get("statefuls", {}))
+    if per_rank["statefuls"]:
+        own_trees, own_tensors = read_rank_statefuls(ckpt_dir, rank)
+        stored |= own_trees
+        tensors = {**tensors, **own_tensors}
     missing = sorted(set(statefuls) - set(stored))
     extra = sorted(set(stored) - set(statefuls))
     if missing or extra:
