@@ -12,6 +12,7 @@ from helpers import TORCHRUN, make_code_repo
 from torchrelay.audit import (
     DATA_ORDER,
     NONDETERMINISM,
+    RANK_STATE,
     RNG,
     UNREGISTERED,
     AuditError,
@@ -28,6 +29,7 @@ BROKEN = {
     "broken/own_shuffle.py": DATA_ORDER,
     "broken/unregistered_scheduler.py": UNREGISTERED,
     "broken/unregistered_counter.py": UNREGISTERED,
+    "broken/rank_divergent_state.py": RANK_STATE,
 }
 
 
@@ -124,6 +126,11 @@ def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
         )
     if script.endswith("unregistered_counter.py"):
         assert "lr" not in verdict.metrics_keys and "non-random state read there" in str(verdict.causes[0])
+    # A statistic that differs by rank, saved as one value: named as such, with the tensor, not "not registered".
+    if script.endswith("rank_divergent_state.py"):
+        evidence = verdict.causes[0]["evidence"]
+        assert "norm.mean differ between the ranks of the uninterrupted run at the stop" in evidence, evidence
+        assert "starts update 5 with other values of them on rank(s) 0, 1" in evidence, evidence
     # A failed audit keeps its run directories for a look, and status finds the verdict for the script's code.
     kept = last_verdict(code / script)
     assert kept is not None and kept["equal"] is False

@@ -250,3 +250,44 @@ def test_stream_digests_separate_a_restarted_generator_from_lost_state(tmp_path)
         "all 4 random stream(s) the script holds start it in the same state" in cause(continued)[0].evidence
     )
     assert [c.name for c in cause(None)] == [RNG, UNREGISTERED]  # without the probe: both, RNG first
+
+
+def test_state_tensors_name_state_that_differs_by_rank(tmp_path):
+    """A tensor that differs between the uninterrupted run's ranks and comes back otherwise is named as such; one
+    that is equal on every rank and comes back otherwise is unregistered state, by name."""
+    from torchrelay.audit.compare import compare_streams
+    from torchrelay.audit.diagnose import RANK_STATE
+
+    def write(run: str, rank: int, tensors: dict[str, str]) -> None:
+        folder = tmp_path / run
+        folder.mkdir(exist_ok=True)
+        line = {"update": 5, "streams": [], "tensors": tensors}
+        (folder / f"streams-rank{rank}.jsonl").write_text(json.dumps(line) + "\n")
+
+    # BatchNorm statistics under DDP as torchrelay 0.1.0 saved them: one rank's copy (here rank 0's) for all.
+    for rank in (0, 1):
+        write("straight", rank, {"model.bn.running_mean": f"rank{rank}", "model.mask": "same"})
+        write("one-copy", rank, {"model.bn.running_mean": "rank0", "model.mask": "same"})
+        write("per-rank", rank, {"model.bn.running_mean": f"rank{rank}", "model.mask": "same"})
+        write("lost", rank, {"model.bn.running_mean": f"rank{rank}", "model.mask": "fresh"})
+    one_copy = compare_streams(tmp_path / "straight", tmp_path / "one-copy")
+    assert one_copy.across_ranks[5] == ["model.bn.running_mean"]
+    assert one_copy.lost_tensors(5) == [(1, "model.bn.running_mean")]
+    assert compare_streams(tmp_path / "straight", tmp_path / "per-rank").lost_tensors(5) == []
+
+    def cause(run: str) -> list:
+        streams = compare_streams(tmp_path / "straight", tmp_path / run)
+        return diagnose(
+            Evidence(stops=[4], metrics=_parted(5), ledger=_parted(None), tensors=_tensors(), streams=streams)
+        )
+
+    named = cause("one-copy")
+    assert [c.name for c in named] == [RANK_STATE]
+    assert (
+        "model.bn.running_mean differ between the ranks of the uninterrupted run at the stop"
+        in named[0].evidence
+    )
+    assert "other values of them on rank(s) 1" in named[0].evidence and "run.track" in named[0].fix
+    lost = cause("lost")
+    assert [c.name for c in lost] == [UNREGISTERED]
+    assert "model.mask start update 5 in another state" in lost[0].evidence

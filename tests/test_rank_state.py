@@ -25,7 +25,7 @@ from torchrelay.cli import main
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.stop import write_request
 
-FORMAT1 = Path(__file__).parent / "data" / "format1-checkpoint"
+FORMAT1 = Path(__file__).parent / "fixtures" / "legacy-v0.1.0-state"
 
 # ------------------------------------------------------------------------------------------- adapters
 
@@ -87,7 +87,7 @@ def test_track_refuses_what_it_cannot_restore() -> None:
 
 
 def test_a_format1_checkpoint_written_by_main_still_loads() -> None:
-    """tests/data/format1-checkpoint (statefuls from rank 0; see format1-checkpoint.py) resumes with today's code."""
+    """tests/fixtures/legacy-v0.1.0-state (statefuls from rank 0; make_legacy_state.py) loads with today's code."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -168,6 +168,7 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.T
 
 def _ranks_child(rank: int, base: str) -> None:
     from torchrelay.checkpoint.commit import commit_checkpoint
+    from torchrelay.checkpoint.retention import LatestN
     from torchrelay.checkpoint.state import save_state
 
     dist.init_process_group("gloo", init_method=f"file://{base}/store", rank=rank, world_size=2)
@@ -188,7 +189,7 @@ def _ranks_child(rank: int, base: str) -> None:
         ) -> None:
             save_state(tmp, rank=rank, model=model, optimizer=opt, statefuls=statefuls, loop={"update": 2})
 
-        ckpt, _ = commit_checkpoint(run_dir, 2, write, rank=rank, world_size=2, info={}, keep=2)
+        ckpt, _ = commit_checkpoint(run_dir, 2, write, rank=rank, world_size=2, info={}, retention=LatestN(2))
         _train(model, opt, gen, wrapper, 2)  # move everything on, then come back
         counter.n = 7
         load_state(ckpt, rank=rank, model=model, optimizer=opt, statefuls=statefuls)
@@ -290,12 +291,16 @@ def test_bn_ddp_and_per_rank_generators_resume_late_bit_for_bit(
     for rank in (0, 1):
         assert metrics(straight, rank) == metrics(stopped, rank)
 
-    # The offline tools handle a checkpoint with per-rank files: pack, verify, diff.
+    # The offline tools handle a checkpoint with per-rank files: export (rank 0's statistics), pack, verify, diff.
+    exported = tmp_path / "export"
+    assert main(["export", str(stopped), str(exported)]) == 0
+    weights = load_file(str(exported / "model.safetensors"))
+    final = load_tensors(stopped / f"checkpoint-{U}")
+    assert torch.equal(weights["bn1.running_var"], final["model.bn1.running_var@rank0"])
+    assert {k.removeprefix("model.").split("@")[0] for k in final if k.startswith("model.")} == set(weights)
     bundle = tmp_path / "bundle"
     assert main(["pack", str(stopped), str(bundle), "--code-dir", str(code)]) == 0
-    assert (bundle / "run" / f"checkpoint-{U}" / "statefuls" / "rank-1.json").is_file() or any(
-        bundle.rglob("statefuls/rank-1.json")
-    )
+    assert (bundle / f"checkpoint-{U}" / "statefuls" / "rank-1.json").is_file()
     assert main(["verify", str(bundle)]) == 0
     assert main(["diff", str(straight), str(bundle)]) == 0
     shutil.rmtree(bundle)

@@ -2,7 +2,7 @@
 
 The generator is seeded once at start-up, so every launch replays its stream from the beginning: after a
 resume the augmentation differs from an uninterrupted run's. `torchrelay audit` names it: RNG not restored.
-Fix: `run.track(..., augment=RngState(gen))` (any object with state_dict/load_state_dict), or draw from the
+Fix: `run.track(..., augment=augment)` (torchrelay stores a torch.Generator's state per rank), or draw from the
 global torch RNG, which torchrelay restores.
 
     torchrelay audit --updates 8 --stops 1 -- torchrun --nproc_per_node=2 examples/broken/unregistered_generator.py --config examples/lm.yaml

@@ -9,12 +9,13 @@ differ (each normalised its own micro-batches); torchrelay stores what differs b
         --set params.parallel=ddp          # or fsdp2 (fully_shard), syncbn (SyncBatchNorm under DDP), none
 
 `none` trains a plain module on every rank and all-reduces the gradients by hand (no wrapper at all).
+SyncBatchNorm needs GPUs: add `--set params.device=cuda` on every launch (NCCL, deterministic kernels).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import os
 import random
 import sys
 import time
@@ -77,7 +78,12 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = any(item == "params.device=cuda" for item in args.set)  # SyncBatchNorm runs on GPUs only
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.use_deterministic_algorithms(True)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank = dist.get_rank()
     try:
         with tr.Run.open(
@@ -88,7 +94,7 @@ def main() -> int:
             if parallel not in PARALLEL:
                 raise SystemExit(f"params.parallel={parallel!r}: choose one of {PARALLEL}")
             torch.manual_seed(cfg.seed)
-            model = wrap(ConvLM(p["d_model"], p["dropout"]), parallel)
+            model = wrap(ConvLM(p["d_model"], p["dropout"]).to(device), parallel)
             opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
             sched = torch.optim.lr_scheduler.LambdaLR(
                 opt, tr.warmup_cosine(cfg.total_updates, cfg.warmup_updates)
@@ -104,21 +110,17 @@ def main() -> int:
             for step in run.steps(loader):
                 started = time.perf_counter()
                 total = 0.0
-                for micro, (xs, lengths) in step.micro_batches():
+                # Gradients sync in the last micro-batch only (DDP's no_sync, FSDP2's deferral); so DDP broadcasts
+                # rank 0's BatchNorm statistics at some forwards and not at others.
+                for _micro, (xs, lengths) in step.micro_batches(model if parallel != "none" else None):
                     inputs, targets = xs[:, :-1].clone(), xs[:, 1:]
                     rate = 0.05 + 0.1 * mask.random()
                     flip = torch.rand(inputs.shape, generator=noise) < rate
                     inputs[flip] = int(picks.integers(0, 256))
                     valid = torch.arange(targets.shape[1])[None, :] < (lengths[:, None] - 1)
-                    last = micro == cfg.grad_accum - 1
-                    sync = (
-                        model.no_sync()
-                        if parallel in ("ddp", "syncbn") and not last
-                        else contextlib.nullcontext()
-                    )
-                    with sync:
-                        loss = F.cross_entropy(model(inputs)[valid], targets[valid]) / cfg.grad_accum
-                        loss.backward()
+                    inputs, targets, valid = inputs.to(device), targets.to(device), valid.to(device)
+                    loss = F.cross_entropy(model(inputs)[valid], targets[valid]) / cfg.grad_accum
+                    loss.backward()
                     total += loss.item()
                 if parallel == "none":
                     for param in model.parameters():
