@@ -291,3 +291,16 @@ def test_state_tensors_name_state_that_differs_by_rank(tmp_path):
     lost = cause("lost")
     assert [c.name for c in lost] == [UNREGISTERED]
     assert "model.mask start update 5 in another state" in lost[0].evidence
+    # BatchNorm in training mode normalizes with the batch's statistics: the logs agree, only the saved tensors
+    # differ. The probe still names the cause, and no second uninterrupted run is needed for it.
+    quiet = Evidence(
+        stops=[4],
+        metrics=_parted(None),
+        ledger=_parted(None),
+        tensors=_tensors(),
+        streams=compare_streams(tmp_path / "straight", tmp_path / "one-copy"),
+    )
+    causes = diagnose(quiet, rerun=lambda: pytest.fail("no rerun needed"))
+    assert [c.name for c in causes] == [RANK_STATE] and "the logs agree but 1 tensor(s) differ" in causes[
+        0
+    ].evidence

@@ -78,6 +78,43 @@ def _cause(name: str, evidence: str) -> Cause:
     return Cause(name=name, evidence=evidence, fix=FIXES[name])
 
 
+def _lost_state(streams: StreamComparison | None, update: int, parted_at: str) -> list[Cause]:
+    """Causes from the state tensors (buffers, a tracked object's tensors) that the resumed run starts `update` with
+    otherwise than the uninterrupted run; empty when there are none (or no probe)."""
+    if streams is None or not streams.lost_tensors(update):
+        return []
+    lost = streams.lost_tensors(update)
+    also_rng = (
+        [_cause(RNG, f"and random stream(s) ({', '.join(sorted(set(streams.differing(update))))}) restarted")]
+        if streams.differing(update)
+        else []
+    )
+    split = streams.rank_divergent(update)
+    if split:
+        # The ranks held different values at the stop and the resume gave them others: the checkpoint kept one
+        # copy for all ranks (what BatchNorm statistics under DDP suffered before they were stored per rank).
+        on = sorted({rank for rank, name in lost if name in split})
+        return [
+            _cause(
+                RANK_STATE,
+                f"{parted_at}; {_names(split)} differ between the ranks of the uninterrupted run at the stop "
+                f"(state that differs by rank), and the resumed run starts update {update} with other values of "
+                f"them on rank(s) {', '.join(map(str, on))}: the checkpoint held one copy for all ranks",
+            ),
+            *also_rng,
+        ]
+    names = sorted({name for _, name in lost})
+    return [
+        _cause(
+            UNREGISTERED,
+            f"{parted_at}; {_names(names)} start update {update} in another state than in the uninterrupted "
+            "run: this state was not restored (not tracked, a buffer with persistent=False, or a state_dict() "
+            "that leaves it out)",
+        ),
+        *also_rng,
+    ]
+
+
 def _lr_first(metrics: LogComparison) -> int | None:
     found = [metrics.first_by_key[k] for k in LR_KEYS if k in metrics.first_by_key]
     return min(found) if found else None
@@ -164,43 +201,9 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR"
         )
         streams = ev.streams
-        # Tensors the script holds as state (buffers, a tracked object's tensors) that start the update otherwise
-        # than in the uninterrupted run were not restored as they were; if the ranks held different values of
-        # them at the stop, the checkpoint kept one copy for every rank (today's most common way to get there).
-        lost = streams.lost_tensors(first) if streams is not None else []
-        also_rng = (
-            [
-                _cause(
-                    RNG,
-                    f"and random stream(s) ({', '.join(sorted(set(streams.differing(first))))}) restarted",
-                )
-            ]
-            if streams is not None and streams.differing(first)
-            else []
-        )
-        if streams is not None and streams.rank_divergent(first):
-            split = streams.rank_divergent(first)
-            on = sorted({rank for rank, name in lost if name in split})
-            return [
-                _cause(
-                    RANK_STATE,
-                    f"{parted_at}; {_names(split)} differ between the ranks of the uninterrupted run at the stop "
-                    f"(state that differs by rank), and the resumed run starts update {first} with other values of "
-                    f"them on rank(s) {', '.join(map(str, on))}: the checkpoint held one copy for all ranks",
-                ),
-                *also_rng,
-            ]
-        if lost:
-            names = sorted({name for _, name in lost})
-            return [
-                _cause(
-                    UNREGISTERED,
-                    f"{parted_at}; {_names(names)} start update {first} in another state than in the uninterrupted "
-                    "run: this state was not restored (not tracked, a buffer with persistent=False, or a "
-                    "state_dict() that leaves it out)",
-                ),
-                *also_rng,
-            ]
+        by_tensors = _lost_state(streams, first, parted_at)
+        if by_tensors:
+            return by_tensors
         if streams is not None and streams.differing(first):
             held = sorted(set(streams.differing(first)))
             return [
@@ -246,6 +249,13 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             f"the logs agree but {len(ev.tensors.differing)} tensor(s) differ{in_ckpt}, most {top.name} by "
             f"{top.max_abs:.3g}{faded}"
         )
+    # The probe saw state tensors that a resume brought back otherwise (BatchNorm statistics, say, which change no
+    # logged value while in training mode): that is the cause, no rerun needed.
+    for resume in resumes:
+        if first is None or resume <= first:
+            by_tensors = _lost_state(ev.streams, resume, where)
+            if by_tensors:
+                return by_tensors
     confirmed = _confirm_nondeterminism(rerun, where)
     if confirmed:
         return confirmed
