@@ -273,6 +273,12 @@ def test_validation_records_travel_in_a_bundle(
     for update in (10, 20, 30):
         assert f"  validation/checkpoint-{update}/record.json\n" in sums
     assert main(["verify", str(bundle)]) == 0
+    # ... and arrive with it: the continuation knows checkpoint-30 is validated, and that 10 is not here
+    prepared = tmp_path / "prepared"
+    assert main(["prepare", str(bundle), "--run-dir", str(prepared)]) == 0
+    assert read_records(prepared).keys() == read_records(copy).keys()
+    sel = select(prepared, [10, 30])
+    assert sel.done == [30] and sel.todo == [] and "no complete checkpoint" in sel.missing[10]
 
 
 # ------------------------------------------------------------------------------------------------ export

@@ -278,19 +278,51 @@ def _read_chunk(
         )
     path = safe_relpath(model_dir, info.relative_path, source)
     with open(path, "rb") as f:
-        f.seek(info.offset)
-        data = f.read(info.length)
-    if len(data) != info.length:
-        raise CheckpointError(f"{path}: ends before the {info.length} bytes of {key!r} at {info.offset}")
-    try:
-        part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - weights_only refuses any payload that is not plain tensors
-        raise UnsafeInput(
-            f"{path}: the bytes of {key!r} are not a plain tensor ({type(exc).__name__}: {exc})"
-        ) from exc
+        if f.seek(0, io.SEEK_END) < info.offset + info.length:
+            raise CheckpointError(f"{path}: ends before the {info.length} bytes of {key!r} at {info.offset}")
+        try:
+            # torch.load reads the item's zip straight from the file into the tensor's storage: one copy in memory
+            item_file = io.BufferedReader(_Window(f, info.offset, info.length), buffer_size=1 << 16)
+            part = torch.load(item_file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - weights_only refuses any payload that is not plain tensors
+            raise UnsafeInput(
+                f"{path}: the bytes of {key!r} are not a plain tensor ({type(exc).__name__}: {exc})"
+            ) from exc
     if not isinstance(part, torch.Tensor) or list(part.shape) != list(sizes):
         raise CheckpointError(
             f"{path}: {key!r} at offsets {list(offsets)} holds {type(part).__name__} "
             f"{list(getattr(part, 'shape', []))}, the metadata says {list(sizes)}"
         )
     return part
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of bytes [offset, offset + length) of an open file (one DCP item)."""
+
+    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(view[:n])
+        self._pos += got
+        return got

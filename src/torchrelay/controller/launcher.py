@@ -169,9 +169,7 @@ class Controller:
         plan, spec = self.plan, self.plan.validate
         if not spec.run or outcome.ended not in ("finished", "budget", "request"):
             return outcome
-        if self.relay.stopped:
-            outcome.notes.append("validation not started: a stop signal arrived")
-            return outcome
+        # After a stop signal nothing starts, but what is left is still recorded (and requeued for).
         outcome.stage = "validate"
         self.console.rule(f"validation: {spec.run}")
         request = ValidationSpec(
@@ -208,8 +206,8 @@ class Controller:
             why = next(iter(report.left.values()))
             outcome.notes.append(f"validation left for the next launch: {left} ({why})")
             self.console.print(f"validation left for the next launch: {left} ({why})")
-            if outcome.ended == "finished":  # the work is not done: a batch script requeues on 3
-                outcome.exit_code = EXIT_BUDGET
+            if outcome.ended == "finished":  # the work is not done: a batch script requeues on 3 and 5
+                outcome.exit_code = EXIT_SIGNAL if self.relay.stopped else EXIT_BUDGET
                 outcome.message = f"training finished; validation of {left} left for the next launch ({why})"
         elif outcome.ended == "finished":
             outcome.stage = "done"

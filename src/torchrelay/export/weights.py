@@ -258,8 +258,11 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         total = 0
         for name, group in zip(files, groups):
             with SafetensorsWriter(tmp / name, group, {"format": "pt"}) as writer:
-                olds = [by_new[s.name] for s in group]
-                for (_old, tensor), slot in zip(iter_model_tensors(ckpt, olds), group):
+                tensors = iter_model_tensors(ckpt, [by_new[s.name] for s in group])
+                for slot in group:
+                    # next() and unpacking, not zip/enumerate: those keep their last tuple (and so the previous
+                    # tensor) alive while the next one is read, doubling the peak
+                    _old, tensor = next(tensors)
                     writer.write(slot.name, tensor.to(slot.dtype))
                     total += slot.nbytes
                     del tensor
