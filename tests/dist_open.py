@@ -69,6 +69,8 @@ def main() -> None:
         ("busy", copy_of(base, "busy", rank), None),
         ("bug", copy_of(base, "bug", rank), None),
         ("local", copy_of(base, "local", rank), None),
+        ("again-refused", copy_of(base, "again", rank), cfg.replace(seed=cfg.seed + 1)),
+        ("again", base / "again", cfg),  # the launch after a refusal continues the run
     ]
     for name, path, config in cases:
         lock = RunLock(path, "train").acquire() if name == "busy" and rank == 0 else None

@@ -74,6 +74,8 @@ def test_refusals_are_said_once_without_a_traceback(opened: tuple[Path, str, lis
         f"torchrelay: opening the run: {base / 'history' / 'history.jsonl'}: Is a directory",
         said[3],  # RunBusy names the holder
         # (the bug is a traceback for rank 0's hook, and rank 1's own failure for its hook: both were caught)
+        f"torchrelay: resume refused: the training contract in {base / 'again' / 'resume_contract.json'} "
+        "differs in 1 field(s):",
         f"torchrelay: resume refused: the training contract in {base / 'final' / 'resume_contract.json'} "
         "differs in 1 field(s):",
     ], said
@@ -102,6 +104,11 @@ def test_refused_launches_are_recorded_unless_another_writer_holds_the_run(
         assert last["parent"] == created[-1]["segment"]
         assert main(["status", "--last-exit", str(base / name)]) == 2
         assert "refused (exit 2)" in capsys.readouterr().out
+    # the launch after a refusal continues the segment that ran, not the refused one
+    again = segments(base / "again")
+    assert [s["ended"] for s in again[len(created) :]] == ["refused", "error"]  # (it ran no update)
+    assert again[-1]["parent"] == created[-1]["segment"]
+    assert all(s["again"].get("opened") for s in seen)
     # RunBusy: the history belongs to the writer that holds the run; nothing is written into it
     assert segments(base / "busy") == created
     assert (base / "history" / "history.jsonl").is_dir()

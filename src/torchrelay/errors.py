@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from types import TracebackType
+from typing import TextIO
 
 # Exit codes of a training process and of the CLI (documented in README and docs/FORMATS.md).
 EXIT_FINISHED = 0
@@ -177,12 +178,12 @@ def mark_reported(exc: RelayError) -> RelayError:
     return exc
 
 
-def report(exc: RelayError, rank: int) -> None:
+def report(exc: RelayError, rank: int, stream: TextIO | None = None) -> None:
     """Print the error once, in the one format of an uncaught refusal."""
     if getattr(exc, "reported", False):
         return
     who = "torchrelay" if rank == 0 else f"torchrelay [rank {rank}]"
-    print(f"{who}: {exc}", file=sys.stderr, flush=True)
+    print(f"{who}: {exc}", file=stream or sys.stderr, flush=True)
     mark_reported(exc)
 
 
@@ -193,7 +194,9 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     rank = _env_rank()
     if rank != 0 and _before_run and isinstance(exc, ConfigError):
         mark_reported(exc)  # rank 0 says it
-    report(exc, rank)
+    # The process's own stderr: torch.distributed's init_process_group wraps this hook and points sys.stderr at a
+    # buffer while it runs (to prefix each line with the rank), which it writes out only after the hook returns.
+    report(exc, rank, sys.__stderr__ or sys.stderr)
     code = int(getattr(exc, "exit_code", EXIT_ERROR))
     # After an uncaught exception the interpreter would exit 1 whatever the hook does; run the exit handlers
     # (logging, multiprocessing) ourselves, then leave with the documented code.

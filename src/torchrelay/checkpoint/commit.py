@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.errors import CheckpointError, DiskFull
+from torchrelay.errors import CheckpointError, DiskFull, mark_reported
 from torchrelay.fsutil import fsync_dir
 
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -111,10 +111,11 @@ def commit_checkpoint(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         cls = DiskFull if any("disk full" in e for e in failed) else CheckpointError
-        raise cls(
+        err = cls(
             f"saving checkpoint-{update} failed: {'; '.join(failed)}",
             hint="the previous complete checkpoint is untouched; free space or fix the cause and resume",
         )
+        raise err if rank == 0 else mark_reported(err)  # the same message on every rank: rank 0 says it
     if hook:
         hook("inventory")
     files = list_files(tmp)
