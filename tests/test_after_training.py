@@ -393,3 +393,44 @@ def test_export_of_a_hugging_face_model_loads_with_from_pretrained(
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits
     assert torch.equal(logits, probe["logits"])
+
+
+MEMORY_PROBE = """
+import json, sys
+from pathlib import Path
+import torchrelay.export as ex
+
+def status(field):
+    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from here: imports do not count
+before = status("VmRSS")
+ex.export_weights(Path(sys.argv[1]), Path(sys.argv[2]), ex.ExportOptions())
+print(json.dumps(status("VmHWM") - before))
+"""
+
+
+def test_export_holds_about_one_tensor_in_memory(tmp_path: Path) -> None:
+    """The peak grows by about the largest tensor, not by the checkpoint (which here is 4 such tensors)."""
+    import warnings
+
+    from torchrelay.checkpoint import dcp_io
+    from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
+
+    ckpt = tmp_path / "checkpoint-1"
+    side = 2048  # 16 MiB of fp32 per tensor
+    model = {f"layer{i}.weight": torch.full((side, side), float(i)) for i in range(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says so
+        dcp_io.save({"model": model, "optim": {}}, ckpt / "model")
+    write_inventory(ckpt, [entry(ckpt, rel) for rel in list_files(ckpt)], update=1)
+    del model
+    probe = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(ckpt), str(tmp_path / "out")],
+        capture_output=True, text=True, env=clean_env(), timeout=120,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    grown = json.loads(probe.stdout.strip().splitlines()[-1])
+    largest = side * side * 4
+    assert grown < 1.5 * largest, f"peak RSS grew by {grown / largest:.2f} x the largest tensor"
