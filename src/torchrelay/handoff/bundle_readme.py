@@ -200,9 +200,13 @@ def render_readme(
     for seg in history:
         hosts = ", ".join(seg.get("hosts") or []) or "?"
         job = seg.get("job")
+        first_u, last_u = seg.get("first_update"), seg.get("last_update")
+        ran = (
+            "no update" if isinstance(first_u, int) and isinstance(last_u, int) and last_u < first_u else None
+        )
         w(
             f"- segment `{seg.get('segment')}` ({'job ' + str(job) if job else 'no job id'}, {hosts}, "
-            f"{seg.get('world_size')} rank(s)): updates {seg.get('first_update')}–{seg.get('last_update')}, "
+            f"{seg.get('world_size')} rank(s)): {ran or f'updates {first_u}–{last_u}'}, "
             f"started {_when(seg.get('started'))}, ended `{seg.get('ended')}`"
         )
     for warning in info.get("warnings", []):
