@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.errors import RelayError
+from torchrelay.proctree import end_tree
+
+# How long a timed-out launch has to end on SIGTERM (ranks stop at their next boundary) before it is killed.
+KILL_GRACE_S = 15.0
 
 
 class AuditError(RelayError):
@@ -25,8 +27,18 @@ class AuditError(RelayError):
 Launcher = Callable[[Sequence[str], Mapping[str, str], Path, float], int]
 
 
-def subprocess_launcher(argv: Sequence[str], env: Mapping[str, str], log: Path, timeout: float) -> int:
-    """Run the launch command as a child process, stdout and stderr into `log`."""
+def subprocess_launcher(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    timeout: float,
+    *,
+    grace_s: float = KILL_GRACE_S,
+    timed_out: Callable[[float], bool] | None = None,
+) -> int:
+    """Run the launch command as a child process, stdout and stderr into `log`; past `timeout` seconds (or once
+    `timed_out(seconds)` says so) end it and every process it started, and raise."""
+    expired = timed_out or (lambda seconds: seconds > timeout)
     with log.open("wb") as out:
         try:
             proc = subprocess.Popen(
@@ -36,28 +48,29 @@ def subprocess_launcher(argv: Sequence[str], env: Mapping[str, str], log: Path, 
             raise AuditError(
                 f"cannot start {argv[0]!r}: {exc.strerror}", hint="check the command after --"
             ) from exc
+        started = time.monotonic()
         try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise AuditError(
-                f"the launch ran past {timeout:.0f}s (log: {log})", hint="raise --timeout or lower --updates"
-            ) from None
+            while proc.poll() is None:
+                if expired(time.monotonic() - started):
+                    _end(proc, grace_s)
+                    raise AuditError(
+                        f"the launch ran past {time.monotonic() - started:.0f}s (log: {log})",
+                        hint="raise --timeout or lower --updates",
+                    )
+                time.sleep(0.1)
+            return proc.returncode
+        except AuditError:
+            raise
         except BaseException:
-            _kill_group(proc)  # Ctrl-C reaches only us: the launch runs in its own session
+            _end(proc, grace_s)  # Ctrl-C reaches only us: the launch runs in its own session
             raise
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """End the launch and its whole process group: torchrun's workers must not outlive the audit."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def _end(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM to the launch, then SIGKILL to whatever of it is left after the grace, ranks and workers included
+    (torchrun starts each rank in a session of its own, out of reach of a process-group kill)."""
+    end_tree(proc.pid, grace_s=grace_s)
+    proc.wait()
 
 
 def plan_stops(updates: int, stops: int, *, rng: random.Random | None = None) -> list[int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay import proctree
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.plan import CheckSpec, Plan
 from torchrelay.errors import EXIT_REFUSED, RelayError
@@ -109,7 +110,13 @@ def check_pins(pins: list[str], python: str, report: PreflightReport) -> None:
         "        out[pin] = 'not installed'\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run([python, "-c", code, json.dumps(pins)], capture_output=True, text=True, timeout=120)
+    proc = proctree.run(
+        [python, "-c", code, json.dumps(pins)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
         raise PreflightFailed(
             f"preflight check 'versions' failed: {python} could not report versions:\n{proc.stderr}"
@@ -149,7 +156,7 @@ def check_contract(plan: Plan, report: PreflightReport) -> dict[str, Any] | None
 def run_user_check(check: CheckSpec, cwd: Path, env: dict[str, str], report: PreflightReport) -> None:
     """A user check passes when its command exits 0; otherwise its output is the message."""
     try:
-        proc = subprocess.run(
+        proc = proctree.run(  # a timeout ends what the check's shell started too
             check.run,
             shell=True,
             cwd=cwd,

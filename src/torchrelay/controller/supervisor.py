@@ -28,6 +28,7 @@ import psutil
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
 from torchrelay.history import read_history
 from torchrelay.logs import metrics_path
+from torchrelay.proctree import Tree, survivors
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 
@@ -66,6 +67,7 @@ class Supervisor:
     exit_grace_s: float = 20.0
     forward_to: str = "children"  # "children": the ranks under torchrun; "self": srun forwards it on
     kill_at: float | None = None  # unix time after which a still-running tree is stopped, then killed
+    kill_grace_s: float = KILL_GRACE_S  # from a forwarded stop signal to the kill
     job: str | None = None
     output: IO[str] | None = None  # where the command's output is echoed (default: stdout)
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
@@ -93,6 +95,9 @@ class Supervisor:
             start_new_session=True,  # a terminal's Ctrl-C reaches us, and we decide what the ranks get
         )
         self._proc = proc
+        # Every process the command starts, collected while it runs: one that outlives it (a rank whose torchrun
+        # died) is still found and ended below.
+        tree = Tree(proc.pid)
         reader = threading.Thread(
             target=_pump, args=(proc.stdout, self.output or sys.stdout, tail), daemon=True
         )
@@ -101,6 +106,7 @@ class Supervisor:
         request_written = False
         ended_at: float | None = None
         while proc.poll() is None:
+            tree.collect()
             self.on_poll()
             if self._pending and self._deliver():
                 self._term_sent_at = self._term_sent_at or time.time()
@@ -117,7 +123,7 @@ class Supervisor:
                     memory = HARD
                     killed = f"training tree uses {rss / GIB:.2f} GiB >= hard limit {guard.limits.hard_bytes / GIB:.2f} GiB"
                     self.log(f"torchrelay: memory guard: {killed}: killing the training process tree")
-                    kill_tree(proc.pid)
+                    tree.end()
                     break
             # Before the run exists a request would make its directory non-empty: wait for it.
             if memory == SOFT and not request_written and self.run_dir and RunDir(self.run_dir).exists():
@@ -130,19 +136,24 @@ class Supervisor:
                 # The history is final and every checkpoint committed; a rank stuck in teardown only burns time.
                 killed = f"a rank was still alive {self.exit_grace_s:g}s after the run recorded its end"
                 self.log(f"torchrelay: {killed}: killing the training process tree")
-                kill_tree(proc.pid)
+                tree.end()
                 break
             if self.kill_at is not None and now > self.kill_at and self._term_sent_at is None:
                 self.log("torchrelay: past the deadline and still running: sending SIGTERM to the ranks")
                 self.stop(signal.SIGTERM)
                 self._term_sent_at = now
-            if self._term_sent_at is not None and now - self._term_sent_at > KILL_GRACE_S:
-                killed = f"still running {KILL_GRACE_S:.0f}s after a stop signal"
+            if self._term_sent_at is not None and now - self._term_sent_at > self.kill_grace_s:
+                killed = f"still running {self.kill_grace_s:g}s after a stop signal"
                 self.log(f"torchrelay: {killed}: killing the training process tree")
-                kill_tree(proc.pid)
+                tree.end()
                 break
             time.sleep(self.poll_s)
         returncode = proc.wait()
+        # Loader workers and forkservers exit right after their rank; anything still there after that is stray.
+        left = survivors(tree, wait_s=3.0)
+        if left:
+            self.log(f"torchrelay: {len(left)} process(es) of the command outlived it: killing them")
+            tree.end()
         reader.join(timeout=5)
         self._proc = None
         return Supervised(
@@ -191,20 +202,6 @@ def _pump(stream: IO[str] | None, out: IO[str], tail: collections.deque[str]) ->
             out.flush()
         except (OSError, ValueError):
             pass  # our own output is gone (closed terminal); keep draining so the child never blocks
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal a process and every descendant (children first, so none is re-parented and missed)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            continue
 
 
 class SignalRelay:
