@@ -43,15 +43,17 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     assert out.returncode != 0 and "exitcode  : 4" in out.stderr
     assert segments(run)[-1]["ended"] == "request" and segments(run)[-1]["last_update"] == 3
     assert main(["status", str(run), "--last-exit"]) == 4  # what torchrun's exit 1 stood for
-    # 2. SIGTERM to torchrun once update 6 is logged
+    # 2. SIGTERM to torchrun once update 6 is logged; torchrun signals each rank's process group, so the 8 loader
+    # workers of each rank get it too, and must not die of it (the rank stops cleanly and ends them).
     # agree at every boundary; paced so the signal surely lands before the end (a runtime param: no bit changes)
-    proc = launch_bg(code, run, sets={"params.min_update_s": 0.2}, env={"TORCHRELAY_CHECK_EVERY": "1"})
+    sets = {"params.min_update_s": 0.2, "num_workers": 8}
+    proc = launch_bg(code, run, sets=sets, env={"TORCHRELAY_CHECK_EVERY": "1"})
     wait_for_update(run, 6, proc)
     sigterm(proc)
     proc.wait(timeout=120)
     seg = segments(run)[-1]
     assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
-    assert 6 <= seg["last_update"] < U
+    assert 6 <= seg["last_update"] < U and seg["runtime_changes"]["num_workers"] == [0, 8]
     # 3. a time budget: stops while a checkpoint still fits (paced updates: the rest can never fit in 0.9 s)
     budget = {"TORCHRELAY_BUDGET_S": "0.9", "TORCHRELAY_MARGIN_S": "0.6"}
     out = launch(code, run, sets={"params.min_update_s": 0.2}, env=budget)

@@ -63,6 +63,7 @@ from torchrelay.stop import (
     deadline_from_env,
     decide,
     is_stale,
+    job_start,
 )
 
 MANIFEST_IN_RUN = "data/manifest.jsonl"
@@ -183,7 +184,7 @@ class Run:
     _optimizer: torch.optim.Optimizer | None
     _statefuls: dict[str, Any]
     _signals: SignalFlag
-    _segment_start: float
+    _finished_before: bool
     _deadline: float | None
     _save_estimate: float
     _margin: float
@@ -242,6 +243,10 @@ class Run:
                 raise self._everywhere(
                     ConfigError(f"TORCHRELAY_OVERRIDES is not a JSON object ({exc})")
                 ) from None
+        try:  # fixed once for the job (see job_start); a bad value refuses here, before anything is touched
+            deadline = deadline_from_env(os.environ, job_start())
+        except ConfigError as exc:
+            raise self._everywhere(exc) from None
 
         # Rank 0 validates and prepares the directory; the outcome, or whatever it raised, reaches every rank, so
         # that no rank waits for an answer that never comes.
@@ -284,8 +289,9 @@ class Run:
         self._statefuls = {}
         self._signals = SignalFlag()
         self._signals.install()
-        self._segment_start = time.time()
-        self._deadline = deadline_from_env(self._segment_start)
+        self._deadline = deadline.at if deadline else None
+        # A relaunch of a finished run trains nothing and records nothing (steps() says so).
+        self._finished_before = self.start_update >= self.config.total_updates
         self._save_estimate = float(
             os.environ.get("TORCHRELAY_SAVE_ESTIMATE_S", outcome["last_save_s"] or 0.0)
         )
@@ -296,8 +302,12 @@ class Run:
         self._agree_seconds = 0.0
         self._max_interval = int(os.environ.get("TORCHRELAY_CHECK_EVERY", "64"))
         self._last_flush = 0.0
-        if self.rank == 0:
+        if self.rank == 0 and not self._finished_before:
             self.segment["hosts"] = self.hosts
+            self.segment["deadline"] = self._deadline
+            if deadline:
+                left = deadline.at - time.time()
+                print(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})", flush=True)
             upsert(self.dir.path, self.segment)
         return self
 
@@ -578,19 +588,38 @@ class Run:
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
+        multiprocessing_context: str | None = None,
     ) -> RelayLoader:
         """A loader over `dataset[i]` (i = manifest index) in the run's exact order; workers from the config.
 
         A dataset with `wants_context = True` gets `dataset[ctx]`, a SampleContext (index, epoch, update, seed).
+        Workers start from a forkserver when the script has a main guard and the dataset pickles, else by fork
+        (`multiprocessing_context` chooses: "forkserver", "spawn" or "fork"); they survive the stop signals.
         """
         return RelayLoader(
-            dataset, collate_fn, self.config.num_workers, pin_memory, prefetch_factor, persistent_workers
+            dataset,
+            collate_fn,
+            self.config.num_workers,
+            pin_memory,
+            prefetch_factor,
+            persistent_workers,
+            multiprocessing_context,
         )
 
     # ---------------------------------------------------------------------------------- the loop
     def steps(self, loader: RelayLoader) -> Iterator[Step]:
         """Yield one Step per update until the schedule ends or a stop is agreed; saves on the way."""
         cfg = self.config
+        if self._finished_before:
+            if self.rank == 0:
+                print(
+                    f"[torchrelay] {self.dir.path} is finished (update {self.start_update} of "
+                    f"{cfg.total_updates}): nothing to train, nothing recorded",
+                    flush=True,
+                )
+            self.exit_code, self.ended = EXIT_FINISHED, "finished"
+            self._end_segment(self.start_update)
+            return
         if self.resume_from is not None:
             ckpt_state.load_rng(self.resume_from, self.rank)
         print(f"[rank {self.rank}] {self.gate}", flush=True)
@@ -604,7 +633,11 @@ class Run:
             cfg.micro_batch,
             cfg.grad_accum,
         )
-        it = iter(loader.build(batches, cfg.seed))
+        context, note = loader.context()
+        if note and self.rank == 0:
+            print(f"[torchrelay] {note}", file=sys.stderr, flush=True)
+            self._notes.append(note)
+        it = loader.start(batches, cfg.seed, context)
         retention = policy_for(cfg)  # a checkpoint kept for later (keep_updates, keep_every) must be written
         done = self.start_update
         last_saved = self.start_update if self.resume_from is not None else -1
@@ -660,6 +693,9 @@ class Run:
 
     def _local_stop_code(self, done: int, update_s: float, interval: int, request: StopRequest | None) -> int:
         """This rank's stop proposal at an agreement boundary; only rank 0 reads the request file."""
+        if request is not None and request.note and request.note not in self._notes:
+            print(f"[torchrelay] {request.note}", file=sys.stderr, flush=True)
+            self._notes.append(request.note)
         if request is not None and is_stale(request, self.job):
             if not self._stale_reported:
                 note = f"ignored stale stop request for job {request.job} (this job: {self.job})"
@@ -774,7 +810,7 @@ class Run:
     def _end_segment(self, last_update: int | None) -> None:
         self.metrics_log.close()
         self.exposures_log.close()
-        if self.rank == 0:
+        if self.rank == 0 and not (self._finished_before and self.ended == "finished"):
             seg = self.segment
             seg.update(
                 ended=self.ended,

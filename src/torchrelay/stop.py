@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
+import re
 import signal
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL
+import psutil
+
+from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError
 from torchrelay.fsutil import atomic_write_text
 
 REQUEST_FILE = "REQUEST_STOP"
 # The agreed stop code is the maximum over ranks; these values double as process exit codes.
 NONE = 0
 ENDED = {EXIT_BUDGET: "budget", EXIT_REQUEST: "request", EXIT_SIGNAL: "signal", EXIT_MEMORY: "memory"}
+
+
+# A request is a few dozen bytes; a larger file is still a request, but it is never read whole.
+REQUEST_MAX_BYTES = 64 * 1024
+# What `echo -n $SLURM_JOB_ID > REQUEST_STOP` writes: a job id (arrays: 123_4, heterogeneous jobs: 123+0).
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,30 +39,77 @@ class StopRequest:
     reason: str
     time: float
     by: str
+    note: str | None = None  # what was wrong with the file, when it was not a well-formed request
 
     @classmethod
     def read(cls, path: Path) -> StopRequest | None:
+        """The request in `path`, or None when there is none.
+
+        Never raises for what the file holds: a request is a request, so a file that cannot be understood (not
+        UTF-8, too large, a field of the wrong type, unreadable) asks any job to stop now, and `note` says why.
+        """
         try:
-            text = path.read_text()
+            with open(path, "rb") as f:
+                raw = f.read(REQUEST_MAX_BYTES + 1)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            return cls._anyway(path, f"cannot be read ({exc.strerror or type(exc).__name__})")
+        if len(raw) > REQUEST_MAX_BYTES:
+            return cls._anyway(path, f"is larger than {REQUEST_MAX_BYTES} bytes")
         try:
-            data = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError:
-            data = {"job": text.strip()}  # the G3A1 convention: the file holds just a job id
-        if isinstance(data, int | str):
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return cls._anyway(path, f"is not UTF-8 text ({len(raw)} bytes)")
+        try:
+            data: Any = json.loads(text) if text.strip() else {}
+        except (json.JSONDecodeError, RecursionError):
+            word = text.strip()
+            if not _JOB_ID.fullmatch(word):
+                return cls._anyway(path, "holds neither JSON nor a job id")
+            data = {"job": word}  # the G3A1 convention: the file holds just a job id
+        if isinstance(data, int | str) and not isinstance(data, bool):
             data = {"job": str(data)}
-        elif not isinstance(data, dict):
+        elif data is None:
             data = {}
+        elif not isinstance(data, dict):
+            return cls._anyway(path, f"holds a JSON {type(data).__name__}, not an object")
+        problems: list[str] = []
         job = data.get("job")
+        if job not in (None, "") and (isinstance(job, bool) or not _JOB_ID.fullmatch(str(job))):
+            problems.append(f"job {_short(job)} is not a job id")
+            job = None
         at = data.get("at_update")
+        if at is not None and (isinstance(at, bool) or not isinstance(at, int) or at < 0):
+            problems.append(f"at_update {_short(at)} is not an update number")
+            at = None
+        when = data.get("time", 0.0)
         return cls(
             job=str(job) if job not in (None, "") else None,
-            at_update=int(at) if at is not None else None,
-            reason=str(data.get("reason", "user")),
-            time=float(data.get("time", 0.0)),
-            by=str(data.get("by", "")),
+            at_update=at,
+            reason=_text(data.get("reason"), "user"),
+            time=float(when) if isinstance(when, int | float) and math.isfinite(when) else 0.0,
+            by=_text(data.get("by"), ""),
+            note=f"{path}: {'; '.join(problems)}: stopping now, for any job" if problems else None,
         )
+
+    @classmethod
+    def _anyway(cls, path: Path, problem: str) -> StopRequest:
+        return cls(
+            None, None, "unreadable request", 0.0, "", f"{path} {problem}: treated as a request to stop now"
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _text(value: Any, default: str) -> str:
+    """A short printable string for a free-text field (its content came from anyone who can write the file)."""
+    if not isinstance(value, str):
+        return default
+    return "".join(c if c.isprintable() else "?" for c in value[:200])
 
 
 def write_request(
@@ -147,31 +205,87 @@ def is_stale(req: StopRequest | None, job: str | None) -> bool:
     return req is not None and req.job is not None and req.job != job
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 @dataclass(slots=True)
 class SignalFlag:
-    """Installed in the main thread; the handler only records which signal came."""
+    """Installed in the main thread; the handler records which signal came, then calls the handler it replaced.
+
+    A handler installed before (the user's, a logger's) keeps running. The default action of SIGTERM and SIGUSR1
+    is to die, which is exactly what a clean stop replaces, so SIG_DFL, SIG_IGN and Python's KeyboardInterrupt
+    handler are not called.
+    """
 
     received: str | None = None
     previous: dict[int, Any] = field(default_factory=dict)
 
-    def install(self, signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+    def install(self, signums: tuple[int, ...] = STOP_SIGNALS) -> None:
         for signum in signums:
             self.previous[signum] = signal.signal(signum, self._handle)
 
-    def _handle(self, signum: int, frame: object) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
         self.received = self.received or signal.Signals(signum).name
+        before = self.previous.get(signum)
+        if callable(before) and before is not signal.default_int_handler:
+            before(signum, frame)
 
     def restore(self) -> None:
+        """Put back the handlers found at install, unless someone replaced ours since (theirs stays)."""
         for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self.previous.clear()
 
 
-def deadline_from_env(start: float) -> float | None:
-    """TORCHRELAY_DEADLINE (unix seconds) and TORCHRELAY_BUDGET_S (from `start`); the earlier wins."""
-    candidates = []
-    if os.environ.get("TORCHRELAY_DEADLINE"):
-        candidates.append(float(os.environ["TORCHRELAY_DEADLINE"]))
-    if os.environ.get("TORCHRELAY_BUDGET_S"):
-        candidates.append(start + float(os.environ["TORCHRELAY_BUDGET_S"]))
-    return min(candidates) if candidates else None
+def job_start(env: Mapping[str, str] | None = None) -> float:
+    """When this job started, the origin of TORCHRELAY_BUDGET_S (unix seconds).
+
+    Under torchrun it is the start of the agent that started this rank: the agent outlives the restarts of
+    `--max-restarts`, so a restarted rank does not get a fresh budget. Otherwise it is this process's start, so
+    the budget covers importing torch and opening the run too.
+    """
+    env = os.environ if env is None else env
+    try:
+        proc = psutil.Process()
+        if env.get("TORCHELASTIC_RUN_ID"):
+            proc = proc.parent() or proc
+        return float(proc.create_time())
+    except psutil.Error:
+        return time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    at: float  # unix seconds by which the process must have stopped with a complete checkpoint
+    source: str  # which input set it, for the log and history.jsonl
+
+
+def deadline_from_env(env: Mapping[str, str], start: float) -> Deadline | None:
+    """The earliest of TORCHRELAY_DEADLINE (unix seconds), `start` + TORCHRELAY_BUDGET_S and Slurm's
+    SLURM_JOB_END_TIME; each is fixed for the whole job, so a restart within the job keeps its deadline."""
+    found: list[Deadline] = []
+    for name in ("TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S"):
+        text = env.get(name, "").strip()
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (name == "TORCHRELAY_BUDGET_S" and value < 0):
+            raise ConfigError(
+                f"{name}={text!r} is not a number of seconds",
+                hint="TORCHRELAY_DEADLINE is unix seconds, TORCHRELAY_BUDGET_S seconds from the job's start",
+            )
+        if name == "TORCHRELAY_DEADLINE":
+            found.append(Deadline(value, f"TORCHRELAY_DEADLINE={text}"))
+        else:
+            began = time.strftime("%H:%M:%S", time.localtime(start))
+            found.append(
+                Deadline(start + value, f"TORCHRELAY_BUDGET_S={text} from the job's start at {began}")
+            )
+    slurm_end = env.get("SLURM_JOB_END_TIME", "").strip()
+    if slurm_end.isdigit() and int(slurm_end) > 0:  # newer Slurm sets it; a job without a limit has none
+        found.append(Deadline(float(slurm_end), f"SLURM_JOB_END_TIME={slurm_end}"))
+    return min(found, key=lambda d: d.at) if found else None

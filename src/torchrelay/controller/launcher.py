@@ -409,12 +409,15 @@ class Controller:
         upsert(self.plan.run_path, seg)
 
     def _ended_since(self, launched: float, result: Supervised) -> str:
-        """How the segment this attempt started ended; 'crash' or 'refused' when it wrote none."""
+        """How the segment this attempt started ended; 'finished', 'crash' or 'refused' when it wrote none."""
         mine = [s for s in read_history(self.plan.run_path) if float(s.get("started") or 0) >= launched - 1]
         if mine:
             ended = str(mine[-1].get("ended"))
             return "crash" if ended == "running" else ended
         codes = [int(c) for c in _TORCHRUN_EXIT.findall("\n".join(result.tail))]
+        total = _total_updates(self.plan.run_path)
+        if result.returncode == 0 and total is not None and _saved_update(self.plan.run_path) >= total:
+            return "finished"  # a relaunch of a finished run records no segment
         if result.returncode == EXIT_REFUSED or EXIT_REFUSED in codes:
             return "refused"
         return "crash"

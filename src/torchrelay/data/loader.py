@@ -5,13 +5,33 @@ position on: resuming is a jump, not a replay, and any `num_workers` gives the s
 order because DataLoader returns batches in sampler order whatever worker produced them. A dataset that sets
 `wants_context = True` receives a SampleContext (index, epoch, update, seed) instead of the bare index, so its
 augmentation can depend on the epoch inside the workers (see data/sample.py).
+
+Worker processes are started by a forkserver, not forked from the rank: by the time the loader starts, the
+rank holds gloo's (or NCCL's) native threads, and a fork copies whatever lock one of them holds at that moment
+into a child where nothing will ever release it (a launch hung so, once in about fifteen). The forkserver is a
+fresh process with no threads, with torch imported once, that forks each worker. Workers outlive the stop signals
+that torchrun or Slurm send to a rank's whole process group (the rank stops at its next boundary and ends them),
+end on a SIGTERM from their own rank, and die with their parent.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import ctypes
 import dataclasses
+import functools
+import io
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +39,11 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from torchrelay.data.order import GlobalOrder
 from torchrelay.data.sample import SampleContext
+from torchrelay.errors import ConfigError
+from torchrelay.stop import STOP_SIGNALS
+
+CONTEXTS = ("forkserver", "spawn", "fork")
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(slots=True)
@@ -69,6 +94,94 @@ class _TaggedCollate:
         return [i for i, _ in samples], self.collate_fn([item for _, item in samples])
 
 
+def _worker_init(rank_pid: int, worker_id: int) -> None:
+    """First thing in every worker: a stop signal is the rank's business, and the worker dies with its parent.
+
+    torchrun (and `scancel`) signal a rank's whole process group; the rank stops at its next boundary and ends
+    its workers then. But a SIGTERM from the rank itself (DataLoader's shutdown, multiprocessing's exit handler
+    terminating what is left) must still end the worker, or the rank would wait for it forever. So the stop
+    signals stay blocked, as the worker was started, and one thread takes each and looks at who sent it.
+    """
+    if hasattr(signal, "sigwaitinfo"):
+        threading.Thread(
+            target=_take_stop_signals, args=(rank_pid,), name="torchrelay-signals", daemon=True
+        ).start()
+    else:  # no sigwaitinfo (macOS): ignore them; the rank's shutdown then waits for its workers to finish
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    # A rank killed outright must not leave workers behind (DataLoader's own watchdog only looks while the worker
+    # waits for work). The parent is the rank's thread that started the loader, or the forkserver.
+    die_with_parent()
+
+
+def _take_stop_signals(rank_pid: int) -> None:
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        if info.si_signo == signal.SIGTERM and info.si_pid == rank_pid:
+            os._exit(128 + signal.SIGTERM)
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the thread that started it ends (elsewhere: nothing happens)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+class _Probe(pickle.Pickler):
+    """Pickles into nothing, to learn whether an object can reach a worker; tensors and arrays always can."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) or type(obj).__module__ == "numpy":
+            return (type(None), ())
+        return NotImplemented
+
+
+class _Sink(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return len(b)
+
+
+def unpicklable(obj: Any) -> str | None:
+    """Why `obj` cannot be sent to a forkserver's worker, or None when it can."""
+    try:
+        _Probe(_Sink(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception as exc:  # noqa: BLE001 - any failure of pickle is the answer
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def main_unguarded() -> str | None:
+    """Why worker processes may not import the training script (forkserver and spawn workers do), or None."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return None  # an interactive session or `python -c`: workers import nothing
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"{path} cannot be read ({exc})"
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            return None
+    return (
+        f'{path} has no `if __name__ == "__main__":` block, so a worker importing it would run the training'
+    )
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [n for n in sides if isinstance(n, ast.Name) and n.id == "__name__"]
+    consts = [n for n in sides if isinstance(n, ast.Constant) and n.value == "__main__"]
+    return len(names) == 1 and len(consts) == 1
+
+
 @dataclass(slots=True)
 class RelayLoader:
     """What `Run.dataloader` returns; the run builds the real DataLoader at the resume position."""
@@ -79,22 +192,52 @@ class RelayLoader:
     pin_memory: bool = False
     prefetch_factor: int | None = None
     persistent_workers: bool = False
+    multiprocessing_context: str | None = None  # None: forkserver when it can run, else fork (see `context`)
 
     @property
     def wants_context(self) -> bool:
         """The dataset asked for SampleContexts (`wants_context = True`) instead of bare indices."""
         return getattr(self.dataset, "wants_context", False) is True
 
-    def build(self, batches: RankBatches, seed: int) -> DataLoader:
+    def context(self) -> tuple[str | None, str | None]:
+        """(start method of the workers, a note when the default had to fall back to fork)."""
+        if self.num_workers == 0:
+            return None, None
+        asked = self.multiprocessing_context
+        if asked is not None and asked not in CONTEXTS:
+            raise ConfigError(f"run.dataloader(multiprocessing_context={asked!r}): choose one of {CONTEXTS}")
+        if asked == "fork":
+            return "fork", None
+        why = main_unguarded()
+        if why is None:
+            bad = unpicklable((_Tagged(self.dataset), _TaggedCollate(self.collate_fn)))
+            why = bad and f"the dataset or collate_fn cannot be pickled for the workers ({bad})"
+        if why is None:
+            return asked or "forkserver", None
+        if asked is not None:
+            raise ConfigError(
+                f"run.dataloader(multiprocessing_context={asked!r}): {why}",
+                hint='keep the training under `if __name__ == "__main__":` and the dataset picklable '
+                "(paths and records, files opened in __getitem__), or ask for multiprocessing_context='fork'",
+            )
+        return "fork", (
+            f"loader workers are forked from the rank, not started by a forkserver: {why}; a fork copies the "
+            "locks the rank's communication threads hold (a rare hang); see README, DataLoader workers"
+        )
+
+    def build(self, batches: RankBatches, seed: int, context: str | None = None) -> DataLoader:
         # An explicit generator keeps DataLoader from drawing its base seed from the global torch RNG,
         # which would shift every later draw by a different amount in a resumed process.
         gen = torch.Generator()
         gen.manual_seed(seed * 1_000_003 + batches.start_update)
         kwargs: dict[str, Any] = {}
-        if self.num_workers > 0 and self.prefetch_factor is not None:
-            kwargs["prefetch_factor"] = self.prefetch_factor
         if self.num_workers > 0:
+            if self.prefetch_factor is not None:
+                kwargs["prefetch_factor"] = self.prefetch_factor
             kwargs["persistent_workers"] = self.persistent_workers
+            kwargs["worker_init_fn"] = functools.partial(_worker_init, os.getpid())
+            if context is not None:
+                kwargs["multiprocessing_context"] = _mp_context(context)
         if self.wants_context:
             batches = dataclasses.replace(batches, context=True)
         return DataLoader(
@@ -106,3 +249,32 @@ class RelayLoader:
             generator=gen,
             **kwargs,
         )
+
+    def start(self, batches: RankBatches, seed: int, context: str | None = None) -> Iterator[Any]:
+        """The batches from the resume position on; the workers (and a forkserver) start here."""
+        loader = self.build(batches, seed, context)
+        if self.num_workers == 0:
+            return iter(loader)
+        # Children inherit the signal mask of the thread that starts them, through exec too: blocked from their
+        # first instruction, the workers cannot die of a stop signal before _worker_init takes them over (and the
+        # forkserver and multiprocessing's resource tracker keep them blocked for life). A signal for this
+        # process meanwhile waits, and is handled as soon as the mask is restored.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            if context in ("forkserver", "spawn"):
+                # The resource tracker unblocks SIGTERM as its start ends; started here, not inside iter(), the
+                # mask is set again before the forkserver starts.
+                resource_tracker.ensure_running()
+                signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            return iter(loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _mp_context(name: str) -> Any:
+    ctx = multiprocessing.get_context(name)
+    if name == "forkserver":
+        # Workers fork from a server that imported torch once (Python's own preload of __main__ does not happen
+        # on 3.11), so each one starts in a fraction of a second; this is ignored once a server runs.
+        ctx.set_forkserver_preload(["torch", "torchrelay.data.forkserver_preload"])
+    return ctx

@@ -1,0 +1,422 @@
+"""Stops and process lifecycles: any request file, chained signal handlers, loader workers that outlive the stop
+signals but not their rank, deadlines fixed once per job, finished runs left alone, timeouts that end everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from helpers import PYTHON, clean_env, segments, torchrun_cmd
+from torchrelay import RelayConfig, Run
+from torchrelay.audit.runner import AuditError, subprocess_launcher
+from torchrelay.controller.plan import CheckSpec
+from torchrelay.controller.preflight import PreflightFailed, PreflightReport, run_user_check
+from torchrelay.data.loader import RelayLoader, main_unguarded
+from torchrelay.errors import EXIT_REQUEST, EXIT_SIGNAL, ConfigError
+from torchrelay.lock import RunLock
+from torchrelay.proctree import Tree, survivors
+from torchrelay.stop import REQUEST_MAX_BYTES, SignalFlag, StopContext, StopRequest, deadline_from_env, decide
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+# ------------------------------------------------------------------------------------------- request files
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\xff\xfe\x00garbage\x80\x81",  # not UTF-8
+        b"\x00" * 100,  # binary zeros
+        b"[1, 2, 3]",  # JSON, not an object
+        b'{"job": {"nested": 1}, "at_update": "soon", "time": "x", "reason": 7}',  # wrong types
+        b'{"at_update": 1e400}',  # a float, infinite
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser
+        b"please stop this run",  # text that is no job id
+    ],
+)
+def test_any_request_file_is_a_request_to_stop_never_a_crash(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "REQUEST_STOP"
+    path.write_bytes(content)
+    req = StopRequest.read(path)
+    assert req is not None and req.job is None and req.at_update is None
+    assert req.note and str(path) in req.note
+    ctx = StopContext(updates_done=3, now=time.time(), job="77", request=req)
+    verdict = decide(ctx)
+    assert verdict is not None and verdict.code == EXIT_REQUEST
+
+
+def test_huge_or_unreadable_request_files_are_not_read_whole(tmp_path: Path) -> None:
+    path = tmp_path / "REQUEST_STOP"
+    with open(path, "wb") as f:
+        f.truncate(8 * 2**30)  # 8 GiB, sparse: reading it whole would take the memory of the machine
+    t0 = time.perf_counter()
+    req = StopRequest.read(path)
+    assert time.perf_counter() - t0 < 1.0
+    assert req is not None and req.job is None and f"larger than {REQUEST_MAX_BYTES} bytes" in str(req.note)
+    path.unlink()
+    path.mkdir()  # a directory where the file should be
+    req = StopRequest.read(path)
+    assert req is not None and "cannot be read" in str(req.note)
+    # Well-formed requests keep their meaning.
+    path.rmdir()
+    path.write_text(" 4242_7\n")
+    assert StopRequest.read(path) == StopRequest("4242_7", None, "user", 0.0, "")
+    path.write_text(json.dumps({"job": 12, "at_update": 5, "reason": "audit", "by": "me\x1b[31m"}))
+    req = StopRequest.read(path)
+    assert req is not None and (req.job, req.at_update, req.reason, req.by, req.note) == (
+        "12",
+        5,
+        "audit",
+        "me?[31m",
+        None,
+    )
+
+
+# ------------------------------------------------------------------------------------------- signal handlers
+def test_signal_handlers_are_chained_and_put_back() -> None:
+    calls: list[int] = []
+
+    def users(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    before_usr1 = signal.signal(signal.SIGUSR1, users)
+    before_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        flag = SignalFlag()
+        flag.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.received == "SIGUSR1" and calls == [signal.SIGUSR1]  # the user's handler still runs
+        os.kill(os.getpid(), signal.SIGTERM)  # its default action (death) is what a clean stop replaces
+        assert flag.received == "SIGUSR1" and calls == [signal.SIGUSR1]
+        flag.restore()
+        assert (
+            signal.getsignal(signal.SIGUSR1) is users and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        )
+        # A handler installed over ours after install stays where it is.
+        flag = SignalFlag()
+        flag.install((signal.SIGUSR1,))
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        flag.restore()
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before_usr1)
+        signal.signal(signal.SIGTERM, before_term)
+
+
+# ------------------------------------------------------------------------------------------- in-process runs
+def _train(run_dir: Path, example: dict[str, Path], total: int, hook: Any = None) -> tuple[Run, list[int]]:
+    """A world-size-1 run in this process (the library's own code path; torchrun adds nothing here)."""
+    cfg = RelayConfig(
+        seed=3,
+        micro_batch=2,
+        total_updates=total,
+        manifest=str(example["manifest"]),
+        data_root=str(example["root"]),
+        save_every=100,
+    )
+    done: list[int] = []
+    with Run.open(run_dir, cfg, code_dir=example["code"]) as run:
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.track(model=model, optimizer=opt)
+        for step in run.steps(run.dataloader(list(range(len(run.manifest))))):
+            for _, _batch in step.micro_batches():
+                model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            done.append(step.update)
+            if hook:
+                hook(step.update)
+    return run, done
+
+
+def test_in_process_stops_garbage_request_chained_signal_and_a_finished_run(
+    example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    calls: list[int] = []
+
+    def users(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    before = signal.signal(signal.SIGUSR1, users)
+    try:
+        # A signal in update 2: the user's handler runs too, the run stops cleanly, the handler is back after.
+        run, done = _train(run_dir, example, 4, lambda u: u == 2 and os.kill(os.getpid(), signal.SIGUSR1))
+        assert (run.exit_code, run.ended, done, calls) == (EXIT_SIGNAL, "signal", [1, 2], [signal.SIGUSR1])
+        assert signal.getsignal(signal.SIGUSR1) is users
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    # Binary garbage in REQUEST_STOP: a stop at the first boundary, with a note, not a UnicodeDecodeError.
+    (run_dir / "REQUEST_STOP").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" + os.urandom(64))
+    run, done = _train(run_dir, example, 4)
+    assert (run.exit_code, done) == (EXIT_REQUEST, [])
+    seg = segments(run_dir)[-1]
+    assert seg["ended"] == "request" and any("is not UTF-8 text" in n for n in seg["notes"])
+    assert not (run_dir / "REQUEST_STOP").exists()  # consumed, kept under train/stop-requests
+    run, done = _train(run_dir, example, 4)
+    assert (run.exit_code, done, len(segments(run_dir))) == (0, [3, 4], 3)
+    # The finished run, launched again: says so, records nothing, exits 0.
+    capsys.readouterr()
+    run, done = _train(run_dir, example, 4)
+    assert (run.exit_code, done, len(segments(run_dir))) == (0, [], 3)
+    assert "is finished (update 4 of 4): nothing to train, nothing recorded" in capsys.readouterr().out
+    assert RunLock(run_dir, "train").acquire(wait_s=0) is not None  # and it let go of the run
+
+
+def test_budget_counts_from_the_job_start_and_refuses_nonsense() -> None:
+    start = 1_000.0
+    d = deadline_from_env({"TORCHRELAY_BUDGET_S": "6"}, start)
+    assert d is not None and d.at == 1_006.0 and "TORCHRELAY_BUDGET_S=6" in d.source
+    d = deadline_from_env(
+        {"TORCHRELAY_BUDGET_S": "60", "TORCHRELAY_DEADLINE": "1030", "SLURM_JOB_END_TIME": "1020"}, start
+    )
+    assert d is not None and d.at == 1_020.0 and d.source == "SLURM_JOB_END_TIME=1020"
+    assert deadline_from_env({}, start) is None
+    for bad in (
+        {"TORCHRELAY_BUDGET_S": "soon"},
+        {"TORCHRELAY_DEADLINE": "nan"},
+        {"TORCHRELAY_BUDGET_S": "-1"},
+    ):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            deadline_from_env(bad, start)
+
+
+# ------------------------------------------------------------------------------------------- loader workers
+WORKERS_CHILD = """
+import json, sys, time
+import psutil, torch
+from torchrelay.data.loader import RankBatches, RelayLoader
+from torchrelay.data.order import GlobalOrder
+from torchrelay.stop import SignalFlag
+
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([i * i])
+
+
+def batches():
+    return RankBatches(GlobalOrder(num_samples=64, seed=5, global_batch=4), 0, 12, 0, 1, 4, 1)
+
+
+if __name__ == "__main__":
+    flag = SignalFlag()
+    flag.install()
+    expected = [(ids, [i * i for i in ids]) for ids in batches()]
+    for nw, persistent in json.loads(sys.argv[1]):
+        flag.received = None
+        loader = RelayLoader(Squares(), None, nw, persistent_workers=persistent)
+        context, note = loader.context()
+        it = loader.start(batches(), seed=1, context=context)
+        got = [next(it)]
+        kids = [p.pid for p in psutil.Process().children(recursive=True)]
+        print("READY", nw, persistent, context, json.dumps(kids), flush=True)
+        if sys.stdin.readline().strip() == "crash":
+            raise RuntimeError("a crash with the loader's workers alive")
+        got += list(it)  # meanwhile the test signalled this whole process group, as torchrun does
+        same = [(ids, b.flatten().tolist()) for ids, b in got] == expected
+        print("DONE", nw, persistent, flag.received, same, flush=True)
+        del it
+"""
+
+
+def _child(script: Path, rounds: list[tuple[int, bool]]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PYTHON, str(script), json.dumps(rounds)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(PYTHONPATH=SRC),
+        start_new_session=True,
+    )
+
+
+def _expect(child: subprocess.Popen[str], word: str) -> str:
+    assert child.stdout is not None
+    lines = []
+    for line in child.stdout:
+        if line.startswith(word):
+            return line
+        lines.append(line)
+    raise AssertionError(f"no {word} from the child (exit {child.wait()}):\n" + "".join(lines))
+
+
+def test_loader_workers_survive_stop_signals_and_end_with_their_rank(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(WORKERS_CHILD)
+    # A rank that takes the stop signals and then crashes, and one that is killed outright.
+    signalled = _child(script, [(0, False), (2, True), (8, False), (2, False)])
+    killed = _child(script, [(2, False)])
+    trees = []
+    try:
+        for round_ in range(4):
+            _, nw, _, context, kids = _expect(signalled, "READY").split(" ", 4)
+            assert len(json.loads(kids)) >= int(nw)  # the workers (and a forkserver) are up
+            assert context == ("None" if nw == "0" else "forkserver")
+            assert signalled.stdin is not None
+            if round_ == 3:
+                trees.append(Tree(signalled.pid))
+                signalled.stdin.write("crash\n")  # its workers must not keep the rank from exiting
+                signalled.stdin.flush()
+                break
+            os.killpg(signalled.pid, signal.SIGTERM)
+            os.killpg(signalled.pid, signal.SIGUSR1)
+            time.sleep(0.3)  # let the signals land in every process before the loader is asked for more
+            signalled.stdin.write("\n")
+            signalled.stdin.flush()
+            done = _expect(signalled, "DONE").split()
+            assert done[3] in ("SIGTERM", "SIGUSR1") and done[4] == "True", done
+        assert signalled.wait(timeout=60) == 1
+        _expect(killed, "READY")
+        trees.append(Tree(killed.pid))
+        os.kill(killed.pid, signal.SIGKILL)
+        assert killed.wait(timeout=30) == -signal.SIGKILL
+        for tree in trees:
+            assert len(tree.seen) >= 3 and survivors(tree, wait_s=10) == []
+    finally:
+        for child in (signalled, killed):
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        for tree in trees:
+            tree.end()
+
+
+def test_workers_start_from_a_forkserver_only_when_they_can(tmp_path: Path) -> None:
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text("import os\n\ndef main():\n    pass\n\nif '__main__' == __name__:\n    main()\n")
+    loose = tmp_path / "loose.py"
+    loose.write_text("import os\nprint('training at import time')\n")
+    main = sys.modules["__main__"]
+    saved = getattr(main, "__file__", None)
+    try:
+        main.__file__ = str(guarded)
+        assert main_unguarded() is None
+        assert RelayLoader(list(range(8)), None, 2).context() == ("forkserver", None)
+        # A dataset that cannot be pickled into a worker: fork, and a note saying why; asked for: refused.
+        loader = RelayLoader([lambda: 1], None, 2)
+        context, note = loader.context()
+        assert context == "fork" and note is not None and "cannot be pickled" in note
+        loader.multiprocessing_context = "forkserver"
+        with pytest.raises(ConfigError, match="cannot be pickled"):
+            loader.context()
+        main.__file__ = str(loose)
+        assert "has no `if __name__" in str(main_unguarded())
+        assert RelayLoader(list(range(8)), None, 2).context()[0] == "fork"
+        assert RelayLoader(list(range(8)), None, 0).context() == (None, None)
+    finally:
+        main.__file__ = saved  # type: ignore[assignment]
+
+
+# ------------------------------------------------------------------------------------------- timeouts
+TREE_CHILD = """
+import os, signal, subprocess, sys, time
+# Like torchrun's ranks: a session of their own, and a SIGTERM that does not end them.
+grandchild = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"]
+child = subprocess.Popen(
+    [sys.executable, "-c", f"import subprocess, time; subprocess.Popen({grandchild!r}); time.sleep(120)"],
+    start_new_session=True,
+)
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+
+def test_timeouts_end_every_process_they_started(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    started = time.time()
+
+    def tree_is_up(seconds: float) -> bool:
+        if not pidfile.exists() or not pidfile.read_text():
+            return seconds > 60
+        return len(psutil.Process(int(pidfile.read_text())).children()) == 1
+
+    with pytest.raises(AuditError, match="ran past"):
+        subprocess_launcher(
+            [PYTHON, "-c", TREE_CHILD, str(pidfile)],
+            clean_env(),
+            tmp_path / "log",
+            60,
+            grace_s=0.5,
+            timed_out=tree_is_up,
+        )
+    child = psutil.Process(int(pidfile.read_text()))  # (NoSuchProcess here would mean it is gone already)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    orphans = [
+        p
+        for p in psutil.process_iter(["cmdline", "create_time"])
+        if "time.sleep(120)" in " ".join(p.info["cmdline"] or []) and p.info["create_time"] >= started - 1
+    ]
+    assert [p for p in orphans if p.status() != psutil.STATUS_ZOMBIE] == []
+    # A preflight check whose shell started a child: the timeout ends both, and does not wait for the child.
+    t0 = time.time()
+    check = CheckSpec(name="slow", run=f"sleep 30 & echo $! > {tmp_path / 'bg'}; sleep 30", timeout_s=1)
+    with pytest.raises(PreflightFailed, match="timed out after 1s"):
+        run_user_check(check, tmp_path, clean_env(), PreflightReport())
+    assert time.time() - t0 < 10
+    assert (
+        not psutil.pid_exists(int((tmp_path / "bg").read_text()))
+        or psutil.Process(int((tmp_path / "bg").read_text())).status() == psutil.STATUS_ZOMBIE
+    )
+
+
+# ------------------------------------------------------------------------------------------- real torchrun
+def test_a_restart_keeps_the_deadline_and_a_timeout_ends_every_process(
+    example: dict[str, Path], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    # torchrun restarts the rank once: its first attempt crashes at update 1, the second hangs (a 1000 s update)
+    # with two loader workers until the launch's timeout ends everything. One rank: with two, torch 2.13's
+    # restarted ranks sometimes read the dead attempt's gloo address from the agent's store (its race, not ours).
+    sets = {"params.crash_at_update": 1, "params.min_update_s": 1000, "num_workers": 2}
+    cmd = torchrun_cmd(example["code"], run, nproc=1, config=example["config"], sets=sets)
+    cmd.insert(1, "--max-restarts=1")
+    seen: dict[str, Tree] = {}
+
+    def second_attempt_hangs(seconds: float) -> bool:
+        """True once the restarted rank sleeps in its first update, its workers up (or after 5 minutes)."""
+        launches = psutil.Process().children()
+        if not launches or seconds > 300:
+            return seconds > 300
+        tree = seen.setdefault("tree", Tree(launches[0].pid))
+        tree.collect()
+        if not (run / "history.jsonl").exists() or len(segments(run)) < 2:
+            return False
+        procs = [(p, " ".join(p.cmdline())) for p in tree.alive()]
+        workers = [p for p, cmd in procs if "forkserver" in cmd]
+        ranks = [p for p, cmd in procs if "train_lm.py" in cmd and p.ppid() == launches[0].pid]
+        return len(workers) >= 3 and any(
+            "nanosleep" in Path(f"/proc/{r.pid}/wchan").read_text() for r in ranks
+        )
+
+    env = clean_env(TORCHRELAY_BUDGET_S="600")
+    with pytest.raises(AuditError, match="ran past"):
+        subprocess_launcher(cmd, env, tmp_path / "log", 600, grace_s=2.0, timed_out=second_attempt_hangs)
+    log = (tmp_path / "log").read_text()
+    tree = seen["tree"]
+    assert tree.root is not None and len(tree.seen) >= 5, log  # torchrun, 2 ranks, forkservers, workers
+    # Nothing the launch started is left, and nothing holds the run.
+    assert survivors(tree) == []
+    RunLock(run, "train").acquire(wait_s=0).release()  # RunBusy if a rank were still alive
+    # One deadline for the job, counted from torchrun's start: not from the rank's start, and not again for
+    # the restarted rank (which would have had 600 s of its own).
+    first, second = segments(run)
+    assert (first["ended"], second["ended"]) == ("error", "running"), log
+    agent_start = tree.root.create_time()
+    assert first["deadline"] == second["deadline"] == pytest.approx(agent_start + 600, abs=0.05)
+    assert first["deadline"] < first["started"] + 600
+    assert "TORCHRELAY_BUDGET_S=600 from the job's start" in log
