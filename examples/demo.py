@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--updates", type=int, default=60)
     parser.add_argument("--stop-at", type=int, default=20, help="update the first launch is asked to stop at")
     parser.add_argument(
-        "--budget", type=float, default=4.0, help="seconds the second launch may train, beyond its start-up"
+        "--budget", type=float, default=6.0, help="seconds the second launch may train, beyond its start-up"
     )
     args = parser.parse_args()
     out = args.out.resolve()
