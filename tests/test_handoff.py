@@ -81,6 +81,8 @@ def test_fork_guard_refuses_source_and_second_pack(packed: Packed, tmp_path: Pat
     out = launch(packed.code, packed.source)
     assert out.returncode != 0
     assert "handed off" in out.stdout + out.stderr and "TORCHRELAY_RECLAIM" in out.stdout + out.stderr
+    refused = segments(packed.source)[-1]  # the refusal is on record (issue 8 defect 5)
+    assert (refused["ended"], refused["exit_code"]) == ("refused", 2) and "handed off" in refused["notes"][-1]
     with pytest.raises(ForkRefused, match="already handed off"):
         pack(packed.source, tmp_path / "again", PackOptions(code_dir=packed.code))
     # reclaiming is explicit, and then the trainer's validation lets it through
