@@ -140,7 +140,10 @@ def running_files(code_dir: str | os.PathLike[str] | None, script: str | None = 
     main = script or (sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None)
     candidates = [main, getattr(sys.modules.get("__main__"), "__file__", None)]
     candidates += [getattr(m, "__file__", None) for m in list(sys.modules.values())]
-    return sorted(set(_relative(root, [os.path.abspath(c) for c in candidates if isinstance(c, str) and c])))
+    # Most modules (torch's thousand) lie elsewhere: a prefix test first, symlinks resolved only for the rest.
+    prefixes = (str(root) + os.sep, os.path.abspath(code_dir) + os.sep)
+    near = [os.path.abspath(c) for c in candidates if isinstance(c, str) and c]
+    return sorted(set(_relative(root, [c for c in near if c.startswith(prefixes)])))
 
 
 def _relative(root: Path, paths: Iterable[str | os.PathLike[str]]) -> list[str]:
