@@ -21,6 +21,7 @@ from torchrelay import RelayConfig, Run
 from torchrelay.audit.runner import AuditError, subprocess_launcher
 from torchrelay.controller.plan import CheckSpec
 from torchrelay.controller.preflight import PreflightFailed, PreflightReport, run_user_check
+from torchrelay.controller.supervisor import Supervisor
 from torchrelay.data.loader import RelayLoader, main_unguarded
 from torchrelay.errors import EXIT_REQUEST, EXIT_SIGNAL, ConfigError
 from torchrelay.lock import RunLock
@@ -372,6 +373,23 @@ def test_timeouts_end_every_process_they_started(tmp_path: Path) -> None:
         not psutil.pid_exists(int((tmp_path / "bg").read_text()))
         or psutil.Process(int((tmp_path / "bg").read_text())).status() == psutil.STATUS_ZOMBIE
     )
+
+
+LEAVER = """
+import subprocess, sys, time
+# Like a rank whose torchrun died: a session of its own, alive after the command it belongs to has ended.
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(1.0)
+"""
+
+
+def test_the_supervisor_ends_what_outlives_its_command(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    sup = Supervisor(argv=[PYTHON, "-c", LEAVER, str(pidfile)], cwd=tmp_path, env=clean_env(), poll_s=0.05)
+    assert sup.run().returncode == 0
+    left = psutil.Process(int(pidfile.read_text()))  # NoSuchProcess would do too: it is gone
+    assert not left.is_running() or left.status() == psutil.STATUS_ZOMBIE
 
 
 # ------------------------------------------------------------------------------------------- real torchrun
