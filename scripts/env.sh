@@ -15,6 +15,15 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scri
   "$VENV/bin/python" -c "import torch, torchrelay, matplotlib, pytest, transformers" >/dev/null
   touch "$STAMP"
 fi
+# Bundle signatures (pack --sign, verify --allowed-signers) use OpenSSH's ssh-keygen; a fresh Debian CI machine
+# (root) gets it here, elsewhere the signature tests say why they skip.
+if ! command -v ssh-keygen >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing openssh-client (ssh-keygen, for bundle signatures)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq openssh-client >/dev/null 2>&1 || {
+    apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssh-client >/dev/null 2>&1
+  } || echo "setup: could not install openssh-client; the signature tests will skip" >&2
+fi
 export PATH="$VENV/bin:$PATH"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 cd "$ROOT"

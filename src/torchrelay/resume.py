@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay.checkpoint.handed_off import PACKING, read_marker
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.config import RelayConfig
@@ -51,17 +52,21 @@ def schedule_gate(cfg: RelayConfig, update: int, where: str) -> str:
 
 
 def check_fork_guard(ckpt: Path) -> None:
-    marker = ckpt / "HANDED_OFF.json"
-    if marker.exists() and os.environ.get(RECLAIM_ENV) != "1":
-        try:
-            info = json.loads(marker.read_text())
-        except (OSError, json.JSONDecodeError):
-            info = {}
+    record = read_marker(ckpt)
+    if record is None or os.environ.get(RECLAIM_ENV) == "1":
+        return
+    if record.get("state") == PACKING:
         raise ForkRefused(
-            f"{ckpt.name} was handed off (bundle lineage {info.get('lineage', '?')}, "
-            f"packed {info.get('packed_at', '?')}); continuing it here would fork the run",
-            hint=f"continue from the bundle instead, or set {RECLAIM_ENV}=1 to reclaim it here on purpose",
+            f"{ckpt.name}: a pack of it into {record.get('bundle', '?')} (lineage {record.get('lineage', '?')}) "
+            "was interrupted; until it is finished or rolled back, continuing here could fork the run",
+            hint=f"run `torchrelay pack {ckpt.parent} ...` again: it rolls back a bundle that never got its "
+            f"SHA256SUMS, or says why it cannot; {RECLAIM_ENV}=1 continues here regardless",
         )
+    raise ForkRefused(
+        f"{ckpt.name} was handed off (bundle lineage {record.get('lineage', '?')}, "
+        f"packed {record.get('packed_at', '?')}); continuing it here would fork the run",
+        hint=f"continue from the bundle instead, or set {RECLAIM_ENV}=1 to reclaim it here on purpose",
+    )
 
 
 def validate_resume(

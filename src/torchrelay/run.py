@@ -416,11 +416,11 @@ class Run:
                 for note in kept:
                     print(f"[torchrelay] warning: {note}", file=sys.stderr, flush=True)
             cfg = cfg.with_overrides(overrides) if overrides else cfg
+            clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
             # The script and the modules it imported from the code directory, tracked by git or not.
             check = validate_resume(
                 rd.path, cfg, self.world_size, self.code_dir, code_files=running_files(self.code_dir)
             )
-            clean_stale(rd.path)
             rd.remove_stale_temps()
             history = read_history(rd.path)
             last_logged = max(

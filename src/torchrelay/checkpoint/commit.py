@@ -20,21 +20,23 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, mark_reported
-from torchrelay.fsutil import fsync_dir
+
+# KILL_ENV in a save: "<phase>:<update>:<rank>", phases: shards, inventory, rename
+from torchrelay.fsutil import KILL_ENV, fsync_dir
 
 TMP_PREFIX = ".tmp-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
-KILL_ENV = "TORCHRELAY_TEST_KILL"  # "<phase>:<update>:<rank>", phases: shards, inventory, rename
 
 
 def kill_hook_for(update: int, rank: int) -> Callable[[str], None] | None:
     """A crash-test hook: SIGKILL this very process at a named phase of one save (tests only)."""
     spec = os.environ.get(KILL_ENV)
-    if not spec:
+    if not spec or spec.count(":") != 2:  # none, or a step of pack or prepare
         return None
     phase, at_update, at_rank = spec.split(":")
     if int(at_update) != update or int(at_rank) != rank:
@@ -48,8 +50,8 @@ def kill_hook_for(update: int, rank: int) -> Callable[[str], None] | None:
 
 
 def clean_stale(run_dir: Path) -> list[str]:
-    """Remove temporaries a crashed save or delete left behind (rank 0, at start)."""
-    removed = []
+    """Remove temporaries a crashed save, delete or pack left behind (rank 0, at start, before any check)."""
+    removed = clean_temporaries(run_dir)  # of a hand-off record a killed pack was writing
     for child in run_dir.iterdir():
         if child.name.startswith((TMP_PREFIX, DELETING_PREFIX)) and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
 
 INVENTORY = "COMPLETE.json"
@@ -123,6 +124,8 @@ def validate_complete(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True) 
     for rel in list_files(root):
         reclaimed = rel.startswith("HANDED_OFF.reclaimed-") and rel.endswith(".json") and "/" not in rel
         if rel == INVENTORY or rel in listed or rel in EXTRA_ALLOWED or rel.endswith(".orig") or reclaimed:
+            continue
+        if rel.startswith(MARKER_TMP_PREFIX):  # a killed pack's half-written record: removed at the next open
             continue
         raise IntegrityError(f"{root / rel} is not listed in {INVENTORY}: unexpected file in a checkpoint")
     return doc

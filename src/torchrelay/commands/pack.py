@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--allow-dirty", action="store_true", help="pack a run trained from uncommitted code")
     parser.add_argument("--jobs", type=int, default=None, help="copy/hash threads (default: one per core)")
+    parser.add_argument(
+        "--sign",
+        type=Path,
+        default=None,
+        metavar="KEYFILE",
+        help="sign SHA256SUMS with this SSH key (ssh-keygen -Y sign) into SHA256SUMS.sig",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,14 +47,17 @@ def run(args: argparse.Namespace) -> int:
         code_dir=args.code_dir,
         allow_dirty=args.allow_dirty,
         jobs=args.jobs,
+        sign=args.sign,
     )
     load_contract(
         args.run_dir
     )  # a path that holds no run is refused as such, before any checkpoint is looked for
-    ckpt = checkpoint_to_pack(args.run_dir, options.checkpoint)
+    ckpt = checkpoint_to_pack(args.run_dir, options.checkpoint, guard=False)  # pack() itself guards
     total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     with bars.byte_bar(f"pack {ckpt.name}", total) as advance:
         result = pack(args.run_dir, args.bundle, options, on_bytes=advance)
+    for note in result.notes:
+        print(f"recovered: {note}")
     for warning in result.warnings:
         print(f"WARNING: {warning}")
     rate = result.bytes / result.seconds / 1e9 if result.seconds else 0.0
@@ -58,5 +68,14 @@ def run(args: argparse.Namespace) -> int:
     contract = json.loads((result.bundle / "bundle.json").read_text()).get("contract_sha256")
     print(f"contract {contract} (the training prints it as TRAINING_CONTRACT)")
     print(f"bundle lineage {result.lineage}; {ckpt}/HANDED_OFF.json now refuses a second continuation here")
+    print(f"BUNDLE_DIGEST sha256:{result.digest}")
+    print(
+        "  (the SHA-256 of SHA256SUMS; give it to whoever continues the run, who checks it with "
+        "`torchrelay verify BUNDLE --expect DIGEST`)"
+    )
+    if result.signed:
+        print(
+            f"signed: {result.bundle}/SHA256SUMS.sig (ssh-keygen -Y sign -n torchrelay-bundle with {args.sign})"
+        )
     print("PACK_OK")
     return EXIT_FINISHED

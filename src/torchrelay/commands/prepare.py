@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.commands.verify import add_trust_arguments
 from torchrelay.config import parse_assignments
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff import bars
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="validate against this checkout instead of the bundle's source",
     )
     parser.add_argument("--jobs", type=int, default=None, help="hash/copy threads (default: one per core)")
+    add_trust_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         check_files=args.check_files,
         code_dir=args.code_dir,
         jobs=args.jobs,
+        expect=args.expect,
+        allowed_signers=args.allowed_signers,
     )
     total = 2 * bundle_bytes(args.bundle)  # verified once, then copied once
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff import bars
@@ -13,12 +14,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", help="bundle directory (holds SHA256SUMS)")
     parser.add_argument("--jobs", type=int, default=None, help="hashing threads (default: one per core)")
     parser.add_argument("--quiet", action="store_true", help="print only failures and the verdict")
+    add_trust_arguments(parser)
+
+
+def add_trust_arguments(parser: argparse.ArgumentParser) -> None:
+    """--expect and --allowed-signers: what ties a bundle to the one that was packed (verify and prepare)."""
+    parser.add_argument(
+        "--expect",
+        metavar="DIGEST",
+        default=None,
+        help="refuse unless the bundle digest (SHA-256 of SHA256SUMS, printed by pack) is this",
+    )
+    parser.add_argument(
+        "--allowed-signers",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="refuse unless SHA256SUMS.sig is a signature by a key of this ssh-keygen allowed-signers file",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     total = bundle_bytes(args.bundle)
     with bars.byte_bar("verify", total) as advance:
-        report = verify_bundle(args.bundle, jobs=args.jobs, on_bytes=advance)
+        report = verify_bundle(
+            args.bundle,
+            jobs=args.jobs,
+            on_bytes=advance,
+            expect=args.expect,
+            allowed_signers=args.allowed_signers,
+        )
     sums = report.sums
     for line in report.problems():
         print(line)
@@ -28,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
             f"{len(sums.checks)} files, {sums.total_bytes / 1e9:.3f} GB in {sums.seconds:.2f} s ({rate:.2f} GB/s); "
             f"{len(report.checkpoints)} checkpoint inventories checked"
         )
+    print(f"BUNDLE_DIGEST sha256:{report.digest}{' (= --expect)' if args.expect else ''}")
+    if report.signer is not None:
+        print(f"signed by {report.signer} (SHA256SUMS.sig, {args.allowed_signers})")
     if report.ok:
         print("VERIFY_OK")
         return EXIT_FINISHED

@@ -13,17 +13,27 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import __version__
+from torchrelay.checkpoint.handed_off import (
+    HANDED,
+    HANDED_OFF,
+    PACKING,
+    clean_temporaries,
+    read_marker,
+    write_marker,
+)
+from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
-from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError
-from torchrelay.fsutil import atomic_write_text, fsync_dir
+from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, RelayError
+from torchrelay.fsutil import fsync_dir, kill_point, read_bounded
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many
 from torchrelay.handoff.hashing import ByteCallback, sha256_file
 from torchrelay.handoff.safepath import walk_files
+from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
 from torchrelay.handoff.source import SOURCE_DIR, write_source
-from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
+from torchrelay.handoff.sums import SUMS_NAME, SumEntry, format_sums, write_sums
 from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
 from torchrelay.lock import RunLock
@@ -35,7 +45,6 @@ from torchrelay.validation import VALIDATION_DIR
 
 BUNDLE_FORMAT = 1
 BUNDLE_INFO = "bundle.json"
-HANDED_OFF = "HANDED_OFF.json"
 MANIFEST_INFO = "data/manifest_info.json"
 PROGRESS = "data/training_progress.json"
 # Copied verbatim from the run directory when present.
@@ -51,6 +60,7 @@ class PackOptions:
     code_dir: Path | None = None  # None: where the run's recorded script lies (its git top level)
     allow_dirty: bool = False
     jobs: int | None = None
+    sign: Path | None = None  # an SSH key: SHA256SUMS.sig is written with it
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.checkpoint < 0:
@@ -68,11 +78,14 @@ class PackResult:
     bytes: int = 0
     linked: int = 0
     seconds: float = 0.0
+    digest: str = ""  # the bundle digest: SHA-256 of SHA256SUMS
+    signed: bool = False
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what recovering an interrupted pack did
 
 
-def checkpoint_to_pack(run_dir: Path, which: int | None) -> Path:
-    """The complete checkpoint to pack: the newest, or checkpoint-N; refuses incomplete or handed-off ones."""
+def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) -> Path:
+    """The complete checkpoint to pack: the newest, or checkpoint-N; refuses incomplete or (guard) handed-off ones."""
     infos = list_checkpoints(run_dir)
     complete = [c for c in infos if c.complete]
     if which is None:
@@ -89,12 +102,15 @@ def checkpoint_to_pack(run_dir: Path, which: int | None) -> Path:
         chosen = matches[0]
         if not chosen.complete:
             raise CheckpointError(f"{chosen.path} is incomplete ({chosen.reason}); it cannot be packed")
-    if (chosen.path / HANDED_OFF).exists() and os.environ.get(RECLAIM_ENV) != "1":
-        info = _read_json(chosen.path / HANDED_OFF)
+    record = read_marker(chosen.path) if guard else None
+    if record is not None and os.environ.get(RECLAIM_ENV) != "1":
+        unfinished = record.get("state") == PACKING
         raise ForkRefused(
-            f"{chosen.path} was already handed off (bundle lineage {info.get('lineage', '?')}, "
-            f"to {info.get('bundle', '?')}); packing it again would let the run continue in two places",
-            hint=f"continue from that bundle, or set {RECLAIM_ENV}=1 if that bundle was discarded",
+            f"{chosen.path} was already handed off (bundle lineage {record.get('lineage', '?')}, "
+            f"to {record.get('bundle', '?')}{'; that pack was interrupted' if unfinished else ''}); "
+            "packing it again would let the run continue in two places",
+            hint=f"continue from that bundle, or set {RECLAIM_ENV}=1 if that bundle was discarded"
+            + (" (it has no SHA256SUMS, so it was never usable)" if unfinished else ""),
         )
     return chosen.path
 
@@ -117,11 +133,20 @@ def pack(
 def _pack(
     run_dir: Path, bundle: Path, options: PackOptions, on_bytes: ByteCallback | None = None
 ) -> PackResult:
+    """The steps, ordered so that a kill at any moment leaves no usable bundle or a recorded hand-off:
+
+    1. every file but SHA256SUMS into a temporary sibling; 2. rename it into place (not usable yet: no SHA256SUMS);
+    3. HANDED_OFF.json "packing"; 4. SHA256SUMS (the bundle becomes usable); 5. HANDED_OFF.json "handed-off".
+    A later pack rolls back what an interrupted one left (checkpoint/handed_off.py says how).
+    """
     started = time.perf_counter()
     rd = RunDir(Path(run_dir))
     bundle = Path(bundle)
+    if options.sign is not None:
+        check_key(options.sign)
     contract = load_contract(rd.path)
     cfg = rd.load_config()
+    notes = recover(rd.path, bundle)
     ckpt = checkpoint_to_pack(rd.path, options.checkpoint)
     inventory = read_inventory(ckpt)
     update = int(inventory["update"])
@@ -129,38 +154,100 @@ def _pack(
         raise ConfigError(f"{bundle} already exists and is not empty", hint="choose a new bundle directory")
 
     lineage = new_id()
-    if bundle.parent.is_dir():  # a pack killed mid-way leaves only its temporary sibling
-        for child in bundle.parent.iterdir():
-            if (
-                child.name.startswith(f".{bundle.name}.pack-tmp-")
-                and child.is_dir()
-                and not child.is_symlink()
-            ):
-                shutil.rmtree(child, ignore_errors=True)
-    tmp = bundle.parent / f".{bundle.name}.pack-tmp-{lineage}"
+    tmp = bundle.parent / f"{_tmp_prefix(bundle)}{lineage}"
     tmp.mkdir(parents=True)
     try:
-        result = _write_bundle(rd, cfg, contract, ckpt, inventory, tmp, lineage, options, on_bytes)
-        if bundle.exists():
-            bundle.rmdir()
-        os.rename(tmp, bundle)
+        result, entries = _write_bundle(rd, cfg, contract, ckpt, inventory, tmp, lineage, options, on_bytes)
+        sums = format_sums(entries).encode()
+        result.digest = bundle_digest(sums)
+        if options.sign is not None:
+            (tmp / SIG_NAME).write_bytes(sign(sums, options.sign))
+            result.signed = True
+        kill_point("pack:written")
+        os.rename(tmp, bundle)  # replaces an empty directory in one step
         fsync_dir(bundle.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    result.bundle = bundle
-    # The fork guard: from now on the source refuses to continue from this checkpoint unless reclaimed.
+    kill_point("pack:renamed")
+    result.bundle, result.notes = bundle, notes
+    # The fork guard, before the bundle can be used: the source refuses this checkpoint unless reclaimed.
     marker = {
         "format": 1,
+        "state": PACKING,
         "lineage": lineage,
         "bundle": str(bundle.resolve()),
+        "digest": result.digest,
         "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "by": _who(),
         "update": update,
     }
-    atomic_write_text(ckpt / HANDED_OFF, json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    write_marker(ckpt, marker, step="pack:marking")
+    kill_point("pack:marked")
+    write_sums(bundle / SUMS_NAME, entries)
+    fsync_dir(bundle)
+    kill_point("pack:summed")
+    write_marker(ckpt, {**marker, "state": HANDED}, step="pack:finishing")
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _tmp_prefix(bundle: Path) -> str:
+    return f".{bundle.name}.pack-tmp-"
+
+
+def _bundle_info(path: Path) -> dict[str, Any]:
+    """bundle.json of a bundle directory of ours, or {} for anything else."""
+    try:
+        info = json.loads(read_bounded(path / BUNDLE_INFO, 1 << 24, what="the bundle's lineage record"))
+    except (OSError, ValueError, RecursionError, RelayError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def recover(run_dir: Path, bundle: Path) -> list[str]:
+    """Clean up after a pack killed part-way (with the run's lock held); returns what was done.
+
+    Only what is provably ours and unusable goes: temporaries, and a bundle that never got its SHA256SUMS and
+    is named by a "packing" record (or by no record at all) of this run. A "packing" record whose bundle has its
+    SHA256SUMS was killed just before its last write: it is finished, not rolled back.
+    """
+    notes = [f"removed {name}, left by an interrupted pack" for name in clean_temporaries(run_dir)]
+    bundle = Path(bundle)
+    if bundle.parent.is_dir():
+        for child in bundle.parent.iterdir():
+            if child.name.startswith(_tmp_prefix(bundle)) and child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+                notes.append(f"removed {child}, left by an interrupted pack")
+    recorded: set[str] = set()
+    for ck in list_checkpoints(run_dir):
+        record = read_marker(ck.path)
+        if record is None:
+            continue
+        recorded.add(str(record.get("lineage")))
+        if record.get("state") != PACKING or not isinstance(record.get("bundle"), str):
+            continue
+        where = Path(record["bundle"])
+        if _bundle_info(where).get("lineage") != record.get("lineage"):
+            continue  # moved or removed by hand: nothing proves it unusable, so the record stays
+        if (where / SUMS_NAME).exists():
+            write_marker(ck.path, {**record, "state": HANDED}, step="pack:finishing")
+            notes.append(f"{ck.path.name}: the pack into {where} had finished but for its record; recorded")
+            continue
+        # Record first, then the bundle: a kill between leaves an unusable bundle no record names, removed below.
+        (ck.path / HANDED_OFF).unlink()
+        fsync_dir(ck.path)
+        recorded.discard(str(record.get("lineage")))
+        shutil.rmtree(where, ignore_errors=True)
+        notes.append(
+            f"{ck.path.name}: rolled back an interrupted pack into {where} (it never got SHA256SUMS)"
+        )
+    info = _bundle_info(bundle) if bundle.is_dir() else {}
+    ours = info.get("source_run") == str(run_dir.resolve()) and isinstance(info.get("lineage"), str)
+    if ours and info["lineage"] not in recorded and not (bundle / SUMS_NAME).exists():
+        shutil.rmtree(bundle, ignore_errors=True)
+        notes.append(f"removed {bundle}, an interrupted pack of this run (it never got SHA256SUMS)")
+    return notes
 
 
 def _write_bundle(
@@ -173,14 +260,15 @@ def _write_bundle(
     lineage: str,
     options: PackOptions,
     on_bytes: ByteCallback | None,
-) -> PackResult:
+) -> tuple[PackResult, list[SumEntry]]:
+    """Every file of the bundle but SHA256SUMS, whose entries are returned (written last, by the caller)."""
     update = int(inventory["update"])
     result = PackResult(bundle=out, lineage=lineage, update=update)
     digests: dict[str, str] = {}
 
     # 1. The checkpoint, hashed while copied and held against its own inventory.
     expected = {f["path"]: f for f in inventory["files"]}
-    names = [rel for rel in walk_files(ckpt) if rel != HANDED_OFF]
+    names = [rel for rel in walk_files(ckpt) if rel != HANDED_OFF and not rel.startswith(MARKER_TMP_PREFIX)]
     pairs = [(ckpt / rel, out / ckpt.name / rel) for rel in names]
     # 2. The run's own files, verbatim (the checkpoint's files may be linked; these are always copied).
     run_pairs = [(rd.path / rel, out / rel) for rel in RUN_FILES if (rd.path / rel).is_file()]
@@ -260,7 +348,7 @@ def _write_bundle(
     readme = render_readme(info, contract, cfg.to_dict(), manifest_info, progress, history)
     (out / "README.md").write_text(readme, encoding="utf-8")
 
-    # 5. SHA256SUMS over everything; files written here (small) are hashed now, the big ones already were.
+    # 5. SHA256SUMS's entries over everything; files written here (small) are hashed now, the big ones already were.
     entries = []
     for rel in walk_files(out):
         digest = digests.get(rel)
@@ -268,10 +356,9 @@ def _write_bundle(
             digest, size = sha256_file(out / rel)
             result.bytes += size
         entries.append(SumEntry(rel, digest))
-    write_sums(out / SUMS_NAME, entries)
     result.files = len(entries)
     # No per-file fsync: a bundle is proven by SHA256SUMS on arrival, not by durability on the way out.
-    return result
+    return result, entries
 
 
 def recorded_code_dir(run_dir: Path) -> Path | None:

@@ -20,13 +20,13 @@ from torchrelay import __version__
 from torchrelay.config import RelayConfig
 from torchrelay.contract import flatten, load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.fsutil import atomic_write_text, fsync_dir
+from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point
 from torchrelay.handoff.copying import copy_many
 from torchrelay.handoff.hashing import ByteCallback, sha256_file
 from torchrelay.handoff.pack import BUNDLE_INFO, MANIFEST_INFO
 from torchrelay.handoff.safepath import check_relative, resolve_inside
+from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
-from torchrelay.handoff.sums import SUMS_NAME
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
 from torchrelay.history import new_id
 from torchrelay.manifest import Manifest
@@ -67,8 +67,12 @@ class PrepareOptions:
     check_files: bool = False
     code_dir: Path | None = None
     jobs: int | None = None
+    expect: str | None = None  # the bundle digest the packer gave: anything else is refused
+    allowed_signers: Path | None = None  # SHA256SUMS.sig must verify against one of these keys
 
     def __post_init__(self) -> None:
+        if self.expect is not None:
+            self.expect = parse_digest(self.expect)
         if self.copy_mode not in ("copy", "hardlink"):
             raise ConfigError(f"--copy-mode must be 'copy' or 'hardlink', got {self.copy_mode!r}")
 
@@ -150,7 +154,13 @@ def prepare(
 
     # Every byte against SHA256SUMS before any file of the bundle is believed.
     say("verifying the bundle against SHA256SUMS")
-    report = verify_bundle(bundle, jobs=options.jobs, on_bytes=on_bytes)
+    report = verify_bundle(
+        bundle,
+        jobs=options.jobs,
+        on_bytes=on_bytes,
+        expect=options.expect,
+        allowed_signers=options.allowed_signers,
+    )
     if not report.ok:
         raise PreflightFailed([f"bundle file {p}" for p in report.problems()])
 
@@ -170,13 +180,15 @@ def prepare(
     tmp.mkdir(parents=True)
     try:
         result = _prepare_into(tmp, bundle, report, info, contract, stored, new_cfg, changes, options, hooks)
-        if run_dir.exists():
-            run_dir.rmdir()  # existed but empty (checked above)
+        kill_point("prepare:assembled")
+        # One step from nothing to a whole run dir (an empty DIR is replaced): a kill on either side of it
+        # leaves no DIR (the next prepare removes the temporary) or a prepared one (the next one re-checks it).
         os.rename(tmp, run_dir)
         fsync_dir(run_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    kill_point("prepare:renamed")
     result.run_dir = run_dir
     if result.code_dir is not None and options.code_dir is None:
         result.code_dir = run_dir / result.code_dir.relative_to(tmp)
@@ -245,8 +257,12 @@ def _prepare_into(
     # 3. The bundle was verified before it was read; record the proof.
     proofs.append(
         f"{len(report.sums.checks)} bundle files ({report.sums.total_bytes:,} bytes) match SHA256SUMS "
-        f"(sha256 {sha256_file(bundle / SUMS_NAME)[0]}); inventories of {', '.join(report.checkpoints)} match"
+        f"(bundle digest sha256:{report.digest}); inventories of {', '.join(report.checkpoints)} match"
     )
+    if options.expect is not None:
+        proofs.append(f"bundle digest sha256:{report.digest} = --expect")
+    if report.signer is not None:
+        proofs.append(f"SHA256SUMS.sig: signed by {report.signer} ({options.allowed_signers})")
 
     # 4. The exact code: the bundle's archive, extracted (or the caller's checkout).
     code_dir = options.code_dir
@@ -309,7 +325,8 @@ def _prepare_into(
         "bundle": str(bundle),
         "bundle_lineage": info.get("lineage"),
         "parent_lineage": info.get("parent_lineage"),
-        "sums_sha256": sha256_file(bundle / SUMS_NAME)[0],
+        "sums_sha256": report.digest,
+        "signed_by": report.signer,
         "checkpoint": info.get("checkpoint"),
         "update": final.update,
         "contract_sha256": contract["sha256"],

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.fsutil import read_bounded
 from torchrelay.handoff.hashing import ByteCallback, default_jobs, sha256_file
 from torchrelay.handoff.safepath import check_relative, ensure_inside, walk_files
 
 SUMS_NAME = "SHA256SUMS"
+SUMS_LIMIT = 1 << 30  # ~12 million lines; more is no bundle torchrelay wrote
 
 # "<64 hex><space><space or *><path>" — text and binary mode read the same on POSIX.
 _LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")
@@ -107,7 +109,7 @@ def parse_sums(text: str, *, source: str) -> list[SumEntry]:
 def read_sums(path: Path) -> list[SumEntry]:
     """Read and parse a SHA256SUMS file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, SUMS_LIMIT, what="checksums").decode("utf-8")
     except FileNotFoundError:
         raise IntegrityError(
             f"{path}: missing",

@@ -1,0 +1,59 @@
+"""HANDED_OFF.json: the fork guard `pack` leaves in the source run's checkpoint, and its two states.
+
+`pack` writes it in state "packing" once the bundle is in place but before the bundle's SHA256SUMS exists (so the
+bundle is not usable yet), and rewrites it as "handed-off" after SHA256SUMS has landed. Either state stops the
+trainer and a second pack: whatever moment a pack is killed at, a usable bundle never exists without the record.
+A "packing" record whose bundle still lacks SHA256SUMS is an interrupted pack, which the next `pack` rolls back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torchrelay.errors import RelayError
+from torchrelay.fsutil import fsync_dir, kill_point, read_bounded
+
+HANDED_OFF = "HANDED_OFF.json"
+PACKING = "packing"
+HANDED = "handed-off"
+TMP_PREFIX = f".{HANDED_OFF}.tmp-"
+
+
+def read_marker(ckpt: Path) -> dict[str, Any] | None:
+    """The record, None without one; a record that cannot be read is {} (it still guards: its presence counts)."""
+    path = ckpt / HANDED_OFF
+    try:
+        data = json.loads(read_bounded(path, 1 << 20, what="the hand-off record"))
+    except FileNotFoundError:
+        return None if not path.is_symlink() else {}
+    except (OSError, ValueError, RecursionError, RelayError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_marker(ckpt: Path, record: dict[str, Any], *, step: str) -> None:
+    """Replace the record atomically; `step` names the moment just before the rename for crash tests."""
+    tmp = ckpt / f"{TMP_PREFIX}{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    kill_point(step)
+    os.replace(tmp, ckpt / HANDED_OFF)
+    fsync_dir(ckpt)
+
+
+def clean_temporaries(run_dir: Path) -> list[str]:
+    """Remove the temporaries of a record write that was killed; they are ours, and a leftover is no refusal."""
+    removed = []
+    for ckpt in run_dir.glob("checkpoint-*"):
+        if not ckpt.is_dir() or ckpt.is_symlink():
+            continue
+        for child in ckpt.iterdir():
+            if child.name.startswith(TMP_PREFIX) and child.is_file() and not child.is_symlink():
+                child.unlink()
+                removed.append(f"{ckpt.name}/{child.name}")
+    return removed
