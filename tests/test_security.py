@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import tarfile
 from pathlib import Path
 
@@ -435,3 +436,34 @@ def test_shard_paths_outside_the_checkpoint_or_its_inventory_are_refused(
     with pytest.raises(UnsafeInput, match=r"\.metadata") as info:
         load_tensors(ckpt)
     assert escape in str(info.value) or "bytes" in str(info.value)
+
+
+def test_recorded_code_paths_never_lead_prepare_out_of_the_source(packed: Packed, tmp_path: Path) -> None:
+    """The contract's code.untracked names files by path; from a bundle, '../x' or '/dev/zero' must not be read."""
+    from torchrelay.contract import contract_sha256
+
+    outside = tmp_path / "outside.py"
+    outside.write_text("secret = 1\n")
+    for bad in ("../../../outside.py", "/dev/zero", str(outside)):
+        bundle = tmp_path / f"bundle-{len(bad)}"
+        shutil.copytree(packed.bundle, bundle)
+        contract = json.loads((bundle / "resume_contract.json").read_text())
+        contract["fields"]["code.untracked"] = {bad: sha256_file(outside)[0]}
+        contract["fields"]["code.dirty"] = True  # what a run with an untracked file records
+        contract["sha256"] = contract_sha256(contract["fields"])
+        (bundle / "resume_contract.json").write_text(json.dumps(contract))
+        resign_sums_only(bundle)
+        run_dir = tmp_path / f"run-{len(bad)}"
+        base = {"data_root": str(packed.root), "external_files.teacher": str(packed.teacher)}
+        signal.signal(signal.SIGALRM, _too_long)
+        signal.alarm(60)  # /dev/zero read to its end never returns
+        try:
+            with pytest.raises(RelayError, match=r"code\.untracked"):
+                prepare(bundle, PrepareOptions(run_dir=run_dir, sets=base), say=lambda s: None)
+        finally:
+            signal.alarm(0)
+        assert not run_dir.exists(), bad
+
+
+def _too_long(signum: int, frame: object) -> None:
+    raise AssertionError("prepare read a recorded path without end (a device)")

@@ -118,8 +118,8 @@ def code_identity(
             "modified": modified,
             "_tracked_dirty": tracked_dirty,
         }
-    untracked = {rel: _sha256_of(root / rel) for rel in was_untracked}
-    modified = {rel: _sha256_of(root / rel) for rel in was_modified}
+    untracked = {rel: _sha256_of(_inside(root, rel)) for rel in was_untracked}
+    modified = {rel: _sha256_of(_inside(root, rel)) for rel in was_modified}
     return {
         "commit": None,
         "tree": _git_tree_of_dir(root, frozenset(was_untracked)),
@@ -167,11 +167,37 @@ def _paths_of(known: Mapping[str, Any] | None, key: str) -> list[str]:
     return sorted(str(k) for k in value) if isinstance(value, dict) else []
 
 
+def _inside(root: Path, rel: str) -> Path:
+    """root/rel, or a path that never reads (root/..) when rel is absolute or leads out of root."""
+    joined = root / rel
+    if Path(rel).is_absolute() or not os.path.realpath(joined).startswith(str(root) + os.sep):
+        return root / ".."
+    return joined
+
+
 def _sha256_of(path: Path) -> str | None:
+    """The file's SHA-256; None for one gone, unreadable, or no regular file under the code directory.
+
+    The paths come from a recorded contract, which may come from a bundle: one that leaves the directory ('..',
+    absolute, a symlink out) or names a device or a pipe must never be read (elsewhere, or forever).
+    """
+    if ".." in path.parts:
+        return None
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the open
     except OSError:
-        return None  # gone (or unreadable): differs from any recorded content
+        return None  # gone or unreadable: differs from any recorded content
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _against_head(root: Path, rels: list[str]) -> tuple[dict[str, str | None], dict[str, str | None]]:
