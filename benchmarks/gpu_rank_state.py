@@ -1,7 +1,7 @@
 """State that differs by rank on GPUs: examples/exactness/rank_state.py under torchrun with NCCL, for each wrapper
 (SyncBatchNorm runs on GPUs only), uninterrupted versus stopped late (update U-2) and resumed.
 
-    PYTHONPATH=src:tests python3 benchmarks/gpu_rank_state.py --out /tmp/gpu-rank-state [--parallel syncbn ddp fsdp2]
+    PYTHONPATH=$PWD/src:$PWD/tests python3 benchmarks/gpu_rank_state.py --out /tmp/gpu-rank-state [--parallel syncbn ddp fsdp2]
 
 Prints one JSON object per wrapper: what the checkpoints stored per rank, and whether every tensor (buffers and
 generator states included) of the first checkpoint after the resume and of the last is torch.equal.
