@@ -29,12 +29,14 @@ from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract
 from torchrelay.controller.attempts import Attempts
 from torchrelay.controller.costmodel import validation_fits
+from torchrelay.controller.plan import Plan, load_plan
 from torchrelay.errors import ConfigError
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.manifest import Manifest
 from torchrelay.report import render
 from torchrelay.validation import (
     ValidationSpec,
+    command_for,
     read_pending,
     read_records,
     run_one,
@@ -102,6 +104,38 @@ def test_preservation_fields_are_validated_and_runtime_only(example: dict[str, P
     a = build_contract(base, 2, None, manifest)
     b = build_contract(base.replace(keep_updates=[5], keep_every=3, keep=4), 2, None, manifest)
     assert a["sha256"] == b["sha256"]
+
+
+def test_validation_plan_section_and_placeholders(tmp_path: Path) -> None:
+    base = {"run_dir": "runs/x", "train": {"script": "t.py"}}
+    plan = Plan.from_dict({**base, "validate": {"run": "v {checkpoint}", "updates": [20, 10, 20]}}, tmp_path)
+    assert plan.validate.update_list == [10, 20] and Plan.from_dict(base, tmp_path).validate.run == ""
+    assert (
+        Plan.from_dict({**base, "validate": {"run": "v", "updates": "kept"}}, tmp_path).validate.update_list
+        is None
+    )
+    with pytest.raises(ConfigError, match="plan validate.updates: 'soon' is neither 'kept' nor a list"):
+        Plan.from_dict({**base, "validate": {"run": "v", "updates": "soon"}}, tmp_path)
+    with pytest.raises(ConfigError, match=r"plan validate.export: unknown field\(s\) \['dorp'\]"):
+        Plan.from_dict({**base, "validate": {"run": "v", "export": {"dorp": ["head"]}}}, tmp_path)
+    assert load_plan_with(tmp_path, base, {"validate.env.HF_HOME": "/x"}).validate.env == {"HF_HOME": "/x"}
+    values = {
+        "checkpoint": "/r/checkpoint-10",
+        "metrics": "/r/m x.json",
+        "update": "10",
+        "run_dir": "/r",
+        "weights": "/w",
+    }
+    assert (
+        command_for("""echo ${HOME} {update} '{"a": 1}' > {metrics}""", values)
+        == """echo ${HOME} 10 '{"a": 1}' > '/r/m x.json'"""
+    )
+
+
+def load_plan_with(folder: Path, data: dict[str, Any], sets: dict[str, Any]) -> Plan:
+    path = folder / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_plan(path, sets)
 
 
 # ------------------------------------------------------------------------------------------------ one real run
@@ -207,6 +241,29 @@ def test_a_second_launch_does_not_validate_again(kept_run: Path, capsys: pytest.
     assert sorted(read_records(kept_run)) == [10, 20, 25, 30]
     metrics = read_records(kept_run)[25].metrics or {}
     assert metrics.keys() == {"loss", "bits_per_byte", "samples"} and 0 < metrics["loss"] < 6
+    # ... and hands a command the exported weights ({weights}, here without the head), removed afterwards
+    weights_probe = (
+        f'{sys.executable} -c "import json, sys; from safetensors import safe_open; '
+        "keys = list(safe_open(sys.argv[1] + '/model.safetensors', 'np').keys()); "
+        "json.dump({'tensors': len(keys), 'heads': sum(k.startswith('head') for k in keys)}, open(sys.argv[2], 'w'))\" "
+        "{weights} {metrics}"
+    )
+    argv = [
+        "validate",
+        str(kept_run),
+        "--cmd",
+        weights_probe,
+        "--updates",
+        "25",
+        "--again",
+        "--weights",
+        "--drop",
+        "head",
+    ]
+    assert main(argv) == 0
+    record = read_records(kept_run)[25]
+    assert record.metrics == {"tensors": 16, "heads": 0} and record.attempt == 2
+    assert not (kept_run / "validation" / "checkpoint-25" / "weights").exists()
     capsys.readouterr()
     assert main(["status", str(kept_run), "--json"]) == 0
     status = json.loads(capsys.readouterr().out)["validation"]

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrelay.checkpoint.inventory import INVENTORY, sha256_of, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
@@ -35,6 +36,9 @@ from torchrelay.identity import code_identity, find_code_dir
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 
+if TYPE_CHECKING:  # the export pulls in torch; status and plans read validation records without it
+    from torchrelay.export import ExportOptions
+
 VALIDATION_DIR = "validation"
 RECORD = "record.json"
 METRICS = "metrics.json"
@@ -43,7 +47,8 @@ PENDING = "pending.json"
 RECORD_FORMAT = 1
 DONE = ("ok", "failed")  # an interrupted validation is still to do
 KEPT = "kept"  # the selection "every complete checkpoint the run keeps"
-PLACEHOLDERS = ("checkpoint", "metrics", "update", "run_dir")
+PLACEHOLDERS = ("checkpoint", "metrics", "update", "run_dir", "weights")
+WEIGHTS = "weights"  # the export of the checkpoint for {weights}, removed after the command
 # Set by a controller for its own stages: a validation command must not inherit them (TORCHRELAY_RUN_DIR would
 # redirect a Run.open inside it into the run being validated).
 _STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
@@ -96,6 +101,9 @@ class ValidationSpec:
     timeout_s: float = 0.0  # 0: no limit of its own (a deadline still applies)
     estimate_s: float = 0.0  # how long one validation takes, before one was measured
     again: bool = False  # validate checkpoints with a record too
+    # Export the checkpoint's weights (torchrelay export, these options) for the command: {weights} is the folder.
+    # None: only when the command names {weights}, with the default options.
+    export: ExportOptions | None = None
 
     def __post_init__(self) -> None:
         if not self.command.strip():
@@ -290,11 +298,13 @@ def run_one(
     out.mkdir(parents=True, exist_ok=True)
     for name in (METRICS, LOG):
         (out / name).unlink(missing_ok=True)  # a result of an earlier attempt must not pass for this one's
+    shutil.rmtree(out / WEIGHTS, ignore_errors=True)  # left by a killed controller
     values = {
         "checkpoint": str(ckpt),
         "metrics": str(out / METRICS),
         "update": str(update),
         "run_dir": str(run_dir),
+        "weights": str(out / WEIGHTS),
     }
     command = command_for(spec.command, values)
     record = ValidationRecord(
@@ -315,6 +325,22 @@ def run_one(
     except RelayError as exc:
         record.reason = f"checkpoint-{update} is damaged, not validated: {exc.message}"
         return _finish(out, record, clock)
+    try:
+        return _run_command(ckpt, out, record, spec, values, end_by, should_stop, clock)
+    finally:
+        shutil.rmtree(out / WEIGHTS, ignore_errors=True)  # an export of the checkpoint: as large as the model
+
+
+def _run_command(
+    ckpt: Path,
+    out: Path,
+    record: ValidationRecord,
+    spec: ValidationSpec,
+    values: dict[str, str],
+    end_by: float | None,
+    should_stop: Callable[[], bool],
+    clock: Callable[[], float],
+) -> ValidationRecord:
     env = {k: v for k, v in os.environ.items() if k not in _STAGE_VARS}
     env.update(spec.env)
     env.update(
@@ -323,11 +349,21 @@ def run_one(
         TORCHRELAY_VALIDATION_UPDATE=values["update"],
         TORCHRELAY_VALIDATION_RUN_DIR=values["run_dir"],
     )
+    if spec.export is not None or "{weights}" in spec.command:
+        from torchrelay.export import ExportOptions, export_weights
+
+        try:
+            export_weights(ckpt, out / WEIGHTS, spec.export or ExportOptions())
+        except RelayError as exc:
+            record.reason = f"exporting the weights for the command failed: {exc.message}"
+            return _finish(out, record, clock)
+        env["TORCHRELAY_VALIDATION_WEIGHTS"] = values["weights"]
     limit = record.started + spec.timeout_s if spec.timeout_s else None
+    update = record.update
     with open(out / LOG, "wb") as log:
         try:
             proc = subprocess.Popen(
-                command, shell=True, cwd=spec.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                record.command, shell=True, cwd=spec.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         except OSError as exc:

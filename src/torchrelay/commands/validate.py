@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from torchrelay.errors import EXIT_BUDGET, EXIT_ERROR, EXIT_FINISHED
+from torchrelay.errors import EXIT_BUDGET, EXIT_ERROR, EXIT_FINISHED, ConfigError
 from torchrelay.validation import KEPT, ValidationRecord, ValidationSpec, parse_updates, validate_checkpoints
 
 
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument(
         "--cmd", required=True, metavar="COMMAND",
-        help="shell command run once per checkpoint; {checkpoint}, {metrics}, {update}, {run_dir} are filled in "
+        help="shell command run once per checkpoint; {checkpoint}, {metrics}, {update}, {run_dir}, {weights} are filled in "
         "(also $TORCHRELAY_CHECKPOINT, $TORCHRELAY_VALIDATION_METRICS); it writes a JSON object of metrics to {metrics}",
     )  # fmt: skip
     parser.add_argument(
@@ -34,6 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--estimate", type=float, default=0.0, metavar="S", help="seconds one validation takes"
     )
     parser.add_argument("--again", action="store_true", help="also validate checkpoints that have a record")
+    parser.add_argument(
+        "--weights", action="store_true",
+        help="export each checkpoint's weights (as `torchrelay export`) into {weights} for the command, removed after",
+    )  # fmt: skip
+    parser.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="for --weights")
+    parser.add_argument(
+        "--drop", action="extend", nargs="+", default=[], metavar="PREFIX", help="for --weights"
+    )
+    parser.add_argument(
+        "--rename", action="extend", nargs="+", default=[], metavar="OLD=NEW", help="for --weights"
+    )
+    parser.add_argument("--include", action="extend", nargs="+", default=[], type=Path, metavar="FILE",
+                        help="for --weights: files copied beside the weights (config.json)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         estimate_s=args.estimate,
         again=args.again,
+        export=_export(args),
     )
     console = Console(highlight=False)
 
@@ -70,6 +85,23 @@ def run(args: argparse.Namespace) -> int:
     if report.failed:
         return EXIT_ERROR
     return EXIT_BUDGET if report.left else EXIT_FINISHED
+
+
+def _export(args: argparse.Namespace) -> Any:
+    if not args.weights:
+        if args.dtype or args.drop or args.rename or args.include:
+            raise ConfigError(
+                "--dtype, --drop, --rename and --include shape the --weights export; add --weights"
+            )
+        return None
+    from torchrelay.export import ExportOptions, parse_rename
+
+    return ExportOptions(
+        dtype=args.dtype,
+        drop=list(args.drop),
+        rename=[parse_rename(r) for r in args.rename],
+        include=[p.resolve() for p in args.include],
+    )
 
 
 def describe(record: ValidationRecord) -> str:

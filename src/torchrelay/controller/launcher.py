@@ -179,6 +179,7 @@ class Controller:
             env=self._env(spec.env),
             timeout_s=spec.timeout_s,
             estimate_s=spec.estimate_s,
+            export=_export_options(spec.export, plan.work_path),
         )
         try:
             report = validate_checkpoints(
@@ -499,6 +500,21 @@ def training_argv(
         "--kill-on-bad-exit=1",
     ]
     return [*srun, *agent, "--", *torchrun]
+
+
+def _export_options(export: Any, workdir: Path) -> Any:
+    """The plan's validate.export as ExportOptions (None: export only for a command that names {weights})."""
+    if export is False or export is None:
+        return None
+    from torchrelay.export import ExportOptions, parse_rename
+
+    given = export if isinstance(export, dict) else {}
+    return ExportOptions(
+        dtype=given.get("dtype"),
+        drop=list(given.get("drop") or []),
+        rename=[parse_rename(str(r)) for r in given.get("rename") or []],
+        include=[workdir / str(p) for p in given.get("include") or []],
+    )
 
 
 def _total_updates(run_dir: Path) -> int | None:

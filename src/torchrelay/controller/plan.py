@@ -220,6 +220,9 @@ class SlurmSpec:
             raise ConfigError(f"plan slurm: 'extra' must be a list of sbatch options, got {self.extra!r}")
 
 
+EXPORT_KEYS = ("dtype", "drop", "rename", "include")
+
+
 @dataclass(kw_only=True, slots=True)
 class ValidateSpec:
     """After the formal run exits (finished or stopped): a command on each named checkpoint not validated yet."""
@@ -229,6 +232,8 @@ class ValidateSpec:
     timeout_s: float = 0.0  # fail one validation after this long (0: only the deadline limits it)
     estimate_s: float = 0.0  # seconds one validation takes, until one was measured (the cost model's input)
     env: dict[str, str] = field(default_factory=dict)
+    # Export the checkpoint's weights for the command ({weights}): true, or options {dtype, drop, rename, include}
+    export: Any = False
 
     def __post_init__(self) -> None:
         from torchrelay.validation import parse_updates
@@ -241,6 +246,13 @@ class ValidateSpec:
                 raise ConfigError(f"plan validate: {name!r} must be >= 0, got {getattr(self, name)}")
         _check_type("plan validate", "env", self.env, dict)
         self.env = {str(k): str(v) for k, v in self.env.items()}
+        _check_type("plan validate", "export", self.export, (bool, dict))
+        if isinstance(self.export, dict):
+            unknown = sorted(set(self.export) - set(EXPORT_KEYS))
+            if unknown:
+                raise ConfigError(
+                    f"plan validate.export: unknown field(s) {unknown}", hint=f"known: {EXPORT_KEYS}"
+                )
 
     @property
     def update_list(self) -> list[int] | None:

@@ -278,7 +278,9 @@ def _write_bundle(
         run_pairs += [
             (validation / rel, out / VALIDATION_DIR / rel)
             for rel in walk_files(validation)
-            if (validation / rel).is_file() and not (validation / rel).is_symlink()
+            if (validation / rel).is_file()
+            and not (validation / rel).is_symlink()
+            and rel.split("/")[1:2] != ["weights"]  # an export left by a killed validation: not a record
         ]
     copied: list[CopyResult] = copy_many(
         pairs, link=options.link, jobs=options.jobs, on_bytes=on_bytes, kernel_copy=True
