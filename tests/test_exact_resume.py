@@ -6,6 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from helpers import (
     assert_same_final_state,
@@ -16,6 +18,8 @@ from helpers import (
     sigterm,
     wait_for_update,
 )
+from torchrelay.checkpoint.dcp_io import read_metadata
+from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
 from torchrelay.ledger import prove
 from torchrelay.progress import summarize
@@ -102,6 +106,16 @@ def test_fsdp2_stop_and_continue(example: dict[str, Path], tmp_path: Path) -> No
     assert out.returncode == 0, out.stdout + out.stderr
     assert assert_same_final_state(straight, stopped, U) > 10
     assert_same_logs(straight, stopped)
+    # export consolidates FSDP2's shards (tensors of several chunks) into what DCP's own loader reassembles
+    assert main(["export", str(straight), str(tmp_path / "export")]) == 0
+    md = read_metadata(straight / f"checkpoint-{U}" / "model")
+    assert any(
+        len(item.chunks) > 1 for key, item in md.state_dict_metadata.items() if key.startswith("model.")
+    )
+    weights = load_file(str(tmp_path / "export" / "model.safetensors"))
+    stored = load_tensors(straight / f"checkpoint-{U}")
+    assert weights.keys() == {k.removeprefix("model.") for k in stored if k.startswith("model.")}
+    assert all(torch.equal(t, stored[f"model.{k}"]) for k, t in weights.items())
 
 
 @pytest.mark.parametrize("phases", [("shards:16:1", "inventory:16:0", "rename:16:0")])
