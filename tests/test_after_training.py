@@ -22,7 +22,16 @@ import yaml
 
 from helpers import EXAMPLES, clean_env, make_code_repo, segments, torchrun_cmd, write_config
 from torchrelay.checkpoint.inventory import sha256_of, validate_complete
-from torchrelay.checkpoint.retention import AnyOf, EveryN, Explicit, Final, LatestN, decide, policy_for
+from torchrelay.checkpoint.retention import (
+    AnyOf,
+    EveryN,
+    Explicit,
+    Final,
+    LatestN,
+    decide,
+    policy_for,
+    unpreserved,
+)
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
 from torchrelay.config import RelayConfig
@@ -78,6 +87,8 @@ def test_preservation_policies_compose_and_say_why() -> None:
     policy = policy_for(_cfg(keep_updates=[7], keep_every=12))
     assert [u for u in range(1, TOTAL) if policy.saves_at(u)] == [7, 12, 24]
     assert not LatestN(2).saves_at(7) and EveryN(0).preserve([0, 5]) == {}
+    # what a validation stage after the run can count on: latest N alone does not keep an update until then
+    assert unpreserved(_cfg(keep_every=15), [10, 15, 20, 25, 30, 40]) == [25]
 
 
 def test_preservation_fields_are_validated_and_runtime_only(example: dict[str, Path]) -> None:

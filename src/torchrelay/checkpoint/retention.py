@@ -125,3 +125,12 @@ def decide(policy: PreservationPolicy, updates: Iterable[int]) -> Retention:
     if ordered and ordered[-1] not in kept:  # an invariant whatever the policy: a resume needs it
         kept[ordered[-1]] = "newest"
     return Retention(kept=dict(sorted(kept.items())), deleted=[u for u in ordered if u not in kept])
+
+
+def unpreserved(cfg: RelayConfig, updates: Iterable[int]) -> list[int]:
+    """Of `updates` (in the schedule), those no lasting policy keeps: only `keep` (latest N) might, until later
+    saves push them out. A validation stage after the run needs them kept for sure."""
+    lasting = AnyOf((EveryN(cfg.keep_every), Explicit(frozenset(cfg.keep_updates)), Final(cfg.total_updates)))
+    named = sorted(u for u in set(updates) if u <= cfg.total_updates)
+    kept = lasting.preserve(named)
+    return [u for u in named if u not in kept]

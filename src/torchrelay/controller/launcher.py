@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.attempts import Attempt, Attempts, Outcome
 from torchrelay.controller.costmodel import CostModel, Measurements, earliest
@@ -138,6 +139,7 @@ class Controller:
             attempt.note(f"the run was complete (checkpoint-{total}) before this attempt")
             outcome.exit_code, outcome.ended, outcome.stage = EXIT_FINISHED, "finished", "done"
             return self._validate(outcome, deadline)
+        self._warn_unpreserved(attempt)
 
         outcome.stage = "smoke"
         measurements = self._measurements(attempt)
@@ -213,6 +215,24 @@ class Controller:
         elif outcome.ended == "finished":
             outcome.stage = "done"
         return outcome
+
+    def _warn_unpreserved(self, attempt: Attempt) -> None:
+        """Updates the plan validates that the run's retention will not keep until the validation stage."""
+        spec = self.plan.validate
+        if not spec.run or spec.update_list is None:
+            return
+        try:
+            cfg = RunDir(self.plan.run_path).load_config().with_overrides(self.plan.train.overrides)
+        except RelayError:
+            return  # a new run: its configuration is the training script's until it starts
+        unsure = unpreserved(cfg, spec.update_list)
+        if unsure:
+            note = (
+                f"validate.updates {unsure} are not in the run's keep_updates or keep_every: retention may delete "
+                "them before the validation stage (add them to keep_updates, a runtime field)"
+            )
+            attempt.note(note)
+            self.console.print(f"[yellow]warning[/]: {note}")
 
     def _show_validation(self, event: str, update: int, record: ValidationRecord | None) -> None:
         if event == "start":
