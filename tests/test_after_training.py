@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from helpers import EXAMPLES, clean_env, make_code_repo, segments, torchrun_cmd, write_config
-from torchrelay.checkpoint.inventory import sha256_of, validate_complete
+from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.retention import (
     AnyOf,
     EveryN,
@@ -43,6 +43,7 @@ from torchrelay.errors import ConfigError
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.manifest import Manifest
 from torchrelay.report import render
+from torchrelay.util.hashing import sha256_hex
 from torchrelay.validation import (
     ValidationSpec,
     command_for,
@@ -215,7 +216,7 @@ def test_validation_runs_after_the_formal_run_and_records_each_checkpoint(kept_r
         r = records[update]
         assert r.status == "ok" and r.exit_code == 0 and r.checkpoint == f"checkpoint-{update}"
         assert r.metrics == {"l1": 1.0 / update, "update_seen": update, "update_named": update}
-        assert r.code["commit"] and r.inventory_sha256 == sha256_of(
+        assert r.code["commit"] and r.inventory_sha256 == sha256_hex(
             kept_run / f"checkpoint-{update}" / "COMPLETE.json"
         )
         assert r.started >= float(segments(kept_run)[-1]["stopped"])  # after the training process exited

@@ -9,7 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchrelay.checkpoint.inventory import entry, safe_relpath, validate_complete, write_inventory
+from torchrelay.checkpoint.inventory import (
+    inventory_entries,
+    safe_relpath,
+    validate_complete,
+    write_inventory,
+)
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.cli import main
 from torchrelay.config import RelayConfig
@@ -104,7 +109,7 @@ def test_inventory_detects_damage_and_extra_files(tmp_path: Path) -> None:
     ck = tmp_path / "checkpoint-4"
     (ck / "sub").mkdir(parents=True)
     (ck / "sub" / "a.bin").write_bytes(b"abc" * 100)
-    write_inventory(ck, [entry(ck, "sub/a.bin")], update=4)
+    write_inventory(ck, inventory_entries(ck, ["sub/a.bin"]), update=4)
     validate_complete(ck)
     assert latest_complete(tmp_path) == ck
     (ck / "extra").write_text("?")

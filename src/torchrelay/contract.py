@@ -11,7 +11,8 @@ from typing import Any
 from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.identity import code_identity, versions
-from torchrelay.manifest import Manifest, sha256_file
+from torchrelay.manifest import Manifest
+from torchrelay.util.hashing import sha256_hex
 
 CONTRACT_FORMAT = 1
 CONTRACT_FILE = "resume_contract.json"
@@ -87,7 +88,7 @@ def build_contract(
                 f"external file {name!r} not found at {path}",
                 hint=f"point config field external_files.{name} at the file (a runtime field)",
             )
-        fields[f"external.{name}.sha256"] = sha256_file(path)
+        fields[f"external.{name}.sha256"] = sha256_hex(path)
     # Not part of the contract: what code.dirty meant before untracked files counted, for an older contract.
     compat = {"code.dirty": tracked_dirty}
     return {"format": CONTRACT_FORMAT, "fields": fields, "sha256": contract_sha256(fields), "compat": compat}

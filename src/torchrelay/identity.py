@@ -15,6 +15,7 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.errors import ConfigError
+from torchrelay.util.hashing import sha256_or_none
 
 _SKIP_DIRS = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
@@ -118,8 +119,8 @@ def code_identity(
             "modified": modified,
             "_tracked_dirty": tracked_dirty,
         }
-    untracked = {rel: _sha256_of(_inside(root, rel)) for rel in was_untracked}
-    modified = {rel: _sha256_of(_inside(root, rel)) for rel in was_modified}
+    untracked = {rel: sha256_or_none(_inside(root, rel)) for rel in was_untracked}
+    modified = {rel: sha256_or_none(_inside(root, rel)) for rel in was_modified}
     return {
         "commit": None,
         "tree": _git_tree_of_dir(root, frozenset(was_untracked)),
@@ -175,31 +176,6 @@ def _inside(root: Path, rel: str) -> Path:
     return joined
 
 
-def _sha256_of(path: Path) -> str | None:
-    """The file's SHA-256; None for one gone, unreadable, or no regular file under the code directory.
-
-    The paths come from a recorded contract, which may come from a bundle: one that leaves the directory ('..',
-    absolute, a symlink out) or names a device or a pipe must never be read (elsewhere, or forever).
-    """
-    if ".." in path.parts:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the open
-    except OSError:
-        return None  # gone or unreadable: differs from any recorded content
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        h = hashlib.sha256()
-        while chunk := os.read(fd, 1 << 20):
-            h.update(chunk)
-        return h.hexdigest()
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def _against_head(root: Path, rels: list[str]) -> tuple[dict[str, str | None], dict[str, str | None]]:
     """({path: sha256} of those git does not have in HEAD, {path: sha256} of those whose content differs)."""
     if not rels:
@@ -224,9 +200,9 @@ def _against_head(root: Path, rels: list[str]) -> tuple[dict[str, str | None], d
     for rel in rels:
         if rel not in head:
             if rel in working or (root / rel).exists():
-                untracked[rel] = _sha256_of(root / rel)
+                untracked[rel] = sha256_or_none(root / rel)
         elif working.get(rel) != head[rel]:
-            modified[rel] = _sha256_of(root / rel)
+            modified[rel] = sha256_or_none(root / rel)
     return untracked, modified
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import ConfigError, IntegrityError
+from torchrelay.errors import ConfigError
 
 ROOT_TOKEN = "${DATA_ROOT}"
 FINGERPRINT_VERSION = "fingerprint_v1"
@@ -138,15 +138,3 @@ def _iter_strings(obj: Any) -> Iterator[str]:
     elif isinstance(obj, list):
         for v in obj:
             yield from _iter_strings(v)
-
-
-def sha256_file(path: str | os.PathLike[str], block: int = 1 << 22) -> str:
-    """SHA-256 of a file, named in the error when it cannot be read."""
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(block):
-                h.update(chunk)
-    except OSError as exc:
-        raise IntegrityError(f"cannot read {path}: {exc.strerror}") from exc
-    return h.hexdigest()

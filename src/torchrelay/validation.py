@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchrelay.checkpoint.inventory import INVENTORY, sha256_of, validate_complete
+from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.costmodel import validation_fits
 from torchrelay.errors import ConfigError, RelayError
@@ -35,6 +35,7 @@ from torchrelay.fsutil import atomic_write_text
 from torchrelay.identity import code_identity, find_code_dir
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
+from torchrelay.util.hashing import sha256_hex
 
 if TYPE_CHECKING:  # the export pulls in torch; status and plans read validation records without it
     from torchrelay.export import ExportOptions
@@ -321,7 +322,7 @@ def run_one(
     )
     try:
         validate_complete(ckpt, hashes=False)  # sizes: the trainer hashed it when it wrote it
-        record.inventory_sha256 = sha256_of(ckpt / INVENTORY)
+        record.inventory_sha256 = sha256_hex(ckpt / INVENTORY)
     except RelayError as exc:
         record.reason = f"checkpoint-{update} is damaged, not validated: {exc.message}"
         return _finish(out, record, clock)

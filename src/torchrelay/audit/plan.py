@@ -25,6 +25,7 @@ from torchrelay.audit.runner import (
 )
 from torchrelay.errors import ConfigError
 from torchrelay.history import read_history
+from torchrelay.util.hashing import sha256_or_none
 
 TOP_TENSORS = 5
 
@@ -228,7 +229,7 @@ def run_audit(
         equal=equal,
         launch=list(plan.launch),
         script=script,
-        script_sha256=verdict.file_sha256(script) if script else None,
+        script_sha256=sha256_or_none(script) if script else None,
         updates=target,
         stops=stops,
         vary=plan.vary,

@@ -288,14 +288,6 @@ def last_verdict(script_path: str | Path, *, any_version: bool = False) -> dict[
     return data
 
 
-def file_sha256(path: str | Path) -> str | None:
-    """SHA-256 of a file's content, or None when it cannot be read."""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
 def describe(verdict: dict[str, Any]) -> str:
     """One line for `torchrelay status`: when the audit ran and what it found."""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(verdict.get("time") or 0)))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from torchrelay.checkpoint.handed_off import clean_temporaries
-from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
+from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, mark_reported
@@ -121,7 +121,7 @@ def commit_checkpoint(
     if hook:
         hook("inventory")
     files = list_files(tmp)
-    mine = [entry(tmp, rel) for i, rel in enumerate(files) if i % world_size == rank]
+    mine = inventory_entries(tmp, (rel for i, rel in enumerate(files) if i % world_size == rank))
     gathered: list[Any] = [mine]
     if distributed:
         gathered = [None] * world_size

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -12,21 +11,12 @@ from typing import Any
 
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.util.hashing import sha256_many
 
 INVENTORY = "COMPLETE.json"
 INVENTORY_FORMAT = 1
 # Files that tools add beside the inventory after the commit (fork guard, prepare's record, kept originals).
 EXTRA_ALLOWED = ("HANDED_OFF.json", "REBASE_RECORD.json")
-
-
-def sha256_of(path: Path, block: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        buf = bytearray(block)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def list_files(root: Path) -> list[str]:
@@ -42,9 +32,11 @@ def list_files(root: Path) -> list[str]:
     return sorted(out)
 
 
-def entry(root: Path, rel: str) -> dict[str, Any]:
-    path = root / rel
-    return {"path": rel, "size": path.stat().st_size, "sha256": sha256_of(path)}
+def inventory_entries(root: Path, rels: Iterable[str]) -> list[dict[str, Any]]:
+    """Inventory entries (path, size, SHA-256) of files under root, hashed in parallel."""
+    rels = list(rels)
+    digests = sha256_many([root / rel for rel in rels])
+    return [{"path": rel, "size": digests[root / rel][1], "sha256": digests[root / rel][0]} for rel in rels]
 
 
 def write_inventory(root: Path, entries: Iterable[dict[str, Any]], **info: Any) -> Path:
@@ -101,6 +93,7 @@ def validate_complete(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True) 
     root = Path(ckpt_dir)
     doc = read_inventory(root)
     listed = set()
+    checked: list[tuple[Path, dict[str, Any]]] = []
     for item in doc["files"]:
         if not isinstance(item, dict):
             raise IntegrityError(f"{root / INVENTORY}: malformed entry {item!r}")
@@ -116,7 +109,10 @@ def validate_complete(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True) 
                 f"{full} has {size} bytes, the inventory says {item.get('size')}",
                 hint=f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint",
             )
-        if hashes and sha256_of(full) != item.get("sha256"):
+        checked.append((full, item))
+    digests = sha256_many(full for full, _ in checked) if hashes else {}
+    for full, item in checked if hashes else ():
+        if digests[full][0] != item.get("sha256"):
             raise IntegrityError(
                 f"{full} does not match its SHA-256 in {INVENTORY}",
                 hint=f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
-from torchrelay.handoff import bars
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
+from torchrelay.util import bars
 
 
 def _checkpoint(text: str) -> int | None:

@@ -8,9 +8,9 @@ from pathlib import Path
 from torchrelay.commands.verify import add_trust_arguments
 from torchrelay.config import parse_assignments
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
-from torchrelay.handoff import bars
 from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
 from torchrelay.handoff.verify import bundle_bytes
+from torchrelay.util import bars
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

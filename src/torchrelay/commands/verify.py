@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
-from torchrelay.handoff import bars
 from torchrelay.handoff.verify import bundle_bytes, verify_bundle
+from torchrelay.util import bars
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

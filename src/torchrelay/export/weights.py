@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchrelay import __version__
-from torchrelay.checkpoint.inventory import INVENTORY, sha256_of, validate_complete
+from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
@@ -29,6 +29,7 @@ from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
+from torchrelay.util.hashing import sha256_hex
 
 EXPORT_FORMAT = 1
 PROVENANCE = "torchrelay_export.json"
@@ -208,7 +209,7 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
         "run_dir": str(holder.resolve()) if holder is not None else None,
         "checkpoint": ckpt.name,
         "update": inventory.get("update"),
-        "inventory_sha256": sha256_of(ckpt / INVENTORY),
+        "inventory_sha256": sha256_hex(ckpt / INVENTORY),
         "contract_sha256": contract.get("sha256") or inventory.get("contract_sha256"),
         "segment": inventory.get("segment"),
         "lineage": lineage.get("lineage") if isinstance(lineage, dict) else None,
@@ -273,10 +274,10 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
                 "weight_map": {s.name: f for f, g in zip(files, groups) for s in g},
             }
             _write(tmp / INDEX_FILE, index)
-            sums.append(SumEntry(INDEX_FILE, sha256_of(tmp / INDEX_FILE)))
+            sums.append(SumEntry(INDEX_FILE, sha256_hex(tmp / INDEX_FILE)))
         for path in options.include:
             shutil.copyfile(path, tmp / path.name)
-            sums.append(SumEntry(path.name, sha256_of(tmp / path.name)))
+            sums.append(SumEntry(path.name, sha256_hex(tmp / path.name)))
         renamed = {k: v for k, v in mapping.items() if k != v}
         provenance = {
             "format": EXPORT_FORMAT,
@@ -291,7 +292,7 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
             "renamed": renamed,
         }
         _write(tmp / PROVENANCE, provenance)
-        sums.append(SumEntry(PROVENANCE, sha256_of(tmp / PROVENANCE)))
+        sums.append(SumEntry(PROVENANCE, sha256_hex(tmp / PROVENANCE)))
         write_sums(tmp / SUMS_NAME, sums)
         fsync_dir(tmp)
         if out.exists():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from torchrelay.handoff.hashing import ByteCallback, default_jobs, sha256_file, thread_buffer
+from torchrelay.util.hashing import ByteCallback, default_jobs, sha256_file, thread_buffer
 
 # Errors that mean "this filesystem pair cannot hardlink"; anything else is a real failure.
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}

@@ -29,8 +29,6 @@ from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, Integri
 from torchrelay.fsutil import fsync_dir, kill_point, read_bounded
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many
-from torchrelay.handoff.hashing import ByteCallback, sha256_file
-from torchrelay.handoff.safepath import walk_files
 from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
 from torchrelay.handoff.source import SOURCE_DIR, write_source
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, format_sums, write_sums
@@ -41,6 +39,8 @@ from torchrelay.logs import rank_logs, read_jsonl, trim_copy
 from torchrelay.manifest import Manifest
 from torchrelay.resume import RECLAIM_ENV
 from torchrelay.rundir import RunDir
+from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.safepath import walk_files
 from torchrelay.validation import VALIDATION_DIR
 
 BUNDLE_FORMAT = 1

@@ -22,9 +22,7 @@ from torchrelay.contract import flatten, load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point
 from torchrelay.handoff.copying import copy_many
-from torchrelay.handoff.hashing import ByteCallback, sha256_file
 from torchrelay.handoff.pack import BUNDLE_INFO, MANIFEST_INFO
-from torchrelay.handoff.safepath import check_relative, resolve_inside
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
@@ -32,6 +30,8 @@ from torchrelay.history import new_id
 from torchrelay.manifest import Manifest
 from torchrelay.resume import validate_resume
 from torchrelay.rundir import RunDir
+from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.safepath import check_relative, resolve_inside
 
 RECORD = "REBASE_RECORD.json"
 MANIFEST_REL = "data/manifest.jsonl"

@@ -17,8 +17,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
-from torchrelay.handoff.safepath import check_relative
 from torchrelay.identity import code_identity
+from torchrelay.util.safepath import check_relative
 
 SOURCE_DIR = "source"
 SOURCE_MANIFEST = "source_manifest.sha256"

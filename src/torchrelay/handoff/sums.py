@@ -13,8 +13,8 @@ from pathlib import Path
 
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_bounded
-from torchrelay.handoff.hashing import ByteCallback, default_jobs, sha256_file
-from torchrelay.handoff.safepath import check_relative, ensure_inside, walk_files
+from torchrelay.util.hashing import ByteCallback, default_jobs, sha256_file
+from torchrelay.util.safepath import check_relative, ensure_inside, walk_files
 
 SUMS_NAME = "SHA256SUMS"
 SUMS_LIMIT = 1 << 30  # ~12 million lines; more is no bundle torchrelay wrote

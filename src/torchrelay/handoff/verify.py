@@ -9,10 +9,10 @@ from pathlib import Path
 
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_bounded
-from torchrelay.handoff.hashing import ByteCallback, sha256_file
-from torchrelay.handoff.safepath import check_relative, ensure_inside, walk_files
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
 from torchrelay.handoff.sums import SUMS_LIMIT, SUMS_NAME, SumsReport, check_sums, listed_size, parse_sums
+from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.safepath import check_relative, ensure_inside, walk_files
 
 INVENTORY_NAME = "COMPLETE.json"
 # Files that live beside a checkpoint's inventory without being part of it (written after the marker).

@@ -1,4 +1,6 @@
-"""SHA-256 of files at the speed of the hardware: big reused buffers, no copies, threads (hashlib drops the GIL)."""
+"""The one SHA-256 of files: big reused buffers, no copies, threads (hashlib drops the GIL).
+
+Used by the checkpoint inventory (write and check), the manifest, the contract, pack, verify and resume."""
 
 from __future__ import annotations
 
@@ -6,10 +8,14 @@ import contextlib
 import hashlib
 import mmap
 import os
+import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from torchrelay.errors import IntegrityError
 
 # 1 MiB: large enough that Python overhead vanishes, small enough that each block is still in L2 when hashed.
 BLOCK = 1 << 20
@@ -80,6 +86,59 @@ def _sha256_read(f: Any, on_bytes: ByteCallback | None) -> tuple[str, int]:
         if on_bytes is not None:
             on_bytes(n)
     return digest.hexdigest(), size
+
+
+def sha256_hex(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of one file; an unreadable file is an IntegrityError naming it."""
+    try:
+        return sha256_file(Path(path))[0]
+    except OSError as exc:
+        raise IntegrityError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def sha256_or_none(path: str | os.PathLike[str]) -> str | None:
+    """Hex SHA-256 of a regular file; None for one gone, unreadable, not regular, or reached through '..'.
+
+    The paths may come from a recorded contract (from a bundle): a device or a pipe must never be read (forever),
+    and a path climbing out with '..' never read at all; either differs from any recorded content.
+    """
+    if ".." in Path(path).parts:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the open
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            return _sha256_read(f, None)[0]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def sha256_many(
+    paths: Iterable[Path], *, jobs: int | None = None, on_bytes: ByteCallback | None = None
+) -> dict[Path, tuple[str, int]]:
+    """{path: (hex SHA-256, size)} of many files, hashed on `jobs` threads (one per core by default).
+
+    Largest first, so one big file does not start last and leave the other threads idle."""
+    todo = list(paths)
+    workers = max(1, jobs or default_jobs())
+    if workers == 1 or len(todo) <= 1:
+        return {p: sha256_file(p, on_bytes) for p in todo}
+    todo.sort(key=_size_or_zero, reverse=True)
+    with ThreadPoolExecutor(max_workers=min(workers, len(todo)), thread_name_prefix="sha256") as pool:
+        return dict(zip(todo, pool.map(lambda p: sha256_file(p, on_bytes), todo), strict=True))
+
+
+def _size_or_zero(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -1,0 +1,1 @@
+"""Generic helpers with no knowledge of runs or bundles: hashing, safe relative paths, progress bars."""
