@@ -197,3 +197,52 @@ def test_non_utf8_run_files_are_named(tmp_path: Path) -> None:
         load_contract(tmp_path)
     with pytest.raises(IntegrityError, match="history.jsonl is not UTF-8"):
         read_history(tmp_path)
+
+
+def test_jsonl_skips_a_torn_last_line_and_names_a_bad_middle_line(tmp_path: Path) -> None:
+    from torchrelay.history import read_history
+    from torchrelay.util.jsonl import read_records
+
+    path = tmp_path / "history.jsonl"
+    path.write_text('{"segment": "a"}\n\n{"segment": "b"}\n{"segment": "c", "ended')  # killed mid-write
+    assert [r["segment"] for r in read_records(path)] == ["a", "b"]
+    path.write_text('{"segment": "a"}\n{"segment": "b"}')  # whole JSON but no newline: the write was cut
+    assert [r["segment"] for r in read_history(tmp_path)] == ["a"]
+    path.write_text('{"segment": "a"}\n[1, 2]\n{"segment": "c"}\n')  # history.jsonl used to skip it silently
+    with pytest.raises(
+        IntegrityError, match=r"history.jsonl: line 2 is not a JSON object, and lines follow it"
+    ):
+        read_history(tmp_path)
+    path.write_bytes(b'{"segment": "a"}\n{"segment": "\xff"}\n')
+    with pytest.raises(IntegrityError, match="history.jsonl is not UTF-8 text .* at line 2"):
+        read_history(tmp_path)
+    assert read_records(tmp_path / "absent.jsonl") == []
+
+
+def test_the_ledger_names_a_damaged_exposure_line_instead_of_stopping_there(tmp_path: Path) -> None:
+    # The ledger's reader used to stop silently at the first bad line: nothing after it was proven or named.
+    from torchrelay.ledger import prove
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "legacy-v0.1.0" / "run", run)
+    assert prove(run).ok
+    path = run / "train" / "exposures-rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    lines[2] = lines[2][:9] + "\n"
+    path.write_text("".join(lines))
+    with pytest.raises(IntegrityError, match=r"exposures-rank0.jsonl: line 3 is not JSON"):
+        prove(run)
+
+
+def test_one_map_between_end_states_and_exit_codes() -> None:
+    from torchrelay.ended import CLEAN_STOPS, Ended, ended_of, exit_code_of
+
+    for code in (0, 2, 3, 4, 5, 6):
+        assert exit_code_of(ended_of(code)) == code
+    assert (ended_of(1), ended_of(137), exit_code_of("crash"), exit_code_of("no such state")) == (
+        "error",
+    ) * 2 + (1, 1)
+    assert (
+        exit_code_of("memory-killed") == 6 and json.dumps(Ended.CRASH) == '"crash"'
+    )  # history.jsonl unchanged
+    assert all(exit_code_of(e) in (3, 4, 5, 6) for e in CLEAN_STOPS)

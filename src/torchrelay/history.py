@@ -8,32 +8,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import IntegrityError
+from torchrelay.ended import Ended
 from torchrelay.fsutil import atomic_write_text
+from torchrelay.util.jsonl import read_records
 
 HISTORY_FILE = "history.jsonl"
 
 
 def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    path = Path(run_dir) / HISTORY_FILE
-    if not path.exists():
-        return []
-    out = []
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as exc:
-        raise IntegrityError(
-            f"{path} is not UTF-8 text ({exc})", hint="restore history.jsonl from a copy"
-        ) from exc
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn line cannot be a finished record
-            if isinstance(record, dict):
-                out.append(record)
-    return out
+    """The segment records of history.jsonl; none when it does not exist (see util.jsonl for a torn line)."""
+    return read_records(Path(run_dir) / HISTORY_FILE)
 
 
 def write_history(run_dir: Path, segments: list[dict[str, Any]]) -> None:
@@ -48,8 +32,8 @@ def new_id() -> str:
 def close_crashed(segments: list[dict[str, Any]], last_update: int | None) -> list[dict[str, Any]]:
     """A segment still 'running' when the next one starts ended in a crash."""
     for seg in segments:
-        if seg.get("ended") == "running":
-            seg["ended"] = "crash"
+        if seg.get("ended") == Ended.RUNNING:
+            seg["ended"] = Ended.CRASH
             if last_update is not None and seg.get("last_update") is None:
                 seg["last_update"] = last_update
     return segments

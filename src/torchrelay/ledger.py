@@ -10,9 +10,10 @@ from typing import Any
 
 from torchrelay.contract import load_contract
 from torchrelay.data.order import GlobalOrder
-from torchrelay.logs import rank_logs, read_jsonl
+from torchrelay.logs import rank_logs
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
+from torchrelay.util.jsonl import iter_records
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerRepo
     order, manifest = order_for(root)
     per_update: dict[int, list[int]] = {}
     for _rank, path in rank_logs(root / "train", "exposures").items():
-        for rec in read_jsonl(path):
+        for rec in iter_records(path):
             per_update.setdefault(int(rec["u"]), []).extend(int(i) for i in rec["i"])
     rep = LedgerReport()
     if not per_update:

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,21 +42,6 @@ class RankLog:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
-
-
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Whole JSON lines of a log; a torn last line (a crash mid-write) is skipped."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    return
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    return
-    except FileNotFoundError:
-        return
 
 
 def _update_of(line: str) -> int | None:

@@ -12,8 +12,9 @@ from torchrelay.config import RelayConfig
 from torchrelay.history import read_history
 from torchrelay.ledger import prove
 from torchrelay.lock import holder
-from torchrelay.logs import metrics_path, read_jsonl
+from torchrelay.logs import metrics_path
 from torchrelay.rundir import RunDir
+from torchrelay.util.jsonl import iter_records
 
 
 def _mean(values: list[float]) -> float | None:
@@ -24,7 +25,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
     """Updates done/left, epoch fraction, exposures, LR, recent loss and speed, ETA, checkpoints, segments."""
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    records = list(read_jsonl(metrics_path(rd.train_dir, 0)))
+    records = list(iter_records(metrics_path(rd.train_dir, 0)))
     done = records[-1]["update"] if records else 0
     recent = records[-window:]
     losses = [float(r["loss"]) for r in recent if isinstance(r.get("loss"), int | float)]

@@ -33,6 +33,7 @@ from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, canonical_json, write_contract
 from torchrelay.data.loader import RankBatches, RelayLoader
 from torchrelay.data.order import GlobalOrder
+from torchrelay.ended import Ended, ended_of
 from torchrelay.errors import (
     EXIT_ERROR,
     EXIT_FINISHED,
@@ -50,12 +51,11 @@ from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
 from torchrelay.identity import find_code_dir, running_files, versions
 from torchrelay.lock import LOCK_FILES, RunLock
-from torchrelay.logs import RankLog, exposures_path, metrics_path, read_jsonl, trim_after
+from torchrelay.logs import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.manifest import Manifest
 from torchrelay.resume import keep_prepared, schedule_gate, validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.stop import (
-    ENDED,
     REQUEST_FILE,
     SignalFlag,
     StopContext,
@@ -65,6 +65,7 @@ from torchrelay.stop import (
     is_stale,
     job_start,
 )
+from torchrelay.util.jsonl import iter_records
 
 MANIFEST_IN_RUN = "data/manifest.jsonl"
 # A relaunch may start while the previous holder's last DataLoader worker still exits, or while `status` peeks.
@@ -229,7 +230,7 @@ class Run:
         self.dir = RunDir(Path(run_dir).resolve())
         self.code_dir = Path(code_dir) if code_dir else find_code_dir()
         self.exit_code = EXIT_ERROR
-        self.ended = "running"
+        self.ended = Ended.RUNNING
         self._closed = False
         self._stale_reported = False
         self._notes = []
@@ -424,7 +425,7 @@ class Run:
             rd.remove_stale_temps()
             history = read_history(rd.path)
             last_logged = max(
-                (int(r["update"]) for r in read_jsonl(metrics_path(rd.train_dir, 0))), default=None
+                (int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None
             )
             write_history(rd.path, close_crashed(history, last_logged))
             archived = trim_after(rd.train_dir, check.update)
@@ -617,7 +618,7 @@ class Run:
                     f"{cfg.total_updates}): nothing to train, nothing recorded",
                     flush=True,
                 )
-            self.exit_code, self.ended = EXIT_FINISHED, "finished"
+            self.exit_code, self.ended = EXIT_FINISHED, Ended.FINISHED
             self._end_segment(self.start_update)
             return
         if self.resume_from is not None:
@@ -792,11 +793,11 @@ class Run:
     # ---------------------------------------------------------------------------------- ending
     def _finish(self, code: int, done: int) -> None:
         self.exit_code = code
-        self.ended = "finished" if code == EXIT_FINISHED else ENDED.get(code, "error")
+        self.ended = ended_of(code)
         if self.rank == 0:
             why = getattr(self, "_stop_why", "")
             print(f"[torchrelay] stopped at update {done}: {self.ended} {why}".rstrip(), flush=True)
-            if code and self.ended in ("request", "memory"):
+            if code and self.ended in (Ended.REQUEST, Ended.MEMORY):
                 self._consume_request()
         self._end_segment(done)
 
@@ -810,7 +811,7 @@ class Run:
     def _end_segment(self, last_update: int | None) -> None:
         self.metrics_log.close()
         self.exposures_log.close()
-        if self.rank == 0 and not (self._finished_before and self.ended == "finished"):
+        if self.rank == 0 and not (self._finished_before and self.ended == Ended.FINISHED):
             seg = self.segment
             seg.update(
                 ended=self.ended,
@@ -835,10 +836,10 @@ class Run:
     def close(self, error: BaseException | None = None) -> int:
         """Finish the segment's history record and return the process exit code."""
         if not self._closed:
-            last = max((int(r["update"]) for r in read_jsonl(self.metrics_log.path)), default=None)
+            last = max((int(r["update"]) for r in iter_records(self.metrics_log.path)), default=None)
             # A refusal met inside the loop (a tracked set that differs from the checkpoint's) ends `refused`.
             self.exit_code = error.exit_code if isinstance(error, RelayError) else EXIT_ERROR
-            self.ended = "refused" if self.exit_code == EXIT_REFUSED else "error"
+            self.ended = Ended.REFUSED if self.exit_code == EXIT_REFUSED else Ended.ERROR
             if error is not None:
                 self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
             self._end_segment(last)

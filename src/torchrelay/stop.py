@@ -23,7 +23,6 @@ from torchrelay.fsutil import atomic_write_text
 REQUEST_FILE = "REQUEST_STOP"
 # The agreed stop code is the maximum over ranks; these values double as process exit codes.
 NONE = 0
-ENDED = {EXIT_BUDGET: "budget", EXIT_REQUEST: "request", EXIT_SIGNAL: "signal", EXIT_MEMORY: "memory"}
 
 
 # A request is a few dozen bytes; a larger file is still a request, but it is never read whole.

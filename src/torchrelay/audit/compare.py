@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from torchrelay.report.series import rank_files, read_jsonl
+from torchrelay.report.series import rank_files
+from torchrelay.util.jsonl import iter_records
 
 # Wall-clock keys differ between any two runs; they say nothing about resumability.
 TIMING_KEYS = frozenset({"update_time", "time", "samples_per_s"})
@@ -143,7 +144,7 @@ def _metrics_by_update(path: Path | None, ignore: frozenset[str]) -> dict[int, d
         return {}
     rows: dict[int, dict[str, Any]] = {}
     skip = TIMING_KEYS | ignore | {"update"}
-    for row in read_jsonl(path):
+    for row in iter_records(path):
         if isinstance(row.get("update"), int):
             rows[row["update"]] = {k: v for k, v in row.items() if k not in skip}
     return rows
@@ -194,7 +195,7 @@ def _ledger_by_update(path: Path | None) -> dict[int, list[tuple[int, list[int]]
     if path is None:
         return {}
     rows: dict[int, list[tuple[int, list[int]]]] = {}
-    for row in read_jsonl(path):
+    for row in iter_records(path):
         update, micro, indices = row.get("u"), row.get("m"), row.get("i")
         if isinstance(update, int):
             rows.setdefault(update, []).append((int(micro or 0), [int(i) for i in indices or []]))

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torchrelay.util.jsonl import read_records
+
 ENV = "TORCHRELAY_AUDIT_PROBE"  # the folder the probe writes rank<r>.jsonl into; unset: the probe is off
 # Updates at whose start the probe also records the state of every random stream the process holds
 # (streams-rank<r>.jsonl): the audit passes the first update of each continued segment.
@@ -256,10 +258,8 @@ def read_streams(folder: Path) -> dict[tuple[int, int], list[tuple[str, str]]]:
     out: dict[tuple[int, int], list[tuple[str, str]]] = {}
     for path in sorted(folder.glob("streams-rank*.jsonl")) if folder.is_dir() else []:
         rank = int(path.stem.removeprefix("streams-rank"))
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                out[(rank, int(row["update"]))] = [(str(k), str(d)) for k, d in row["streams"]]
+        for row in read_records(path):
+            out[(rank, int(row["update"]))] = [(str(k), str(d)) for k, d in row["streams"]]
     return out
 
 
@@ -268,11 +268,9 @@ def read_tensors(folder: Path) -> dict[tuple[int, int], dict[str, str]]:
     out: dict[tuple[int, int], dict[str, str]] = {}
     for path in sorted(folder.glob("streams-rank*.jsonl")) if folder.is_dir() else []:
         rank = int(path.stem.removeprefix("streams-rank"))
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if isinstance(row.get("tensors"), dict):
-                    out[(rank, int(row["update"]))] = {str(k): str(v) for k, v in row["tensors"].items()}
+        for row in read_records(path):
+            if isinstance(row.get("tensors"), dict):
+                out[(rank, int(row["update"]))] = {str(k): str(v) for k, v in row["tensors"].items()}
     return out
 
 
@@ -283,7 +281,7 @@ def read(folder: Path) -> dict[int, list[tuple[int, str]]]:
         return out
     for path in sorted(folder.glob("rank[0-9]*.jsonl")):
         rank = int(path.stem.removeprefix("rank"))
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = read_records(path)
         out[rank] = [(int(r["update"]), str(r["sha"])) for r in rows]
     return out
 
@@ -292,7 +290,5 @@ def samplers(folder: Path) -> list[str]:
     """The sampler classes of the script's own loaders that the probe saw."""
     names: set[str] = set()
     for path in sorted(folder.glob("rank[0-9]*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                names.add(str(json.loads(line).get("sampler")))
+        names.update(str(row.get("sampler")) for row in read_records(path))
     return sorted(names)

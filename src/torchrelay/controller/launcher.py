@@ -36,13 +36,13 @@ from torchrelay.controller.supervisor import (
     last_logged_update,
     segment_ended,
 )
+from torchrelay.ended import CLEAN_STOPS, exit_code_of
 from torchrelay.errors import (
     EXIT_BUDGET,
     EXIT_ERROR,
     EXIT_FINISHED,
     EXIT_MEMORY,
     EXIT_REFUSED,
-    EXIT_REQUEST,
     EXIT_SIGNAL,
     RelayError,
 )
@@ -53,24 +53,10 @@ from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 from torchrelay.validation import ValidationRecord, ValidationSpec, validate_checkpoints
 
-EXIT_OF_ENDED = {
-    "finished": EXIT_FINISHED,
-    "budget": EXIT_BUDGET,
-    "request": EXIT_REQUEST,
-    "signal": EXIT_SIGNAL,
-    "memory": EXIT_MEMORY,
-    "memory-killed": EXIT_MEMORY,
-    "refused": EXIT_REFUSED,
-}
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
 STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
 FORMAL_GRACE_S = 15.0
-CLEAN_STOPS = ("budget", "request", "signal", "memory")
 _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
-
-
-def exit_code_of(ended: str) -> int:
-    return EXIT_OF_ENDED.get(ended, EXIT_ERROR)
 
 
 @dataclass(kw_only=True, slots=True)

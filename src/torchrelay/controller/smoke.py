@@ -21,7 +21,8 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
 from torchrelay.history import read_history
-from torchrelay.logs import metrics_path, read_jsonl
+from torchrelay.logs import metrics_path
+from torchrelay.util.jsonl import iter_records
 
 # The last line of a Python traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ...".
 _ERROR_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([\w.]+\.)?\w*(Error|Exception)\b.*:")
@@ -50,7 +51,7 @@ def evaluate(
     smoke_dir: Path, launched_at: float, updates: int, returncode: int, tail: list[str]
 ) -> SmokeResult:
     """Judge a finished smoke run from its run directory; raises SmokeFailed naming what went wrong."""
-    rows = list(read_jsonl(metrics_path(smoke_dir / "train", 0))) if (smoke_dir / "train").exists() else []
+    rows = list(iter_records(metrics_path(smoke_dir / "train", 0))) if (smoke_dir / "train").exists() else []
     history = read_history(smoke_dir)
     ended = history[-1].get("ended", "crash") if history else "crash"
     output = "\n".join(f"  | {line}" for line in tail[-25:]) or "  (no output)"

@@ -35,11 +35,12 @@ from torchrelay.handoff.sums import SUMS_NAME, SumEntry, format_sums, write_sums
 from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
 from torchrelay.lock import RunLock
-from torchrelay.logs import rank_logs, read_jsonl, trim_copy
+from torchrelay.logs import rank_logs, trim_copy
 from torchrelay.manifest import Manifest
 from torchrelay.resume import RECLAIM_ENV
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.jsonl import iter_records
 from torchrelay.util.safepath import walk_files
 from torchrelay.validation import VALIDATION_DIR
 
@@ -398,7 +399,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     losses: dict[int, list[float]] = {}
     lr = None
     for _rank, path in rank_logs(bundle_like / "train", "metrics").items():
-        for rec in read_jsonl(path):
+        for rec in iter_records(path):
             u = int(rec.get("update", 0))
             if isinstance(rec.get("loss"), (int, float)):
                 losses.setdefault(u, []).append(float(rec["loss"]))

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import IntegrityError, PathError, RelayError
+from torchrelay.errors import PathError, RelayError
+from torchrelay.history import read_history
+from torchrelay.util.jsonl import iter_records, read_records
 
 _RANK_FILE = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -85,27 +86,6 @@ class RunSeries:
         return list(names)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Parse a JSONL file, skipping a torn last line (a crash mid-write) but no other bad line."""
-    rows: list[dict[str, Any]] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise IntegrityError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break  # a torn final line is what a killed writer leaves; everything before it is whole
-            raise ReportError(f"{path}: line {number} is not JSON ({exc.msg})") from exc
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def rank_files(train_dir: Path, kind: str) -> dict[int, Path]:
     """`{rank: path}` of train/<kind>-rank<r>.jsonl files."""
     found: dict[int, Path] = {}
@@ -141,11 +121,8 @@ def _by_update(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def _segments(run_dir: Path) -> list[Segment]:
-    path = run_dir / "history.jsonl"
-    if not path.is_file():
-        return []
     segments = []
-    for index, row in enumerate(read_jsonl(path), start=1):
+    for index, row in enumerate(read_history(run_dir), start=1):
         hosts = row.get("hosts") or []
         segments.append(
             Segment(
@@ -171,7 +148,7 @@ def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
     # Cumulative distinct manifest indices and total exposures after each update, over all ranks.
     per_update: dict[int, list[int]] = {}
     for path in rank_files(train_dir, "exposures").values():
-        for row in read_jsonl(path):
+        for row in iter_records(path):
             update, indices = row.get("u"), row.get("i")
             if isinstance(update, int) and isinstance(indices, list):
                 per_update.setdefault(update, []).extend(int(i) for i in indices)
@@ -202,7 +179,7 @@ def read_series(run_dir: str | Path) -> RunSeries:
         what = "is not a directory" if root.exists() else "does not exist"
         raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
     train_dir = root / "train"
-    per_rank = {rank: _by_update(read_jsonl(p)) for rank, p in rank_files(train_dir, "metrics").items()}
+    per_rank = {rank: _by_update(read_records(p)) for rank, p in rank_files(train_dir, "metrics").items()}
     if not per_rank or not any(per_rank.values()):
         raise ReportError(
             f"{train_dir}: no metrics-rank*.jsonl lines yet",

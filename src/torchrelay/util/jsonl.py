@@ -1,0 +1,73 @@
+"""The one JSONL reader, with one policy for a torn line.
+
+Every JSONL file torchrelay writes (per-rank metrics and exposures, history.jsonl, the audit's probe records) is
+appended one whole line per write, or rewritten atomically. So:
+- a LAST line without its newline, or that is not a JSON object, is what a writer killed mid-write leaves: skipped;
+- a bad line anywhere before the last is damage, never a crash: an IntegrityError naming the file and line number
+  (stopping silently there would hide every record after it, e.g. from the exposure ledger);
+- blank lines are skipped; bytes that are not UTF-8 are an IntegrityError naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torchrelay.errors import IntegrityError
+
+
+def iter_records(path: str | os.PathLike[str], *, missing_ok: bool = True) -> Iterator[dict[str, Any]]:
+    """Yield the JSON objects of a JSONL file, line by line, under the module's torn-line policy."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator holds it across yields
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise IntegrityError(f"{path} is missing") from None
+    with f:
+        pending: tuple[int, str] | None = None  # a bad line, an error only if another line follows it
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            if pending is not None:
+                raise _damaged(path, *pending)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise IntegrityError(
+                    f"{path} is not UTF-8 text ({exc.reason} at line {number})",
+                    hint=f"restore {path.name} from a copy",
+                ) from None
+            record, problem = _parse(line)
+            if problem is None:
+                yield record
+            else:
+                pending = (number, problem)
+
+
+def read_records(path: str | os.PathLike[str], *, missing_ok: bool = True) -> list[dict[str, Any]]:
+    """All JSON objects of a JSONL file (see the module's torn-line policy)."""
+    return list(iter_records(path, missing_ok=missing_ok))
+
+
+def _parse(line: str) -> tuple[dict[str, Any], str | None]:
+    if not line.endswith("\n"):
+        return {}, "ends without a newline"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return {}, f"is not JSON ({exc.msg})"
+    if not isinstance(record, dict):
+        return {}, "is not a JSON object"
+    return record, None
+
+
+def _damaged(path: Path, number: int, problem: str) -> IntegrityError:
+    return IntegrityError(
+        f"{path}: line {number} {problem}, and lines follow it (only a last line may be torn)",
+        hint=f"the file is damaged; restore {path.name} from a copy, or remove line {number}",
+    )
