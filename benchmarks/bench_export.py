@@ -34,7 +34,7 @@ GENERATE = textwrap.dedent(
     from pathlib import Path
     import torch
     from torchrelay.checkpoint import dcp_io
-    from torchrelay.checkpoint.inventory import entry, list_files, write_inventory
+    from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
 
     ckpt, total, hidden, vocab = Path(sys.argv[1]), int(float(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
     g = torch.Generator().manual_seed(0)
@@ -53,7 +53,7 @@ GENERATE = textwrap.dedent(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp_io.save({"model": model, "optim": optim}, ckpt / "model")
-    write_inventory(ckpt, [entry(ckpt, rel) for rel in list_files(ckpt)], update=1, created=time.time())
+    write_inventory(ckpt, inventory_entries(ckpt, list_files(ckpt)), update=1, created=time.time())
     print(len(model), layer, max(t.nbytes for t in model.values()))
     """
 )
