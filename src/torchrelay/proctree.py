@@ -35,13 +35,20 @@ class Tree:
 
     def collect(self) -> None:
         """Add the descendants of every member still alive (also of one whose parent has died)."""
-        for proc in list(self.seen.values()):
-            with contextlib.suppress(psutil.Error):
-                for child in proc.children(recursive=True):
-                    self._add(child)
+        children: dict[int, list[psutil.Process]] = {}
+        for proc in psutil.process_iter(["ppid"]):  # one pass over /proc, however large the tree
+            children.setdefault(proc.info["ppid"], []).append(proc)
+        stack = [p.pid for p in self.alive()]  # alive: a dead member's pid may belong to a stranger now
+        while stack:
+            for child in children.get(stack.pop(), []):
+                with contextlib.suppress(psutil.Error):
+                    key = (child.pid, child.create_time())
+                    if key not in self.seen:
+                        self.seen[key] = child
+                        stack.append(child.pid)
 
     def alive(self) -> list[psutil.Process]:
-        """Members still running (a zombie has ended: it only waits for its parent to read its status)."""
+        """Members still running (a zombie whose threads have all ended only waits for its parent to reap it)."""
         return [p for p in self.seen.values() if _alive(p)]
 
     def send(self, signum: int) -> None:
@@ -78,8 +85,14 @@ class Tree:
 
 def _alive(proc: psutil.Process) -> bool:
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        if not proc.is_running():
+            return False
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return True
+        # A zombie main thread whose other threads are still exiting (a rank's gloo threads, slow under load):
+        # the process still holds its files, and the run's lock with them.
+        return len(os.listdir(f"/proc/{proc.pid}/task")) > 1
+    except (psutil.Error, OSError):
         return False
 
 
