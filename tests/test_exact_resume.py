@@ -73,9 +73,10 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     assert_same_logs(baseline, run)
     report = prove(run)
     assert report.ok and report.exposures == U * 16 and report.distinct == U * 16
-    assert (run / "train" / "recovery-history").exists() or all(
-        s["resumed_from"] == s2["last_update"] for s, s2 in zip(segments(run)[1:], segments(run))
-    )
+    # each segment continues exactly where the one before it stopped (clean stops save at the stop)
+    segs = segments(run)
+    assert [s["resumed_from"] for s in segs[1:]] == [s["last_update"] for s in segs[:-1]]
+    assert [s["first_update"] for s in segs[1:]] == [s["last_update"] + 1 for s in segs[:-1]]
 
 
 def test_num_workers_change_between_segments(
@@ -131,7 +132,7 @@ def test_sigkill_during_saves(
             config=example["config"] if i == 0 else None,
             env={"TORCHRELAY_TEST_KILL": phase},
         )
-        assert out.returncode != 0 and "Signal 9" in out.stderr or "SIGKILL" in out.stderr, out.stderr[-2000:]
+        assert out.returncode != 0 and "SIGKILL" in out.stderr, out.stderr[-2000:]
         assert not (run / "checkpoint-16").exists()
         assert (run / "checkpoint-8" / "COMPLETE.json").exists()
         # The killed run left no stale lock, and status tells a segment that ended without a word.
@@ -144,8 +145,9 @@ def test_sigkill_during_saves(
     out = launch(example["code"], run)
     assert out.returncode == 0, out.stdout + out.stderr
     ended = [s["ended"] for s in segments(run)]
-    # rank 0 sees its peer vanish mid-collective ("error", with the cause noted) or is killed itself ("crash")
-    assert all(e in ("crash", "error") for e in ended[:3]) and ended[3] == "finished", ended
+    # rank 1 killed: rank 0 sees its peer vanish mid-collective and records "error"; rank 0 killed: its
+    # segment is closed as "crash" by the next open
+    assert ended == ["error", "crash", "crash", "finished"], ended
     assert not [p for p in run.iterdir() if p.name.startswith(".tmp-checkpoint-")]
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)

@@ -291,15 +291,16 @@ def test_reclaiming_the_source_starts_a_new_lineage_on_record(packed: Packed, tm
     source = tmp_path / "source"
     shutil.copytree(packed.source, source)
     before = json.loads((source / "lineage.json").read_text())
-    out = launch(packed.code, source, env={"TORCHRELAY_RECLAIM": "1"})
+    # keep_updates holds the reclaimed checkpoint past retention, so that its record can be checked
+    out = launch(packed.code, source, sets={"keep_updates": [STOP_AT]}, env={"TORCHRELAY_RECLAIM": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = source / f"checkpoint-{STOP_AT}"
-    if ckpt.exists():  # retention may have removed it by the end of the run
-        assert not (ckpt / "HANDED_OFF.json").exists()
+    assert not (ckpt / "HANDED_OFF.json").exists()
+    assert len(list(ckpt.glob("HANDED_OFF.reclaimed-*.json"))) == 1
     after = json.loads((source / "lineage.json").read_text())
     assert after["parent_lineage"] == before["lineage"] and after["lineage"] != before["lineage"]
     seg = segments(source)[-1]
-    assert seg["lineage"] == after["lineage"] and seg["command"][-2:] == ["--run-dir", str(source)]
+    assert seg["lineage"] == after["lineage"] and seg["command"][-4:-2] == ["--run-dir", str(source)]
     assert any(f"reclaimed checkpoint-{STOP_AT}" in note for note in seg["notes"])
     from torchrelay.progress import summarize
 
