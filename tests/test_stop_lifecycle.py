@@ -217,9 +217,9 @@ if __name__ == "__main__":
     flag = SignalFlag()
     flag.install()
     expected = [(ids, [i * i for i in ids]) for ids in batches()]
-    for nw, persistent in json.loads(sys.argv[1]):
+    for nw, persistent, asked in json.loads(sys.argv[1]):
         flag.received = None
-        loader = RelayLoader(Squares(), None, nw, persistent_workers=persistent)
+        loader = RelayLoader(Squares(), None, nw, persistent_workers=persistent, multiprocessing_context=asked)
         context, note = loader.context()
         it = loader.start(batches(), seed=1, context=context)
         got = [next(it)]
@@ -234,7 +234,7 @@ if __name__ == "__main__":
 """
 
 
-def _child(script: Path, rounds: list[tuple[int, bool]]) -> subprocess.Popen[str]:
+def _child(script: Path, rounds: list[tuple[int, bool, str | None]]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [PYTHON, str(script), json.dumps(rounds)],
         stdin=subprocess.PIPE,
@@ -260,16 +260,18 @@ def test_loader_workers_survive_stop_signals_and_end_with_their_rank(tmp_path: P
     script = tmp_path / "child.py"
     script.write_text(WORKERS_CHILD)
     # A rank that takes the stop signals and then crashes, and one that is killed outright.
-    signalled = _child(script, [(0, False), (2, True), (8, False), (2, False)])
-    killed = _child(script, [(2, False)])
+    # Forked workers (the fallback) are as safe from the signals as a forkserver's.
+    rounds = [(0, False, None), (2, True, None), (8, False, None), (2, False, "fork"), (2, False, None)]
+    signalled = _child(script, rounds)
+    killed = _child(script, [(2, False, None)])
     trees = []
     try:
-        for round_ in range(4):
+        for i, (nw_, _, asked) in enumerate(rounds):
             _, nw, _, context, kids = _expect(signalled, "READY").split(" ", 4)
             assert len(json.loads(kids)) >= int(nw)  # the workers (and a forkserver) are up
-            assert context == ("None" if nw == "0" else "forkserver")
+            assert int(nw) == nw_ and context == ("None" if nw_ == 0 else asked or "forkserver")
             assert signalled.stdin is not None
-            if round_ == 3:
+            if i == len(rounds) - 1:
                 trees.append(Tree(signalled.pid))
                 signalled.stdin.write("crash\n")  # its workers must not keep the rank from exiting
                 signalled.stdin.flush()
