@@ -63,6 +63,7 @@ from torchrelay.checkpoint.commit import TMP_PREFIX  # noqa: E402
 from torchrelay.checkpoint.select import list_checkpoints  # noqa: E402
 from torchrelay.history import read_history  # noqa: E402
 from torchrelay.lock import LOCK_FILES, holder  # noqa: E402
+from torchrelay.proctree import Tree  # noqa: E402
 
 CKPT = re.compile(r"^checkpoint-(\d+)$")
 # Exit-2 errors of the library: a launch whose output names one of these was refused.
@@ -123,82 +124,29 @@ class DirWatch:
 
 
 # ---------------------------------------------------------------------------------------- killing the job
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, process group, session) of a live process, or None."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return fields[0], int(fields[2]), int(fields[3])
+def kill_job(tree: Tree, proc: subprocess.Popen[bytes]) -> list[str]:
+    """SIGKILL the launcher and every rank with its loader workers at one moment; wait until all are gone.
 
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """Any thread of the process still running: a killed leader shows 'Z' while its other threads, which share
-    its open files (and so the run's lock), are still being torn down."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tasks:
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        if text[text.rindex(")") + 2] not in "ZX":
-            return True
-    return False
-
-
-def _members(sessions: set[int]) -> list[int]:
-    """Processes of these sessions that still have a live thread."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = _stat(int(name))
-            if st and st[2] in sessions and _alive(int(name)):
-                out.append(int(name))
-    return out
-
-
-def kill_job(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    """SIGKILL the launcher and every rank with its loader workers, then wait until all are gone.
-
-    torchrun starts each rank in a session of its own, so killing the launcher's group alone would leave the
-    ranks training: the launcher is frozen first (it cannot start another rank), its children's groups and then
-    its own are killed.
+    torchrun starts each rank in a session of its own, so a group kill would miss the ranks: every process the
+    tree has seen is frozen first (SIGSTOP: nothing forks or writes any more), the tree collected again, then all
+    are killed. Returns the /dev/shm files the frozen job had mapped (multiprocessing's named semaphores).
     """
-    agent = proc.pid
-    groups = [agent]
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(agent, signal.SIGSTOP)
-    for child in _children(agent):
-        st = _stat(child)
-        if st:
-            groups.insert(0, st[1])
-    for g in groups:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(g, signal.SIGKILL)
+    for _ in range(5):
+        before = len(tree.seen)
+        tree.send(signal.SIGSTOP)
+        tree.collect()
+        if len(tree.seen) == before:
+            break
+    shm: set[str] = set()
+    for member in tree.alive():
+        with contextlib.suppress(OSError):
+            maps = Path(f"/proc/{member.pid}/maps").read_text()
+            shm |= {line.split()[-1] for line in maps.splitlines() if " /dev/shm/" in line}
+    tree.end()
     proc.wait()
-    sessions = set(groups)
-    deadline = time.monotonic() + timeout
-    while left := _members(sessions):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes {left} survived SIGKILL")
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
+    if survivors := tree.alive():
+        raise RuntimeError(f"processes {[p.pid for p in survivors]} survived SIGKILL")
+    return sorted(shm)
 
 
 # ---------------------------------------------------------------------------------------- what a kill leaves
@@ -237,6 +185,7 @@ class Kill:
     plan: str
     delay_s: float  # after the plan's trigger
     at_s: float  # since the launch started
+    late_s: float = 0.0  # how late the freeze came after the planned moment (this loop's latency)
     inside_save: bool = False
     save_update: int | None = None  # the update whose save was interrupted
     save_phase: str = ""  # 'writing' (no inventory yet) or 'inventory written' (before the rename)
@@ -245,6 +194,8 @@ class Kill:
     opened_before_kill: bool = False  # the killed launch had opened the run (its segment was recorded)
     left: list[str] = field(default_factory=list)  # temporaries present after the kill
     lock_held_after: bool = False
+    shm_mapped: int = 0  # /dev/shm files the frozen job had mapped (multiprocessing's named semaphores)
+    shm_left: int = 0  # ... that nobody removed: a host-level leak outside the run directory
     # judged on the next launch that opened the run
     resumed_from: int | None = None
     next_outcome: str = ""  # 'resumed', 'refused', 'failed'
@@ -345,18 +296,26 @@ class Campaign:
                 start_new_session=True,
             )
             killed = False
+            late = 0.0
+            tree = Tree(proc.pid)
+            collected = t0
+            shm: list[str] = []
             try:
                 while True:
                     now = time.monotonic()
                     if target is not None and now >= target:
-                        kill_job(proc)
+                        late = now - target
+                        shm = kill_job(tree, proc)
                         killed = True
                         break
                     if proc.poll() is not None:
                         break
                     if now - t0 > self.launch_timeout:
-                        kill_job(proc)
+                        kill_job(tree, proc)
                         raise RuntimeError(f"launch {n} ran past {self.launch_timeout} s; see {logfile}")
+                    if now - collected > 1.0:  # known members are frozen at once when the kill comes
+                        tree.collect()
+                        collected = now
                     wait = 0.05 if target is None else min(0.05, target - now)
                     for kind, name in watch.events(wait):
                         now = time.monotonic()
@@ -392,7 +351,7 @@ class Campaign:
             finally:
                 watch.close()
                 if proc.poll() is None:
-                    kill_job(proc)
+                    kill_job(tree, proc)
         if not opened and _opened(run, before):
             opened = True
             self._judge_open(run)
@@ -420,6 +379,9 @@ class Campaign:
         kill.run_created = (run / "resume_contract.json").exists()
         kill.left = left
         kill.lock_held_after = holder(run, "train") is not None
+        kill.late_s = round(late, 4)
+        kill.shm_mapped = len(shm)
+        kill.shm_left = sum(1 for x in shm if os.path.exists(x))
         self._stale |= set(left)
         self.kills.append(kill)
         self._pending.append(kill)
@@ -442,7 +404,10 @@ class Campaign:
 
     def _fail_pending(self, run: Path, code: int | None, n: int) -> str:
         text = (self.out / "logs" / f"launch-{n:04d}.txt").read_text(errors="replace")
-        refused = any(word in text for word in REFUSALS) or code == 2
+        # A rank's exit 2 is a refusal; torchrun reports it as its own exit 1, naming the rank's code.
+        refused = (
+            code == 2 or bool(re.search(r"exitcode\s*:\s*2\b", text)) or any(w in text for w in REFUSALS)
+        )
         for kill in self._pending:
             kill.next_outcome = "refused" if refused else "failed"
             kill.refusal = refused
@@ -570,6 +535,9 @@ class Campaign:
             "leftovers": sum(bool(x.leftovers) for x in k)
             + sum(bool(e.temporaries_at_end) for e in self.ends),
             "temporaries_cleaned": sum(len(x.left) - len(x.leftovers) for x in k),
+            "shm_left": sum(x.shm_left for x in k),
+            "median_save_s": round(statistics.median(self.save_s), 4),
+            "median_late_ms": round(1000 * statistics.median([x.late_s for x in k] or [0.0]), 2),
             "runs": len(self.ends),
             "runs_finished": sum(e.finished for e in self.ends),
             "runs_bit_exact": sum(e.bit_exact and e.logs_equal for e in self.ends),
@@ -594,6 +562,7 @@ def table(s: dict[str, Any], wall_s: float) -> str:
         ("refusals — goal 0", s["refusals"]),
         ("leftovers after the next open / at the end — goal 0", s["leftovers"]),
         ("temporaries the next open cleaned", s["temporaries_cleaned"]),
+        ("/dev/shm semaphores the killed jobs left (host, not the run)", s["shm_left"]),
         (
             "runs finished / bit-exact (tensors + logs) / ledger exactly once",
             f"{s['runs_finished']}/{s['runs']} / {s['runs_bit_exact']} / {s['runs_ledger_ok']}",

@@ -33,6 +33,7 @@ def test_whole_job_sigkilled_inside_saves_resumes_exactly(example: dict[str, Pat
     camp.run(kills=4)
 
     kills, ends = camp.kills, camp.ends
+    assert not [e.problem for e in ends if e.problem], ends  # a refused or failed launch abandons its run
     assert len(kills) == 4 and len(ends) == 1, (kills, ends)
     assert sum(k.inside_save for k in kills) >= 2, kills
     for k in kills:
