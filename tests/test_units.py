@@ -191,9 +191,11 @@ def test_non_utf8_run_files_are_named(tmp_path: Path) -> None:
 
     for name in ("config.json", "resume_contract.json", "history.jsonl"):
         (tmp_path / name).write_bytes(b"\xff\xfe\x80 not utf-8")
-    with pytest.raises(IntegrityError, match="config.json is not valid UTF-8 JSON"):
+    with pytest.raises(IntegrityError, match=r"config.json \(the run's configuration\): not UTF-8 text"):
         RunDir(tmp_path).load_config()
-    with pytest.raises(IntegrityError, match="resume_contract.json is not valid UTF-8 JSON"):
+    with pytest.raises(
+        IntegrityError, match=r"resume_contract.json \(the training contract\): not UTF-8 text"
+    ):
         load_contract(tmp_path)
     with pytest.raises(IntegrityError, match="history.jsonl is not UTF-8"):
         read_history(tmp_path)

@@ -114,6 +114,10 @@ class RelayConfig:
             return cls(**data)
         except TypeError as exc:
             raise ConfigError(f"{source}: {exc}") from exc
+        except ConfigError as exc:
+            if source == "config" or source in exc.message:
+                raise
+            raise ConfigError(f"{source}: {exc.message}", hint=exc.hint) from None  # say which file
 
     def replace(self, **changes: Any) -> RelayConfig:
         """A copy with some fields changed (re-validated)."""

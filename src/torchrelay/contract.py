@@ -10,6 +10,7 @@ from typing import Any
 
 from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
+from torchrelay.fsutil import read_json
 from torchrelay.identity import code_identity, versions
 from torchrelay.manifest import Manifest
 from torchrelay.util.hashing import sha256_hex
@@ -140,13 +141,15 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The recorded contract, checked against its own hash."""
     path = Path(run_dir) / CONTRACT_FILE
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path, what="the training contract")
     except FileNotFoundError as exc:
         raise IntegrityError(f"{path} is missing: this directory holds no torchrelay run") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{path} is not valid UTF-8 JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise IntegrityError(f"{path} does not hold a JSON object")
+    if not isinstance(data.get("fields"), dict) or not isinstance(data.get("sha256"), str):
+        raise IntegrityError(
+            f"{path}: needs an object 'fields' and its 'sha256'", hint="restore it from a copy"
+        )
     if data.get("format") != CONTRACT_FORMAT:
         raise IntegrityError(
             f"{path}: contract format {data.get('format')!r} is not {CONTRACT_FORMAT}",

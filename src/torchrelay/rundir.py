@@ -9,7 +9,7 @@ from pathlib import Path
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.config import RelayConfig
 from torchrelay.errors import IntegrityError
-from torchrelay.fsutil import temp_prefix
+from torchrelay.fsutil import read_json, temp_prefix
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
 # leaves its temporary behind, for the next writer to remove.
@@ -71,13 +71,11 @@ class RunDir:
     def load_config(self) -> RelayConfig:
         """The stored (live) configuration, with the manifest pointing into the run directory."""
         try:
-            data = json.loads(self.config_path.read_text())
+            data = read_json(self.config_path, what="the run's configuration")
         except FileNotFoundError as exc:
             raise IntegrityError(
                 f"{self.config_path} is missing: {self.path} holds no torchrelay run"
             ) from exc
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise IntegrityError(f"{self.config_path} is not valid UTF-8 JSON ({exc})") from exc
         if not isinstance(data, dict):
             raise IntegrityError(f"{self.config_path} does not hold a JSON object")
         return RelayConfig.from_dict(data, source=str(self.config_path))

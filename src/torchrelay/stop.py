@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,12 +49,21 @@ class StopRequest:
         UTF-8, too large, a field of the wrong type, unreadable) asks any job to stop now, and `note` says why.
         """
         try:
-            with open(path, "rb") as f:
-                raw = f.read(REQUEST_MAX_BYTES + 1)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the rank at its open
         except FileNotFoundError:
             return None
         except OSError as exc:
             return cls._anyway(path, f"cannot be read ({exc.strerror or type(exc).__name__})")
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return cls._anyway(path, "cannot be read (not a regular file: a folder, a pipe or a device)")
+            raw = b""
+            while len(raw) <= REQUEST_MAX_BYTES and (chunk := os.read(fd, REQUEST_MAX_BYTES + 1 - len(raw))):
+                raw += chunk
+        except OSError as exc:
+            return cls._anyway(path, f"cannot be read ({exc.strerror or type(exc).__name__})")
+        finally:
+            os.close(fd)
         if len(raw) > REQUEST_MAX_BYTES:
             return cls._anyway(path, f"is larger than {REQUEST_MAX_BYTES} bytes")
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,12 +12,14 @@ from typing import Any
 
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.fsutil import read_json
 from torchrelay.util.hashing import sha256_many
 
 INVENTORY = "COMPLETE.json"
 INVENTORY_FORMAT = 1
 # Files that tools add beside the inventory after the commit (fork guard, prepare's record, kept originals).
 EXTRA_ALLOWED = ("HANDED_OFF.json", "REBASE_RECORD.json")
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
 def list_files(root: Path) -> list[str]:
@@ -72,19 +75,38 @@ def safe_relpath(root: Path, rel: object, source: Path) -> Path:
 
 
 def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
+    """COMPLETE.json, checked to be what write_inventory writes: format, update, and a list of {path, size,
+    sha256} with the types they must have; anything else is an IntegrityError naming the file and entry."""
     path = ckpt_dir / INVENTORY
     try:
-        doc = json.loads(path.read_text())
+        doc = read_json(path, what="checkpoint inventory")
     except FileNotFoundError as exc:
         raise IntegrityError(f"{path} is missing: the checkpoint is incomplete") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{path} is not valid JSON: the checkpoint is incomplete or damaged") from exc
     if (
         not isinstance(doc, dict)
         or doc.get("format") != INVENTORY_FORMAT
         or not isinstance(doc.get("files"), list)
     ):
         raise IntegrityError(f"{path}: not a torchrelay inventory of format {INVENTORY_FORMAT}")
+    update = doc.get("update")
+    if update is not None and (not isinstance(update, int) or isinstance(update, bool) or update < 0):
+        raise IntegrityError(f"{path}: update {str(update)[:40]!r} is not an update number")
+    for i, item in enumerate(doc["files"]):
+        if not isinstance(item, dict):
+            raise IntegrityError(f"{path}: files[{i}] is not an object", hint="the checkpoint is damaged")
+        size, digest = item.get("size"), item.get("sha256")
+        if (
+            not isinstance(item.get("path"), str)
+            or not isinstance(size, int)
+            or isinstance(size, bool)
+            or size < 0
+            or not isinstance(digest, str)
+            or not _HEX64.match(digest)
+        ):
+            raise IntegrityError(
+                f"{path}: files[{i}] needs a path, a size >= 0 and a SHA-256, got {str(item)[:120]}",
+                hint="the checkpoint is damaged",
+            )
     return doc
 
 

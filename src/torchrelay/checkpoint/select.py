@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
-from torchrelay.errors import IntegrityError
+from torchrelay.errors import IntegrityError, UnsafeInput
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -38,8 +38,10 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
             ok = doc.get("update") == int(m.group(1))
             reason = "" if ok else f"{INVENTORY} names update {doc.get('update')}"
             size = sum(int(f.get("size", 0)) for f in doc["files"]) if ok else 0
-        except IntegrityError as exc:
+        except (IntegrityError, UnsafeInput) as exc:  # damaged, or no regular file: never chosen
             ok, reason, size = False, exc.message, 0
+        except OSError as exc:  # a folder or an unreadable file where COMPLETE.json belongs
+            ok, reason, size = False, f"{child / INVENTORY}: {exc.strerror or exc}", 0
         out.append(
             CheckpointInfo(int(m.group(1)), child, ok, reason, size, (child / "HANDED_OFF.json").exists())
         )

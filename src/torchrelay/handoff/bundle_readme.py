@@ -33,9 +33,17 @@ def _fmt(value: Any) -> str:
 
 
 def _when(ts: Any) -> str:
-    if not isinstance(ts, (int, float)):
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         return "?"
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    except (OverflowError, ValueError, OSError):  # a time no clock shows (a hand-edited history)
+        return "?"
+
+
+def _count(value: Any) -> int:
+    """A count from a record that may hold anything: the value if it is a non-negative integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _get(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -56,7 +64,8 @@ def render_readme(
     """Markdown that reads like a run card: a stranger can verify, prepare and continue from it alone."""
     fields = contract["fields"]
     update = int(info["update"])
-    total = int(fields.get("schedule.total_updates", config.get("total_updates", 0)) or 0)
+    # The README is informative: a record of the wrong type (a hand-edited run) shows as "?" or 0, never fails a pack.
+    total = _count(fields.get("schedule.total_updates", config.get("total_updates", 0)))
     world = fields.get("world_size")
     ledger = progress.get("ledger", {}) if isinstance(progress.get("ledger"), dict) else {}
     last = history[-1] if history else {}
@@ -198,7 +207,9 @@ def render_readme(
     if not history:
         w("No segments recorded.")
     for seg in history:
-        hosts = ", ".join(seg.get("hosts") or []) or "?"
+        listed = seg.get("hosts")
+        hosts = ", ".join(map(str, listed)) if isinstance(listed, list) else str(listed or "")
+        hosts = hosts or "?"
         job = seg.get("job")
         first_u, last_u = seg.get("first_update"), seg.get("last_update")
         ran = (

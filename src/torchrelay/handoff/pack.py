@@ -26,7 +26,7 @@ from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, RelayError
-from torchrelay.fsutil import fsync_dir, kill_point, read_bounded
+from torchrelay.fsutil import fsync_dir, kill_point, read_bounded, read_json
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many
 from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
@@ -426,11 +426,57 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object of the run's own, or {} for a file that is missing or no object."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json(path, what=path.name, limit=1 << 24)
+    except (OSError, RelayError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _record(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = read_json(path, what=what, limit=1 << 26)
+    except FileNotFoundError:
+        raise IntegrityError(f"{path} is missing ({what})", hint="is this a torchrelay bundle?") from None
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{path} does not hold a JSON object ({what})", hint="re-download the bundle")
+    return data
+
+
+def _require(path: Path, doc: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> None:
+    value = doc.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, (int,)):
+        raise IntegrityError(
+            f"{path}: {key} is {str(value)[:60]!r}, not {what}", hint="the bundle is damaged or forged"
+        )
+
+
+def read_bundle_info(bundle: Path) -> dict[str, Any]:
+    """bundle.json, checked to hold what `pack` writes in the fields `prepare` relies on, with their types."""
+    path = Path(bundle) / BUNDLE_INFO
+    info = _record(path, "the bundle's lineage record")
+    _require(path, info, "lineage", str, "a lineage id")
+    _require(path, info, "parent_lineage", (str, type(None)), "a lineage id or null")
+    _require(path, info, "checkpoint", str, "a checkpoint name")
+    _require(path, info, "source", (dict, type(None)), "an object or null")
+    for key in ("archive", "archive_prefix", "untracked"):
+        _require(path, info.get("source") or {}, key, (str, type(None)), f"source.{key}: a path or null")
+    return info
+
+
+def read_manifest_info(bundle: Path) -> dict[str, Any]:
+    """data/manifest_info.json: the manifest's identity at packing, {sha256, fingerprint, data_root, samples}."""
+    path = Path(bundle) / MANIFEST_INFO
+    info = _record(path, "the manifest's identity")
+    for key in ("sha256", "fingerprint", "data_root"):
+        _require(path, info, key, str, "text")
+    _require(path, info, "samples", int, "a count")
+    if info["samples"] < 0:
+        raise IntegrityError(
+            f"{path}: samples is {info['samples']}, not a count", hint="the bundle is damaged"
+        )
+    return info
 
 
 def _who() -> str:

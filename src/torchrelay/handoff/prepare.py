@@ -20,9 +20,9 @@ from torchrelay import __version__
 from torchrelay.config import RelayConfig
 from torchrelay.contract import flatten, load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point
+from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point, read_json
 from torchrelay.handoff.copying import copy_many
-from torchrelay.handoff.pack import BUNDLE_INFO, MANIFEST_INFO
+from torchrelay.handoff.pack import BUNDLE_INFO, read_bundle_info, read_manifest_info
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
@@ -164,7 +164,7 @@ def prepare(
     if not report.ok:
         raise PreflightFailed([f"bundle file {p}" for p in report.problems()])
 
-    info = _read_json(bundle / BUNDLE_INFO, "the bundle's lineage record")
+    info = read_bundle_info(bundle)
     contract = load_contract(bundle)
     stored = RelayConfig.from_dict(
         _read_json(bundle / "config.json", "the run's configuration"), source="config.json"
@@ -216,7 +216,7 @@ def _prepare_into(
     (tmp / "data").mkdir()
     manifest_src = resolve_inside(bundle, MANIFEST_REL, source=str(bundle))
     old_manifest = Manifest.load(manifest_src, stored.data_root)
-    recorded = _read_json(bundle / MANIFEST_INFO, "the manifest's identity").get("fingerprint")
+    recorded = read_manifest_info(bundle)["fingerprint"]
     fp_old = old_manifest.fingerprint()
     rebased_path = tmp / MANIFEST_REL
     if new_cfg.data_root != stored.data_root:
@@ -490,11 +490,9 @@ def _relative_if_inside(path: Path | None, root: Path) -> str | None:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path, what=what, limit=1 << 26)
     except FileNotFoundError:
         raise IntegrityError(f"{path} is missing ({what})", hint="is this a torchrelay bundle?") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(f"{path} is unreadable ({what}): {exc}", hint="re-download the bundle") from None
     if not isinstance(data, dict):
         raise IntegrityError(f"{path} does not hold a JSON object ({what})", hint="re-download the bundle")
     return data

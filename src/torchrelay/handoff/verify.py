@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_bounded
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
@@ -128,27 +128,12 @@ def find_inventories(root: Path) -> list[Path]:
 def load_inventory(ckpt_dir: Path) -> dict[str, tuple[int, str]]:
     """Inventory of a checkpoint as {relative path: (size, sha256)}; refuses malformed or unsafe entries."""
     path = ckpt_dir / INVENTORY_NAME
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(
-            f"{path}: unreadable inventory ({exc})", hint="the checkpoint is damaged"
-        ) from None
-    files = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(files, list):
-        raise IntegrityError(f"{path}: no 'files' list", hint="the checkpoint is damaged")
+    data = read_inventory(ckpt_dir)  # the typed record (IntegrityError names the file and entry)
     result: dict[str, tuple[int, str]] = {}
-    for i, item in enumerate(files):
-        if not isinstance(item, dict):
-            raise IntegrityError(f"{path}: files[{i}] is not an object", hint="the checkpoint is damaged")
-        rel = check_relative(item.get("path"), source=f"{path} files[{i}]").as_posix()  # type: ignore[arg-type]
-        size, digest = item.get("size"), item.get("sha256")
-        if not isinstance(size, int) or not isinstance(digest, str):
-            raise IntegrityError(
-                f"{path}: files[{i}] ({rel}) lacks size or sha256", hint="the checkpoint is damaged"
-            )
+    for i, item in enumerate(data["files"]):
+        rel = check_relative(item["path"], source=f"{path} files[{i}]").as_posix()
         ensure_inside(ckpt_dir, ckpt_dir / rel, source=str(path), shown=rel)
-        result[rel] = (size, digest.lower())
+        result[rel] = (item["size"], item["sha256"].lower())
     return result
 
 

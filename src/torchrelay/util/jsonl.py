@@ -5,32 +5,51 @@ appended one whole line per write, or rewritten atomically. So:
 - a LAST line without its newline, or that is not a JSON object, is what a writer killed mid-write leaves: skipped;
 - a bad line anywhere before the last is damage, never a crash: an IntegrityError naming the file and line number
   (stopping silently there would hide every record after it, e.g. from the exposure ledger);
-- blank lines are skipped; bytes that are not UTF-8 are an IntegrityError naming the line.
+- blank lines are skipped; bytes that are not UTF-8 are an IntegrityError naming the line;
+- the file may come from elsewhere (a bundle): a pipe or a device (an endless /dev/zero) is refused before a byte
+  is read, and a line longer than LINE_LIMIT is damage, not something to hold in memory.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import IntegrityError
+from torchrelay.errors import IntegrityError, UnsafeInput
+
+LINE_LIMIT = 64 << 20  # no record torchrelay writes is near this
 
 
 def iter_records(path: str | os.PathLike[str], *, missing_ok: bool = True) -> Iterator[dict[str, Any]]:
     """Yield the JSON objects of a JSONL file, line by line, under the module's torn-line policy."""
     path = Path(path)
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator holds it across yields
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the open
     except FileNotFoundError:
         if missing_ok:
             return
         raise IntegrityError(f"{path} is missing") from None
-    with f:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):  # what open() says of a folder; the CLI and Run.open word it (exit 2)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        raise UnsafeInput(f"{path} is not a regular file (a pipe or a device); refusing to read it")
+    with os.fdopen(fd, "rb") as f:
         pending: tuple[int, str] | None = None  # a bad line, an error only if another line follows it
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        while raw := f.readline(LINE_LIMIT + 1):
+            number += 1
+            if len(raw) > LINE_LIMIT:
+                raise IntegrityError(
+                    f"{path}: line {number} is longer than {LINE_LIMIT:,} bytes",
+                    hint=f"{path.name} is damaged",
+                )
             if not raw.strip():
                 continue
             if pending is not None:
@@ -61,6 +80,11 @@ def _parse(line: str) -> tuple[dict[str, Any], str | None]:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         return {}, f"is not JSON ({exc.msg})"
+    except (
+        ValueError,
+        RecursionError,
+    ):  # a number of more digits than Python converts; nesting past the parser
+        return {}, "is not JSON a torchrelay writer makes"
     if not isinstance(record, dict):
         return {}, "is not a JSON object"
     return record, None
