@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from handoff_fixtures import packed_fixture  # noqa: F401 - `packed`: here, so the session builds it once, not per module
 from helpers import make_code_repo, make_data, write_config
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_fixtures import STOP_AT, TOTAL, Packed, packed_fixture  # noqa: F401 - the `packed` fixture
+from handoff_fixtures import STOP_AT, TOTAL, Packed
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import read_marker

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_fixtures import STOP_AT, Packed, packed_fixture  # noqa: F401 - the `packed` fixture
+from handoff_fixtures import STOP_AT, Packed
 from helpers import launch
 from torchrelay.checkpoint import dcp_io
 from torchrelay.cli import VERBS, main

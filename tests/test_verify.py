@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_fixtures import STOP_AT, Packed, packed_fixture  # noqa: F401 - the `packed` fixture
+from handoff_fixtures import STOP_AT, Packed
 from torchrelay.cli import main
 from torchrelay.errors import IntegrityError, RelayError, UnsafeInput
 from torchrelay.handoff.copying import copy_many
