@@ -467,3 +467,28 @@ def test_recorded_code_paths_never_lead_prepare_out_of_the_source(packed: Packed
 
 def _too_long(signum: int, frame: object) -> None:
     raise AssertionError("prepare read a recorded path without end (a device)")
+
+
+def test_only_top_level_checkpoints_are_checkpoints(packed: Packed, tmp_path: Path) -> None:
+    """prepare copies the folders holding an inventory into the run dir: a forged one elsewhere is no checkpoint."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(packed.bundle, bundle)
+    planted = bundle / "data" / "hooks"
+    planted.mkdir()
+    (planted / "post-checkout").write_text("#!/bin/sh\ntouch /tmp/pwned\n")
+    digest, size = sha256_file(planted / "post-checkout")  # an inventory that checks out
+    inventory = {
+        "format": 1,
+        "update": 1,
+        "files": [{"path": "post-checkout", "size": size, "sha256": digest}],
+    }
+    (planted / "COMPLETE.json").write_text(json.dumps(inventory))
+    resign_sums_only(bundle)
+    report = verify_bundle(bundle)
+    assert not report.ok and report.checkpoints == [CKPT]
+    assert any(
+        "data/hooks/COMPLETE.json: an inventory outside a checkpoint-N/" in p for p in report.problems()
+    )
+    with pytest.raises(RelayError):
+        prepare(bundle, PrepareOptions(run_dir=tmp_path / "run"), say=lambda s: None)
+    assert not (tmp_path / "run").exists()
