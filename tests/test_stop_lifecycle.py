@@ -407,6 +407,13 @@ def _sleeping(pid: int) -> bool:
     return number in ("35", "230", "101", "115")  # nanosleep, clock_nanosleep: x86-64, then aarch64
 
 
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_a_restart_keeps_the_deadline_and_a_timeout_ends_every_process(
     example: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -421,7 +428,8 @@ def test_a_restart_keeps_the_deadline_and_a_timeout_ends_every_process(
 
     def second_attempt_hangs(seconds: float) -> bool:
         """True once the restarted rank sleeps in its first update, its workers up (or after 5 minutes)."""
-        launches = psutil.Process().children()
+        # the launch is this process's torchrun child (not, e.g., a resource tracker an earlier test left)
+        launches = [p for p in psutil.Process().children() if "torchrun" in _cmdline(p)]
         if not launches or seconds > 300:
             return seconds > 300
         tree = seen.setdefault("tree", Tree(launches[0].pid))
