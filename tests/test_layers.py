@@ -1,0 +1,104 @@
+"""The import graph follows docs/ARCHITECTURE.md: a module imports only from its own layer or the ones below, and
+one tool never imports another tool — except the few imports that document names as debt (issue 10)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "torchrelay"
+
+# (prefix of a module path under torchrelay, layer); the longest matching prefix wins
+LAYERS = [
+    ("util", 0), ("fsutil", 0), ("errors", 0), ("ended", 0), ("proctree", 0),
+    ("rundir", 1), ("config", 1), ("contract", 1), ("identity", 1), ("manifest", 1), ("history", 1),
+    ("logs", 1), ("lock", 1), ("checkpoint", 1), ("rng", 1), ("schedule", 1),
+    ("data", 2), ("stop", 2), ("resume", 2), ("run", 2),
+    ("ledger", 3), ("progress", 3), ("handoff", 3), ("controller", 3), ("slurm", 3), ("audit", 3),
+    ("report", 3), ("validation", 3), ("export", 3),
+    ("cli", 4), ("commands", 4), ("__main__", 4),
+]  # fmt: skip
+TOOL_LAYER = 3
+# Tool-to-tool imports that exist today, each a piece of issue 10's debt; a new one fails this test.
+KNOWN_TOOL_IMPORTS = {
+    ("audit", "report"),  # audit/compare.py reads rank files through report/series.py
+    ("progress", "ledger"),  # the status summary proves the ledger
+    ("progress", "validation"),  # the status summary shows validation records
+    ("handoff", "validation"),  # pack carries validation/
+    ("handoff", "progress"),  # the bundle's training_progress.json is the status summary
+    ("controller", "slurm"),  # the controller reads Slurm's time left
+    ("controller", "validation"),  # the plan's validate stage
+    ("controller", "export"),  # validation hands the command exported weights
+    ("validation", "export"),
+    ("export", "handoff"),  # export writes SHA256SUMS through handoff/sums.py
+    ("handoff", "ledger"),  # pack proves the ledger up to the checkpoint
+    ("progress", "audit"),  # the status summary shows the last audit verdict
+    ("report", "audit"),  # the report shows the last audit verdict
+    ("report", "validation"),  # the report plots validation metrics
+    ("validation", "controller"),  # validation asks the cost model whether one more fits
+}
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _layer(module: str) -> int | None:
+    best = None
+    for prefix, layer in LAYERS:
+        if (module == prefix or module.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best[0])
+        ):
+            best = (prefix, layer)
+    return best[1] if best else None
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("torchrelay."):
+                found.add(name.removeprefix("torchrelay."))
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    files = [p for p in SRC.rglob("*.py") if "_site" not in p.parts and p != SRC / "__init__.py"]
+    missing = sorted(_module(p) for p in files if _layer(_module(p)) is None)
+    assert not missing, (
+        f"place these modules in a layer (tests/test_layers.py, docs/ARCHITECTURE.md): {missing}"
+    )
+
+
+def test_imports_point_down_and_tools_stay_apart() -> None:
+    wrong, used = [], set()
+    for path in SRC.rglob("*.py"):
+        if path == SRC / "__init__.py" or "_site" in path.parts:
+            continue  # the package's lazy re-exports; the audit's sitecustomize runs inside the user's script
+        mod = _module(path)
+        own = _layer(mod)
+        for target in _imports(path):
+            layer = _layer(target)
+            if layer is None or own is None:
+                continue  # `from torchrelay import __version__` and the like
+            if layer > own:
+                wrong.append(f"{mod} (layer {own}) imports {target} (layer {layer})")
+            elif layer == own == TOOL_LAYER and _top(mod) != _top(target):
+                if (_top(mod), _top(target)) not in KNOWN_TOOL_IMPORTS:
+                    wrong.append(f"tool {mod} imports tool {target}")
+                used.add((_top(mod), _top(target)))
+    assert not wrong, "\n".join(sorted(wrong))
+    # a debt paid off leaves the list, so that it cannot come back unnoticed
+    assert used >= KNOWN_TOOL_IMPORTS, (
+        f"no longer imported, remove from KNOWN_TOOL_IMPORTS: {KNOWN_TOOL_IMPORTS - used}"
+    )
