@@ -116,6 +116,19 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> d
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def _dcp_layout(
+    msd: dict[str, Any], otensors: dict[str, Any], per_rank: dict[str, list[str]], rank: int
+) -> tuple[dict[str, Any], bool]:
+    """The DCP document of one rank (shared tensors once, its own under per_rank/<rank>), for save and load alike;
+    and whether it holds tensors of its own."""
+    shared_m, own_m = ranks.split(msd, per_rank["model"])
+    shared_o, own_o = ranks.split(otensors, per_rank["optim"])
+    doc: dict[str, Any] = {"model": shared_m, "optim": shared_o}
+    if own_m or own_o:
+        doc[ranks.PER_RANK] = {str(rank): {"model": own_m, "optim": own_o}}
+    return doc, bool(own_m or own_o)
+
+
 _OPTS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
@@ -171,11 +184,7 @@ def save_state(
         "statefuls": sorted(k.removeprefix("state/") for k in differ if k.startswith("state/")),
     }
     if model is not None:
-        shared_m, own_m = ranks.split(msd, per_rank["model"])
-        shared_o, own_o = ranks.split(otensors, per_rank["optim"])
-        tensors_doc: dict[str, Any] = {"model": shared_m, "optim": shared_o}
-        if own_m or own_o:
-            tensors_doc[ranks.PER_RANK] = {str(rank): {"model": own_m, "optim": own_o}}
+        tensors_doc, _ = _dcp_layout(msd, otensors, per_rank, rank)
         dcp_io.save(tensors_doc, directory / MODEL_DIR)
     if kill_hook:
         kill_hook("shards")
@@ -263,13 +272,9 @@ def load_state(
     if model is not None:
         msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
         otensors, _ = _split_optimizer(osd) if optimizer is not None else ({}, None)
-        shared_m, own_m = ranks.split(msd, per_rank["model"])
-        shared_o, own_o = ranks.split(otensors, per_rank["optim"])
-        target: dict[str, Any] = {"model": shared_m, "optim": shared_o}
-        if own_m or own_o:
-            target[ranks.PER_RANK] = {str(rank): {"model": own_m, "optim": own_o}}
+        target, has_own = _dcp_layout(msd, otensors, per_rank, rank)
         dcp_io.load(target, ckpt_dir / MODEL_DIR)
-        if own_m or own_o:
+        if has_own:
             mine = target[ranks.PER_RANK][str(rank)]
             target["model"] = {**target["model"], **mine["model"]}
             target["optim"] = {**target["optim"], **mine["optim"]}

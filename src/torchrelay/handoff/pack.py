@@ -434,7 +434,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _record(path: Path, what: str) -> dict[str, Any]:
+def read_bundle_record(path: Path, what: str) -> dict[str, Any]:
+    """A bundle's JSON object record, or IntegrityError naming the file (missing, unreadable, not an object)."""
     try:
         data = read_json(path, what=what, limit=1 << 26)
     except FileNotFoundError:
@@ -455,7 +456,7 @@ def _require(path: Path, doc: dict[str, Any], key: str, kind: type | tuple[type,
 def read_bundle_info(bundle: Path) -> dict[str, Any]:
     """bundle.json, checked to hold what `pack` writes in the fields `prepare` relies on, with their types."""
     path = Path(bundle) / BUNDLE_INFO
-    info = _record(path, "the bundle's lineage record")
+    info = read_bundle_record(path, "the bundle's lineage record")
     _require(path, info, "lineage", str, "a lineage id")
     _require(path, info, "parent_lineage", (str, type(None)), "a lineage id or null")
     _require(path, info, "checkpoint", str, "a checkpoint name")
@@ -468,7 +469,7 @@ def read_bundle_info(bundle: Path) -> dict[str, Any]:
 def read_manifest_info(bundle: Path) -> dict[str, Any]:
     """data/manifest_info.json: the manifest's identity at packing, {sha256, fingerprint, data_root, samples}."""
     path = Path(bundle) / MANIFEST_INFO
-    info = _record(path, "the manifest's identity")
+    info = read_bundle_record(path, "the manifest's identity")
     for key in ("sha256", "fingerprint", "data_root"):
         _require(path, info, key, str, "text")
     _require(path, info, "samples", int, "a count")

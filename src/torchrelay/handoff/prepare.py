@@ -20,9 +20,9 @@ from torchrelay import __version__
 from torchrelay.config import RelayConfig
 from torchrelay.contract import flatten, load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point, read_json
+from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point
 from torchrelay.handoff.copying import copy_many
-from torchrelay.handoff.pack import BUNDLE_INFO, read_bundle_info, read_manifest_info
+from torchrelay.handoff.pack import BUNDLE_INFO, read_bundle_info, read_bundle_record, read_manifest_info
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
@@ -145,7 +145,7 @@ def prepare(
     run_dir = Path(options.run_dir).absolute()
     # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory.
     try:
-        early = RelayConfig.from_dict(_read_json(bundle / "config.json", "the run's configuration"))
+        early = RelayConfig.from_dict(read_bundle_record(bundle / "config.json", "the run's configuration"))
     except (RelayError, ValueError):
         early = None  # a damaged file: the verification below names it
     if early is not None:
@@ -167,7 +167,7 @@ def prepare(
     info = read_bundle_info(bundle)
     contract = load_contract(bundle)
     stored = RelayConfig.from_dict(
-        _read_json(bundle / "config.json", "the run's configuration"), source="config.json"
+        read_bundle_record(bundle / "config.json", "the run's configuration"), source="config.json"
     )
     new_cfg, changes = apply_sets(stored, options.sets)
 
@@ -423,7 +423,7 @@ def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | Non
         return None
     record_path = run_dir / RECORD
     if record_path.is_file():
-        record = _read_json(record_path, "the rebase record")
+        record = read_bundle_record(record_path, "the rebase record")
         if record.get("bundle_lineage") == info.get("lineage"):
             return record
         raise ConfigError(
@@ -486,13 +486,3 @@ def _relative_if_inside(path: Path | None, root: Path) -> str | None:
     if path is None:
         return None
     return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = read_json(path, what=what, limit=1 << 26)
-    except FileNotFoundError:
-        raise IntegrityError(f"{path} is missing ({what})", hint="is this a torchrelay bundle?") from None
-    if not isinstance(data, dict):
-        raise IntegrityError(f"{path} does not hold a JSON object ({what})", hint="re-download the bundle")
-    return data
