@@ -445,8 +445,14 @@ class Controller:
             self.console.print(table)
 
     def _show_check(self, result: CheckResult) -> None:
-        mark = "[yellow]skip[/]" if result.skipped else "[green]ok[/]"
-        self.console.print(f"preflight {result.name}: {mark} {result.detail}")
+        mark = (
+            "[yellow]skip[/]"
+            if result.skipped
+            else "[yellow]warning[/]"
+            if result.warning
+            else "[green]ok[/]"
+        )
+        self.console.print(f"preflight {result.name}: {mark} {result.detail}", markup=True)
 
     def _show_outcome(self, attempt: Attempt, outcome: Outcome) -> None:
         table = Table(title=f"attempt {attempt.number:02d} outcome", title_justify="left", show_header=False)

@@ -2,15 +2,20 @@
 
 Built in: the resume contract against the run directory (the trainer's own `validate_resume`), free disk for the
 next K checkpoints (size measured from the newest COMPLETE.json, or the smoke's), the data manifest's files, the
-installed versions the contract pins. Then the plan's own checks: shell commands that must exit 0.
+installed versions the contract pins, and where the node-local caches point (a warning, never a refusal). Then the
+plan's own checks: shell commands that must exit 0.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import getpass
 import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,17 +45,21 @@ class CheckResult:
     ok: bool
     detail: str
     skipped: bool = False
+    warning: bool = False  # passed, but with something the user should change (nothing was refused)
 
 
 @dataclass(slots=True)
 class PreflightReport:
     results: list[CheckResult] = field(default_factory=list)
 
-    def add(self, name: str, detail: str, *, skipped: bool = False) -> None:
-        self.results.append(CheckResult(name, True, detail, skipped))
+    def add(self, name: str, detail: str, *, skipped: bool = False, warning: bool = False) -> None:
+        self.results.append(CheckResult(name, True, detail, skipped, warning))
 
     def to_list(self) -> list[dict[str, Any]]:
-        return [{"name": r.name, "ok": r.ok, "skipped": r.skipped, "detail": r.detail} for r in self.results]
+        return [
+            {"name": r.name, "ok": r.ok, "skipped": r.skipped, "warning": r.warning, "detail": r.detail}
+            for r in self.results
+        ]
 
 
 def checkpoint_bytes(run_dir: str | os.PathLike[str]) -> int:
@@ -132,6 +141,164 @@ def check_pins(pins: list[str], python: str, report: PreflightReport) -> None:
     report.add("versions", ", ".join(f"{p} ok" for p in pins))
 
 
+# statfs(2) f_type of file systems that other machines share: a cache or temporary directory there is written by
+# every node at once (linux/magic.h and the file systems' own headers).
+SHARED_FS_MAGIC = {
+    0x6969: "nfs",
+    0x517B: "smb",
+    0xFF534D42: "cifs",
+    0xFE534D42: "smb2",
+    0x0BD00BD0: "lustre",
+    0x47504653: "gpfs",
+    0x00C36400: "ceph",
+    0x5346414F: "afs",
+    0x6B414653: "afs",
+    0x73757245: "coda",
+    0x01021997: "9p",
+    0x19830326: "beegfs",
+    0x7461636F: "ocfs2",
+    0x01161970: "gfs2",
+    0xAAD7AAEA: "panfs",
+    0x20030528: "orangefs",
+    0x65735546: "fuse",  # sshfs, s3fs, juicefs, virtiofs, weka's client ...: could be anything, assume shared
+}
+# /proc/self/mountinfo names of the same (and those whose magic is not public, e.g. WekaFS)
+SHARED_FS_NAMES = frozenset(
+    {"nfs", "nfs4", "smb3", "cifs", "lustre", "gpfs", "ceph", "afs", "coda", "9p", "beegfs", "ocfs2", "gfs2",
+     "panfs", "pvfs2", "orangefs", "wekafs", "glusterfs", "virtiofs", "fuse"}
+)  # fmt: skip
+# Where compile caches and temporaries go; each is written by every rank (tmp + rename), which a shared file system
+# makes racy (the LingBot card: transient FileNotFoundError on WekaFS).
+CACHE_VARS = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@dataclass(frozen=True, slots=True)
+class FileSystem:
+    """The file system a path lies on: statfs's magic, the mount table's type name and mount point, its device."""
+
+    path: Path  # the nearest existing ancestor that was looked at
+    magic: int | None
+    name: str  # mountinfo's type ("ext4", "nfs4", "fuse.sshfs"), else the magic's name, else "?"
+    mount_point: str
+    device: int
+
+    @property
+    def shared(self) -> bool:
+        """True for a network or cluster file system (one other machines may mount too)."""
+        base = self.name.split(".", 1)[0]
+        return base in SHARED_FS_NAMES or (self.magic is not None and self.magic in SHARED_FS_MAGIC)
+
+
+def _statfs_magic(path: Path) -> int | None:
+    """statfs(2)'s f_type (the first field of struct statfs on Linux), or None where it cannot be asked."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+    buf = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def _mount_of(path: Path, mountinfo: str) -> tuple[str, str]:
+    """(mount point, file system type) of the mount holding `path`: the longest mount point above it."""
+    best = ("/", "?")
+    text = str(path)
+    for line in mountinfo.splitlines():
+        pre, sep, post = line.partition(" - ")
+        fields, tail = pre.split(), post.split()
+        if not sep or len(fields) < 5 or not tail:
+            continue
+        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+        inside = text == point or text.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, tail[0])
+    return best
+
+
+def filesystem_of(path: str | os.PathLike[str], mountinfo: str | None = None) -> FileSystem:
+    """The file system that holds `path`, or would hold it (a path not created yet: its nearest existing parent)."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    probe = probe.resolve()
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            mountinfo = ""
+    point, name = _mount_of(probe, mountinfo)
+    magic = _statfs_magic(probe)
+    if name == "?" and magic is not None:
+        name = SHARED_FS_MAGIC.get(magic, f"0x{magic:x}")
+    return FileSystem(probe, magic, name, point, probe.stat().st_dev)
+
+
+def cache_locations(env: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(variable, path, how it was found) for each node-local cache, from the training environment."""
+    tmp = env.get("TMPDIR") or "/tmp"
+    user = env.get("USER") or env.get("LOGNAME") or _user()
+    home = env.get("HOME") or os.path.expanduser("~")
+    inductor = env.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tmp, f"torchinductor_{user}")
+    return [
+        ("TMPDIR", tmp, "set" if env.get("TMPDIR") else "unset: /tmp"),
+        (
+            "TORCHINDUCTOR_CACHE_DIR",
+            inductor,
+            "set" if env.get("TORCHINDUCTOR_CACHE_DIR") else "unset: torch.compile's default under TMPDIR",
+        ),
+        (
+            "TRITON_CACHE_DIR",
+            env.get("TRITON_CACHE_DIR") or os.path.join(env.get("TRITON_HOME") or home, ".triton", "cache"),
+            "set"
+            if env.get("TRITON_CACHE_DIR")
+            else "unset: Triton's default under $HOME (torch.compile puts its own under its cache)",
+        ),
+    ]
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        return str(os.getuid())
+
+
+def check_node_local(
+    run_dir: Path, env: dict[str, str], nnodes: int, report: PreflightReport, mountinfo: str | None = None
+) -> None:
+    """Warn when a compile cache or TMPDIR lies on a shared file system, or on the run directory's when that one is
+    shared by several nodes: every rank writes there at once (tmp + rename), which shared file systems make racy."""
+    run_fs = filesystem_of(run_dir, mountinfo)
+    run_shared = nnodes > 1 or run_fs.shared
+    warned: list[str] = []
+    fine: list[str] = []
+    for var, path, how in cache_locations(env):
+        fs = filesystem_of(path, mountinfo)
+        where = f"{var}={path} ({how}) is on {fs.name} at {fs.mount_point}"
+        if fs.shared:
+            warned.append(f"{where}, a shared file system")
+        elif fs.device == run_fs.device and run_shared:
+            why = f"{nnodes} nodes share it" if nnodes > 1 else f"{run_fs.name} is shared"
+            warned.append(f"{where}, the run directory's file system ({why})")
+        else:
+            fine.append(f"{var} on {fs.name} ({fs.mount_point})")
+    if warned:
+        report.add(
+            "node-local caches",
+            "; ".join(warned)
+            + ". Ranks writing compile caches or temporaries there at once can fail transiently "
+            "(FileNotFoundError after another rank's rename): set these in train.env to a node-local disk or "
+            "tmpfs (the job's local scratch, /tmp or /dev/shm where those are local)",
+            warning=True,
+        )
+    else:
+        report.add("node-local caches", ", ".join(fine))
+
+
 def check_contract(plan: Plan, report: PreflightReport) -> dict[str, Any] | None:
     """Run the trainer's own resume validation; returns the stored config when the run exists."""
     from torchrelay.resume import validate_resume  # imports torch: only when there is a run to check
@@ -204,6 +371,7 @@ def run_preflight(
     stored = step(check_contract, plan)
     rd = RunDir(plan.run_path)
     step(check_disk, plan.run_path, checkpoint_bytes(plan.run_path), plan.preflight.checkpoints_ahead)
+    step(check_node_local, plan.run_path, env, plan.train.nnodes)
     if stored is not None:
         manifest = Path(stored["manifest"])
         step(
