@@ -306,6 +306,12 @@ def test_reclaiming_the_source_starts_a_new_lineage_on_record(packed: Packed, tm
 
     assert len(summarize(source)["lineages"]) == 2
     assert_same_final_state(packed.baseline, source, TOTAL)
+    # the reclaimed checkpoint packed again verifies: its old record is a file beside the inventory for verify
+    # as it is for the trainer (both ask checkpoint/inventory.py; they once disagreed and verify failed here)
+    again = pack(source, tmp_path / "again", PackOptions(code_dir=packed.code, checkpoint=STOP_AT)).bundle
+    assert len(list((again / f"checkpoint-{STOP_AT}").glob("HANDED_OFF.reclaimed-*.json"))) == 1
+    report = verify_bundle(again)
+    assert report.ok, report.problems()
 
 
 # --- kills at every step of pack and prepare ------------------------------------------------------------------

@@ -20,6 +20,8 @@ HANDED_OFF = "HANDED_OFF.json"
 PACKING = "packing"
 HANDED = "handed-off"
 TMP_PREFIX = f".{HANDED_OFF}.tmp-"
+# A reclaimed checkpoint keeps its record under this prefix (TORCHRELAY_RECLAIM=1 renames it, see run.py).
+RECLAIMED_PREFIX = "HANDED_OFF.reclaimed-"
 
 
 def read_marker(ckpt: Path) -> dict[str, Any] | None:

@@ -6,19 +6,22 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_json
 from torchrelay.util.hashing import sha256_many
+from torchrelay.util.safepath import check_relative
 
 INVENTORY = "COMPLETE.json"
 INVENTORY_FORMAT = 1
-# Files that tools add beside the inventory after the commit (fork guard, prepare's record, kept originals).
-EXTRA_ALLOWED = ("HANDED_OFF.json", "REBASE_RECORD.json")
+# Written by `prepare` into the run directory (handoff/prepare.py owns its format); tolerated in a checkpoint.
+PREPARE_RECORD = "REBASE_RECORD.json"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
@@ -57,6 +60,7 @@ def safe_relpath(root: Path, rel: object, source: Path) -> Path:
     """Resolve an inventory path, refusing absolute paths, '..' and symlinks that leave root."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
         raise UnsafeInput(f"{source}: path {rel!r} is absolute or malformed; refusing it")
+    check_relative(rel, source=str(source))  # the rule every untrusted path meets (control characters, .git)
     if any(part in ("..", "") for part in rel.split("/")):
         raise UnsafeInput(f"{source}: path {rel!r} contains '..' or an empty part; refusing it")
     full = root / rel
@@ -110,40 +114,92 @@ def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
     return doc
 
 
+@dataclass(frozen=True, slots=True)
+class FileProblem:
+    """One way a checkpoint's files differ from its inventory; `rel` is relative to the checkpoint."""
+
+    rel: str
+    kind: str  # MISSING, SIZE, SHA256 or UNEXPECTED
+    size: int = 0  # the file's size (SIZE)
+    listed_size: int = 0  # the size the inventory lists (SIZE)
+
+
+MISSING, SIZE, SHA256, UNEXPECTED = "MISSING", "SIZE", "SHA256", "UNEXPECTED"
+
+
+def beside_inventory(rel: str) -> bool:
+    """Whether `rel` may stand in a checkpoint without being listed: the inventory itself and what tools write
+    after the commit (the fork guard, its reclaimed copies and a killed write's temporary, prepare's record,
+    kept originals `*.orig`). The one rule the trainer's resume and a bundle's verify both apply."""
+    if rel.endswith(".orig"):
+        return True
+    if "/" in rel:
+        return False
+    return (
+        rel in (INVENTORY, HANDED_OFF, PREPARE_RECORD)
+        or (rel.startswith(RECLAIMED_PREFIX) and rel.endswith(".json"))
+        or rel.startswith(MARKER_TMP_PREFIX)  # a killed pack's half-written record: removed at the next open
+    )
+
+
+def check_files(
+    ckpt_dir: str | os.PathLike[str],
+    doc: dict[str, Any],
+    *,
+    hashes: bool = True,
+    known: Mapping[str, tuple[str, int]] | None = None,
+) -> list[FileProblem]:
+    """Every difference between a checkpoint's files and its inventory `doc` (from read_inventory): listed files
+    missing or of another size or SHA-256 (unless hashes=False), then files present but neither listed nor
+    `beside_inventory`. `known` maps checkpoint-relative paths to (SHA-256, size) already computed. An unsafe
+    path (absolute, '..', a symlink) raises UnsafeInput."""
+    root = Path(ckpt_dir)
+    known = known or {}
+    problems: list[FileProblem] = []
+    listed: set[str] = set()
+    to_hash: list[tuple[Path, dict[str, Any]]] = []
+    for item in sorted(doc["files"], key=lambda e: e["path"]):
+        full = safe_relpath(root, item["path"], root / INVENTORY)
+        rel = full.relative_to(root).as_posix()
+        listed.add(rel)
+        if not full.is_file():
+            problems.append(FileProblem(rel, MISSING))
+            continue
+        size = known[rel][1] if rel in known else full.stat().st_size
+        if size != item["size"]:
+            problems.append(FileProblem(rel, SIZE, size, item["size"]))
+        elif hashes:
+            to_hash.append((full, item))
+    digests = sha256_many(full for full, _ in to_hash if full.relative_to(root).as_posix() not in known)
+    for full, item in to_hash:
+        rel = full.relative_to(root).as_posix()
+        digest = known[rel][0] if rel in known else digests[full][0]
+        if digest.lower() != item["sha256"].lower():
+            problems.append(FileProblem(rel, SHA256))
+    problems.extend(
+        FileProblem(rel, UNEXPECTED)
+        for rel in list_files(root)
+        if rel not in listed and not beside_inventory(rel)
+    )
+    return problems
+
+
 def validate_complete(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, Any]:
     """Check every file against the inventory (size, and SHA-256 unless hashes=False); name the first bad file."""
     root = Path(ckpt_dir)
     doc = read_inventory(root)
-    listed = set()
-    checked: list[tuple[Path, dict[str, Any]]] = []
-    for item in doc["files"]:
-        if not isinstance(item, dict):
-            raise IntegrityError(f"{root / INVENTORY}: malformed entry {item!r}")
-        full = safe_relpath(root, item.get("path"), root / INVENTORY)
-        listed.add(item["path"])
-        if not full.is_file():
+    damaged = f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint"
+    for problem in check_files(root, doc, hashes=hashes):
+        full = root / problem.rel
+        if problem.kind == MISSING:
             raise IntegrityError(
                 f"{full} is listed in {INVENTORY} but missing", hint="restore it from a copy"
             )
-        size = full.stat().st_size
-        if size != item.get("size"):
+        if problem.kind == SIZE:
             raise IntegrityError(
-                f"{full} has {size} bytes, the inventory says {item.get('size')}",
-                hint=f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint",
+                f"{full} has {problem.size} bytes, the inventory says {problem.listed_size}", hint=damaged
             )
-        checked.append((full, item))
-    digests = sha256_many(full for full, _ in checked) if hashes else {}
-    for full, item in checked if hashes else ():
-        if digests[full][0] != item.get("sha256"):
-            raise IntegrityError(
-                f"{full} does not match its SHA-256 in {INVENTORY}",
-                hint=f"the file is damaged; restore it, or remove {root.name} to resume from an older checkpoint",
-            )
-    for rel in list_files(root):
-        reclaimed = rel.startswith("HANDED_OFF.reclaimed-") and rel.endswith(".json") and "/" not in rel
-        if rel == INVENTORY or rel in listed or rel in EXTRA_ALLOWED or rel.endswith(".orig") or reclaimed:
-            continue
-        if rel.startswith(MARKER_TMP_PREFIX):  # a killed pack's half-written record: removed at the next open
-            continue
-        raise IntegrityError(f"{root / rel} is not listed in {INVENTORY}: unexpected file in a checkpoint")
+        if problem.kind == SHA256:
+            raise IntegrityError(f"{full} does not match its SHA-256 in {INVENTORY}", hint=damaged)
+        raise IntegrityError(f"{full} is not listed in {INVENTORY}: unexpected file in a checkpoint")
     return doc

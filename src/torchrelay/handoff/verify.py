@@ -6,17 +6,22 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchrelay.checkpoint.inventory import read_inventory
+from torchrelay.checkpoint.inventory import (
+    INVENTORY,
+    MISSING,
+    SHA256,
+    SIZE,
+    UNEXPECTED,
+    check_files,
+    read_inventory,
+)
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_bounded
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
 from torchrelay.handoff.sums import SUMS_LIMIT, SUMS_NAME, SumsReport, check_sums, listed_size, parse_sums
-from torchrelay.util.hashing import ByteCallback, sha256_file
-from torchrelay.util.safepath import check_relative, ensure_inside, walk_files
+from torchrelay.util.hashing import ByteCallback
+from torchrelay.util.safepath import walk_files
 
-INVENTORY_NAME = "COMPLETE.json"
-# Files that live beside a checkpoint's inventory without being part of it (written after the marker).
-NOT_INVENTORIED = frozenset({INVENTORY_NAME, "HANDED_OFF.json", "REBASE_RECORD.json"})
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-[0-9]+$")
 
 
@@ -89,9 +94,7 @@ def verify_bundle(
         rel_dir = inventory.parent.relative_to(bundle).as_posix()
         if not _CHECKPOINT_DIR.match(rel_dir):
             # prepare copies checkpoint folders into the run dir; only the top-level checkpoint-N/ are ones
-            report.inventory_problems.append(
-                f"{rel_dir}/{INVENTORY_NAME}: an inventory outside a checkpoint-N/"
-            )
+            report.inventory_problems.append(f"{rel_dir}/{INVENTORY}: an inventory outside a checkpoint-N/")
             continue
         report.checkpoints.append(rel_dir)
         report.inventory_problems.extend(check_inventory(bundle, inventory.parent, known))
@@ -122,47 +125,30 @@ def _sums_text(path: Path) -> str:
 
 def find_inventories(root: Path) -> list[Path]:
     """Every COMPLETE.json under `root` (symlinks are not followed)."""
-    return [root / rel for rel in walk_files(root) if rel.rsplit("/", 1)[-1] == INVENTORY_NAME]
-
-
-def load_inventory(ckpt_dir: Path) -> dict[str, tuple[int, str]]:
-    """Inventory of a checkpoint as {relative path: (size, sha256)}; refuses malformed or unsafe entries."""
-    path = ckpt_dir / INVENTORY_NAME
-    data = read_inventory(ckpt_dir)  # the typed record (IntegrityError names the file and entry)
-    result: dict[str, tuple[int, str]] = {}
-    for i, item in enumerate(data["files"]):
-        rel = check_relative(item["path"], source=f"{path} files[{i}]").as_posix()
-        ensure_inside(ckpt_dir, ckpt_dir / rel, source=str(path), shown=rel)
-        result[rel] = (item["size"], item["sha256"].lower())
-    return result
+    return [root / rel for rel in walk_files(root) if rel.rsplit("/", 1)[-1] == INVENTORY]
 
 
 def check_inventory(root: Path, ckpt_dir: Path, known: dict[str, tuple[str, int]] | None = None) -> list[str]:
-    """Problems between a checkpoint's inventory and its files; `known` holds digests already computed."""
-    known = known or {}
-    problems: list[str] = []
+    """Problems between a checkpoint's inventory and its files, by the rule the trainer's resume applies
+    (checkpoint/inventory.check_files); `known` holds digests already computed, keyed relative to `root`."""
+    prefix = ckpt_dir.relative_to(root).as_posix()
     try:
-        inventory = load_inventory(ckpt_dir)
+        doc = read_inventory(ckpt_dir)
     except UnsafeInput:
         raise
     except IntegrityError as exc:
         return [exc.message]
-    prefix = ckpt_dir.relative_to(root).as_posix()
-    present = set(walk_files(ckpt_dir))
-    for rel, (size, digest) in sorted(inventory.items()):
-        shown = f"{prefix}/{rel}"
-        if rel not in present:
-            problems.append(f"{shown}: MISSING (listed in {prefix}/{INVENTORY_NAME})")
-            continue
-        actual = known.get(shown)
-        if actual is None:
-            actual = sha256_file(ckpt_dir / rel)
-        if actual[1] != size:
-            problems.append(f"{shown}: size {actual[1]} != {size} in {prefix}/{INVENTORY_NAME}")
-        elif actual[0] != digest:
-            problems.append(f"{shown}: sha256 differs from {prefix}/{INVENTORY_NAME}")
-    for rel in sorted(present - set(inventory) - NOT_INVENTORIED):
-        if rel.endswith(".orig"):
-            continue
-        problems.append(f"{prefix}/{rel}: UNEXPECTED (not in {prefix}/{INVENTORY_NAME})")
-    return problems
+    inner = {
+        rel.removeprefix(prefix + "/"): v for rel, v in (known or {}).items() if rel.startswith(prefix + "/")
+    }
+    listed = f"{prefix}/{INVENTORY}"
+    shown = {
+        MISSING: f"MISSING (listed in {listed})",
+        SHA256: f"sha256 differs from {listed}",
+        UNEXPECTED: f"UNEXPECTED (not in {listed})",
+    }
+    return [
+        f"{prefix}/{p.rel}: "
+        + (f"size {p.size} != {p.listed_size} in {listed}" if p.kind == SIZE else shown[p.kind])
+        for p in check_files(ckpt_dir, doc, known=inner)
+    ]
