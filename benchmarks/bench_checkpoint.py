@@ -56,7 +56,7 @@ def main() -> None:
         run.track(model=model, optimizer=opt)
         dist.barrier()
         t0 = time.perf_counter()
-        path = run._save(1)
+        path = run._saver.save(1)
         save_s = time.perf_counter() - t0
         nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         # load: a fresh Run resumes from that checkpoint (includes the inventory's SHA-256 verification)

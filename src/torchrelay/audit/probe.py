@@ -231,10 +231,11 @@ def state_tensors() -> dict[str, str]:
                 add(f"{name}.{attr}", value)
 
     run = _state.get("run")
-    if run is not None:
-        if getattr(run, "_model", None) is not None:
-            holder("model", run._model)
-        for name, obj in dict(getattr(run, "_statefuls", {})).items():
+    tracked = getattr(run, "_tracked", None)  # what the script passed to run.track (run/saver.py's Tracked)
+    if tracked is not None:
+        if tracked.model is not None:
+            holder("model", tracked.model)
+        for name, obj in dict(tracked.statefuls).items():
             holder(name, obj)
     for name, obj in _script_roots():
         if isinstance(obj, torch.nn.Module):

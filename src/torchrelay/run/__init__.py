@@ -1,7 +1,7 @@
 """The Run: opens or resumes a run directory, restores state, drives the update loop, stops cleanly.
 
 A newcomer should read this file top to bottom: `open` (contract, checkpoint choice, history), `track`
-(restore), `steps` (the loop and its boundaries), `_save` (the commit protocol), `close` (history, exit).
+(restore), `steps` (the loop and its boundaries), `close` (history, exit); saves are `saver.py`'s.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from torchrelay import __version__
 from torchrelay import errors as errors_module
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
-from torchrelay.checkpoint.commit import clean_stale, commit_checkpoint
-from torchrelay.checkpoint.retention import policy_for
+from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, canonical_json, write_contract
 from torchrelay.data.loader import RankBatches, RelayLoader
@@ -54,6 +53,8 @@ from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.logs import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.manifest import Manifest
 from torchrelay.resume import keep_prepared, schedule_gate, validate_resume
+from torchrelay.run.restore import Tracked
+from torchrelay.run.saver import Saver, first_estimate, last_save_seconds
 from torchrelay.rundir import RunDir
 from torchrelay.stop import (
     REQUEST_FILE,
@@ -181,13 +182,11 @@ class Run:
     _stale_reported: bool
     _notes: list[str]
     _rank0_manifest: Manifest | None
-    _model: torch.nn.Module | None
-    _optimizer: torch.optim.Optimizer | None
-    _statefuls: dict[str, Any]
+    _tracked: Tracked
+    _saver: Saver
     _signals: SignalFlag
     _finished_before: bool
     _deadline: float | None
-    _save_estimate: float
     _margin: float
     _request_cache: tuple[tuple[int, int], StopRequest | None] | None
     _agree_group: Any
@@ -285,16 +284,25 @@ class Run:
             if local is not None and mine is not None:
                 raise mine if _plain(local) else local  # said by the hook, on this rank
             raise mark_reported(first)  # the failing rank says it
-        self._model = None
-        self._optimizer = None
-        self._statefuls = {}
         self._signals = SignalFlag()
         self._signals.install()
         self._deadline = deadline.at if deadline else None
         # A relaunch of a finished run trains nothing and records nothing (steps() says so).
         self._finished_before = self.start_update >= self.config.total_updates
-        self._save_estimate = float(
-            os.environ.get("TORCHRELAY_SAVE_ESTIMATE_S", outcome["last_save_s"] or 0.0)
+        self._tracked = Tracked()
+        self._saver = Saver(
+            self.dir.path,
+            self.config,
+            self._tracked,
+            rank=self.rank,
+            world_size=self.world_size,
+            contract_sha=self.contract_sha,
+            segment=self.segment["segment"],
+            order=self.order,
+            global_batch=self.global_batch,
+            logs=(self.metrics_log, self.exposures_log),
+            saved=self.start_update if self.resume_from is not None else None,
+            estimate=first_estimate(outcome["last_save_s"]),
         )
         self._margin = float(os.environ.get("TORCHRELAY_MARGIN_S", "1.0"))
         self._request_cache = None
@@ -438,7 +446,7 @@ class Run:
             reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
             changes = check.runtime_changes
             gate = check.passed[-1]
-            last_save = _last_save_seconds(ckpt)
+            last_save = last_save_seconds(ckpt)
             parent = _parent(history)
             notes = (
                 [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"]
@@ -568,15 +576,16 @@ class Run:
     ) -> None:
         """Register what must resume (model, optimizer, scheduler, scaler, generators, ...) and restore it if
         resuming; each rank's own values come back to it (see checkpoint/ranks.py)."""
-        adapted = {name: adapt(name, obj) for name, obj in statefuls.items()}
-        self._model, self._optimizer, self._statefuls = model, optimizer, adapted
+        tracked = self._tracked
+        tracked.model, tracked.optimizer = model, optimizer
+        tracked.statefuls = {name: adapt(name, obj) for name, obj in statefuls.items()}
         if self.resume_from is not None:
             loop = ckpt_state.load_state(
                 self.resume_from,
                 rank=self.rank,
                 model=model,
                 optimizer=optimizer,
-                statefuls=self._statefuls,
+                statefuls=tracked.statefuls,
             )
             if int(loop["update"]) != self.start_update:
                 raise RelayError(f"{self.resume_from}: trainer state says update {loop['update']}")
@@ -639,9 +648,8 @@ class Run:
             print(f"[torchrelay] {note}", file=sys.stderr, flush=True)
             self._notes.append(note)
         it = loader.start(batches, cfg.seed, context)
-        retention = policy_for(cfg)  # a checkpoint kept for later (keep_updates, keep_every) must be written
+        saver = self._saver
         done = self.start_update
-        last_saved = self.start_update if self.resume_from is not None else -1
         recent: deque[float] = deque(maxlen=5)
         next_check = done  # the first boundary always agrees
         try:
@@ -651,10 +659,9 @@ class Run:
                     code, interval = self._agree(*self._propose(done, recent))
                     next_check = done + interval
                 if done >= cfg.total_updates or code:
-                    # Update 0 needs no checkpoint: starting again from nothing is the same run, and a
-                    # checkpoint of an optimizer that never stepped would hold a made-up step count.
-                    if last_saved != done and done > 0:
-                        self._save(done)
+                    if saver.unsaved(done):
+                        saver.save(done)
+                    saver.wait()
                     self._finish(EXIT_FINISHED if done >= cfg.total_updates else code, done)
                     return
                 step = Step(done + 1, it, cfg.grad_accum)
@@ -664,9 +671,8 @@ class Run:
                 recent.append(dt)
                 done += 1
                 self._record(step, dt)
-                if (done % cfg.save_every == 0 or retention.saves_at(done)) and done < cfg.total_updates:
-                    self._save(done)
-                    last_saved = done
+                if saver.due(done):
+                    saver.save(done)
         finally:
             del it  # stops loader workers
 
@@ -712,7 +718,7 @@ class Run:
             signal_name=self._signals.received,
             deadline=self._deadline,
             update_seconds=update_s,
-            save_seconds=self._save_estimate,
+            save_seconds=self._saver.estimate,
             margin_seconds=self._margin,
             updates_to_next_check=interval,
         )
@@ -749,47 +755,6 @@ class Run:
             self.exposures_log.flush()
             self._last_flush = now
 
-    # ---------------------------------------------------------------------------------- saving
-    def _save(self, update: int) -> Path:
-        """Commit checkpoint-<update>: logs made durable first, then the protocol across ranks."""
-        self.metrics_log.flush(durable=True)
-        self.exposures_log.flush(durable=True)
-        loop = {
-            "update": update,
-            "samples_consumed": self.order.position(update),
-            "epoch": update / self.order.updates_per_epoch,
-            "world_size": self.world_size,
-            "global_batch": self.global_batch,
-            "segment": self.segment["segment"],
-        }
-
-        def write(tmp: Path, hook: Any) -> None:
-            ckpt_state.save_state(
-                tmp,
-                rank=self.rank,
-                model=self._model,
-                optimizer=self._optimizer,
-                statefuls=self._statefuls,
-                loop=loop,
-                kill_hook=hook,
-            )
-
-        path, seconds = commit_checkpoint(
-            self.dir.path,
-            update,
-            write,
-            rank=self.rank,
-            world_size=self.world_size,
-            info={
-                "contract_sha256": self.contract_sha,
-                "segment": self.segment["segment"],
-                "created": time.time(),
-            },
-            retention=policy_for(self.config),
-        )
-        self._save_estimate = max(self._save_estimate, seconds) if self._save_estimate else seconds
-        return path
-
     # ---------------------------------------------------------------------------------- ending
     def _finish(self, code: int, done: int) -> None:
         self.exit_code = code
@@ -809,6 +774,7 @@ class Run:
             os.replace(src, dst / f"REQUEST_STOP-{int(time.time() * 1000)}.json")
 
     def _end_segment(self, last_update: int | None) -> None:
+        self._saver.close()  # the segment's end is recorded only once its last checkpoint is complete
         self.metrics_log.close()
         self.exposures_log.close()
         if self.rank == 0 and not (self._finished_before and self.ended == Ended.FINISHED):
@@ -918,15 +884,6 @@ def _read_lineage(run_dir: Path) -> dict[str, Any]:
         return dict(json.loads((run_dir / "lineage.json").read_text()))
     except (OSError, ValueError, TypeError):  # unreadable, not UTF-8, not JSON, not an object
         return {}
-
-
-def _last_save_seconds(ckpt: Path | None) -> float | None:
-    if ckpt is None:
-        return None
-    try:
-        return float(json.loads((ckpt / "COMPLETE.json").read_text()).get("save_seconds"))
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 __all__ = ["Run", "Step", "canonical_json"]
