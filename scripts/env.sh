@@ -12,7 +12,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scri
   # exact dev builds from the constraints file (torch: the CPU wheel on disk); the package itself has lower bounds only
   "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt" -e "$ROOT[dev]" 2>&1 \
     | grep -v "is ignored" >&2 || true
-  "$VENV/bin/python" -c "import torch, torchrelay, matplotlib, pytest, transformers" >/dev/null
+  "$VENV/bin/python" -c "import torch, torchrelay, matplotlib, pytest, transformers, accelerate" >/dev/null
   touch "$STAMP"
 fi
 # Bundle signatures (pack --sign, verify --allowed-signers) use OpenSSH's ssh-keygen; a fresh Debian CI machine

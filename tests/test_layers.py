@@ -15,7 +15,7 @@ LAYERS = [
     ("logs", 1), ("lock", 1), ("checkpoint", 1), ("rng", 1), ("schedule", 1),
     ("data", 2), ("stop", 2), ("resume", 2), ("run", 2),
     ("ledger", 3), ("progress", 3), ("handoff", 3), ("controller", 3), ("slurm", 3), ("audit", 3),
-    ("report", 3), ("validation", 3), ("export", 3),
+    ("report", 3), ("validation", 3), ("export", 3), ("integrations", 3),
     ("cli", 4), ("commands", 4), ("__main__", 4),
 ]  # fmt: skip
 TOOL_LAYER = 3
