@@ -59,7 +59,7 @@ def main() -> None:
     def bug(self: Any, *args: Any) -> Any:
         raise TypeError("injected bug")
 
-    def unreadable(cls: Any, path: Any, data_root: str = "") -> Any:
+    def unreadable(cls: Any, path: Any, data_root: str = "", **_: Any) -> Any:
         raise PermissionError(13, "Permission denied", str(path))
 
     cases: list[tuple[str, Path, Any]] = [

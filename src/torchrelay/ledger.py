@@ -8,12 +8,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from torchrelay.contract import load_contract
 from torchrelay.data.order import GlobalOrder
-from torchrelay.logs import rank_logs
+from torchrelay.logs import rank_logs, read_exposures
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
-from torchrelay.util.jsonl import iter_records
 
 
 @dataclass(slots=True)
@@ -42,7 +43,7 @@ def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
     fields = load_contract(run_dir)["fields"]
-    manifest = Manifest.load(rd.manifest_path, cfg.data_root)
+    manifest = Manifest.load(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path)
     order = GlobalOrder(
         num_samples=len(manifest),
         seed=cfg.seed,
@@ -54,59 +55,158 @@ def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
     return order, manifest
 
 
+@dataclass(slots=True)
+class _RankLog:
+    """One rank's exposures, ordered by update (file order kept within an update), with each one's update."""
+
+    rank: int
+    updates: np.ndarray  # per exposure
+    ids: np.ndarray
+    last: int | None  # the newest update of a line, with ids or not
+
+    @classmethod
+    def read(cls, rank: int, path: Path) -> _RankLog:
+        got = read_exposures(path)
+        updates = np.repeat(got.updates, got.counts)
+        ids = got.ids
+        if len(updates) and (np.diff(updates) < 0).any():  # written in update order; a copy may not be
+            by_update = np.argsort(updates, kind="stable")
+            updates, ids = updates[by_update], ids[by_update]
+        return cls(rank, updates, ids, int(got.updates.max()) if len(got.updates) else None)
+
+    def span(self, first: int, stop: int) -> slice:
+        """The exposures of updates first..stop-1."""
+        return slice(*np.searchsorted(self.updates, [first, stop]).tolist())
+
+
 def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerReport:
-    """Compare what the ranks logged with the global order, update by update."""
+    """Compare what the ranks logged with the global order, update by update.
+
+    Streams: per-sample counters in numpy, one epoch at a time, never a Python object per exposure; 20 M exposures
+    take seconds and a few hundred MB.
+    """
     root = Path(run_dir)
     order, manifest = order_for(root)
-    per_update: dict[int, list[int]] = {}
-    for _rank, path in rank_logs(root / "train", "exposures").items():
-        for rec in iter_records(path):
-            per_update.setdefault(int(rec["u"]), []).extend(int(i) for i in rec["i"])
+    logs = [_RankLog.read(rank, path) for rank, path in rank_logs(root / "train", "exposures").items()]
     rep = LedgerReport()
-    if not per_update:
+    lasts = [log.last for log in logs if log.last is not None]
+    if not lasts:
         rep.remaining_in_epoch = order.updates_per_epoch * order.global_batch
         return rep
-    last = max(per_update)
+    last = max(lasts)
     rep.updates = last
-    seen_in_epoch: dict[int, Counter[int]] = {}
-    all_ids: set[int] = set()
-    for u in range(1, last + 1):
-        got = per_update.get(u, [])
-        expected = order.global_batch_indices(u - 1).tolist()
-        epoch = order.epoch_of(u - 1)
-        counter = seen_in_epoch.setdefault(epoch, Counter())
-        counter.update(got)
-        rep.exposures += len(got)
-        all_ids.update(got)
-        if not got:
-            rep.prefix_ok = False
-            rep.skipped += len(expected)
-            _note(rep, f"update {u}: no exposures logged (expected {len(expected)})", max_problems)
+    n, batch, per_epoch = order.num_samples, order.global_batch, order.updates_per_epoch
+    got = np.zeros(last + 1, dtype=np.int64)  # exposures logged per update
+    matched = np.zeros(last + 1, dtype=np.int64)  # distinct expected samples among them
+    seen = np.zeros(n, dtype=bool)
+    strays: set[int] = set()  # indices outside the manifest: never expected
+    repeats_by_epoch: dict[int, tuple[int, np.ndarray | None, Counter[int]]] = {}
+    for epoch in range(order.epoch_of(last - 1) + 1 if last >= 1 else 0):
+        first, stop = epoch * per_epoch + 1, min((epoch + 1) * per_epoch, last) + 1
+        place = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)  # each sample's place in the epoch
+        place[order.epoch_order(epoch)] = np.arange(per_epoch * batch)
+        counts = np.zeros(n, dtype=np.int64)
+        right = np.zeros(n, dtype=bool)  # logged in the update the order puts it in
+        stray_counts: Counter[int] = Counter()
+        for log in logs:
+            part = log.span(first, stop)
+            updates, ids = log.updates[part], log.ids[part]
+            got += np.bincount(updates, minlength=last + 1)
+            inside = (ids >= 0) & (ids < n)
+            if not inside.all():
+                stray_counts.update(ids[~inside].tolist())
+                updates, ids = updates[inside], ids[inside]
+            counts += np.bincount(ids, minlength=n)
+            right[ids[place[ids] // batch == updates - first]] = True
+        matched += np.bincount(first + place[right] // batch, minlength=last + 1)[: last + 1]
+        seen |= counts > 0
+        strays.update(stray_counts)
+        dups = int(np.maximum(counts - 1, 0).sum()) + sum(c - 1 for c in stray_counts.values() if c > 1)
+        if dups:  # the counts are kept for the few epochs a problem will name
+            keep = len(repeats_by_epoch) < max_problems
+            repeats_by_epoch[epoch] = (dups, counts if keep else None, stray_counts)
+    rep.exposures = int(got[1:].sum())
+    bad = np.flatnonzero((got[1:] != batch) | (matched[1:] != batch)) + 1
+    for u in bad.tolist():
+        rep.prefix_ok = False
+        if not got[u]:
+            rep.skipped += batch
+            _note(rep, f"update {u}: no exposures logged (expected {batch})", max_problems)
             continue
-        if sorted(got) != sorted(expected):
-            rep.prefix_ok = False
-            missing = Counter(expected) - Counter(got)
-            extra = Counter(got) - Counter(expected)
-            rep.skipped += sum(missing.values())
-            shown = [manifest.records[i]["id"] for i in list(extra)[:3]]
+        missing, extra = batch - int(matched[u]), int(got[u] - matched[u])
+        rep.skipped += missing
+        if len(rep.problems) < max_problems:
+            shown = _unexpected(logs, order, manifest, u)
             _note(
                 rep,
-                f"update {u}: {sum(missing.values())} expected sample(s) missing, "
-                f"{sum(extra.values())} unexpected (e.g. {shown})",
+                f"update {u}: {missing} expected sample(s) missing, {extra} unexpected (e.g. {shown})",
                 max_problems,
             )
-    for epoch, counter in seen_in_epoch.items():
-        dups = sum(c - 1 for c in counter.values() if c > 1)
-        if dups:
-            rep.repeats += dups
-            ids = [manifest.records[i]["id"] for i, c in counter.items() if c > 1][:3]
-            _note(rep, f"epoch {epoch}: {dups} repeated exposure(s), e.g. {ids}", max_problems)
-    rep.distinct = len(all_ids)
+    for epoch, (dups, kept, stray_counts) in repeats_by_epoch.items():
+        rep.repeats += dups
+        if len(rep.problems) < max_problems and kept is not None:
+            names = _repeated(logs, order, manifest, epoch, kept, stray_counts)
+            _note(rep, f"epoch {epoch}: {dups} repeated exposure(s), e.g. {names}", max_problems)
+    rep.distinct = int(seen.sum()) + len(strays)
     rep.epoch = order.epoch_of(last - 1)
     done_in_epoch = last - rep.epoch * order.updates_per_epoch
     rep.remaining_in_epoch = (order.updates_per_epoch - done_in_epoch) * order.global_batch
     rep.epoch_fraction = last / order.updates_per_epoch
     return rep
+
+
+def _name(manifest: Manifest, i: int) -> str:
+    return manifest.id_of(i) if 0 <= i < len(manifest) else f"#{i} (not in the manifest)"
+
+
+def _logged(logs: list[_RankLog], first: int, stop: int) -> list[tuple[int, int]]:
+    """(update, index) of every exposure of updates first..stop-1 as the ledger reads them: by update, then by
+    rank, then in file order."""
+    out = []
+    for log in logs:
+        part = log.span(first, stop)
+        out += [
+            (int(u), log.rank, k, int(i)) for k, (u, i) in enumerate(zip(log.updates[part], log.ids[part]))
+        ]
+    return [(u, i) for u, _, _, i in sorted(out)]
+
+
+def _unexpected(logs: list[_RankLog], order: GlobalOrder, manifest: Manifest, u: int) -> list[str]:
+    got = [i for _, i in _logged(logs, u, u + 1)]
+    extra = Counter(got) - Counter(order.global_batch_indices(u - 1).tolist())
+    return [_name(manifest, i) for i in list(extra)[:3]]
+
+
+def _repeated(
+    logs: list[_RankLog],
+    order: GlobalOrder,
+    manifest: Manifest,
+    epoch: int,
+    counts: np.ndarray,
+    stray_counts: Counter[int],
+) -> list[str]:
+    """The first three samples of the epoch logged more than once, in the order they were first logged."""
+    per_epoch = order.updates_per_epoch
+    first, stop = epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1
+    out: list[int] = []
+    candidates: list[tuple[int, int, int, int]] = []
+    for log in logs:
+        part = log.span(first, stop)
+        ids = log.ids[part]
+        inside = (ids >= 0) & (ids < len(counts))
+        twice = np.zeros(len(ids), dtype=bool)
+        twice[inside] = counts[ids[inside]] > 1
+        twice[~inside] = np.asarray([stray_counts[i] > 1 for i in ids[~inside].tolist()], dtype=bool)
+        ids_twice, at = np.unique(ids[twice], return_index=True)
+        where = np.flatnonzero(twice)[at]
+        updates = log.updates[part][where]
+        candidates += zip(updates.tolist(), [log.rank] * len(where), where.tolist(), ids_twice.tolist())
+    for _, _, _, i in sorted(candidates):
+        if i not in out:
+            out.append(i)
+        if len(out) == 3:
+            break
+    return [_name(manifest, i) for i in out]
 
 
 def _note(rep: LedgerReport, text: str, limit: int) -> None:

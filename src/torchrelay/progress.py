@@ -9,30 +9,39 @@ from typing import Any
 from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.config import RelayConfig
+from torchrelay.contract import load_contract
 from torchrelay.history import read_history
 from torchrelay.ledger import prove
 from torchrelay.lock import holder
-from torchrelay.logs import metrics_path
+from torchrelay.logs import last_records, metrics_path
 from torchrelay.rundir import RunDir
-from torchrelay.util.jsonl import iter_records
 
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, Any]:
-    """Updates done/left, epoch fraction, exposures, LR, recent loss and speed, ETA, checkpoints, segments."""
+def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: bool = False) -> dict[str, Any]:
+    """Updates done/left, epoch fraction, exposures, LR, recent loss and speed, ETA, checkpoints, segments.
+
+    What it reads does not grow with the run: the tail of rank 0's metrics, the contract, the history and the
+    checkpoints' records. Exposures are the schedule's (updates done x global batch); `ledger=True` proves them
+    from every exposure line instead (`torchrelay ledger`: seconds and hundreds of MB at 20 M exposures).
+    """
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    records = list(iter_records(metrics_path(rd.train_dir, 0)))
+    records = last_records(metrics_path(rd.train_dir, 0), window)
     done = records[-1]["update"] if records else 0
-    recent = records[-window:]
+    recent = records
     losses = [float(r["loss"]) for r in recent if isinstance(r.get("loss"), int | float)]
     times = [float(r["update_time"]) for r in recent if isinstance(r.get("update_time"), int | float)]
     left = cfg.total_updates - done
     mean_time = _mean(times)
-    ledger = prove(rd.path)
+    fields = load_contract(rd.path)["fields"]
+    batch, samples = int(fields["global_batch"]), int(fields["data.samples"])
+    per_epoch = max(samples // batch, 1)
+    epoch = (done - 1) // per_epoch if done else 0
+    proof = prove(rd.path) if ledger else None
     ckpts = list_checkpoints(rd.path)
     kept = _kept_because(cfg, ckpts)
     history = read_history(rd.path)
@@ -42,13 +51,15 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100) -> dict[str, A
         "updates_done": done,
         "updates_left": left,
         "total_updates": cfg.total_updates,
-        "epoch": round(ledger.epoch_fraction, 4),
-        "exposures": ledger.exposures,
-        "distinct": ledger.distinct,
-        "repeats": ledger.repeats,
-        "skipped": ledger.skipped,
-        "remaining_in_epoch": ledger.remaining_in_epoch,
-        "ledger_ok": ledger.ok,
+        "epoch": round(done / per_epoch, 4),
+        "global_batch": batch,
+        "exposures": proof.exposures if proof else done * batch,
+        "remaining_in_epoch": (per_epoch - (done - epoch * per_epoch)) * batch,
+        # proven from every exposure line only on request (None: not looked at)
+        "distinct": proof.distinct if proof else None,
+        "repeats": proof.repeats if proof else None,
+        "skipped": proof.skipped if proof else None,
+        "ledger_ok": proof.ok if proof else None,
         "lr": records[-1].get("lr") if records else None,
         "loss_mean": _mean(losses),
         "loss_window": len(losses),

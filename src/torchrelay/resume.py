@@ -87,7 +87,7 @@ def validate_resume(
     rd = RunDir(run_dir)
     stored = rd.load_config()
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
-    manifest = Manifest.load(manifest_path, cfg.data_root)
+    manifest = Manifest.load(manifest_path, cfg.data_root, index=rd.manifest_index_path)
     recorded = load_contract(rd.path)
     contract = build_contract(
         cfg,

@@ -10,6 +10,7 @@ from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.config import RelayConfig
 from torchrelay.errors import IntegrityError
 from torchrelay.fsutil import read_json, temp_prefix
+from torchrelay.manifest import INDEX_NAME
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
 # leaves its temporary behind, for the next writer to remove.
@@ -25,6 +26,7 @@ class RunDir:
     config_path = property(lambda self: self.path / "config.json")
     contract_path = property(lambda self: self.path / "resume_contract.json")
     manifest_path = property(lambda self: self.path / "data" / "manifest.jsonl")
+    manifest_index_path = property(lambda self: self.path / "data" / INDEX_NAME)
     history_path = property(lambda self: self.path / "history.jsonl")
     train_dir = property(lambda self: self.path / "train")
 
@@ -47,7 +49,8 @@ class RunDir:
             if (
                 name == "data"
                 and p.is_dir()
-                and {c.name for c in p.iterdir()} <= ({"manifest.jsonl"} if train else set())
+                and {c.name for c in p.iterdir() if not c.name.startswith(temp_prefix(INDEX_NAME))}
+                <= ({"manifest.jsonl", INDEX_NAME} if train else set())
             ):
                 continue
             if name in ("config.json", "lineage.json") and train and _is_json_object(p):
@@ -61,6 +64,9 @@ class RunDir:
         found = [self.path / n for n in os.listdir(self.path) if n.startswith(temps)]
         if self.train_dir.is_dir():
             found += [p for p in self.train_dir.iterdir() if p.name.endswith(".jsonl.trim")]
+        data = self.path / "data"
+        if data.is_dir():
+            found += [p for p in data.iterdir() if p.name.startswith(temp_prefix(INDEX_NAME))]
         for p in found:
             p.unlink(missing_ok=True)
         return [str(p.relative_to(self.path)) for p in found]

@@ -19,6 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(
+        "--ledger",
+        action="store_true",
+        help="also prove every exposure exactly once, as `torchrelay ledger` does (reads every exposure line)",
+    )
+    p.add_argument(
         "--last-exit",
         action="store_true",
         help="print how the last segment ended and exit with its code (0, 3 budget, 4 request, 5 signal, ...): "
@@ -87,7 +92,7 @@ def _state(s: dict[str, object]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.last_exit:
         return _last_exit(args.run_dir)
-    s = summarize(args.run_dir)
+    s = summarize(args.run_dir, ledger=args.ledger)
     if args.json:
         print(json.dumps(s, indent=1, sort_keys=True))
         return 0
@@ -100,15 +105,27 @@ def run(args: argparse.Namespace) -> int:
         "updates done / left", f"{s['updates_done']:,} / {s['updates_left']:,} of {s['total_updates']:,}"
     )
     t.add_row("epoch", _fmt(s["epoch"], ".4f"))
-    t.add_row(
-        "exposures",
-        f"{s['exposures']:,} ({s['distinct']:,} distinct, {s['repeats']} repeats, {s['skipped']} skipped); "
-        f"{s['remaining_in_epoch']:,} remaining in the epoch",
-    )
-    t.add_row(
-        "ledger",
-        "[green]exactly once, in order[/]" if s["ledger_ok"] else "[red]NOT clean: run torchrelay ledger[/]",
-    )
+    if s["ledger_ok"] is None:
+        t.add_row(
+            "exposures",
+            f"{s['exposures']:,} ({s['updates_done']:,} updates x {s['global_batch']:,}); "
+            f"{s['remaining_in_epoch']:,} remaining in the epoch",
+        )
+        t.add_row(
+            "ledger", "not proven here: `torchrelay ledger` (or `status --ledger`) reads every exposure"
+        )
+    else:
+        t.add_row(
+            "exposures",
+            f"{s['exposures']:,} ({s['distinct']:,} distinct, {s['repeats']} repeats, {s['skipped']} skipped); "
+            f"{s['remaining_in_epoch']:,} remaining in the epoch",
+        )
+        t.add_row(
+            "ledger",
+            "[green]exactly once, in order[/]"
+            if s["ledger_ok"]
+            else "[red]NOT clean: run torchrelay ledger[/]",
+        )
     t.add_row("LR", _fmt(s["lr"], ".4g"))
     t.add_row(f"loss (mean of last {s['loss_window']})", _fmt(s["loss_mean"], ".4f"))
     t.add_row("update time (mean)", f"{s['update_time_mean']:.3f} s" if s["update_time_mean"] else "-")

@@ -7,6 +7,7 @@ same global batch splits differently over another world size without changing it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +25,7 @@ class GlobalOrder:
     seed: int
     global_batch: int
     kind: str = "shuffled"
-    lengths: list[int] | None = None
+    lengths: Sequence[int] | np.ndarray | None = None
     bucket_size: int = 64
     _cache: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 

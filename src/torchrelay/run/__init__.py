@@ -327,11 +327,16 @@ class Run:
         self.resume_from = Path(outcome["checkpoint"]) if outcome["checkpoint"] else None
         self.start_update = int(outcome["update"])
         self.gate = outcome["gate"]
-        # Rank 0 read the manifest to check the contract; the others read it here.
+        # Rank 0 read the manifest to check the contract and left its index; the others read only that.
         self.manifest = (
             self._rank0_manifest
             if self._rank0_manifest is not None
-            else Manifest.load(self._manifest_path(self.config), self.config.data_root)
+            else Manifest.load(
+                self._manifest_path(self.config),
+                self.config.data_root,
+                index=self.dir.manifest_index_path,
+                sha256=outcome.get("manifest_sha256"),
+            )
         )
         self._rank0_manifest = None
         self.global_batch = self.config.global_batch_for(self.world_size)
@@ -442,6 +447,8 @@ class Run:
             contract_sha = check.recorded["sha256"]  # the run's one digest (see resume.validate_resume)
             code_fields = check.recorded["fields"]
             self._rank0_manifest = check.manifest
+            if not check.manifest.indexed:  # the next launch, and the other ranks now, read no line
+                check.manifest.save_index(rd.manifest_index_path)
             update, ckpt = check.update, check.checkpoint
             reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
             changes = check.runtime_changes
@@ -488,6 +495,13 @@ class Run:
             rd.train_dir.mkdir(exist_ok=True)
             rd.remove_stale_temps()
             shutil.copyfile(source_manifest, rd.path / MANIFEST_IN_RUN)
+            self._rank0_manifest.save_index(rd.manifest_index_path)
+            self._rank0_manifest = Manifest.load(  # the run's copy, found by its index
+                rd.path / MANIFEST_IN_RUN,
+                cfg.data_root,
+                index=rd.manifest_index_path,
+                sha256=self._rank0_manifest.sha256(),
+            )
             atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             atomic_write_text(
                 rd.path / "lineage.json", json.dumps({"lineage": new_id(), "parent_lineage": None})
@@ -537,6 +551,7 @@ class Run:
             "segment": segment,
             "gate": gate,
             "last_save_s": last_save,
+            "manifest_sha256": self._rank0_manifest.sha256(),
         }
 
     # ---------------------------------------------------------------------------------- collectives

@@ -1,0 +1,406 @@
+"""Run.open, `status` and `ledger` on a LingBot-sized run, each in a fresh process: wall time, CPU time, peak RSS.
+
+    python benchmarks/bench_scale.py [--samples 495287] [--updates 20000] [--big-samples 10000000] [--out DIR]
+
+The run is written without training, as the library writes it: the run is created by `Run.open` (manifest copied,
+its index kept, contract last), then each of `--ranks` ranks' metric and exposure logs are written line by line as
+`Run` writes them (the exposures from the run's own `GlobalOrder`), checkpoints are committed through
+`checkpoint.commit` with a tiny model, and history.jsonl gets one segment per `--segment-updates` updates. The
+newest checkpoint is a few hundred updates older than the logs (a job killed after its last save), so opening the
+run trims them as a real resume does.
+
+Measured (each in its own process, peak RSS of that process; `import torchrelay` included):
+- open:        `Run.open` of the existing run (rank 0: contract, manifest digest + its index, checkpoint, trim, history)
+- open_cold:   the same with the manifest's index removed (every line read: a run made before the index existed)
+- open_rank:   what every other rank does: the manifest from the index, given rank 0's digest, and the order
+- status:      `torchrelay status RUN`
+- ledger:      `torchrelay ledger RUN` (proves every exposure exactly once)
+- big_create, big_open, big_open_rank: the same for a manifest of `--big-samples` samples (10 M)
+Goals (issue 11): each <= 5 s and <= 1 GB at 495,287 samples / 20,000 updates; a 10 M-sample manifest opens in
+<= 15 s with <= 1.5 GB per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+MEASURED_SRC = os.environ.get("BENCH_SCALE_SRC", str(SRC))  # the library the measured processes import
+
+
+def write_manifest(path: Path, samples: int, root: str = "/data/lingbot") -> None:
+    """A manifest shaped like a robot-episode corpus: id, a path under the data root, a length, a task."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(100, 4000, samples)
+    tasks = ["pick up the red cube", "open the drawer", "fold the towel", "stack the cups"]
+    with open(path, "w") as f:
+        for start in range(0, samples, 100_000):
+            f.write(
+                "".join(
+                    json.dumps(
+                        {
+                            "id": f"ep{i:09d}",
+                            "path": f"{root}/shard-{i // 1000:05d}/episode-{i:09d}.mp4",
+                            "length": int(lengths[i]),
+                            "task": tasks[i % 4],
+                        }
+                    )
+                    + "\n"
+                    for i in range(start, min(start + 100_000, samples))
+                )
+            )
+
+
+def _config(manifest: Path, total: int, micro: int, accum: int) -> Any:
+    import torchrelay as tr
+
+    return tr.RelayConfig(
+        seed=7,
+        micro_batch=micro,
+        grad_accum=accum,
+        total_updates=total,
+        manifest=str(manifest),
+        data_root="/data/lingbot",
+        save_every=1000,
+    )
+
+
+def make_run(
+    base: Path,
+    *,
+    samples: int,
+    updates: int,
+    ranks: int,
+    micro: int,
+    checkpoints: list[int],
+    segment_updates: int,
+    total_updates: int | None = None,
+) -> Path:
+    """A run directory as `ranks` ranks would have left it after `updates` updates (see the module docstring)."""
+    import torch
+
+    import torchrelay as tr
+    from torchrelay.checkpoint import state as ckpt_state
+    from torchrelay.checkpoint.commit import commit_checkpoint
+    from torchrelay.checkpoint.retention import policy_for
+    from torchrelay.history import new_id, read_history, write_history
+
+    base.mkdir(parents=True, exist_ok=True)
+    manifest = base / "manifest.jsonl"
+    write_manifest(manifest, samples)
+    code = base / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text("# the synthetic run's script\n")
+    run_dir = base / "run"
+    # Opened at world size 1 with the whole global batch in gradient accumulation; the logs below are those of
+    # `ranks` ranks splitting the same global batches (the order does not depend on the world size).
+    accum = 1024 // (micro * ranks)
+    cfg = _config(manifest, total_updates or updates, micro * ranks, accum)
+    run = tr.Run.open(run_dir, cfg, code_dir=code)
+    order, batch = run.order, run.global_batch
+    first_segment = dict(run.segment)
+    run.close()
+    train = run_dir / "train"
+    step_s = 0.5
+    t0 = time.time() - updates * step_s
+    for r in range(ranks):
+        with (
+            open(train / f"metrics-rank{r}.jsonl", "w") as m,
+            open(train / f"exposures-rank{r}.jsonl", "w") as e,
+        ):
+            for u in range(1, updates + 1):
+                rec = {
+                    "update": u,
+                    "loss": round(2.0 / (1 + u / 5000), 6),
+                    "lr": 3e-4,
+                    "update_time": step_s,
+                    "samples_per_s": round(batch / step_s, 3),
+                    "time": round(t0 + u * step_s, 3),
+                }
+                m.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                ids = order.global_batch_indices(u - 1).reshape(accum, ranks, micro)[:, r, :]
+                e.write(
+                    "".join(
+                        f'{{"u":{u},"m":{k},"i":[{",".join(map(str, ids[k].tolist()))}]}}\n'
+                        for k in range(accum)
+                    )
+                )
+    model = torch.nn.Linear(4, 4)
+    contract_sha = json.loads((run_dir / "resume_contract.json").read_text())["sha256"]
+    for u in checkpoints:
+        loop = {
+            "update": u,
+            "samples_consumed": order.position(u),
+            "epoch": u / order.updates_per_epoch,
+            "world_size": 1,
+            "global_batch": batch,
+            "segment": first_segment["segment"],
+        }
+
+        def write(tmp: Path, hook: Any, loop: dict[str, Any] = loop) -> None:
+            ckpt_state.save_state(
+                tmp, rank=0, model=model, optimizer=None, statefuls={}, loop=loop, kill_hook=hook
+            )
+
+        commit_checkpoint(
+            run_dir,
+            u,
+            write,
+            rank=0,
+            world_size=1,
+            info={
+                "contract_sha256": contract_sha,
+                "segment": first_segment["segment"],
+                "created": time.time(),
+            },
+            retention=policy_for(cfg),
+        )
+    history = read_history(run_dir)
+    segments = []
+    parent = None
+    for first in range(1, updates + 1, segment_updates):
+        last = min(first + segment_updates - 1, updates)
+        seg = dict(first_segment)
+        seg.update(
+            segment=new_id(),
+            parent=parent,
+            job=str(1000 + len(segments)),
+            hosts=[f"node{h:03d}" for h in range(max(1, ranks // 8))],
+            world_size=ranks,
+            first_update=first,
+            last_update=last,
+            resumed_from=first - 1 if first > 1 else None,
+            ended="budget" if last < updates else "crash",
+            exit_code=3 if last < updates else None,
+            started=t0 + first * step_s,
+            stopped=t0 + last * step_s,
+        )
+        parent = seg["segment"]
+        segments.append(seg)
+    write_history(run_dir, history[:0] + segments)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------ measuring, in fresh processes
+# Each measured program prints its own high-water mark last: a child's rusage ru_maxrss would count the pages of
+# the (large) benchmark process it was forked from, which Linux carries over exec.
+_HWM = """
+def _hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+"""
+_OPEN = (
+    _HWM
+    + """
+import sys, time
+from pathlib import Path
+t0 = time.perf_counter()
+import torchrelay as tr
+run = tr.Run.open(sys.argv[1], code_dir=sys.argv[2])
+print("start_update", run.start_update, "samples", len(run.manifest))
+run.close()
+print("seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
+"""
+)
+_RANK = (
+    _HWM
+    + """
+import sys, time
+t0 = time.perf_counter()
+from pathlib import Path
+from torchrelay.data.order import GlobalOrder
+from torchrelay.manifest import Manifest
+from torchrelay.rundir import RunDir
+rd = RunDir(sys.argv[1])
+cfg = rd.load_config()
+m = Manifest.load(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path, sha256=sys.argv[2])
+assert m.indexed, "the index was not used"
+order = GlobalOrder(num_samples=len(m), seed=cfg.seed, global_batch=1024, kind=cfg.sampler)
+order.global_batch_indices(0)
+print("samples", len(m), "seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
+"""
+)
+_CREATE = (
+    _HWM
+    + """
+import sys, time
+t0 = time.perf_counter()
+import torchrelay as tr
+cfg = tr.RelayConfig.from_dict(__import__("json").loads(sys.argv[3]))
+run = tr.Run.open(sys.argv[1], cfg, code_dir=sys.argv[2])
+print("samples", len(run.manifest))
+run.close()
+print("seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
+"""
+)
+
+
+def measure(
+    args: list[str], env: dict[str, str] | None = None, *, keep_stdout: bool = False
+) -> dict[str, Any]:
+    """Wall seconds, CPU seconds and peak RSS (MiB) of one fresh process; its output's last line."""
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            args,
+            stdout=out_f,
+            stderr=err_f,
+            text=True,
+            env={**os.environ, "PYTHONPATH": MEASURED_SRC, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (Popen.wait would reap it first)
+        wall = time.perf_counter() - t0
+        out_f.seek(0)
+        err_f.seek(0)
+        out, err = out_f.read(), err_f.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    last = (out.strip().splitlines() or [""])[-1]
+    words = last.split()
+    hwm = int(words[words.index("hwm_kib") + 1]) if "hwm_kib" in words else None
+    return {
+        **({"stdout": out} if keep_stdout else {}),
+        "wall_s": round(wall, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "peak_rss_mib": round(hwm / 1024, 1) if hwm else None,
+        "rc": proc.returncode,
+        "out": last[:200],
+        "err": err.strip()[-400:] if proc.returncode else "",
+    }
+
+
+_CLI = (
+    _HWM
+    + """
+import sys
+from torchrelay.cli import main
+code = main(sys.argv[1:])
+print("hwm_kib", _hwm())
+sys.exit(code)
+"""
+)
+
+
+def cli(*argv: str) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        _CLI,
+        *argv,
+    ]
+
+
+def measure_run(base: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
+    from torchrelay.manifest import Manifest
+    from torchrelay.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    code = str(base / "code")
+    sha = Manifest.load(rd.manifest_path, rd.load_config().data_root, index=rd.manifest_index_path).sha256()
+    out: dict[str, dict[str, Any]] = {}
+    # status and ledger first: opening trims the logs to the checkpoint
+    out["status"] = measure(cli("status", str(run_dir)))
+    out["ledger"] = measure(cli("ledger", str(run_dir)))
+    out["open"] = measure([sys.executable, "-c", _OPEN, str(run_dir), code])
+    out["open_rank"] = measure([sys.executable, "-c", _RANK, str(run_dir), sha])
+    index = rd.manifest_index_path
+    kept = index.with_name(index.name + ".kept")
+    os.replace(index, kept)
+    try:
+        out["open_cold"] = measure([sys.executable, "-c", _OPEN, str(run_dir), code])
+    finally:
+        os.replace(kept, index)
+    return out
+
+
+def measure_big(base: Path, samples: int) -> dict[str, dict[str, Any]]:
+    """A run created from a `samples`-sample manifest (every line read), reopened (index), another rank."""
+    from torchrelay.manifest import Manifest
+    from torchrelay.rundir import RunDir
+
+    base.mkdir(parents=True, exist_ok=True)
+    manifest = base / "manifest.jsonl"
+    write_manifest(manifest, samples)
+    code = base / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text("# the synthetic run's script\n")
+    run_dir = base / "run"
+    cfg = _config(manifest, 100, 32, 32).to_dict()
+    out: dict[str, dict[str, Any]] = {}
+    out["big_create"] = measure([sys.executable, "-c", _CREATE, str(run_dir), str(code), json.dumps(cfg)])
+    rd = RunDir(run_dir)
+    sha = Manifest.load(rd.manifest_path, "/data/lingbot", index=rd.manifest_index_path).sha256()
+    out["big_open"] = measure([sys.executable, "-c", _OPEN, str(run_dir), str(code)])
+    out["big_open_rank"] = measure([sys.executable, "-c", _RANK, str(run_dir), sha])
+    out["big_manifest_mib"] = {"size": round(manifest.stat().st_size / 2**20, 1)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--samples", type=int, default=495_287)
+    parser.add_argument("--updates", type=int, default=20_000)
+    parser.add_argument("--ranks", type=int, default=32)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--big-samples", type=int, default=10_000_000, help="0: skip the big manifest")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where to build the runs (default: a temp dir)"
+    )
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument(
+        "--measured-src",
+        default=None,
+        help="the src/ folder the measured processes import (another checkout's, to compare; default: this one)",
+    )
+    args = parser.parse_args()
+    if args.measured_src:
+        global MEASURED_SRC
+        MEASURED_SRC = args.measured_src
+    sys.path.insert(0, str(SRC))
+    base = args.out or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    results: dict[str, Any] = {"samples": args.samples, "updates": args.updates, "ranks": args.ranks}
+    try:
+        t0 = time.perf_counter()
+        last_save = args.updates - args.updates % 1000 - (1000 if args.updates % 1000 < 300 else 0)
+        run_dir = make_run(
+            base / "lingbot",
+            samples=args.samples,
+            updates=args.updates,
+            ranks=args.ranks,
+            micro=args.micro,
+            checkpoints=[last_save - 2000, last_save - 1000, last_save],
+            segment_updates=max(1, args.updates // 10),
+            total_updates=args.updates + 5000,
+        )
+        results["generate_s"] = round(time.perf_counter() - t0, 1)
+        results["exposures"] = args.updates * 1024
+        results["trimmed_from"] = last_save
+        results.update(measure_run(base / "lingbot", run_dir))
+        if args.big_samples:
+            results.update(measure_big(base / "big", args.big_samples))
+        results["rusage_self_peak_rss_mib"] = round(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1
+        )
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
