@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import signal
+import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from helpers import (
+    PYTHON,
+    assert_same_final_state,
+    assert_same_logs,
+    clean_env,
+    segments,
+    torchrun_cmd,
+    wait_for_update,
+)
+from nodes import Nodes, torchrun_2node
 from test_controller import launch_cli, outcome_of, write_plan
+from torchrelay.cli import main
 from torchrelay.controller.preflight import PreflightReport, check_node_local, filesystem_of
+from torchrelay.ledger import prove
+from torchrelay.stop import write_request
 
 SHM = Path("/dev/shm")  # a real tmpfs on every Linux
 
@@ -121,3 +140,136 @@ def test_launch_shows_the_cache_warning(example: dict[str, Path], tmp_path: Path
     shown = " ".join(out.stderr.split())
     assert f"preflight node-local caches: warning TMPDIR={tmp_path / 'tmp'} (set) is on" in shown
     assert "the run directory's file system (2 nodes share it)" in shown
+
+
+# ------------------------------------------------------------------------------------------------ two nodes
+U = 16  # the example config's schedule (save_every 8)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+    made = Nodes(tmp_path_factory.mktemp("nodes"))
+    why = made.available()
+    if why:
+        pytest.skip(f"two nodes cannot be made here: {why}")
+    made.up()
+    print(
+        f"nodes: {'network namespaces joined by a veth pair' if made.netns else made.why_not + '; loopback'}"
+    )
+    yield made
+    made.down()
+
+
+def agent_exit_codes(log: Path) -> list[int]:
+    """The worker exit codes a torchrun agent reported (it exits 1 itself for any of them)."""
+    return [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", log.read_text(errors="replace"))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float = 300) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
+    example: dict[str, Path], nodes: Nodes, tmp_path: Path
+) -> None:
+    code, config, logs = example["code"], example["config"], tmp_path / "logs"
+    run, ref = tmp_path / "run", tmp_path / "reference"
+    port = iter(range(29500, 29600)) if nodes.netns else None
+
+    def two(names: list[str], run_dir: Path, **kw: Any) -> list[subprocess.Popen[bytes]]:
+        p = next(port) if port is not None else free_port()
+        return torchrun_2node(nodes, names, code, run_dir, port=p, logs=logs / names[0], **kw)
+
+    # the uninterrupted 2-node run, meanwhile
+    reference = two(["ref-a", "ref-b"], ref, config=config)
+
+    # 1. a request file, honoured after update 5 on both nodes; torchrun folds each node's 4 into its own 1
+    run.mkdir()
+    write_request(run, at_update=5)
+    assert wait_all(two(["node-a", "node-b"], run, config=config)) == [1, 1]
+    assert agent_exit_codes(logs / "node-a" / "node-a.log") == [4]
+    assert agent_exit_codes(logs / "node-a" / "node-b.log") == [4]
+    seg = segments(run)[-1]
+    assert (seg["ended"], seg["last_update"], seg["hosts"], seg["world_size"]) == (
+        "request", 5, ["node-a", "node-b"], 2
+    )  # fmt: skip
+    assert main(["status", str(run), "--last-exit"]) == 4
+
+    # 2. a save killed on some node left a temporary; SIGTERM reaches node b's agent only, while rank 0 (node a)
+    # is frozen holding the writer lock, which a launch from a third host finds taken
+    stale = run / ".tmp-checkpoint-7-4242-1796000000000"
+    stale.mkdir()
+    (stale / "__1_0.distcp").write_bytes(b"torn")
+    paced = {"params.min_update_s": 0.3}
+    second = two(["node-a", "node-b"], run, sets=paced, env={"TORCHRELAY_CHECK_EVERY": "1"})
+    wait_for_update(run, 6, second[0])
+    holder = json.loads((run / ".torchrelay-train.lock").read_text())
+    assert holder["host"] == "node-a"
+    os.kill(holder["pid"], signal.SIGSTOP)
+    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    try:
+        probe = subprocess.run(
+            nodes.command(
+                1, ["node-a", "node-x"], [PYTHON, str(code / "train_lm.py"), "--run-dir", str(run)]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=clean_env(TORCHRELAY_LOCK_WAIT_S="0", **one_rank),
+            cwd=code,
+        )
+        os.kill(second[1].pid, signal.SIGTERM)
+    finally:
+        os.kill(holder["pid"], signal.SIGCONT)
+    assert probe.returncode == 2, probe.stdout + probe.stderr
+    assert f"is in use by a writer: pid {holder['pid']} on node-a" in probe.stderr
+    assert wait_all(second) == [1, 1]
+    seg = segments(run)[-1]
+    assert seg["ended"] == "signal" and 6 <= seg["last_update"] < U, seg
+    assert seg["hosts"] == ["node-a", "node-b"] and not stale.exists()
+    assert agent_exit_codes(logs / "node-a" / "node-a.log")[-1] == 5
+    assert main(["status", str(run), "--last-exit"]) == 5
+
+    # 3. another pair of hosts continues it, with 2 loader workers a rank (forkserver: its socket in the node's
+    # own TMPDIR); SIGTERM reaches both agents, as scancel does
+    third = two(
+        ["node-c", "node-d"], run, sets={**paced, "num_workers": 2}, env={"TORCHRELAY_CHECK_EVERY": "1"}
+    )
+    stopped_at = segments(run)[-1]["last_update"]
+    wait_for_update(run, stopped_at + 1, third[0])
+    for agent in third:
+        os.kill(agent.pid, signal.SIGTERM)
+    assert wait_all(third) == [1, 1]
+    seg = segments(run)[-1]
+    assert seg["ended"] == "signal" and stopped_at < seg["last_update"] < U, seg
+    assert seg["hosts"] == ["node-c", "node-d"] and seg["runtime_changes"]["num_workers"] == [0, 2]
+
+    # 4. one node with both ranks ends it: the same world size, so the same contract and the same bits
+    one = nodes.command(0, ["node-e", "unused"], torchrun_cmd(code, run, sets={"num_workers": 0}))
+    out = subprocess.run(one, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=code)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert wait_all(reference) == [0, 0]
+    assert [(s["ended"], s["hosts"]) for s in segments(run)] == [
+        ("request", ["node-a", "node-b"]),
+        ("signal", ["node-a", "node-b"]),
+        ("signal", ["node-c", "node-d"]),
+        ("finished", ["node-e"]),
+    ]
+    assert segments(ref)[-1]["hosts"] == ["ref-a", "ref-b"]
+    assert assert_same_final_state(ref, run, U) > 10
+    assert_same_logs(ref, run)
+    report = prove(run)
+    assert report.ok and report.exposures == report.distinct == U * 16
+    segs = segments(run)
+    assert [s["resumed_from"] for s in segs[1:]] == [s["last_update"] for s in segs[:-1]]
