@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -83,14 +84,20 @@ class Nodes:
     def address(self, slot: int) -> str:
         return self.addr[slot] if self.netns else "127.0.0.1"
 
-    def command(self, slot: int, names: list[str], argv: list[str]) -> list[str]:
-        """argv run on node `slot` called names[slot]; every name in `names` resolves to its node."""
+    def command(
+        self, slot: int, names: list[str], argv: list[str], binds: Sequence[tuple[Path, Path]] = ()
+    ) -> list[str]:
+        """argv run on node `slot` called names[slot]; every name in `names` resolves to its node; the node sees
+        each (source, target) of `binds` at target."""
         hosts = self.base / f"hosts-{'-'.join(names)}"
         lines = ["127.0.0.1 localhost"] + [f"{self.address(i)} {n}" for i, n in enumerate(names)]
         hosts.write_text("\n".join(lines) + "\n")
         tmp = self.base / f"tmp-{names[slot]}"
         node = ["unshare", "--uts", "--mount", "--propagation", "private", "--"]
-        node += ["bash", str(NODE_SH), names[slot], str(hosts), str(tmp), "--", *argv]
+        node += ["bash", str(NODE_SH), names[slot], str(hosts), str(tmp)]
+        for source, target in binds:
+            node += ["--bind", str(source), str(target)]
+        node += ["--", *argv]
         return ["ip", "netns", "exec", self.ns[slot], *node] if self.netns else node
 
 
@@ -105,9 +112,11 @@ def torchrun_2node(
     sets: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     logs: Path,
+    binds: dict[int, list[tuple[Path, Path]]] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """One torchrun agent per node (`--nnodes 2`, one rank each, c10d rendezvous on the first node's address);
-    returns the agents, each in a session of its own, its output in logs/<name>.log."""
+    returns the agents, each in a session of its own, its output in logs/<name>.log. `binds`: per slot, files
+    that node sees in place of the shared ones."""
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     for slot in range(2):
@@ -123,7 +132,7 @@ def torchrun_2node(
         with out:
             procs.append(
                 subprocess.Popen(
-                    nodes.command(slot, names, argv),
+                    nodes.command(slot, names, argv, (binds or {}).get(slot, [])),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     env=clean_env(**(env or {})),

@@ -240,13 +240,25 @@ def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
     assert seg["hosts"] == ["node-a", "node-b"] and not stale.exists()
     assert agent_exit_codes(logs / "node-a" / "node-a.log")[-1] == 5
     assert main(["status", str(run), "--last-exit"]) == 5
+    stopped_at = seg["last_update"]
+
+    # a node whose own copy of the script differs (a node-local checkout): refused before any update, naming it
+    edited = tmp_path / "train_lm.py"
+    edited.write_text((code / "train_lm.py").read_text() + "\n# edited on node-d only\n")
+    other = two(["node-c", "node-d"], run, binds={1: [(edited, code / "train_lm.py")]})
+    assert wait_all(other) == [1, 1]
+    assert agent_exit_codes(logs / "node-c" / "node-c.log") == [2]
+    shown = (logs / "node-c" / "node-c.log").read_text()
+    assert "rank 1 on node-d does not run what rank 0 on node-c runs: train_lm.py sha256" in shown
+    seg = segments(run)[-1]
+    assert (seg["ended"], seg["hosts"], seg["last_update"]) == ("refused", ["node-c", "node-d"], stopped_at)
+    assert main(["status", str(run), "--last-exit"]) == 2
 
     # 3. another pair of hosts continues it, with 2 loader workers a rank (forkserver: its socket in the node's
     # own TMPDIR); SIGTERM reaches both agents, as scancel does
     third = two(
         ["node-c", "node-d"], run, sets={**paced, "num_workers": 2}, env={"TORCHRELAY_CHECK_EVERY": "1"}
     )
-    stopped_at = segments(run)[-1]["last_update"]
     wait_for_update(run, stopped_at + 1, third[0])
     for agent in third:
         os.kill(agent.pid, signal.SIGTERM)
@@ -263,6 +275,7 @@ def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
     assert [(s["ended"], s["hosts"]) for s in segments(run)] == [
         ("request", ["node-a", "node-b"]),
         ("signal", ["node-a", "node-b"]),
+        ("refused", ["node-c", "node-d"]),
         ("signal", ["node-c", "node-d"]),
         ("finished", ["node-e"]),
     ]
@@ -271,5 +284,11 @@ def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
     assert_same_logs(ref, run)
     report = prove(run)
     assert report.ok and report.exposures == report.distinct == U * 16
-    segs = segments(run)
+    segs = [s for s in segments(run) if s["ended"] != "refused"]
     assert [s["resumed_from"] for s in segs[1:]] == [s["last_update"] for s in segs[:-1]]
+    assert [s["ranks_by_host"] for s in segs] == [
+        {"node-a": [0], "node-b": [1]},
+        {"node-a": [0], "node-b": [1]},
+        {"node-c": [0], "node-d": [1]},
+        {"node-e": [0, 1]},
+    ]

@@ -216,6 +216,32 @@ def _git_bytes(code_dir: Path, *args: str, stdin: bytes | None = None) -> bytes 
     return out.stdout if out.returncode == 0 else None
 
 
+def node_fingerprint(code_dir: str | os.PathLike[str] | None, pins: list[str]) -> dict[str, Any]:
+    """What every node of a run must share with rank 0's: the versions (python, torch, torchrelay, each pin; a pin
+    not met here is refused here) and the content of the program's own files, relative to this node's code
+    directory (a node-local checkout may lie elsewhere, it may not differ)."""
+    root = Path(code_dir).resolve() if code_dir is not None else None
+    files = running_files(code_dir)
+    return {
+        "versions": versions(pins),
+        "code": {rel: sha256_or_none(root / rel) for rel in files} if root is not None else {},
+    }
+
+
+def fingerprint_differences(reference: Mapping[str, Any], other: Mapping[str, Any]) -> list[str]:
+    """`what: reference's -> other's` for each version and each program file (present on both) that differ."""
+    out = []
+    ref_v, other_v = reference.get("versions") or {}, other.get("versions") or {}
+    for name in sorted(set(ref_v) | set(other_v)):
+        if ref_v.get(name) != other_v.get(name):
+            out.append(f"{name} {ref_v.get(name)} -> {other_v.get(name)}")
+    ref_c, other_c = reference.get("code") or {}, other.get("code") or {}
+    for rel in sorted(set(ref_c) & set(other_c)):
+        if ref_c[rel] != other_c[rel]:
+            out.append(f"{rel} sha256 {str(ref_c[rel])[:12]}… -> {str(other_c[rel])[:12]}…")
+    return out
+
+
 def find_code_dir(script: str | None = None) -> Path | None:
     """The git top level holding the running script, or the script's own folder."""
     path = Path(script or sys.argv[0] or ".").resolve()

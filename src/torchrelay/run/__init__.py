@@ -48,7 +48,13 @@ from torchrelay.errors import (
 )
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, upsert, write_history
-from torchrelay.identity import find_code_dir, running_files, versions
+from torchrelay.identity import (
+    find_code_dir,
+    fingerprint_differences,
+    node_fingerprint,
+    running_files,
+    versions,
+)
 from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.logs import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.manifest import Manifest
@@ -170,6 +176,7 @@ class Run:
     segment: dict[str, Any]
     gate: str
     hosts: list[Any]
+    ranks_by_host: dict[str, list[int]]
     manifest: Manifest
     global_batch: int
     order: GlobalOrder
@@ -269,21 +276,28 @@ class Run:
         # What every rank does on its own (read the manifest, open its logs) can fail on one rank only: the
         # ranks agree on it in the same gather that collects the hosts.
         local: BaseException | None = None
+        fingerprint: dict[str, Any] | None = None
         try:
             self._open_locally(outcome)
+            # Each node has its own environment and maybe its own checkout: compared with rank 0's below.
+            fingerprint = node_fingerprint(self.code_dir, self.config.pins) if self.distributed else None
         except Exception as exc:  # noqa: BLE001 - as above
             local = exc
         mine = None if local is None else _as_relay_error(local, self.rank)
-        gathered = self._gather_all((socket.gethostname(), None if mine is None else _wire(mine)))
-        self.hosts = sorted({host for host, _ in gathered})
-        failed = [(rank, wire) for rank, (_, wire) in enumerate(gathered) if wire is not None]
-        if failed:
-            first = _unwire(*failed[0])
+        host = socket.gethostname()
+        gathered = self._gather_all((host, None if mine is None else _wire(mine), fingerprint))
+        self.hosts = sorted({h for h, _, _ in gathered})
+        self.ranks_by_host = {h: [r for r, g in enumerate(gathered) if g[0] == h] for h in self.hosts}
+        failed = [(rank, wire) for rank, (_, wire, _) in enumerate(gathered) if wire is not None]
+        other = None if failed else _other_node(gathered)
+        if failed or other is not None:
+            first = _unwire(*failed[0]) if failed else other
+            assert first is not None
             if self.rank == 0:
                 self._refuse(mine or first, record=True, segment={**self.segment, "hosts": self.hosts})
             if local is not None and mine is not None:
                 raise mine if _plain(local) else local  # said by the hook, on this rank
-            raise mark_reported(first)  # the failing rank says it
+            raise first if self.rank == 0 and other is not None else mark_reported(first)  # one rank says it
         self._signals = SignalFlag()
         self._signals.install()
         self._deadline = deadline.at if deadline else None
@@ -313,6 +327,7 @@ class Run:
         self._last_flush = 0.0
         if self.rank == 0 and not self._finished_before:
             self.segment["hosts"] = self.hosts
+            self.segment["ranks_by_host"] = self.ranks_by_host
             self.segment["deadline"] = self._deadline
             if deadline:
                 left = deadline.at - time.time()
@@ -840,6 +855,23 @@ def _script() -> str | None:
 def _parent(history: list[dict[str, Any]]) -> str | None:
     """The segment a new one continues: the last that ran (a refused launch continued nothing)."""
     return next((s.get("segment") for s in reversed(history) if s.get("ended") != "refused"), None)
+
+
+def _other_node(gathered: list[tuple[str, Any, dict[str, Any] | None]]) -> ConfigError | None:
+    """A refusal naming the first rank whose versions or program files differ from rank 0's, or None."""
+    host0, _, reference = gathered[0]
+    for rank, (host, _, fingerprint) in enumerate(gathered):
+        if rank == 0 or reference is None or fingerprint is None:
+            continue
+        differ = fingerprint_differences(reference, fingerprint)
+        if differ:
+            more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+            return ConfigError(
+                f"rank {rank} on {host} does not run what rank 0 on {host0} runs: {'; '.join(differ[:5])}{more}",
+                hint="every node must run the same code and versions: sync that node's checkout or environment "
+                "with rank 0's and launch again",
+            )
+    return None
 
 
 def _plain(exc: BaseException) -> bool:
