@@ -9,10 +9,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from helpers import (
@@ -28,6 +31,7 @@ from nodes import Nodes, torchrun_2node
 from test_controller import launch_cli, outcome_of, write_plan
 from torchrelay.cli import main
 from torchrelay.controller.preflight import PreflightReport, check_node_local, filesystem_of
+from torchrelay.controller.supervisor import Supervisor
 from torchrelay.ledger import prove
 from torchrelay.stop import write_request
 
@@ -140,6 +144,46 @@ def test_launch_shows_the_cache_warning(example: dict[str, Path], tmp_path: Path
     shown = " ".join(out.stderr.split())
     assert f"preflight node-local caches: warning TMPDIR={tmp_path / 'tmp'} (set) is on" in shown
     assert "the run directory's file system (2 nodes share it)" in shown
+
+
+# ------------------------------------------------------------------------------------------------ supervisor
+SAVING_RANK = """
+import os, pathlib, signal, sys, time
+def stop(*_):
+    pathlib.Path(sys.argv[2]).write_text("saved")  # the clean stop's save, then its code
+    sys.exit(5)
+signal.signal(signal.SIGUSR1, stop)
+pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
+time.sleep(120)
+"""
+AGENT = f"""
+import subprocess, sys
+# like torchrun: the rank in a session of its own, its exit code reported; SIGUSR1's default action kills it
+rank = subprocess.Popen([sys.executable, "-c", {SAVING_RANK!r}, *sys.argv[1:]], start_new_session=True)
+sys.exit(rank.wait())
+"""
+
+
+def test_a_usr1_to_every_process_of_the_step_leaves_torchrun_to_wait_for_its_ranks(tmp_path: Path) -> None:
+    """Slurm signals every process of a job step (srun forwarding it, `scancel --signal`), torchrun included."""
+    ready, saved = tmp_path / "ready", tmp_path / "saved"
+    sup = Supervisor(
+        argv=[PYTHON, "-c", AGENT, str(ready), str(saved)], cwd=tmp_path, env=clean_env(), poll_s=0.05
+    )
+
+    def slurmstepd() -> None:
+        while not ready.exists() or not ready.read_text():
+            time.sleep(0.02)
+        rank = psutil.Process(int(ready.read_text()))
+        for proc in (psutil.Process(rank.ppid()), rank):
+            proc.send_signal(signal.SIGUSR1)
+
+    step = threading.Thread(target=slurmstepd)
+    step.start()
+    result = sup.run()
+    step.join()
+    assert result.returncode == 5 and not result.killed, result  # the agent lived to report its rank's code
+    assert saved.read_text() == "saved"
 
 
 # ------------------------------------------------------------------------------------------------ two nodes

@@ -84,8 +84,15 @@ class Supervisor:
         start = time.time()
         guard = MemoryGuard(self.limits) if self.limits else None
         tail: collections.deque[str] = collections.deque(maxlen=200)
+        argv = list(self.argv)
+        if self.forward_to == "children":
+            # torchrun dies of SIGUSR1 (the default action), and Slurm signals every process of a job step
+            # (srun's forwarding, `scancel --signal`): torchrun would be gone while its ranks save, and they would
+            # be ended as its survivors. Ignored, it waits for them; an ignored signal stays ignored across exec,
+            # and the ranks install their own handler when the run opens.
+            argv = ["/bin/sh", "-c", 'trap "" USR1; exec "$@"', "torchrelay-ignore-usr1", *argv]
         proc = subprocess.Popen(
-            list(self.argv),
+            argv,
             cwd=self.cwd,
             env=self.env,
             stdout=subprocess.PIPE,

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# A second Slurm cluster on this machine with two compute nodes, n1 and n2, each a slurmd in a network namespace of
+# its own (10.214.0.1 and .2, joined to the controller's bridge at .254), with its own hostname, /etc/hosts, spool
+# directory and node-local scratch: a tmpfs at $base/scratch that only that node sees (the common path a cluster's
+# local disk has; a job points TMPDIR there). Its own slurmctld (port 6917) and its own configuration, so that the one-node cluster
+# of .ci/slurm-up.sh (port 6817, /etc/slurm) is left alone. Clients reach it with SLURM_CONF=$base/slurm.conf.
+# Idempotent: a second call finds both nodes idle and returns at once. Needs root and .ci/slurm-up.sh's munge.
+#   bash .ci/slurm-2node-up.sh [down]
+set -euo pipefail
+
+log() { printf 'slurm-2node-up: %s\n' "$*" >&2; }
+
+base=/run/torchrelay-slurm2
+conf=$base/slurm.conf
+bridge=trs2br
+export SLURM_CONF=$conf
+
+if [ "$(id -u)" != 0 ]; then
+  log "needs root (network namespaces, daemons); skipping"
+  exit 1
+fi
+
+stop_all() {
+  for f in "$base"/slurmd-n1.pid "$base"/slurmd-n2.pid "$base"/slurmctld.pid; do
+    [ -s "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+  done
+  sleep 1
+  for n in 1 2; do ip netns del "trs2n$n" 2>/dev/null || true; done
+  ip link del "$bridge" 2>/dev/null || true
+}
+
+if [ "${1:-}" = down ]; then
+  stop_all
+  log "down"
+  exit 0
+fi
+
+both_idle() { [ "$(sinfo -h -p two -o %t 2>/dev/null | sort -u | tr -d '\n')" = idle ]; }
+
+if [ -s "$conf" ] && both_idle; then
+  log "already up: n1 and n2 idle"
+  exit 0
+fi
+
+pgrep -u munge -x munged >/dev/null 2>&1 || {
+  log "munged is not running: run .ci/slurm-up.sh first"
+  exit 1
+}
+stop_all
+mkdir -p "$base/state" "$base/log"
+
+# The network: a bridge in this namespace (the controller's address), a veth from it into each node's namespace.
+ip link add "$bridge" type bridge
+ip addr add 10.214.0.254/24 dev "$bridge"
+ip link set "$bridge" up
+for n in 1 2; do
+  ns=trs2n$n
+  ip netns add "$ns"
+  ip link add "trs2h$n" type veth peer name "trs2c$n"
+  ip link set "trs2h$n" master "$bridge"
+  ip link set "trs2h$n" up
+  ip link set "trs2c$n" netns "$ns"
+  ip -n "$ns" addr add "10.214.0.$n/24" dev "trs2c$n"
+  ip -n "$ns" link set "trs2c$n" up
+  ip -n "$ns" link set lo up
+done
+ctl=$(hostname -s)
+printf '127.0.0.1 localhost\n10.214.0.254 %s\n10.214.0.1 n1\n10.214.0.2 n2\n' "$ctl" >"$base/hosts"
+
+cpus=$(nproc)
+cat >"$conf" <<CONF
+# written by torchrelay .ci/slurm-2node-up.sh: two nodes in network namespaces, beside the one-node cluster
+ClusterName=torchrelay2
+SlurmctldHost=$ctl(10.214.0.254)
+SlurmctldPort=6917
+SlurmdPort=6818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=cred_expire=10
+StateSaveLocation=$base/state
+SlurmdSpoolDir=$base/spool-%n
+SlurmctldPidFile=$base/slurmctld.pid
+SlurmdPidFile=$base/slurmd-%n.pid
+SlurmctldLogFile=$base/log/slurmctld.log
+SlurmdLogFile=$base/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmctldTimeout=10
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=10
+Waittime=0
+SchedulerParameters=batch_sched_delay=0
+NodeName=n1 NodeAddr=10.214.0.1 CPUs=$cpus RealMemory=2048 State=UNKNOWN
+NodeName=n2 NodeAddr=10.214.0.2 CPUs=$cpus RealMemory=2048 State=UNKNOWN
+PartitionName=two Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+CONF
+chmod 644 "$conf"
+
+log "starting slurmctld (port 6917)"
+/usr/sbin/slurmctld -f "$conf"
+for n in 1 2; do
+  mkdir -p "$base/spool-n$n" "$base/scratch"
+  log "starting slurmd n$n in network namespace trs2n$n"
+  # its own hostname, /etc/hosts and scratch, seen by slurmd and by every job step it starts
+  # (nsenter, not `ip netns exec`: that remounts /sys, and slurmd needs the cgroup mounts under it)
+  nsenter --net="/run/netns/trs2n$n" unshare --uts --mount --propagation private -- bash -c "
+    hostname n$n
+    mount --bind $base/hosts /etc/hosts
+    mount -t tmpfs -o size=512m,mode=1777 scratch-n$n $base/scratch
+    exec /usr/sbin/slurmd -f $conf -N n$n
+  "
+done
+
+for i in $(seq 60); do
+  if both_idle; then
+    log "up: n1 and n2 idle after ${i}x0.5 s"
+    exit 0
+  fi
+  for n in 1 2; do
+    case "$(sinfo -h -n "n$n" -o %t 2>/dev/null || true)" in
+      down* | drain*) scontrol update nodename="n$n" state=resume >/dev/null 2>&1 || true ;;
+    esac
+  done
+  sleep 0.5
+done
+log "n1/n2 did not become idle: $(sinfo -h -p two -o '%n %t' 2>&1 | tr '\n' ' ')"
+tail -n 20 "$base"/log/*.log >&2 || true
+exit 1
