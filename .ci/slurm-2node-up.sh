@@ -5,6 +5,8 @@
 # local disk has; a job points TMPDIR there). Its own slurmctld (port 6917) and its own configuration, so that the one-node cluster
 # of .ci/slurm-up.sh (port 6817, /etc/slurm) is left alone. Clients reach it with SLURM_CONF=$base/slurm.conf.
 # Idempotent: a second call finds both nodes idle and returns at once. Needs root and .ci/slurm-up.sh's munge.
+# Exits 3 where this machine cannot make the namespaces (no ip/nsenter/unshare, no veth or bridge): the 2-node
+# Slurm test skips and says why; any other failure fails it.
 #   bash .ci/slurm-2node-up.sh [down]
 set -euo pipefail
 
@@ -35,10 +37,11 @@ if [ "${1:-}" = down ]; then
   exit 0
 fi
 
-both_idle() { [ "$(sinfo -h -p two -o %t 2>/dev/null | sort -u | tr -d '\n')" = idle ]; }
+# up: both nodes answer (idle, or running a job that must not be disturbed)
+both_up() { [ "$(sinfo -h -p two -o '%n %t' 2>/dev/null | grep -cE ' (idle|mix|alloc)$')" = 2 ]; }
 
-if [ -s "$conf" ] && both_idle; then
-  log "already up: n1 and n2 idle"
+if [ -s "$conf" ] && both_up; then
+  log "already up: $(sinfo -h -p two -o '%n %t' | tr '\n' ' ')"
   exit 0
 fi
 
@@ -46,11 +49,22 @@ pgrep -u munge -x munged >/dev/null 2>&1 || {
   log "munged is not running: run .ci/slurm-up.sh first"
   exit 1
 }
+for tool in ip nsenter unshare; do
+  command -v "$tool" >/dev/null 2>&1 || {
+    log "cannot make nodes here: $tool is not installed"
+    exit 3
+  }
+done
 stop_all
 mkdir -p "$base/state" "$base/log"
 
 # The network: a bridge in this namespace (the controller's address), a veth from it into each node's namespace.
-ip link add "$bridge" type bridge
+if ! err=$(ip link add "$bridge" type bridge 2>&1) || ! err=$(ip netns add trs2probe 2>&1); then
+  log "cannot make nodes here: $err"
+  stop_all
+  exit 3
+fi
+ip netns del trs2probe
 ip addr add 10.214.0.254/24 dev "$bridge"
 ip link set "$bridge" up
 for n in 1 2; do
@@ -125,8 +139,8 @@ for n in 1 2; do
 done
 
 for i in $(seq 60); do
-  if both_idle; then
-    log "up: n1 and n2 idle after ${i}x0.5 s"
+  if both_up; then
+    log "up: n1 and n2 after ${i}x0.5 s"
     exit 0
   fi
   for n in 1 2; do

@@ -190,6 +190,8 @@ def slurm_two(slurm_up: str) -> str:
     out = subprocess.run(
         ["bash", str(REPO / ".ci" / "slurm-2node-up.sh")], capture_output=True, text=True, timeout=300
     )
+    if out.returncode == 3:
+        pytest.skip(f"no network namespaces for a second node here: {out.stderr.strip()}")
     assert out.returncode == 0, f".ci/slurm-2node-up.sh failed:\n{out.stdout}\n{out.stderr}"
     return "/run/torchrelay-slurm2/slurm.conf"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import stat
@@ -226,6 +227,13 @@ def node_fingerprint(code_dir: str | os.PathLike[str] | None, pins: list[str]) -
         "versions": versions(pins),
         "code": {rel: sha256_or_none(root / rel) for rel in files} if root is not None else {},
     }
+
+
+def fingerprint_summary(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """The versions and one digest of the program files: what every rank sends at open (the files themselves
+    only when a digest differs, to name them)."""
+    code = json.dumps(fingerprint.get("code") or {}, sort_keys=True).encode()
+    return {"versions": fingerprint.get("versions") or {}, "code_sha256": hashlib.sha256(code).hexdigest()}
 
 
 def fingerprint_differences(reference: Mapping[str, Any], other: Mapping[str, Any]) -> list[str]:

@@ -51,6 +51,7 @@ from torchrelay.history import close_crashed, new_id, read_history, upsert, writ
 from torchrelay.identity import (
     find_code_dir,
     fingerprint_differences,
+    fingerprint_summary,
     node_fingerprint,
     running_files,
     versions,
@@ -285,11 +286,17 @@ class Run:
             local = exc
         mine = None if local is None else _as_relay_error(local, self.rank)
         host = socket.gethostname()
-        gathered = self._gather_all((host, None if mine is None else _wire(mine), fingerprint))
+        summary = None if fingerprint is None else fingerprint_summary(fingerprint)
+        gathered = self._gather_all((host, None if mine is None else _wire(mine), summary))
         self.hosts = sorted({h for h, _, _ in gathered})
         self.ranks_by_host = {h: [r for r, g in enumerate(gathered) if g[0] == h] for h in self.hosts}
         failed = [(rank, wire) for rank, (_, wire, _) in enumerate(gathered) if wire is not None]
-        other = None if failed else _other_node(gathered)
+        other = None
+        if not failed and self.distributed:
+            if len({g[2]["code_sha256"] for g in gathered}) > 1:  # every rank sees it: all gather the files
+                full = self._gather_all(fingerprint)
+                gathered = [(h, w, f) for (h, w, _), f in zip(gathered, full, strict=True)]
+            other = _other_node(gathered)
         if failed or other is not None:
             first = _unwire(*failed[0]) if failed else other
             assert first is not None
