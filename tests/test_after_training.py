@@ -154,7 +154,7 @@ def load_plan_with(folder: Path, data: dict[str, Any], sets: dict[str, Any]) -> 
 # The validation command: reads the checkpoint it is given (its update must be the one named), writes metrics, and
 # crashes on checkpoint-20 the way a real evaluation would (an exception, exit 1).
 VALIDATE = (
-    f"{sys.executable} -c \"import json, sys; u = json.load(open(sys.argv[1] + '/trainer_state.json'))['loop']['update']; "
+    f"{sys.executable} -c \"import json, sys; u = json.load(open(sys.argv[1] + '/relay_state.json'))['loop']['update']; "
     "assert u != 20, 'evaluation crashed (test)'; "
     "json.dump({'l1': 1.0 / u, 'update_seen': u, 'update_named': int(sys.argv[3])}, open(sys.argv[2], 'w'))\" "
     "{checkpoint} {metrics} {update}"

@@ -200,6 +200,20 @@ def _ranks_child(rank: int, base: str) -> None:
     dist.destroy_process_group()
 
 
+def test_relay_state_wins_over_hugging_face_trainer_state_beside_it(tmp_path: Path) -> None:
+    """A 0.1.0 checkpoint's trainer_state.json is read; once relay_state.json exists, a trainer_state.json beside
+    it is Hugging Face's (its Trainer writes one into its checkpoints) and never read as ours."""
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(FORMAT1, ckpt)
+    assert read_trainer_state(ckpt)["loop"]["update"] == 2  # the old name, from an old checkpoint
+    ours = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "relay_state.json").write_text(json.dumps({**ours, "loop": {**ours["loop"], "update": 7}}))
+    (ckpt / "trainer_state.json").write_text(
+        json.dumps({"global_step": 2, "log_history": [], "best_metric": None})
+    )
+    assert read_trainer_state(ckpt)["loop"]["update"] == 7
+
+
 @pytest.fixture(scope="module")
 def saved_by_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One pair of real gloo processes saves and restores a checkpoint under every wrapper."""
@@ -225,7 +239,8 @@ def test_what_differs_by_rank_is_stored_per_rank(saved_by_two_ranks: Path, wrapp
     # Every rank's files are in the inventory, which verifies.
     listed = {f["path"] for f in read_inventory(ckpt)["files"]}
     assert {f"statefuls/rank-{r}.{ext}" for r in (0, 1) for ext in ("json", "safetensors")} <= listed
-    assert {"rng/rank-0.safetensors", "rng/rank-1.safetensors", "trainer_state.json"} <= listed
+    assert {"rng/rank-0.safetensors", "rng/rank-1.safetensors", "relay_state.json"} <= listed
+    assert "trainer_state.json" not in listed  # Hugging Face's name, with its schema: never ours
     validate_complete(ckpt)
     # The offline reader names each rank's copy.
     tensors = load_tensors(ckpt)

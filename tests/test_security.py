@@ -80,7 +80,7 @@ PLACES = [
     f"{CKPT}/model/__0_0.distcp",
     f"{CKPT}/rng/rank-0.safetensors",
     f"{CKPT}/state_tensors.safetensors",
-    f"{CKPT}/trainer_state.json",
+    f"{CKPT}/relay_state.json",
     "config.json",
     "bundle.json",
 ]

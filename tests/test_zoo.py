@@ -60,7 +60,7 @@ def test_every_cpu_member_composed_is_equal_with_early_and_late_stops(tmp_path: 
     run = Path(verdict.run_dirs["interrupted"])
     config = json.loads((run / "config.json").read_text())
     assert config["params"]["members"] == sorted(zoo.CPU_MEMBERS)
-    stored = json.loads((run / "checkpoint-12" / "trainer_state.json").read_text())
+    stored = json.loads((run / "checkpoint-12" / "relay_state.json").read_text())
     tracked = set(stored["statefuls"]) | set((stored.get("per_rank") or {}).get("statefuls", []))
     assert tracked == {"scheduler", "plateau", "ema", "scaler", "noise"}
     rows = [json.loads(x) for x in (run / "train" / "metrics-rank1.jsonl").read_text().splitlines()]

@@ -27,7 +27,10 @@ STATE_FORMAT = 2
 READABLE_FORMATS = (1, 2)
 RANK_STATE_FORMAT = 1
 RANK_STATE_DIR = "statefuls"
-TRAINER_STATE = "trainer_state.json"
+RELAY_STATE = "relay_state.json"
+# Its name in 0.1.0 checkpoints: Hugging Face's Trainer writes a file of this name with its own schema into its checkpoints
+# (and HF tools read any checkpoint-N/trainer_state.json as theirs), so it is only read, for older checkpoints.
+LEGACY_STATE = "trainer_state.json"
 STATE_TENSORS = "state_tensors.safetensors"
 MODEL_DIR = "model"
 
@@ -214,18 +217,27 @@ def save_state(
             doc["per_rank"] = per_rank
         if flat:
             _write_tensors(directory / STATE_TENSORS, flat)
-        _write_json(directory / TRAINER_STATE, doc)
+        _write_json(directory / RELAY_STATE, doc)
+
+
+def state_path(ckpt_dir: Path) -> Path:
+    """The checkpoint's loop-and-statefuls record: relay_state.json, or trainer_state.json in one written before
+    the rename (never both from us: a trainer_state.json beside relay_state.json is Hugging Face's, not read)."""
+    path = ckpt_dir / RELAY_STATE
+    legacy = ckpt_dir / LEGACY_STATE
+    return legacy if not path.exists() and legacy.exists() else path
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
-    path = ckpt_dir / TRAINER_STATE
+    """relay_state.json (or an older checkpoint's trainer_state.json), checked to be a format this reads."""
+    path = state_path(ckpt_dir)
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if doc.get("format") not in READABLE_FORMATS:
+    if not isinstance(doc, dict) or doc.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
-            f"{path}: state format {doc.get('format')!r} is not one of {list(READABLE_FORMATS)}",
+            f"{path}: state format {doc.get('format') if isinstance(doc, dict) else None!r} is not one of {list(READABLE_FORMATS)}",
             hint="continue this run with the torchrelay version that wrote it",
         )
     return doc
@@ -294,7 +306,7 @@ def load_state(
     extra = sorted(set(stored) - set(statefuls))
     if missing or extra:
         raise CheckpointError(
-            f"{ckpt_dir / TRAINER_STATE}: tracked state differs from the checkpoint "
+            f"{state_path(ckpt_dir)}: tracked state differs from the checkpoint "
             f"(missing in checkpoint: {missing}, not tracked now: {extra})",
             hint="track the same objects with run.track(...) as the run that saved it",
         )
