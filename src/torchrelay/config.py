@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,19 +127,18 @@ class RelayConfig:
     def with_overrides(self, overrides: dict[str, Any]) -> RelayConfig:
         """Apply `key=value` overrides; `params.lr` style keys reach into params."""
         data = self.to_dict()
+        dotted = {}
         for key, value in overrides.items():
-            if key.startswith("params."):
-                data["params"][key.removeprefix("params.")] = value
-            elif key in data:
-                data[key] = value
+            if key.startswith("params.") or key in data:
+                dotted[key] = value
             elif key in data["params"]:
-                data["params"][key] = value
+                dotted[f"params.{key}"] = value
             else:
                 raise ConfigError(
                     f"override {key!r} names no config field",
                     hint="use a torchrelay field (e.g. num_workers) or params.<name>",
                 )
-        return RelayConfig.from_dict(data, source="overrides")
+        return self.with_dotted(dotted, source="overrides")
 
     def runtime_keys(self) -> list[str]:
         """Flat dotted keys that may change between segments without breaking the contract."""
@@ -147,8 +147,32 @@ class RelayConfig:
         keys += [f"params.{name}" for name in self.runtime_params]
         return keys
 
+    def is_runtime(self, key: str) -> bool:
+        """Whether the dotted key may change between segments (the one rule: see `is_runtime_key`)."""
+        return is_runtime_key(key, self.runtime_params)
+
+    def with_dotted(self, values: dict[str, Any], source: str) -> RelayConfig:
+        """A copy with dotted keys set (`data_root`, `params.lr`, `external_files.teacher`), re-validated."""
+        data = self.to_dict()
+        for key, value in values.items():
+            head, _, tail = key.partition(".")
+            if head not in data or (tail and not isinstance(data[head], dict)):
+                raise ConfigError(
+                    f"{source}: {key!r} names no config field",
+                    hint="use a torchrelay field (e.g. num_workers) or params.<name>",
+                )
+            data[head] = {**data[head], tail: value} if tail else value
+        return RelayConfig.from_dict(data, source=source)
+
     def global_batch_for(self, world_size: int) -> int:
         return self.micro_batch * self.grad_accum * world_size
+
+
+def is_runtime_key(key: str, runtime_params: Iterable[str]) -> bool:
+    """Whether a dotted configuration key may change between segments: a runtime field or a key under one
+    (`external_files.teacher`), or a parameter `runtime_params` names (`params.lr`)."""
+    head, _, tail = key.partition(".")
+    return head in RUNTIME_FIELDS or (head == "params" and tail in set(runtime_params))
 
 
 def parse_value(text: str) -> Any:

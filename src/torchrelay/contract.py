@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,11 +10,12 @@ from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.fsutil import read_json
 from torchrelay.identity import code_identity, versions
+from torchrelay.layout import CONTRACT_FILE
 from torchrelay.manifest import Manifest
-from torchrelay.util.hashing import sha256_hex
+from torchrelay.util.dotted import flatten
+from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
 
 CONTRACT_FORMAT = 1
-CONTRACT_FILE = "resume_contract.json"
 # A plain source tree (an extracted `git archive`) knows its tree hash but not its commit: the commit is
 # compared only when both sides know it, the tree always.
 _OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
@@ -25,25 +24,8 @@ _OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
 LATER_FIELDS = ("code.untracked", "code.modified")
 
 
-def canonical_json(obj: Any) -> str:
-    """The one serialization that is hashed: sorted keys, no spaces, UTF-8."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values."""
-    out: dict[str, Any] = {}
-    for key, value in obj.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def contract_sha256(fields: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(fields).encode()).hexdigest()
+    return sha256_json(fields)
 
 
 def build_contract(
@@ -177,9 +159,8 @@ def check_contract(
 def runtime_changes(old: RelayConfig, new: RelayConfig) -> dict[str, list[Any]]:
     """Runtime fields that changed between the stored and the new configuration: {field: [old, new]}."""
     a, b = flatten(old.to_dict()), flatten(new.to_dict())
-    keys = set(old.runtime_keys()) | set(new.runtime_keys())
     out = {}
     for key in sorted(set(a) | set(b)):
-        if (key in keys or key.split(".")[0] in RUNTIME_FIELDS) and a.get(key) != b.get(key):
+        if (old.is_runtime(key) or new.is_runtime(key)) and a.get(key) != b.get(key):
             out[key] = [a.get(key), b.get(key)]
     return out

@@ -10,9 +10,8 @@ from typing import Any
 
 from torchrelay.ended import Ended
 from torchrelay.fsutil import atomic_write_text
+from torchrelay.layout import HISTORY_FILE
 from torchrelay.util.jsonl import read_records
-
-HISTORY_FILE = "history.jsonl"
 
 
 def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

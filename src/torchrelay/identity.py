@@ -16,6 +16,7 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.errors import ConfigError
+from torchrelay.layout import CONTRACT_FILE
 from torchrelay.util.hashing import sha256_or_none
 
 _SKIP_DIRS = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
@@ -47,7 +48,7 @@ def _git_tree_of_dir(root: Path, without: frozenset[str] = frozenset()) -> str:
                 data = os.readlink(child).encode()
                 entries.append((child.name, b"120000 " + child.name.encode() + b"\0" + _blob(data)))
             elif stat.S_ISDIR(st.st_mode):
-                if (child / "resume_contract.json").exists():
+                if (child / CONTRACT_FILE).exists():
                     continue  # a run directory inside a plain source tree is output, not code
                 sub = tree(child, prefix + child.name + "/")
                 if sub:  # git does not record empty directories

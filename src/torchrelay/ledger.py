@@ -12,6 +12,7 @@ import numpy as np
 
 from torchrelay.contract import load_contract
 from torchrelay.data.order import GlobalOrder
+from torchrelay.layout import TRAIN_DIR
 from torchrelay.logs import rank_logs, read_exposures
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
@@ -87,7 +88,7 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerRepo
     """
     root = Path(run_dir)
     order, manifest = order_for(root)
-    logs = [_RankLog.read(rank, path) for rank, path in rank_logs(root / "train", "exposures").items()]
+    logs = [_RankLog.read(rank, path) for rank, path in rank_logs(root / TRAIN_DIR, "exposures").items()]
     rep = LedgerReport()
     lasts = [log.last for log in logs if log.last is not None]
     if not lasts:

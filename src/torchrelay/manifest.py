@@ -23,6 +23,7 @@ from typing import Any, overload
 import numpy as np
 
 from torchrelay.errors import ConfigError, DiskFull
+from torchrelay.util.hashing import canonical_json
 
 ROOT_TOKEN = "${DATA_ROOT}"
 FINGERPRINT_VERSION = "fingerprint_v1"
@@ -34,8 +35,7 @@ _BLOCK = 1 << 22
 _OTHER_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_canonical = canonical_json
 
 
 def _root_prefix(data_root: str) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.checkpoint.handed_off import PACKING, read_marker
+from torchrelay.checkpoint.handed_off import PACKING, RECLAIM_ENV, guarding_record
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.config import RelayConfig
@@ -16,16 +16,14 @@ from torchrelay.contract import (
     build_contract,
     check_contract,
     comparable,
-    flatten,
     load_contract,
     runtime_changes,
 )
 from torchrelay.errors import ConfigError, ForkRefused
+from torchrelay.layout import PREPARE_RECORD
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
-
-RECLAIM_ENV = "TORCHRELAY_RECLAIM"
-PREPARE_RECORD = "REBASE_RECORD.json"  # written by `prepare` (handoff/prepare.py owns its format)
+from torchrelay.util.dotted import flatten
 
 
 @dataclass(slots=True)
@@ -52,8 +50,8 @@ def schedule_gate(cfg: RelayConfig, update: int, where: str) -> str:
 
 
 def check_fork_guard(ckpt: Path) -> None:
-    record = read_marker(ckpt)
-    if record is None or os.environ.get(RECLAIM_ENV) == "1":
+    record = guarding_record(ckpt)
+    if record is None:
         return
     if record.get("state") == PACKING:
         raise ForkRefused(
@@ -151,16 +149,9 @@ def keep_prepared(
     kept = {k: want.get(k) for k in keys if have.get(k) != want.get(k) and not _overridden(k, overrides)}
     if not kept:
         return cfg, []
-    data = cfg.to_dict()
-    for key, value in kept.items():
-        head, _, tail = key.partition(".")
-        if tail:
-            data[head] = {**data[head], tail: value}
-        else:
-            data[key] = value
     notes = [
         f"kept {key}={value!r} set by prepare ({PREPARE_RECORD}); the script's config says {have.get(key)!r} "
         "(to change it, override it: --set / TORCHRELAY_OVERRIDES)"
         for key, value in kept.items()
     ]
-    return RelayConfig.from_dict(data, source="config"), notes
+    return cfg.with_dotted(kept, source="config"), notes

@@ -10,11 +10,12 @@ from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.config import RelayConfig
 from torchrelay.errors import IntegrityError
 from torchrelay.fsutil import read_json, temp_prefix
+from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LINEAGE_FILE, MANIFEST_REL, TRAIN_DIR
 from torchrelay.manifest import INDEX_NAME
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
 # leaves its temporary behind, for the next writer to remove.
-WRITER_FILES = ("config.json", "lineage.json", "resume_contract.json", "history.jsonl")
+WRITER_FILES = (CONFIG_FILE, LINEAGE_FILE, CONTRACT_FILE, HISTORY_FILE)
 
 
 class RunDir:
@@ -23,12 +24,12 @@ class RunDir:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
-    config_path = property(lambda self: self.path / "config.json")
-    contract_path = property(lambda self: self.path / "resume_contract.json")
-    manifest_path = property(lambda self: self.path / "data" / "manifest.jsonl")
+    config_path = property(lambda self: self.path / CONFIG_FILE)
+    contract_path = property(lambda self: self.path / CONTRACT_FILE)
+    manifest_path = property(lambda self: self.path / MANIFEST_REL)
     manifest_index_path = property(lambda self: self.path / "data" / INDEX_NAME)
-    history_path = property(lambda self: self.path / "history.jsonl")
-    train_dir = property(lambda self: self.path / "train")
+    history_path = property(lambda self: self.path / HISTORY_FILE)
+    train_dir = property(lambda self: self.path / TRAIN_DIR)
 
     def exists(self) -> bool:
         # Creating a run writes the contract last: a creation killed before it leaves no run, only its debris.
@@ -53,7 +54,7 @@ class RunDir:
                 <= ({"manifest.jsonl", INDEX_NAME} if train else set())
             ):
                 continue
-            if name in ("config.json", "lineage.json") and train and _is_json_object(p):
+            if name in (CONFIG_FILE, LINEAGE_FILE) and train and _is_json_object(p):
                 continue
             out.append(name)
         return out

@@ -33,6 +33,7 @@ from torchrelay.controller.costmodel import validation_fits
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.identity import code_identity, find_code_dir
+from torchrelay.layout import CONTRACT_FILE
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
@@ -457,6 +458,6 @@ def _code_of(cwd: Path) -> dict[str, Any]:
 
 def _contract_sha(run_dir: Path) -> str | None:
     try:
-        return str(json.loads((run_dir / "resume_contract.json").read_text()).get("sha256"))
+        return str(json.loads((run_dir / CONTRACT_FILE).read_text()).get("sha256"))
     except (OSError, ValueError):
         return None

@@ -23,6 +23,7 @@ from torchrelay.audit.runner import (
     run_segments,
     subprocess_launcher,
 )
+from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import ConfigError
 from torchrelay.history import read_history
 from torchrelay.util.hashing import sha256_or_none
@@ -83,13 +84,12 @@ def _check_vary(run_dir: Path, vary: dict[str, list[Any]]) -> None:
     from torchrelay.rundir import RunDir
 
     cfg = RunDir(run_dir).load_config()
-    runtime = set(cfg.runtime_keys())
     for key in vary:
         dotted = key if key.startswith("params.") or key in cfg.to_dict() else f"params.{key}"
-        if dotted not in runtime:
+        if not cfg.is_runtime(dotted):
             raise AuditError(
                 f"--vary {key}: not a runtime field of this run, so a resume with another value is refused",
-                hint=f"vary one of: {', '.join(sorted(runtime))}",
+                hint=f"vary one of: {', '.join(sorted(cfg.runtime_keys()))}",
             )
 
 
@@ -108,7 +108,7 @@ def compare_points(
     out = {}
     for point in points:
         ca, cb = a / f"checkpoint-{point}", b / f"checkpoint-{point}"
-        missing = [c for c in (ca, cb) if not (c / "COMPLETE.json").is_file()]
+        missing = [c for c in (ca, cb) if not (c / INVENTORY).is_file()]
         if missing:
             raise AuditError(
                 f"no complete {missing[0].name} in {missing[0].parent}: the audit compares state there",

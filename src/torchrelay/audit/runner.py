@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import RelayError
 from torchrelay.proctree import end_tree
 
@@ -206,7 +207,7 @@ def run_segments(
                 hint="run the command by hand with TORCHRELAY_RUN_DIR set; it must use torchrelay.Run, reach "
                 "--updates before its total_updates, and reach run.steps() before its first update boundary",
             )
-        if not (result.checkpoint(stop) / "COMPLETE.json").is_file():
+        if not (result.checkpoint(stop) / INVENTORY).is_file():
             raise AuditError(
                 f"{name} run, segment {index + 1}: no complete checkpoint-{stop} in {run_dir} after the stop",
                 hint="the script must save and stop at the update boundary the request names",

@@ -15,6 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from torchrelay.util.hashing import sha256_json
+
 VERDICT_FORMAT = 1
 AUDIT_FILE = "AUDIT.json"
 
@@ -215,8 +217,7 @@ def save(verdict: Verdict) -> list[Path]:
 
 def code_key(code: dict[str, Any]) -> str:
     """SHA-256 of a code identity (commit, tree, dirty, dirty_sha256) as history.jsonl records it."""
-    canonical = json.dumps(code, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    return sha256_json(code)
 
 
 def verdict_for_run(run_dir: str | Path) -> dict[str, Any] | None:

@@ -20,8 +20,16 @@ HANDED_OFF = "HANDED_OFF.json"
 PACKING = "packing"
 HANDED = "handed-off"
 TMP_PREFIX = f".{HANDED_OFF}.tmp-"
+RECLAIM_ENV = "TORCHRELAY_RECLAIM"  # =1: continue (or pack) a handed-off checkpoint on purpose
 # A reclaimed checkpoint keeps its record under this prefix (TORCHRELAY_RECLAIM=1 renames it, see run.py).
 RECLAIMED_PREFIX = "HANDED_OFF.reclaimed-"
+
+
+def guarding_record(ckpt: Path) -> dict[str, Any] | None:
+    """The record that forbids continuing or packing `ckpt` again; None when there is none, or when
+    TORCHRELAY_RECLAIM=1 reclaims the checkpoint on purpose. The one fork guard of the trainer and `pack`."""
+    record = read_marker(ckpt)
+    return None if record is None or os.environ.get(RECLAIM_ENV) == "1" else record
 
 
 def read_marker(ckpt: Path) -> dict[str, Any] | None:

@@ -15,13 +15,12 @@ from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_json
+from torchrelay.layout import PREPARE_RECORD  # tolerated in a checkpoint
 from torchrelay.util.hashing import sha256_many
 from torchrelay.util.safepath import check_relative
 
 INVENTORY = "COMPLETE.json"
 INVENTORY_FORMAT = 1
-# Written by `prepare` into the run directory (handoff/prepare.py owns its format); tolerated in a checkpoint.
-PREPARE_RECORD = "REBASE_RECORD.json"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.errors import IntegrityError, UnsafeInput
 
@@ -42,9 +43,7 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
             ok, reason, size = False, exc.message, 0
         except OSError as exc:  # a folder or an unreadable file where COMPLETE.json belongs
             ok, reason, size = False, f"{child / INVENTORY}: {exc.strerror or exc}", 0
-        out.append(
-            CheckpointInfo(int(m.group(1)), child, ok, reason, size, (child / "HANDED_OFF.json").exists())
-        )
+        out.append(CheckpointInfo(int(m.group(1)), child, ok, reason, size, (child / HANDED_OFF).exists()))
     return sorted(out, key=lambda c: c.update)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from torchrelay.errors import ConfigError
+from torchrelay.util.dotted import flatten
 
 SMOKE_WHEN = ("always", "first", "never")
 # Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.
@@ -382,19 +383,9 @@ def load_plan(path: str | os.PathLike[str], sets: dict[str, Any] | None = None) 
     return Plan.from_dict(apply_sets(read_plan_file(p), sets or {}), p.resolve().parent, source=f"plan {p}")
 
 
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values, empty mappings vanish."""
-    if isinstance(data, dict):
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: data} if prefix else {}
-
-
 def plan_diff(frozen: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """[(dotted key, frozen value, current value)] for every key that differs."""
-    a, b = flatten(frozen), flatten(current)
+    a, b = flatten(frozen, keep_empty=False), flatten(current, keep_empty=False)
     missing = object()
     out = []
     for key in sorted(set(a) | set(b)):

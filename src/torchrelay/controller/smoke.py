@@ -8,7 +8,6 @@ and the checkpoint size that the cost model and the disk check use.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
@@ -82,7 +81,7 @@ def evaluate(
     saves = []
     for ckpt in list_checkpoints(smoke_dir):
         if ckpt.complete:
-            doc = json.loads((ckpt.path / INVENTORY).read_text())
+            doc = read_inventory(ckpt.path)
             saves.append(float(doc.get("save_seconds", 0.0)))
     complete = [c for c in list_checkpoints(smoke_dir) if c.complete]
     if not complete:

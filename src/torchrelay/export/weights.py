@@ -29,6 +29,7 @@ from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
+from torchrelay.layout import CONTRACT_FILE, LINEAGE_FILE
 from torchrelay.util.hashing import sha256_hex
 
 EXPORT_FORMAT = 1
@@ -162,9 +163,9 @@ def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | No
         if which is not None:
             raise ConfigError("export --checkpoint N applies to a run directory, not to a checkpoint")
         parent = source.parent
-        holder = parent if (parent / "resume_contract.json").exists() else None
+        holder = parent if (parent / CONTRACT_FILE).exists() else None
         return source, holder
-    if not (source / "resume_contract.json").exists():
+    if not (source / CONTRACT_FILE).exists():
         raise ConfigError(
             f"{source} is neither a run directory, a bundle nor a checkpoint-<N> directory",
             hint="pass RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoint-N",
@@ -200,8 +201,8 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
     lineage: dict[str, Any] = {}
     if holder is not None:
         try:
-            contract = json.loads((holder / "resume_contract.json").read_text())
-            lineage = json.loads((holder / "lineage.json").read_text())
+            contract = json.loads((holder / CONTRACT_FILE).read_text())
+            lineage = json.loads((holder / LINEAGE_FILE).read_text())
         except (OSError, ValueError):
             pass
     fields = contract.get("fields", {}) if isinstance(contract, dict) else {}

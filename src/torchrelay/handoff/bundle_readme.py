@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from torchrelay.util.dotted import flatten
+
 # Contract fields worth a line of their own in the invariants table, in this order.
 _INVARIANT_ORDER = (
     "world_size",
@@ -85,7 +87,7 @@ def render_readme(
     w(
         f"Update {update:,} of {total:,}{pct}, stopped at an update boundary "
         f"(last segment ended: `{last.get('ended', '?')}`). It is a complete checkpoint for "
-        f"{world} rank(s): model and optimizer tensors (DCP shards), `trainer_state.json` (loop and sampler "
+        f"{world} rank(s): model and optimizer tensors (DCP shards), `relay_state.json` (loop and sampler "
         "position), per-rank RNG, and `COMPLETE.json`, the inventory the trainer checks.\n"
     )
 
@@ -120,7 +122,7 @@ def render_readme(
             w(f"| {key} | `{fields[key]}` |")
     w("")
     w("Only these fields are server-specific and may be changed by `torchrelay prepare --set KEY=VALUE`:\n")
-    flat = _flatten(config)
+    flat = flatten(config)
     for key in info.get("runtime_keys", []):
         w(f"- `{key}` (now `{flat.get(key, '')}`)")
     w("")
@@ -224,13 +226,3 @@ def render_readme(
         w(f"\n**Warning:** {warning}")
     w("")
     return "\n".join(out)
-
-
-def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in obj.items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.config import RUNTIME_FIELDS, RelayConfig
-from torchrelay.contract import CONTRACT_FILE, contract_diff, flatten, load_contract
+from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.config import is_runtime_key
+from torchrelay.contract import CONTRACT_FILE, contract_diff, load_contract
 from torchrelay.errors import ConfigError, IntegrityError
+from torchrelay.layout import CONFIG_FILE, PREPARE_RECORD
+from torchrelay.util.dotted import flatten
 
 _CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -57,10 +60,10 @@ def load_side(path: Path) -> Side:
     checkpoint = None
     checkpoint_contract = None
     root = path
-    if path.name.startswith(_CHECKPOINT_PREFIX) and (path / "COMPLETE.json").exists():
+    if path.name.startswith(_CHECKPOINT_PREFIX) and (path / INVENTORY).exists():
         root, checkpoint = path.parent, path.name
         try:
-            doc = json.loads((path / "COMPLETE.json").read_text(encoding="utf-8"))
+            doc = json.loads((path / INVENTORY).read_text(encoding="utf-8"))
             checkpoint_contract = doc.get("contract_sha256") if isinstance(doc, dict) else None
         except (OSError, ValueError):
             checkpoint_contract = None
@@ -71,12 +74,12 @@ def load_side(path: Path) -> Side:
         )
     contract = load_contract(root)
     try:
-        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((root / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise IntegrityError(f"{root / 'config.json'} is unreadable: {exc}") from None
+        raise IntegrityError(f"{root / CONFIG_FILE} is unreadable: {exc}") from None
     if (root / "bundle.json").is_file() and (root / "SHA256SUMS").is_file():
         kind = "bundle"
-    elif (root / "REBASE_RECORD.json").is_file():
+    elif (root / PREPARE_RECORD).is_file():
         kind = "prepared run"
     else:
         kind = "run"
@@ -99,35 +102,19 @@ def diff(a_path: Path, b_path: Path) -> DiffReport:
     report = DiffReport(a, b)
     for key, old, new in contract_diff(a.fields, b.fields):
         report.contract.append(FieldDiff(key, old, new, runtime=False))
-    runtime = _runtime_keys(a.config) | _runtime_keys(b.config)
+    params = _runtime_params(a.config) + _runtime_params(b.config)
     for key in sorted(set(a.config) | set(b.config)):
-        if key in runtime and a.config.get(key) != b.config.get(key):
+        if is_runtime_key(key, params) and a.config.get(key) != b.config.get(key):
             report.runtime.append(
                 FieldDiff(key, a.config.get(key, "<absent>"), b.config.get(key, "<absent>"), True)
             )
     return report
 
 
-def _runtime_keys(flat_config: dict[str, Any]) -> set[str]:
-    keys = {k for k in flat_config if k.split(".", 1)[0] in RUNTIME_FIELDS}
-    try:
-        cfg = RelayConfig.from_dict(_unflatten(flat_config))
-    except Exception:  # noqa: BLE001 - a config from another version still diffs; fall back to the field list
-        return keys
-    return keys | set(cfg.runtime_keys())
-
-
-def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        head, _, tail = key.partition(".")
-        if tail and head in ("params", "external_files"):
-            out.setdefault(head, {})[tail] = value
-        else:
-            out[key] = value
-    out.setdefault("params", {})
-    out.setdefault("external_files", {})
-    return out
+def _runtime_params(flat_config: dict[str, Any]) -> list[str]:
+    # the recorded config as it is (one from another version still diffs): no RelayConfig is built from it
+    names = flat_config.get("runtime_params")
+    return [p for p in names if isinstance(p, str)] if isinstance(names, list) else []
 
 
 def format_report(report: DiffReport) -> list[str]:

@@ -17,12 +17,14 @@ from torchrelay.checkpoint.handed_off import (
     HANDED,
     HANDED_OFF,
     PACKING,
+    RECLAIM_ENV,
     clean_temporaries,
+    guarding_record,
     read_marker,
     write_marker,
 )
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
-from torchrelay.checkpoint.inventory import read_inventory
+from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, RelayError
@@ -34,10 +36,10 @@ from torchrelay.handoff.source import SOURCE_DIR, write_source
 from torchrelay.handoff.sums import SUMS_NAME, SumEntry, format_sums, write_sums
 from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
+from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LINEAGE_FILE, MANIFEST_REL, TRAIN_DIR
 from torchrelay.lock import RunLock
 from torchrelay.logs import rank_logs, trim_copy
 from torchrelay.manifest import Manifest
-from torchrelay.resume import RECLAIM_ENV
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
@@ -49,7 +51,7 @@ BUNDLE_INFO = "bundle.json"
 MANIFEST_INFO = "data/manifest_info.json"
 PROGRESS = "data/training_progress.json"
 # Copied verbatim from the run directory when present.
-RUN_FILES = ("config.json", "resume_contract.json", "history.jsonl", "data/manifest.jsonl")
+RUN_FILES = (CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, MANIFEST_REL)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,8 +105,8 @@ def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) 
         chosen = matches[0]
         if not chosen.complete:
             raise CheckpointError(f"{chosen.path} is incomplete ({chosen.reason}); it cannot be packed")
-    record = read_marker(chosen.path) if guard else None
-    if record is not None and os.environ.get(RECLAIM_ENV) != "1":
+    record = guarding_record(chosen.path) if guard else None
+    if record is not None:
         unfinished = record.get("state") == PACKING
         raise ForkRefused(
             f"{chosen.path} was already handed off (bundle lineage {record.get('lineage', '?')}, "
@@ -297,7 +299,7 @@ def _write_bundle(
             want = expected[inner]
             if c.sha256 != want["sha256"] or c.size != want["size"]:
                 raise IntegrityError(
-                    f"{c.src} does not match {ckpt / 'COMPLETE.json'} (sha256 or size differs)",
+                    f"{c.src} does not match {ckpt / INVENTORY} (sha256 or size differs)",
                     hint="the source checkpoint is damaged; pack an older one with --checkpoint N",
                 )
     missing = sorted(set(expected) - set(names))
@@ -307,15 +309,15 @@ def _write_bundle(
         )
 
     # 3. Per-rank logs up to the checkpoint's update (lines past it belong to no bundle).
-    (out / "train").mkdir(exist_ok=True)
+    (out / TRAIN_DIR).mkdir(exist_ok=True)
     for kind in ("metrics", "exposures"):
         for _rank, path in rank_logs(rd.train_dir, kind).items():
-            trim_copy(path, out / "train" / path.name, update)
+            trim_copy(path, out / TRAIN_DIR / path.name, update)
 
     # 4. Manifest identity, the exact source, progress at the stop, lineage, the README.
     manifest = Manifest.load(rd.manifest_path, cfg.data_root)
     manifest_info = {
-        "path": "data/manifest.jsonl",
+        "path": MANIFEST_REL,
         "sha256": manifest.sha256(),
         "fingerprint": manifest.fingerprint(),
         "data_root": cfg.data_root,
@@ -329,7 +331,7 @@ def _write_bundle(
     result.warnings.extend(source.warnings)
     progress = training_progress(out, update, cfg.total_updates)
     _write_json(out / PROGRESS, progress)
-    source_lineage = _read_json(rd.path / "lineage.json")
+    source_lineage = _read_json(rd.path / LINEAGE_FILE)
     info = {
         "format": BUNDLE_FORMAT,
         "lineage": lineage,
@@ -398,7 +400,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     summary.setdefault("total_updates", total_updates)
     losses: dict[int, list[float]] = {}
     lr = None
-    for _rank, path in rank_logs(bundle_like / "train", "metrics").items():
+    for _rank, path in rank_logs(bundle_like / TRAIN_DIR, "metrics").items():
         for rec in iter_records(path):
             u = int(rec.get("update", 0))
             if isinstance(rec.get("loss"), (int, float)):

@@ -18,7 +18,7 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.config import RelayConfig
-from torchrelay.contract import flatten, load_contract
+from torchrelay.contract import load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point
 from torchrelay.handoff.copying import copy_many
@@ -27,20 +27,29 @@ from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
 from torchrelay.history import new_id
+from torchrelay.layout import (
+    CONFIG_FILE,
+    CONTRACT_FILE,
+    HISTORY_FILE,
+    LINEAGE_FILE,
+    MANIFEST_REL,
+    PREPARE_RECORD,
+    TRAIN_DIR,
+)
 from torchrelay.manifest import Manifest
 from torchrelay.resume import validate_resume
 from torchrelay.rundir import RunDir
+from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.safepath import check_relative, resolve_inside
 
-RECORD = "REBASE_RECORD.json"
-MANIFEST_REL = "data/manifest.jsonl"
+RECORD = PREPARE_RECORD
 # Keys prepare owns itself: the manifest always lives in the run directory.
 _MANAGED = {
     "manifest": "the manifest is always the run directory's data/manifest.jsonl; set data_root instead"
 }
 # Files that carry on appending or get rewritten in the run dir are never hardlinked to the bundle.
-_NEVER_LINK_PREFIXES = ("train/", "history.jsonl", "config.json", MANIFEST_REL)
+_NEVER_LINK_PREFIXES = (f"{TRAIN_DIR}/", HISTORY_FILE, CONFIG_FILE, MANIFEST_REL)
 
 Say = Callable[[str], None]
 
@@ -112,15 +121,8 @@ def apply_sets(cfg: RelayConfig, sets: dict[str, Any]) -> tuple[RelayConfig, dic
             + (f"; {'; '.join(why)}" if why else ""),
             hint=f"allowed keys: {', '.join(allowed)}; every other field is part of the training contract",
         )
-    data = cfg.to_dict()
-    before = flatten(data)
-    for key, value in sets.items():
-        head, _, tail = key.partition(".")
-        if tail:
-            data[head] = {**data[head], tail: value}
-        else:
-            data[key] = value
-    new = RelayConfig.from_dict(data, source="--set")
+    before = flatten(cfg.to_dict())
+    new = cfg.with_dotted(sets, source="--set")
     after = flatten(new.to_dict())
     changes = {
         k: [before.get(k), after.get(k)]
@@ -145,7 +147,7 @@ def prepare(
     run_dir = Path(options.run_dir).absolute()
     # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory.
     try:
-        early = RelayConfig.from_dict(read_bundle_record(bundle / "config.json", "the run's configuration"))
+        early = RelayConfig.from_dict(read_bundle_record(bundle / CONFIG_FILE, "the run's configuration"))
     except (RelayError, ValueError):
         early = None  # a damaged file: the verification below names it
     if early is not None:
@@ -167,7 +169,7 @@ def prepare(
     info = read_bundle_info(bundle)
     contract = load_contract(bundle)
     stored = RelayConfig.from_dict(
-        read_bundle_record(bundle / "config.json", "the run's configuration"), source="config.json"
+        read_bundle_record(bundle / CONFIG_FILE, "the run's configuration"), source=CONFIG_FILE
     )
     new_cfg, changes = apply_sets(stored, options.sets)
 
@@ -299,11 +301,11 @@ def _prepare_into(
     _copy_bundle(bundle, tmp, report, options, hooks)
     (tmp / (MANIFEST_REL + ".orig")).unlink(missing_ok=True)
     shutil.copyfile(manifest_src, tmp / (MANIFEST_REL + ".orig"))
-    shutil.copyfile(bundle / "config.json", tmp / "config.json.orig")
+    shutil.copyfile(bundle / CONFIG_FILE, tmp / f"{CONFIG_FILE}.orig")
     final_cfg = new_cfg.replace(manifest=stored.manifest)
-    atomic_write_text(tmp / "config.json", json.dumps(final_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(tmp / CONFIG_FILE, json.dumps(final_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     lineage = {"lineage": info.get("lineage"), "parent_lineage": info.get("parent_lineage")}
-    atomic_write_text(tmp / "lineage.json", json.dumps(lineage))
+    atomic_write_text(tmp / LINEAGE_FILE, json.dumps(lineage))
 
     # 7. The same validation again on the assembled directory, which is what the launch will see.
     try:
@@ -335,7 +337,7 @@ def _prepare_into(
         "code_dir": _relative_if_inside(code_dir, tmp),
         "changes": changes,
         "proofs": passed,
-        "originals": ["config.json.orig", MANIFEST_REL + ".orig"],
+        "originals": [f"{CONFIG_FILE}.orig", MANIFEST_REL + ".orig"],
     }
     atomic_write_text(tmp / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
     return PrepareResult(run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir)
@@ -351,7 +353,7 @@ def _copy_bundle(
         for c in report.sums.checks
         if c.path.startswith(checkpoints)
         or c.path.startswith(("train/", "validation/"))
-        or c.path in ("config.json", "resume_contract.json", "history.jsonl")
+        or c.path in (CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE)
     ]
     link_ok = options.copy_mode == "hardlink"
     linkable = [p for p in wanted if link_ok and not p.startswith(_NEVER_LINK_PREFIXES)]

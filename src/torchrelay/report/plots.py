@@ -136,20 +136,20 @@ def draw_lr(ax: Axes, s: RunSeries) -> None:
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:.3g}"))
 
 
-def draw_update_time(ax: Axes, s: RunSeries) -> None:
-    if not _has_values(s.update_time):
-        return _no_data(ax, "update time")
-    ax.plot(s.updates, s.update_time, color="#2F7F5F", lw=1.2, marker="." if len(s.updates) <= 60 else None)
-    ax.set_ylabel("update time (s, slowest rank)")
+def _draw_rate(ax: Axes, s: RunSeries, values: list[float], what: str, label: str, color: str) -> None:
+    if not _has_values(values):
+        return _no_data(ax, what)
+    ax.plot(s.updates, values, color=color, lw=1.2, marker="." if len(s.updates) <= 60 else None)
+    ax.set_ylabel(label)
     ax.set_ylim(bottom=0)
+
+
+def draw_update_time(ax: Axes, s: RunSeries) -> None:
+    _draw_rate(ax, s, s.update_time, "update time", "update time (s, slowest rank)", "#2F7F5F")
 
 
 def draw_samples_per_s(ax: Axes, s: RunSeries) -> None:
-    if not _has_values(s.samples_per_s):
-        return _no_data(ax, "samples/s")
-    ax.plot(s.updates, s.samples_per_s, color="#7A4E9E", lw=1.2, marker="." if len(s.updates) <= 60 else None)
-    ax.set_ylabel("samples / s")
-    ax.set_ylim(bottom=0)
+    _draw_rate(ax, s, s.samples_per_s, "samples/s", "samples / s", "#7A4E9E")
 
 
 def draw_exposures(ax: Axes, s: RunSeries) -> None:

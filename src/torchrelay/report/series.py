@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
 from torchrelay.history import read_history
+from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
+from torchrelay.logs import rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
-
-_RANK_FILE = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
 class ReportError(RelayError):
@@ -86,27 +85,6 @@ class RunSeries:
         return list(names)
 
 
-def rank_files(train_dir: Path, kind: str) -> dict[int, Path]:
-    """`{rank: path}` of train/<kind>-rank<r>.jsonl files."""
-    found: dict[int, Path] = {}
-    if train_dir.is_dir():
-        for path in train_dir.iterdir():
-            match = _RANK_FILE.match(path.name)
-            if match and match.group(1) == kind:
-                found[int(match.group(2))] = path
-    return dict(sorted(found.items()))
-
-
-def complete_checkpoints(run_dir: Path) -> list[int]:
-    """Updates of checkpoint-N directories that carry their COMPLETE.json marker."""
-    found = []
-    for path in run_dir.iterdir():
-        match = _CHECKPOINT_DIR.match(path.name)
-        if match and path.is_dir() and (path / "COMPLETE.json").is_file():
-            found.append(int(match.group(1)))
-    return sorted(found)
-
-
 def _float(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
 
@@ -147,7 +125,7 @@ def _segments(run_dir: Path) -> list[Segment]:
 def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
     # Cumulative distinct manifest indices and total exposures after each update, over all ranks.
     per_update: dict[int, list[int]] = {}
-    for path in rank_files(train_dir, "exposures").values():
+    for path in rank_logs(train_dir, "exposures").values():
         for row in iter_records(path):
             update, indices = row.get("u"), row.get("i")
             if isinstance(update, int) and isinstance(indices, list):
@@ -165,7 +143,7 @@ def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
 
 
 def _manifest_size(run_dir: Path) -> int | None:
-    path = run_dir / "data" / "manifest.jsonl"
+    path = run_dir / MANIFEST_REL
     if not path.is_file():
         return None
     with path.open(encoding="utf-8") as handle:
@@ -178,8 +156,8 @@ def read_series(run_dir: str | Path) -> RunSeries:
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "does not exist"
         raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
-    train_dir = root / "train"
-    per_rank = {rank: _by_update(read_records(p)) for rank, p in rank_files(train_dir, "metrics").items()}
+    train_dir = root / TRAIN_DIR
+    per_rank = {rank: _by_update(read_records(p)) for rank, p in rank_logs(train_dir, "metrics").items()}
     if not per_rank or not any(per_rank.values()):
         raise ReportError(
             f"{train_dir}: no metrics-rank*.jsonl lines yet",
@@ -200,7 +178,7 @@ def read_series(run_dir: str | Path) -> RunSeries:
         series.update_time.append(max(finite_times) if finite_times else math.nan)
         series.samples_per_s.append(_float(row.get("samples_per_s")))
     series.segments = _segments(root)
-    series.checkpoints = complete_checkpoints(root)
+    series.checkpoints = [c.update for c in list_checkpoints(root) if c.complete]
     series.exposure_updates, series.distinct_samples, series.total_exposures = _exposures(train_dir)
     series.manifest_size = _manifest_size(root)
     series.validation = _validation(root)

@@ -1,1 +1,2 @@
-"""Generic helpers with no knowledge of runs or bundles: hashing, safe relative paths, progress bars."""
+"""Generic helpers with no knowledge of runs or bundles: hashing, canonical JSON, dotted keys,
+safe relative paths, progress bars."""

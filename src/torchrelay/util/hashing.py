@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import mmap
 import os
 import stat
@@ -23,6 +24,16 @@ BLOCK = 1 << 20
 ByteCallback = Callable[[int], None]
 
 _local = threading.local()
+
+
+def canonical_json(obj: Any) -> str:
+    """The one serialization that is hashed: sorted keys, no spaces, UTF-8 (contract, manifest, code keys)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex SHA-256 of `canonical_json(obj)`."""
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
 
 
 def thread_buffer(size: int = BLOCK) -> bytearray:
