@@ -30,7 +30,7 @@ from benchlib import (
     write_files,
 )
 
-from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
+from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.util.hashing import default_jobs, sha256_file
 

@@ -19,10 +19,10 @@ from helpers import clean_env, segments, write_config
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.controller.attempts import Attempts
-from torchrelay.controller.costmodel import CostModel, Measurements, parse_deadline
 from torchrelay.controller.memguard import GIB, MemoryGuard, MemoryLimits
 from torchrelay.controller.plan import MemorySpec, Plan, load_plan, plan_diff
 from torchrelay.controller.supervisor import Supervisor
+from torchrelay.costmodel import CostModel, Measurements, parse_deadline
 from torchrelay.errors import ConfigError
 from torchrelay.ledger import prove
 

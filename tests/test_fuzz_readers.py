@@ -28,13 +28,13 @@ from torchrelay.contract import CONTRACT_FILE, contract_sha256, load_contract
 from torchrelay.errors import EXIT_REFUSED, RelayError, from_exception
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.pack import read_bundle_info, read_manifest_info
-from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.handoff.verify import check_inventory, verify_bundle
 from torchrelay.history import read_history
 from torchrelay.rundir import RunDir
 from torchrelay.stop import REQUEST_FILE, StopRequest, write_request
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.safepath import walk_files
+from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 SEED = 20260909
 CASE_SECONDS = 5  # a reader that takes longer on a tiny file is hanging

@@ -21,10 +21,10 @@ from torchrelay.cli import VERBS, main
 from torchrelay.errors import RelayError, UnsafeInput
 from torchrelay.handoff.prepare import PrepareOptions, prepare
 from torchrelay.handoff.source import extract_source
-from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.safepath import walk_files
+from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 CKPT = f"checkpoint-{STOP_AT}"
 

@@ -15,10 +15,10 @@ from torchrelay.cli import main
 from torchrelay.errors import IntegrityError, RelayError, UnsafeInput
 from torchrelay.handoff.copying import copy_many
 from torchrelay.handoff.prepare import PrepareOptions, prepare
-from torchrelay.handoff.sums import SUMS_NAME, SumEntry, check_sums, parse_sums, read_sums, write_sums
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.safepath import check_relative, walk_files
+from torchrelay.util.sums import SUMS_NAME, SumEntry, check_sums, parse_sums, read_sums, write_sums
 
 
 def _tree(root: Path) -> Path:

@@ -15,6 +15,7 @@ from torchrelay.ledger import prove
 from torchrelay.lock import holder
 from torchrelay.logs import last_records, metrics_path
 from torchrelay.rundir import RunDir
+from torchrelay.validation_records import read_pending, read_records
 
 
 def _mean(values: list[float]) -> float | None:
@@ -105,14 +106,12 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     out["running"] = out["trained_by"] is not None
     # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
     out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]
-    out["audit"] = _audit_verdict(rd.path)
     out["validation"] = _validation(rd.path)
     return out
 
 
 def _validation(run_dir: Path) -> dict[str, Any]:
     """Each checkpoint's recorded validation (status, metrics, when, how long) and what is left to validate."""
-    from torchrelay.validation import read_pending, read_records
 
     records = [
         {
@@ -136,16 +135,3 @@ def _kept_because(cfg: RelayConfig, ckpts: list[CheckpointInfo]) -> dict[int, st
         elif not c.complete:
             out[c.update] = "incomplete (never chosen, never deleted by retention)"
     return out
-
-
-def _audit_verdict(run_dir: Path) -> dict[str, Any] | None:
-    """The resumability audit's last verdict for this run's script, when the audit module has one."""
-    try:
-        from torchrelay.audit import verdict_for_run
-    except ImportError:
-        return None
-    try:
-        result = verdict_for_run(run_dir)
-    except Exception:  # noqa: BLE001 - status must show the run even if the audit record is unreadable
-        return None
-    return dict(result) if result else None

@@ -23,13 +23,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.controller.costmodel import validation_fits
+from torchrelay.costmodel import validation_fits
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.identity import code_identity, find_code_dir
@@ -37,59 +37,28 @@ from torchrelay.layout import CONTRACT_FILE
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
+from torchrelay.validation_records import (
+    KEPT,
+    LOG,
+    METRICS,
+    PENDING,
+    RECORD,
+    RECORD_FORMAT,
+    VALIDATION_DIR,
+    ValidationRecord,
+    folder,
+    read_records,
+)
 
 if TYPE_CHECKING:  # the export pulls in torch; status and plans read validation records without it
     from torchrelay.export import ExportOptions
 
-VALIDATION_DIR = "validation"
-RECORD = "record.json"
-METRICS = "metrics.json"
-LOG = "output.log"
-PENDING = "pending.json"
-RECORD_FORMAT = 1
-DONE = ("ok", "failed")  # an interrupted validation is still to do
-KEPT = "kept"  # the selection "every complete checkpoint the run keeps"
 PLACEHOLDERS = ("checkpoint", "metrics", "update", "run_dir", "weights")
 WEIGHTS = "weights"  # the export of the checkpoint for {weights}, removed after the command
 # Set by a controller for its own stages: a validation command must not inherit them (TORCHRELAY_RUN_DIR would
 # redirect a Run.open inside it into the run being validated).
 _STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
 KILL_GRACE_S = 10.0
-
-
-@dataclass(kw_only=True, slots=True)
-class ValidationRecord:
-    """What one validation of one checkpoint did: `record.json`."""
-
-    update: int
-    checkpoint: str
-    command: str
-    status: str  # ok | failed | interrupted
-    reason: str = ""  # why it failed or was interrupted
-    exit_code: int | None = None
-    metrics: dict[str, Any] | None = None
-    started: float = 0.0
-    ended: float = 0.0
-    seconds: float = 0.0
-    attempt: int = 1
-    host: str = ""
-    cwd: str = ""
-    code: dict[str, Any] = field(default_factory=dict)
-    inventory_sha256: str = ""  # of the checkpoint's COMPLETE.json: exactly which bytes were validated
-    contract_sha256: str | None = None
-    format: int = RECORD_FORMAT
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ValidationRecord:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-    @property
-    def done(self) -> bool:
-        return self.status in DONE
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,53 +81,6 @@ class ValidationSpec:
             raise ConfigError("validation needs a command (plan validate.run, or --cmd)")
         if self.timeout_s < 0 or self.estimate_s < 0:
             raise ConfigError("validation timeout_s and estimate_s must be >= 0")
-
-
-def parse_updates(value: Any, source: str = "validate.updates") -> list[int] | None:
-    """'kept' (or None) -> None; [10, 20] or '10,20' -> [10, 20]."""
-    if value is None or value == KEPT:
-        return None
-    if isinstance(value, str):
-        try:
-            value = [int(x) for x in value.replace(" ", "").split(",") if x]
-        except ValueError as exc:
-            raise ConfigError(
-                f"{source}: {value!r} is neither 'kept' nor a list of updates like 10,20"
-            ) from exc
-    if not isinstance(value, list) or not value or not all(isinstance(u, int) and u >= 1 for u in value):
-        raise ConfigError(f"{source}: must be 'kept' or a non-empty list of updates >= 1, got {value!r}")
-    return sorted(set(value))
-
-
-def folder(run_dir: str | os.PathLike[str], update: int) -> Path:
-    return Path(run_dir) / VALIDATION_DIR / f"checkpoint-{update}"
-
-
-def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]:
-    """Every recorded validation, by update; a folder without a readable record holds none (killed mid-way)."""
-    root = Path(run_dir) / VALIDATION_DIR
-    out: dict[int, ValidationRecord] = {}
-    if not root.is_dir():
-        return out
-    for child in root.iterdir():
-        if not child.name.startswith("checkpoint-") or not child.name[11:].isdigit():
-            continue
-        try:
-            data = json.loads((child / RECORD).read_text())
-            record = ValidationRecord.from_dict(data)
-        except (OSError, ValueError, TypeError):
-            continue
-        out[record.update] = record
-    return dict(sorted(out.items()))
-
-
-def read_pending(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """What the last validation pass left to do (`pending.json`), or None."""
-    try:
-        data = json.loads((Path(run_dir) / VALIDATION_DIR / PENDING).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass(slots=True)

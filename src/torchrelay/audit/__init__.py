@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchrelay.audit.diagnose import CAUSES, DATA_ORDER, NONDETERMINISM, RANK_STATE, RNG, UNREGISTERED
 from torchrelay.audit.runner import AuditError
-from torchrelay.audit.verdict import Verdict, describe, last_verdict, verdict_for_run
+from torchrelay.audit.verdict import Verdict, describe, last_verdict, shown_for_run, verdict_for_run
 
 __all__ = [
     "CAUSES",
@@ -19,6 +19,7 @@ __all__ = [
     "describe",
     "last_verdict",
     "run_audit",
+    "shown_for_run",
     "verdict_for_run",
 ]
 

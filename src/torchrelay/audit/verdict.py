@@ -220,6 +220,15 @@ def code_key(code: dict[str, Any]) -> str:
     return sha256_json(code)
 
 
+def shown_for_run(run_dir: str | Path) -> dict[str, Any] | None:
+    """`verdict_for_run`, or None where the audit record cannot be read: status and report never fail over it."""
+    try:
+        found = verdict_for_run(run_dir)
+    except Exception:  # noqa: BLE001 - an unreadable audit record must not cost the user the run's status
+        return None
+    return dict(found) if found else None
+
+
 def verdict_for_run(run_dir: str | Path) -> dict[str, Any] | None:
     """The last audit verdict that applies to a run directory, for `torchrelay status`; None if none applies.
 

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from torchrelay.config import parse_assignments
-from torchrelay.controller.costmodel import parse_deadline
 from torchrelay.controller.launcher import LaunchRequest, launch
+from torchrelay.costmodel import parse_deadline
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from torchrelay.audit.verdict import shown_for_run
 from torchrelay.report import render
 
 
@@ -15,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = render(args.run_dir, args.out)
+    found = shown_for_run(args.run_dir)
+    result = render(args.run_dir, args.out, audit=str(found["verdict"]) if found else None)
     print(f"report: {result.html}")
     for path in result.pngs():
         print(f"  plot: {path}")

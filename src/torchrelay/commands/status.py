@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from torchrelay.audit.verdict import shown_for_run
 from torchrelay.errors import EXIT_ERROR, ConfigError
 from torchrelay.history import read_history
 from torchrelay.lock import describe, holder
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.last_exit:
         return _last_exit(args.run_dir)
     s = summarize(args.run_dir, ledger=args.ledger)
+    s["audit"] = shown_for_run(args.run_dir)  # the summary is the run's; the verdict is the audit's
     if args.json:
         print(json.dumps(s, indent=1, sort_keys=True))
         return 0

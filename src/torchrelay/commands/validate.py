@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from torchrelay.errors import EXIT_BUDGET, EXIT_ERROR, EXIT_FINISHED, ConfigError
-from torchrelay.validation import KEPT, ValidationRecord, ValidationSpec, parse_updates, validate_checkpoints
+from torchrelay.validation import ValidationSpec, validate_checkpoints
+from torchrelay.validation_records import KEPT, ValidationRecord, parse_updates
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,6 @@ from rich.table import Table
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.attempts import Attempt, Attempts, Outcome
-from torchrelay.controller.costmodel import CostModel, Measurements, earliest
 from torchrelay.controller.memguard import MemoryLimits
 from torchrelay.controller.plan import Plan, load_plan
 from torchrelay.controller.preflight import CheckResult, PreflightReport, check_disk, run_preflight
@@ -36,6 +35,7 @@ from torchrelay.controller.supervisor import (
     last_logged_update,
     segment_ended,
 )
+from torchrelay.costmodel import CostModel, Measurements, earliest
 from torchrelay.ended import CLEAN_STOPS, exit_code_of
 from torchrelay.errors import (
     EXIT_BUDGET,

@@ -237,7 +237,7 @@ class ValidateSpec:
     export: Any = False
 
     def __post_init__(self) -> None:
-        from torchrelay.validation import parse_updates
+        from torchrelay.validation_records import parse_updates
 
         _check_type("plan validate", "run", self.run, str)
         parse_updates(self.updates, "plan validate.updates")
@@ -258,7 +258,7 @@ class ValidateSpec:
     @property
     def update_list(self) -> list[int] | None:
         """The named updates, or None for every kept checkpoint."""
-        from torchrelay.validation import parse_updates
+        from torchrelay.validation_records import parse_updates
 
         return parse_updates(self.updates, "plan validate.updates")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.controller.costmodel import Measurements
+from torchrelay.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
 from torchrelay.history import read_history
 from torchrelay.logs import metrics_path

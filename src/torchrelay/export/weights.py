@@ -28,9 +28,9 @@ from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
-from torchrelay.handoff.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.layout import CONTRACT_FILE, LINEAGE_FILE
 from torchrelay.util.hashing import sha256_hex
+from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 EXPORT_FORMAT = 1
 PROVENANCE = "torchrelay_export.json"

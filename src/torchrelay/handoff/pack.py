@@ -33,7 +33,6 @@ from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many
 from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
 from torchrelay.handoff.source import SOURCE_DIR, write_source
-from torchrelay.handoff.sums import SUMS_NAME, SumEntry, format_sums, write_sums
 from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
 from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LINEAGE_FILE, MANIFEST_REL, TRAIN_DIR
@@ -44,7 +43,8 @@ from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.safepath import walk_files
-from torchrelay.validation import VALIDATION_DIR
+from torchrelay.util.sums import SUMS_NAME, SumEntry, format_sums, write_sums
+from torchrelay.validation_records import VALIDATION_DIR
 
 BUNDLE_FORMAT = 1
 BUNDLE_INFO = "bundle.json"

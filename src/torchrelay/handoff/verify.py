@@ -18,9 +18,9 @@ from torchrelay.checkpoint.inventory import (
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_bounded
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
-from torchrelay.handoff.sums import SUMS_LIMIT, SUMS_NAME, SumsReport, check_sums, listed_size, parse_sums
 from torchrelay.util.hashing import ByteCallback
 from torchrelay.util.safepath import walk_files
+from torchrelay.util.sums import SUMS_LIMIT, SUMS_NAME, SumsReport, check_sums, listed_size, parse_sums
 
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-[0-9]+$")
 

@@ -26,8 +26,12 @@ class ReportResult:
         return [self.overview, *self.plots.values()]
 
 
-def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResult:
-    """Draw the run in `run_dir` into `out_dir` (default RUN_DIR/report): overview.png, one PNG per plot, report.html."""
+def render(
+    run_dir: str | Path, out_dir: str | Path | None = None, *, audit: str | None = None
+) -> ReportResult:
+    """Draw the run in `run_dir` into `out_dir` (default RUN_DIR/report): overview.png, one PNG per plot, report.html.
+
+    `audit`: the resumability audit's verdict line for the page (the `report` command looks it up)."""
     # Imported here so that `import torchrelay.report` stays cheap for tools that only read series.
     from torchrelay.report.html import write_html
     from torchrelay.report.plots import PANELS, draw_overview, draw_panel, draw_validation
@@ -51,7 +55,7 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResu
     images = {"overview": ("Overview", overview)} | {
         name: (titles[name], path) for name, path in plots.items()
     }
-    page = write_html(series, images, out / "report.html", audit=_audit_line(run_dir))
+    page = write_html(series, images, out / "report.html", audit=audit)
     return ReportResult(
         out_dir=out,
         html=page,
@@ -60,14 +64,3 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> ReportResu
         segments=len(series.segments),
         updates=len(series.updates),
     )
-
-
-def _audit_line(run_dir: str | Path) -> str | None:
-    """The audit's verdict for this run, when there is one; a report never fails over it."""
-    from torchrelay.audit.verdict import verdict_for_run
-
-    try:
-        found = verdict_for_run(run_dir)
-    except Exception:  # noqa: BLE001 - an unreadable audit record must not cost the user the plots
-        return None
-    return str(found["verdict"]) if found else None

@@ -186,7 +186,7 @@ def read_series(run_dir: str | Path) -> RunSeries:
 
 
 def _validation(run_dir: Path) -> list[ValidationPoint]:
-    from torchrelay.validation import read_records
+    from torchrelay.validation_records import read_records
 
     points = []
     for record in read_records(run_dir).values():
