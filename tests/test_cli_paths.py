@@ -76,3 +76,27 @@ def test_every_verb_refuses_a_wrong_path_in_one_message(
     # one message: its line, and at most a hint (a refusal may list fields, never a stack)
     assert len(message) <= 2 or all(not line.startswith("  File ") for line in message), out.err
     assert not any((tmp_path / name).exists() for name in ("bundle", "prepared", "exported"))
+
+
+def test_version_and_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--version` names the package's version; the library's information reaches stdout unless `-q` (its
+    warnings and errors stay); `-v` shows it too."""
+    from torchrelay import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"torchrelay {__version__}\n"
+
+    bundle = (
+        tmp_path / "bundle"
+    )  # a bundle whose one listed file is missing: prepare says it verifies, then fails
+    bundle.mkdir()
+    (bundle / "SHA256SUMS").write_text(f"{'0' * 64}  config.json\n")
+    said = "verifying the bundle against SHA256SUMS"
+    codes = {}
+    for flags in ([], ["-v"], ["-q"]):
+        codes[tuple(flags)] = main([*flags, "prepare", str(bundle), "--run-dir", str(tmp_path / "run")])
+        out, err = capsys.readouterr()
+        assert (said in out) == (flags != ["-q"]), (flags, out)
+        assert "config.json" in out + err, (flags, out, err)  # the failure itself is never silenced
+    assert len(set(codes.values())) == 1 and codes[()] != 0

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from torchrelay import __version__
 from torchrelay.errors import EXIT_ERROR, RelayError, from_exception
+from torchrelay.log import configure
 
 # verb -> module under torchrelay.commands exposing `add_arguments(parser)` and `run(args) -> int`
 VERBS: dict[str, str] = {
@@ -48,6 +51,10 @@ HELP = {
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen verb's module is imported (some pull in torch, which takes seconds)."""
     parser = argparse.ArgumentParser(prog="torchrelay", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"torchrelay {__version__}")
+    noise = parser.add_mutually_exclusive_group()
+    noise.add_argument("-v", "--verbose", action="store_true", help="also the library's debug records")
+    noise.add_argument("-q", "--quiet", action="store_true", help="only the library's warnings and errors")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, module_name in VERBS.items():
         p = sub.add_parser(name, help=HELP.get(name), description=HELP.get(name))
@@ -65,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     verb = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(verb if verb in VERBS else None)
     args = parser.parse_args(argv)
+    # the library's records (the rank in each): information on stdout, warnings on stderr, as the verbs print
+    configure(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
     try:
         return int(args._run(args))
     except BrokenPipeError:  # `torchrelay status --json | head`

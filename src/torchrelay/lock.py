@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.errors import ConfigError, RunBusy
+from torchrelay.log import logger
 
 TRAIN_LOCK = ".torchrelay-train.lock"
 LOCK_FILES = frozenset({TRAIN_LOCK})
@@ -86,7 +87,7 @@ class RunLock:
                     os.close(fd)
                     raise
                 os.close(fd)
-                print(f"[torchrelay] {self.path}: no flock here ({exc}); running unlocked", file=sys.stderr)
+                logger.warning(f"[torchrelay] {self.path}: no flock here ({exc}); running unlocked")
                 return self
         record = {
             "role": self.role,

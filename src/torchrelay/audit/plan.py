@@ -134,16 +134,6 @@ def _difference(a: Path, b: Path, points: Sequence[int], atol: float, ignore: fr
     return None
 
 
-def print_segment(name: str, seg: SegmentLaunch) -> None:
-    over = f" overrides {seg.overrides}" if seg.overrides else ""
-    """Print one line per finished launch (the CLI's progress)."""
-    print(
-        f"  {name} run, segment {seg.index}: stop after update {seg.stop_at}: {seg.ended} "
-        f"in {seg.seconds:.1f}s{over}",
-        flush=True,
-    )
-
-
 def run_audit(
     plan: AuditPlan,
     *,

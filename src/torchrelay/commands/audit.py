@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrelay.audit import AuditError
+
+if TYPE_CHECKING:  # the runner pulls in torch
+    from torchrelay.audit.runner import SegmentLaunch
 
 
 def _ints(text: str) -> list[int]:
@@ -83,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchrelay.audit.plan import AuditPlan, print_segment, run_audit
+    from torchrelay.audit.plan import AuditPlan, run_audit
     from torchrelay.audit.verdict import render_table
 
     launch = list(args.launch)
@@ -112,3 +115,13 @@ def run(args: argparse.Namespace) -> int:
         if verdict.run_dirs:
             print("run directories kept: " + ", ".join(f"{k} {v}" for k, v in verdict.run_dirs.items()))
     return 0 if verdict.equal else 1
+
+
+def print_segment(name: str, seg: SegmentLaunch) -> None:
+    """One line per finished launch: the audit's progress."""
+    over = f" overrides {seg.overrides}" if seg.overrides else ""
+    print(
+        f"  {name} run, segment {seg.index}: stop after update {seg.stop_at}: {seg.ended} "
+        f"in {seg.seconds:.1f}s{over}",
+        flush=True,
+    )

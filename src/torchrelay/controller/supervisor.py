@@ -27,6 +27,7 @@ import psutil
 
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
 from torchrelay.history import read_history
+from torchrelay.log import logger
 from torchrelay.logs import metrics_path
 from torchrelay.proctree import Tree, survivors
 from torchrelay.rundir import RunDir
@@ -70,7 +71,7 @@ class Supervisor:
     kill_grace_s: float = KILL_GRACE_S  # from a forwarded stop signal to the kill
     job: str | None = None
     output: IO[str] | None = None  # where the command's output is echoed (default: stdout)
-    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    log: Callable[[str], None] = logger.warning
     _proc: subprocess.Popen[str] | None = None
     _pending: list[int] = field(default_factory=list)
     _sent: list[str] = field(default_factory=list)

@@ -36,6 +36,7 @@ from torchrelay.layout import (
     PREPARE_RECORD,
     TRAIN_DIR,
 )
+from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.resume import validate_resume
 from torchrelay.rundir import RunDir
@@ -136,7 +137,7 @@ def prepare(
     bundle: Path,
     options: PrepareOptions,
     *,
-    say: Say = print,
+    say: Say = logger.info,
     on_bytes: ByteCallback | None = None,
     on_files: Callable[[int, int], None] | None = None,
 ) -> PrepareResult:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from torchrelay.data.loader import RelayLoader
 from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import RelayOptions, check_supported, relay_config, write_manifest
+from torchrelay.log import logger
 from torchrelay.run import Run, Step
 
 
@@ -256,11 +256,9 @@ class RelayTrainerMixin:
         if output_dir is None or Path(output_dir).resolve() == run_dir:
             if self.relay.ended != Ended.FINISHED:
                 if self.relay.rank == 0:
-                    print(
+                    logger.warning(
                         f"[torchrelay] save_model: the run has not finished ({self.relay.ended}); the state is in "
-                        "its newest checkpoint, final/ is written when it finishes",
-                        file=sys.stderr,
-                        flush=True,
+                        "its newest checkpoint, final/ is written when it finishes"
                     )
                 return
             output_dir = str(run_dir / "final")

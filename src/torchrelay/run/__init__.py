@@ -57,6 +57,7 @@ from torchrelay.identity import (
     versions,
 )
 from torchrelay.lock import LOCK_FILES, RunLock
+from torchrelay.log import ensure_voice, logger, set_rank
 from torchrelay.logs import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.manifest import Manifest
 from torchrelay.resume import keep_prepared, schedule_gate, validate_resume
@@ -224,9 +225,11 @@ class Run:
         history.jsonl as a segment that ended `refused` (exit 2), unless another writer holds the run.
         """
         install_excepthook()  # an uncaught refusal: one message and its exit code, not a traceback per rank
+        ensure_voice()  # the library logs; a script that configured no logging still sees its lines
         run_opening()
         self = object.__new__(cls)
         self.rank, self.world_size = _dist()
+        set_rank(self.rank)
         self.distributed = self.world_size > 1
         self._opened_at = time.time()
         env_dir = os.environ.get("TORCHRELAY_RUN_DIR")
@@ -338,7 +341,7 @@ class Run:
             self.segment["deadline"] = self._deadline
             if deadline:
                 left = deadline.at - time.time()
-                print(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})", flush=True)
+                logger.info(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})")
             upsert(self.dir.path, self.segment)
         return self
 
@@ -426,9 +429,7 @@ class Run:
             )
             write_history(self.dir.path, [*close_crashed(history, None), segment])
         except (OSError, RelayError) as exc:
-            print(
-                f"[torchrelay] could not record the refused launch in history.jsonl: {exc}", file=sys.stderr
-            )
+            logger.warning(f"[torchrelay] could not record the refused launch in history.jsonl: {exc}")
 
     def _manifest_path(self, cfg: RelayConfig) -> Path:
         p = Path(cfg.manifest)
@@ -450,7 +451,7 @@ class Run:
             if config is not None:
                 cfg, kept = keep_prepared(rd.path, stored, cfg, overrides)  # prepare's fields win
                 for note in kept:
-                    print(f"[torchrelay] warning: {note}", file=sys.stderr, flush=True)
+                    logger.warning(f"[torchrelay] warning: {note}")
             cfg = cfg.with_overrides(overrides) if overrides else cfg
             clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
             # The script and the modules it imported from the code directory, tracked by git or not.
@@ -659,18 +660,17 @@ class Run:
         cfg = self.config
         if self._finished_before:
             if self.rank == 0:
-                print(
+                logger.info(
                     f"[torchrelay] {self.dir.path} is finished (update {self.start_update} of "
-                    f"{cfg.total_updates}): nothing to train, nothing recorded",
-                    flush=True,
+                    f"{cfg.total_updates}): nothing to train, nothing recorded"
                 )
             self.exit_code, self.ended = EXIT_FINISHED, Ended.FINISHED
             self._end_segment(self.start_update)
             return
         if self.resume_from is not None:
             ckpt_state.load_rng(self.resume_from, self.rank)
-        print(f"[rank {self.rank}] {self.gate}", flush=True)
-        print(f"[rank {self.rank}] TRAINING_CONTRACT {self.contract_sha}", flush=True)
+        logger.info(f"[rank {self.rank}] {self.gate}")
+        logger.info(f"[rank {self.rank}] TRAINING_CONTRACT {self.contract_sha}")
         batches = RankBatches(
             self.order,
             self.start_update,
@@ -682,7 +682,7 @@ class Run:
         )
         context, note = loader.context()
         if note and self.rank == 0:
-            print(f"[torchrelay] {note}", file=sys.stderr, flush=True)
+            logger.warning(f"[torchrelay] {note}")
             self._notes.append(note)
         it = loader.start(batches, cfg.seed, context)
         saver = self._saver
@@ -738,12 +738,12 @@ class Run:
     def _local_stop_code(self, done: int, update_s: float, interval: int, request: StopRequest | None) -> int:
         """This rank's stop proposal at an agreement boundary; only rank 0 reads the request file."""
         if request is not None and request.note and request.note not in self._notes:
-            print(f"[torchrelay] {request.note}", file=sys.stderr, flush=True)
+            logger.warning(f"[torchrelay] {request.note}")
             self._notes.append(request.note)
         if request is not None and is_stale(request, self.job):
             if not self._stale_reported:
                 note = f"ignored stale stop request for job {request.job} (this job: {self.job})"
-                print(f"[torchrelay] {note}", file=sys.stderr, flush=True)
+                logger.warning(f"[torchrelay] {note}")
                 self._notes.append(note)
                 self._stale_reported = True
             request = None
@@ -798,7 +798,7 @@ class Run:
         self.ended = ended_of(code)
         if self.rank == 0:
             why = getattr(self, "_stop_why", "")
-            print(f"[torchrelay] stopped at update {done}: {self.ended} {why}".rstrip(), flush=True)
+            logger.info(f"[torchrelay] stopped at update {done}: {self.ended} {why}".rstrip())
             if code and self.ended in (Ended.REQUEST, Ended.MEMORY):
                 self._consume_request()
         self._end_segment(done)
@@ -826,7 +826,7 @@ class Run:
             try:
                 upsert(self.dir.path, seg)
             except (OSError, RelayError) as exc:  # a full disk must not hide the error that ended the run
-                print(f"[torchrelay] could not record the segment in history.jsonl: {exc}", file=sys.stderr)
+                logger.warning(f"[torchrelay] could not record the segment in history.jsonl: {exc}")
         self._unlock()
         self._signals.restore()
         self._closed = True
