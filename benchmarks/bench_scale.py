@@ -12,6 +12,7 @@ run trims them as a real resume does.
 Measured (each in its own process, peak RSS of that process; `import torchrelay` included):
 - open:        `Run.open` of the existing run (rank 0: contract, manifest digest + its index, checkpoint, trim, history)
 - open_cold:   the same with the manifest's index removed (every line read: a run made before the index existed)
+- import_only: `import torchrelay; torchrelay.Run` (torch and DCP), which every open above includes
 - open_rank:   what every other rank does: the manifest from the index, given rank 0's digest, and the order
 - status:      `torchrelay status RUN`
 - ledger:      `torchrelay ledger RUN` (proves every exposure exactly once)
@@ -216,6 +217,16 @@ run.close()
 print("seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
 """
 )
+_IMPORT = (
+    _HWM
+    + """
+import time
+t0 = time.perf_counter()
+import torchrelay as tr
+tr.Run
+print("seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
+"""
+)
 _RANK = (
     _HWM
     + """
@@ -315,6 +326,7 @@ def measure_run(base: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
     out["status"] = measure(cli("status", str(run_dir)))
     out["ledger"] = measure(cli("ledger", str(run_dir)))
     out["open"] = measure([sys.executable, "-c", _OPEN, str(run_dir), code])
+    out["import_only"] = measure([sys.executable, "-c", _IMPORT])  # what every open pays before it starts
     out["open_rank"] = measure([sys.executable, "-c", _RANK, str(run_dir), sha])
     index = rd.manifest_index_path
     kept = index.with_name(index.name + ".kept")

@@ -492,6 +492,9 @@ def _check_unique(m: Manifest, hashes: np.ndarray) -> None:
             first[rid] = i
     if repeated:
         i = min(repeated)
+        lineno, left = 1, int(m.records._starts[i])
         with open(m.path, "rb") as f:
-            lineno = f.read(int(m.records._starts[i])).count(b"\n") + 1
+            while left > 0 and (block := f.read(min(left, _BLOCK))):
+                lineno += block.count(b"\n")
+                left -= len(block)
         raise ConfigError(f"{m.path}:{lineno}: duplicate sample id {m.id_of(i)!r}")
