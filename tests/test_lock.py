@@ -16,6 +16,7 @@ import pytest
 
 from helpers import clean_env, launch, launch_bg, segments, wait_for_update, write_config
 from test_controller import CLI, launch_cli, write_plan
+from torchrelay.cli import main
 from torchrelay.controller.attempts import Attempts
 from torchrelay.errors import RunBusy
 from torchrelay.ledger import prove
@@ -87,8 +88,10 @@ def test_second_writer_is_refused_while_the_run_trains(example: dict[str, Path],
         tmp_path / "lm.yaml",
         example["manifest"],
         example["root"],
-        total_updates=24,
-        **{"params.min_update_s": 1.0},  # >= 15 s of training left after update 9 for the refusals below
+        total_updates=200,
+        # >= 190 s of training left after update 9 for the refusals below, even on a loaded 2-core machine (24
+        # updates left 15 s, too few at load 20); a stop request ends it as soon as they are checked.
+        **{"params.min_update_s": 1.0},
     )
     run = tmp_path / "run"
     first = launch_bg(example["code"], run, config=config)
@@ -113,12 +116,15 @@ def test_second_writer_is_refused_while_the_run_trains(example: dict[str, Path],
         assert second.returncode != 0
         assert "is in use by a writer: pid" in second.stderr and "a second writer would fork" in second.stderr
         assert first.poll() is None, "the first run must still train for the refusals to mean anything"
-        assert first.wait(timeout=120) == 0, first.stdout.read() if first.stdout else ""
+        stop = subprocess.run([*CLI, "stop", str(run)], capture_output=True, text=True, env=clean_env())
+        assert stop.returncode == 0, stop.stderr
+        first.wait(timeout=120)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
-    # The refused launch left no trace: one segment, every sample exactly once.
-    assert [s["ended"] for s in segments(run)] == ["finished"]
+    # The refused launch left no trace: one segment (stopped by the request), every sample exactly once.
+    assert [s["ended"] for s in segments(run)] == ["request"]
+    assert main(["status", str(run), "--last-exit"]) == 4  # what torchrun's folded exit 1 stood for
     assert prove(run).ok
     state = json.loads(
         subprocess.run([*CLI, "status", str(run), "--json"], capture_output=True, text=True).stdout
