@@ -12,6 +12,7 @@ import gc
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,27 +60,37 @@ def clean_stale(run_dir: Path) -> list[str]:
     return removed
 
 
-def _broadcast(obj: Any, distributed: bool) -> Any:
+def _broadcast(obj: Any, distributed: bool, group: Any = None) -> Any:
     if not distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+Written = dict[str, tuple[str, int]]  # relative path -> (SHA-256, size) of the files a rank wrote
 
 
 def commit_checkpoint(
     run_dir: Path,
     update: int,
-    write: Callable[[Path, Callable[[str], None] | None], None],
+    write: Callable[[Path, Callable[[str], None] | None], Written | None],
     *,
     rank: int,
     world_size: int,
     info: dict[str, Any],
     retention: PreservationPolicy,
+    group: Any = None,
+    started: float | None = None,
 ) -> tuple[Path, float]:
-    """Write `checkpoint-<update>/` through the protocol; returns its path and the seconds it took."""
+    """Write `checkpoint-<update>/` through the protocol; returns its path and the seconds it took.
+
+    `write` may return the SHA-256 and size of the files it wrote, hashed as they were written: the inventory
+    takes them as they are and hashes only what no rank reported (DCP's `.metadata`). Collectives go through
+    `group` (a background persist has a gloo group of its own). `started`: when the save began (its staging).
+    """
     distributed = world_size > 1
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     hook = kill_hook_for(update, rank)
     tmp_name = None
     error = ""
@@ -89,13 +100,14 @@ def commit_checkpoint(
             (run_dir / tmp_name).mkdir()
         except OSError as exc:
             error = f"cannot create {run_dir / tmp_name}: {exc.strerror}"
-    tmp_name, error = _broadcast((tmp_name, error), distributed)
+    tmp_name, error = _broadcast((tmp_name, error), distributed, group)
     if error:
         raise CheckpointError(error)
     tmp = run_dir / tmp_name
     local_error = ""
+    written: Written | None = None
     try:
-        write(tmp, hook)
+        written = write(tmp, hook)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must learn of any failure
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         local_error = f"rank {rank}: {type(exc).__name__}: {first_line}"[:500]
@@ -107,7 +119,7 @@ def commit_checkpoint(
     errors = [local_error]
     if distributed:
         errors = [""] * world_size
-        dist.all_gather_object(errors, local_error)
+        dist.all_gather_object(errors, local_error, group=group)
     failed = [e for e in errors if e]
     if failed:
         if rank == 0:
@@ -120,15 +132,18 @@ def commit_checkpoint(
         raise err if rank == 0 else mark_reported(err)  # the same message on every rank: rank 0 says it
     if hook:
         hook("inventory")
-    files = list_files(tmp)
-    mine = inventory_entries(tmp, (rel for i, rel in enumerate(files) if i % world_size == rank))
+    if written is None:  # a writer that hashed nothing: each rank hashes a share of the files
+        files = list_files(tmp)
+        mine: Any = inventory_entries(tmp, (rel for i, rel in enumerate(files) if i % world_size == rank))
+    else:
+        mine = [{"path": rel, "sha256": sha, "size": size} for rel, (sha, size) in written.items()]
     gathered: list[Any] = [mine]
     if distributed:
         gathered = [None] * world_size
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=group)
     final = run_dir / f"checkpoint-{update}"
     if rank == 0:
-        entries = [e for part in gathered for e in part]
+        entries = _complete_entries(tmp, [e for part in gathered for e in part])
         seconds = time.perf_counter() - started
         write_inventory(
             tmp, entries, update=update, save_seconds=round(seconds, 4), world_size=world_size, **info
@@ -145,8 +160,29 @@ def commit_checkpoint(
     elif hook:
         hook("rename")
     if distributed:
-        dist.barrier()
+        dist.barrier(group=group)
     return final, time.perf_counter() - started
+
+
+def _complete_entries(tmp: Path, reported: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The inventory of `tmp`: what the ranks reported (each file's size checked against the disk), plus the
+    files no rank reported, hashed now (small ones: DCP's `.metadata`)."""
+    by_path = {e["path"]: e for e in reported}
+    entries = []
+    missing = []
+    for rel in list_files(tmp):
+        entry = by_path.get(rel)
+        if entry is None:
+            missing.append(rel)
+            continue
+        size = (tmp / rel).stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"{tmp / rel}: {size} bytes on disk, {entry['size']} written")
+        entries.append(entry)
+    gone = sorted(set(by_path) - set(list_files(tmp)))
+    if gone:
+        raise CheckpointError(f"{tmp}: files written but gone before the inventory: {gone[:5]}")
+    return entries + inventory_entries(tmp, missing)
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -172,8 +208,31 @@ def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
     for update in decide(retention, complete).deleted:
         doomed = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
         os.rename(complete[update].path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    for child in run_dir.iterdir():
-        if child.name.startswith(DELETING_PREFIX):
-            shutil.rmtree(child, ignore_errors=True)
-    fsync_dir(run_dir)
+    fsync_dir(run_dir)  # from here no reader sees them: what is left is freeing the space
+    doomed_dirs = [c for c in run_dir.iterdir() if c.name.startswith(DELETING_PREFIX)]
+    if doomed_dirs:
+        # Deleting gigabytes takes seconds: never on the training thread. A crash leaves `.deleting-*`
+        # directories, which the next start removes (clean_stale).
+        thread = threading.Thread(
+            target=_delete, args=(doomed_dirs,), name="torchrelay-retention", daemon=True
+        )
+        with _DELETERS_LOCK:
+            _DELETERS.append(thread)
+        thread.start()
+
+
+_DELETERS: list[threading.Thread] = []
+_DELETERS_LOCK = threading.Lock()
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_deletions() -> None:
+    """Wait for the retention deletions started so far (a segment's end: no `.deleting-*` left behind)."""
+    with _DELETERS_LOCK:
+        threads, _DELETERS[:] = list(_DELETERS), []
+    for thread in threads:
+        thread.join()

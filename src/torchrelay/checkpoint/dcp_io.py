@@ -9,14 +9,22 @@ inventory. Tensor shards are read with torch.load(weights_only=True).
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 import pickle
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -28,8 +36,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
-from torchrelay.errors import CheckpointError, UnsafeInput
+from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput, mark_reported
 from torchrelay.fsutil import read_bounded
+from torchrelay.util.hashing import default_jobs
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -213,7 +222,16 @@ def _check_storage(md: Metadata, model_dir: Path, path: Path) -> None:
 
 
 class SafeReader(dcp.FileSystemReader):
-    """A FileSystemReader whose metadata comes from the allow-listed unpickler."""
+    """A FileSystemReader whose metadata comes from the allow-listed unpickler.
+
+    Given `expected` ({file name in the DCP directory: (SHA-256, size)}), every file this rank loads from is read
+    whole by a pool of threads ahead of DCP, hashed as it is read and checked before DCP parses a byte of it: one
+    pass over the disk, on as many cores as files, while DCP turns the bytes already read into tensors."""
+
+    def __init__(self, path: str, expected: dict[str, tuple[str, int]] | None = None) -> None:
+        super().__init__(path)
+        self.expected = expected
+        self.verified: set[str] = set()  # names of the files read and checked
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = read_metadata(Path(self.path))
@@ -221,16 +239,145 @@ class SafeReader(dcp.FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if self.expected is None:
+            return super().read_data(plan, planner)
+        order: list[str] = []  # the files in the order DCP opens them (it groups the plan's items by file)
+        for item in plan.items:
+            rel = self.storage_data[item.storage_index].relative_path
+            if rel not in order:
+                order.append(rel)
+        prefetch = _Prefetch(Path(self.path), order, self.expected)
+        self.fs = prefetch  # DCP opens each file through self.fs.create_stream
+        try:
+            return super().read_data(plan, planner)
+        finally:
+            prefetch.close()
+            self.verified |= prefetch.done
+
+
+class _Prefetch(FileSystem):
+    """Reads and verifies the files of one load ahead of DCP, holding at most a core's worth of them in memory."""
+
+    def __init__(self, root: Path, order: list[str], expected: dict[str, tuple[str, int]]) -> None:
+        super().__init__()
+        self.root, self.expected = root, expected
+        self.done: set[str] = set()
+        jobs = max(1, min(len(order), default_jobs()))
+        self._room = threading.Semaphore(jobs + 1)  # files read but not yet parsed, at most
+        self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="torchrelay-load")
+        self._futures = {rel: self._pool.submit(self._read, rel) for rel in order}
+
+    def _read(self, rel: str) -> bytearray:
+        self._room.acquire()
+        path = safe_relpath(self.root, rel, self.root / ".metadata")
+        if rel not in self.expected:
+            raise UnsafeInput(f"{path}: not listed in the checkpoint's inventory; refusing to read it")
+        digest, size = self.expected[rel]
+        data = bytearray(size)
+        view = memoryview(data)
+        h = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            got = 0
+            while got < size:
+                n = f.readinto(view[got : got + _CHUNK])
+                if not n:
+                    break
+                h.update(view[got : got + n])  # still in cache: hashed as it is read
+                got += n
+            extra = f.read(1)
+        if got != size or extra:
+            raise IntegrityError(
+                f"{path} has {'more than ' if extra else ''}{got} bytes, the inventory says {size}",
+                hint="the file is damaged; restore it, or remove the checkpoint to resume from an older one",
+            )
+        if h.hexdigest() != digest:
+            raise IntegrityError(
+                f"{path} does not match its SHA-256 in {INVENTORY}",
+                hint="the file is damaged; restore it, or remove the checkpoint to resume from an older one",
+            )
+        return data
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        rel = Path(path).relative_to(self.root).as_posix()
+        future = self._futures.get(rel)
+        if future is None or mode != "rb":
+            raise CheckpointError(f"{path}: opened by DCP outside its load plan")
+        data = future.result()
+        try:
+            yield _Memory(data)
+        finally:
+            self.done.add(rel)
+            del self._futures[rel]
+            self._room.release()
+
+    def close(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
+        for _ in self._futures:
+            self._room.release()  # a read still waiting for room ends
+        self._pool.shutdown(wait=True)
+
+
+_CHUNK = 16 << 20
+
+
+class _Memory(io.RawIOBase):
+    """A read-only, seekable file over bytes already in memory."""
+
+    def __init__(self, data: bytearray) -> None:
+        super().__init__()
+        self._view, self._pos = memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = min(max(base + pos, 0), len(self._view))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = min(len(out), len(self._view) - self._pos)
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
 
 def save(state: dict[str, Any], directory: Path) -> None:
     """Write tensors only (every rank calls it); DCP deduplicates replicated tensors across ranks."""
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
 
 
-def load(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> None:
-    """Fill `state`'s tensors in place from `directory`."""
+def load(
+    state: dict[str, Any],
+    directory: Path,
+    *,
+    no_dist: bool = False,
+    expected: dict[str, tuple[str, int]] | None = None,
+) -> set[str]:
+    """Fill `state`'s tensors in place from `directory`. With `expected` ({name: (SHA-256, size)} of the files
+    in `directory`), each file read is verified as it is read; returns the names of the files verified."""
     read_metadata(directory)  # refuse a tampered file before DCP opens anything
-    dcp.load(state, storage_reader=SafeReader(str(directory)), no_dist=no_dist)
+    reader = SafeReader(str(directory), expected)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=no_dist)
+    except CheckpointException as exc:  # a file failed its check on some rank: every rank raises it
+        for _, (failure, _tb) in sorted(exc.failures.items()):
+            if isinstance(failure, IntegrityError | UnsafeInput):
+                err = type(failure)(failure.message, hint=failure.hint)
+                first = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else True
+                raise err if first else mark_reported(err) from None  # rank 0 says it
+        raise
+    return reader.verified
 
 
 def read_tensor(ckpt_model_dir: Path, md: Metadata, key: str) -> torch.Tensor:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from safetensors.torch import save as _safetensors_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -18,8 +21,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_io, ranks
-from torchrelay.errors import CheckpointError
-from torchrelay.fsutil import fsync_file
+from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
+from torchrelay.checkpoint.persist import (
+    HashingWriter,
+    HostStage,
+    canonical_safetensors,
+    shapes_of,
+    write_bytes,
+)
+from torchrelay.errors import CheckpointError, IntegrityError, mark_reported
+from torchrelay.util.hashing import sha256_many
 
 # Format 1: everything but the RNG from rank 0. Format 2 (written only when something differs by rank): adds
 # "per_rank" and the files it names. A checkpoint where nothing differs is still written as format 1.
@@ -140,33 +151,46 @@ def rank_state_file(ckpt_dir: Path, rank: int, suffix: str) -> Path:
     return ckpt_dir / RANK_STATE_DIR / f"rank-{rank}{suffix}"
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+@dataclass
+class Snapshot:
+    """One rank's part of a checkpoint as it was at the save: host copies of its tensors and the bytes of its
+    small files, ready to be written by `write_snapshot` on any thread while training goes on."""
+
+    rank: int
+    tensors_doc: dict[str, Any] | None  # the DCP document (host tensors), None without a model
+    rng: bytes
+    rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # statefuls that differ by rank
+    rank_json: bytes | None = None
+    shared_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: statefuls' tensors
+    trainer_json: bytes | None = None  # rank 0: relay_state.json
 
 
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file(tensors, str(path))
-    fsync_file(path)
+def safetensors_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """safetensors bytes, the same for the same tensors and metadata (see canonical_safetensors)."""
+    return canonical_safetensors(_safetensors_save(tensors, metadata=metadata))
 
 
-def save_state(
-    directory: Path,
+def _json_bytes(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def capture_state(
     *,
     rank: int,
     model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
     statefuls: dict[str, Stateful],
     loop: dict[str, Any],
-    kill_hook: Any = None,
-) -> None:
-    """Write this rank's part of a checkpoint into `directory` (every rank calls it).
+    stage: HostStage | None = None,
+) -> Snapshot:
+    """Take this rank's part of a checkpoint (every rank calls it, at the same update: it agrees with the others
+    on what differs by rank). Tensors are copied into `stage`'s reused host buffers; after `stage.synchronize()`
+    the snapshot no longer depends on the live state.
 
     What is equal on every rank is stored once; what differs between ranks (see ranks.py) is stored for each
     rank: model and optimizer tensors under DCP's `per_rank/<r>`, statefuls in `statefuls/rank-<r>.*`.
     """
+    stage = stage or HostStage()
     optim_meta: dict[str, Any] | None = None
     msd: dict[str, Any] = {}
     otensors: dict[str, torch.Tensor] = {}
@@ -186,24 +210,17 @@ def save_state(
         "optim": sorted(k.removeprefix("optim/") for k in differ if k.startswith("optim/")),
         "statefuls": sorted(k.removeprefix("state/") for k in differ if k.startswith("state/")),
     }
+    tensors_doc = None
     if model is not None:
-        tensors_doc, _ = _dcp_layout(msd, otensors, per_rank, rank)
-        dcp_io.save(tensors_doc, directory / MODEL_DIR)
-    if kill_hook:
-        kill_hook("shards")
-    (directory / "rng").mkdir(exist_ok=True)
-    rng.save(rng.rank_file(directory, rank))
-    fsync_file(rng.rank_file(directory, rank))
+        tensors_doc = stage.copy_tree("dcp", _dcp_layout(msd, otensors, per_rank, rank)[0])
+    rng_tensors, rng_meta = rng.capture()
+    snap = Snapshot(rank=rank, tensors_doc=tensors_doc, rng=safetensors_save(rng_tensors, metadata=rng_meta))
+    # A stateful's tensors may be the live ones (`.cpu()` of a CPU tensor is the tensor itself): copied too.
     if per_rank["statefuls"]:
-        (directory / RANK_STATE_DIR).mkdir(exist_ok=True)
         mine = {n: trees[n] for n in per_rank["statefuls"]}
         flat = {k: v for n in per_rank["statefuls"] for k, v in own_tensors[n].items()}
-        if flat:
-            _write_tensors(rank_state_file(directory, rank, ".safetensors"), flat)
-        _write_json(
-            rank_state_file(directory, rank, ".json"),
-            {"format": RANK_STATE_FORMAT, "rank": rank, "statefuls": mine},
-        )
+        snap.rank_tensors = stage.copy_tree("own", flat)
+        snap.rank_json = _json_bytes({"format": RANK_STATE_FORMAT, "rank": rank, "statefuls": mine})
     if rank == 0:
         shared = [n for n in statefuls if n not in per_rank["statefuls"]]
         flat = {k: v for n in shared for k, v in own_tensors[n].items()}
@@ -215,9 +232,72 @@ def save_state(
         }
         if any(per_rank.values()):
             doc["per_rank"] = per_rank
-        if flat:
-            _write_tensors(directory / STATE_TENSORS, flat)
-        _write_json(directory / RELAY_STATE, doc)
+        snap.shared_tensors = stage.copy_tree("shared", flat)
+        snap.trainer_json = _json_bytes(doc)
+    return snap
+
+
+def reserve(
+    stage: HostStage, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, rank: int
+) -> None:
+    """Start allocating the host buffers a save of this model and optimizer will copy into (background)."""
+    if model is None:
+        return
+    msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
+    otensors = _split_optimizer(osd)[0] if optimizer is not None else {}
+    doc, _ = _dcp_layout(msd, otensors, {"model": [], "optim": [], "statefuls": []}, rank)
+    shapes: dict[str, Any] = {}
+    shapes_of("dcp", doc, shapes)
+    stage.reserve(shapes)
+
+
+def write_snapshot(
+    snap: Snapshot, directory: Path, *, kill_hook: Any = None, group: Any = None
+) -> dict[str, tuple[str, int]]:
+    """Write a snapshot into `directory` (every rank, with the others: DCP plans across `group`), every file
+    fsynced; returns {relative path: (SHA-256, size)} of the files this rank wrote, hashed as they were written."""
+    written: dict[str, tuple[str, int]] = {}
+    if snap.tensors_doc is not None:
+        writer = HashingWriter(directory / MODEL_DIR, written)
+        dcp.save(snap.tensors_doc, storage_writer=writer, process_group=group)
+    if kill_hook:
+        kill_hook("shards")
+    (directory / "rng").mkdir(exist_ok=True)
+    write_bytes(rng.rank_file(directory, snap.rank), snap.rng, written)
+    if snap.rank_json is not None:
+        (directory / RANK_STATE_DIR).mkdir(exist_ok=True)
+        if snap.rank_tensors:
+            write_bytes(
+                rank_state_file(directory, snap.rank, ".safetensors"),
+                safetensors_save(snap.rank_tensors),
+                written,
+            )
+        write_bytes(rank_state_file(directory, snap.rank, ".json"), snap.rank_json, written)
+    if snap.trainer_json is not None:
+        if snap.shared_tensors:
+            write_bytes(directory / STATE_TENSORS, safetensors_save(snap.shared_tensors), written)
+        write_bytes(directory / RELAY_STATE, snap.trainer_json, written)
+    # .metadata is written by DCP's coordinator only: it is hashed with whatever else this rank did not write
+    return {str(Path(p).relative_to(directory)): v for p, v in written.items()}
+
+
+def save_state(
+    directory: Path,
+    *,
+    rank: int,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    statefuls: dict[str, Stateful],
+    loop: dict[str, Any],
+    kill_hook: Any = None,
+) -> dict[str, tuple[str, int]]:
+    """Capture and write this rank's part of a checkpoint into `directory` in one go (every rank calls it)."""
+    stage = HostStage()
+    snap = capture_state(
+        rank=rank, model=model, optimizer=optimizer, statefuls=statefuls, loop=loop, stage=stage
+    )
+    stage.synchronize()
+    return write_snapshot(snap, directory, kill_hook=kill_hook)
 
 
 def state_path(ckpt_dir: Path) -> Path:
@@ -277,15 +357,30 @@ def load_state(
     model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
     statefuls: dict[str, Stateful],
+    verify: bool = False,
 ) -> dict[str, Any]:
-    """Restore everything this rank holds from `ckpt_dir` (its own copy of what differs by rank); returns the loop state."""
+    """Restore everything this rank holds from `ckpt_dir` (its own copy of what differs by rank); returns the loop state.
+
+    verify: check every file against COMPLETE.json on the way (every rank calls it): the small files first, hashed
+    in shares by the ranks; the DCP files by each rank that reads them, as it reads them, in parallel; the DCP files
+    no rank read, last, in shares. Every rank raises the first failure, naming the file.
+    """
+    inventory: dict[str, tuple[str, int]] = {}
+    if verify:
+        inventory = {e["path"]: (e["sha256"], e["size"]) for e in read_inventory(ckpt_dir)["files"]}
+        _verify_share(ckpt_dir, [p for p in inventory if not p.endswith(".distcp")], inventory, rank)
+    read_by_me: set[str] = set()
     doc = read_trainer_state(ckpt_dir)
     per_rank = per_rank_of(doc)
     if model is not None:
         msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
         otensors, _ = _split_optimizer(osd) if optimizer is not None else ({}, None)
         target, has_own = _dcp_layout(msd, otensors, per_rank, rank)
-        dcp_io.load(target, ckpt_dir / MODEL_DIR)
+        prefix = f"{MODEL_DIR}/"
+        expected = {k.removeprefix(prefix): v for k, v in inventory.items() if k.startswith(prefix)}
+        read_by_me = {
+            prefix + name for name in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None)
+        }
         if has_own:
             mine = target[ranks.PER_RANK][str(rank)]
             target["model"] = {**target["model"], **mine["model"]}
@@ -310,9 +405,49 @@ def load_state(
             f"(missing in checkpoint: {missing}, not tracked now: {extra})",
             hint="track the same objects with run.track(...) as the run that saved it",
         )
+    if verify:  # a DCP file that no rank read (another rank's own tensors) is checked all the same
+        read = _gather(read_by_me)
+        unread = [p for p in inventory if p.endswith(".distcp") and not any(p in r for r in read)]
+        _verify_share(ckpt_dir, unread, inventory, rank)
     for name, obj in statefuls.items():
         obj.load_state_dict(_from_tree(stored[name], tensors))
     return dict(doc["loop"])
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _verify_share(ckpt_dir: Path, rels: list[str], inventory: dict[str, tuple[str, int]], rank: int) -> None:
+    """Hash this rank's share of `rels` (on every core); every rank raises the first mismatch any rank found."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    mine = [
+        safe_relpath(ckpt_dir, rel, ckpt_dir / INVENTORY)
+        for i, rel in enumerate(sorted(rels))
+        if i % world == rank
+    ]
+    problem = ""
+    try:
+        digests = sha256_many(mine)
+    except OSError as exc:
+        problem = f"cannot read {exc.filename}: {exc.strerror or exc}"
+    else:
+        for path in mine:
+            rel = path.relative_to(ckpt_dir).as_posix()
+            if digests[path] != inventory[rel]:
+                problem = f"{path} does not match its SHA-256 in {INVENTORY}"
+                break
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        err = IntegrityError(
+            problems[0],
+            hint=f"the file is damaged; restore it, or remove {ckpt_dir.name} to resume from an older checkpoint",
+        )
+        raise err if rank == 0 else mark_reported(err)  # raised on every rank alike, said by rank 0
 
 
 def load_rng(ckpt_dir: Path, rank: int) -> None:

@@ -1,0 +1,308 @@
+"""Saving without stalling the loop: the state is copied into host buffers kept from save to save, then written,
+hashed, fsynced and committed on a thread of its own while training goes on.
+
+- `HostStage`: one host buffer per tensor, allocated once (page-locked for CUDA tensors, so the copy is a DMA at
+  bus speed) and reused by every save; `reserve` allocates them on a background thread ahead of the first save.
+- `HashingWriter`: DCP's FileSystemWriter whose files are hashed from the very bytes written to them (no read
+  back), and spread over several files per rank, so that writing and SHA-256 run on as many cores as files
+  (one SHA-256 stream runs at about disk speed, 1.4 GB/s: one file per rank would halve the rate).
+- `Persister`: one background job at a time. A save asked for while one persists waits for it (the buffers are
+  reused, so two saves never overlap); its error reaches the training thread at the next save, stop or close.
+
+The bytes written are the same whether the job runs on the background thread or inline (`async_save: false`):
+both go through the same staging and the same writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+# Tests only: a background persist waits until this file exists before it writes anything, so that a test can
+# observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
+HOLD_ENV = "TORCHRELAY_TEST_HOLD_PERSIST"
+
+# Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
+FILE_BYTES = 256 << 20
+MAX_FILES = 16
+
+Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+# --- hashing while writing ---------------------------------------------------------------------------
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only file that feeds every byte to SHA-256 on its way to disk; files are written front to back."""
+
+    def __init__(self, f: Any, on_close: Callable[[str, int], None]) -> None:
+        super().__init__()
+        self._f, self._h, self._n, self._on_close = f, hashlib.sha256(), 0, on_close
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._h.update(view)  # releases the GIL for large buffers, as the write below does
+        self._f.write(view)
+        self._n += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._n
+
+    def fileno(self) -> int:
+        return int(self._f.fileno())
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.flush()
+            self._on_close(self._h.hexdigest(), self._n)
+        super().close()
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self, sink: Digests) -> None:
+        super().__init__()
+        self.sink = sink
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        key = str(path)
+
+        def done(digest: str, size: int) -> None:
+            with self._lock:
+                self.sink[key] = (digest, size)
+
+        with open(path, "wb") as f:
+            stream = _HashingStream(f, done)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if str(path) in self.sink:
+                self.sink[str(new_path)] = self.sink.pop(str(path))
+
+
+class HashingWriter(dcp.FileSystemWriter):
+    """FileSystemWriter (fsynced files) that records each file's SHA-256 and size in `digests` as it writes it,
+    and splits a rank's tensors over several files (a function of the tensors alone, never of the machine)."""
+
+    def __init__(self, path: Path, digests: Digests) -> None:
+        super().__init__(str(path), sync_files=True)
+        self.fs = _HashingFileSystem(digests)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        sizes = [_item_bytes(item) for item in plan.items if item.tensor_data is not None]
+        files = min(MAX_FILES, max(1, math.ceil(sum(sizes) / FILE_BYTES)), max(1, len(sizes)))
+        self.thread_count = files
+        return super().prepare_local_plan(plan)
+
+
+def _item_bytes(item: Any) -> int:
+    size = item.tensor_data.properties.dtype.itemsize
+    for n in item.tensor_data.size:
+        size *= n
+    return int(size)
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """safetensors bytes with their JSON header's keys sorted: the library writes its metadata in hash order, so
+    the same tensors gave different bytes from save to save. Offsets count from the end of the header, so the
+    tensor bytes stay as they are; any safetensors reader reads the result."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the header is padded with spaces to keep the tensors 8-byte aligned
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
+def write_bytes(path: Path, data: bytes | memoryview, digests: Digests) -> None:
+    """Write a small file whole, fsync it, and record the SHA-256 of the bytes written."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    digests[str(path)] = (hashlib.sha256(data).hexdigest(), len(data))
+
+
+# --- host buffers --------------------------------------------------------------------------------------
+
+
+class HostStage:
+    """Host copies of a state's tensors in buffers allocated once and reused by every save."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._reserving: threading.Thread | None = None
+        self.allocated_bytes = 0
+
+    @staticmethod
+    def _pinned(t: torch.Tensor) -> bool:
+        return t.device.type == "cuda" and torch.cuda.is_available()
+
+    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pinned(t))
+            self._bufs[key] = buf
+            self.allocated_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def reserve(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
+        """Allocate the buffers of `shapes` ({key: (shape, dtype, pinned)}) on a background thread, so that
+        the first save does not pay for page-locking gigabytes; `copy` waits for it."""
+
+        def allocate() -> None:
+            for key, (shape, dtype, pinned) in shapes.items():
+                with self._lock:
+                    buf = self._bufs.get(key)
+                    if buf is not None and tuple(buf.shape) == tuple(shape) and buf.dtype == dtype:
+                        continue
+                    # one tensor per call: the driver's lock is held for one allocation, not all of them
+                    new = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                    self._bufs[key] = new
+                    self.allocated_bytes += new.numel() * new.element_size()
+
+        self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
+        self._reserving.start()
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it)."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        if _is_dtensor(t):
+            from torch.distributed.tensor import DTensor
+
+            local = self.copy(key, t._local_tensor)  # type: ignore[attr-defined]
+            return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]
+        src = t.detach()
+        with self._lock:
+            buf = self._buffer(key, src)
+        buf.copy_(src, non_blocking=self._pinned(src))
+        return buf
+
+    def copy_tree(self, prefix: str, obj: Any) -> Any:
+        """`obj` (nested dicts of tensors) with every tensor replaced by its host copy."""
+        if isinstance(obj, torch.Tensor):
+            return self.copy(prefix, obj)
+        if isinstance(obj, dict):
+            return {k: self.copy_tree(f"{prefix}/{k}", v) for k, v in obj.items()}
+        return obj
+
+    @staticmethod
+    def synchronize() -> None:
+        """Wait for the copies from the GPU (non-blocking, on the current stream) to land."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+
+
+def shapes_of(prefix: str, obj: Any, out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
+    """{key: (shape, dtype, pinned)} of the tensors `HostStage.copy_tree(prefix, obj)` would copy."""
+    if isinstance(obj, torch.Tensor):
+        local = obj._local_tensor if _is_dtensor(obj) else obj  # type: ignore[attr-defined]
+        out[prefix] = (
+            tuple(local.shape),
+            local.dtype,
+            local.device.type == "cuda" and torch.cuda.is_available(),
+        )
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            shapes_of(f"{prefix}/{k}", v, out)
+
+
+# --- the background job ----------------------------------------------------------------------------------
+
+
+class Persister:
+    """Runs one persist job at a time on a thread of its own (or inline when `background` is false)."""
+
+    def __init__(self, background: bool = True) -> None:
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.started_at: float | None = None
+        self.update: int | None = None
+        self.persisting = threading.Event()  # set while a job runs (tests observe it)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, update: int, job: Callable[[], None]) -> None:
+        """Run `job` (write and commit checkpoint-<update>); the previous job must have been waited for."""
+        assert not self.in_flight, "wait() before the next submit()"
+        self.update, self.started_at = update, time.perf_counter()
+        if not self.background:
+            try:
+                job()
+            finally:
+                self.update = self.started_at = None
+            return
+
+        hold = os.environ.get(HOLD_ENV)
+
+        def run() -> None:
+            self.persisting.set()
+            try:
+                while hold and not os.path.exists(hold):
+                    time.sleep(0.01)
+                job()
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+                self._error = exc
+            finally:
+                self.persisting.clear()
+
+        self._thread = threading.Thread(target=run, name=f"torchrelay-persist-{update}", daemon=True)
+        self._thread.start()
+
+    def elapsed(self) -> float:
+        """Seconds the job in flight has run (0 when none)."""
+        return time.perf_counter() - self.started_at if self.in_flight and self.started_at else 0.0
+
+    def wait(self) -> None:
+        """Block until the job in flight has committed; raise what it raised (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.update = self.started_at = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+
+__all__ = ["HashingWriter", "canonical_safetensors", "HostStage", "Persister", "shapes_of", "write_bytes"]
