@@ -23,6 +23,7 @@ RUNTIME_FIELDS = (
     "keep",
     "keep_every",
     "keep_updates",
+    "async_save",
     "external_files",
     "runtime_params",
 )
@@ -46,6 +47,7 @@ class RelayConfig:
     keep: int = 2  # the newest complete checkpoints kept for resuming
     keep_every: int = 0  # also keep every checkpoint whose update is a multiple of this (0: none)
     keep_updates: list[int] = field(default_factory=list)  # also keep (and save) these updates
+    async_save: bool = True  # write, hash and commit checkpoints in the background (false: the loop waits)
     pins: list[str] = field(default_factory=list)
     external_files: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +73,8 @@ class RelayConfig:
                 f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
                 f"and one more survives a crash during a save), got {self.keep}"
             )
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"config field 'async_save' must be true or false, got {self.async_save!r}")
         if not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 0:
             raise ConfigError(
                 f"config field 'keep_every' must be an integer >= 0 (0: keep no periodic checkpoints), "

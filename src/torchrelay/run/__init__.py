@@ -455,8 +455,15 @@ class Run:
             cfg = cfg.with_overrides(overrides) if overrides else cfg
             clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
             # The script and the modules it imported from the code directory, tracked by git or not.
+            # Names and sizes only here: every rank hashes the files it loads as it reads them (run.track), so no
+            # rank waits while this one reads the whole checkpoint
             check = validate_resume(
-                rd.path, cfg, self.world_size, self.code_dir, code_files=running_files(self.code_dir)
+                rd.path,
+                cfg,
+                self.world_size,
+                self.code_dir,
+                code_files=running_files(self.code_dir),
+                deep=False,
             )
             rd.remove_stale_temps()
             history = read_history(rd.path)
@@ -624,6 +631,7 @@ class Run:
                 model=model,
                 optimizer=optimizer,
                 statefuls=tracked.statefuls,
+                verify=True,
             )
             if int(loop["update"]) != self.start_update:
                 raise RelayError(f"{self.resume_from}: trainer state says update {loop['update']}")
@@ -755,7 +763,7 @@ class Run:
             signal_name=self._signals.received,
             deadline=self._deadline,
             update_seconds=update_s,
-            save_seconds=self._saver.estimate,
+            save_seconds=self._saver.budget_seconds(),
             margin_seconds=self._margin,
             updates_to_next_check=interval,
         )
@@ -839,6 +847,11 @@ class Run:
     def close(self, error: BaseException | None = None) -> int:
         """Finish the segment's history record and return the process exit code."""
         if not self._closed:
+            try:
+                self._saver.wait()  # a checkpoint being written is committed before the segment ends
+            except BaseException as exc:  # noqa: BLE001 - the error that ended the run comes first
+                self._notes.append(f"rank {self.rank}: the background save failed: {str(exc)[:300]}")
+                error = error if error is not None else exc
             last = max((int(r["update"]) for r in iter_records(self.metrics_log.path)), default=None)
             # A refusal met inside the loop (a tracked set that differs from the checkpoint's) ends `refused`.
             self.exit_code = error.exit_code if isinstance(error, RelayError) else EXIT_ERROR

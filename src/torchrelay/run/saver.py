@@ -2,10 +2,12 @@
 (logs made durable, then the commit protocol across ranks, then retention), and how long the last save took.
 
 The loop calls `due(done)` after each update and `save(update)`; a stop saves once more if the update is not
-saved yet, then `wait()`s; closing the Run calls `close()`. A save is synchronous today: `wait()` and `close()`
-have nothing to wait for. A background persist plugs in behind `save()`: it returns once the state is staged, and
-`wait()` / `close()` return once every staged save is committed (or raise what failed), so a segment never records
-its end, nor lets go of the lock, before its last checkpoint is complete.
+saved yet, then `wait()`s; closing the Run calls `close()`. With `async_save` (the default) `save()` returns once the
+state is copied into host buffers (checkpoint/persist.py), and a thread of its own writes, hashes, fsyncs and
+commits it while the loop trains; `wait()` / `close()` return once that checkpoint is committed (or raise what
+failed), so a segment never records its end, nor lets go of the lock, before its last checkpoint is complete. A save
+due while one persists waits for it (the buffers are reused). `async_save: false` runs the same job inline: the same
+bytes, the loop waiting.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+
+import torch.distributed as dist
 
 from torchrelay.checkpoint import state as ckpt_state
-from torchrelay.checkpoint.commit import commit_checkpoint
+from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
+from torchrelay.checkpoint.persist import HostStage, Persister
 from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
@@ -59,10 +63,22 @@ class Saver:
         )  # a checkpoint kept for later (keep_updates, keep_every) is written
         self.last = saved if saved is not None else -1  # the newest update with a checkpoint (resumed from)
         self.estimate = estimate  # seconds a save takes, for the budget policy: the slowest so far
+        self._background = config.async_save
+        self._stage = HostStage()
+        self._persister = Persister(background=self._background)
+        self._reserved = False
+        # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
+        # a group the training thread uses at the same time (every rank creates it here, in the same order).
+        self._group = dist.new_group(backend="gloo") if world_size > 1 and self._background else None
 
     def due(self, done: int) -> bool:
         """Whether the update just done saves: every `save_every`, or one that retention keeps (not the last:
-        the end of the schedule saves as a stop does)."""
+        the end of the schedule saves as a stop does). After a segment's first update (the optimizer holds its
+        state from its first step on) it also starts allocating the host buffers saves copy into, on a thread."""
+        if not self._reserved and self._background:
+            self._reserved = True
+            tracked = self._tracked
+            ckpt_state.reserve(self._stage, tracked.model, tracked.optimizer, self._rank)
         cfg = self._config
         return (done % cfg.save_every == 0 or self._retention.saves_at(done)) and done < cfg.total_updates
 
@@ -72,7 +88,10 @@ class Saver:
         return self.last != done and done > 0
 
     def save(self, update: int) -> Path:
-        """Commit checkpoint-<update>: logs made durable first, then the protocol across ranks, then retention."""
+        """checkpoint-<update>: logs made durable, the state copied into host buffers, then the commit protocol
+        across ranks and retention, on the persist thread (`async_save`) or before returning."""
+        self._persister.wait()  # the buffers are reused: a save due while one persists waits for it
+        started = time.perf_counter()
         for log in self._logs:
             log.flush(durable=True)
         loop = {
@@ -84,37 +103,59 @@ class Saver:
             "segment": self._segment,
         }
         tracked = self._tracked
-
-        def write(tmp: Path, hook: Any) -> None:
-            ckpt_state.save_state(
-                tmp,
-                rank=self._rank,
-                model=tracked.model,
-                optimizer=tracked.optimizer,
-                statefuls=tracked.statefuls,
-                loop=loop,
-                kill_hook=hook,
-            )
-
-        path, seconds = commit_checkpoint(
-            self._run_dir,
-            update,
-            write,
+        snap = ckpt_state.capture_state(
             rank=self._rank,
-            world_size=self._world_size,
-            info={"contract_sha256": self._contract_sha, "segment": self._segment, "created": time.time()},
-            retention=self._retention,
+            model=tracked.model,
+            optimizer=tracked.optimizer,
+            statefuls=tracked.statefuls,
+            loop=loop,
+            stage=self._stage,
         )
-        self.estimate = max(self.estimate, seconds) if self.estimate else seconds
+        self._stage.synchronize()
+        info = {"contract_sha256": self._contract_sha, "segment": self._segment, "created": time.time()}
+        group = self._group
+
+        def persist() -> None:
+            _, seconds = commit_checkpoint(
+                self._run_dir,
+                update,
+                lambda tmp, hook: ckpt_state.write_snapshot(snap, tmp, kill_hook=hook, group=group),
+                rank=self._rank,
+                world_size=self._world_size,
+                info=info,
+                retention=self._retention,
+                group=group,
+                started=started,
+            )
+            self.estimate = max(self.estimate, seconds) if self.estimate else seconds
+
+        self._persister.submit(update, persist)
         self.last = update
-        return path
+        return self._run_dir / f"checkpoint-{update}"
+
+    def budget_seconds(self) -> float:
+        """What a stop now costs in saving, for the budget policy: the checkpoint in flight to finish, then one
+        more save (the slowest so far)."""
+        left = max(0.0, self.estimate - self._persister.elapsed()) if self._persister.in_flight else 0.0
+        return self.estimate + left
+
+    @property
+    def persisting(self) -> bool:
+        """Whether a checkpoint is being written in the background right now."""
+        return self._persister.in_flight
 
     def wait(self) -> None:
-        """Return once every save so far is committed (a stop calls it before it records the segment's end)."""
+        """Return once every save so far is committed (a stop calls it before it records the segment's end);
+        raise what the background persist raised."""
+        self._persister.wait()
 
     def close(self) -> None:
-        """Wait for what is pending and let go of what saving holds (closing the Run calls it, on any exit)."""
-        self.wait()
+        """Wait for what is pending and for the deletions retention started (closing the Run calls it, on any
+        exit)."""
+        try:
+            self.wait()
+        finally:
+            wait_deletions()
 
 
 def last_save_seconds(ckpt: Path | None) -> float | None:
