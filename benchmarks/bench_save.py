@@ -1,0 +1,394 @@
+"""Checkpoint save and load against their floors and the peers, on one state, in one process (issue 11).
+
+The state: `--layers` x Linear(width, width) + AdamW (one step taken, so the optimizer holds its moments), under
+DDP on one rank. Measured in the same run, in this order:
+- floors: the copy of the state into host buffers allocated once (pinned on a GPU); a write+fsync of those bytes
+  (one stream and --files streams); a cold read of them (pages dropped with posix_fadvise); SHA-256 on one thread
+  and on --files threads;
+- peers: torch.save + fsync; DCP save; DCP async_save on a gloo group of its own (blocked / done, two saves);
+- torchrelay: a save with `async_save: false`, and two with the default (the loop's stall, and until committed),
+  and the update time while a background persist runs against updates without one;
+- load: DCP load, cold; torchrelay resume (Run.open + run.track: verification included), cold.
+
+    torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cpu --layers 8 --width 1024
+    PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cuda \\
+        --backend nccl --layers 72 --width 4096 --batch 256 --dir /root/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import torchrelay as tr
+from torchrelay.checkpoint import state as ckpt_state
+
+GB = 1e9
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def drop_cache(root: Path) -> None:
+    """Cold-ish: ask the kernel to drop the (clean, fsynced) pages of every file under root."""
+    for path in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def timed(fn: Callable[[], Any], device: str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--files", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    dist.init_process_group(args.backend)
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    base = Path(tempfile.mkdtemp(prefix="bench-save-", dir=args.dir))
+    (base / "code").mkdir()
+    manifest = base / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(1000)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(dev)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.width, device=dev)
+
+    def update() -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        sync(dev)
+        return time.perf_counter() - t0
+
+    update()
+    msd, osd = get_state_dict(ddp, opt)
+    state = {"model": msd, "optim": osd}
+    tensors = [t for t in model.parameters()] + [
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+        "cores": len(os.sched_getaffinity(0)),
+        "layers": args.layers,
+        "width": args.width,
+        "dir": str(base),
+    }
+    print(f"[bench] state {nbytes / GB:.2f} GB in {len(tensors)} tensors; dir {base}", flush=True)
+
+    # ---- floors
+    pinned = dev == "cuda"
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
+
+    def copy_all() -> None:
+        for h, t in zip(host, tensors, strict=True):
+            h.copy_(t, non_blocking=pinned)
+        sync(dev)
+
+    copy_all()
+    floor_copy = min(timed(copy_all, dev) for _ in range(2))
+    views = [memoryview(h.view(-1).view(torch.uint8).numpy()) for h in host]
+
+    def write_streams(n: int) -> float:
+        folder = base / f"floor-{n}"
+        folder.mkdir()
+        parts: list[list[memoryview]] = [[] for _ in range(n)]
+        for v in sorted(views, key=len, reverse=True):
+            parts[min(range(n), key=lambda k: sum(len(p) for p in parts[k]))].append(v)
+
+        def one(k: int) -> None:
+            with open(folder / f"part-{k}", "wb") as f:
+                for v in parts[k]:
+                    f.write(v)
+                f.flush()
+                os.fsync(f.fileno())
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    disk_1 = write_streams(1)
+    disk_n = write_streams(args.files)
+    floor_write = min(disk_1, disk_n)
+    shutil.rmtree(base / "floor-1")
+    drop_cache(base / f"floor-{args.files}")
+
+    def read_all(folder: Path, n: int) -> float:
+        files = sorted(folder.iterdir())
+        buf_size = 16 << 20
+
+        def one(paths: list[Path]) -> None:
+            buf = bytearray(buf_size)
+            for p in paths:
+                with open(p, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(files[k::n],)) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    floor_read = read_all(base / f"floor-{args.files}", args.files)
+    shutil.rmtree(base / f"floor-{args.files}")
+
+    def sha(n: int) -> float:
+        chunks = [v[i : i + (64 << 20)] for v in views for i in range(0, len(v), 64 << 20)]
+
+        def one(k: int) -> None:
+            h = hashlib.sha256()
+            for c in chunks[k::n]:
+                h.update(c)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    sha_1, sha_n = sha(1), sha(args.files)
+    views.clear()  # the host buffers go: the peers and torchrelay allocate their own
+    host.clear()
+    floors = {
+        "host copy (buffers allocated once)": floor_copy,
+        f"disk write+fsync (1 stream {nbytes / disk_1 / GB:.2f}, {args.files} streams {nbytes / disk_n / GB:.2f} GB/s)": floor_write,
+        f"cold read ({args.files} streams)": floor_read,
+        "SHA-256, 1 thread": sha_1,
+        f"SHA-256, {args.files} threads": sha_n,
+    }
+    for k, v in floors.items():
+        print(f"[bench] floor {k}: {v:.3f} s, {nbytes / v / GB:.2f} GB/s", flush=True)
+
+    # ---- peers
+    peers: dict[str, float] = {}
+    loads: dict[str, float] = {}
+    p = base / "peer.pt"
+
+    def torch_save() -> None:
+        with open(p, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    peers["torch.save + fsync"] = timed(torch_save, dev)
+    p.unlink()
+    dcp_dir = base / "dcp"
+    peers["DCP save"] = timed(lambda: dcp.save(state, checkpoint_id=str(dcp_dir)), dev)
+    drop_cache(dcp_dir)
+    loads["DCP load, cold"] = timed(lambda: dcp.load(state, checkpoint_id=str(dcp_dir)), dev)
+    shutil.rmtree(dcp_dir)
+    gloo = dist.new_group(backend="gloo")
+    for i in (1, 2):
+        target = base / f"dcp-async-{i}"
+        sync(dev)
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(target), process_group=gloo)
+        blocked = time.perf_counter() - t0
+        fut.result()
+        done = time.perf_counter() - t0
+        peers[f"DCP async_save #{i}: caller blocked"] = blocked
+        peers[f"DCP async_save #{i}: until done"] = done
+        shutil.rmtree(target)
+
+    # ---- torchrelay
+    relay: dict[str, float] = {}
+    cfg = tr.RelayConfig(
+        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), keep=2
+    )
+    run_a = tr.Run.open(base / "run-async", cfg, code_dir=base / "code")
+    run_a.track(model=ddp, optimizer=opt)
+    ckpt_state.reserve(run_a._stage, ddp, opt, 0)  # what the loop does after its first update
+    baseline = [update() for _ in range(20)]  # the first ones run while the host buffers are allocated
+    run_s = tr.Run.open(base / "run-sync", cfg.replace(async_save=False), code_dir=base / "code")
+    run_s.track(model=ddp, optimizer=opt)
+    relay["torchrelay sync save"] = timed(lambda: run_s._save(1), dev)
+    sync_ckpt = base / "run-sync" / "checkpoint-1"
+    during: list[float] = []
+    same = None
+    for i, u in enumerate((1, 2), start=1):
+        sync(dev)
+        t0 = time.perf_counter()
+        run_a._save(u)
+        stall = time.perf_counter() - t0
+        n = 0
+        while run_a._persister.in_flight:
+            during.append(update())
+            n += 1
+        run_a.wait_saved()
+        done = time.perf_counter() - t0
+        relay[f"torchrelay async save #{i}: loop blocked"] = stall
+        relay[f"torchrelay async save #{i}: until committed"] = done
+        print(
+            f"[bench] async save #{i}: stall {stall:.3f} s, committed {done:.3f} s, {n} updates ran",
+            flush=True,
+        )
+        if i == 1:  # the same state saved both ways: the tensor files and the RNG are the same bytes
+            a_ckpt = base / "run-async" / "checkpoint-1"
+            names = sorted(str(f.relative_to(sync_ckpt)) for f in sync_ckpt.rglob("*") if f.is_file())
+            same = names == sorted(
+                str(f.relative_to(a_ckpt)) for f in a_ckpt.rglob("*") if f.is_file()
+            ) and all(
+                _sha(sync_ckpt / rel) == _sha(a_ckpt / rel)
+                for rel in names
+                if rel.endswith(".distcp") or rel.startswith("rng/")
+            )
+            run_s._end_segment(1)
+            shutil.rmtree(base / "run-sync")
+            shutil.rmtree(a_ckpt)  # the disk holds two states at most
+    ckpt = base / "run-async" / "checkpoint-2"
+    saved_bytes = tree_bytes(ckpt)
+    run_a._end_segment(2)
+    out["sync_and_async_files_identical"] = same
+    # resume in this process, cold: Run.open verifies the inventory, run.track loads through DCP
+    drop_cache(ckpt)
+    sync(dev)
+    t0 = time.perf_counter()
+    run_r = tr.Run.open(base / "run-async", None, code_dir=base / "code")
+    run_r.track(model=ddp, optimizer=opt)
+    sync(dev)
+    loads["torchrelay resume (open + track), cold"] = time.perf_counter() - t0
+    run_r._end_segment(2)
+
+    slow_med = statistics.median(during) / statistics.median(baseline) if during else float("nan")
+    slow_max = max(during) / statistics.median(baseline) if during else float("nan")
+    out.update(
+        floors=floors,
+        peers=peers,
+        relay=relay,
+        loads=loads,
+        bytes=nbytes,
+        checkpoint_bytes=saved_bytes,
+        update_s=statistics.median(baseline),
+        update_during_persist_median_ratio=slow_med,
+        update_during_persist_max_ratio=slow_max,
+        updates_during_persist=len(during),
+    )
+    table(out, nbytes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    shutil.rmtree(base, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def table(out: dict[str, Any], nbytes: int) -> None:
+    floors, peers, relay, loads = out["floors"], out["peers"], out["relay"], out["loads"]
+    f_copy, f_write, f_read = list(floors.values())[:3]
+    peer_ref = {
+        "torch.save": peers["torch.save + fsync"],
+        "DCP save": peers["DCP save"],
+        "DCP async done": peers["DCP async_save #2: until done"],
+    }
+    lines = [
+        f"state {nbytes / GB:.2f} GB, torch {out['torch']}, {out['device']}, {out['cores']} cores; "
+        f"update {out['update_s'] * 1000:.1f} ms",
+        "| what | s | GB/s | vs floor | vs torch.save | vs DCP save | vs DCP async (done) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def line(name: str, s: float, floor: float | None, floor_name: str, peer: bool = True) -> None:
+        ratio = f"{floor / s:.2f} of {floor_name}" if floor else ""
+        cmp = " | ".join(f"{s / v:.2f}x" for v in peer_ref.values()) if peer else " | | "
+        lines.append(f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {ratio} | {cmp} |")
+
+    for name, s in floors.items():
+        lines.append(f"| floor: {name} | {s:.3f} | {nbytes / s / GB:.2f} | | | | |")
+    for name, s in peers.items():
+        line(name, s, None if "blocked" in name else f_write, "disk write")
+    for name, s in relay.items():
+        if "blocked" in name:
+            lines.append(
+                f"| {name} | {s:.3f} | | {s / f_copy:.2f}x the host copy (goal <= 1.5x) | "
+                f"{s / peers['torch.save + fsync']:.2f}x | {s / peers['DCP save']:.2f}x | "
+                f"{s / peers['DCP async_save #2: caller blocked']:.2f}x of DCP async blocked |"
+            )
+        else:
+            line(name, s, f_write, "disk write (goal >= 0.85)")
+    for name, s in loads.items():
+        lines.append(
+            f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {f_read / s:.2f} of cold read (goal >= 0.85) | | "
+            f"{s / loads['DCP load, cold']:.2f}x DCP load | |"
+        )
+    lines.append(
+        f"update while a persist runs: median {out['update_during_persist_median_ratio']:.2f}x, max "
+        f"{out['update_during_persist_max_ratio']:.2f}x a normal update ({out['updates_during_persist']} updates; "
+        "goal <= 1.1x)"
+    )
+    lines.append(f"sync and async checkpoints hold identical files: {out['sync_and_async_files_identical']}")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

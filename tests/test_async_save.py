@@ -1,0 +1,147 @@
+"""Saves in the background (async_save, the default): the loop goes on while a checkpoint is written, a stop
+commits the checkpoint in flight first, and the bytes are those a synchronous save writes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import segments
+from torchrelay import RelayConfig, Run
+from torchrelay.checkpoint.dcp_io import read_metadata
+from torchrelay.checkpoint.inventory import read_inventory, validate_complete
+from torchrelay.checkpoint.persist import HOLD_ENV, canonical_safetensors
+from torchrelay.errors import IntegrityError
+from torchrelay.stop import write_request
+
+
+def _config(example: dict[str, Path], **changes: Any) -> RelayConfig:
+    cfg = RelayConfig(
+        seed=3,
+        micro_batch=2,
+        total_updates=6,
+        manifest=str(example["manifest"]),
+        data_root=str(example["root"]),
+        save_every=3,
+    )
+    return cfg.replace(**changes) if changes else cfg
+
+
+def _loop(run: Run, hook: Any = None) -> list[int]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    run.track(model=model, optimizer=opt)
+    done = []
+    for step in run.steps(run.dataloader(list(range(len(run.manifest))))):
+        for _, batch in step.micro_batches():
+            model(torch.randn(2, 8) + float(sum(batch))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        done.append(step.update)
+        if hook:
+            hook(step.update)
+    return done
+
+
+def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_first(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    release = tmp_path / "release"
+    monkeypatch.setenv(HOLD_ENV, str(release))  # checkpoint-3's persist waits for this file
+    run_dir.mkdir()
+    write_request(run_dir, at_update=5)
+    seen: dict[Any, Any] = {}
+
+    def during(update: int) -> None:  # updates 4 and 5 run while checkpoint-3 is held in flight
+        if update in (4, 5):
+            seen[update] = (run._persister.in_flight, (run_dir / "checkpoint-3").exists())
+
+    def at_stop() -> None:  # released once the loop has agreed to stop, not before
+        for _ in range(6000):
+            if getattr(run, "_stop_why", ""):
+                break
+            threading.Event().wait(0.01)
+        seen["stop"] = (getattr(run, "_stop_why", ""), (run_dir / "checkpoint-3").exists())
+        release.touch()
+
+    with Run.open(run_dir, _config(example), code_dir=example["code"]) as run:
+        watcher = threading.Thread(target=at_stop, daemon=True)
+        watcher.start()
+        done = _loop(run, during)
+        watcher.join()
+    assert done == [1, 2, 3, 4, 5]
+    assert seen[4] == (True, False) and seen[5] == (True, False), seen
+    assert seen["stop"][0] and seen["stop"][1] is False, seen  # the stop came while checkpoint-3 persisted
+    for update in (3, 5):  # and both were committed before the segment ended
+        assert validate_complete(run_dir / f"checkpoint-{update}")["update"] == update
+    seg = segments(run_dir)[-1]
+    assert (seg["ended"], seg["last_update"], seg["exit_code"]) == ("request", 5, 4)
+
+
+def test_background_and_inline_saves_write_the_same_bytes(example: dict[str, Path], tmp_path: Path) -> None:
+    runs = {}
+    for name, background in (("async", True), ("sync", False)):
+        run_dir = tmp_path / name
+        with Run.open(run_dir, _config(example, async_save=background), code_dir=example["code"]) as run:
+            assert _loop(run) == list(range(1, 7))
+        runs[name] = run_dir
+    for update in (3, 6):
+        a, s = (runs[n] / f"checkpoint-{update}" for n in ("async", "sync"))
+        files = {e["path"]: e for e in read_inventory(a)["files"]}
+        assert files.keys() == {e["path"] for e in read_inventory(s)["files"]}
+        assert any(p.endswith(".distcp") for p in files) and "rng/rank-0.safetensors" in files
+        for rel in files:
+            if rel == "model/.metadata":  # holds the temporary directory's name and a random save id
+                ma, ms = read_metadata(a / "model"), read_metadata(s / "model")
+                assert ma.state_dict_metadata == ms.state_dict_metadata and ma.storage_data == ms.storage_data
+            elif rel == "trainer_state.json":  # names the segment
+                ja, js = (json.loads((c / rel).read_text()) for c in (a, s))
+                assert ja["loop"].pop("segment") != js["loop"].pop("segment") and ja == js
+            else:
+                assert (a / rel).read_bytes() == (s / rel).read_bytes(), rel
+        validate_complete(a)
+
+
+def test_safetensors_bytes_do_not_depend_on_the_metadata_order() -> None:
+    from safetensors.torch import load, save
+
+    tensors = {"b": torch.arange(3), "a": torch.ones(2, 2)}
+    one = canonical_safetensors(save(tensors, metadata={"x": "1", "y": "2", "z": "3"}))
+    two = canonical_safetensors(save(tensors, metadata={"z": "3", "y": "2", "x": "1"}))
+    assert one == two and len(one) % 8 == 0
+    back = load(one)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_a_resume_verifies_each_file_as_it_reads_it(example: dict[str, Path], tmp_path: Path) -> None:
+    """Run.open checks names and sizes; run.track hashes every file while loading it and refuses a flipped byte,
+    naming the file, before the loop starts (a damaged small file too)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_request(run_dir, at_update=3)
+    with Run.open(run_dir, _config(example, total_updates=4), code_dir=example["code"]) as run:
+        assert _loop(run) == [1, 2, 3]
+    for victim in (
+        max((run_dir / "checkpoint-3" / "model").glob("*.distcp"), key=lambda p: p.stat().st_size),
+        run_dir / "checkpoint-3" / "rng" / "rank-0.safetensors",
+    ):
+        good = victim.read_bytes()
+        data = bytearray(good)
+        data[len(data) // 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+        with (
+            pytest.raises(IntegrityError, match=f"{victim} does not match its SHA-256"),
+            Run.open(run_dir, None, code_dir=example["code"]) as run,
+        ):
+            _loop(run)
+        victim.write_bytes(good)
+    with Run.open(run_dir, None, code_dir=example["code"]) as run:
+        assert _loop(run) == [4]
+    assert [s["ended"] for s in segments(run_dir)] == ["request", "refused", "refused", "finished"]
