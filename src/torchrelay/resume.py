@@ -106,7 +106,8 @@ def validate_resume(
     if ckpt is not None:
         doc = validate_complete(ckpt, hashes=deep)
         update = int(doc["update"])
-        passed.append(f"{ckpt.name}: inventory of {len(doc['files'])} files verified")
+        checked = "verified" if deep else "listed with their sizes (hashed as they are loaded)"
+        passed.append(f"{ckpt.name}: inventory of {len(doc['files'])} files {checked}")
         check_fork_guard(ckpt)
     passed.append(schedule_gate(cfg, update, str(rd.path)))
     return ResumeCheck(contract, recorded, manifest, ckpt, update, runtime_changes(stored, cfg), passed)
