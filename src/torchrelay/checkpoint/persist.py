@@ -124,11 +124,11 @@ class HashingWriter(dcp.FileSystemWriter):
         super().__init__(str(path), sync_files=True)
         self.fs = _HashingFileSystem(digests)
 
-    def prepare_local_plan(self, plan: Any) -> Any:
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        # the final plan: what this rank writes once DCP has given each replicated tensor to one rank
         sizes = [_item_bytes(item) for item in plan.items if item.tensor_data is not None]
-        files = min(MAX_FILES, max(1, math.ceil(sum(sizes) / FILE_BYTES)), max(1, len(sizes)))
-        self.thread_count = files
-        return super().prepare_local_plan(plan)
+        self.thread_count = min(MAX_FILES, max(1, math.ceil(sum(sizes) / FILE_BYTES)), max(1, len(sizes)))
+        return super().write_data(plan, planner)
 
 
 def _item_bytes(item: Any) -> int:
@@ -194,6 +194,9 @@ class HostStage:
                         continue
                     # one tensor per call: the driver's lock is held for one allocation, not all of them
                     new = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                if not pinned:
+                    new.zero_()  # the first touch of each page (a fault per page) happens here, not in the copy
+                with self._lock:
                     self._bufs[key] = new
                     self.allocated_bytes += new.numel() * new.element_size()
 
