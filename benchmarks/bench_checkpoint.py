@@ -57,6 +57,7 @@ def main() -> None:
         dist.barrier()
         t0 = time.perf_counter()
         path = run._saver.save(1)
+        run._saver.wait()  # until committed (a background save returns once the state is staged)
         save_s = time.perf_counter() - t0
         nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         # load: a fresh Run resumes from that checkpoint (includes the inventory's SHA-256 verification)

@@ -38,7 +38,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
-from torchrelay.checkpoint import state as ckpt_state
 
 GB = 1e9
 
@@ -269,24 +268,24 @@ def main() -> None:
     )
     run_a = tr.Run.open(base / "run-async", cfg, code_dir=base / "code")
     run_a.track(model=ddp, optimizer=opt)
-    ckpt_state.reserve(run_a._stage, ddp, opt, 0)  # what the loop does after its first update
+    run_a._saver.due(1)  # the loop asks after its first update: the host buffers are allocated on a thread
     baseline = [update() for _ in range(20)]  # the first ones run while the host buffers are allocated
     run_s = tr.Run.open(base / "run-sync", cfg.replace(async_save=False), code_dir=base / "code")
     run_s.track(model=ddp, optimizer=opt)
-    relay["torchrelay sync save"] = timed(lambda: run_s._save(1), dev)
+    relay["torchrelay sync save"] = timed(lambda: run_s._saver.save(1), dev)
     sync_ckpt = base / "run-sync" / "checkpoint-1"
     during: list[float] = []
     same = None
     for i, u in enumerate((1, 2), start=1):
         sync(dev)
         t0 = time.perf_counter()
-        run_a._save(u)
+        run_a._saver.save(u)
         stall = time.perf_counter() - t0
         n = 0
-        while run_a._persister.in_flight:
+        while run_a._saver.persisting:
             during.append(update())
             n += 1
-        run_a.wait_saved()
+        run_a._saver.wait()
         done = time.perf_counter() - t0
         relay[f"torchrelay async save #{i}: loop blocked"] = stall
         relay[f"torchrelay async save #{i}: until committed"] = done

@@ -61,7 +61,7 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
 
     def during(update: int) -> None:  # updates 4 and 5 run while checkpoint-3 is held in flight
         if update in (4, 5):
-            seen[update] = (run._persister.in_flight, (run_dir / "checkpoint-3").exists())
+            seen[update] = (run._saver.persisting, (run_dir / "checkpoint-3").exists())
 
     def at_stop() -> None:  # released once the loop has agreed to stop, not before
         for _ in range(6000):
