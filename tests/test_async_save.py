@@ -145,3 +145,31 @@ def test_a_resume_verifies_each_file_as_it_reads_it(example: dict[str, Path], tm
     with Run.open(run_dir, None, code_dir=example["code"]) as run:
         assert _loop(run) == [4]
     assert [s["ended"] for s in segments(run_dir)] == ["request", "refused", "refused", "finished"]
+
+
+def test_several_files_per_rank_load_one_at_a_time_within_the_buffer(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's tensors split over several files; a resume with room for one file at a time still reads them all,
+    in DCP's order, without waiting on itself, and restores every value."""
+    from torchrelay.checkpoint import dcp_io, persist
+
+    monkeypatch.setattr(persist, "FILE_BYTES", 128)
+    monkeypatch.setattr(dcp_io, "LOAD_BUFFER", 1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_request(run_dir, at_update=2)
+    saved: dict[str, torch.Tensor] = {}
+    with Run.open(run_dir, _config(example, total_updates=3), code_dir=example["code"]) as run:
+        _loop(
+            run,
+            lambda u: (
+                u == 2 and saved.update({k: v.clone() for k, v in run._tracked.model.state_dict().items()})
+            ),
+        )
+    files = sorted(p.name for p in (run_dir / "checkpoint-2" / "model").glob("*.distcp"))
+    assert len(files) >= 3, files
+    with Run.open(run_dir, None, code_dir=example["code"]) as run:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        run.track(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1))
+        assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())

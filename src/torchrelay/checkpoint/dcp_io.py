@@ -264,16 +264,18 @@ class _Prefetch(FileSystem):
         self.root, self.expected = root, expected
         self.done: set[str] = set()
         jobs = max(1, min(len(order), default_jobs()))
-        self._room = threading.Semaphore(jobs + 1)  # files read but not yet parsed, at most
+        # Bytes read but not yet parsed, at most LOAD_BUFFER (a file larger than that is read alone): every rank of
+        # a node loads at once, and each would otherwise hold a core's worth of files
+        self._room = _Budget(LOAD_BUFFER, order)
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="torchrelay-load")
         self._futures = {rel: self._pool.submit(self._read, rel) for rel in order}
 
     def _read(self, rel: str) -> bytearray:
-        self._room.acquire()
+        digest, size = self.expected.get(rel, ("", 0))
+        self._room.take(rel, size)  # first, whatever happens next: the files after this one wait for its turn
         path = safe_relpath(self.root, rel, self.root / ".metadata")
         if rel not in self.expected:
             raise UnsafeInput(f"{path}: not listed in the checkpoint's inventory; refusing to read it")
-        digest, size = self.expected[rel]
         data = bytearray(size)
         view = memoryview(data)
         h = hashlib.sha256()
@@ -310,17 +312,56 @@ class _Prefetch(FileSystem):
         finally:
             self.done.add(rel)
             del self._futures[rel]
-            self._room.release()
+            self._room.give(rel)
 
     def close(self) -> None:
         for future in self._futures.values():
             future.cancel()
-        for _ in self._futures:
-            self._room.release()  # a read still waiting for room ends
+        self._room.open()  # a read still waiting for room goes on (and is dropped)
         self._pool.shutdown(wait=True)
 
 
 _CHUNK = 16 << 20
+LOAD_BUFFER = (
+    4 << 30
+)  # per rank: 4 files of a 14.5 GB state's 16 read at once, hashed on 4 cores, > disk speed
+
+
+class _Budget:
+    """Bytes in memory: a read takes its file's size before it starts, in the order DCP parses the files (so that
+    the file parsed next is never waiting for room that files after it hold), and the parse gives it back."""
+
+    def __init__(self, limit: int, order: list[str]) -> None:
+        self._limit, self._used = limit, 0
+        self._held: dict[str, int] = {}
+        self._turn = {key: i for i, key in enumerate(order)}
+        self._next = 0
+        self._cond = threading.Condition()
+        self._open = False
+
+    def take(self, key: str, size: int) -> None:
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    self._open
+                    or (
+                        self._turn[key] == self._next and (not self._used or self._used + size <= self._limit)
+                    )
+                )
+            )
+            self._next += 1
+            self._used += size
+            self._held[key] = size
+
+    def give(self, key: str) -> None:
+        with self._cond:
+            self._used -= self._held.pop(key, 0)
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
 
 
 class _Memory(io.RawIOBase):
