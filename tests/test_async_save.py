@@ -101,7 +101,7 @@ def test_background_and_inline_saves_write_the_same_bytes(example: dict[str, Pat
             if rel == "model/.metadata":  # holds the temporary directory's name and a random save id
                 ma, ms = read_metadata(a / "model"), read_metadata(s / "model")
                 assert ma.state_dict_metadata == ms.state_dict_metadata and ma.storage_data == ms.storage_data
-            elif rel == "trainer_state.json":  # names the segment
+            elif rel == "relay_state.json":  # names the segment
                 ja, js = (json.loads((c / rel).read_text()) for c in (a, s))
                 assert ja["loop"].pop("segment") != js["loop"].pop("segment") and ja == js
             else:

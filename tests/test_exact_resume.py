@@ -185,9 +185,9 @@ def test_sigkill_during_a_background_persist_resumes_from_the_previous_checkpoin
     compared = [
         rel
         for rel in entries
-        # .metadata and trainer_state.json name the directory and the segment; the example never seeds python's
+        # .metadata and relay_state.json name the directory and the segment; the example never seeds python's
         # and numpy's generators, so each process starts its own (their torch generator is compared above)
-        if rel not in ("model/.metadata", "trainer_state.json") and not rel.startswith("rng/")
+        if rel not in ("model/.metadata", "relay_state.json") and not rel.startswith("rng/")
     ]
     assert len([p for p in compared if p.endswith(".distcp")]) >= 2, entries
     for rel in compared:
