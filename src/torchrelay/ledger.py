@@ -68,16 +68,23 @@ class _RankLog:
     @classmethod
     def read(cls, rank: int, path: Path) -> _RankLog:
         got = read_exposures(path)
-        updates = np.repeat(got.updates, got.counts)
-        ids = got.ids
+        last = int(got.updates.max()) if len(got.updates) else None
+        updates, ids = _narrow(got.updates), _narrow(got.ids)  # half the memory: both fit 32 bits
+        updates = np.repeat(updates, got.counts)
+        del got
         if len(updates) and (np.diff(updates) < 0).any():  # written in update order; a copy may not be
             by_update = np.argsort(updates, kind="stable")
             updates, ids = updates[by_update], ids[by_update]
-        return cls(rank, updates, ids, int(got.updates.max()) if len(got.updates) else None)
+        return cls(rank, updates, ids, last)
 
     def span(self, first: int, stop: int) -> slice:
         """The exposures of updates first..stop-1."""
         return slice(*np.searchsorted(self.updates, [first, stop]).tolist())
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    fits = not len(values) or (values.min() >= -(2**31) and values.max() < 2**31)
+    return values.astype(np.int32) if fits else values
 
 
 def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerReport:
@@ -106,19 +113,19 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerRepo
         first, stop = epoch * per_epoch + 1, min((epoch + 1) * per_epoch, last) + 1
         place = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)  # each sample's place in the epoch
         place[order.epoch_order(epoch)] = np.arange(per_epoch * batch)
-        counts = np.zeros(n, dtype=np.int64)
-        right = np.zeros(n, dtype=bool)  # logged in the update the order puts it in
+        parts = [log.span(first, stop) for log in logs]
+        updates = np.concatenate([log.updates[part] for log, part in zip(logs, parts, strict=True)])
+        ids = np.concatenate([log.ids[part] for log, part in zip(logs, parts, strict=True)])
+        got += np.bincount(updates, minlength=last + 1)
+        inside = (ids >= 0) & (ids < n)
         stray_counts: Counter[int] = Counter()
-        for log in logs:
-            part = log.span(first, stop)
-            updates, ids = log.updates[part], log.ids[part]
-            got += np.bincount(updates, minlength=last + 1)
-            inside = (ids >= 0) & (ids < n)
-            if not inside.all():
-                stray_counts.update(ids[~inside].tolist())
-                updates, ids = updates[inside], ids[inside]
-            counts += np.bincount(ids, minlength=n)
-            right[ids[place[ids] // batch == updates - first]] = True
+        if not inside.all():
+            stray_counts.update(ids[~inside].tolist())
+            updates, ids = updates[inside], ids[inside]
+        counts = np.bincount(ids, minlength=n)
+        right = np.zeros(n, dtype=bool)  # logged in the update the order puts it in
+        right[ids[place[ids] // batch == updates - first]] = True
+        del updates, ids, inside
         matched += np.bincount(first + place[right] // batch, minlength=last + 1)[: last + 1]
         seen |= counts > 0
         strays.update(stray_counts)

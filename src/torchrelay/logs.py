@@ -161,6 +161,7 @@ def rank_logs(train_dir: Path, kind: str) -> dict[int, Path]:
 # policy for a torn or damaged line applies either way).
 _EXPOSURE_HEAD = b'{"u":,"m":,"i":['
 _NOT_DIGIT = bytes(c if 48 <= c <= 57 else 32 for c in range(256))
+_IS_DIGIT = bytes(1 if 48 <= c <= 57 else 0 for c in range(256))
 _BEFORE_NUMBER = np.zeros(256, dtype=bool)
 _BEFORE_NUMBER[list(b":[,")] = True
 _AFTER_NUMBER = np.zeros(256, dtype=bool)
@@ -202,8 +203,8 @@ _EXPOSURE_BLOCK = 1 << 23
 
 def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(updates, counts, ids) of whole lines written as the writer writes them, else None."""
-    lines = data.count(b"\n")
     skeleton = data.translate(None, b"0123456789")  # each line must read {"u":,"m":,"i":[,,,]}
+    lines = skeleton.count(b"\n")
     if (
         not skeleton.startswith(_EXPOSURE_HEAD)
         or skeleton.count(_EXPOSURE_HEAD) != lines
@@ -215,11 +216,13 @@ def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarr
     # Numbers stand only in the skeleton's slots (after `:`, `[` or `,`, before `,` or `]`), one in every slot
     # (only a list may be empty), with no leading zero, and short enough for int64.
     a = np.frombuffer(data, dtype=np.uint8)
-    digit = (a >= 48) & (a <= 57)
-    edge = np.diff(digit.view(np.int8), prepend=np.int8(0), append=np.int8(0))
-    first, end = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
+    edges = np.flatnonzero(
+        np.diff(np.frombuffer(data.translate(_IS_DIGIT), dtype=np.int8), prepend=0, append=0)
+    )
+    first, end = edges[0::2], edges[1::2]  # each run of digits: [first, end)
     list_commas = len(skeleton) - lines * (len(_EXPOSURE_HEAD) + 3)
-    if len(first) != 2 * lines + list_commas + lines - data.count(b"[]") or first[0] == 0:
+    empty_lists = data.count(b"[]")
+    if len(first) != 2 * lines + list_commas + lines - empty_lists or first[0] == 0:
         return None
     width = end - first
     if (
@@ -232,7 +235,11 @@ def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarr
     values = np.fromstring(data.translate(_NOT_DIGIT), dtype=np.int64, sep=" ")
     if len(values) != len(first):
         return None
-    per_line = np.diff(np.searchsorted(first, np.flatnonzero(a == 10)), prepend=0)
+    if empty_lists:
+        per_line = np.diff(np.searchsorted(first, np.flatnonzero(a == 10)), prepend=0)
+    else:  # a skeleton line is the head, a comma between ids, `]}` and the newline
+        breaks = np.flatnonzero(np.frombuffer(skeleton, dtype=np.uint8) == 10)
+        per_line = np.diff(breaks, prepend=-1) - (len(_EXPOSURE_HEAD) + 3) + 3
     starts = np.cumsum(per_line) - per_line
     keep = np.ones(len(values), dtype=bool)
     keep[starts] = keep[starts + 1] = False
