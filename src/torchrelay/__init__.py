@@ -21,8 +21,8 @@ __all__ = [
 if TYPE_CHECKING:
     from torchrelay.config import RelayConfig
     from torchrelay.data.sample import SampleContext, sample_generator, sample_seed
+    from torchrelay.lr_shape import warmup_cosine
     from torchrelay.run import Run, Step
-    from torchrelay.schedule import warmup_cosine
 
 # An uncaught refusal of the library (a configuration error, a contract mismatch) ends a rank with one message and
 # its exit code rather than a traceback per rank and exit 1; any other exception keeps its traceback.
@@ -32,7 +32,7 @@ _LAZY = {
     "RelayConfig": "config",
     "Run": "run",
     "Step": "run",
-    "warmup_cosine": "schedule",
+    "warmup_cosine": "lr_shape",
     "SampleContext": "data.sample",
     "sample_generator": "data.sample",
     "sample_seed": "data.sample",
