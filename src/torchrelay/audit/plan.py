@@ -1,4 +1,5 @@
-"""Run an audit: an uninterrupted and an interrupted run of the same launch, compared and diagnosed."""
+"""The audit's orchestrator: an uninterrupted and an interrupted run of the same launch (each one launched by
+runner.py), compared and diagnosed."""
 
 from __future__ import annotations
 

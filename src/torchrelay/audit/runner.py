@@ -1,4 +1,5 @@
-"""Launch the user's own command in a fresh run directory, stopped by request file after chosen updates."""
+"""One run of an audit (plan.py orchestrates them): the user's own command launched in a fresh run directory,
+stopped by request file after chosen updates."""
 
 from __future__ import annotations
 
