@@ -78,9 +78,11 @@ def test_every_verb_refuses_a_wrong_path_in_one_message(
     assert not any((tmp_path / name).exists() for name in ("bundle", "prepared", "exported"))
 
 
-def test_version_and_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_and_quiet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     """`--version` names the package's version; the library's information reaches stdout unless `-q` (its
-    warnings and errors stay); `-v` shows it too."""
+    warnings and errors stay); `-v` shows it too; each record names its rank."""
     from torchrelay import __version__
 
     with pytest.raises(SystemExit) as exit_:
@@ -100,3 +102,5 @@ def test_version_and_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert (said in out) == (flags != ["-q"]), (flags, out)
         assert "config.json" in out + err, (flags, out, err)  # the failure itself is never silenced
     assert len(set(codes.values())) == 1 and codes[()] != 0
+    said_records = [r for r in caplog.records if r.name == "torchrelay" and r.getMessage() == said]
+    assert len(said_records) == 2 and all(getattr(r, "rank", None) == 0 for r in said_records)
