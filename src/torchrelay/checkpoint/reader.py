@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchrelay.checkpoint import dcp_io
+from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG, safe_load
 from torchrelay.checkpoint.ranks import PER_RANK
 from torchrelay.checkpoint.state import (
     MODEL_DIR,
@@ -25,6 +26,7 @@ from torchrelay.checkpoint.state import (
     read_trainer_state,
 )
 
+_DS_RANK = re.compile(r"^zero_pp_rank_(\d+)_")
 _RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
 _PER_RANK_KEY = re.compile(rf"^{PER_RANK}\.(\d+)\.(model|optim)\.(.+)$", re.S)
 
@@ -40,8 +42,13 @@ def _name(key: str) -> str:
 def load_tensors(ckpt_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every model and optimizer tensor, full (unsharded), named `model.<fqn>` / `optim.<fqn>.<state>`.
 
-    A tensor that differed between ranks at the save is stored per rank and read as `<name>@rank<r>`.
+    A tensor that differed between ranks at the save is stored per rank and read as `<name>@rank<r>`. A DeepSpeed
+    engine's checkpoint: see _engine_tensors.
     """
+    if (Path(ckpt_dir) / DS_DIR).is_dir():
+        record = read_trainer_state(Path(ckpt_dir)).get("deepspeed")
+        if isinstance(record, dict):
+            return _engine_tensors(Path(ckpt_dir), record)
     model_dir = Path(ckpt_dir) / MODEL_DIR
     md = dcp_io.read_metadata(model_dir)
     state: dict[str, torch.Tensor] = {}
@@ -52,6 +59,26 @@ def load_tensors(ckpt_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         dcp_io.load(state, model_dir, no_dist=True)
     return {_name(k): v for k, v in sorted(state.items())}
+
+
+def _engine_tensors(ckpt_dir: Path, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a DeepSpeed engine's files (read weights_only): the model as `model.<fqn>` (ZeRO-3: each
+    rank's partition as `model@rank<r>.<fqn>`), each rank's optimizer partition as `optim@rank<r>.<path>`, the
+    engine's other tensors (the LR scheduler's) as `<file>.<path>`."""
+    root = ckpt_dir / str(record.get("dir", DS_DIR)) / str(record.get("tag", DS_TAG))
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(root.glob("*.pt")):
+        doc = safe_load(path, "cpu")
+        name = path.name.removesuffix(".pt")
+        owner = _DS_RANK.match(name)
+        if name.endswith("_optim_states") and owner:
+            out |= flat_tensors(doc.get("optimizer_state_dict"), f"optim@rank{int(owner.group(1))}")
+        elif isinstance(doc, dict):
+            prefix = f"model@rank{int(owner.group(1))}" if owner else "model"
+            module = doc.get("module") or {}
+            out |= {f"{prefix}.{k}": v for k, v in module.items() if isinstance(v, torch.Tensor)}
+            out |= flat_tensors({k: v for k, v in doc.items() if k not in ("module", "ds_config")}, name)
+    return dict(sorted(out.items()))
 
 
 MODEL_PREFIX = "model."  # DCP flattens {"model": state_dict} into "model.<fqn>"

@@ -1,4 +1,5 @@
-"""What a checkpoint holds and how each part is written: DCP tensors, JSON, safetensors — never a pickle."""
+"""What a checkpoint holds and how each part is written: DCP tensors, JSON, safetensors — never a pickle, except
+the files of a DeepSpeed engine's own checkpoint (deepspeed_engine.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_io, ranks
+from torchrelay.checkpoint import deepspeed_engine as ds_engine
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
 from torchrelay.checkpoint.persist import (
     HashingWriter,
@@ -182,6 +184,7 @@ def capture_state(
     statefuls: dict[str, Stateful],
     loop: dict[str, Any],
     stage: HostStage | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> Snapshot:
     """Take this rank's part of a checkpoint (every rank calls it, at the same update: it agrees with the others
     on what differs by rank). Tensors are copied into `stage`'s reused host buffers; after `stage.synchronize()`
@@ -232,6 +235,8 @@ def capture_state(
         }
         if any(per_rank.values()):
             doc["per_rank"] = per_rank
+        if engine is not None:  # what save_engine recorded of the DeepSpeed engine's own files
+            doc["deepspeed"] = engine
         snap.shared_tensors = stage.copy_tree("shared", flat)
         snap.trainer_json = _json_bytes(doc)
     return snap
@@ -241,7 +246,7 @@ def reserve(
     stage: HostStage, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, rank: int
 ) -> None:
     """Start allocating the host buffers a save of this model and optimizer will copy into (background)."""
-    if model is None:
+    if model is None or ds_engine.is_engine(model):  # an engine writes its own files (save_state)
         return
     msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
     otensors = _split_optimizer(osd)[0] if optimizer is not None else {}
@@ -291,13 +296,27 @@ def save_state(
     loop: dict[str, Any],
     kill_hook: Any = None,
 ) -> dict[str, tuple[str, int]]:
-    """Capture and write this rank's part of a checkpoint into `directory` in one go (every rank calls it)."""
+    """Capture and write this rank's part of a checkpoint into `directory` in one go (every rank calls it).
+
+    A DeepSpeed engine writes model, optimizer partitions, LR scheduler and counters itself, into `directory`'s
+    deepspeed/ (deepspeed_engine.py), before the rest is captured."""
+    engine: dict[str, Any] | None = None
+    written: dict[str, tuple[str, int]] = {}
+    if ds_engine.is_engine(model):
+        engine, written = ds_engine.save_engine(model, directory)
+        model, optimizer = None, None
     stage = HostStage()
     snap = capture_state(
-        rank=rank, model=model, optimizer=optimizer, statefuls=statefuls, loop=loop, stage=stage
+        rank=rank,
+        model=model,
+        optimizer=optimizer,
+        statefuls=statefuls,
+        loop=loop,
+        stage=stage,
+        engine=engine,
     )
     stage.synchronize()
-    return write_snapshot(snap, directory, kill_hook=kill_hook)
+    return written | write_snapshot(snap, directory, kill_hook=kill_hook)
 
 
 def state_path(ckpt_dir: Path) -> Path:
@@ -372,6 +391,14 @@ def load_state(
     read_by_me: set[str] = set()
     doc = read_trainer_state(ckpt_dir)
     per_rank = per_rank_of(doc)
+    if ds_engine.is_engine(model):  # its files were verified above when `verify`, at the open otherwise
+        ds_engine.load_engine(model, ckpt_dir, doc.get("deepspeed"))
+        model = None
+    elif doc.get("deepspeed") is not None:
+        raise CheckpointError(
+            f"{ckpt_dir}: holds a DeepSpeed engine's checkpoint, but no DeepSpeed engine is tracked",
+            hint="track the engine deepspeed.initialize returned: run.track(model=engine)",
+        )
     if model is not None:
         msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
         otensors, _ = _split_optimizer(osd) if optimizer is not None else ({}, None)

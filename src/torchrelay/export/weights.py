@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from torchrelay import __version__
+from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.checkpoint.select import list_checkpoints
@@ -224,6 +225,12 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
     started = time.perf_counter()
     ckpt, holder = resolve_checkpoint(Path(source), options.checkpoint)
     inventory = validate_complete(ckpt)  # a damaged checkpoint is refused, naming the file
+    if (ckpt / DS_DIR).is_dir() and not (ckpt / "model").is_dir():
+        raise ConfigError(
+            f"{ckpt} holds a DeepSpeed engine's own checkpoint ({DS_DIR}/), which export does not read",
+            hint=f"DeepSpeed consolidates its weights: python {ckpt / DS_DIR / 'zero_to_fp32.py'} "
+            f"{ckpt / DS_DIR} OUT --tag zero (on a copy; it runs DeepSpeed's code)",
+        )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not empty", hint="choose a new export folder")

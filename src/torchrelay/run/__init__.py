@@ -28,6 +28,7 @@ from torchrelay import errors as errors_module
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
 from torchrelay.checkpoint.commit import clean_stale
+from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, canonical_json, write_contract
 from torchrelay.data.loader import RankBatches, RelayLoader
@@ -621,6 +622,8 @@ class Run:
     ) -> None:
         """Register what must resume (model, optimizer, scheduler, scaler, generators, ...) and restore it if
         resuming; each rank's own values come back to it (see checkpoint/ranks.py)."""
+        if is_engine(model):  # a DeepSpeed engine: its configuration must be the contract's
+            check_engine(model, optimizer, self.config)
         tracked = self._tracked
         tracked.model, tracked.optimizer = model, optimizer
         tracked.statefuls = {name: adapt(name, obj) for name, obj in statefuls.items()}

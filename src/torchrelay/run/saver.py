@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
+from torchrelay.checkpoint.deepspeed_engine import is_engine
 from torchrelay.checkpoint.persist import HostStage, Persister
 from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
@@ -103,6 +104,31 @@ class Saver:
             "segment": self._segment,
         }
         tracked = self._tracked
+        info = {"contract_sha256": self._contract_sha, "segment": self._segment, "created": time.time()}
+        if is_engine(tracked.model):
+            # A DeepSpeed engine writes its files itself, with collectives on the training's process group: the
+            # whole save runs here, on the training thread, as with async_save false.
+            _, seconds = commit_checkpoint(
+                self._run_dir,
+                update,
+                lambda tmp, hook: ckpt_state.save_state(
+                    tmp,
+                    rank=self._rank,
+                    model=tracked.model,
+                    optimizer=tracked.optimizer,
+                    statefuls=tracked.statefuls,
+                    loop=loop,
+                    kill_hook=hook,
+                ),
+                rank=self._rank,
+                world_size=self._world_size,
+                info=info,
+                retention=self._retention,
+                started=started,
+            )
+            self.estimate = max(self.estimate, seconds) if self.estimate else seconds
+            self.last = update
+            return self._run_dir / f"checkpoint-{update}"
         snap = ckpt_state.capture_state(
             rank=self._rank,
             model=tracked.model,
@@ -112,7 +138,6 @@ class Saver:
             stage=self._stage,
         )
         self._stage.synchronize()
-        info = {"contract_sha256": self._contract_sha, "segment": self._segment, "created": time.time()}
         group = self._group
 
         def persist() -> None:

@@ -1,0 +1,253 @@
+"""A DeepSpeed engine's own checkpoint inside a torchrelay checkpoint.
+
+`run.track(model=engine)` hands the engine's model, its ZeRO-partitioned optimizer, its loss scaler, its step
+counters and the LR scheduler it was given to `engine.save_checkpoint`, which writes them into
+`checkpoint-N/deepspeed/` of the temporary directory the commit protocol made: the files are inventoried with
+everything else, `COMPLETE.json` is still written last, and a crash before the rename leaves no checkpoint. The
+RNG, the loop state and other tracked objects are torchrelay's own, as for any run.
+
+DeepSpeed writes pickles (`torch.save`). They are read back only from a checkpoint the run verified against its
+inventory at open, for a run whose contract matched, and with `torch.load(weights_only=True)` admitting the three
+DeepSpeed classes its optimizer shards hold (`LOADABLE`): never DeepSpeed's own `weights_only=False`.
+
+A ZeRO optimizer is partitioned over the data-parallel ranks that saved it, so a ZeRO checkpoint continues only
+on that world size (DeepSpeed's universal checkpoint, which reshards, is not supported).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.fsutil import fsync_file
+from torchrelay.util.hashing import sha256_many
+
+DS_DIR = "deepspeed"  # checkpoint-N/deepspeed/<DS_TAG>/ holds what engine.save_checkpoint writes
+DS_TAG = "zero"
+PARAMS_KEY = "deepspeed"  # RelayConfig.params["deepspeed"]: the engine's configuration, part of the contract
+# Keys of a DeepSpeed configuration that change what is printed or profiled, never a bit of the state.
+RUNTIME_KEYS = (
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "memory_breakdown",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "monitor_config",
+)
+# The only classes besides tensors and containers that DeepSpeed 0.19's ZeRO checkpoints pickle.
+LOADABLE = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+)
+
+
+def engine_class() -> type | None:
+    """DeepSpeedEngine when the script imported deepspeed (never imported here: it costs seconds)."""
+    module = sys.modules.get("deepspeed")
+    cls = getattr(module, "DeepSpeedEngine", None) if module is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def is_engine(obj: Any) -> bool:
+    cls = engine_class()
+    return cls is not None and isinstance(obj, cls)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict) and obj:
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): obj}
+
+
+def _math(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in _flatten(config).items() if k.split(".")[0] not in RUNTIME_KEYS}
+
+
+def check_engine(engine: Any, optimizer: Any, config: Any) -> None:
+    """Refuse an engine whose configuration is not the one the run's contract records (a RelayConfig), naming
+    the field; and an optimizer tracked beside it (the engine saves its own)."""
+    if optimizer is not None:
+        raise ConfigError(
+            "run.track(model=engine, optimizer=...): a DeepSpeed engine saves and restores its own optimizer",
+            hint="track the engine alone: run.track(model=engine) (or with other statefuls by name)",
+        )
+    params, micro_batch, grad_accum = config.params, config.micro_batch, config.grad_accum
+    recorded = params.get(PARAMS_KEY)
+    if not isinstance(recorded, dict):
+        raise ConfigError(
+            "run.track(model=engine): the DeepSpeed configuration is not part of the run's contract",
+            hint="put the dict given to deepspeed.initialize(config=...) in RelayConfig.params['deepspeed'], "
+            "and initialize with run.config.params['deepspeed']",
+        )
+    actual = engine.config if isinstance(engine.config, dict) else {}
+    want, have = _math(recorded), _math(actual)
+    differ = [
+        f"params.{PARAMS_KEY}.{k}: {want.get(k, '<absent>')!r} in the contract, "
+        f"{have.get(k, '<absent>')!r} in the engine"
+        for k in sorted(set(want) | set(have))
+        if want.get(k, "<absent>") != have.get(k, "<absent>")
+    ]
+    if differ:
+        raise ConfigError(
+            "run.track(model=engine): the engine was initialized with another DeepSpeed configuration than "
+            f"the run's: {'; '.join(differ[:6])}",
+            hint="initialize with deepspeed.initialize(config=run.config.params['deepspeed']); only "
+            f"{', '.join(RUNTIME_KEYS[:3])}, ... may be added",
+        )
+    for what, engine_value, relay_field, relay_value in (
+        (
+            "train_micro_batch_size_per_gpu",
+            engine.train_micro_batch_size_per_gpu(),
+            "micro_batch",
+            micro_batch,
+        ),
+        ("gradient_accumulation_steps", engine.gradient_accumulation_steps(), "grad_accum", grad_accum),
+    ):
+        if engine_value != relay_value:
+            raise ConfigError(
+                f"run.track(model=engine): DeepSpeed's {what} is {engine_value}, the run's {relay_field} is "
+                f"{relay_value}",
+                hint=f"set {what} to the run's {relay_field}: torchrelay's loader and DeepSpeed's "
+                "accumulation must cut the same updates",
+            )
+    offload = _flatten(actual).get("zero_optimization.offload_optimizer.device")
+    if offload == "nvme" or _flatten(actual).get("zero_optimization.offload_param.device") == "nvme":
+        raise ConfigError(
+            "run.track(model=engine): ZeRO-Infinity's NVMe offload keeps state in a swap folder outside the "
+            "checkpoint directory; torchrelay cannot commit it",
+            hint="offload to 'cpu' or 'none'",
+        )
+    if _flatten(actual).get("checkpoint.use_node_local_storage"):
+        raise ConfigError(
+            "run.track(model=engine): checkpoint.use_node_local_storage writes a checkpoint per node; "
+            "torchrelay commits one checkpoint directory that every rank sees",
+            hint="leave checkpoint.use_node_local_storage off",
+        )
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def save_engine(engine: Any, directory: Path) -> tuple[dict[str, Any], dict[str, tuple[str, int]]]:
+    """engine.save_checkpoint into `directory/deepspeed` (every rank, on the training thread: DeepSpeed's own
+    collectives), each file fsynced; returns the record the state file keeps of it, and {relative path: (SHA-256,
+    size)} of this rank's share of the files, hashed for the inventory."""
+    rank, world_size = _world()
+    root = directory / DS_DIR
+    engine.save_checkpoint(
+        str(root), tag=DS_TAG, save_latest=False
+    )  # ends with a barrier: all files are there
+    # DeepSpeed neither fsyncs nor says who wrote what: each rank fsyncs and hashes a share of the files.
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    mine = [path for i, path in enumerate(files) if i % world_size == rank]
+    for path in mine:
+        fsync_file(path)
+    digests = sha256_many(mine)
+    written = {str(path.relative_to(directory)): digests[path] for path in mine}
+    record = {
+        "dir": DS_DIR,
+        "tag": DS_TAG,
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "world_size": world_size,
+        "global_steps": int(engine.global_steps),
+        "version": _version(),
+    }
+    return record, written
+
+
+def _version() -> str:
+    module = sys.modules.get("deepspeed")
+    return str(getattr(module, "__version__", "?"))
+
+
+def load_engine(engine: Any, ckpt_dir: Path, record: dict[str, Any] | None) -> None:
+    """Restore the engine from what save_engine wrote (every rank), refusing another world size or stage."""
+    rank, world_size = _world()
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"{ckpt_dir}: holds no DeepSpeed engine state, but a DeepSpeed engine is tracked",
+            hint="continue the run with the model and optimizer it was saved with",
+        )
+    saved_world = record.get("world_size")
+    if saved_world != world_size:
+        raise ConfigError(
+            f"{ckpt_dir.name}: its ZeRO optimizer is partitioned over {saved_world} ranks, this launch has "
+            f"{world_size}: a DeepSpeed ZeRO run continues only on the world size that saved it",
+            hint=f"launch {saved_world} ranks (torchrelay does not convert DeepSpeed's universal checkpoints)",
+        )
+    stage = int(engine.zero_optimization_stage())
+    if record.get("zero_stage") != stage:
+        raise ConfigError(
+            f"{ckpt_dir.name}: saved by a ZeRO stage {record.get('zero_stage')} engine, this engine runs stage "
+            f"{stage} (params.{PARAMS_KEY}.zero_optimization.stage)",
+            hint="continue with the DeepSpeed configuration the run was made with",
+        )
+    previous = engine.checkpoint_engine
+    engine.checkpoint_engine = _VerifiedLoads(previous, ckpt_dir / DS_DIR)
+    try:
+        path, _ = engine.load_checkpoint(
+            str(ckpt_dir / DS_DIR),
+            tag=str(record.get("tag", DS_TAG)),
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+    finally:
+        engine.checkpoint_engine = previous
+    if path is None:
+        raise CheckpointError(f"{ckpt_dir / DS_DIR}: DeepSpeed found no checkpoint to load (rank {rank})")
+    if int(engine.global_steps) != record.get("global_steps"):
+        raise CheckpointError(
+            f"{ckpt_dir}: the engine resumed at global step {engine.global_steps}, the record says "
+            f"{record.get('global_steps')}"
+        )
+
+
+def safe_load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
+    """torch.load(weights_only=True) of a DeepSpeed checkpoint file, admitting only the classes in LOADABLE."""
+    allowed = []
+    for module_name, name in LOADABLE:
+        module = sys.modules.get(module_name)
+        if module is None:
+            import importlib
+
+            module = importlib.import_module(module_name)
+        allowed.append(getattr(module, name))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+class _VerifiedLoads:
+    """The engine's checkpoint engine while it loads: DeepSpeed's own, except that every read is a
+    weights_only load of a file inside the verified checkpoint."""
+
+    def __init__(self, inner: Any, root: Path) -> None:
+        self._inner = inner
+        self._root = root.resolve()
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        resolved = Path(path).resolve()
+        if self._root not in resolved.parents:
+            raise CheckpointError(f"DeepSpeed asked to load {path}, outside the verified {self._root}")
+        return safe_load(resolved, map_location)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
