@@ -1,0 +1,185 @@
+"""DeepSpeed ZeRO-2 through torchrelay: examples/train_deepspeed.py, a plain loop around deepspeed.initialize, on 2
+CPU ranks (gloo) — stopped by a request, handed off (pack, verify, prepare with another worker count), stopped by a
+late signal and finished, against the uninterrupted run: every engine tensor and counter equal, each sample once."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import TORCHRUN, assert_same_logs, clean_env, make_code_repo, segments, sigterm, wait_for_update
+from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG, _VerifiedLoads, load_engine, safe_load
+from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.reader import load_tensors
+from torchrelay.cli import main
+from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.ledger import prove
+from torchrelay.stop import write_request
+
+U = 12  # the example's default schedule; it saves every 4 updates
+SCRIPT = "train_deepspeed.py"
+
+
+def _cmd(code: Path, run: Path, data: dict[str, Path], *args: str) -> list[str]:
+    return [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor_interval=0.5",
+        str(code / SCRIPT),
+        "--run-dir",
+        str(run),
+        "--manifest",
+        str(data["manifest"]),
+        "--data-root",
+        str(data["root"]),
+        *args,
+    ]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return clean_env(DS_ACCELERATOR="cpu", **extra)
+
+
+def launch_ds(code: Path, run: Path, data: dict[str, Path], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _cmd(code, run, data, *args), capture_output=True, text=True, timeout=400, env=_env(), cwd=code
+    )
+
+
+@pytest.fixture(scope="module")
+def ds(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("deepspeed")
+    code = make_code_repo(base / "code", (SCRIPT,))
+    baseline = base / "baseline"
+    out = launch_ds(code, baseline, example)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return {"code": code, "baseline": baseline, "manifest": example["manifest"], "root": example["root"]}
+
+
+def engine_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor of the engine's checkpoint, and its counters, LR scheduler and loss scaler."""
+    tensors = load_tensors(ckpt)
+    files = ckpt / DS_DIR / DS_TAG
+    model = safe_load(files / "mp_rank_00_model_states.pt")
+    counters = {k: model[k] for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")}
+    for rank in (0, 1):
+        optim = safe_load(files / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        counters[f"loss_scaler@{rank}"] = vars(optim["loss_scaler"])
+    return tensors, counters
+
+
+def test_zero2_request_handoff_late_signal_is_bit_exact(ds: dict[str, Path], tmp_path: Path) -> None:
+    code, data = ds["code"], ds
+    source = tmp_path / "source"
+    source.mkdir()
+    write_request(source, at_update=3)
+    out = launch_ds(code, source, data)
+    assert segments(source)[-1]["ended"] == "request", out.stdout[-3000:] + out.stderr[-3000:]
+    assert segments(source)[-1]["last_update"] == 3
+    # the engine's own files are inside the committed checkpoint and its inventory, one optimizer shard per rank
+    listed = {e["path"] for e in validate_complete(source / "checkpoint-3")["files"]}
+    for name in (
+        "mp_rank_00_model_states.pt",
+        *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)),
+    ):
+        assert f"{DS_DIR}/{DS_TAG}/{name}" in listed
+    assert {"rng/rank-0.safetensors", "rng/rank-1.safetensors"} <= listed  # each rank's RNG, torchrelay's own
+
+    bundle, run = tmp_path / "bundle", tmp_path / "elsewhere"
+    assert main(["pack", str(source), str(bundle)]) == 0
+    assert main(["verify", str(bundle)]) == 0
+    assert main(["prepare", str(bundle), "--run-dir", str(run), "--set", "num_workers=2"]) == 0
+    moved = next((run / "source").iterdir())  # the bundle's exact code
+
+    # a late signal: paced updates (a runtime param) so that it lands before the end
+    proc = subprocess.Popen(
+        _cmd(moved, run, data, "--set", "params.min_update_s=0.5"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(TORCHRELAY_CHECK_EVERY="1"),
+        cwd=moved,
+        start_new_session=True,
+    )
+    try:
+        wait_for_update(run, 8, proc, timeout=300)
+        sigterm(proc)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    seg = segments(run)[-1]
+    assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
+    assert 8 <= seg["last_update"] < U and seg["resumed_from"] == 3
+
+    out = launch_ds(moved, run, data)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    segs = segments(run)
+    assert [s["ended"] for s in segs] == ["request", "signal", "finished"]
+    assert [s["resumed_from"] for s in segs[1:]] == [s["last_update"] for s in segs[:-1]]
+    assert json.loads((run / "config.json").read_text())["num_workers"] == 2
+
+    want, want_counters = engine_state(ds["baseline"] / f"checkpoint-{U}")
+    have, have_counters = engine_state(run / f"checkpoint-{U}")
+    assert want.keys() == have.keys() and len(want) >= 10
+    assert {k for k in want if k.startswith("optim@rank1.")}, "no optimizer partition of rank 1"
+    differ = [k for k in want if not torch.equal(want[k], have[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+    assert want_counters == have_counters and want_counters["global_steps"] == U
+    assert_same_logs(ds["baseline"], run)
+    ledger = prove(run)
+    assert ledger.ok and ledger.exposures == ledger.distinct == U * 16
+
+
+def test_changed_zero_stage_and_lr_are_refused_naming_the_fields(ds: dict[str, Path]) -> None:
+    out = launch_ds(ds["code"], ds["baseline"], ds, "--zero-stage", "3", "--lr", "0.01")
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "params.deepspeed.zero_optimization.stage: 2 -> 3" in text, text[-3000:]
+    assert "params.lr: 0.003 -> 0.01" in text
+    assert main(["status", str(ds["baseline"]), "--last-exit"]) == 2
+    assert segments(ds["baseline"])[-1]["ended"] == "refused"
+
+
+def test_another_world_size_is_refused_before_deepspeed_reads_a_file(tmp_path: Path) -> None:
+    """This process is one rank; the record says two: refused before the engine (None here) is touched."""
+    record = {"dir": DS_DIR, "tag": DS_TAG, "zero_stage": 2, "world_size": 2, "global_steps": 4}
+    with pytest.raises(ConfigError, match=r"(?s)partitioned over 2 ranks, this launch has 1.*universal"):
+        load_engine(None, tmp_path / "checkpoint-4", record)
+    with pytest.raises(CheckpointError, match="holds no DeepSpeed engine state"):
+        load_engine(None, tmp_path / "checkpoint-4", None)
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_engine_files_are_read_weights_only_and_inside_the_checkpoint(tmp_path: Path) -> None:
+    """What DeepSpeed reads through torchrelay is a weights_only load of a file of the verified checkpoint."""
+    root = tmp_path / "checkpoint-4" / DS_DIR
+    (root / DS_TAG).mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    planted = root / DS_TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": _Payload(marker)}, planted)
+    loads = _VerifiedLoads(None, root)
+    with pytest.raises(pickle.UnpicklingError):
+        loads.load(str(planted))
+    assert not marker.exists()
+    outside = tmp_path / "elsewhere.pt"
+    torch.save({"x": torch.zeros(1)}, outside)
+    with pytest.raises(CheckpointError, match="outside the verified"):
+        loads.load(str(outside))
+    torch.save({"x": torch.ones(2)}, root / DS_TAG / "fine.pt")
+    assert torch.equal(loads.load(str(root / DS_TAG / "fine.pt"))["x"], torch.ones(2))
