@@ -90,6 +90,7 @@ def main() -> int:
         manifest=args.manifest,
         data_root=args.data_root,
         save_every=4,
+        pins=[f"deepspeed=={deepspeed.__version__}"],  # continued only with the DeepSpeed that began it
         params={"lr": args.lr, "d_model": 32, "seq_len": 64, "deepspeed": ds_config, "min_update_s": 0},
         runtime_params=["min_update_s"],  # pacing for demos and stop tests: never changes a bit
     )
