@@ -31,6 +31,9 @@ from torchrelay.util.hashing import sha256_many
 DS_DIR = "deepspeed"  # checkpoint-N/deepspeed/<DS_TAG>/ holds what engine.save_checkpoint writes
 DS_TAG = "zero"
 PARAMS_KEY = "deepspeed"  # RelayConfig.params["deepspeed"]: the engine's configuration, part of the contract
+TRAINER_ARGS = (
+    "training_args"  # a Trainer run records it as params["training_args"]["deepspeed"] (integrations/)
+)
 # Keys of a DeepSpeed configuration that change what is printed or profiled, never a bit of the state.
 RUNTIME_KEYS = (
     "steps_per_print",
@@ -88,7 +91,10 @@ def check_engine(engine: Any, optimizer: Any, config: Any) -> None:
             hint="track the engine alone: run.track(model=engine) (or with other statefuls by name)",
         )
     params, micro_batch, grad_accum = config.params, config.micro_batch, config.grad_accum
-    recorded = params.get(PARAMS_KEY)
+    recorded, field = params.get(PARAMS_KEY), f"params.{PARAMS_KEY}"
+    trainer_args = params.get(TRAINER_ARGS)
+    if recorded is None and isinstance(trainer_args, dict) and isinstance(trainer_args.get(PARAMS_KEY), dict):
+        recorded, field = trainer_args[PARAMS_KEY], f"params.{TRAINER_ARGS}.{PARAMS_KEY}"
     if not isinstance(recorded, dict):
         raise ConfigError(
             "run.track(model=engine): the DeepSpeed configuration is not part of the run's contract",
@@ -97,10 +103,14 @@ def check_engine(engine: Any, optimizer: Any, config: Any) -> None:
         )
     actual = engine.config if isinstance(engine.config, dict) else {}
     want, have = _math(recorded), _math(actual)
+    keys = set(want) | set(have)
+    if field != f"params.{PARAMS_KEY}":
+        # Trainer fills in the "auto" values from TrainingArguments (in the contract themselves) and adds keys
+        # of its own: what the recorded file says must hold, the rest is derived.
+        keys = {k for k in want if want[k] != "auto"}
     differ = [
-        f"params.{PARAMS_KEY}.{k}: {want.get(k, '<absent>')!r} in the contract, "
-        f"{have.get(k, '<absent>')!r} in the engine"
-        for k in sorted(set(want) | set(have))
+        f"{field}.{k}: {want.get(k, '<absent>')!r} in the contract, {have.get(k, '<absent>')!r} in the engine"
+        for k in sorted(keys)
         if want.get(k, "<absent>") != have.get(k, "<absent>")
     ]
     if differ:

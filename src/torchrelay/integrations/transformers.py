@@ -189,6 +189,16 @@ class RelayTrainerMixin:
 
     def relay_track(self) -> None:
         """Register what each checkpoint holds with the run, restoring it on a resume (Trainer has built it all)."""
+        if getattr(self, "is_deepspeed_enabled", False):
+            # Trainer(deepspeed=...): the engine saves its own optimizer partitions and counters, and the LR
+            # scheduler when DeepSpeed steps it (checkpoint/deepspeed_engine.py); a scheduler Trainer made and steps
+            # itself (the config has no "scheduler", the optimizer is Trainer's) is tracked beside it.
+            engine = self.model_wrapped
+            own = (
+                {"scheduler": self.lr_scheduler} if engine.lr_scheduler is None and self.lr_scheduler else {}
+            )
+            self.relay.track(model=engine, **own)
+            return
         # accelerate wraps the torch optimizer; DCP's state-dict helpers want the torch one
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         self.relay.track(model=self.model_wrapped, optimizer=optimizer, scheduler=self.lr_scheduler)
