@@ -226,4 +226,6 @@ def test_trainer_zero2_stopped_and_resumed_with_more_workers_is_bit_exact(tmp_pa
     # Trainer's own LR scheduler (not DeepSpeed's) is tracked beside the engine: same LR at every update
     assert_same_logs(baseline, run)
     ledger = prove(run)
-    assert ledger.ok and ledger.exposures == U * 8 and ledger.distinct == 64 and ledger.repeats == 0  # 1.5 epochs
+    assert (
+        ledger.ok and ledger.exposures == U * 8 and ledger.distinct == 64 and ledger.repeats == 0
+    )  # 1.5 epochs

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.fsutil import fsync_file
+from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import sha256_many
 
 DS_DIR = "deepspeed"  # checkpoint-N/deepspeed/<DS_TAG>/ holds what engine.save_checkpoint writes
@@ -69,13 +70,8 @@ def is_engine(obj: Any) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict) and obj:
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): obj}
+def _flatten(config: Any) -> dict[str, Any]:
+    return flatten(config) if isinstance(config, dict) else {}
 
 
 def _math(config: dict[str, Any]) -> dict[str, Any]:
