@@ -270,14 +270,14 @@ class _Prefetch(FileSystem):
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="torchrelay-load")
         self._futures = {rel: self._pool.submit(self._read, rel) for rel in order}
 
-    def _read(self, rel: str) -> bytearray:
+    def _read(self, rel: str) -> memoryview:
         digest, size = self.expected.get(rel, ("", 0))
         self._room.take(rel, size)  # first, whatever happens next: the files after this one wait for its turn
         path = safe_relpath(self.root, rel, self.root / ".metadata")
         if rel not in self.expected:
             raise UnsafeInput(f"{path}: not listed in the checkpoint's inventory; refusing to read it")
-        data = bytearray(size)
-        view = memoryview(data)
+        data = torch.empty(size, dtype=torch.uint8).numpy().data  # not zero-filled: read over at once
+        view = data
         h = hashlib.sha256()
         with open(path, "rb", buffering=0) as f:
             got = 0
@@ -367,7 +367,7 @@ class _Budget:
 class _Memory(io.RawIOBase):
     """A read-only, seekable file over bytes already in memory."""
 
-    def __init__(self, data: bytearray) -> None:
+    def __init__(self, data: memoryview) -> None:
         super().__init__()
         self._view, self._pos = memoryview(data), 0
 

@@ -205,9 +205,13 @@ def capture_state(
     for name, obj in statefuls.items():
         own_tensors[name] = {}
         trees[name] = _to_tree(obj.state_dict(), name, own_tensors[name])
-    digests = {k: ranks.tensor_digest(v) for k, v in ranks.compared(model, msd, otensors).items()}
-    digests |= {f"state/{n}": ranks.stateful_digest(trees[n], own_tensors[n]) for n in statefuls}
-    differ = ranks.differing(digests)
+    differ: set[str] = set()
+    if (
+        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    ):  # one rank differs from none
+        digests = {k: ranks.tensor_digest(v) for k, v in ranks.compared(model, msd, otensors).items()}
+        digests |= {f"state/{n}": ranks.stateful_digest(trees[n], own_tensors[n]) for n in statefuls}
+        differ = ranks.differing(digests)
     per_rank = {
         "model": sorted(k.removeprefix("model/") for k in differ if k.startswith("model/")),
         "optim": sorted(k.removeprefix("optim/") for k in differ if k.startswith("optim/")),
