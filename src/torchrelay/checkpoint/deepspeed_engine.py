@@ -220,11 +220,46 @@ def load_engine(engine: Any, ckpt_dir: Path, record: dict[str, Any] | None) -> N
         engine.checkpoint_engine = previous
     if path is None:
         raise CheckpointError(f"{ckpt_dir / DS_DIR}: DeepSpeed found no checkpoint to load (rank {rank})")
+    _replay_cpu_adam(engine)
     if int(engine.global_steps) != record.get("global_steps"):
         raise CheckpointError(
             f"{ckpt_dir}: the engine resumed at global step {engine.global_steps}, the record says "
             f"{record.get('global_steps')}"
         )
+
+
+def _replay_cpu_adam(engine: Any) -> None:
+    """DeepSpeedCPUAdam keeps beta1^t and beta2^t in its C++ object as running products (one multiplication per
+    step) that no state_dict holds; a fresh object would compute them with pow at its first step, which differs in
+    the last bits. The same calls its step() made, on empty tensors, rebuild the products exactly."""
+    inner: Any = getattr(engine.optimizer, "optimizer", None)
+    op = getattr(inner, "ds_opt_adam", None)
+    if inner is None or op is None or not hasattr(inner, "opt_id"):
+        return
+    steps = [int(st["step"]) for st in inner.state.values() if "step" in st]
+    for step in range(1, max(steps, default=0) + 1):
+        for group in inner.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if "step" not in state or int(state["step"]) < step:
+                    continue
+                none = param.new_empty(0)
+                moment = state["exp_avg"].new_empty(0)
+                op.adam_update(
+                    inner.opt_id,
+                    step,
+                    group["lr"],
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["weight_decay"],
+                    group["bias_correction"],
+                    none,
+                    none.clone(),
+                    moment,
+                    moment.clone(),
+                )
 
 
 def safe_load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
