@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from torchrelay.errors import (
     IntegrityError,
     UnsafeInput,
 )
+from torchrelay.history import Segment, read_history
 from torchrelay.manifest import Manifest
 from torchrelay.stop import StopContext, StopRequest, decide
 
@@ -248,3 +250,18 @@ def test_one_map_between_end_states_and_exit_codes() -> None:
         exit_code_of("memory-killed") == 6 and json.dumps(Ended.CRASH) == '"crash"'
     )  # history.jsonl unchanged
     assert all(exit_code_of(e) in (3, 4, 5, 6) for e in CLEAN_STOPS)
+
+
+def test_the_segment_record_round_trips_history_lines_exactly() -> None:
+    fixtures = Path(__file__).parent / "fixtures" / "legacy-v0.1.0"
+    lines = [r for d in ("run", "bundle") for r in read_history(fixtures / d)]
+    assert lines and all("deadline" not in r for r in lines)  # written before the field existed
+    newer = {**lines[-1], "deadline": None, "hosts": ["a", "b"], "ranks_by_host": {"a": [0], "b": [1]}}
+    newer["elastic"] = {"from": 2}
+    for doc in [*lines, newer]:
+        segment = Segment.from_dict(doc)
+        again = pickle.loads(pickle.dumps(segment))  # as rank 0 broadcasts it
+        assert json.dumps(again.to_dict(), sort_keys=True) == json.dumps(doc, sort_keys=True)
+    assert Segment.from_dict(newer).extra == {"elastic": {"from": 2}}  # a newer writer's field is kept
+    with pytest.raises(ValueError, match="lacks \\['world_size'\\]"):
+        Segment.from_dict({k: v for k, v in lines[0].items() if k != "world_size"})

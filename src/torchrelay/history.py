@@ -5,13 +5,71 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from torchrelay.ended import Ended
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.layout import HISTORY_FILE
 from torchrelay.util.jsonl import read_records
+
+
+class _Absent(Enum):
+    ABSENT = "absent"  # an Enum member: one object, also after pickling
+
+
+ABSENT: Final = _Absent.ABSENT
+
+
+@dataclass(kw_only=True, slots=True)
+class Segment:
+    """One launch's record in history.jsonl (docs/FORMATS.md); `to_dict()` is exactly what the file holds."""
+
+    segment: str
+    parent: str | None
+    lineage: str | None
+    parent_lineage: str | None
+    job: str | None
+    command: list[str]
+    hosts: list[Any]
+    world_size: int
+    first_update: int
+    last_update: int | None
+    resumed_from: int | None
+    started: float
+    contract_sha256: str | None
+    code: dict[str, Any]
+    versions: dict[str, Any]
+    runtime_changes: dict[str, Any]
+    notes: list[str]
+    ended: str = Ended.RUNNING
+    exit_code: int | None = None
+    stopped: float | None = None
+    # The job's deadline and which ranks ran on which host; absent in a launch refused while opening and in runs
+    # made before the field existed.
+    deadline: float | None | _Absent = ABSENT
+    ranks_by_host: dict[str, list[int]] | _Absent = ABSENT
+    extra: dict[str, Any] = field(default_factory=dict)  # fields another version wrote, kept as they were
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as history.jsonl holds it."""
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**self.extra, **{k: v for k, v in doc.items() if v is not ABSENT}}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Segment:
+        """The record of one history.jsonl line written by this version (ValueError names a missing field)."""
+        names = {f.name for f in fields(cls)} - {"extra"}
+        optional = {"ended", "exit_code", "stopped", "deadline", "ranks_by_host"}
+        missing = sorted(names - optional - set(doc))
+        if missing:
+            raise ValueError(f"a segment of {HISTORY_FILE} lacks {missing}")
+        return cls(
+            **{k: v for k, v in doc.items() if k in names},
+            extra={k: v for k, v in doc.items() if k not in names},
+        )
 
 
 def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
