@@ -112,7 +112,7 @@ def make_run(
     cfg = _config(manifest, total_updates or updates, micro * ranks, accum)
     run = tr.Run.open(run_dir, cfg, code_dir=code)
     order, batch = run.order, run.global_batch
-    first_segment = dict(run.segment)
+    first_segment = run.segment.to_dict()
     run.close()
     train = run_dir / "train"
     step_s = 0.5

@@ -23,6 +23,7 @@ import yaml
 import torchrelay as tr
 from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
+from torchrelay.run.opening import SegmentOpener
 
 
 def copy_of(base: Path, name: str, rank: int, damage: Callable[[Path], None] | None = None) -> Path:
@@ -54,7 +55,7 @@ def main() -> None:
     with tr.Run.open(base / "run", cfg):  # created; no update is run
         pass
     seen: dict[str, Any] = {}
-    real_prepare, real_load = tr.Run._prepare_dir, Manifest.load
+    real_prepare, real_load = SegmentOpener.prepare, Manifest.load
 
     def bug(self: Any, *args: Any) -> Any:
         raise TypeError("injected bug")
@@ -75,7 +76,7 @@ def main() -> None:
     for name, path, config in cases:
         lock = RunLock(path, "train").acquire() if name == "busy" and rank == 0 else None
         if name == "bug" and rank == 0:
-            tr.Run._prepare_dir = bug  # type: ignore[method-assign]
+            SegmentOpener.prepare = bug  # type: ignore[method-assign]
         if name == "local" and rank == 1:
             Manifest.load = classmethod(unreadable)  # type: ignore[method-assign,assignment]
         started = time.monotonic()
@@ -90,7 +91,7 @@ def main() -> None:
                 "message": str(exc),
             }
         seen[name]["seconds"] = time.monotonic() - started
-        tr.Run._prepare_dir, Manifest.load = real_prepare, real_load  # type: ignore[method-assign]
+        SegmentOpener.prepare, Manifest.load = real_prepare, real_load  # type: ignore[method-assign]
         if lock is not None:
             lock.release()
         dist.barrier()

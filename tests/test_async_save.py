@@ -65,10 +65,10 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
 
     def at_stop() -> None:  # released once the loop has agreed to stop, not before
         for _ in range(6000):
-            if getattr(run, "_stop_why", ""):
+            if run._agreement.why:
                 break
             threading.Event().wait(0.01)
-        seen["stop"] = (getattr(run, "_stop_why", ""), (run_dir / "checkpoint-3").exists())
+        seen["stop"] = (run._agreement.why, (run_dir / "checkpoint-3").exists())
         release.touch()
 
     with Run.open(run_dir, _config(example), code_dir=example["code"]) as run:

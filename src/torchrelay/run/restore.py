@@ -1,12 +1,21 @@
-"""Restore: what a segment brings back from its checkpoint, and the objects it brings it into."""
+"""Restore: the one place that brings a segment back to where its checkpoint left it.
+
+Three pieces, in the order a resume needs them: the tracked state (model, optimizer, statefuls) when the script
+calls `run.track`; each rank's generators right before the first update (nothing may draw in between); and the
+cross-check that the checkpoint's own loop state holds the update rank 0 chose while opening.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from torchrelay.checkpoint import state as ckpt_state
+from torchrelay.checkpoint.adapters import adapt
+from torchrelay.errors import RelayError
 
 
 @dataclass(slots=True)
@@ -16,3 +25,42 @@ class Tracked:
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     statefuls: dict[str, ckpt_state.Stateful] = field(default_factory=dict)
+
+    def register(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        statefuls: dict[str, Any],
+    ) -> None:
+        """Hold these objects; a generator, a NumPy or Python random stream... through its adapter."""
+        self.model, self.optimizer = model, optimizer
+        self.statefuls = {name: adapt(name, obj) for name, obj in statefuls.items()}
+
+
+class Restore:
+    """Restores one rank from the checkpoint rank 0 chose (nothing when the segment starts a new run)."""
+
+    def __init__(self, checkpoint: Path | None, update: int, rank: int) -> None:
+        self.checkpoint = checkpoint
+        self.update = update
+        self._rank = rank
+
+    def state(self, tracked: Tracked) -> None:
+        """Load model, optimizer and statefuls, this rank's own copy of what differs by rank (checkpoint/ranks.py)."""
+        if self.checkpoint is None:
+            return
+        loop = ckpt_state.load_state(
+            self.checkpoint,
+            rank=self._rank,
+            model=tracked.model,
+            optimizer=tracked.optimizer,
+            statefuls=tracked.statefuls,
+            verify=True,
+        )
+        if int(loop["update"]) != self.update:
+            raise RelayError(f"{self.checkpoint}: trainer state says update {loop['update']}")
+
+    def generators(self) -> None:
+        """Load this rank's generators (Python, NumPy, torch CPU and CUDA): right before the first update."""
+        if self.checkpoint is not None:
+            ckpt_state.load_rng(self.checkpoint, self._rank)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import is_engine
+from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.persist import HostStage, Persister
 from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
@@ -188,7 +189,7 @@ def last_save_seconds(ckpt: Path | None) -> float | None:
     if ckpt is None:
         return None
     try:
-        return float(json.loads((ckpt / "COMPLETE.json").read_text()).get("save_seconds"))
+        return float(json.loads((ckpt / INVENTORY).read_text()).get("save_seconds"))
     except (OSError, ValueError, TypeError):
         return None
 
