@@ -21,10 +21,10 @@ from pathlib import Path
 
 from benchlib import hash_speed_one_thread, hash_speed_threads, machine, median, read_speed, warm, write_files
 
-from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.util import hashing
 from torchrelay.util.hashing import default_jobs, sha256_file
+from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 
 def topology() -> dict[str, str]:

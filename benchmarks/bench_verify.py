@@ -30,9 +30,9 @@ from benchlib import (
     write_files,
 )
 
-from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.util.hashing import default_jobs, sha256_file
+from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 
 def main() -> int:
