@@ -31,12 +31,13 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
+from torchrelay.contract import CONTRACT_FILE
 from torchrelay.data.loader import RelayLoader
 from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import RelayOptions, check_supported, relay_config, write_manifest
 from torchrelay.log import logger
-from torchrelay.run import Run, Step
+from torchrelay.run import MANIFEST_IN_RUN, Run, Step
 
 
 class _UpdateBatches:
@@ -173,11 +174,13 @@ class RelayTrainerMixin:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         folder = Path(tempfile.mkdtemp(prefix="torchrelay-hf-"))
         try:
-            manifest = write_manifest(len(self.train_dataset), folder)
+            # A new run copies the manifest into itself; a resume reads its own copy, so none is written then.
+            existing = (Path(run_dir) / CONTRACT_FILE).is_file()
+            manifest = MANIFEST_IN_RUN if existing else write_manifest(len(self.train_dataset), folder)
             cfg = relay_config(self.args, self.model, self.train_dataset, options, world_size, manifest)
             self.relay = Run.open(run_dir, cfg)
         finally:
-            shutil.rmtree(folder, ignore_errors=True)  # a new run copied it into data/manifest.jsonl
+            shutil.rmtree(folder, ignore_errors=True)
         # The schedule is the run's (on a resume, the recorded one, which the contract held equal).
         self.args.max_steps = self.relay.config.total_updates
         self.add_callback(RelayCallback(self))  # type: ignore[attr-defined]  # Trainer's
