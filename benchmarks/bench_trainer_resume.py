@@ -132,12 +132,12 @@ def _advance_relay(run: Path, at: int) -> None:
         read_inventory,
         write_inventory,
     )
-    from torchrelay.checkpoint.state import TRAINER_STATE
+    from torchrelay.checkpoint.state import RELAY_STATE
 
     src, dst = run / "checkpoint-1", run / f"checkpoint-{at}"
-    state = json.loads((src / TRAINER_STATE).read_text())
+    state = json.loads((src / RELAY_STATE).read_text())
     state["loop"].update(update=at, samples_consumed=at * state["loop"]["global_batch"])
-    (src / TRAINER_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
+    (src / RELAY_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
     info = {k: v for k, v in read_inventory(src).items() if k not in ("format", "files")}
     info["update"] = at
     entries = inventory_entries(src, [f for f in list_files(src) if f != INVENTORY])
