@@ -31,13 +31,13 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from torchrelay.contract import CONTRACT_FILE
 from torchrelay.data.loader import RelayLoader
 from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import RelayOptions, check_supported, relay_config, write_manifest
+from torchrelay.layout import CONTRACT_FILE, MANIFEST_REL
 from torchrelay.log import logger
-from torchrelay.run import MANIFEST_IN_RUN, Run, Step
+from torchrelay.run import Run, Step
 
 
 class _UpdateBatches:
@@ -176,7 +176,7 @@ class RelayTrainerMixin:
         try:
             # A new run copies the manifest into itself; a resume reads its own copy, so none is written then.
             existing = (Path(run_dir) / CONTRACT_FILE).is_file()
-            manifest = MANIFEST_IN_RUN if existing else write_manifest(len(self.train_dataset), folder)
+            manifest = MANIFEST_REL if existing else write_manifest(len(self.train_dataset), folder)
             cfg = relay_config(self.args, self.model, self.train_dataset, options, world_size, manifest)
             self.relay = Run.open(run_dir, cfg)
         finally:
