@@ -129,7 +129,8 @@ def main() -> int:
             p = run.config.params
             torch.manual_seed(run.config.seed)
             model: nn.Module = ByteLM(p["d_model"], p["layers"], p["heads"], p["seq_len"], p["dropout"]).to(
-                device
+                device,
+                getattr(torch, p.get("dtype", "float32")),  # float64: the layout-change test's precision
             )
             if p.get("parallel", "ddp") == "fsdp2":
                 from torch.distributed.fsdp import fully_shard

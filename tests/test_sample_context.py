@@ -87,3 +87,23 @@ def test_a_plain_dataset_still_gets_the_bare_index() -> None:
     assert got == list(batches) and all(isinstance(i, int) for ids in got for i in ids)
     ctx = tr.SampleContext(index=5, epoch=1, update=4, seed=SEED)
     assert list(range(10))[ctx] == 5  # a context indexes a list as its manifest index
+
+
+def test_sample_dropout_gives_a_sample_the_same_mask_in_any_batch() -> None:
+    seeds = [tr.sample_seed(SEED, i, 0) for i in range(6)]
+    x = torch.ones(6, 5, 4)
+    whole = tr.sample_dropout(x, 0.5, seeds, salt=3)
+    # the same rows split over two "ranks" in another order, as another layout would hold them
+    parts = torch.cat(
+        [tr.sample_dropout(x[3:], 0.5, seeds[3:], salt=3), tr.sample_dropout(x[:3], 0.5, seeds[:3], salt=3)]
+    )
+    assert torch.equal(whole, torch.cat([parts[3:], parts[:3]]))
+    assert set(whole.unique().tolist()) == {0.0, 2.0}  # dropped or scaled by 1 / (1 - p)
+    torch.manual_seed(0)
+    again = tr.sample_dropout(x, 0.5, seeds, salt=3)
+    torch.manual_seed(1)
+    assert torch.equal(again, tr.sample_dropout(x, 0.5, seeds, salt=3))  # the global RNG plays no part
+    assert torch.equal(whole, again)
+    assert not torch.equal(whole, tr.sample_dropout(x, 0.5, seeds, salt=4))  # another site, another mask
+    assert not torch.equal(whole[0], whole[1])  # another sample, another mask
+    assert torch.equal(tr.sample_dropout(x, 0.5, seeds, training=False), x)

@@ -13,6 +13,7 @@ __all__ = [
     "SampleContext",
     "Step",
     "__version__",
+    "sample_dropout",
     "sample_generator",
     "sample_seed",
     "warmup_cosine",
@@ -20,7 +21,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from torchrelay.config import RelayConfig
-    from torchrelay.data.sample import SampleContext, sample_generator, sample_seed
+    from torchrelay.data.sample import SampleContext, sample_dropout, sample_generator, sample_seed
     from torchrelay.lr_shape import warmup_cosine
     from torchrelay.run import Run, Step
 
@@ -34,6 +35,7 @@ _LAZY = {
     "Step": "run",
     "warmup_cosine": "lr_shape",
     "SampleContext": "data.sample",
+    "sample_dropout": "data.sample",
     "sample_generator": "data.sample",
     "sample_seed": "data.sample",
 }

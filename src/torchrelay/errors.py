@@ -44,11 +44,20 @@ class ContractMismatch(RelayError):
 
     exit_code = EXIT_REFUSED
 
-    def __init__(self, path: str, differences: list[tuple[str, object, object]]) -> None:
+    def __init__(
+        self,
+        path: str,
+        differences: list[tuple[str, object, object]],
+        *,
+        detail: str = "",
+        hint: str | None = None,
+    ) -> None:
         lines = "\n".join(f"  {k}: {_short(a)} -> {_short(b)}" for k, a, b in differences)
         super().__init__(
-            f"resume refused: the training contract in {path} differs in {len(differences)} field(s):\n{lines}",
-            hint="resume with the recorded values, or start a new run directory; only runtime fields may change",
+            f"resume refused: the training contract in {path} differs in {len(differences)} field(s):\n{lines}"
+            + (f"\n  ({detail})" if detail else ""),
+            hint=hint
+            or "resume with the recorded values, or start a new run directory; only runtime fields may change",
         )
         self.differences = differences
 

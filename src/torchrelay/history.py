@@ -51,6 +51,8 @@ class Segment:
     # made before the field existed.
     deadline: float | None | _Absent = ABSENT
     ranks_by_host: dict[str, list[int]] | _Absent = ABSENT
+    # A move to another layout (reshard.change_record): only in the segment that made it.
+    layout_change: dict[str, Any] | _Absent = ABSENT
     extra: dict[str, Any] = field(default_factory=dict)  # fields another version wrote, kept as they were
 
     def to_dict(self) -> dict[str, Any]:
@@ -62,7 +64,7 @@ class Segment:
     def from_dict(cls, doc: dict[str, Any]) -> Segment:
         """The record of one history.jsonl line written by this version (ValueError names a missing field)."""
         names = {f.name for f in fields(cls)} - {"extra"}
-        optional = {"ended", "exit_code", "stopped", "deadline", "ranks_by_host"}
+        optional = {"ended", "exit_code", "stopped", "deadline", "ranks_by_host", "layout_change"}
         missing = sorted(names - optional - set(doc))
         if missing:
             raise ValueError(f"a segment of {HISTORY_FILE} lacks {missing}")

@@ -93,6 +93,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
                     "ended",
                     "exit_code",
                     "runtime_changes",
+                    "layout_change",
                     "notes",
                 )
             }

@@ -13,15 +13,27 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.config import RelayConfig
 from torchrelay.contract import (
+    CONTRACT_FILE,
     build_contract,
-    check_contract,
     comparable,
+    contract_diff,
     load_contract,
     runtime_changes,
 )
-from torchrelay.errors import ConfigError, ForkRefused
+from torchrelay.errors import ConfigError, ContractMismatch, ForkRefused, RelayError
 from torchrelay.layout import PREPARE_RECORD
 from torchrelay.manifest import Manifest
+from torchrelay.reshard import (
+    LAYOUT_FIELDS,
+    Layout,
+    change_record,
+    checkpoint_layout,
+    contract_global_batch,
+    contract_layout,
+    refuse_global_batch,
+    refuse_unasked,
+    resolve,
+)
 from torchrelay.rundir import RunDir
 from torchrelay.util.dotted import flatten
 
@@ -37,6 +49,8 @@ class ResumeCheck:
     update: int
     runtime_changes: dict[str, list[Any]] = field(default_factory=dict)
     passed: list[str] = field(default_factory=list)
+    config: RelayConfig | None = None  # the configuration with the layout this launch runs with
+    layout_change: dict[str, Any] | None = None  # reshard.change_record when the layout changes here
 
 
 def schedule_gate(cfg: RelayConfig, update: int, where: str) -> str:
@@ -76,17 +90,46 @@ def validate_resume(
     deep: bool = True,
     code_from_bundle: bool = False,
     code_files: list[str] | tuple[str, ...] = (),
+    reshard: bool = False,
+    explicit: set[str] | frozenset[str] = frozenset(),
 ) -> ResumeCheck:
     """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint.
 
     code_from_bundle: `code_dir` came out of a bundle, so no program (git) is run inside it.
     code_files: the running program's files (identity.running_files), when the trainer itself checks.
+    reshard: this launch may change the layout (world size, micro_batch x grad_accum) with the same global batch
+    (reshard.py); `prepare --world-size` asks for it on the run it prepares. explicit: the config keys the launch
+    overrode on purpose (a split the script merely repeats is the run's current one).
     """
     rd = RunDir(run_dir)
     stored = rd.load_config()
+    recorded = load_contract(rd.path)
+    fields = recorded["fields"]
+    ckpt = latest_complete(rd.path)
+    update = 0
+    doc: dict[str, Any] | None = None
+    if ckpt is not None:
+        doc = validate_complete(ckpt, hashes=deep)
+        update = int(doc["update"])
+    state = _trainer_state(ckpt)
+    current = checkpoint_layout(state.get("loop"), fields)
+    prepared = prepared_layout(rd.path, update)
+    by_prepare = prepared is not None and prepared.world_size == world_size  # asked for once, by prepare
+    reshard = reshard or by_prepare
+    new, notes = resolve(
+        global_batch=contract_global_batch(fields),
+        world_size=world_size,
+        micro_batch=cfg.micro_batch,
+        grad_accum=cfg.grad_accum,
+        original=contract_layout(fields),
+        current=current,
+        explicit=set(explicit),
+        reshard=reshard,
+    )
+    if (new.micro_batch, new.grad_accum) != (cfg.micro_batch, cfg.grad_accum):
+        cfg = cfg.replace(micro_batch=new.micro_batch, grad_accum=new.grad_accum)
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
     manifest = Manifest.load(manifest_path, cfg.data_root, index=rd.manifest_index_path)
-    recorded = load_contract(rd.path)
     contract = build_contract(
         cfg,
         world_size,
@@ -94,23 +137,116 @@ def validate_resume(
         manifest,
         use_git=not code_from_bundle,
         code_files=code_files,
-        known=recorded["fields"],
+        known=fields,
     )
-    contract = comparable(recorded["fields"], contract)
-    check_contract(rd.path, contract, recorded)
+    contract = comparable(fields, contract)
+    _check_math_and_layout(rd.path / CONTRACT_FILE, fields, contract["fields"], current, new, reshard)
     # The recorded digest is the run's one identity: prepare, the trainer and the bundle README print it. (A
     # recomputed digest can differ in fields the comparison skips, e.g. the commit of an extracted archive.)
     passed = [f"contract {recorded['sha256']} matches {rd.contract_path}"]
-    ckpt = latest_complete(rd.path)
-    update = 0
-    if ckpt is not None:
-        doc = validate_complete(ckpt, hashes=deep)
-        update = int(doc["update"])
+    change = None
+    if new != current:
+        notes += _per_rank_on_layout_change(ckpt, state)
+        change = change_record(current, new, update, "prepare" if by_prepare else "reshard", notes)
+        passed.append(f"layout change accepted: {current} -> {new}, global batch {new.global_batch} kept")
+    if ckpt is not None and doc is not None:
         checked = "verified" if deep else "listed with their sizes (hashed as they are loaded)"
         passed.append(f"{ckpt.name}: inventory of {len(doc['files'])} files {checked}")
         check_fork_guard(ckpt)
     passed.append(schedule_gate(cfg, update, str(rd.path)))
-    return ResumeCheck(contract, recorded, manifest, ckpt, update, runtime_changes(stored, cfg), passed)
+    return ResumeCheck(
+        contract,
+        recorded,
+        manifest,
+        ckpt,
+        update,
+        runtime_changes(stored, cfg),
+        passed,
+        config=cfg,
+        layout_change=change,
+    )
+
+
+def _check_math_and_layout(
+    path: Path,
+    recorded: dict[str, Any],
+    recomputed: dict[str, Any],
+    current: Layout,
+    new: Layout,
+    reshard: bool,
+) -> None:
+    """Refuse a change of the math (any contract field but the layout's), naming every field; a change of the
+    global batch names its product; a layout change only when asked for."""
+    expected = {**recorded, **{k: v for k, v in current.to_dict().items() if k in recorded}}
+    diffs = contract_diff(expected, recomputed)
+    math_diffs = [d for d in diffs if d[0] not in LAYOUT_FIELDS]
+    if [d[0] for d in math_diffs] == ["global_batch"]:
+        raise refuse_global_batch(str(path), contract_global_batch(recorded), current, new, diffs)
+    if math_diffs:
+        raise ContractMismatch(str(path), diffs)
+    if diffs and not reshard:
+        raise refuse_unasked(str(path), current, new)
+
+
+def _trainer_state(ckpt: Path | None) -> dict[str, Any]:
+    """A checkpoint's loop-and-statefuls record (verified by its inventory), or {} without a checkpoint; one that
+    cannot be read here is refused when the state is loaded (checkpoint/state.py words that)."""
+    if ckpt is None:
+        return {}
+    from torchrelay.checkpoint.state import read_trainer_state  # imports torch: only with a checkpoint
+
+    try:
+        doc = read_trainer_state(ckpt)
+    except RelayError:
+        return {}
+    return doc if isinstance(doc.get("loop", {}), dict) else {}
+
+
+def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list[str]:
+    """What a checkpoint stored per rank cannot follow its ranks to another layout: statefuls that differed by rank
+    (a per-rank generator, a counter) are refused; model and optimizer tensors that differed (buffers no wrapper
+    synchronizes) are taken from rank 0, as DDP itself broadcasts them; returns the note saying so."""
+    if state.get("deepspeed") is not None:
+        raise ConfigError(
+            f"{ckpt}: holds a DeepSpeed engine's checkpoint (ZeRO partitions of its own), which torchrelay does not "
+            "reshard to another layout",
+            hint="keep the world size, or convert it with DeepSpeed's universal checkpoint first",
+        )
+    per_rank = state.get("per_rank") or {}
+    statefuls = list(per_rank.get("statefuls") or [])
+    if statefuls:
+        raise ConfigError(
+            f"{ckpt}: the tracked state {statefuls} differed between ranks when it was saved, and a layout change "
+            "has no rank to give each copy to",
+            hint="keep the world size, or derive that randomness per sample (tr.SampleContext) instead of per "
+            "rank (README: moving to another number of GPUs)",
+        )
+    tensors = [*(per_rank.get("model") or []), *(per_rank.get("optim") or [])]
+    if not tensors:
+        return []
+    shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
+    return [f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
+
+
+def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | None:
+    """The layout `prepare --world-size` set for the checkpoint of `update` (REBASE_RECORD.json), or None."""
+    path = Path(run_dir) / PREPARE_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"{path} cannot be read ({exc})", hint="restore it from the bundle's prepare"
+        ) from exc
+    change = record.get("layout_change") if isinstance(record, dict) else None
+    if not isinstance(change, dict) or change.get("at_update") != update:
+        return None
+    to = change.get("to") or {}
+    try:
+        return Layout(int(to["world_size"]), int(to["micro_batch"]), int(to["grad_accum"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: layout_change.to is malformed ({exc})") from exc
 
 
 def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:

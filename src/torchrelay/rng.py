@@ -85,5 +85,16 @@ def load(path: str | os.PathLike[str]) -> None:
         torch.cuda.set_rng_state_all([tensors[f"cuda_{i}"] for i in range(saved_cuda)])
 
 
+def seed_all(seed: int) -> None:
+    """Seed every generator of this rank (python, numpy, torch CPU, every CUDA device) from one integer.
+
+    After a layout change the saved streams belong to ranks that no longer exist; each new rank gets streams
+    that are a pure function of its place (reshard.rank_stream_seed), so the same move made twice draws the same.
+    """
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)  # every CUDA device too
+
+
 def rank_file(ckpt_dir: Path, rank: int) -> Path:
     return ckpt_dir / "rng" / f"rank-{rank}.safetensors"

@@ -166,10 +166,12 @@ def run_segments(
     env: Mapping[str, str] | None = None,
     on_segment: Callable[[str, SegmentLaunch], None] | None = None,
     extra_overrides: Mapping[str, Any] | None = None,
+    argv_for: Callable[[int], Sequence[str]] | None = None,
 ) -> RunLaunches:
     """Launch once per entry of stop_after, each a fresh process asked (by request file) to stop after that update.
 
     Every segment gets TORCHRELAY_OVERRIDES = the environment's, then `extra_overrides`, then the varied fields.
+    argv_for(i): segment i's own command (0-based), e.g. on another number of ranks; else `launch` for every one.
     """
     from torchrelay.stop import write_request
 
@@ -192,7 +194,7 @@ def run_segments(
         }
         log = log_dir / f"{name}-segment{index + 1}.log"
         started = time.monotonic()
-        code = launcher(launch, seg_env, log, timeout_s)
+        code = launcher(argv_for(index) if argv_for else launch, seg_env, log, timeout_s)
         # torchrun reports any failing worker as exit 1, so how the segment ended is read from history.jsonl.
         ended, last_update = _last_segment(run_dir)
         seg = SegmentLaunch(index + 1, stop, overrides, code, time.monotonic() - started, log, ended)

@@ -381,12 +381,16 @@ def load_state(
     optimizer: torch.optim.Optimizer | None,
     statefuls: dict[str, Stateful],
     verify: bool = False,
+    resharded: bool = False,
 ) -> dict[str, Any]:
     """Restore everything this rank holds from `ckpt_dir` (its own copy of what differs by rank); returns the loop state.
 
     verify: check every file against COMPLETE.json on the way (every rank calls it): the small files first, hashed
     in shares by the ranks; the DCP files by each rank that reads them, as it reads them, in parallel; the DCP files
     no rank read, last, in shares. Every rank raises the first failure, naming the file.
+    resharded: the checkpoint was saved on another layout (another world size). DCP reshards model and optimizer
+    onto this one (DDP's replicated tensors, FSDP2's shards); tensors stored per rank come from rank 0, and
+    per-rank statefuls were refused before (resume.validate_resume).
     """
     inventory: dict[str, tuple[str, int]] = {}
     if verify:
@@ -403,17 +407,18 @@ def load_state(
             f"{ckpt_dir}: holds a DeepSpeed engine's checkpoint, but no DeepSpeed engine is tracked",
             hint="track the engine deepspeed.initialize returned: run.track(model=engine)",
         )
+    source = 0 if resharded else rank  # whose per-rank tensors this rank takes
     if model is not None:
         msd, osd = get_state_dict(model, optimizer or [], options=_OPTS)
         otensors, _ = _split_optimizer(osd) if optimizer is not None else ({}, None)
-        target, has_own = _dcp_layout(msd, otensors, per_rank, rank)
+        target, has_own = _dcp_layout(msd, otensors, per_rank, source)
         prefix = f"{MODEL_DIR}/"
         expected = {k.removeprefix(prefix): v for k, v in inventory.items() if k.startswith(prefix)}
         read_by_me = {
             prefix + name for name in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None)
         }
         if has_own:
-            mine = target[ranks.PER_RANK][str(rank)]
+            mine = target[ranks.PER_RANK][str(source)]
             target["model"] = {**target["model"], **mine["model"]}
             target["optim"] = {**target["optim"], **mine["optim"]}
         kwargs: dict[str, Any] = {"model_state_dict": target["model"]}

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vary",
         action="append",
         metavar="FIELD=V1,V2",
-        help="a runtime field whose value cycles between segments (repeatable), e.g. num_workers=0,2",
+        help="a runtime field whose value cycles between segments (repeatable), e.g. num_workers=0,2; "
+        "world_size=2,1 moves the run between rank counts and measures the drift against a tolerance",
     )
     parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
     parser.add_argument(
@@ -107,6 +108,16 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         confirm_nondeterminism=not args.no_rerun,
     )
+    if "world_size" in plan.vary:  # a layout audit: the drift against a tolerance, not bit for bit
+        from torchrelay.audit.drift import run_layout_audit
+
+        layout = run_layout_audit(plan, plan.vary["world_size"], None if args.json else print_segment)
+        if args.json:
+            print(json.dumps(layout.to_dict(), indent=2, sort_keys=True))
+        else:
+            print("\n".join(layout.lines()))
+            print("run directories: " + ", ".join(f"{k} {v}" for k, v in layout.run_dirs.items()))
+        return 0 if layout.ok else 1
     verdict = run_audit(plan, on_segment=None if args.json else print_segment)
     if args.json:
         print(json.dumps(verdict.to_dict(), indent=2, sort_keys=True))

@@ -36,6 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="validate against this checkout instead of the bundle's source",
     )
     parser.add_argument("--jobs", type=int, default=None, help="hash/copy threads (default: one per core)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="continue on N ranks: a layout change that keeps the global batch (grad_accum is derived)",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --world-size: the per-rank micro-batch of the new layout (default: the checkpoint's)",
+    )
     add_trust_arguments(parser)
 
 
@@ -49,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         expect=args.expect,
         allowed_signers=args.allowed_signers,
+        world_size=args.world_size,
+        micro_batch=args.micro_batch,
     )
     total = 2 * bundle_bytes(args.bundle)  # verified once, then copied once
     try:
@@ -61,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     for key, (old, new) in result.changes.items():
         print(f"changed {key}: {old!r} -> {new!r}")
+    if result.layout_change:
+        old, new = result.layout_change["from"], result.layout_change["to"]
+        print(
+            f"layout change: {old['world_size']} -> {new['world_size']} rank(s), micro_batch {old['micro_batch']} "
+            f"-> {new['micro_batch']}, grad_accum {old['grad_accum']} -> {new['grad_accum']}; global batch "
+            f"{result.layout_change['global_batch']} kept (launch with --nproc_per_node={new['world_size']})"
+        )
     for line in result.passed:
         print(f"  pass: {line}")
     print("PREFLIGHT: PASS")

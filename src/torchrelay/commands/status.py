@@ -14,6 +14,7 @@ from torchrelay.errors import EXIT_ERROR, ConfigError
 from torchrelay.history import read_history
 from torchrelay.lock import describe, holder
 from torchrelay.progress import summarize
+from torchrelay.reshard import describe_change
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,13 +164,23 @@ def run(args: argparse.Namespace) -> int:
             seg["segment"] or "-",
             seg["job"] or "-",
             ",".join(seg["hosts"] or []),
-            str(seg["world_size"]),
+            _world(seg),
             _updates(seg),
             seg["ended"] or "-",
             notes[:80],
         )
     console.print(g)
+    for i, seg in enumerate(s["segments"], 1):
+        if seg.get("layout_change"):
+            console.print(f"segment #{i}: {describe_change(seg['layout_change'])}")
     return 0
+
+
+def _world(seg: dict[str, Any]) -> str:
+    """The segment's world size; after a layout change, the one it came from too ("2->1")."""
+    change = seg.get("layout_change")
+    old = (change.get("from") or {}).get("world_size") if isinstance(change, dict) else None
+    return f"{old}->{seg['world_size']}" if old is not None else str(seg["world_size"])
 
 
 def _print_validation(console: Console, validation: dict[str, Any]) -> None:

@@ -55,3 +55,29 @@ class SampleContext:
     def __index__(self) -> int:
         # A dataset that indexes a list or tensor with the context gets the manifest line.
         return self.index
+
+
+def sample_dropout(
+    x: torch.Tensor, p: float, seeds: torch.Tensor | list[int], salt: int = 0, training: bool = True
+) -> torch.Tensor:
+    """Dropout whose mask for row j is drawn from (seeds[j], salt) only, not from the rank's RNG.
+
+    A rank's torch RNG is per rank, so `nn.Dropout` draws other masks once a run moves to another number of ranks
+    (or another micro-batch split). Give each sample its seed (`tr.sample_seed(seed, index, epoch)` in a dataset
+    with `wants_context`, collated with the batch) and each dropout site its own `salt`: a sample then gets the
+    same mask on any layout, in any batch, at any position. One generator per row: meant for the layers where
+    it matters, not for a whole large model.
+    """
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"sample_dropout: p must be in [0, 1), got {p}")
+    rows = [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
+    if len(rows) != x.shape[0]:
+        raise ValueError(f"sample_dropout: {len(rows)} seeds for a batch of {x.shape[0]} rows")
+    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    for j, seed in enumerate(rows):
+        gen = torch.Generator(device=x.device)
+        gen.manual_seed(sample_seed(seed & ((1 << 62) - 1), salt, 0))
+        keep[j] = torch.rand(x.shape[1:], generator=gen, device=x.device) >= p
+    return x * keep.to(x.dtype) / (1.0 - p)

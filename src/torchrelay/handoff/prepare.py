@@ -79,8 +79,14 @@ class PrepareOptions:
     jobs: int | None = None
     expect: str | None = None  # the bundle digest the packer gave: anything else is refused
     allowed_signers: Path | None = None  # SHA256SUMS.sig must verify against one of these keys
+    world_size: int | None = None  # continue on this many ranks: a layout change, the global batch kept
+    micro_batch: int | None = None  # ... with this micro-batch (grad_accum is derived)
 
     def __post_init__(self) -> None:
+        for name in ("world_size", "micro_batch"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.expect is not None:
             self.expect = parse_digest(self.expect)
         if self.copy_mode not in ("copy", "hardlink"):
@@ -97,6 +103,7 @@ class PrepareResult:
     already_prepared: bool = False
     code_dir: Path | None = None
     seconds: float = 0.0
+    layout_change: dict[str, Any] | None = None  # reshard.change_record, with --world-size / --micro-batch
 
 
 @dataclass(slots=True)
@@ -288,15 +295,36 @@ def _prepare_into(
     if failures:
         raise PreflightFailed(failures)
 
-    # 5. The trainer's own validation, on the bundle itself, before anything is copied.
+    # 5. The trainer's own validation, on the bundle itself, before anything is copied (with --world-size, of
+    # the layout change: the global batch must stay).
     check_cfg = new_cfg.replace(manifest=str(rebased_path))
-    world_size = int(fields["world_size"])
+    if options.micro_batch is not None:
+        check_cfg = check_cfg.replace(micro_batch=options.micro_batch)
+    world_size = options.world_size or int(fields["world_size"])
+    reshard = options.world_size is not None or options.micro_batch is not None
+    explicit = {"micro_batch"} if options.micro_batch is not None else set()
     try:
         check = validate_resume(
-            bundle, check_cfg, world_size, code_dir, deep=False, code_from_bundle=from_bundle
+            bundle,
+            check_cfg,
+            world_size,
+            code_dir,
+            deep=False,
+            code_from_bundle=from_bundle,
+            reshard=reshard,
+            explicit=explicit,
         )
     except RelayError as exc:
         raise PreflightFailed([f"trainer validation on the bundle: {exc}"]) from None
+    assert check.config is not None
+    layout_change = check.layout_change
+    if layout_change is not None:
+        layout_change["asked_by"] = "prepare"
+        for key in ("micro_batch", "grad_accum"):
+            old, new = layout_change["from"][key], layout_change["to"][key]
+            if old != new:
+                changes[key] = [old, new]  # kept over a script's original split (resume.keep_prepared)
+        new_cfg = new_cfg.replace(micro_batch=check.config.micro_batch, grad_accum=check.config.grad_accum)
 
     # 6. Copy (or link) into the temporary run dir, re-hashing every byte against what was verified.
     _copy_bundle(bundle, tmp, report, options, hooks)
@@ -317,6 +345,8 @@ def _prepare_into(
             code_dir,
             deep=False,
             code_from_bundle=from_bundle,
+            reshard=reshard,
+            explicit=explicit,
         )
     except RelayError as exc:
         raise PreflightFailed([f"trainer validation on the prepared directory: {exc}"]) from None
@@ -337,11 +367,14 @@ def _prepare_into(
         # inside the run dir: stored relative, since the temporary dir is renamed into place
         "code_dir": _relative_if_inside(code_dir, tmp),
         "changes": changes,
+        "layout_change": layout_change,
         "proofs": passed,
         "originals": [f"{CONFIG_FILE}.orig", MANIFEST_REL + ".orig"],
     }
     atomic_write_text(tmp / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
-    return PrepareResult(run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir)
+    return PrepareResult(
+        run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir, layout_change=layout_change
+    )
 
 
 def _copy_bundle(
@@ -457,6 +490,13 @@ def _recheck(
             hint="to change a runtime field now, launch with TORCHRELAY_OVERRIDES, or prepare a new --run-dir",
         )
     hooks.say(f"{run_dir} was already prepared from this bundle at {record.get('time')}; re-checking only")
+    moved = record.get("layout_change") or {}
+    world_size = int((moved.get("to") or contract["fields"])["world_size"])
+    if options.world_size is not None and options.world_size != world_size:
+        raise ConfigError(
+            f"{run_dir} was already prepared from this bundle for {world_size} rank(s), not {options.world_size}",
+            hint="prepare a new --run-dir for another world size",
+        )
     rd = RunDir(run_dir)
     cfg = rd.load_config()
     recorded_code = record.get("code_dir")
@@ -469,7 +509,7 @@ def _recheck(
         check = validate_resume(
             run_dir,
             cfg.replace(manifest=str(run_dir / MANIFEST_REL)),
-            int(contract["fields"]["world_size"]),
+            world_size,
             code_dir,
             code_from_bundle=from_bundle,
         )
@@ -481,6 +521,7 @@ def _recheck(
         passed=check.passed,
         already_prepared=True,
         code_dir=code_dir,
+        layout_change=record.get("layout_change"),
         seconds=time.perf_counter() - started,
     )
 

@@ -28,7 +28,7 @@ def _segment_row(seg: Segment) -> str:
         seg.ended,
         "—" if seg.exit_code is None else str(seg.exit_code),
         "; ".join(f"{k}: {old} → {new}" for k, (old, new) in _pairs(seg.runtime_changes)) or "—",
-        "; ".join(seg.notes) or "—",
+        "; ".join(([seg.layout_change] if seg.layout_change else []) + seg.notes) or "—",
     ]
     return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
 

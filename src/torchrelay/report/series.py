@@ -12,6 +12,7 @@ from torchrelay.errors import PathError, RelayError
 from torchrelay.history import read_history
 from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
 from torchrelay.logs import rank_logs
+from torchrelay.reshard import describe_change
 from torchrelay.util.jsonl import iter_records, read_records
 
 
@@ -36,6 +37,7 @@ class Segment:
     started: float | None = None
     runtime_changes: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    layout_change: str = ""  # reshard.describe_change of the segment's record, or ""
 
     def label(self) -> str:
         """A short label: number, job, hosts, world size and how the segment ended."""
@@ -44,6 +46,8 @@ class Segment:
         if len(hosts) > 28:
             hosts = f"{self.hosts[0]}+{len(self.hosts) - 1}"
         world = f"W={self.world_size}" if self.world_size is not None else "W=?"
+        if self.layout_change:
+            world += " (layout changed)"
         return f"#{self.index} {job} · {hosts} · {world} · {self.ended}"
 
 
@@ -117,6 +121,7 @@ def _segments(run_dir: Path) -> list[Segment]:
                 started=float(row["started"]) if isinstance(row.get("started"), int | float) else None,
                 runtime_changes=dict(row.get("runtime_changes") or {}),
                 notes=[str(n) for n in row.get("notes") or []],
+                layout_change=describe_change(row.get("layout_change")),
             )
         )
     return segments

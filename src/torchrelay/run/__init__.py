@@ -34,6 +34,7 @@ from torchrelay.errors import (
 from torchrelay.history import upsert
 from torchrelay.identity import find_code_dir
 from torchrelay.log import ensure_voice, logger, set_rank
+from torchrelay.reshard import rank_stream_seed, reshard_asked
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.loop import Loop, Step
 from torchrelay.run.opening import SegmentOpener
@@ -56,8 +57,12 @@ class Run:
         *,
         code_dir: str | os.PathLike[str] | None = None,
         overrides: dict[str, Any] | None = None,
+        reshard: bool | None = None,
     ) -> Run:
         """Create the run, or validate and resume it from its newest complete checkpoint (every rank).
+
+        reshard: this launch may continue on another layout (world size, micro_batch x grad_accum) with the same
+        global batch (reshard.py); None reads TORCHRELAY_RESHARD.
 
         A refusal reaches every rank as the same RelayError; rank 0 prints it once and records the launch in
         history.jsonl as a segment that ended `refused` (exit 2), unless another writer holds the run.
@@ -66,7 +71,7 @@ class Run:
         ensure_voice()  # the library logs; a script that configured no logging still sees its lines
         run_opening()
         self = object.__new__(cls)
-        self._open(run_dir, config, code_dir, overrides)
+        self._open(run_dir, config, code_dir, overrides, reshard_asked() if reshard is None else reshard)
         return self
 
     def _open(
@@ -75,6 +80,7 @@ class Run:
         config: RelayConfig | None,
         code_dir: str | os.PathLike[str] | None,
         overrides: dict[str, Any] | None,
+        reshard: bool = False,
     ) -> None:
         on = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
@@ -83,7 +89,7 @@ class Run:
         self.code_dir = Path(code_dir) if code_dir else find_code_dir()
         self.exit_code, self.ended, self._closed = EXIT_ERROR, Ended.RUNNING, False
         self._opener = SegmentOpener(
-            run_dir, rank=self.rank, world_size=self.world_size, code_dir=self.code_dir
+            run_dir, rank=self.rank, world_size=self.world_size, code_dir=self.code_dir, reshard=reshard
         )
         opened = self._opener.open(config, overrides)
         self.dir = self._opener.dir
@@ -97,7 +103,14 @@ class Run:
         # A relaunch of a finished run trains nothing and records nothing (steps() says so).
         self._finished_before = self.start_update >= self.config.total_updates
         self._tracked = Tracked()
-        self._restore = Restore(self.resume_from, self.start_update, self.rank)
+        change = self.segment.layout_change
+        self.layout_change = change if isinstance(change, dict) else None
+        rederive = (
+            rank_stream_seed(self.config.seed, self.start_update, self.rank, self.world_size)
+            if self.layout_change
+            else None
+        )
+        self._restore = Restore(self.resume_from, self.start_update, self.rank, rederive)
         self._saver = Saver(
             self.dir.path,
             self.config,

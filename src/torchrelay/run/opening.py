@@ -38,7 +38,7 @@ from torchrelay.errors import (
     report,
 )
 from torchrelay.fsutil import atomic_write_text
-from torchrelay.history import Segment, close_crashed, new_id, read_history, write_history
+from torchrelay.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
 from torchrelay.identity import (
     fingerprint_differences,
     fingerprint_summary,
@@ -51,6 +51,7 @@ from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.log import logger
 from torchrelay.logs import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.manifest import Manifest
+from torchrelay.reshard import Layout
 from torchrelay.resume import keep_prepared, schedule_gate, validate_resume
 from torchrelay.run.saver import last_save_seconds
 from torchrelay.rundir import RunDir
@@ -100,9 +101,16 @@ class SegmentOpener:
     """Opens a segment on every rank; rank 0 holds the run's writer lock from here to `unlock()`."""
 
     def __init__(
-        self, run_dir: str | os.PathLike[str] | None, *, rank: int, world_size: int, code_dir: Path | None
+        self,
+        run_dir: str | os.PathLike[str] | None,
+        *,
+        rank: int,
+        world_size: int,
+        code_dir: Path | None,
+        reshard: bool = False,
     ) -> None:
         self.rank = rank
+        self.reshard = reshard  # this launch may change the layout (reshard.py)
         self.world_size = world_size
         self.code_dir = code_dir
         self.lock: RunLock | None = None
@@ -256,7 +264,11 @@ class SegmentOpener:
                 self.code_dir,
                 code_files=running_files(self.code_dir),
                 deep=False,
+                reshard=self.reshard,
+                explicit=set(overrides),
             )
+            assert check.config is not None
+            cfg = check.config  # with the layout this launch runs with
             rd.remove_stale_temps()
             history = read_history(rd.path)
             last_logged = max(
@@ -264,7 +276,9 @@ class SegmentOpener:
             )
             write_history(rd.path, close_crashed(history, last_logged))
             archived = trim_after(rd.train_dir, check.update)
-            if check.runtime_changes:
+            layout_change = check.layout_change
+            split = (cfg.micro_batch, cfg.grad_accum)
+            if check.runtime_changes or split != (stored.micro_batch, stored.grad_accum):
                 atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             contract_sha = check.recorded["sha256"]  # the run's one digest (see resume.validate_resume)
             code_fields = check.recorded["fields"]
@@ -285,6 +299,13 @@ class SegmentOpener:
             if reclaim_note:
                 notes.append(reclaim_note)
             notes += kept
+            if layout_change:
+                notes += layout_change["notes"]
+                logger.info(
+                    f"[torchrelay] layout change at update {update}: {Layout(**layout_change['from'])} -> "
+                    f"{Layout(**layout_change['to'])}, global batch {layout_change['global_batch']} kept; "
+                    f"per-rank random streams {layout_change['rng']}"
+                )
         else:
             assert config is not None
             cfg = config.with_overrides(overrides) if overrides else config
@@ -338,6 +359,7 @@ class SegmentOpener:
                 None,
             )
             notes = []
+            layout_change = None
             gate = schedule_gate(cfg, 0, str(rd.path))
         lineage = _read_lineage(rd.path)
         segment = Segment(
@@ -364,6 +386,7 @@ class SegmentOpener:
             versions=versions([]) | {"torchrelay": __version__},
             runtime_changes=changes,
             notes=notes,
+            layout_change=layout_change if layout_change else ABSENT,
         )
         return Prepared(
             config=cfg.to_dict(),

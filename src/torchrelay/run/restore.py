@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torchrelay import rng
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
 from torchrelay.errors import RelayError
@@ -40,10 +41,13 @@ class Tracked:
 class Restore:
     """Restores one rank from the checkpoint rank 0 chose (nothing when the segment starts a new run)."""
 
-    def __init__(self, checkpoint: Path | None, update: int, rank: int) -> None:
+    def __init__(self, checkpoint: Path | None, update: int, rank: int, rederive: int | None = None) -> None:
         self.checkpoint = checkpoint
         self.update = update
         self._rank = rank
+        # After a layout change: the seed this rank's generators are derived from (reshard.rank_stream_seed), since
+        # the saved streams belong to the old ranks; the model and optimizer are resharded by DCP.
+        self._rederive = rederive
 
     def state(self, tracked: Tracked) -> None:
         """Load model, optimizer and statefuls, this rank's own copy of what differs by rank (checkpoint/ranks.py)."""
@@ -56,11 +60,14 @@ class Restore:
             optimizer=tracked.optimizer,
             statefuls=tracked.statefuls,
             verify=True,
+            resharded=self._rederive is not None,
         )
         if int(loop["update"]) != self.update:
             raise RelayError(f"{self.checkpoint}: trainer state says update {loop['update']}")
 
     def generators(self) -> None:
         """Load this rank's generators (Python, NumPy, torch CPU and CUDA): right before the first update."""
-        if self.checkpoint is not None:
+        if self.checkpoint is not None and self._rederive is not None:
+            rng.seed_all(self._rederive)
+        elif self.checkpoint is not None:
             ckpt_state.load_rng(self.checkpoint, self._rank)

@@ -101,6 +101,8 @@ class Saver:
             "samples_consumed": self._order.position(update),
             "epoch": update / self._order.updates_per_epoch,
             "world_size": self._world_size,
+            "micro_batch": self._config.micro_batch,  # the layout it is saved with (reshard.py)
+            "grad_accum": self._config.grad_accum,
             "global_batch": self._global_batch,
             "segment": self._segment,
         }
