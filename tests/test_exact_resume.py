@@ -23,8 +23,8 @@ from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
 from torchrelay.ledger import prove
-from torchrelay.progress import summarize
 from torchrelay.stop import write_request
+from torchrelay.summary import summarize
 from torchrelay.util.hashing import sha256_hex
 
 U = 16

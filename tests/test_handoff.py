@@ -302,7 +302,7 @@ def test_reclaiming_the_source_starts_a_new_lineage_on_record(packed: Packed, tm
     seg = segments(source)[-1]
     assert seg["lineage"] == after["lineage"] and seg["command"][-4:-2] == ["--run-dir", str(source)]
     assert any(f"reclaimed checkpoint-{STOP_AT}" in note for note in seg["notes"])
-    from torchrelay.progress import summarize
+    from torchrelay.summary import summarize
 
     assert len(summarize(source)["lineages"]) == 2
     assert_same_final_state(packed.baseline, source, TOTAL)

@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_scale  # noqa: E402
 
 from torchrelay.ledger import order_for, prove  # noqa: E402
-from torchrelay.logs import trim_after  # noqa: E402
 from torchrelay.manifest import Manifest, index_path  # noqa: E402
+from torchrelay.train_records import trim_after  # noqa: E402
 
 UPDATES, BATCH, SAMPLES = 2000, 1024, 200_000
 

@@ -13,9 +13,9 @@ import numpy as np
 from torchrelay.contract import load_contract
 from torchrelay.data.order import GlobalOrder
 from torchrelay.layout import TRAIN_DIR
-from torchrelay.logs import rank_logs, read_exposures
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
+from torchrelay.train_records import rank_logs, read_exposures
 
 
 @dataclass(slots=True)

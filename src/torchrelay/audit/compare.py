@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from torchrelay.layout import TRAIN_DIR
-from torchrelay.logs import rank_logs
+from torchrelay.train_records import rank_logs
 from torchrelay.util.jsonl import iter_records
 
 # Wall-clock keys differ between any two runs; they say nothing about resumability.

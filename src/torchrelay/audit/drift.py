@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
-from torchrelay.logs import rank_logs
+from torchrelay.train_records import rank_logs
 from torchrelay.util.jsonl import iter_records
 
 TOLERANCE_FACTOR = 100.0

@@ -13,8 +13,8 @@ from torchrelay.audit.verdict import shown_for_run
 from torchrelay.errors import EXIT_ERROR, ConfigError
 from torchrelay.history import read_history
 from torchrelay.lock import describe, holder
-from torchrelay.progress import summarize
 from torchrelay.reshard import describe_change
+from torchrelay.summary import summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -48,9 +48,9 @@ from torchrelay.errors import (
 )
 from torchrelay.history import read_history, upsert
 from torchrelay.lock import RunLock
-from torchrelay.logs import metrics_path
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
+from torchrelay.train_records import metrics_path
 from torchrelay.validation import ValidationRecord, ValidationSpec, validate_checkpoints
 
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.

@@ -20,7 +20,7 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
 from torchrelay.history import read_history
-from torchrelay.logs import metrics_path
+from torchrelay.train_records import metrics_path
 from torchrelay.util.jsonl import iter_records
 
 # The last line of a Python traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ...".

@@ -28,10 +28,10 @@ import psutil
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
 from torchrelay.history import read_history
 from torchrelay.log import logger
-from torchrelay.logs import metrics_path
 from torchrelay.proctree import Tree, survivors
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
+from torchrelay.train_records import metrics_path
 
 # How long after a forwarded clean-stop signal, or after the hard deadline, before the tree is killed.
 KILL_GRACE_S = 60.0

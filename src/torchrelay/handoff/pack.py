@@ -37,9 +37,9 @@ from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
 from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LINEAGE_FILE, MANIFEST_REL, TRAIN_DIR
 from torchrelay.lock import RunLock
-from torchrelay.logs import rank_logs, trim_copy
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
+from torchrelay.train_records import rank_logs, trim_copy
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.safepath import walk_files
@@ -386,7 +386,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     """Updates done/left, epoch, exposures, LR and mean losses at the stop, from the bundle's own copies."""
     summary: dict[str, Any] = {}
     try:
-        from torchrelay.progress import summarize  # type: ignore[import-not-found,unused-ignore]
+        from torchrelay.summary import summarize  # type: ignore[import-not-found,unused-ignore]
     except ImportError:  # the core's status summary is optional for packing; the basics follow below
         pass
     else:

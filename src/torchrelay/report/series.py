@@ -11,8 +11,8 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
 from torchrelay.history import read_history
 from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
-from torchrelay.logs import rank_logs
 from torchrelay.reshard import describe_change
+from torchrelay.train_records import rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 
 

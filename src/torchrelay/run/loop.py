@@ -19,10 +19,10 @@ from torchrelay.data.loader import RankBatches, RelayLoader
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import EXIT_FINISHED, ConfigError, PathError, RelayError, from_exception
 from torchrelay.log import logger
-from torchrelay.logs import RankLog
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.restore import Restore
 from torchrelay.run.saver import Saver
+from torchrelay.train_records import RankLog
 
 
 class Step:

@@ -49,13 +49,13 @@ from torchrelay.identity import (
 from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
 from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.log import logger
-from torchrelay.logs import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.manifest import Manifest
 from torchrelay.reshard import Layout
 from torchrelay.resume import keep_prepared, schedule_gate, validate_resume
 from torchrelay.run.saver import last_save_seconds
 from torchrelay.rundir import RunDir
 from torchrelay.stop import REQUEST_FILE, Deadline, deadline_from_env, job_start
+from torchrelay.train_records import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.util.jsonl import iter_records
 
 # A relaunch may start while the previous holder's last DataLoader worker still exits, or while `status` peeks.

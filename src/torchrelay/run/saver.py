@@ -27,8 +27,8 @@ from torchrelay.checkpoint.persist import HostStage, Persister
 from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
-from torchrelay.logs import RankLog
 from torchrelay.run.restore import Tracked
+from torchrelay.train_records import RankLog
 
 
 class Saver:

@@ -13,8 +13,8 @@ from torchrelay.contract import load_contract
 from torchrelay.history import read_history
 from torchrelay.ledger import prove
 from torchrelay.lock import holder
-from torchrelay.logs import last_records, metrics_path
 from torchrelay.rundir import RunDir
+from torchrelay.train_records import last_records, metrics_path
 from torchrelay.validation_records import read_pending, read_records
 
 
