@@ -364,12 +364,11 @@ class _Budget:
             self._cond.notify_all()
 
 
-class _Memory(io.RawIOBase):
-    """A read-only, seekable file over bytes already in memory."""
+class _Seekable(io.RawIOBase):
+    """A read-only, seekable file of `_size` bytes at position `_pos`; a subclass says how to read them."""
 
-    def __init__(self, data: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = memoryview(data), 0
+    _size: int
+    _pos: int
 
     def readable(self) -> bool:
         return True
@@ -381,9 +380,18 @@ class _Memory(io.RawIOBase):
         return self._pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = min(max(base + pos, 0), len(self._view))
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(base + pos, 0), self._size)
         return self._pos
+
+
+class _Memory(_Seekable):
+    """A read-only, seekable file over bytes already in memory."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = memoryview(data), 0
+        self._size = len(self._view)
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
@@ -484,26 +492,13 @@ def _read_chunk(
     return part
 
 
-class _Window(io.RawIOBase):
+class _Window(_Seekable):
     """A read-only, seekable view of bytes [offset, offset + length) of an open file (one DCP item)."""
 
     def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
         super().__init__()
         self._f, self._start, self._length, self._pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = min(max(base + pos, 0), self._length)
-        return self._pos
+        self._size = length
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

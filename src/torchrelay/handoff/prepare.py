@@ -38,7 +38,7 @@ from torchrelay.layout import (
 )
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.resume import validate_resume
+from torchrelay.resume import ResumeCheck, validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import ByteCallback, sha256_file
@@ -303,19 +303,24 @@ def _prepare_into(
     world_size = options.world_size or int(fields["world_size"])
     reshard = options.world_size is not None or options.micro_batch is not None
     explicit = {"micro_batch"} if options.micro_batch is not None else set()
-    try:
-        check = validate_resume(
-            bundle,
-            check_cfg,
-            world_size,
-            code_dir,
-            deep=False,
-            code_from_bundle=from_bundle,
-            reshard=reshard,
-            explicit=explicit,
-        )
-    except RelayError as exc:
-        raise PreflightFailed([f"trainer validation on the bundle: {exc}"]) from None
+
+    def trainer_validation(where: str, run_dir: Path, cfg: RelayConfig) -> ResumeCheck:
+        """The launch's own resume validation, on the bundle and again on the assembled directory."""
+        try:
+            return validate_resume(
+                run_dir,
+                cfg,
+                world_size,
+                code_dir,
+                deep=False,
+                code_from_bundle=from_bundle,
+                reshard=reshard,
+                explicit=explicit,
+            )
+        except RelayError as exc:
+            raise PreflightFailed([f"trainer validation on the {where}: {exc}"]) from None
+
+    check = trainer_validation("bundle", bundle, check_cfg)
     assert check.config is not None
     layout_change = check.layout_change
     if layout_change is not None:
@@ -337,19 +342,7 @@ def _prepare_into(
     atomic_write_text(tmp / LINEAGE_FILE, json.dumps(lineage))
 
     # 7. The same validation again on the assembled directory, which is what the launch will see.
-    try:
-        final = validate_resume(
-            tmp,
-            final_cfg.replace(manifest=str(tmp / MANIFEST_REL)),
-            world_size,
-            code_dir,
-            deep=False,
-            code_from_bundle=from_bundle,
-            reshard=reshard,
-            explicit=explicit,
-        )
-    except RelayError as exc:
-        raise PreflightFailed([f"trainer validation on the prepared directory: {exc}"]) from None
+    final = trainer_validation("prepared directory", tmp, final_cfg.replace(manifest=str(tmp / MANIFEST_REL)))
     passed = proofs + check.passed + [p for p in final.passed if p not in check.passed]
     record = {
         "format": 1,
