@@ -21,7 +21,7 @@ from torchrelay.audit import (
     run_audit,
     verdict_for_run,
 )
-from torchrelay.audit.plan import _check_vary
+from torchrelay.audit.orchestrator import _check_vary
 from torchrelay.cli import main
 
 BROKEN = {

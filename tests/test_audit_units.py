@@ -29,7 +29,7 @@ from torchrelay.audit.compare import (
     compare_tensors,
 )
 from torchrelay.audit.diagnose import Evidence, diagnose
-from torchrelay.audit.plan import comparison_points
+from torchrelay.audit.orchestrator import comparison_points
 from torchrelay.audit.runner import plan_stops
 from torchrelay.audit.verdict import save
 from torchrelay.cli import main

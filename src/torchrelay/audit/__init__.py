@@ -27,7 +27,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # The runner pulls in torch; `torchrelay status` only needs last_verdict and should stay fast.
     if name in ("AuditPlan", "run_audit"):
-        from torchrelay.audit import plan
+        from torchrelay.audit import orchestrator
 
-        return getattr(plan, name)
+        return getattr(orchestrator, name)
     raise AttributeError(name)

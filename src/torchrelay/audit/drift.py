@@ -227,12 +227,12 @@ class LayoutAudit:
 
 
 def run_layout_audit(plan: Any, worlds: list[int], on_segment: Any = None) -> LayoutAudit:
-    """Run `plan` (audit/plan.py AuditPlan) uninterrupted on worlds[0] ranks and relayed with the world size cycling
+    """Run `plan` (audit/orchestrator.py AuditPlan) uninterrupted on worlds[0] ranks and relayed with the world size cycling
     through `worlds` at each stop (TORCHRELAY_RESHARD=1), then compare ledgers and measure the drift."""
     import os
     import tempfile
 
-    from torchrelay.audit.plan import comparison_points
+    from torchrelay.audit.orchestrator import comparison_points
     from torchrelay.reshard import RESHARD_ENV
 
     if len(worlds) < 2 or any(not isinstance(w, int) or w < 1 for w in worlds):

@@ -1,4 +1,4 @@
-"""One run of an audit (plan.py orchestrates them): the user's own command launched in a fresh run directory,
+"""One run of an audit (orchestrator.py runs them): the user's own command launched in a fresh run directory,
 stopped by request file after chosen updates."""
 
 from __future__ import annotations

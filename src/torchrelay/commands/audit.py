@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchrelay.audit.plan import AuditPlan, run_audit
+    from torchrelay.audit.orchestrator import AuditPlan, run_audit
     from torchrelay.audit.verdict import render_table
 
     launch = list(args.launch)
