@@ -24,9 +24,12 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scri
     } || echo "setup: could not install g++; DeepSpeed cannot start a process group on the CPU" >&2
   fi
   echo "setup: compiling DeepSpeed's CPU collectives once (about a minute)" >&2
-  DS_ACCELERATOR=cpu "$VENV/bin/python" -c \
+  # Bounded: torch's extension builder waits forever on the lock file of a build that was killed half-way
+  # (~/.cache/torch_extensions/*/deepspeed_shm_comm/lock); remove that file if this says it timed out.
+  DS_ACCELERATOR=cpu timeout 900 "$VENV/bin/python" -c \
     "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)" \
-    >/dev/null 2>&1 || echo "setup: DeepSpeed's CPU collectives did not compile; tests/test_deepspeed.py will fail" >&2
+    >/dev/null 2>&1 || echo "setup: DeepSpeed's CPU collectives did not compile (or waited 900 s on a stale lock" \
+    "in ~/.cache/torch_extensions); tests/test_deepspeed.py will fail" >&2
   touch "$STAMP"
 fi
 # Bundle signatures (pack --sign, verify --allowed-signers) use OpenSSH's ssh-keygen; a fresh Debian CI machine
