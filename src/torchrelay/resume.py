@@ -235,7 +235,7 @@ def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | No
         record = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise ConfigError(
             f"{path} cannot be read ({exc})", hint="restore it from the bundle's prepare"
         ) from exc
@@ -256,7 +256,7 @@ def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:
         record = json.loads(path.read_text())
     except FileNotFoundError:
         return []
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise ConfigError(
             f"{path} cannot be read ({exc})", hint="restore it from the bundle's prepare"
         ) from exc

@@ -264,7 +264,7 @@ def verdict_for_run(run_dir: str | Path) -> dict[str, Any] | None:
 def _read(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -292,7 +292,7 @@ def last_verdict(script_path: str | Path, *, any_version: bool = False) -> dict[
             return None
     try:
         data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
         return None
     data["stale"] = stale
     return data

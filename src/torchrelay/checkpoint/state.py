@@ -336,7 +336,7 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     path = state_path(ckpt_dir)
     try:
         doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
@@ -362,7 +362,7 @@ def read_rank_statefuls(ckpt_dir: Path, rank: int) -> tuple[dict[str, Any], dict
             f"{path} is missing: the checkpoint was saved by fewer ranks",
             hint="resume with the world size that saved it",
         ) from exc
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     if doc.get("format") != RANK_STATE_FORMAT or doc.get("rank") != rank:
         raise CheckpointError(
