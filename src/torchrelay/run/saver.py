@@ -60,9 +60,8 @@ class Saver:
         self._order = order
         self._global_batch = global_batch
         self._logs = logs
-        self._retention = policy_for(
-            config
-        )  # a checkpoint kept for later (keep_updates, keep_every) is written
+        # a checkpoint kept for later (keep_updates, keep_every) is written even between save_every's
+        self._retention = policy_for(config)
         self.last = saved if saved is not None else -1  # the newest update with a checkpoint (resumed from)
         self.estimate = estimate  # seconds a save takes, for the budget policy: the slowest so far
         self._background = config.async_save
