@@ -173,3 +173,73 @@ def test_several_files_per_rank_load_one_at_a_time_within_the_buffer(
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
         run.track(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1))
         assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background persist shares the interpreter and the cores with the loop: its writer threads run at a lower
+    priority (the loop's own is untouched, also after an inline save), at most TORCHRELAY_PERSIST_STREAMS files
+    are open at once, and batching small writes changes no byte of what is written or hashed."""
+    import hashlib
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from torchrelay.checkpoint import persist
+
+    monkeypatch.setattr(persist, "FILE_BYTES", 4096)
+    monkeypatch.setenv(persist.STREAMS_ENV, "2")
+    opened: list[int] = []
+    nice: list[int] = []
+    peak = [0]
+    lock = threading.Lock()
+    real_init, real_close = persist._HashingStream.__init__, persist._HashingStream.close
+
+    def init(self: Any, f: Any, on_close: Any) -> None:
+        with lock:
+            opened.append(1)
+            peak[0] = max(peak[0], len(opened))
+            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        real_init(self, f, on_close)
+
+    def close(self: Any) -> None:
+        if not self.closed:
+            threading.Event().wait(0.02)  # a file takes a while: the next ones queue for a slot
+            with lock:
+                opened.pop()
+        real_close(self)
+
+    monkeypatch.setattr(persist._HashingStream, "__init__", init)
+    monkeypatch.setattr(persist._HashingStream, "close", close)
+    state = {f"t{i}": torch.arange(2048 + i, dtype=torch.float32) * (i + 1) for i in range(8)}
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    written: dict[Path, dict[str, tuple[str, int]]] = {}
+    for background in (False, True):
+        out = tmp_path / f"bg-{background}"
+        digests: dict[str, tuple[str, int]] = {}
+
+        def save(out: Path = out, digests: dict[str, tuple[str, int]] = digests, bg: bool = background) -> None:
+            dcp.save(state, storage_writer=persist.HashingWriter(out, digests, background=bg), no_dist=True)
+
+        if background:  # on a thread of its own, as the persist runs it
+            worker = threading.Thread(target=save)
+            worker.start()
+            worker.join()
+        else:
+            nice.clear()
+            save()
+            assert set(nice) == {loop_nice}, nice  # inline: nobody's priority changes
+            nice.clear()
+            peak[0] = 0  # inline, DCP writes every file at once
+        written[out] = digests
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
+    assert len(nice) >= 4 and min(nice) >= min(persist.BACKGROUND_NICE, 19), nice
+    assert peak[0] <= 2, peak
+    a, b = (tmp_path / "bg-False", tmp_path / "bg-True")
+    names = sorted(p.name for p in a.glob("*.distcp"))
+    assert len(names) >= 4 and names == sorted(p.name for p in b.glob("*.distcp"))
+    for name in names:
+        data = (b / name).read_bytes()
+        assert data == (a / name).read_bytes()
+        assert written[b][str(b / name)] == (hashlib.sha256(data).hexdigest(), len(data))

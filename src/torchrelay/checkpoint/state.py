@@ -261,13 +261,19 @@ def reserve(
 
 
 def write_snapshot(
-    snap: Snapshot, directory: Path, *, kill_hook: Any = None, group: Any = None
+    snap: Snapshot,
+    directory: Path,
+    *,
+    kill_hook: Any = None,
+    group: Any = None,
+    background: bool = False,
 ) -> dict[str, tuple[str, int]]:
     """Write a snapshot into `directory` (every rank, with the others: DCP plans across `group`), every file
-    fsynced; returns {relative path: (SHA-256, size)} of the files this rank wrote, hashed as they were written."""
+    fsynced; returns {relative path: (SHA-256, size)} of the files this rank wrote, hashed as they were written.
+    `background`: called on the persist thread, beside the training loop."""
     written: dict[str, tuple[str, int]] = {}
     if snap.tensors_doc is not None:
-        writer = HashingWriter(directory / MODEL_DIR, written)
+        writer = HashingWriter(directory / MODEL_DIR, written, background=background)
         dcp.save(snap.tensors_doc, storage_writer=writer, process_group=group)
     if kill_hook:
         kill_hook("shards")

@@ -140,13 +140,15 @@ class Saver:
             stage=self._stage,
         )
         self._stage.synchronize()
-        group = self._group
+        group, background = self._group, self._background
 
         def persist() -> None:
             _, seconds = commit_checkpoint(
                 self._run_dir,
                 update,
-                lambda tmp, hook: ckpt_state.write_snapshot(snap, tmp, kill_hook=hook, group=group),
+                lambda tmp, hook: ckpt_state.write_snapshot(
+                    snap, tmp, kill_hook=hook, group=group, background=background
+                ),
                 rank=self._rank,
                 world_size=self._world_size,
                 info=info,
