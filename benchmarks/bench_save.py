@@ -82,6 +82,11 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
@@ -332,6 +337,10 @@ def main() -> None:
         update_s=statistics.median(baseline),
         update_during_persist_median_ratio=slow_med,
         update_during_persist_max_ratio=slow_max,
+        update_during_persist_p90_ratio=_quantile(during, 0.9) / statistics.median(baseline)
+        if during
+        else None,
+        updates_during_persist_over_1_1x=sum(d > 1.1 * statistics.median(baseline) for d in during),
         updates_during_persist=len(during),
     )
     table(out, nbytes)
@@ -381,9 +390,10 @@ def table(out: dict[str, Any], nbytes: int) -> None:
             f"{s / loads['DCP load, cold']:.2f}x DCP load | |"
         )
     lines.append(
-        f"update while a persist runs: median {out['update_during_persist_median_ratio']:.2f}x, max "
-        f"{out['update_during_persist_max_ratio']:.2f}x a normal update ({out['updates_during_persist']} updates; "
-        "goal <= 1.1x)"
+        f"update while a persist runs: median {out['update_during_persist_median_ratio']:.2f}x, p90 "
+        f"{out['update_during_persist_p90_ratio'] or float('nan'):.2f}x, max "
+        f"{out['update_during_persist_max_ratio']:.2f}x a normal update; "
+        f"{out['updates_during_persist_over_1_1x']} of {out['updates_during_persist']} updates over 1.1x (goal: none)"
     )
     lines.append(f"sync and async checkpoints hold identical files: {out['sync_and_async_files_identical']}")
     print("\n".join(lines), flush=True)
