@@ -17,6 +17,9 @@ Measured (each in its own process, peak RSS of that process; `import torchrelay`
 - status:      `torchrelay status RUN`
 - ledger:      `torchrelay ledger RUN` (proves every exposure exactly once)
 - big_create, big_open, big_open_rank: the same for a manifest of `--big-samples` samples (10 M)
+`--only create` measures only the big manifest: its pass alone (`Manifest.load`, numpy only; with `--one-process`
+also without reader processes), creating a run from it, reopening it and a rank, each with the reader processes'
+count and the largest one's peak RSS; no training run is written.
 Goals (issue 11): each <= 5 s and <= 1 GB at 495,287 samples / 20,000 updates; a 10 M-sample manifest opens in
 <= 15 s with <= 1.5 GB per rank.
 """
@@ -43,23 +46,18 @@ MEASURED_SRC = os.environ.get("BENCH_SCALE_SRC", str(SRC))  # the library the me
 
 
 def write_manifest(path: Path, samples: int, root: str = "/data/lingbot") -> None:
-    """A manifest shaped like a robot-episode corpus: id, a path under the data root, a length, a task."""
+    """A manifest shaped like a robot-episode corpus: id, a path under the data root, a length, a task.
+
+    Each line is the text `json.dumps` writes for that record (formatted directly: 10 M lines in seconds)."""
     rng = np.random.default_rng(0)
-    lengths = rng.integers(100, 4000, samples)
+    lengths = rng.integers(100, 4000, samples).tolist()
     tasks = ["pick up the red cube", "open the drawer", "fold the towel", "stack the cups"]
     with open(path, "w") as f:
         for start in range(0, samples, 100_000):
             f.write(
                 "".join(
-                    json.dumps(
-                        {
-                            "id": f"ep{i:09d}",
-                            "path": f"{root}/shard-{i // 1000:05d}/episode-{i:09d}.mp4",
-                            "length": int(lengths[i]),
-                            "task": tasks[i % 4],
-                        }
-                    )
-                    + "\n"
+                    f'{{"id": "ep{i:09d}", "path": "{root}/shard-{i // 1000:05d}/episode-{i:09d}.mp4", '
+                    f'"length": {lengths[i]}, "task": "{tasks[i % 4]}"}}\n'
                     for i in range(start, min(start + 100_000, samples))
                 )
             )
@@ -245,8 +243,33 @@ order.global_batch_indices(0)
 print("samples", len(m), "seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
 """
 )
+# The manifest's reader processes (see torchrelay.manifest) each append their own VmHWM to $BENCH_READER_HWM.
+_READERS = """
+import os
+import torchrelay.manifest as _M
+if os.environ.get("BENCH_READER_HWM") and hasattr(_M, "_READER"):  # (not in a version without readers)
+    _M._READER += (
+        "; import os; open(os.environ['BENCH_READER_HWM'], 'a').write("
+        "[x for x in open('/proc/self/status') if x.startswith('VmHWM:')][0].split()[1] + ' ')"
+    )
+if os.environ.get("BENCH_READERS"):
+    _M._MAX_READERS = int(os.environ["BENCH_READERS"])
+"""
+_SCAN = (
+    _HWM
+    + _READERS
+    + """
+import sys, time
+t0 = time.perf_counter()
+from torchrelay.manifest import Manifest, _reader_count
+m = Manifest.load(sys.argv[1], sys.argv[2])
+print("samples", len(m), m.fingerprint(), "readers", _reader_count(), "seconds", round(time.perf_counter() - t0, 2),
+      "hwm_kib", _hwm())
+"""
+)
 _CREATE = (
     _HWM
+    + _READERS
     + """
 import sys, time
 t0 = time.perf_counter()
@@ -361,6 +384,55 @@ def measure_big(base: Path, samples: int) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _readers_measure(args: list[str], readers: int | None = None) -> dict[str, Any]:
+    """`measure`, with the peak RSS of the largest of the manifest's reader processes and their count."""
+    with tempfile.NamedTemporaryFile("r") as hwm:
+        env = {"BENCH_READER_HWM": hwm.name, **({"BENCH_READERS": str(readers)} if readers else {})}
+        out = measure(args, env)
+        peaks = [int(x) for x in hwm.read().split()]
+    out["readers"] = len(peaks)
+    out["reader_peak_rss_mib"] = round(max(peaks) / 1024, 1) if peaks else None
+    return out
+
+
+def measure_create(base: Path, samples: int, *, one_process: bool) -> dict[str, Any]:
+    """`--only create`: the pass over every line of a `samples`-line manifest (Manifest.load in a fresh process,
+    numpy only), then creating a run from it with `Run.open` (when torch is there), reopening it and a rank."""
+    import importlib.util
+
+    from torchrelay.manifest import Manifest
+
+    base.mkdir(parents=True, exist_ok=True)
+    manifest = base / "manifest.jsonl"
+    t0 = time.perf_counter()
+    write_manifest(manifest, samples)
+    out: dict[str, Any] = {
+        "cores": len(os.sched_getaffinity(0)),
+        "manifest_mib": round(manifest.stat().st_size / 2**20, 1),
+        "write_s": round(time.perf_counter() - t0, 1),
+    }
+    scan = [sys.executable, "-c", _SCAN, str(manifest), "/data/lingbot"]
+    out["scan"] = _readers_measure(scan)
+    if one_process:
+        out["scan_one_process"] = _readers_measure(scan, readers=1)
+    if importlib.util.find_spec("torch") is None:
+        out["create"] = "skipped: no torch here"
+        return out
+    code = base / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text("# the synthetic run's script\n")
+    run_dir = base / "run"
+    cfg = _config(manifest, 100, 32, 32).to_dict()
+    out["create"] = _readers_measure(
+        [sys.executable, "-c", _CREATE, str(run_dir), str(code), json.dumps(cfg)]
+    )
+    data = run_dir / "data"
+    sha = Manifest.load(data / "manifest.jsonl", "/data/lingbot", index=data / "manifest.index.npz").sha256()
+    out["open"] = measure([sys.executable, "-c", _OPEN, str(run_dir), str(code)])
+    out["open_rank"] = measure([sys.executable, "-c", _RANK, str(run_dir), sha])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -375,6 +447,18 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true")
     parser.add_argument(
+        "--only",
+        choices=["create"],
+        default=None,
+        help="create: only the big manifest (--big-samples lines): its pass in a fresh process, creating a run "
+        "from it, reopening it, a rank (no training run, no torch needed for the pass)",
+    )
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="with --only create: also the pass with no reader process (as before they existed)",
+    )
+    parser.add_argument(
         "--measured-src",
         default=None,
         help="the src/ folder the measured processes import (another checkout's, to compare; default: this one)",
@@ -385,6 +469,17 @@ def main() -> None:
         MEASURED_SRC = args.measured_src
     sys.path.insert(0, str(SRC))
     base = args.out or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    if args.only == "create":
+        try:
+            created = {
+                "samples": args.big_samples,
+                **measure_create(base, args.big_samples, one_process=args.one_process),
+            }
+        finally:
+            if not args.keep:
+                shutil.rmtree(base, ignore_errors=True)
+        print(json.dumps(created, indent=1))
+        return
     results: dict[str, Any] = {"samples": args.samples, "updates": args.updates, "ranks": args.ranks}
     try:
         t0 = time.perf_counter()

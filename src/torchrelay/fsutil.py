@@ -44,7 +44,7 @@ def temp_prefix(name: str) -> str:
     return f".{name}.tmp-"
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
     """Replace `path` with `data` so a reader sees the old or the new file, never a part."""
     path = Path(path)
     tmp = path.with_name(f"{temp_prefix(path.name)}{os.getpid()}")

@@ -339,11 +339,10 @@ class SegmentOpener:
             rd.remove_stale_temps()
             shutil.copyfile(source_manifest, rd.path / MANIFEST_REL)
             self._rank0_manifest.save_index(rd.manifest_index_path)
+            # The source's arrays go before the copy's are read (10 M samples: 240 MB each).
+            source_sha, self._rank0_manifest = self._rank0_manifest.sha256(), None
             self._rank0_manifest = Manifest.load(  # the run's copy, found by its index
-                rd.path / MANIFEST_REL,
-                cfg.data_root,
-                index=rd.manifest_index_path,
-                sha256=self._rank0_manifest.sha256(),
+                rd.path / MANIFEST_REL, cfg.data_root, index=rd.manifest_index_path, sha256=source_sha
             )
             atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
             atomic_write_text(

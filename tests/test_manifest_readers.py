@@ -1,0 +1,157 @@
+"""The manifest's pass over every line, split across reader processes (issue 11: a 10 M-sample manifest in <= 15 s).
+
+Parts are forced tiny here so that a few hundred lines make dozens of parts: whatever the readers find (the
+fingerprint, the offsets, the lengths, the first bad length, a refusal and its line) must be exactly what reading
+the file in one process finds, and the fingerprint exactly what fingerprint v1 always was (values pinned from
+main before the readers existed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchrelay import manifest as M
+from torchrelay.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_scale  # noqa: E402
+
+ROOT = "/data/set"
+
+
+def tricky_lines() -> list[bytes]:
+    """Records that take every branch of the pass: the data root in values, keys and lists, escapes, non-ASCII,
+    blank lines, CRLF, lengths present, absent and bad, lines far longer than a part, no final newline."""
+    out: list[bytes] = []
+    for i in range(120):
+        k = i % 8
+        rec: dict[str, object]
+        if k == 0:
+            rec = {"id": f"s{i}", "path": f"{ROOT}/a/{i}.bin", "length": i + 1}
+        elif k == 1:
+            rec = {
+                "task": "grasp \u00e9t\u00e9 \U0001f916",
+                "id": f"s{i}",
+                "frames": [f"{ROOT}/f{i}", "/other/x"],
+            }
+        elif k == 2:
+            rec = {"id": f's"{i}\\', "meta": {"src": f"{ROOT}/n/{i}", "w": 1.5, "ok": True, "none": None}}
+        elif k == 3:
+            rec = {"id": f"s{i}", "length": "12x" if i == 27 else 7}
+        elif k == 4:
+            rec = {"id": f"s{i}", "blob": "z" * 3000, "path": f"{ROOT}/big/{i}"}
+        elif k == 5:
+            rec = {"id": f"s{i}", f"{ROOT}/as-key": 1, "length": 2**40}
+        elif k == 6:
+            rec = {"id": f"s{i}", "p": f"{ROOT}x/not-under-root", "q": [ROOT, f"{ROOT}/"]}
+        else:
+            rec = {"id": f"s{i}", "neg": -3, "exp": 1e300, "u": "\u2603"}
+        line = json.dumps(rec, ensure_ascii=(i % 3 == 0))
+        out.append(line.encode() + (b"\r\n" if i % 11 == 0 else b"\n"))
+        if i % 17 == 5:
+            out.append(b"   \n")
+    out[-1] = out[-1].rstrip(b"\r\n")  # the last line without its newline
+    return out
+
+
+def _same(a: M.Manifest, b: M.Manifest) -> None:
+    assert (a.fingerprint(), a.sha256(), len(a), a._bad_length) == (
+        b.fingerprint(),
+        b.sha256(),
+        len(b),
+        b._bad_length,
+    )
+    assert np.array_equal(a.records._starts, b.records._starts)
+    assert np.array_equal(a.records._sizes, b.records._sizes)
+    assert (a._lengths is None) == (b._lengths is None)
+    if a._lengths is not None:
+        assert np.array_equal(a._lengths, b._lengths)
+
+
+def test_readers_find_what_one_process_finds_and_fingerprint_v1(tmp_path: Path) -> None:
+    tricky = tmp_path / "tricky.jsonl"
+    tricky.write_bytes(b"".join(tricky_lines()))
+    here = M._scan(tricky, ROOT, workers=1)
+    spread = M._scan(tricky, ROOT, workers=3, part=300)  # ~50 parts; the 3 KB lines span several
+    _same(here, spread)
+    # fingerprint v1 and the first bad length, as main computed them before the readers existed
+    assert spread.sha256() == "e909b95738bff11be4a696828bd450067a5680cb5fadfbd1f8cc85334ae4b664"
+    assert spread.fingerprint() == (
+        "fingerprint_v1:9b9341ee839436b9a8a5f1835f4d21bb37d8f1618829c5e2f72e86bd6e967a21"
+    )
+    assert len(spread) == 120 and spread._bad_length == "line 30: 'length' '12x' is not an integer"
+    assert spread.records[5] == json.loads(tricky_lines()[5])
+    # The benchmark's records: the one-parse-per-block path, the data root swapped in the canonical text.
+    shaped = tmp_path / "b3000.jsonl"
+    bench_scale.write_manifest(shaped, 3000)
+    m = M._scan(shaped, "/data/lingbot", workers=2, part=4096)
+    _same(M._scan(shaped, "/data/lingbot", workers=1), m)
+    assert (
+        m.fingerprint() == "fingerprint_v1:e2d4ef0b486896ca71869e3bfce405276532137c25bd2c0cae75448030df7e95"
+    )
+    assert np.array_equal(m.lengths(), np.random.default_rng(0).integers(100, 4000, 3000))
+
+
+BAD = {
+    "not UTF-8": (
+        b'{"id": "bad\xff"}',
+        "the data manifest is not UTF-8 text (invalid start byte at byte {at})",
+    ),
+    "not an object": (b"[1, 2]", "each manifest line must be an object with a string 'id'"),
+    "id not a string": (b'{"id": 3}', "each manifest line must be an object with a string 'id'"),
+    "broken JSON": (b'{"id": "x",', "not a JSON object (Expecting property name enclosed in double quotes)"),
+    "huge line": (
+        b'{"id": "h", "x": "' + b"y" * 200_000 + b'"',
+        "not a JSON object (Expecting ',' delimiter)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_a_refusal_from_a_later_part_names_its_file_and_line(tmp_path: Path, kind: str) -> None:
+    bad, message = BAD[kind]
+    lines = [json.dumps({"id": f"r{i}", "path": f"{ROOT}/{i}"}).encode() + b"\n" for i in range(60)]
+    lines[41] = bad + b"\n"  # line 42, well past the first parts
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"".join(lines))
+    at = sum(map(len, lines[:41])) + bad.index(b"\xff") if kind == "not UTF-8" else 0
+    with pytest.raises(ConfigError) as one:
+        M._scan(path, ROOT, workers=1)
+    with pytest.raises(ConfigError) as spread:
+        M._scan(path, ROOT, workers=2, part=200)
+    assert str(spread.value) == str(one.value)
+    assert str(spread.value).startswith(f"{path}:42: {message.format(at=at)}")
+
+
+def test_duplicate_ids_across_parts_and_forged_hash_collisions(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    lines = [json.dumps({"id": f"d{i}"}) for i in range(50)]
+    path.write_text("\n".join(lines) + "\n")
+    m = M._scan(path, "", workers=2, part=64)
+    # Every id hashing alike (a 64-bit collision, forged): the ids are compared for real, so nothing is refused.
+    M._check_unique(m, np.zeros(len(m), dtype=np.int64))
+    lines[44] = lines[3]  # a repeat in a part far from the first
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:45: duplicate sample id 'd3'$"):
+        M._scan(path, "", workers=2, part=64)
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    ends = np.flatnonzero(data == ord("\n"))
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    repeated = M.Manifest(str(path), "", "", starts, ends - starts, "", None, None)
+    with pytest.raises(ConfigError, match=rf"^{path}:45: duplicate sample id 'd3'$"):
+        M._check_unique(repeated, np.zeros(len(repeated), dtype=np.int64))  # found among forged collisions
+
+
+def test_a_reader_that_cannot_start_leaves_the_pass_to_this_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"".join(tricky_lines()))
+    monkeypatch.setattr(M, "_READER", "import sys; sys.exit(3)")
+    assert M._scan_parallel(path, ROOT, 2, 300) is None
+    _same(M._scan(path, ROOT, workers=2, part=300), M._scan(path, ROOT, workers=1))
