@@ -4,6 +4,7 @@ commits the checkpoint in flight first, and the bytes are those a synchronous sa
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from helpers import segments
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
-from torchrelay.checkpoint.persist import HOLD_ENV, canonical_safetensors
+from torchrelay.checkpoint.persist import HOLD_ENV, SWITCH_S, canonical_safetensors
 from torchrelay.errors import IntegrityError
 from torchrelay.stop import write_request
 
@@ -62,6 +63,7 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
     def during(update: int) -> None:  # updates 4 and 5 run while checkpoint-3 is held in flight
         if update in (4, 5):
             seen[update] = (run._saver.persisting, (run_dir / "checkpoint-3").exists())
+            seen[f"interval-{update}"] = sys.getswitchinterval()  # the GIL comes back to the loop sooner
 
     def at_stop() -> None:  # released once the loop has agreed to stop, not before
         for _ in range(6000):
@@ -71,6 +73,7 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
         seen["stop"] = (run._agreement.why, (run_dir / "checkpoint-3").exists())
         release.touch()
 
+    interval = sys.getswitchinterval()
     with Run.open(run_dir, _config(example), code_dir=example["code"]) as run:
         watcher = threading.Thread(target=at_stop, daemon=True)
         watcher.start()
@@ -78,6 +81,10 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
         watcher.join()
     assert done == [1, 2, 3, 4, 5]
     assert seen[4] == (True, False) and seen[5] == (True, False), seen
+    assert (
+        seen["interval-4"] == seen["interval-5"] == min(interval, SWITCH_S)
+        and sys.getswitchinterval() == interval
+    )
     assert seen["stop"][0] and seen["stop"][1] is False, seen  # the stop came while checkpoint-3 persisted
     for update in (3, 5):  # and both were committed before the segment ended
         assert validate_complete(run_dir / f"checkpoint-{update}")["update"] == update
@@ -219,7 +226,9 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
         out = tmp_path / f"bg-{background}"
         digests: dict[str, tuple[str, int]] = {}
 
-        def save(out: Path = out, digests: dict[str, tuple[str, int]] = digests, bg: bool = background) -> None:
+        def save(
+            out: Path = out, digests: dict[str, tuple[str, int]] = digests, bg: bool = background
+        ) -> None:
             dcp.save(state, storage_writer=persist.HashingWriter(out, digests, background=bg), no_dist=True)
 
         if background:  # on a thread of its own, as the persist runs it
