@@ -10,15 +10,21 @@ DDP on one rank. Measured in the same run, in this order:
   and the update time while a background persist runs against updates without one;
 - load: DCP load, cold; torchrelay resume (Run.open + run.track: verification included), cold.
 
+`--only load` saves the state once each way and measures the loads alone (about two minutes for the 14.5 GB
+state on the GPU host): the cold read of the checkpoint's own files, the host->device copies (pageable and
+pinned), DCP load cold, and the torchrelay resume cold and warm with where its time goes (read+hash, parse,
+copy into the tensors, summed over the threads that do them).
+
     torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cpu --layers 8 --width 1024
     PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cuda \\
-        --backend nccl --layers 72 --width 4096 --batch 256 --dir /root/bench
+        --backend nccl --layers 72 --width 4096 --batch 256 --dir /root/bench [--only load]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -101,6 +107,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json", default="")
+    ap.add_argument("--only", choices=["load"], default=None, help="measure the loads alone")
     args = ap.parse_args()
     dist.init_process_group(args.backend)
     dev = args.device
@@ -142,6 +149,9 @@ def main() -> None:
         "dir": str(base),
     }
     print(f"[bench] state {nbytes / GB:.2f} GB in {len(tensors)} tensors; dir {base}", flush=True)
+    if args.only == "load":
+        loads_only(args, ddp, opt, state, tensors, base, manifest, out, nbytes)
+        return
 
     # ---- floors
     pinned = dev == "cuda"
@@ -344,6 +354,132 @@ def main() -> None:
         updates_during_persist=len(during),
     )
     table(out, nbytes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    shutil.rmtree(base, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def cold_read(files: list[Path], streams: int) -> float:
+    """The floor of a load: every file read once, `streams` at a time, one thread each, after the pages dropped."""
+    for f in files:
+        drop_cache(f)
+
+    def one(paths: list[Path]) -> None:
+        buf = bytearray(16 << 20)
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(files[k::streams],)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def loads_only(
+    args: argparse.Namespace,
+    ddp: nn.Module,
+    opt: torch.optim.Optimizer,
+    state: dict[str, Any],
+    tensors: list[torch.Tensor],
+    base: Path,
+    manifest: Path,
+    out: dict[str, Any],
+    nbytes: int,
+) -> None:
+    from torchrelay.checkpoint import dcp_io
+    from torchrelay.checkpoint import state as ckpt_state
+
+    dev = args.device
+    rows: dict[str, float] = {}
+    # host->device (or host->host on CPU): the copy every load ends with, from pageable and from pinned memory
+    for pinned in (False, True) if dev == "cuda" else (False,):
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(t) for t in tensors]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for h, t in zip(host, tensors, strict=True):
+                t.copy_(h, non_blocking=pinned)
+        sync(dev)
+        rows[f"floor: copy into the tensors from {'pinned' if pinned else 'pageable'} host memory"] = (
+            time.perf_counter() - t0
+        )
+        del host
+    cfg = tr.RelayConfig(
+        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), async_save=False
+    )
+    run = tr.Run.open(base / "run", cfg, code_dir=base / "code")
+    run.track(model=ddp, optimizer=opt)
+    t_save = timed(lambda: run._saver.save(1), dev)
+    run._end_segment(1)
+    ckpt = base / "run" / "checkpoint-1"
+    files = sorted((ckpt / "model").glob("*.distcp"))
+    print(
+        f"[bench] torchrelay save {t_save:.1f} s: {len(files)} files, largest "
+        f"{max(f.stat().st_size for f in files) / GB:.2f} GB",
+        flush=True,
+    )
+    dcp_dir = base / "dcp"
+    dcp.save(state, checkpoint_id=str(dcp_dir))
+    rows[f"floor: cold read of the checkpoint's {len(files)} files, {args.files} streams"] = cold_read(
+        files, args.files
+    )
+    drop_cache(dcp_dir)
+    rows["DCP load, cold"] = timed(lambda: dcp.load(state, checkpoint_id=str(dcp_dir)), dev)
+    shutil.rmtree(dcp_dir)
+
+    phases: dict[str, float] = {}
+    plain_load = dcp_io.load
+
+    with_stats = (
+        "stats" in inspect.signature(plain_load).parameters
+    )  # not in the code before 2026-11-30 19:00
+
+    def load_with_stats(*a: Any, **k: Any) -> set[str]:
+        t0 = time.perf_counter()
+        try:
+            return plain_load(*a, **({"stats": phases} if with_stats else {}), **k)
+        finally:
+            phases["wall"] = time.perf_counter() - t0
+
+    ckpt_state.dcp_io.load = load_with_stats  # the breakdown of the resume's load
+    breakdown: dict[str, dict[str, float]] = {}
+    for how in ("cold", "warm"):
+        if how == "cold":
+            drop_cache(ckpt)
+        sync(dev)
+        t0 = time.perf_counter()
+        run = tr.Run.open(base / "run", None, code_dir=base / "code")
+        t_open = time.perf_counter() - t0
+        run.track(model=ddp, optimizer=opt)
+        sync(dev)
+        rows[f"torchrelay resume (open + track), {how}"] = time.perf_counter() - t0
+        run._end_segment(1)
+        breakdown[how] = {"Run.open": t_open, **phases}
+    ckpt_state.dcp_io.load = plain_load
+    out.update(loads=rows, breakdown=breakdown, bytes=nbytes, checkpoint_files=len(files))
+    f_read = rows[next(k for k in rows if k.startswith("floor: cold read"))]
+    lines = [
+        f"state {nbytes / GB:.2f} GB, torch {out['torch']}, {out['device']}, {out['cores']} cores",
+        "| what | s | GB/s | vs cold read | vs DCP load |",
+        "|---|---|---|---|---|",
+    ]
+    for name, s in rows.items():
+        vs = "" if name.startswith("floor") else f"{f_read / s:.2f} (goal >= 0.85)"
+        peer = "" if name.startswith("floor") else f"{s / rows['DCP load, cold']:.2f}x"
+        lines.append(f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {vs} | {peer} |")
+    for how, b in breakdown.items():
+        lines.append(
+            f"resume {how}: Run.open {b['Run.open']:.2f} s; DCP load through torchrelay {b.get('wall', 0):.2f} s "
+            f"wall, of thread time: read {b.get('read', 0):.2f} s, hash {b.get('hash', 0):.2f} s, parse "
+            f"{b.get('parse', 0):.2f} s, copy into the tensors {b.get('copy', 0):.2f} s"
+        )
+    print("\n".join(lines), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     shutil.rmtree(base, ignore_errors=True)

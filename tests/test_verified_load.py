@@ -1,0 +1,165 @@
+"""The verified load (checkpoint/dcp_io.py): files read in chunks by many threads, each hashed in order as its
+bytes arrive and checked before a byte of it is parsed; items parsed onto the meta device and copied from the
+file's bytes into their tensors. No process group: these are the library's own functions."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchrelay.checkpoint import dcp_io
+from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
+from torchrelay.errors import IntegrityError
+
+
+def _saved(tmp_path: Path, files: int) -> tuple[Path, dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
+    """A DCP directory of `files` files beside a COMPLETE.json that lists them, as a checkpoint holds them."""
+    torch.manual_seed(0)
+    base = torch.randn(40, 30)
+    state = {
+        "w": torch.randn(64, 48),
+        "t": base.t().contiguous().t(),  # stored column-major
+        "view": base[3:9, 2:7],  # a view inside a larger storage
+        "half": torch.randn(33, 5).to(torch.bfloat16),
+        "ints": torch.arange(17, dtype=torch.int64),
+        "mask": torch.rand(9) > 0.5,
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
+    model = tmp_path / "ckpt" / "model"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no process group, which is the point here
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(model), thread_count=files), no_dist=True)
+    expected = {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_size) for p in model.glob("*.distcp")
+    }
+    doc = {
+        "format": INVENTORY_FORMAT,
+        "files": [{"path": f"model/{n}", "sha256": d, "size": s} for n, (d, s) in sorted(expected.items())],
+    }
+    (model.parent / "COMPLETE.json").write_text(json.dumps(doc))
+    return model, state, expected
+
+
+def _load(
+    model: Path, state: dict[str, torch.Tensor], expected: Any
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    target = {
+        k: torch.full_like(v, 7) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in state.items()
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        verified = dcp_io.load(target, model, no_dist=True, expected=expected)
+    return target, verified
+
+
+def test_files_read_in_many_chunks_at_once_load_every_value_and_are_each_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dcp_io, "_CHUNK", 1024)  # every file in many chunks, completed out of order
+    monkeypatch.setattr(dcp_io, "READ_STREAMS", 8)
+    model, state, expected = _saved(tmp_path, files=3)
+    assert len(expected) == 3
+    for budget in (1, 1 << 30):  # one file in memory at a time; all at once
+        monkeypatch.setattr(dcp_io, "LOAD_BUFFER", budget)
+        target, verified = _load(model, state, expected)
+        assert verified == set(expected)
+        for key, value in state.items():
+            assert target[key].dtype == value.dtype and torch.equal(target[key], value), key
+    target, verified = _load(
+        model, state, None
+    )  # without an inventory to check against (reader.load_tensors)
+    assert verified == set() and all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_a_damaged_file_is_never_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte changed, a byte cut or a byte added: the file is refused naming it, and torch.load never sees a
+    byte of it (one file, so any torch.load call would be of that file)."""
+    monkeypatch.setattr(dcp_io, "_CHUNK", 4096)
+    model, state, expected = _saved(tmp_path, files=1)
+    (name,) = expected
+    shard = model / name
+    good = shard.read_bytes()
+    parsed: list[object] = []
+    real_load = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        parsed.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    damaged = {
+        "changed": (good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1 :]),
+        "cut": good[:-1],
+        "added": good + b"\0",
+    }
+    messages = {
+        "changed": "does not match its SHA-256",
+        "cut": f"has {len(good) - 1} bytes, the inventory says {len(good)}",
+        "added": f"has more than {len(good)} bytes",
+    }
+    for how, data in damaged.items():
+        shard.write_bytes(data)
+        with pytest.raises(IntegrityError, match=messages[how]) as info:
+            _load(model, state, expected)
+        assert str(shard) in str(info.value), how
+        assert parsed == [], how
+    shard.write_bytes(good)
+    target, _ = _load(model, state, expected)
+    assert parsed and all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_items_parse_to_what_torch_load_gives_at_any_offset() -> None:
+    """An item's tensor is a view of the file's bytes (no copy); at any byte offset in the file it holds what
+    torch.load returns: dtype, shape, strides, values."""
+    big = torch.randn(20, 12)
+    for tensor in (
+        torch.randn(7, 5),
+        big.t(),
+        big[2:5, 3:9],
+        torch.arange(6, dtype=torch.int16),
+        torch.tensor(True),
+        torch.randn(3, 2).to(torch.float16),
+        torch.empty(0),
+    ):
+        buf = io.BytesIO()
+        torch.save(tensor, buf)
+        item = buf.getvalue()
+        want = torch.load(io.BytesIO(item), weights_only=True)
+        for pad in (0, 1, 3):
+            view = memoryview(bytearray(b"\x55" * pad + item + b"\xaa" * 5))
+            got = dcp_io._parse_item(view, pad, len(item), Path("f"), "x")
+            assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+            assert torch.equal(got, want), (tensor.shape, pad)
+            if got.numel():  # a view of the bytes, not a copy
+                assert (
+                    got.untyped_storage().data_ptr() >= torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+                )
+
+
+def test_an_archive_in_another_byte_order_is_loaded_by_torch_load(tmp_path: Path) -> None:
+    """A big-endian archive: the values swapped by torch.load (onto meta, torch 2.13 crashes on it)."""
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif info.filename.endswith("/data/0"):
+                data = tensor.numpy().astype(">f4").tobytes()
+            dst.writestr(info.filename, data)
+    item = out.getvalue()
+    got = dcp_io._parse_item(memoryview(item), 0, len(item), Path("f"), "x")
+    assert torch.equal(got, tensor)
