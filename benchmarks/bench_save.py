@@ -108,6 +108,12 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json", default="")
     ap.add_argument("--only", choices=["load"], default=None, help="measure the loads alone")
+    ap.add_argument(
+        "--read-streams",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[16],
+        help="--only load: the resume's reads in flight per rank, one cold resume for each (e.g. 16,32)",
+    )
     args = ap.parse_args()
     dist.init_process_group(args.backend)
     dev = args.device
@@ -449,8 +455,13 @@ def loads_only(
 
     ckpt_state.dcp_io.load = load_with_stats  # the breakdown of the resume's load
     breakdown: dict[str, dict[str, float]] = {}
-    for how in ("cold", "warm"):
-        if how == "cold":
+    runs = [("cold", streams) for streams in args.read_streams] + [("warm", args.read_streams[0])]
+    for how, streams in runs:
+        if hasattr(dcp_io, "READ_STREAMS"):
+            dcp_io.READ_STREAMS = streams
+        if len(args.read_streams) > 1:
+            how = f"{how}, {streams} reads in flight"
+        if how.startswith("cold"):
             drop_cache(ckpt)
         sync(dev)
         t0 = time.perf_counter()
