@@ -87,6 +87,26 @@ RUNTIME_ARGS = frozenset(
         "debug",
     }
 )
+# FSDP settings (TrainingArguments.fsdp_config keys and accelerate's FullyShardedDataParallelPlugin fields) that
+# change no value any rank computes: when parameters are re-gathered or prefetched (the all-gather copies them exactly),
+# how Trainer would write its own checkpoints (torchrelay writes them: DCP, sharded), how the model is first loaded.
+# Everything else FSDP is set with (version, mixed precision, CPU offload, what is wrapped as one unit, activation
+# checkpointing) is in the contract: a reduction over other buckets or an optimizer step on another device may round
+# differently.
+FSDP_RUNTIME = frozenset(
+    {
+        "reshard_after_forward",
+        "backward_prefetch",
+        "forward_prefetch",
+        "limit_all_gathers",
+        "state_dict_type",
+        "state_dict_config",
+        "optim_state_dict_config",
+        "cpu_ram_efficient_loading",
+        "sync_module_states",
+        "param_init_fn",
+    }
+)
 # Keys of a model config that name where it came from, not what it computes.
 MODEL_CONFIG_RUNTIME = ("_name_or_path", "transformers_version")
 FINGERPRINT_VERSION = "hf_items_v1"
@@ -120,11 +140,60 @@ def math_args(args: Any, runtime: tuple[str, ...] | list[str] = ()) -> dict[str,
     """The TrainingArguments fields of the contract, by name."""
     skip = RUNTIME_ARGS | set(runtime)
     out = {k: v for k, v in args.to_dict().items() if k not in skip}
+    if isinstance(out.get("fsdp_config"), dict):
+        out["fsdp_config"] = {
+            k: v for k, v in out["fsdp_config"].items() if k.removeprefix("fsdp_") not in FSDP_RUNTIME
+        }
     ds = out.get("deepspeed")
     if isinstance(ds, str) and ds.endswith(".json") and os.path.isfile(ds):
         # A path is where the file lies; what it says is what trains.
         out["deepspeed"] = json.loads(Path(ds).read_text())
     return dict(_plain(out))
+
+
+def _setting(value: Any) -> Any:
+    """A JSON value naming an FSDP setting, the same in every launch (never an object's repr: it holds an address)."""
+    import dataclasses
+    import functools
+
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Enum):
+        return _setting(value.value) if isinstance(value.value, bool | int | float | str) else value.name
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [_setting(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    if isinstance(value, dict):
+        return {str(k): _setting(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, functools.partial):
+        return {"function": _setting(value.func), "keywords": _setting(value.keywords)}
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: _setting(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"class": type(value).__qualname__, **fields}
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return type(value).__qualname__  # a module, an offload policy without fields: what it is, not where
+
+
+def parallel_identity(accelerator: Any) -> dict[str, Any] | None:
+    """The FSDP settings accelerate trains with, from its plugin (TrainingArguments.fsdp/fsdp_config, or
+    `accelerate launch --use_fsdp` and its environment, which TrainingArguments does not show); None without FSDP."""
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is None or "FSDP" not in str(getattr(state, "distributed_type", "")):
+        return None
+    import dataclasses
+
+    settings = {
+        f.name: _setting(getattr(plugin, f.name))
+        for f in dataclasses.fields(plugin)
+        if f.name not in FSDP_RUNTIME
+    }
+    return {"fsdp": settings, "mixed_precision": str(getattr(accelerator, "mixed_precision", "no"))}
 
 
 def model_identity(model: Any) -> dict[str, Any]:
@@ -257,8 +326,10 @@ def relay_config(
     options: RelayOptions,
     world_size: int,
     manifest: Path | str,
+    parallel: dict[str, Any] | None = None,
 ) -> RelayConfig:
-    """The RelayConfig of a Trainer run: the schedule and batch from TrainingArguments, the rest in params."""
+    """The RelayConfig of a Trainer run: the schedule and batch from TrainingArguments, the rest in params
+    (`parallel`: the FSDP settings accelerate trains with, see parallel_identity)."""
     import accelerate
     import transformers
 
@@ -273,6 +344,8 @@ def relay_config(
         "training_args": math_args(args, options.runtime_args),
         "model": model_identity(model),
         "dataset": {"fingerprint": fingerprint, "samples": samples, "class": type(dataset).__qualname__},
+        # only with FSDP: the contracts of runs without it stay as they were
+        **({"accelerate": parallel} if parallel is not None else {}),
         **options.params,
     }
     pins = [f"transformers=={transformers.__version__}", f"accelerate=={accelerate.__version__}"]

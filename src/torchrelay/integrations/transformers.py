@@ -34,7 +34,13 @@ from transformers import Trainer, TrainerCallback
 from torchrelay.data.loader import RelayLoader
 from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
-from torchrelay.integrations.hf_contract import RelayOptions, check_supported, relay_config, write_manifest
+from torchrelay.integrations.hf_contract import (
+    RelayOptions,
+    check_supported,
+    parallel_identity,
+    relay_config,
+    write_manifest,
+)
 from torchrelay.layout import CONTRACT_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.run import Run, Step
@@ -177,7 +183,10 @@ class RelayTrainerMixin:
             # A new run copies the manifest into itself; a resume reads its own copy, so none is written then.
             existing = (Path(run_dir) / CONTRACT_FILE).is_file()
             manifest = MANIFEST_REL if existing else write_manifest(len(self.train_dataset), folder)
-            cfg = relay_config(self.args, self.model, self.train_dataset, options, world_size, manifest)
+            parallel = parallel_identity(getattr(self, "accelerator", None))
+            cfg = relay_config(
+                self.args, self.model, self.train_dataset, options, world_size, manifest, parallel
+            )
             self.relay = Run.open(run_dir, cfg)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -202,7 +211,9 @@ class RelayTrainerMixin:
             )
             self.relay.track(model=engine, **own)
             return
-        # accelerate wraps the torch optimizer; DCP's state-dict helpers want the torch one
+        # accelerate wraps the torch optimizer; DCP's state-dict helpers want the torch one. With FSDP2 the model is
+        # the fully_shard-ed module itself (model_wrapped is model) and the optimizer holds its DTensor shards: each
+        # rank saves and restores its own shards.
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         self.relay.track(model=self.model_wrapped, optimizer=optimizer, scheduler=self.lr_scheduler)
 
