@@ -349,9 +349,12 @@ def driver(opt: argparse.Namespace) -> int:
     if opt.device == "cuda" and torch.cuda.device_count() < opt.nproc:
         print(f"TRAINER_FSDP2 FAIL: {opt.nproc} GPUs needed, {torch.cuda.device_count()} visible")
         return 1
-    if opt.out.exists():
-        shutil.rmtree(opt.out)
-    opt.out.mkdir(parents=True)
+    opt.out.mkdir(parents=True, exist_ok=True)
+    for old in [opt.out / "result.json", *(opt.out / p for p in opt.precisions.split(","))]:
+        if old.is_dir():  # an earlier run's logs (only what this script writes is removed)
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
     opt.end_at = time.time() + opt.deadline
     opt.work = Path(tempfile.mkdtemp(prefix="trainer-fsdp2-", dir=opt.work))  # the run directories
     t0 = time.time()
@@ -378,7 +381,9 @@ def driver(opt: argparse.Namespace) -> int:
             detail = (
                 f"{res['tensors']} tensors ({res['optimizer_tensors']} optimizer) torch.equal={res['all_equal']}, "
                 f"metrics {res['metrics_equal']}, ledger {res['ledger_ok']} {res['ledger']}, "
-                f"segments {[(s['first_update'], s['last_update'], s['ended']) for s in res['segments']]}"
+                f"segments {[(s['first_update'], s['last_update'], s['ended']) for s in res['segments']]}, "
+                f"{res.get('fsdp2')}, {res['wall_s']} s"
+                + (f", differ e.g. {res['differ']}" if res["differ"] else "")
                 if "tensors" in res
                 else res.get("error", "")
             )
