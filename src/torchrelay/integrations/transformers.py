@@ -160,6 +160,12 @@ class RelayTrainerMixin:
     state: Any
 
     def __init__(self, *args: Any, relay: RelayOptions | None = None, **kwargs: Any) -> None:
+        # Trainer's __init__ creates output_dir: when the run lives elsewhere (the audit's and launch's
+        # TORCHRELAY_RUN_DIR), the script's own --output-dir must not be left behind as an empty folder.
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        early_dir = os.environ.get("TORCHRELAY_RUN_DIR") or (relay.run_dir if relay is not None else None)
+        if early_dir and training_args is not None:
+            training_args.output_dir = str(early_dir)
         super().__init__(*args, **kwargs)
         self._relay_batches = None
         options = self.relay_options(relay or RelayOptions())
@@ -199,8 +205,13 @@ class RelayTrainerMixin:
         """The options the run is opened with; a subclass adds contract params or pins (e.g. a DeepSpeed config)."""
         return options
 
-    def relay_track(self) -> None:
-        """Register what each checkpoint holds with the run, restoring it on a resume (Trainer has built it all)."""
+    def relay_track(self, **statefuls: Any) -> None:
+        """Register what each checkpoint holds with the run, restoring it on a resume (Trainer has built it all).
+
+        A subclass adds its own state (a generator, an EMA, a counter) through `statefuls`:
+        `def relay_track(self, **s): super().relay_track(noise=self.noise_gen, **s)`. It must not call
+        `self.relay.track` a second time: that call replaces what this one registered.
+        """
         if getattr(self, "is_deepspeed_enabled", False):
             # Trainer(deepspeed=...): the engine saves its own optimizer partitions and counters, and the LR
             # scheduler when DeepSpeed steps it (checkpoint/deepspeed_engine.py); a scheduler Trainer made and steps
@@ -209,13 +220,15 @@ class RelayTrainerMixin:
             own = (
                 {"scheduler": self.lr_scheduler} if engine.lr_scheduler is None and self.lr_scheduler else {}
             )
-            self.relay.track(model=engine, **own)
+            self.relay.track(model=engine, **own, **statefuls)
             return
         # accelerate wraps the torch optimizer; DCP's state-dict helpers want the torch one. With FSDP2 the model is
         # the fully_shard-ed module itself (model_wrapped is model) and the optimizer holds its DTensor shards: each
         # rank saves and restores its own shards.
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        self.relay.track(model=self.model_wrapped, optimizer=optimizer, scheduler=self.lr_scheduler)
+        self.relay.track(
+            model=self.model_wrapped, optimizer=optimizer, scheduler=self.lr_scheduler, **statefuls
+        )
 
     # ------------------------------------------------------------------ Trainer's hooks
     def get_train_dataloader(self) -> Any:
