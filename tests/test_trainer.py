@@ -1,15 +1,22 @@
 """Hugging Face Trainer as a torchrelay run (examples/train_hf_trainer.py, 2 ranks under torchrun on CPU).
 
-Stopped by a request, killed inside a save, stopped by a signal late in the schedule and by a budget, packed,
-verified, prepared elsewhere and finished there, with the loader's worker count changed along the way: it ends bit for
-bit where the uninterrupted run ends, every sample seen exactly once. A changed learning rate is refused.
+`torchrelay audit` launches the example unchanged, stops it early and late with another worker count and finds it
+equal bit for bit; its uninterrupted run is the reference of the rest. Stopped by a request, killed inside a save,
+stopped by a signal late in the schedule and by a budget, packed, verified, prepared elsewhere and finished there,
+with the loader's worker count changed along the way: it ends bit for bit where the uninterrupted run ends, every
+sample seen exactly once. A changed learning rate is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +31,8 @@ from helpers import (
     sigterm,
     wait_for_update,
 )
+from torchrelay.audit import RNG, verdict_for_run
+from torchrelay.audit.compare import load_checkpoint_tensors
 from torchrelay.cli import main
 from torchrelay.ledger import prove
 
@@ -64,17 +73,97 @@ def code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("trainer-code") / "code"
     dest.mkdir()
     shutil.copyfile(REPO / "tests" / SCRIPT, dest / SCRIPT)
-    return make_code_repo(dest, scripts=("train_hf_trainer.py",))
+    return make_code_repo(dest, scripts=("train_hf_trainer.py", "broken/trainer_weight_noise.py"))
+
+
+def _audit(code: Path, script: str, work: Path, *options: str) -> tuple[int, dict[str, Any]]:
+    """`torchrelay audit OPTIONS -- torchrun ... SCRIPT --output-dir W/output-dir` in the code repo: exit code, verdict."""
+    launch = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.5"]
+    launch += [str(code / script), "--output-dir", str(work / "output-dir")]
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(out):
+        for key in [k for k in os.environ if k.startswith(("TORCHRELAY_", "SLURM_"))]:
+            env.delenv(key)
+        env.setenv("OMP_NUM_THREADS", "1")
+        env.setenv("XDG_CACHE_HOME", str(work / "cache"))  # the kept verdicts, out of the real ~/.cache
+        env.chdir(code)
+        rc = main(["audit", *options, "--work-dir", str(work / "audit"), "--json", "--", *launch])
+    return rc, json.loads(out.getvalue())
 
 
 @pytest.fixture(scope="module")
-def baseline(code: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("trainer-baseline") / "run"
-    rc, out = _launch(code, run)
-    assert rc == 0, out
-    assert "SCHEDULE_GATE_PASS (12, 2)" in out and "TRAINING_CONTRACT" in out
+def audited(code: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """`torchrelay audit` of the example as it is (its own file, its own command line): the verdict and its work dir."""
+    work = tmp_path_factory.mktemp("trainer-audit")
+    rc, verdict = _audit(
+        code, "train_hf_trainer.py", work, "--updates", str(U), "--stops", "2", "--vary", "num_workers=0,2"
+    )
+    assert rc == 0, verdict
+    return verdict, work
+
+
+@pytest.fixture(scope="module")
+def baseline(audited: tuple[dict[str, Any], Path]) -> Path:
+    """The audit's uninterrupted run: the example launched once, all 12 updates."""
+    run = audited[1] / "audit" / "uninterrupted"
+    log = (audited[1] / "audit" / "logs" / "uninterrupted-segment1.log").read_text()
+    assert "SCHEDULE_GATE_PASS (12, 2)" in log and "TRAINING_CONTRACT" in log
+    assert [(s["first_update"], s["last_update"], s["ended"]) for s in segments(run)] == [(1, U, "finished")]
     assert (run / "final" / "model.safetensors").is_file()  # save_model() of a finished run
     return run
+
+
+def test_audit_of_the_unchanged_example_is_equal(code: Path, audited: tuple[dict[str, Any], Path]) -> None:
+    verdict, work = audited
+    example = (REPO / "examples" / "train_hf_trainer.py").read_bytes()
+    assert (code / "train_hf_trainer.py").read_bytes() == example  # the example as it is in the repo ...
+    assert verdict["script_sha256"] == hashlib.sha256(example).hexdigest()  # ... is what the audit ran
+    assert verdict["equal"] is True and verdict["causes"] == [], verdict
+    # Stopped after the first update and in the next epoch (8 updates an epoch), 2 loader workers in between.
+    assert verdict["stops"] == [1, 11] and verdict["vary"] == {"num_workers": [0, 2]}
+    interrupted = work / "audit" / "interrupted"
+    history = segments(interrupted)
+    assert [(s["first_update"], s["last_update"], s["ended"]) for s in history] == [
+        (1, 1, "request"),
+        (2, 11, "request"),
+        (12, U, "finished"),
+    ]
+    assert [(s.get("runtime_changes") or {}).get("num_workers") for s in history] == [None, [0, 2], [2, 0]]
+    # The evidence: every model and optimizer tensor, bit for bit, at the checkpoint right after each resume.
+    names = set(load_checkpoint_tensors(interrupted / "checkpoint-2"))
+    params = {n.removeprefix("model.") for n in names if n.startswith("model.")}
+    moments = {
+        f"optim.{p}.{s}" for p in params - {"lm_head.weight"} for s in ("exp_avg", "exp_avg_sq", "step")
+    }
+    assert len(params) == 17 and names == {f"model.{p}" for p in params} | moments  # lm_head is tied to wte
+    assert [
+        (c["update"], c["after_stop"], c["compared"], c["differing"]) for c in verdict["checkpoints"]
+    ] == [
+        (2, 1, len(names), 0),
+        (U, 11, len(names), 0),
+    ]
+    assert verdict["tensors_equal"] and verdict["metrics_equal"] and verdict["ledger_equal"]
+    # The audit gave each run its own directory (TORCHRELAY_RUN_DIR wins over --output-dir) and kept the verdict.
+    assert not (work / "output-dir").exists()
+    shown = verdict_for_run(interrupted)
+    assert shown is not None and shown["verdict"].startswith("equal (12 updates, 2 stops)"), shown
+
+
+def test_audit_names_a_trainer_callbacks_own_generator(code: Path, tmp_path: Path) -> None:
+    # The example plus a callback whose generator no checkpoint holds: the audit finds it, with one stop.
+    rc, verdict = _audit(code, "broken/trainer_weight_noise.py", tmp_path, "--updates", "2", "--stop-at", "1")
+    assert rc == 1 and verdict["equal"] is False, verdict
+    assert [c["name"] for c in verdict["causes"]] == [RNG], verdict["causes"]
+    evidence = verdict["causes"][0]["evidence"]
+    assert (
+        "random stream(s) the script holds (torch.Generator) start update 2 in another state" in evidence
+    ), evidence
+    # Parted at the first update after the resume: its loss, and the weights the noise was added to.
+    assert verdict["metrics_first_update"] == 2 and "loss" in verdict["metrics_keys"]
+    (point,) = verdict["checkpoints"]
+    assert point["update"] == 2 and point["after_stop"] == 1 and point["differing"] > 0
+    assert all(t["name"].startswith("model.") and t["max_abs"] > 0 for t in verdict["top_tensors"])
+    assert "uninterrupted-again" not in verdict["run_dirs"]  # the probe's evidence sufficed
 
 
 def test_trainer_stopped_killed_handed_off_ends_bit_exact(code: Path, baseline: Path, tmp_path: Path) -> None:
@@ -145,9 +234,21 @@ def test_trainer_refuses_a_changed_learning_rate(code: Path, baseline: Path) -> 
     assert main(["status", str(baseline), "--last-exit"]) == 2
 
 
-def test_readme_shows_the_example_file() -> None:
-    body = (REPO / "examples" / "train_hf_trainer.py").read_text()
-    assert body[body.index("import argparse") :] in (REPO / "README.md").read_text()
+@pytest.mark.parametrize(
+    ("example", "section"),
+    [
+        ("train_hf_trainer.py", "## With Hugging Face Trainer"),
+        ("train_hf_trainer_deepspeed.py", "## With DeepSpeed"),
+    ],
+)
+def test_readme_shows_the_example_file(example: str, section: str) -> None:
+    body = (REPO / "examples" / example).read_text()
+    readme = (REPO / "README.md").read_text()
+    shown = readme[readme.index(section) :]
+    shown = shown[: shown.index("\n## ", 1)]  # the section, up to the next one
+    assert body[body.index("import argparse") :] in shown, (
+        f"copy examples/{example} (from `import argparse`) into {section}"
+    )
 
 
 def test_trainer_runtime_and_contract_arguments() -> None:
@@ -162,3 +263,30 @@ def test_trainer_runtime_and_contract_arguments() -> None:
     assert math_args(a) == math_args(b)  # paths, workers, reporting and logging are runtime-only
     c = TrainingArguments(output_dir="/a", use_cpu=True, report_to="none", per_device_train_batch_size=3)
     assert {k for k in math_args(a) if math_args(a)[k] != math_args(c)[k]} == {"per_device_train_batch_size"}
+
+
+def test_a_subclass_adds_its_own_state_to_what_relay_track_registers() -> None:
+    """The fix examples/broken/trainer_weight_noise.py names: relay_track(**statefuls) keeps model, optimizer and
+    scheduler and adds the subclass's state (Run.track registers once: a second call would replace the first)."""
+    import torch
+
+    from torchrelay.integrations.transformers import RelayTrainerMixin
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    noise = torch.Generator().manual_seed(7)
+    registered: list[dict[str, Any]] = []
+
+    class Run:  # what relay_track calls on the open run
+        def track(self, **kwargs: Any) -> None:
+            registered.append(kwargs)
+
+    class NoisyTrainer(RelayTrainerMixin):
+        def relay_track(self, **statefuls: Any) -> None:
+            super().relay_track(noise=noise, **statefuls)
+
+    trainer = NoisyTrainer.__new__(NoisyTrainer)  # Trainer's own __init__ is not needed for this hook
+    trainer.relay, trainer.model_wrapped, trainer.optimizer, trainer.lr_scheduler = Run(), model, opt, sched  # type: ignore[assignment]
+    trainer.relay_track()
+    assert registered == [{"model": model, "optimizer": opt, "scheduler": sched, "noise": noise}]
