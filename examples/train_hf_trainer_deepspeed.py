@@ -3,8 +3,9 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 examples/train_hf_trainer_deepspeed.py --output-dir runs/hf-ds
 
 The output directory is the run directory; launch the same command again and it continues bit for bit from the
-newest complete checkpoint (`--workers` may change between launches; `--lr` and `--zero-stage` may not: refused,
-naming params.training_args.deepspeed.zero_optimization.stage). On GPUs drop DS_ACCELERATOR and use_cpu.
+newest complete checkpoint (`--workers` may change between launches; `--lr`, `--grad-accum` and `--zero-stage` may
+not: refused, naming e.g. params.training_args.deepspeed.zero_optimization.stage). On GPUs drop DS_ACCELERATOR and
+use_cpu.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from torchrelay.integrations.transformers import RelayTrainer
 
@@ -28,10 +29,11 @@ class Tokens(torch.utils.data.Dataset):  # any map-style dataset: len() and data
         return {"input_ids": ids, "labels": ids}
 
 
-def main() -> int:
+def main(callbacks: tuple[TrainerCallback, ...] = ()) -> int:
     cli = argparse.ArgumentParser()
     cli.add_argument("--output-dir", required=True)  # the run directory
     cli.add_argument("--lr", type=float, default=1e-3)
+    cli.add_argument("--grad-accum", type=int, default=2)
     cli.add_argument("--zero-stage", type=int, default=2)
     cli.add_argument("--workers", type=int, default=0)  # runtime-only
     opt = cli.parse_args()
@@ -39,7 +41,7 @@ def main() -> int:
         output_dir=opt.output_dir,
         use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=opt.grad_accum,
         max_steps=12,
         learning_rate=opt.lr,
         warmup_steps=2,
@@ -61,7 +63,8 @@ def main() -> int:
     try:
         torch.manual_seed(args.seed)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2))
-        trainer = RelayTrainer(model=model, args=args, train_dataset=Tokens())  # opens or resumes the run
+        # opens the run (or validates and resumes it); callbacks: the tests pace updates with one
+        trainer = RelayTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=list(callbacks))
         trainer.train()  # the engine's checkpoint goes into torchrelay's checkpoint-N/deepspeed/
         if dist.is_initialized():
             dist.barrier()  # no rank leaves while another still communicates

@@ -1,12 +1,20 @@
-"""DeepSpeed ZeRO-2 through torchrelay: examples/train_deepspeed.py, a plain loop around deepspeed.initialize, on 2
-CPU ranks (gloo) — stopped by a request, handed off (pack, verify, prepare with another worker count), stopped by a
-late signal and finished, against the uninterrupted run: every engine tensor and counter equal, each sample once."""
+"""DeepSpeed ZeRO-2 through torchrelay on 2 CPU ranks (gloo), against the uninterrupted run: every engine tensor and
+counter equal, each sample once.
+
+- examples/train_deepspeed.py, a plain loop around deepspeed.initialize: stopped by a request, handed off (pack,
+  verify, prepare with another worker count), stopped by a late signal and finished.
+- examples/train_hf_trainer_deepspeed.py, Trainer(deepspeed=...): stopped by a request, a late signal and a budget
+  with the loader's worker count changed, handed off and finished.
+- Changed learning rate, batch (gradient accumulation) or ZeRO stage refused naming the field; another world size
+  refused; DeepSpeed's pickles read weights_only from inside the verified checkpoint.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,7 +22,16 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import TORCHRUN, assert_same_logs, clean_env, make_code_repo, segments, sigterm, wait_for_update
+from helpers import (
+    REPO,
+    TORCHRUN,
+    assert_same_logs,
+    clean_env,
+    make_code_repo,
+    segments,
+    sigterm,
+    wait_for_update,
+)
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG, _VerifiedLoads, load_engine, safe_load
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.reader import load_tensors
@@ -185,47 +202,125 @@ def test_engine_files_are_read_weights_only_and_inside_the_checkpoint(tmp_path: 
     assert torch.equal(loads.load(str(root / DS_TAG / "fine.pt"))["x"], torch.ones(2))
 
 
+# Trainer(deepspeed=...): examples/train_hf_trainer_deepspeed.py through tests/trainer_paced.py (its updates paced
+# by TRAINER_PACE_S, so that a signal lands before the end); 8 samples an update from a 64-sample set
 HF_SCRIPT = "train_hf_trainer_deepspeed.py"
+HF_ENV = {"TRAINER_EXAMPLE": HF_SCRIPT.removesuffix(".py")}
 
 
-def launch_hf(code: Path, run: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.5", str(code / HF_SCRIPT)]
-    return subprocess.run(
-        [*cmd, "--output-dir", str(run), *args],
+def _hf_cmd(code: Path, run: Path, *args: str) -> list[str]:
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor_interval=0.5",
+        str(code / "trainer_paced.py"),
+    ]
+    return [*cmd, "--output-dir", str(run), *args]
+
+
+def launch_hf(code: Path, run: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    out = subprocess.run(
+        _hf_cmd(code, run, *args),
         capture_output=True,
         text=True,
         timeout=400,
-        env=_env(),
+        env=_env(**HF_ENV, **(env or {})),
         cwd=code,
     )
+    return out.returncode, out.stdout[-4000:] + out.stderr[-4000:]
 
 
-def test_trainer_zero2_stopped_and_resumed_with_more_workers_is_bit_exact(tmp_path: Path) -> None:
-    """Trainer(deepspeed=...): the engine's checkpoint in torchrelay's commit; a request stop, a refused ZeRO stage
-    change, a resume with 2 loader workers: the same end as the uninterrupted run, each sample once."""
-    code = make_code_repo(tmp_path / "code", (HF_SCRIPT,))
-    baseline, run = tmp_path / "baseline", tmp_path / "run"
-    out = launch_hf(code, baseline)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The uninterrupted Trainer + ZeRO-2 run, and the code repo every launch of it runs from."""
+    base = tmp_path_factory.mktemp("hf-deepspeed")
+    (base / "code").mkdir()
+    shutil.copyfile(REPO / "tests" / "trainer_paced.py", base / "code" / "trainer_paced.py")
+    code = make_code_repo(base / "code", (HF_SCRIPT,))
+    baseline = base / "baseline"
+    rc, out = launch_hf(code, baseline)
+    assert rc == 0, out
+    return {"code": code, "baseline": baseline}
+
+
+def test_trainer_zero2_stopped_three_times_handed_off_ends_bit_exact(
+    hf: dict[str, Path], tmp_path: Path
+) -> None:
+    """Trainer(deepspeed=...) ZeRO-2 stopped by a request, by a signal late in the schedule and by a budget, with
+    the loader's worker count changed, then packed, verified, prepared elsewhere and finished there: every parameter
+    and optimizer tensor (each rank's ZeRO partition among them) and the engine's counters equal to the
+    uninterrupted run's, each sample once."""
+    code, baseline = hf["code"], hf["baseline"]
+    run = tmp_path / "run"
     run.mkdir()
-    write_request(run, at_update=5)
-    out = launch_hf(code, run)
-    assert segments(run)[-1]["ended"] == "request", out.stdout[-3000:] + out.stderr[-3000:]
-    assert (run / "checkpoint-5" / DS_DIR / DS_TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
-    out = launch_hf(code, run, "--zero-stage", "3")
-    text = out.stdout + out.stderr
-    assert "params.training_args.deepspeed.zero_optimization.stage: 2 -> 3" in text, text[-3000:]
-    assert main(["status", str(run), "--last-exit"]) == 2
-    out = launch_hf(code, run, "--workers", "2")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert [s["ended"] for s in segments(run)] == ["request", "refused", "finished"]
-    want, have = load_tensors(baseline / f"checkpoint-{U}"), load_tensors(run / f"checkpoint-{U}")
+    # 1. a request file, honoured after update 3
+    write_request(run, at_update=3)
+    rc, out = launch_hf(code, run)
+    assert rc != 0 and segments(run)[-1]["ended"] == "request", out
+    assert segments(run)[-1]["last_update"] == 3
+    listed = {e["path"] for e in validate_complete(run / "checkpoint-3")["files"]}
+    assert {f"{DS_DIR}/{DS_TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= listed
+    # 2. SIGTERM late in the schedule (after update 8 of 12), with 2 loader workers
+    proc = subprocess.Popen(
+        _hf_cmd(code, run, "--workers", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(**HF_ENV, TRAINER_PACE_S="0.3", TORCHRELAY_CHECK_EVERY="1"),
+        cwd=code,
+        start_new_session=True,
+    )
+    try:
+        wait_for_update(run, 8, proc, timeout=300)
+        sigterm(proc)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    seg = segments(run)[-1]
+    assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
+    assert seg["resumed_from"] == 3 and 8 <= seg["last_update"] < U, seg
+    stopped = seg["last_update"]
+    assert (run / f"checkpoint-{stopped}").is_dir()  # the stop saved first
+    # 3. a time budget that no update fits in: stops at the first boundary, nothing to save
+    rc, out = launch_hf(code, run, env={"TORCHRELAY_BUDGET_S": "0.5"})
+    assert segments(run)[-1]["ended"] == "budget" and segments(run)[-1]["last_update"] == stopped, out
+    assert main(["status", str(run), "--last-exit"]) == 3
+    # 4. packed, verified, prepared into another directory, and finished there with 1 loader worker
+    bundle, there = tmp_path / "bundle", tmp_path / "elsewhere" / "run"
+    assert main(["pack", str(run), str(bundle)]) == 0
+    assert main(["verify", str(bundle)]) == 0
+    assert main(["prepare", str(bundle), "--run-dir", str(there)]) == 0
+    moved = next((there / "source").iterdir())
+    rc, out = launch_hf(moved, there, "--workers", "1")
+    assert rc == 0, out
+    segs = segments(there)
+    assert [s["ended"] for s in segs] == ["request", "signal", "budget", "finished"]
+    assert segs[-1]["resumed_from"] == stopped
+
+    want, want_counters = engine_state(baseline / f"checkpoint-{U}")
+    have, have_counters = engine_state(there / f"checkpoint-{U}")
     assert want.keys() == have.keys() and len(want) > 20
+    assert {k for k in want if k.startswith("optim@rank1.")}, "no optimizer partition of rank 1"
     differ = [k for k in want if not torch.equal(want[k], have[k])]
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+    assert want_counters == have_counters and want_counters["global_steps"] == U
     # Trainer's own LR scheduler (not DeepSpeed's) is tracked beside the engine: same LR at every update
-    assert_same_logs(baseline, run)
-    ledger = prove(run)
-    assert (
-        ledger.ok and ledger.exposures == U * 8 and ledger.distinct == 64 and ledger.repeats == 0
-    )  # 1.5 epochs
+    assert_same_logs(baseline, there)
+    ledger = prove(there)
+    # 12 updates of 8 samples from a 64-sample set: one epoch whole, half of the next, no sample twice in one
+    assert ledger.ok and ledger.exposures == U * 8 and ledger.distinct == 64 and ledger.repeats == 0
+
+
+def test_trainer_zero2_refuses_changed_lr_batch_and_stage_naming_the_fields(hf: dict[str, Path]) -> None:
+    rc, out = launch_hf(hf["code"], hf["baseline"], "--lr", "0.002", "--grad-accum", "4", "--zero-stage", "3")
+    assert rc != 0
+    for field in (
+        "params.training_args.learning_rate: 0.001 -> 0.002",
+        "params.training_args.gradient_accumulation_steps: 2 -> 4",
+        "params.training_args.deepspeed.zero_optimization.stage: 2 -> 3",
+    ):
+        assert field in out, out
+    assert segments(hf["baseline"])[-1]["ended"] == "refused"
+    assert main(["status", str(hf["baseline"]), "--last-exit"]) == 2

@@ -1,13 +1,14 @@
-"""The Trainer example with each update paced to TRAINER_PACE_S seconds, so that a signal lands before the end."""
+"""A Trainer example (TRAINER_EXAMPLE, by default train_hf_trainer) with each update paced to TRAINER_PACE_S seconds,
+so that a signal lands before the end."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
 from typing import Any
 
-from train_hf_trainer import main
 from transformers import TrainerCallback
 
 
@@ -17,4 +18,5 @@ class Pace(TrainerCallback):
 
 
 if __name__ == "__main__":
-    sys.exit(main(callbacks=(Pace(),)))
+    example = importlib.import_module(os.environ.get("TRAINER_EXAMPLE", "train_hf_trainer"))
+    sys.exit(example.main(callbacks=(Pace(),)))
