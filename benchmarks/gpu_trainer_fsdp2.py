@@ -273,6 +273,16 @@ def compare(straight: Path, stopped: Path, nproc: int) -> dict[str, Any]:
     differ = sorted(k for k in a.keys() & b.keys() if not torch.equal(a[k], b[k]))
     ledger = prove(stopped)
     optim = [k for k in a if k.startswith("optim")]
+    # where the runs part (if they do): at or before EARLY, before any resume, says the kernels are not
+    # deterministic; after it, that a resume restored something other than what was saved
+    first_diff = next(
+        (
+            x.get("update")
+            for x, y in zip(_metrics(straight, 0), _metrics(stopped, 0), strict=False)
+            if x != y
+        ),
+        None,
+    )
     return {
         "tensors": len(a),
         "optimizer_tensors": len(optim),
@@ -282,6 +292,7 @@ def compare(straight: Path, stopped: Path, nproc: int) -> dict[str, Any]:
         "all_equal": a.keys() == b.keys() and not differ,
         "metrics_equal": all(_metrics(straight, r) == _metrics(stopped, r) for r in range(nproc)),
         "exposures_equal": all(_exposures(straight, r) == _exposures(stopped, r) for r in range(nproc)),
+        "first_metric_diff_update": first_diff,
         "ledger_ok": bool(ledger.ok),
         "ledger": {"exposures": ledger.exposures, "distinct": ledger.distinct, "repeats": ledger.repeats},
     }
@@ -332,6 +343,14 @@ def one_precision(opt: argparse.Namespace, precision: str) -> dict[str, Any]:
         )
         return result
     result.update(compare(straight, stopped, opt.nproc))
+    # ops torch warned about under use_deterministic_algorithms(warn_only=True): the suspects if the bits differ
+    warned = {
+        line.strip()[:200]
+        for log in base.glob("*.log")
+        for line in log.read_text(errors="replace").splitlines()
+        if "does not have a deterministic implementation" in line
+    }
+    result["nondeterministic_ops"] = sorted(warned)
     ledger = result["ledger"]
     result["pass"] = bool(
         result["all_equal"]
@@ -343,6 +362,28 @@ def one_precision(opt: argparse.Namespace, precision: str) -> dict[str, Any]:
         and ledger["repeats"] == 0
     )
     return result
+
+
+def _summary(res: dict[str, Any]) -> str:
+    """One line for one precision: PASS/FAIL and what was compared (what differs, where it fails)."""
+    verdict = "PASS" if res.get("pass") else "FAIL"
+    try:
+        if "tensors" not in res:
+            return f"{verdict}: {res.get('error', '')}"
+        segs = [(s["first_update"], s["last_update"], s["ended"]) for s in res["segments"]]
+        line = (
+            f"{verdict}: {res['tensors']} tensors ({res['optimizer_tensors']} optimizer) "
+            f"torch.equal={res['all_equal']}, metrics {res['metrics_equal']}, ledger {res['ledger_ok']} "
+            f"{res['ledger']}, segments {segs}, {res.get('fsdp2')}, {res.get('wall_s')} s"
+        )
+        if res["differ"] or not res["metrics_equal"]:
+            line += (
+                f"; differ e.g. {res['differ']}; metrics first differ at update {res['first_metric_diff_update']}; "
+                f"non-deterministic ops warned: {res.get('nondeterministic_ops')}"
+            )
+        return line
+    except Exception:  # the JSON holds it all; the line must not end the script
+        return f"{verdict}: {json.dumps(res, default=str)[:3000]}"
 
 
 def driver(opt: argparse.Namespace) -> int:
@@ -377,17 +418,7 @@ def driver(opt: argparse.Namespace) -> int:
             except Exception as exc:  # one precision's failure must not hide the other's result
                 res = {"precision": precision, "pass": False, "error": f"{type(exc).__name__}: {exc}"}
             report["results"].append(res)
-            line = "PASS" if res["pass"] else "FAIL"
-            detail = (
-                f"{res['tensors']} tensors ({res['optimizer_tensors']} optimizer) torch.equal={res['all_equal']}, "
-                f"metrics {res['metrics_equal']}, ledger {res['ledger_ok']} {res['ledger']}, "
-                f"segments {[(s['first_update'], s['last_update'], s['ended']) for s in res['segments']]}, "
-                f"{res.get('fsdp2')}, {res['wall_s']} s"
-                + (f", differ e.g. {res['differ']}" if res["differ"] else "")
-                if "tensors" in res
-                else res.get("error", "")
-            )
-            print(f"[{precision}] {line}: {detail}", flush=True)
+            print(f"[{precision}] {_summary(res)}", flush=True)
             if not res["pass"] and "log_tail" in res:
                 print(res["log_tail"], flush=True)
     finally:

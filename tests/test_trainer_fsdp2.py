@@ -89,6 +89,15 @@ def test_trainer_fsdp2_stopped_resumed_bit_exact(tmp_path: Path) -> None:
     assert result["all_equal"] and result["optimizer_tensors"] > 20, result  # every parameter and Adam moment
     assert result["metrics_equal"] and result["exposures_equal"], result
     assert result["ledger_ok"] and result["ledger"] == {"exposures": 96, "distinct": 64, "repeats": 0}, result
+    assert result["first_metric_diff_update"] is None
+    # the GPU script's summary line, passing and failing (device time is too scarce to find a typo there)
+    res = {**result, "pass": True, "segments": segments(stopped), "fsdp2": "FSDP2_UNITS 6", "wall_s": 1.0}
+    assert bench._summary(res).startswith("PASS: 84 tensors (63 optimizer) torch.equal=True")
+    failed = {**res, "pass": False, "differ": ["model.lm_head.weight"], "first_metric_diff_update": 5}
+    assert "FAIL" in bench._summary(failed) and "first differ at update 5" in bench._summary(failed)
+    assert bench._summary({"pass": False, "error": "uninterrupted run failed"}).startswith(
+        "FAIL: uninterrupted"
+    )
     # sharded: every parameter and Adam moment in two chunks, one written by each rank (Adam's steps are scalars)
     meta = dcp.FileSystemReader(str(stopped / f"checkpoint-{bench.UPDATES}" / "model")).read_metadata()
     tensors = {k: v for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks") and len(v.size) > 0}
