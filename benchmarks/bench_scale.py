@@ -261,9 +261,9 @@ _SCAN = (
     + """
 import sys, time
 t0 = time.perf_counter()
-from torchrelay.manifest import Manifest, _reader_count
-m = Manifest.load(sys.argv[1], sys.argv[2])
-print("samples", len(m), m.fingerprint(), "readers", _reader_count(), "seconds", round(time.perf_counter() - t0, 2),
+import torchrelay.manifest as M
+m = M.Manifest.load(sys.argv[1], sys.argv[2])
+print("samples", len(m), m.fingerprint(), "seconds", round(time.perf_counter() - t0, 2),
       "hwm_kib", _hwm())
 """
 )

@@ -155,3 +155,26 @@ def test_a_reader_that_cannot_start_leaves_the_pass_to_this_process(
     monkeypatch.setattr(M, "_READER", "import sys; sys.exit(3)")
     assert M._scan_parallel(path, ROOT, 2, 300) is None
     _same(M._scan(path, ROOT, workers=2, part=300), M._scan(path, ROOT, workers=1))
+
+
+def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"".join(tricky_lines()) + b"\n")
+    (tmp_path / "json.py").write_text("raise SystemExit(9)\n")  # what a reader would import from its cwd
+    monkeypatch.chdir(tmp_path)
+    found = M._scan_parallel(path, ROOT, 2, 300)
+    assert found is not None, "the readers failed: the working directory shadowed a module"
+    _same(found, M._scan(path, ROOT, workers=1))
+    deal = M._deal
+
+    def then_append(*args: object) -> M.Manifest:
+        m = deal(*args)  # type: ignore[arg-type]
+        with open(path, "ab") as f:
+            f.write(b'{"id": "late"}\n')  # written while it was read
+        return m
+
+    monkeypatch.setattr(M, "_deal", then_append)
+    with pytest.raises(ConfigError, match=rf"^data manifest {path} changed while it was read"):
+        M._scan(path, ROOT, workers=2, part=300)

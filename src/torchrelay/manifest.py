@@ -597,7 +597,8 @@ def _scan_parallel(path: Path, data_root: str, workers: int, part: int) -> Manif
         before = os.fstat(f.fileno())
         for _ in range(workers):
             proc = subprocess.Popen(
-                [sys.executable, "-c", _READER, data_root, str(f.fileno()), search],
+                # -P: the working directory is not searched (a json.py there would shadow the standard one)
+                [sys.executable, "-P", "-c", _READER, data_root, str(f.fileno()), search],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 pass_fds=(f.fileno(),),
