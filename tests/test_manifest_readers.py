@@ -178,3 +178,26 @@ def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
     monkeypatch.setattr(M, "_deal", then_append)
     with pytest.raises(ConfigError, match=rf"^data manifest {path} changed while it was read"):
         M._scan(path, ROOT, workers=2, part=300)
+
+
+def test_load_uses_readers_for_a_big_file_unless_told_not_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"".join(tricky_lines()))
+    calls: list[int] = []
+    parallel = M._scan_parallel
+
+    def counted(p: Path, root: str, workers: int, part: int) -> M.Manifest | None:
+        calls.append(workers)
+        return parallel(p, root, workers, part)
+
+    monkeypatch.setattr(M, "_scan_parallel", counted)
+    monkeypatch.setattr(M, "_reader_count", lambda: 3)
+    M.Manifest.load(path, ROOT)
+    assert calls == []  # below _PARALLEL_FROM: starting readers would cost more than they save
+    monkeypatch.setattr(M, "_PARALLEL_FROM", 1000)
+    _same(M.Manifest.load(path, ROOT), M._scan(path, ROOT, workers=1))
+    assert calls == [3]
+    M.Manifest.load(path, ROOT, readers=1)  # every rank at once (opening's fallback): no readers
+    assert calls == [3]

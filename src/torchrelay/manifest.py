@@ -163,12 +163,14 @@ class Manifest:
         *,
         index: str | os.PathLike[str] | None = None,
         sha256: str | None = None,
+        readers: int | None = None,
     ) -> Manifest:
         """Read a JSONL manifest; every line needs a unique string `id`.
 
         index: a saved index (see `save_index`) used instead of reading every line when it was made from the same
         bytes (SHA-256) and data root; sha256: the file's digest as another rank of this launch computed it, so
-        that this one does not hash the file again.
+        that this one does not hash the file again; readers: the processes that read every line when that is
+        needed (None: one per core this process may use, at most 16, for a file of 32 MB or more; 1: none).
         """
         p = Path(path)
         if not p.is_file():
@@ -177,7 +179,7 @@ class Manifest:
             found = _read_index(Path(index), p, data_root, sha256)
             if found is not None:
                 return found
-        return _scan(p, data_root)
+        return _scan(p, data_root, workers=readers)
 
     def save_index(self, path: str | os.PathLike[str]) -> None:
         """Keep what reading every line found, for the next `load` of the same bytes (atomically; a read-only

@@ -192,7 +192,9 @@ class SegmentOpener:
     def _open_locally(self, prepared: Prepared, deadline: Deadline | None) -> Opened:
         """This rank's part of opening: the configuration rank 0 settled, the manifest, the order, the logs."""
         config = RelayConfig.from_dict(prepared.config)
-        # Rank 0 read the manifest to check the contract and left its index; the others read only that.
+        # Rank 0 read the manifest to check the contract and left its index; the others read only that. Where it
+        # cannot serve (not written: a read-only place), every rank reads the lines at once, each in one process:
+        # a reader per core for each would put ranks x cores processes on the cores.
         manifest = (
             self._rank0_manifest
             if self._rank0_manifest is not None
@@ -201,6 +203,7 @@ class SegmentOpener:
                 config.data_root,
                 index=self.dir.manifest_index_path,
                 sha256=prepared.manifest_sha256,
+                readers=1,
             )
         )
         self._rank0_manifest = None
