@@ -588,6 +588,8 @@ class _Changed(Exception):
 def _scan_parallel(path: Path, data_root: str, workers: int, part: int) -> Manifest | None:
     """The pass over `path` by `workers` reader processes; None when they could not do it (then the caller
     reads it here: the result is the same, only slower)."""
+    if not sys.executable:  # an embedded interpreter: no Python to start
+        return None
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below, after the readers that share it
     except OSError:
