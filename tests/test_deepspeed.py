@@ -2,7 +2,7 @@
 counter equal, each sample once.
 
 - examples/train_deepspeed.py, a plain loop around deepspeed.initialize: stopped by a request, handed off (pack,
-  verify, prepare with another worker count), stopped by a late signal and finished.
+  verify, prepare with another worker count) and finished.
 - examples/train_hf_trainer_deepspeed.py, Trainer(deepspeed=...): stopped by a request, a late signal and a budget
   with the loader's worker count changed, handed off and finished.
 - Changed learning rate, batch (gradient accumulation) or ZeRO stage refused naming the field; another world size
@@ -93,7 +93,9 @@ def engine_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, counters
 
 
-def test_zero2_request_handoff_late_signal_is_bit_exact(ds: dict[str, Path], tmp_path: Path) -> None:
+def test_zero2_request_handoff_is_bit_exact(ds: dict[str, Path], tmp_path: Path) -> None:
+    """The plain loop stopped once and finished elsewhere (an engine's stop by a signal and by a budget: the Trainer
+    + ZeRO-2 chain below)."""
     code, data = ds["code"], ds
     source = tmp_path / "source"
     source.mkdir()
@@ -116,32 +118,10 @@ def test_zero2_request_handoff_late_signal_is_bit_exact(ds: dict[str, Path], tmp
     assert main(["prepare", str(bundle), "--run-dir", str(run), "--set", "num_workers=2"]) == 0
     moved = next((run / "source").iterdir())  # the bundle's exact code
 
-    # a late signal: paced updates (a runtime param) so that it lands before the end
-    proc = subprocess.Popen(
-        _cmd(moved, run, data, "--set", "params.min_update_s=0.5"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(TORCHRELAY_CHECK_EVERY="1"),
-        cwd=moved,
-        start_new_session=True,
-    )
-    try:
-        wait_for_update(run, 8, proc, timeout=300)
-        sigterm(proc)
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-    seg = segments(run)[-1]
-    assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
-    assert 8 <= seg["last_update"] < U and seg["resumed_from"] == 3
-
     out = launch_ds(moved, run, data)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     segs = segments(run)
-    assert [s["ended"] for s in segs] == ["request", "signal", "finished"]
-    assert [s["resumed_from"] for s in segs[1:]] == [s["last_update"] for s in segs[:-1]]
+    assert [s["ended"] for s in segs] == ["request", "finished"] and segs[-1]["resumed_from"] == 3
     assert json.loads((run / "config.json").read_text())["num_workers"] == 2
 
     want, want_counters = engine_state(ds["baseline"] / f"checkpoint-{U}")
