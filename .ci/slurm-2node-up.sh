@@ -4,7 +4,7 @@
 # directory and node-local scratch: a tmpfs at $base/scratch that only that node sees (the common path a cluster's
 # local disk has; a job points TMPDIR there). Its own slurmctld (port 6917) and its own configuration, so that the one-node cluster
 # of .ci/slurm-up.sh (port 6817, /etc/slurm) is left alone. Clients reach it with SLURM_CONF=$base/slurm.conf.
-# Idempotent: a second call finds both nodes idle and returns at once. Needs root and .ci/slurm-up.sh's munge.
+# Idempotent: a second call finds both nodes up with the same configuration and returns at once. Needs root and .ci/slurm-up.sh's munge.
 # Exits 3 where this machine cannot make the namespaces (no ip/nsenter/unshare, no veth or bridge): the 2-node
 # Slurm test skips and says why; any other failure fails it.
 #   bash .ci/slurm-2node-up.sh [down]
@@ -40,9 +40,62 @@ fi
 # up: both nodes answer (idle, or running a job that must not be disturbed)
 both_up() { [ "$(sinfo -h -p two -o '%n %t' 2>/dev/null | grep -cE ' (idle|mix|alloc)$')" = 2 ]; }
 
+ctl=$(hostname -s)
+cpus=$(getconf _NPROCESSORS_ONLN) # not nproc: it answers OMP_NUM_THREADS (1 under the tests)
+conf_text=$(
+  cat <<CONF
+# written by torchrelay .ci/slurm-2node-up.sh: two nodes in network namespaces, beside the one-node cluster
+ClusterName=torchrelay2
+SlurmctldHost=$ctl(10.214.0.254)
+SlurmctldPort=6917
+SlurmdPort=6818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# a requeued job waits cred_expire + 1 s (default 120): 5 is Slurm's minimum
+AuthInfo=cred_expire=5
+StateSaveLocation=$base/state
+SlurmdSpoolDir=$base/spool-%n
+SlurmctldPidFile=$base/slurmctld.pid
+SlurmdPidFile=$base/slurmd-%n.pid
+SlurmctldLogFile=$base/log/slurmctld.log
+SlurmdLogFile=$base/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmctldTimeout=10
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=10
+Waittime=0
+# the main scheduling loop every second (default 60): a requeued job starts as soon as its wait is over
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
+NodeName=n1 NodeAddr=10.214.0.1 CPUs=$cpus RealMemory=2048 State=UNKNOWN
+NodeName=n2 NodeAddr=10.214.0.2 CPUs=$cpus RealMemory=2048 State=UNKNOWN
+PartitionName=two Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+CONF
+)
+
 if [ -s "$conf" ] && both_up; then
-  log "already up: $(sinfo -h -p two -o '%n %t' | tr '\n' ' ')"
-  exit 0
+  if [ "$(cat "$conf")" = "$conf_text" ]; then
+    log "already up: $(sinfo -h -p two -o '%n %t' | tr '\n' ' ')"
+    exit 0
+  fi
+  if [ -n "$(squeue -h 2>/dev/null)" ]; then
+    log "up with an older configuration, kept: a job runs there ($(squeue -h -o %i | tr '\n' ' '))"
+    exit 0
+  fi
+  log "configuration changed: restarting"
 fi
 
 pgrep -u munge -x munged >/dev/null 2>&1 || {
@@ -78,49 +131,9 @@ for n in 1 2; do
   ip -n "$ns" link set "trs2c$n" up
   ip -n "$ns" link set lo up
 done
-ctl=$(hostname -s)
 printf '127.0.0.1 localhost\n10.214.0.254 %s\n10.214.0.1 n1\n10.214.0.2 n2\n' "$ctl" >"$base/hosts"
 
-cpus=$(nproc)
-cat >"$conf" <<CONF
-# written by torchrelay .ci/slurm-2node-up.sh: two nodes in network namespaces, beside the one-node cluster
-ClusterName=torchrelay2
-SlurmctldHost=$ctl(10.214.0.254)
-SlurmctldPort=6917
-SlurmdPort=6818
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=cred_expire=10
-StateSaveLocation=$base/state
-SlurmdSpoolDir=$base/spool-%n
-SlurmctldPidFile=$base/slurmctld.pid
-SlurmdPidFile=$base/slurmd-%n.pid
-SlurmctldLogFile=$base/log/slurmctld.log
-SlurmdLogFile=$base/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-ReturnToService=2
-SlurmctldTimeout=10
-SlurmdTimeout=30
-InactiveLimit=0
-MinJobAge=300
-KillWait=10
-Waittime=0
-SchedulerParameters=batch_sched_delay=0
-NodeName=n1 NodeAddr=10.214.0.1 CPUs=$cpus RealMemory=2048 State=UNKNOWN
-NodeName=n2 NodeAddr=10.214.0.2 CPUs=$cpus RealMemory=2048 State=UNKNOWN
-PartitionName=two Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-CONF
+printf '%s\n' "$conf_text" >"$conf"
 chmod 644 "$conf"
 
 log "starting slurmctld (port 6917)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a one-node Slurm (munge + slurmctld + slurmd) on this machine, without systemd. Idempotent: a second call
-# finds the node idle and returns at once. Needs root (it installs packages and runs daemons).
+# finds the node up with the same configuration and returns at once. Needs root (installs packages, runs daemons).
 # Used by .ci/run before the tests; the Slurm tests (tests/test_slurm*.py) skip only where this cannot run.
 set -euo pipefail
 
@@ -15,9 +15,66 @@ node=$(hostname -s)
 
 node_idle() { sinfo -h -n "$node" -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; }
 
+# slurm.conf: one node with this machine's CPUs and memory.
+cpus=$(getconf _NPROCESSORS_ONLN) # not nproc: it answers OMP_NUM_THREADS (1 under the tests)
+mem_mb=$(free -m | awk '/^Mem:/{print $2}')
+real_mb=$((mem_mb * 95 / 100))
+conf=/etc/slurm/slurm.conf
+new_conf=$(mktemp)
+cat >"$new_conf" <<CONF
+# written by torchrelay .ci/slurm-up.sh
+ClusterName=torchrelay
+SlurmctldHost=$node
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# a requeued job waits cred_expire + 1 s (default 120) for its old credential to expire; 5 is Slurm's minimum
+AuthInfo=cred_expire=5
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurm/slurmctld.pid
+SlurmdPidFile=/run/slurm/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmctldTimeout=10
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=10
+Waittime=0
+# the main scheduling loop every second (default 60): a requeued job starts once its wait is over, not up to a
+# minute later (no event wakes the scheduler when a begin time passes)
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
+NodeName=$node CPUs=$cpus RealMemory=$real_mb State=UNKNOWN
+PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+CONF
+
+# Up with this very configuration: nothing to do. A changed one (a newer version of this script) is written below
+# and the daemons restarted, so a machine where Slurm already runs gets it too, unless a job runs there.
 if command -v sinfo >/dev/null 2>&1 && node_idle; then
-  log "already up: node $node is $(sinfo -h -n "$node" -o %t)"
-  exit 0
+  if cmp -s "$new_conf" "$conf"; then
+    rm -f "$new_conf"
+    log "already up: node $node is $(sinfo -h -n "$node" -o %t)"
+    exit 0
+  fi
+  if [ -n "$(squeue -h 2>/dev/null)" ]; then
+    rm -f "$new_conf"
+    log "up with an older configuration, kept: a job runs there ($(squeue -h -o %i | tr '\n' ' '))"
+    exit 0
+  fi
+  log "configuration changed: restarting the daemons"
 fi
 
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
@@ -44,51 +101,8 @@ if ! pgrep -u munge -x munged >/dev/null 2>&1; then
 fi
 for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
 
-# slurm.conf: one node with this machine's CPUs and memory.
-cpus=$(nproc)
-mem_mb=$(free -m | awk '/^Mem:/{print $2}')
-real_mb=$((mem_mb * 95 / 100))
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/slurm
 chown slurm:slurm /var/spool/slurmctld /var/log/slurm 2>/dev/null || true
-conf=/etc/slurm/slurm.conf
-new_conf=$(mktemp)
-cat >"$new_conf" <<CONF
-# written by torchrelay .ci/slurm-up.sh
-ClusterName=torchrelay
-SlurmctldHost=$node
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# a requeued job would wait ~121 s for its old credential to expire; 10 s makes it ~20 s
-AuthInfo=cred_expire=10
-StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
-SlurmctldPidFile=/run/slurm/slurmctld.pid
-SlurmdPidFile=/run/slurm/slurmd.pid
-SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-ReturnToService=2
-SlurmctldTimeout=10
-SlurmdTimeout=30
-InactiveLimit=0
-MinJobAge=300
-KillWait=10
-Waittime=0
-SchedulerParameters=batch_sched_delay=0
-NodeName=$node CPUs=$cpus RealMemory=$real_mb State=UNKNOWN
-PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-CONF
 if ! cmp -s "$new_conf" "$conf"; then
   mv "$new_conf" "$conf"
   restart=1
@@ -98,16 +112,22 @@ else
 fi
 chmod 644 "$conf"
 
+pid_of() { # name: this cluster's daemon, not .ci/slurm-2node-up.sh's (those run with -f <its conf>)
+  cat "/run/slurm/$1.pid" 2>/dev/null || pgrep -fx "/usr/sbin/$1" | head -n 1
+}
+running() { # name
+  local pid
+  pid=$(pid_of "$1") && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+}
 start_daemon() { # name
-  # A changed slurm.conf needs a restart: stop the daemon this script started, by the pid in its pid file.
-  pidfile=/run/slurm/$1.pid
-  if [ "$restart" = 1 ] && [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
-    kill "$(cat "$pidfile")" || true
-    for _ in $(seq 50); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
+  # A changed slurm.conf needs a restart: stop the daemon this script started, by its pid.
+  if [ "$restart" = 1 ] && running "$1"; then
+    kill "$(pid_of "$1")" || true
+    for _ in $(seq 50); do running "$1" || break; sleep 0.1; done
   fi
-  if ! pgrep -x "$1" >/dev/null 2>&1; then
+  if ! running "$1"; then
     log "starting $1"
-    "/usr/sbin/$1" "${@:2}"
+    "/usr/sbin/$1"
   fi
 }
 start_daemon slurmctld

@@ -21,7 +21,8 @@ from torchrelay.errors import ConfigError
 from torchrelay.ledger import prove
 from torchrelay.slurm import BatchSpec, parse_end_time, render_batch_script, rendezvous, time_limit_minutes
 
-U = 240
+U = 24
+FIRST_JOB_PACE = 2.0  # s an update at least: U of them outlast any first job's warning (see below)
 PACE = 0.25
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
@@ -118,13 +119,21 @@ def job_state(job: str, env: dict[str, str] | None = None) -> str:
 def test_short_job_is_signalled_requeued_and_ends_bit_exact(
     example: dict[str, Path], slurm_up: str, tmp_path: Path
 ) -> None:
-    # Slurm's warning comes 10-40 s into a one-minute job with @20 (slurmctld checks every ~30 s), and a requeued
-    # job starts on the next check. Paced to >= 0.25 s an update (a runtime param: no bit changes), the 240
-    # updates take >= 60 s of training on any machine, so one job can never finish them: 2-4 jobs.
-    changes = {"params.d_model": 64, "params.layers": 2, "params.seq_len": 128, "params.min_update_s": PACE}
-    config = write_config(
-        tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=U, save_every=60, **changes
-    )
+    # Slurm's warning comes 10-40 s into a one-minute job with @20 (slurmctld checks every ~30 s). The first job
+    # is paced to >= 2 s an update (a runtime param: no bit changes): its 24 updates take >= 48 s of training on
+    # any machine, so it can never finish them. Once it has been warned, the job's time limit is raised and the
+    # configuration rewritten unpaced: the requeued job resumes at full speed, unwarned, and ends the run.
+    def lm_yaml(path: Path, pace: float) -> Path:
+        return write_config(
+            path,
+            example["manifest"],
+            example["root"],
+            total_updates=U,
+            save_every=8,
+            **{"params.min_update_s": pace},
+        )
+
+    config = lm_yaml(tmp_path / "lm.yaml", FIRST_JOB_PACE)
     run = tmp_path / "runs" / "lm"
     plan = write_plan(
         tmp_path / "plan.yaml",
@@ -132,7 +141,7 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
         config,
         run,
         smoke={"when": "never"},  # the smoke is tested in test_controller; here every second counts
-        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": PACE + 0.05, "save_s": 0.5},
+        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": FIRST_JOB_PACE + 0.05, "save_s": 0.5},
         slurm={"time": "1", "signal_s": 20, "job_name": "relay-test", "max_requeues": 5},
         train={"env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}},
     )
@@ -142,17 +151,28 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job = re.search(r"submitted job (\d+)", sub.stdout).group(1)  # type: ignore[union-attr]
     log = tmp_path / "runs" / f"lm.slurm-{job}.out"
-    # The uninterrupted reference runs meanwhile: the slower updates change no bit, only the job count.
+    # The uninterrupted reference runs meanwhile, unpaced: the pace changes no bit, only the time and job count.
     ref = tmp_path / "reference"
-    reference = launch_bg(example["code"], ref, config=config)
+    reference = launch_bg(example["code"], ref, config=lm_yaml(tmp_path / "reference.yaml", 0.0))
+    metrics_file = run / "train" / "metrics-rank0.jsonl"
     t0 = time.time()
     try:
-        state = "PENDING"
+        state, paced, limited = "PENDING", True, True
         while time.time() - t0 < 480:
             state = job_state(job)
             if state in FINAL_STATES:
                 break
-            time.sleep(2)
+            if paced and metrics_file.exists() and metrics_file.read_text().strip():
+                # its ranks train, so they have read the file: the next job's will not be paced
+                lm_yaml(config, 0.0)
+                paced = False
+            if limited and log.exists() and "USR1 received" in log.read_text():
+                # warned: the next job gets 5 minutes, so no warning cuts it short (a requeue keeps the limit)
+                extend = ["scontrol", "update", f"JobId={job}", "TimeLimit=5"]
+                out = subprocess.run(extend, capture_output=True, text=True)
+                assert out.returncode == 0, out.stderr
+                limited = False
+            time.sleep(0.5)
         else:
             pytest.fail(f"job {job} still {state} after 480 s:\n{log.read_text() if log.exists() else ''}")
     finally:
@@ -168,6 +188,9 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
     segs = segments(run)
     assert len(segs) == len(starts) == len(Attempts(run).all()), text
     assert all(s["job"] == job for s in segs)
+    assert segs[0]["runtime_changes"] == {} and segs[1]["runtime_changes"] == {
+        "params.min_update_s": [FIRST_JOB_PACE, 0]
+    }
     assert "signal" in [s["ended"] for s in segs[:-1]], [s["ended"] for s in segs]
     assert all(s["ended"] in ("signal", "budget") for s in segs[:-1]) and segs[-1]["last_update"] == U
     # a stop agreed at the last update is a finished run for the controller: no job only to record the end
@@ -213,21 +236,25 @@ def test_two_node_job_stops_on_a_signal_requeues_and_ends_bit_exact(
         "TORCHINDUCTOR_CACHE_DIR": f"{scratch}/inductor",
         "TRITON_CACHE_DIR": f"{scratch}/triton",
     }
-    plan = write_plan(
-        tmp_path / "plan.yaml",
-        example["code"],
-        config,
-        run,
-        smoke={"when": "never"},
-        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": PACE + 0.05, "save_s": 0.5},
-        slurm={"time": "5", "job_name": "relay-two", "max_requeues": 2},
-        train={
-            "nnodes": 2,
-            "nproc_per_node": 1,
-            "args": ["--config", str(config), "--set", f"params.min_update_s={PACE}"],  # a runtime param
-            "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **local},
-        },
-    )
+
+    def two_node_plan(pace: float) -> Path:
+        return write_plan(
+            tmp_path / "plan.yaml",
+            example["code"],
+            config,
+            run,
+            smoke={"when": "never"},
+            budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": PACE + 0.05, "save_s": 0.5},
+            slurm={"time": "5", "job_name": "relay-two", "max_requeues": 2},
+            train={
+                "nnodes": 2,
+                "nproc_per_node": 1,
+                "args": ["--config", str(config), "--set", f"params.min_update_s={pace}"],  # a runtime param
+                "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **local},
+            },
+        )
+
+    plan = two_node_plan(PACE)  # paced, so the stop lands before the end
     env = clean_env(SLURM_CONF=slurm_two)
     sub = subprocess.run(
         [*CLI, "sbatch", str(plan), "--submit"], capture_output=True, text=True, env=env, timeout=60
@@ -251,11 +278,12 @@ def test_two_node_job_stops_on_a_signal_requeues_and_ends_bit_exact(
             ["scancel", "--signal=USR1", "--batch", job], env=env, capture_output=True, text=True
         )
         assert scancel.returncode == 0, scancel.stderr
+        two_node_plan(0)  # the requeued job's controller reads the plan again: it finishes at full speed
         while time.time() - t0 < 420:
             state = job_state(job, env)
             if state in FINAL_STATES:
                 break
-            time.sleep(1)
+            time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job], capture_output=True, env=env)
     text = log.read_text()
@@ -270,6 +298,7 @@ def test_two_node_job_stops_on_a_signal_requeues_and_ends_bit_exact(
     assert [s["ended"] for s in segs] == ["signal", "finished"], text
     assert all(s["job"] == job and s["ranks_by_host"] == {"n1": [0], "n2": [1]} for s in segs), segs
     assert segs[1]["resumed_from"] == segs[0]["last_update"] < total
+    assert segs[1]["runtime_changes"] == {"params.min_update_s": [PACE, 0]}, segs[1]
     notes = json.loads((Attempts(run).all()[0].path / "outcome.json").read_text())["notes"]
     assert "forwarded SIGUSR1 to the ranks" in notes
     assert assert_same_final_state(tmp_path / "reference", run, total) > 10
