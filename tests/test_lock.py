@@ -89,14 +89,15 @@ def test_second_writer_is_refused_while_the_run_trains(example: dict[str, Path],
         example["manifest"],
         example["root"],
         total_updates=200,
-        # >= 190 s of training left after update 9 for the refusals below, even on a loaded 2-core machine (24
+        save_every=2,  # a checkpoint to pack early: each paced update before it costs a second
+        # >= 190 s of training left after update 3 for the refusals below, even on a loaded 2-core machine (24
         # updates left 15 s, too few at load 20); a stop request ends it as soon as they are checked.
         **{"params.min_update_s": 1.0},
     )
     run = tmp_path / "run"
     first = launch_bg(example["code"], run, config=config)
     try:
-        wait_for_update(run, 9, first)  # past checkpoint-8: something to pack
+        wait_for_update(run, 3, first)  # past checkpoint-2: something to pack
         status = subprocess.run(
             [*CLI, "status", str(run), "--json"], capture_output=True, text=True, env=clean_env()
         )
