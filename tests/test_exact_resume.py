@@ -30,15 +30,6 @@ from torchrelay.util.hashing import sha256_hex
 U = 16
 
 
-@pytest.fixture(scope="module")
-def baseline(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("baseline") / "run"
-    out = launch(example["code"], run, config=example["config"])
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "SCHEDULE_GATE_PASS (16, 2)" in out.stdout and "TRAINING_CONTRACT" in out.stdout
-    return run
-
-
 def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     code = example["code"]
