@@ -3,8 +3,8 @@ counter equal, each sample once.
 
 - examples/train_deepspeed.py, a plain loop around deepspeed.initialize: stopped by a request, handed off (pack,
   verify, prepare with another worker count) and finished.
-- examples/train_hf_trainer_deepspeed.py, Trainer(deepspeed=...): stopped by a request, a late signal and a budget
-  with the loader's worker count changed, handed off and finished.
+- examples/train_hf_trainer_deepspeed.py, Trainer(deepspeed=...): stopped by a request, killed inside a save, stopped
+  by a late signal and a budget with the loader's worker count changed, handed off and finished.
 - Changed learning rate, batch (gradient accumulation) or ZeRO stage refused naming the field; another world size
   refused; DeepSpeed's pickles read weights_only from inside the verified checkpoint.
 """
@@ -224,13 +224,11 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"code": code, "baseline": baseline}
 
 
-def test_trainer_zero2_stopped_three_times_handed_off_ends_bit_exact(
-    hf: dict[str, Path], tmp_path: Path
-) -> None:
-    """Trainer(deepspeed=...) ZeRO-2 stopped by a request, by a signal late in the schedule and by a budget, with
-    the loader's worker count changed, then packed, verified, prepared elsewhere and finished there: every parameter
-    and optimizer tensor (each rank's ZeRO partition among them) and the engine's counters equal to the
-    uninterrupted run's, each sample once."""
+def test_trainer_zero2_stopped_killed_handed_off_ends_bit_exact(hf: dict[str, Path], tmp_path: Path) -> None:
+    """Trainer(deepspeed=...) ZeRO-2 stopped by a request, killed inside a save, stopped by a signal late in the
+    schedule and by a budget, with the loader's worker count changed, then packed, verified, prepared elsewhere and
+    finished there: every parameter and optimizer tensor (each rank's ZeRO partition among them) and the engine's
+    counters equal to the uninterrupted run's, each sample once."""
     code, baseline = hf["code"], hf["baseline"]
     run = tmp_path / "run"
     run.mkdir()
@@ -241,7 +239,13 @@ def test_trainer_zero2_stopped_three_times_handed_off_ends_bit_exact(
     assert segments(run)[-1]["last_update"] == 3
     listed = {e["path"] for e in validate_complete(run / "checkpoint-3")["files"]}
     assert {f"{DS_DIR}/{DS_TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= listed
-    # 2. SIGTERM late in the schedule (after update 8 of 12), with 2 loader workers
+    # 2. rank 0 SIGKILLed inside the save of checkpoint-4 (the engine's files and the inventory written, not yet
+    # renamed), with 2 loader workers
+    rc, out = launch_hf(code, run, "--workers", "2", env={"TORCHRELAY_TEST_KILL": "rename:4:0"})
+    assert rc != 0 and not (run / "checkpoint-4").exists(), out
+    killed = list(run.glob(".tmp-checkpoint-4-*"))
+    assert killed and (killed[0] / DS_DIR / DS_TAG / "mp_rank_00_model_states.pt").is_file(), out
+    # 3. SIGTERM late in the schedule (after update 8 of 12): resumes from checkpoint-3, the previous complete one
     proc = subprocess.Popen(
         _hf_cmd(code, run, "--workers", "2"),
         stdout=subprocess.PIPE,
@@ -261,13 +265,15 @@ def test_trainer_zero2_stopped_three_times_handed_off_ends_bit_exact(
     seg = segments(run)[-1]
     assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
     assert seg["resumed_from"] == 3 and 8 <= seg["last_update"] < U, seg
+    assert [s["ended"] for s in segments(run)] == ["request", "crash", "signal"]
+    assert not list(run.glob(".tmp-checkpoint-*"))  # the killed save's leftovers were removed at the open
     stopped = seg["last_update"]
     assert (run / f"checkpoint-{stopped}").is_dir()  # the stop saved first
-    # 3. a time budget that no update fits in: stops at the first boundary, nothing to save
+    # 4. a time budget that no update fits in: stops at the first boundary, nothing to save
     rc, out = launch_hf(code, run, env={"TORCHRELAY_BUDGET_S": "0.5"})
     assert segments(run)[-1]["ended"] == "budget" and segments(run)[-1]["last_update"] == stopped, out
     assert main(["status", str(run), "--last-exit"]) == 3
-    # 4. packed, verified, prepared into another directory, and finished there with 1 loader worker
+    # 5. packed, verified, prepared into another directory, and finished there with 1 loader worker
     bundle, there = tmp_path / "bundle", tmp_path / "elsewhere" / "run"
     assert main(["pack", str(run), str(bundle)]) == 0
     assert main(["verify", str(bundle)]) == 0
@@ -276,7 +282,7 @@ def test_trainer_zero2_stopped_three_times_handed_off_ends_bit_exact(
     rc, out = launch_hf(moved, there, "--workers", "1")
     assert rc == 0, out
     segs = segments(there)
-    assert [s["ended"] for s in segs] == ["request", "signal", "budget", "finished"]
+    assert [s["ended"] for s in segs] == ["request", "crash", "signal", "budget", "finished"]
     assert segs[-1]["resumed_from"] == stopped
 
     want, want_counters = engine_state(baseline / f"checkpoint-{U}")
