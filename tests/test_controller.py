@@ -169,7 +169,9 @@ def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Pat
 
 
 def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, Path], tmp_path: Path) -> None:
-    # 2000 updates paced to >= 20 ms each take >= 40 s on any machine, far more than either budget of 10 s.
+    # 2000 updates paced to >= 20 ms each take >= 40 s on any machine, far more than either budget of 20 s. The
+    # budget counts from the controller's start: 10 s was all spent starting up on a loaded machine (a stop at
+    # update 0, nothing to save), so the budget leaves room for a slow start and still stops long before the end.
     config = write_config(
         tmp_path / "lm.yaml",
         example["manifest"],
@@ -185,12 +187,12 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
     )
     for number, sets in ((1, []), (2, ["--set", "train.overrides.num_workers=1"])):
         t0 = time.time()
-        out = launch_cli(plan, "--budget", "10", *sets)
+        out = launch_cli(plan, "--budget", "20", *sets)
         took = time.time() - t0
         assert out.returncode == 3, out.stdout + out.stderr
-        assert took < 10 + 15, f"the budget of 10 s was overrun: {took:.1f}s (with start-up and teardown)"
+        assert took < 20 + 15, f"the budget of 20 s was overrun: {took:.1f}s (with start-up and teardown)"
         seg = segments(run)[-1]
-        assert seg["ended"] == "budget" and seg["exit_code"] == 3 and seg["last_update"] < 2000
+        assert seg["ended"] == "budget" and seg["exit_code"] == 3 and 0 < seg["last_update"] < 2000, seg
         ckpt = latest_complete(run)
         assert ckpt is not None and ckpt.name == f"checkpoint-{seg['last_update']}"
         validate_complete(ckpt)
