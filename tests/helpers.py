@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import yaml
 
+from torchrelay import proctree
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 PYTHON = sys.executable
@@ -119,10 +121,13 @@ def launch(
     timeout: float = 300,
     script: str = "train_lm.py",
 ) -> subprocess.CompletedProcess[str]:
-    """One real torchrun launch of the example, to completion (or its clean stop, or its crash)."""
-    return subprocess.run(
+    """One real torchrun launch of the example, to completion (or its clean stop, or its crash). A launch that
+    outlives `timeout` is ended with its ranks and their workers (torchrun starts each rank in a session of its
+    own), so none is left behind to disturb the next test."""
+    return proctree.run(
         torchrun_cmd(code, run_dir, nproc, config, sets, script),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         timeout=timeout,
         env=clean_env(**(env or {})),
