@@ -11,6 +11,8 @@
 set -euo pipefail
 
 log() { printf 'slurm-2node-up: %s\n' "$*" >&2; }
+# shellcheck source=.ci/slurm-common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm-common.sh"
 
 base=/run/torchrelay-slurm2
 conf=$base/slurm.conf
@@ -49,37 +51,13 @@ ClusterName=torchrelay2
 SlurmctldHost=$ctl(10.214.0.254)
 SlurmctldPort=6917
 SlurmdPort=6818
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# a requeued job waits cred_expire + 1 s (default 120): 5 is Slurm's minimum
-AuthInfo=cred_expire=5
 StateSaveLocation=$base/state
 SlurmdSpoolDir=$base/spool-%n
 SlurmctldPidFile=$base/slurmctld.pid
 SlurmdPidFile=$base/slurmd-%n.pid
 SlurmctldLogFile=$base/log/slurmctld.log
 SlurmdLogFile=$base/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-ReturnToService=2
-SlurmctldTimeout=10
-SlurmdTimeout=30
-InactiveLimit=0
-MinJobAge=300
-KillWait=10
-Waittime=0
-# the main scheduling loop every second (default 60): a requeued job starts as soon as its wait is over
-SchedulerParameters=batch_sched_delay=0,sched_interval=1
+$(slurm_common_conf)
 NodeName=n1 NodeAddr=10.214.0.1 CPUs=$cpus RealMemory=2048 State=UNKNOWN
 NodeName=n2 NodeAddr=10.214.0.2 CPUs=$cpus RealMemory=2048 State=UNKNOWN
 PartitionName=two Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO

@@ -5,6 +5,8 @@
 set -euo pipefail
 
 log() { printf 'slurm-up: %s\n' "$*" >&2; }
+# shellcheck source=.ci/slurm-common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm-common.sh"
 
 if [ "$(id -u)" != 0 ]; then
   log "needs root (installs slurm-wlm and munge, starts daemons); skipping"
@@ -25,38 +27,13 @@ cat >"$new_conf" <<CONF
 # written by torchrelay .ci/slurm-up.sh
 ClusterName=torchrelay
 SlurmctldHost=$node
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# a requeued job waits cred_expire + 1 s (default 120) for its old credential to expire; 5 is Slurm's minimum
-AuthInfo=cred_expire=5
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurm/slurmctld.pid
 SlurmdPidFile=/run/slurm/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-ReturnToService=2
-SlurmctldTimeout=10
-SlurmdTimeout=30
-InactiveLimit=0
-MinJobAge=300
-KillWait=10
-Waittime=0
-# the main scheduling loop every second (default 60): a requeued job starts once its wait is over, not up to a
-# minute later (no event wakes the scheduler when a begin time passes)
-SchedulerParameters=batch_sched_delay=0,sched_interval=1
+$(slurm_common_conf)
 NodeName=$node CPUs=$cpus RealMemory=$real_mb State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF

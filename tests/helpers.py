@@ -121,17 +121,23 @@ def launch(
     timeout: float = 300,
     script: str = "train_lm.py",
 ) -> subprocess.CompletedProcess[str]:
-    """One real torchrun launch of the example, to completion (or its clean stop, or its crash). A launch that
-    outlives `timeout` is ended with its ranks and their workers (torchrun starts each rank in a session of its
-    own), so none is left behind to disturb the next test."""
-    return proctree.run(
+    """One real torchrun launch of the example, to completion (or its clean stop, or its crash)."""
+    return run_tree(
         torchrun_cmd(code, run_dir, nproc, config, sets, script),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
         timeout=timeout,
         env=clean_env(**(env or {})),
         cwd=code,
+    )
+
+
+def run_tree(
+    cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(cmd, capture_output=True, text=True) for a torchrun launch: past `timeout` the whole tree
+    ends, ranks and their workers too (torchrun starts each rank in a session of its own, and subprocess.run
+    kills only torchrun), so none is left behind to disturb the next test."""
+    return proctree.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env, cwd=cwd
     )
 
 

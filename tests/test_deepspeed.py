@@ -28,6 +28,7 @@ from helpers import (
     assert_same_logs,
     clean_env,
     make_code_repo,
+    run_tree,
     segments,
     sigterm,
     wait_for_update,
@@ -66,9 +67,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def launch_ds(code: Path, run: Path, data: dict[str, Path], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        _cmd(code, run, data, *args), capture_output=True, text=True, timeout=400, env=_env(), cwd=code
-    )
+    return run_tree(_cmd(code, run, data, *args), timeout=400, env=_env(), cwd=code)
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +199,7 @@ def _hf_cmd(code: Path, run: Path, *args: str) -> list[str]:
 
 
 def launch_hf(code: Path, run: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    out = subprocess.run(
-        _hf_cmd(code, run, *args),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=_env(**HF_ENV, **(env or {})),
-        cwd=code,
-    )
+    out = run_tree(_hf_cmd(code, run, *args), timeout=400, env=_env(**HF_ENV, **(env or {})), cwd=code)
     return out.returncode, out.stdout[-4000:] + out.stderr[-4000:]
 
 

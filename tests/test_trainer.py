@@ -27,6 +27,7 @@ from helpers import (
     assert_same_logs,
     clean_env,
     make_code_repo,
+    run_tree,
     segments,
     sigterm,
     wait_for_update,
@@ -55,16 +56,7 @@ def _cmd(code: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def _launch(code: Path, run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    import subprocess
-
-    out = subprocess.run(
-        _cmd(code, run_dir, *extra),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(**(env or {})),
-        cwd=code,
-    )
+    out = run_tree(_cmd(code, run_dir, *extra), timeout=300, env=clean_env(**(env or {})), cwd=code)
     return out.returncode, out.stdout + out.stderr
 
 

@@ -34,7 +34,7 @@ from typing import Any, overload
 import numpy as np
 
 from torchrelay.errors import ConfigError, DiskFull
-from torchrelay.util.hashing import canonical_json
+from torchrelay.util.hashing import canonical_json, default_jobs
 
 ROOT_TOKEN = "${DATA_ROOT}"
 FINGERPRINT_VERSION = "fingerprint_v1"
@@ -555,11 +555,7 @@ def _file_size(path: Path) -> int:
 
 def _reader_count() -> int:
     """The cores this process may use (its affinity: a Slurm or taskset binding), at most `_MAX_READERS`."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, _MAX_READERS))
+    return min(default_jobs(), _MAX_READERS)
 
 
 # ------------------------------------------------------------------------------------------ reader processes

@@ -234,9 +234,8 @@ class SafeReader(dcp.FileSystemReader):
         super().__init__(path)
         self.expected = expected
         self.verified: set[str] = set()  # names of the files read and checked
-        self.timings: dict[
-            str, float
-        ] = {}  # of the last read_data: seconds of each phase, summed over threads
+        # of the last read_data: seconds of each phase, summed over threads
+        self.timings: dict[str, float] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = read_metadata(Path(self.path))
@@ -263,6 +262,7 @@ class SafeReader(dcp.FileSystemReader):
 # GPU host's reads 1.42 GB/s on one stream, 1.87 on 16), whatever the number of files held.
 READ_STREAMS = 16
 _CHUNK = 16 << 20
+_DAMAGED = "the file is damaged; restore it, or remove the checkpoint to resume from an older one"
 # Per rank, bytes read but not yet copied into their tensors (a file larger than that is read alone): every rank of
 # a node loads at once. 4 files of a 14.5 GB state's 16 in memory keep 16 reads in flight and 4 hashes going.
 LOAD_BUFFER = 4 << 30
@@ -400,7 +400,7 @@ class _Load:
             if not n:
                 raise IntegrityError(
                     f"{f.path} has {start + got} bytes, the inventory says {f.size}",
-                    hint="the file is damaged; restore it, or remove the checkpoint to resume from an older one",
+                    hint=_DAMAGED,
                 )
             got += n
         t1 = time.perf_counter()
@@ -432,14 +432,14 @@ class _Load:
         if os.pread(f.fd, 1, f.size):
             raise IntegrityError(
                 f"{f.path} has more than {f.size} bytes, the inventory says {f.size}",
-                hint="the file is damaged; restore it, or remove the checkpoint to resume from an older one",
+                hint=_DAMAGED,
             )
         f.close()
         if f.digest is not None:
             if f.sha.hexdigest() != f.digest:
                 raise IntegrityError(
                     f"{f.path} does not match its SHA-256 in {INVENTORY}",
-                    hint="the file is damaged; restore it, or remove the checkpoint to resume from an older one",
+                    hint=_DAMAGED,
                 )
             with self._cond:
                 self.verified.add(f.rel)
@@ -449,12 +449,7 @@ class _Load:
     def _item(self, f: _File, req: ReadItem) -> None:
         t0 = time.perf_counter()
         info = self.storage[req.storage_index]
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"{f.path}: {req.storage_index.fqn!r} is stored with transforms "
-                f"{list(info.transform_descriptors or ())}, which torchrelay never writes",
-                hint="this checkpoint was not written by torchrelay; read it with torch.distributed.checkpoint",
-            )
+        _refuse_transforms(info, f.path, req.storage_index.fqn)
         tensor = _parse_item(f.view, info.offset, info.length, f.path, req.storage_index.fqn)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         with self._plan:
@@ -511,15 +506,35 @@ def _parse_item(view: memoryview, offset: int, length: int, path: Path, fqn: str
                 )
                 # the storage is exactly the item's bytes: as_strided refuses sizes or strides that leave it
                 return flat.as_strided(meta.size(), meta.stride(), meta.storage_offset())
-        stream.seek(0)
-        part = torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - weights_only refuses any payload that is not plain tensors
-        raise UnsafeInput(
-            f"{path}: the bytes of {fqn!r} are not a plain tensor ({type(exc).__name__}: {exc})"
-        ) from exc
+        raise _not_plain(path, fqn, exc) from exc
+    stream.seek(0)
+    part = _load_item(stream, path, fqn)
     if not isinstance(part, torch.Tensor):
         raise UnsafeInput(f"{path}: the bytes of {fqn!r} hold a {type(part).__name__}, not a tensor")
     return part
+
+
+def _load_item(stream: IO[bytes], path: Path, fqn: str) -> Any:
+    """torch.load(weights_only=True) of one DCP item to CPU; anything it refuses is refused naming the file."""
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - weights_only refuses any payload that is not plain tensors
+        raise _not_plain(path, fqn, exc) from exc
+
+
+def _not_plain(path: Path, fqn: str, exc: Exception) -> UnsafeInput:
+    return UnsafeInput(f"{path}: the bytes of {fqn!r} are not a plain tensor ({type(exc).__name__}: {exc})")
+
+
+def _refuse_transforms(info: _StorageInfo, where: Path, fqn: str) -> None:
+    """torchrelay never writes DCP's stream transforms (compression and the like): such an item is not read."""
+    if getattr(info, "transform_descriptors", None):
+        raise CheckpointError(
+            f"{where}: {fqn!r} is stored with transforms {list(info.transform_descriptors or ())}, "
+            "which torchrelay never writes",
+            hint="this checkpoint was not written by torchrelay; read it with torch.distributed.checkpoint",
+        )
 
 
 def _little_endian(stream: IO[bytes]) -> bool:
@@ -635,24 +650,14 @@ def _read_chunk(
     source = model_dir / ".metadata"
     if info is None:
         raise CheckpointError(f"{source}: no storage entry for {key!r} at offsets {list(offsets)}")
-    if getattr(info, "transform_descriptors", None):
-        raise CheckpointError(
-            f"{source}: {key!r} is stored with transforms {list(info.transform_descriptors)}, "
-            "which torchrelay never writes",
-            hint="this checkpoint was not written by torchrelay; read it with torch.distributed.checkpoint",
-        )
+    _refuse_transforms(info, source, key)
     path = safe_relpath(model_dir, info.relative_path, source)
     with open(path, "rb") as f:
         if f.seek(0, io.SEEK_END) < info.offset + info.length:
             raise CheckpointError(f"{path}: ends before the {info.length} bytes of {key!r} at {info.offset}")
-        try:
-            # torch.load reads the item's zip straight from the file into the tensor's storage: one copy in memory
-            item_file = io.BufferedReader(_Window(f, info.offset, info.length), buffer_size=1 << 16)
-            part = torch.load(item_file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - weights_only refuses any payload that is not plain tensors
-            raise UnsafeInput(
-                f"{path}: the bytes of {key!r} are not a plain tensor ({type(exc).__name__}: {exc})"
-            ) from exc
+        # torch.load reads the item's zip straight from the file into the tensor's storage: one copy in memory
+        item_file = io.BufferedReader(_Window(f, info.offset, info.length), buffer_size=1 << 16)
+        part = _load_item(item_file, path, key)
     if not isinstance(part, torch.Tensor) or list(part.shape) != list(sizes):
         raise CheckpointError(
             f"{path}: {key!r} at offsets {list(offsets)} holds {type(part).__name__} "

@@ -158,8 +158,7 @@ class _HashingFileSystem(FileSystem):
         super().__init__()
         self.sink = sink
         self._lock = threading.Lock()
-        self._background = background
-        self._slots = threading.BoundedSemaphore(persist_streams()) if background else None
+        self._slots = threading.BoundedSemaphore(persist_streams()) if background else None  # None: inline
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -173,16 +172,9 @@ class _HashingFileSystem(FileSystem):
             with self._lock:
                 self.sink[key] = (digest, size)
 
-        if self._slots is None:
-            with open(path, "wb") as f:
-                stream = _HashingStream(f, done)
-                try:
-                    yield stream
-                finally:
-                    stream.close()
-            return
-        _lower_priority()  # a writer thread of this persist (DCP's or the persist's own): it ends with the save
-        with self._slots, open(path, "wb") as f:
+        if self._slots is not None:
+            _lower_priority()  # a writer thread of this persist (DCP's or the persist's own): it ends with the save
+        with self._slots or contextlib.nullcontext(), open(path, "wb") as f:
             stream = _HashingStream(f, done)
             try:
                 yield stream
