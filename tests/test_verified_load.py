@@ -163,3 +163,99 @@ def test_an_archive_in_another_byte_order_is_loaded_by_torch_load(tmp_path: Path
     item = out.getvalue()
     got = dcp_io._parse_item(memoryview(item), 0, len(item), Path("f"), "x")
     assert torch.equal(got, tensor)
+
+
+def test_many_files_share_a_few_slabs_reused_within_the_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More files than the buffer holds: their bytes go into at most LOAD_BUFFER // slab slabs, allocated once
+    and reused by the next files (each page touched once, not once per file); every value loads. Without reuse
+    (REUSE_SLABS off) each file has a buffer of its own, as before."""
+    monkeypatch.setattr(dcp_io, "_CHUNK", 1024)
+    model, state, expected = _saved(tmp_path, files=8)
+    _, read = _load(model, state, expected)  # the files the plan reads (a file of empty tensors is not read)
+    assert len(read) >= 6
+    largest = max(expected[name][1] for name in read)
+    monkeypatch.setattr(dcp_io, "_SLAB", largest)  # one file per slab
+    monkeypatch.setattr(dcp_io, "LOAD_BUFFER", 3 * largest + 1)  # room for three: two read at once
+    buffers: list[int] = []
+    real_empty = torch.empty
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("dtype") is torch.uint8 and args and isinstance(args[0], int) and args[0] > 0:
+            buffers.append(args[0])
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    for files_at_once in (1, 3):
+        monkeypatch.setattr(dcp_io, "FILES_AT_ONCE", files_at_once)
+        buffers.clear()
+        target, verified = _load(model, state, expected)
+        assert verified == read
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+        # three slabs at most for all the files (fewer if a file was done before the next one came)
+        assert 1 <= len(buffers) <= 3 and set(buffers) == {largest}, buffers
+    monkeypatch.setattr(dcp_io, "REUSE_SLABS", False)
+    buffers.clear()
+    target, _ = _load(model, state, expected)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    assert sorted(buffers) == sorted(expected[name][1] for name in read)
+
+
+def test_reads_spread_over_the_first_files_at_once() -> None:
+    """Chunks are handed out round robin over the first FILES_AT_ONCE files not yet fully asked for (each then
+    arrives at a share of the disk's speed that its one-core hash keeps up with); 1 = in file order."""
+
+    def order(files_at_once: int) -> list[tuple[str, int]]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dcp_io, "FILES_AT_ONCE", files_at_once)
+            load = dcp_io._Load(Path("."), {}, {}, None, None)
+        load._reading = [
+            dcp_io._File(name, Path(name), 3 * dcp_io._CHUNK - 1, None, []) for name in ("a", "b", "c")
+        ]
+        load._admitted_all = True
+        return [(f.rel, k) for f, k in iter(load._next, None)]
+
+    assert order(1) == [(n, k) for n in "abc" for k in range(3)]
+    assert order(2) == [
+        ("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("c", 0), ("b", 2), ("c", 1), ("c", 2)
+    ]  # fmt: skip
+    assert order(3) == [(n, k) for k in range(3) for n in "abc"]
+
+
+def test_a_damaged_file_among_many_is_refused_before_any_of_its_items_is_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads spread over several files, slabs reused: one damaged file of eight is refused naming it, and none of
+    its bytes reaches the parser, whichever of the others did."""
+    monkeypatch.setattr(dcp_io, "_CHUNK", 1024)
+    monkeypatch.setattr(dcp_io, "READ_STREAMS", 4)
+    monkeypatch.setattr(dcp_io, "FILES_AT_ONCE", 3)
+    model, state, expected = _saved(tmp_path, files=8)
+    _, read = _load(model, state, expected)
+    largest = max(expected[name][1] for name in read)
+    monkeypatch.setattr(dcp_io, "_SLAB", largest)
+    monkeypatch.setattr(dcp_io, "LOAD_BUFFER", 4 * largest)
+    names = sorted(read)
+    parsed: list[Path] = []
+    real_parse = dcp_io._parse_item
+
+    def spy(view: memoryview, offset: int, length: int, path: Path, fqn: str) -> torch.Tensor:
+        parsed.append(path)
+        return real_parse(view, offset, length, path, fqn)
+
+    monkeypatch.setattr(dcp_io, "_parse_item", spy)
+    for victim in (names[0], names[len(names) // 2], names[-1]):
+        shard = model / victim
+        good = shard.read_bytes()
+        shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        parsed.clear()
+        with pytest.raises(IntegrityError, match="does not match its SHA-256") as info:
+            _load(model, state, expected)
+        assert str(shard) in str(info.value)
+        assert shard not in parsed, victim
+        shard.write_bytes(good)
+    parsed.clear()
+    target, _ = _load(model, state, expected)
+    assert {p.name for p in parsed} == read
+    assert all(torch.equal(target[k], v) for k, v in state.items())

@@ -1,0 +1,276 @@
+"""The verified resume against the cold read of the checkpoint's own files, one variant of the load at a time
+(issue 11: >= 0.85 of the cold-read floor, and faster than DCP's unverified load).
+
+The state (`--layers` x Linear(width, width) + AdamW after one step, DDP on one rank) is saved ONCE by torchrelay;
+then, in this process: the cold read of the checkpoint's tensor files (`--streams` threads, pages dropped with
+posix_fadvise: bench_save's floor), DCP save + cold load of the same state (unless --no-dcp), one warm resume that
+is not counted (imports, CUDA streams), and a cold resume (Run.open + run.track) for each variant of
+checkpoint/dcp_io.py's knobs. Before each resume every tensor of the model and optimizer is zeroed; after it each
+must be `torch.equal` to its value at the save. Each row prints the wall time, its ratio to the cold read and to
+DCP load, and the load's own timings (seconds summed over the threads that spend them).
+
+    PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_load.py --device cuda \\
+        --backend nccl --layers 72 --width 4096 --dir /root --json $OUT/load.json
+    PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_load.py --device cpu \\
+        --backend gloo --layers 4 --width 512 --file-bytes 1000000 --variant 'one file:LOAD_BUFFER=1'
+
+A variant is `name:KNOB=VALUE,KNOB=VALUE` over the module's defaults (VALUE: an integer, with K, M or G for
+powers of 1024, or true/false); `--variants a,b` runs only those of the built-in ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_save import GB, cold_read, drop_cache, sync, timed  # noqa: E402
+
+import torchrelay as tr  # noqa: E402
+from torchrelay.checkpoint import dcp_io, persist  # noqa: E402
+
+KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "PIN_STAGING", "REUSE_SLABS")
+# Each over the module's defaults. "before" is the load as it was before slabs, spread reads and pinned staging:
+# a fresh pageable buffer per file, the earliest file's chunks first, copies that return when done. The files
+# read at once are at most one fewer than the buffer holds of the largest file (4 GiB: 4 of 0.94 GB, so 3).
+BUILT_IN: dict[str, dict[str, Any]] = {
+    "before": {"FILES_AT_ONCE": 1, "REUSE_SLABS": False, "PIN_STAGING": False},
+    "slabs reused": {"FILES_AT_ONCE": 1, "PIN_STAGING": False},
+    "slabs, 3 files at once": {"PIN_STAGING": False},
+    "slabs, pinned": {"FILES_AT_ONCE": 1},
+    "default (slabs, pinned, 3 at once)": {},
+    "default, 2 at once": {"FILES_AT_ONCE": 2},
+    "default, 8 GiB (4 at once)": {"LOAD_BUFFER": 8 << 30},
+    "default, 16 GiB, 8 at once": {"LOAD_BUFFER": 16 << 30, "FILES_AT_ONCE": 8},
+    "default, 24 reads in flight": {"READ_STREAMS": 24},
+}
+
+
+def parse_value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(low[-1:], 1)
+    return int(float(low[:-1] if scale > 1 else low) * scale)
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    name, _, spec = text.partition(":")
+    knobs: dict[str, Any] = {}
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key.strip() not in KNOBS:
+            raise SystemExit(f"--variant {text!r}: {key!r} is not one of {', '.join(KNOBS)}")
+        knobs[key.strip()] = parse_value(value)
+    return name.strip(), knobs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=16, help="threads of the cold-read floor")
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--no-dcp", action="store_true", help="skip DCP save + cold load (about 30 s on the GPU host)"
+    )
+    ap.add_argument(
+        "--variants", default="", help="comma-separated names of built-in variants (default: all)"
+    )
+    ap.add_argument("--variant", action="append", default=[], help="name:KNOB=VALUE,... (repeatable)")
+    ap.add_argument("--repeat", type=int, default=1, help="cold resumes per variant")
+    ap.add_argument("--file-bytes", type=int, default=0, help="persist.FILE_BYTES for the save (0: default)")
+    args = ap.parse_args()
+
+    variants = dict(BUILT_IN)
+    if args.variants:
+        names = [n.strip() for n in args.variants.split(",") if n.strip()]
+        unknown = [n for n in names if n not in BUILT_IN]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; built in: {list(BUILT_IN)}")
+        variants = {n: BUILT_IN[n] for n in names}
+    if args.variant and not args.variants:
+        variants = {}
+    variants.update(parse_variant(v) for v in args.variant)
+    defaults = {k: getattr(dcp_io, k) for k in KNOBS}
+
+    dist.init_process_group(args.backend)
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(0)
+    base = Path(tempfile.mkdtemp(prefix="bench-load-", dir=args.dir))
+    (base / "code").mkdir()
+    manifest = base / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(1000)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(dev)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    ddp(torch.randn(args.batch, args.width, device=dev)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(dev)
+
+    def current() -> list[torch.Tensor]:
+        """Every tensor a resume restores, in a fixed order (the optimizer's are new objects after a load)."""
+        out: list[torch.Tensor] = []
+        for p in model.parameters():
+            out.append(p)
+            st = opt.state.get(p, {})
+            out.extend(st[k] for k in sorted(st) if isinstance(st[k], torch.Tensor))
+        return out
+
+    nbytes = sum(t.numel() * t.element_size() for t in current())
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+        "cores": len(os.sched_getaffinity(0)),
+        "bytes": nbytes,
+        "defaults": defaults,
+        "variants": variants,
+    }
+    print(f"[load] state {nbytes / GB:.2f} GB in {len(current())} tensors; dir {base}", flush=True)
+
+    if args.file_bytes:
+        persist.FILE_BYTES = args.file_bytes
+    cfg = tr.RelayConfig(
+        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), async_save=False
+    )
+    run = tr.Run.open(base / "run", cfg, code_dir=base / "code")
+    run.track(model=ddp, optimizer=opt)
+    t_save = timed(lambda: run._saver.save(1), dev)
+    run._end_segment(1)
+    saved = [t.detach().clone() for t in current()]  # on the device: torch.equal runs there
+    ckpt = base / "run" / "checkpoint-1"
+    files = sorted((ckpt / "model").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    print(
+        f"[load] torchrelay save {t_save:.1f} s: {len(files)} tensor files, largest {max(sizes) / GB:.3f} GB",
+        flush=True,
+    )
+    floor = cold_read(files, args.streams)
+    print(
+        f"[load] floor: cold read of the {len(files)} files, {args.streams} streams: {floor:.3f} s",
+        flush=True,
+    )
+    out.update(files=len(files), largest_file=max(sizes), cold_read_s=floor, save_s=t_save)
+
+    dcp_s = None
+    if not args.no_dcp:
+        msd, osd = get_state_dict(ddp, opt)
+        dcp_dir = base / "dcp"
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dir))
+        drop_cache(dcp_dir)
+        dcp_s = timed(lambda: dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dir)), dev)
+        shutil.rmtree(dcp_dir)
+        del msd, osd
+        print(f"[load] DCP load, cold: {dcp_s:.3f} s", flush=True)
+    out["dcp_load_s"] = dcp_s
+
+    phases: dict[str, float] = {}
+    plain_load = dcp_io.load
+
+    def load_with_stats(*a: Any, **k: Any) -> set[str]:
+        phases.clear()
+        t0 = time.perf_counter()
+        try:
+            return plain_load(*a, stats=phases, **k)
+        finally:
+            phases["wall"] = time.perf_counter() - t0
+
+    def resume(knobs: dict[str, Any], cold: bool) -> dict[str, Any]:
+        for key, value in {**defaults, **knobs}.items():
+            setattr(dcp_io, key, value)
+        with torch.no_grad():
+            for t in current():
+                t.zero_()
+        if cold:
+            drop_cache(ckpt)
+        sync(dev)
+        t0 = time.perf_counter()
+        r = tr.Run.open(base / "run", None, code_dir=base / "code")
+        t_open = time.perf_counter() - t0
+        r.track(model=ddp, optimizer=opt)
+        sync(dev)
+        wall = time.perf_counter() - t0
+        r._end_segment(1)
+        now = current()
+        wrong = [i for i, (a, b) in enumerate(zip(now, saved, strict=False)) if not torch.equal(a, b)]
+        equal = len(now) == len(saved) and not wrong
+        return {"s": wall, "open_s": t_open, "equal": equal, "unequal": wrong[:5], **phases}
+
+    dcp_io.load = load_with_stats  # type: ignore[assignment]  # the breakdown of the resume's load
+    rows: list[tuple[str, dict[str, Any]]] = []
+    try:
+        row = resume({}, cold=False)  # imports, streams, the CUDA context of each thread: not counted
+        print(f"[load] warm-up resume (warm, default): {row['s']:.3f} s, equal {row['equal']}", flush=True)
+        out["warm_default"] = row
+        for name, knobs in variants.items():
+            for i in range(args.repeat):
+                label = name if args.repeat == 1 else f"{name} #{i + 1}"
+                try:
+                    row = resume(knobs, cold=True)
+                except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others
+                    row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                    print(f"[load] {label}: FAILED {row['error']}", flush=True)
+                else:
+                    print(
+                        f"[load] {label}: {row['s']:.3f} s, {floor / row['s']:.2f} of cold read, equal "
+                        f"{row['equal']}",
+                        flush=True,
+                    )
+                rows.append((label, {"knobs": knobs, **row}))
+    finally:
+        dcp_io.load = plain_load  # type: ignore[assignment]
+        for key, value in defaults.items():
+            setattr(dcp_io, key, value)
+    out["rows"] = dict(rows)
+
+    lines = [
+        f"state {nbytes / GB:.2f} GB in {len(files)} files (largest {max(sizes) / GB:.2f} GB), torch "
+        f"{out['torch']}, {out['device']}, {out['cores']} cores; cold read {floor:.3f} s "
+        f"({nbytes / floor / GB:.2f} GB/s)" + (f"; DCP load cold {dcp_s:.3f} s" if dcp_s else ""),
+        "| variant | s | vs cold read (goal >= 0.85) | vs DCP load | equal | load wall | read | read idle | "
+        "hash | parse | copy | sync | alloc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, r in rows:
+        if "error" in r:
+            lines.append(f"| {label} | failed: {r['error'][:200]} |")
+            continue
+        vs_dcp = f"{r['s'] / dcp_s:.2f}x" if dcp_s else ""
+        cols = " | ".join(
+            f"{r.get(k, 0.0):.2f}"
+            for k in ("wall", "read", "read_idle", "hash", "parse", "copy", "sync", "alloc")
+        )
+        lines.append(f"| {label} | {r['s']:.3f} | {floor / r['s']:.2f} | {vs_dcp} | {r['equal']} | {cols} |")
+    print("\n".join(lines), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    shutil.rmtree(base, ignore_errors=True)
+    ok = all(r.get("equal") for _, r in rows) and out["warm_default"]["equal"]
+    dist.barrier()
+    dist.destroy_process_group()
+    if not ok:
+        sys.exit("[load] a variant failed or loaded a tensor that differs from the saved one")
+
+
+if __name__ == "__main__":
+    main()
