@@ -43,19 +43,20 @@ import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist  # noqa: E402
 
 KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "PIN_STAGING", "REUSE_SLABS")
-# Each over the module's defaults. "before" is the load as it was before slabs, spread reads and pinned staging:
-# a fresh pageable buffer per file, the earliest file's chunks first, copies that return when done. The files
-# read at once are at most one fewer than the buffer holds of the largest file (4 GiB: 4 of 0.94 GB, so 3).
+# Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
+# before slabs, spread reads and pinned staging: a fresh pageable buffer per file, the earliest file's chunks
+# first, copies that return when done. The files read at once are at most one fewer than the buffer holds of the
+# largest file (the default 4 GiB: 4 of 0.94 GB, so 3 at once).
 BUILT_IN: dict[str, dict[str, Any]] = {
     "before": {"FILES_AT_ONCE": 1, "REUSE_SLABS": False, "PIN_STAGING": False},
-    "slabs reused": {"FILES_AT_ONCE": 1, "PIN_STAGING": False},
-    "slabs, 3 files at once": {"PIN_STAGING": False},
-    "slabs, pinned": {"FILES_AT_ONCE": 1},
-    "default (slabs, pinned, 3 at once)": {},
-    "default, 2 at once": {"FILES_AT_ONCE": 2},
-    "default, 8 GiB (4 at once)": {"LOAD_BUFFER": 8 << 30},
-    "default, 16 GiB, 8 at once": {"LOAD_BUFFER": 16 << 30, "FILES_AT_ONCE": 8},
-    "default, 24 reads in flight": {"READ_STREAMS": 24},
+    "slabs": {"FILES_AT_ONCE": 1, "PIN_STAGING": False},  # reused pageable slabs, one file at a time
+    "slabs+spread": {"PIN_STAGING": False},  # reused pageable slabs, 3 files at once
+    "slabs+pinned": {"FILES_AT_ONCE": 1},  # page-locked slabs, async copies, one file at a time
+    "default": {},  # page-locked slabs, async copies, 3 files at once
+    "default-2-at-once": {"FILES_AT_ONCE": 2},
+    "default-8GiB": {"LOAD_BUFFER": 8 << 30},  # 8 slabs, 4 files at once
+    "default-16GiB-8-at-once": {"LOAD_BUFFER": 16 << 30, "FILES_AT_ONCE": 8},
+    "default-24-reads": {"READ_STREAMS": 24},
 }
 
 
@@ -207,8 +208,12 @@ def main() -> None:
         t0 = time.perf_counter()
         r = tr.Run.open(base / "run", None, code_dir=base / "code")
         t_open = time.perf_counter() - t0
-        r.track(model=ddp, optimizer=opt)
-        sync(dev)
+        try:
+            r.track(model=ddp, optimizer=opt)
+            sync(dev)
+        except BaseException as exc:
+            r.close(exc)  # the segment ends (error) and the run is free for the next variant
+            raise
         wall = time.perf_counter() - t0
         r._end_segment(1)
         now = current()
