@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from safetensors.torch import save as _safetensors_save
 from torch.distributed.checkpoint.state_dict import (
@@ -21,11 +20,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchrelay import rng
-from torchrelay.checkpoint import dcp_io, ranks
+from torchrelay.checkpoint import dcp_io, dcp_save, ranks
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
 from torchrelay.checkpoint.persist import (
-    HashingWriter,
     HostStage,
     canonical_safetensors,
     shapes_of,
@@ -165,6 +163,13 @@ class Snapshot:
     rank_json: bytes | None = None
     shared_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: statefuls' tensors
     trainer_json: bytes | None = None  # rank 0: relay_state.json
+    planned: dcp_save.PlannedSave | None = None  # the DCP save of tensors_doc, planned during the stall
+
+    def plan(self, group: Any = None) -> None:
+        """Plan the DCP save of the tensors with the other ranks (every rank calls it): on the training thread while
+        the copies into the host buffers are in flight, so that the persist thread only writes."""
+        if self.tensors_doc is not None and self.planned is None:
+            self.planned = dcp_save.plan(self.tensors_doc, group)
 
 
 def safetensors_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -273,8 +278,9 @@ def write_snapshot(
     `background`: called on the persist thread, beside the training loop."""
     written: dict[str, tuple[str, int]] = {}
     if snap.tensors_doc is not None:
-        writer = HashingWriter(directory / MODEL_DIR, written, background=background)
-        dcp.save(snap.tensors_doc, storage_writer=writer, process_group=group)
+        snap.plan(group)
+        assert snap.planned is not None
+        snap.planned.write(directory / MODEL_DIR, written, background=background)
     if kill_hook:
         kill_hook("shards")
     (directory / "rng").mkdir(exist_ok=True)

@@ -139,8 +139,9 @@ class Saver:
             loop=loop,
             stage=self._stage,
         )
-        self._stage.synchronize()
         group, background = self._group, self._background
+        snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
+        self._stage.synchronize()
 
         def persist() -> None:
             _, seconds = commit_checkpoint(
