@@ -187,7 +187,8 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
 ) -> None:
     """A background persist shares the interpreter and the cores with the loop: its writer threads run at a lower
     priority (the loop's own is untouched, also after an inline save), at most TORCHRELAY_PERSIST_STREAMS files
-    are open at once, and batching small writes changes no byte of what is written or hashed."""
+    are written at once (a file being fsynced no longer counts), and batching small writes changes no byte of what
+    is written or hashed."""
     import hashlib
     import os
 
@@ -197,28 +198,30 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
 
     monkeypatch.setattr(persist, "FILE_BYTES", 4096)
     monkeypatch.setenv(persist.STREAMS_ENV, "2")
-    opened: list[int] = []
+    writing: set[int] = (
+        set()
+    )  # files being written: from open until their bytes are all in (the fsync is free)
     nice: list[int] = []
     peak = [0]
     lock = threading.Lock()
-    real_init, real_close = persist._HashingStream.__init__, persist._HashingStream.close
+    real_init, real_fileno = persist._HashingStream.__init__, persist._HashingStream.fileno
 
-    def init(self: Any, f: Any, on_close: Any) -> None:
+    def init(self: Any, f: Any, on_close: Any, on_written: Any = None) -> None:
         with lock:
-            opened.append(1)
-            peak[0] = max(peak[0], len(opened))
+            writing.add(id(self))
+            peak[0] = max(peak[0], len(writing))
             nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        real_init(self, f, on_close)
+        real_init(self, f, on_close, on_written)
 
-    def close(self: Any) -> None:
-        if not self.closed:
+    def fileno(self: Any) -> int:  # DCP asks for it to fsync the file, once it is written
+        if id(self) in writing:
             threading.Event().wait(0.02)  # a file takes a while: the next ones queue for a slot
             with lock:
-                opened.pop()
-        real_close(self)
+                writing.discard(id(self))
+        return int(real_fileno(self))
 
     monkeypatch.setattr(persist._HashingStream, "__init__", init)
-    monkeypatch.setattr(persist._HashingStream, "close", close)
+    monkeypatch.setattr(persist._HashingStream, "fileno", fileno)
     state = {f"t{i}": torch.arange(2048 + i, dtype=torch.float32) * (i + 1) for i in range(8)}
     loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     written: dict[Path, dict[str, tuple[str, int]]] = {}

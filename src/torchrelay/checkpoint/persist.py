@@ -49,6 +49,10 @@ MAX_FILES = 16
 # each on the H200 host) outrun its disk (1.8 GB/s) while leaving the GIL to the loop more often than sixteen.
 STREAMS_ENV = "TORCHRELAY_PERSIST_STREAMS"
 PERSIST_STREAMS = 8
+# A writer's slot is free once its file is written, before the fsync (see _HashingFileSystem.create_stream).
+FREE_SLOT_AT_FSYNC = True
+# Every this many bytes a file's writeback is started (0: left to the kernel until the fsync).
+KICK_BYTES = 0
 # Nice value of the background writer threads (Linux: per thread). The loop keeps its core when cores are short.
 BACKGROUND_NICE = 10
 # Writes smaller than this are gathered (torch.save's zip headers, pickles, padding) and hashed and written together.
@@ -71,12 +75,17 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 class _HashingStream(io.RawIOBase):
     """A write-only file that feeds every byte to SHA-256 on its way to disk; files are written front to back.
-    Small writes are gathered and passed on together: fewer trips through the GIL per tensor."""
+    Small writes are gathered and passed on together: fewer trips through the GIL per tensor.
+    `on_written`: called once every byte is written, when the writer asks for the descriptor to fsync it."""
 
-    def __init__(self, f: Any, on_close: Callable[[str, int], None]) -> None:
+    def __init__(
+        self, f: Any, on_close: Callable[[str, int], None], on_written: Callable[[], None] | None = None
+    ) -> None:
         super().__init__()
         self._f, self._h, self._n, self._on_close = f, hashlib.sha256(), 0, on_close
+        self._on_written = on_written
         self._pending = bytearray()
+        self._kicked = 0  # bytes handed to the kernel's writeback so far (KICK_BYTES)
 
     def writable(self) -> bool:
         return True
@@ -97,6 +106,17 @@ class _HashingStream(io.RawIOBase):
     def _pass_on(self, view: memoryview | bytearray) -> None:
         self._h.update(view)  # releases the GIL for large buffers, as the write below does
         self._f.write(view)
+        if KICK_BYTES and self._n + len(view) - self._kicked >= KICK_BYTES:
+            self._kick(self._n + len(view))
+
+    def _kick(self, upto: int) -> None:
+        """Start writing back what this file holds so far (Linux: DONTNEED begins the writeback of dirty pages
+        and drops them once clean), so that the disk works while the writers fill the page cache and the final
+        fsync has little left; best effort."""
+        self._f.flush()
+        with contextlib.suppress(AttributeError, OSError):
+            os.posix_fadvise(self._f.fileno(), self._kicked, upto - self._kicked, os.POSIX_FADV_DONTNEED)
+        self._kicked = upto
 
     def _drain(self) -> None:
         if self._pending:
@@ -108,6 +128,8 @@ class _HashingStream(io.RawIOBase):
 
     def fileno(self) -> int:
         self.flush()  # a caller that fsyncs the descriptor means every byte written so far
+        if self._on_written is not None:
+            self._on_written()
         return int(self._f.fileno())
 
     def flush(self) -> None:
@@ -172,14 +194,30 @@ class _HashingFileSystem(FileSystem):
             with self._lock:
                 self.sink[key] = (digest, size)
 
-        if self._slots is not None:
+        slot = self._slots
+        if slot is not None:
             _lower_priority()  # a writer thread of this persist (DCP's or the persist's own): it ends with the save
-        with self._slots or contextlib.nullcontext(), open(path, "wb") as f:
-            stream = _HashingStream(f, done)
-            try:
-                yield stream
-            finally:
-                stream.close()
+            slot.acquire()
+        held = slot is not None
+
+        def written() -> None:
+            # The file's bytes are all written: its fsync needs no slot (it holds no GIL), and the next file
+            # starts filling the page cache while the disk flushes this one.
+            nonlocal held
+            if held and FREE_SLOT_AT_FSYNC:
+                held = False
+                slot.release()  # type: ignore[union-attr]
+
+        try:
+            with open(path, "wb") as f:
+                stream = _HashingStream(f, done, written)
+                try:
+                    yield stream
+                finally:
+                    stream.close()
+        finally:
+            if held:
+                slot.release()  # type: ignore[union-attr]
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
