@@ -42,20 +42,17 @@ from bench_save import GB, cold_read, drop_cache, sync, timed  # noqa: E402
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist  # noqa: E402
 
-KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "PIN_STAGING", "REUSE_SLABS")
+KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "REUSE_SLABS")
 # Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
-# before slabs, spread reads and pinned staging: a fresh pageable buffer per file, the earliest file's chunks
-# first, copies that return when done. The files read at once are at most one fewer than the buffer holds of the
-# largest file (the default 4 GiB: 4 of 0.94 GB, so 3 at once).
+# before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. The files read at once
+# are at most one fewer than the buffer holds of the largest file (the default 4 GiB: 4 of 0.94 GB, so 3 at once).
+# (Page-locked slabs with asynchronous copies were measured too, on the H200 host, and were slower: RESULTS.md.)
 BUILT_IN: dict[str, dict[str, Any]] = {
-    "before": {"FILES_AT_ONCE": 1, "REUSE_SLABS": False, "PIN_STAGING": False},
-    "slabs": {"FILES_AT_ONCE": 1, "PIN_STAGING": False},  # reused pageable slabs, one file at a time
-    "slabs+spread": {"PIN_STAGING": False},  # reused pageable slabs, 3 files at once
-    "slabs+pinned": {"FILES_AT_ONCE": 1},  # page-locked slabs, async copies, one file at a time
-    "default": {},  # page-locked slabs, async copies, 3 files at once
+    "before": {"FILES_AT_ONCE": 1, "REUSE_SLABS": False},
+    "slabs": {"FILES_AT_ONCE": 1},  # reused slabs, one file at a time
+    "default": {},  # reused slabs, 3 files at once
     "default-2-at-once": {"FILES_AT_ONCE": 2},
     "default-8GiB": {"LOAD_BUFFER": 8 << 30},  # 8 slabs, 4 files at once
-    "default-16GiB-8-at-once": {"LOAD_BUFFER": 16 << 30, "FILES_AT_ONCE": 8},
     "default-24-reads": {"READ_STREAMS": 24},
 }
 
@@ -253,8 +250,8 @@ def main() -> None:
         f"{out['torch']}, {out['device']}, {out['cores']} cores; cold read {floor:.3f} s "
         f"({nbytes / floor / GB:.2f} GB/s)" + (f"; DCP load cold {dcp_s:.3f} s" if dcp_s else ""),
         "| variant | s | vs cold read (goal >= 0.85) | vs DCP load | equal | load wall | read | read idle | "
-        "hash | parse | copy | sync | alloc |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "hash | parse | copy | alloc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
         if "error" in r:
@@ -262,8 +259,7 @@ def main() -> None:
             continue
         vs_dcp = f"{r['s'] / dcp_s:.2f}x" if dcp_s else ""
         cols = " | ".join(
-            f"{r.get(k, 0.0):.2f}"
-            for k in ("wall", "read", "read_idle", "hash", "parse", "copy", "sync", "alloc")
+            f"{r.get(k, 0.0):.2f}" for k in ("wall", "read", "read_idle", "hash", "parse", "copy", "alloc")
         )
         lines.append(f"| {label} | {r['s']:.3f} | {floor / r['s']:.2f} | {vs_dcp} | {r['equal']} | {cols} |")
     print("\n".join(lines), flush=True)

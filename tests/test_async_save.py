@@ -197,6 +197,7 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
     from torchrelay.checkpoint import persist
 
     monkeypatch.setattr(persist, "FILE_BYTES", 4096)
+    monkeypatch.setattr(persist, "KICK_BYTES", 1024)  # the writeback started every few writes
     monkeypatch.setenv(persist.STREAMS_ENV, "2")
     writing: set[int] = (
         set()

@@ -227,7 +227,7 @@ def _check_storage(md: Metadata, model_dir: Path, path: Path) -> None:
 class SafeReader(dcp.FileSystemReader):
     """A FileSystemReader whose metadata comes from the allow-listed unpickler and whose tensors are read by
     `_Load`: each file read whole by many threads at once (a few files at a time), into host memory allocated once
-    per load and reused (page-locked when the targets are on a GPU), hashed in order as its bytes arrive and
+    per load and reused, hashed in order as its bytes arrive and
     checked against `expected` ({file name in the DCP directory: (SHA-256, size)}) before a byte of it is parsed,
     then its items parsed and copied into their targets on threads of their own while the next files are read."""
 
@@ -276,12 +276,11 @@ PARSE_THREADS = 4
 # of the largest: files read together end together, and the next one must have its room already, else the disk
 # idles while they are parsed and copied. 1 = the earliest file's chunks first.
 FILES_AT_ONCE = 4
-# Targets on a GPU: files are read into page-locked memory and their items copied to the device asynchronously
-# on a stream of the load's own (the GPU host: 0.26 s for a 14.5 GB state against 1.53 s from pageable memory,
-# copies from 4 threads serialized). False: pageable memory and a copy that returns when done, as on CPU.
-PIN_STAGING = True
+# No page-locked staging for GPU targets: measured on the H200 host (benchmarks/RESULTS.md), page-locking the
+# slabs took 2 s and the reads then waited on the copies' streams (10.0 s against 8.7 s from pageable slabs, whose
+# copies overlap the reads on the parse threads).
 # Host memory is taken in slabs that stay for the whole load and hold the next files once theirs are done: a
-# page is faulted in (or page-locked) once, not for every file. False: a buffer of its own for each file.
+# page is faulted in once, not for every file. False: a buffer of its own for each file.
 REUSE_SLABS = True
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
@@ -291,12 +290,9 @@ _ALIGN = 4096
 class _Slab:
     """Host memory holding whole files one after another; its room is handed out again once they are all done."""
 
-    def __init__(self, size: int, pinned: bool) -> None:
+    def __init__(self, size: int) -> None:
         self.size = size
-        try:
-            self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        except RuntimeError:  # no page-locked memory to be had (a memlock limit): pageable, copies then wait
-            self.data = torch.empty(size, dtype=torch.uint8)
+        self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
         self.view = self.data.numpy().data.cast("B")
         self.top = 0  # bytes handed out
         self.files = 0  # files holding bytes of it
@@ -330,9 +326,6 @@ class _File:
         self.slab: _Slab | None = None
         self.view = memoryview(b"")
         self.left = len(items)  # items not yet in their targets
-        # items copied to a GPU asynchronously: committed once the streams they went on are done
-        self.pending: list[tuple[ReadItem, torch.Tensor]] = []
-        self.streams: set[Any] = set()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -347,8 +340,7 @@ class _Load:
     spread over the first few files not yet fully asked for (FILES_AT_ONCE); each file is hashed in order by
     whichever reading thread completes the chunk that extends the hashed prefix, so that no byte is read twice.
     Only once its size and SHA-256 match is a file's items parsed (`torch.load(weights_only=True)` onto meta), on
-    PARSE_THREADS threads, and copied into the targets; its room in the slab is reused once they are all in (for
-    a GPU target: once the stream its copies went on is done)."""
+    PARSE_THREADS threads, and copied into the targets; its room in the slab is reused once they are all in."""
 
     def __init__(
         self,
@@ -361,7 +353,7 @@ class _Load:
         self.root, self.storage, self.planner, self.expected = root, storage, planner, expected
         self.per_file = per_file
         self.verified: set[str] = set()
-        self.timings = dict.fromkeys(("read", "hash", "parse", "copy", "alloc", "sync", "read_idle"), 0.0)
+        self.timings = dict.fromkeys(("read", "hash", "parse", "copy", "alloc", "read_idle"), 0.0)
         self._cond = threading.Condition()
         self._slabs: list[_Slab] = []
         self._allocated = 0  # bytes of the slabs, those being allocated included
@@ -374,15 +366,8 @@ class _Load:
         self._error: BaseException | None = None
         self._plan = threading.Lock()  # the planner is not known to be thread-safe
         self._opened: list[_File] = []
-        self._streams: dict[torch.device, Any] = {}  # a CUDA stream per target device (pinned staging only)
 
     def run(self) -> None:
-        devices = _cuda_devices(self.planner) if PIN_STAGING else set()
-        for device in sorted(devices, key=str):
-            stream = torch.cuda.Stream(device=device)
-            # the targets may still be in use by work the caller queued on its stream
-            stream.wait_stream(torch.cuda.current_stream(device))
-            self._streams[device] = stream
         self._parse = ThreadPoolExecutor(
             max(1, min(PARSE_THREADS, default_jobs())), thread_name_prefix="torchrelay-parse"
         )
@@ -421,14 +406,10 @@ class _Load:
             for thread in readers:
                 thread.join()
             self._parse.shutdown(wait=True, cancel_futures=True)
-            for stream in self._streams.values():
-                stream.synchronize()  # no copy may still read a slab when it goes
             for f in self._opened:
                 f.close()
                 f.slab, f.view = None, memoryview(b"")
             self._slabs.clear()
-            if self._streams:
-                _empty_host_cache()
         if self._error is not None:
             raise self._error
 
@@ -464,7 +445,7 @@ class _Load:
             if f.slab is None:  # allocated outside the lock: the reads of the files admitted go on meanwhile
                 t0 = time.perf_counter()
                 try:
-                    slab = _Slab(size, pinned=bool(self._streams))
+                    slab = _Slab(size)
                 except BaseException:
                     with self._cond:
                         self._allocated -= size
@@ -606,70 +587,17 @@ class _Load:
                 f"{list(target.size())}",
                 hint="the checkpoint is damaged or was not written by torchrelay",
             )
-        stream = self._streams.get(target.device) if self._streams else None
         t1 = time.perf_counter()
-        if stream is None:
-            target.copy_(tensor)  # releases the GIL; finished when it returns
-        else:
-            with torch.cuda.stream(stream):
-                target.copy_(tensor, non_blocking=True)  # from page-locked bytes: queued, returns at once
+        target.copy_(tensor)  # releases the GIL; to a GPU a pageable copy, finished when it returns
         t2 = time.perf_counter()
-        if stream is None:
-            with self._plan:
-                self.planner.commit_tensor(req, target)
+        with self._plan:
+            self.planner.commit_tensor(req, target)
         with self._cond:
             self.timings["parse"] += t1 - t0
             self.timings["copy"] += t2 - t1
-            if stream is not None:
-                f.pending.append((req, target))
-                f.streams.add(stream)
             f.left -= 1
-            done = not f.left
-        if done:
-            self._done(f)
-
-    def _done(self, f: _File) -> None:
-        """Every item of the file copied (or queued): once the copies are done, the file's room goes back."""
-        if f.streams:
-            t0 = time.perf_counter()
-            for stream in f.streams:
-                stream.synchronize()  # the stream runs in order: this file's copies are done, maybe more
-            self._count("sync", time.perf_counter() - t0)
-            with self._plan:
-                for req, target in f.pending:
-                    self.planner.commit_tensor(req, target)
-            f.pending.clear()
-        with self._cond:
-            self._release(f)
-
-
-def _cuda_devices(planner: Any) -> set[torch.device]:
-    """The GPUs the load's targets are on (a planner that does not show its state dict: none, so no staging)."""
-    found: set[torch.device] = set()
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.device.type == "cuda":
-                found.add(value.device)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                walk(v)
-
-    state = getattr(planner, "state_dict", None)
-    if isinstance(state, dict) and torch.cuda.is_available():
-        walk(state)
-    return found
-
-
-def _empty_host_cache() -> None:
-    """Give the load's page-locked slabs back: torch's host allocator keeps freed blocks for reuse otherwise."""
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-    empty = empty or getattr(torch._C, "_host_emptyCache", None)
-    if callable(empty):
-        empty()
+            if not f.left:  # every item in its target: the file's room goes back
+                self._release(f)
 
 
 def _parse_item(view: memoryview, offset: int, length: int, path: Path, fqn: str) -> torch.Tensor:
