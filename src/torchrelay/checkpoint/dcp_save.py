@@ -47,7 +47,7 @@ class _Ranks:
     def _run(self, step: str, fn: Callable[[], T]) -> tuple[bool, Any]:
         try:
             return True, fn()
-        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+        except BaseException as exc:  # noqa: BLE001 - every rank learns of it below, as with dcp.save
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return False, f"rank {self.rank}: {step}: {type(exc).__name__}: {first}"[:500]
 

@@ -10,9 +10,11 @@ hashed, fsynced and committed on a thread of its own while training goes on.
   reused, so two saves never overlap); its error reaches the training thread at the next save, stop or close.
 
 The loop shares the interpreter with the persist: every Python-level step of the writer (torch.save's pickling,
-its ~40 small writes per tensor) holds the GIL the training thread needs to launch its next kernel. So the
-background threads run at a lower CPU priority, write small pieces in batches, and at most `PERSIST_STREAMS` of
-them write at once (the file count stays a function of the tensors alone; only the concurrency varies).
+its ~40 small writes per tensor) holds the GIL the training thread needs to launch its next kernel. So DCP's plan
+is made during the stall (dcp_save.py), the background threads run at a lower CPU priority, write small pieces in
+batches, and at most `PERSIST_STREAMS` of them write at once (the file count stays a function of the tensors
+alone; only the concurrency varies). A file's fsync needs no slot, and its writeback starts as it is written
+(KICK_BYTES): the disk works while the writers fill the page cache.
 
 The bytes written are the same whether the job runs on the background thread or inline (`async_save: false`):
 both go through the same staging and the same writer.
@@ -49,8 +51,6 @@ MAX_FILES = 16
 # each on the H200 host) outrun its disk (1.8 GB/s) while leaving the GIL to the loop more often than sixteen.
 STREAMS_ENV = "TORCHRELAY_PERSIST_STREAMS"
 PERSIST_STREAMS = 8
-# A writer's slot is free once its file is written, before the fsync (see _HashingFileSystem.create_stream).
-FREE_SLOT_AT_FSYNC = True
 # Every this many bytes a file's writeback is started (0: left to the kernel until the fsync). On the H200 host,
 # 3 saves each: committed after 7.0-9.0 s with it, 7.8-9.4 s without (benchmarks/RESULTS.md).
 KICK_BYTES = 64 << 20
@@ -205,7 +205,7 @@ class _HashingFileSystem(FileSystem):
             # The file's bytes are all written: its fsync needs no slot (it holds no GIL), and the next file
             # starts filling the page cache while the disk flushes this one.
             nonlocal held
-            if held and FREE_SLOT_AT_FSYNC:
+            if held:
                 held = False
                 slot.release()  # type: ignore[union-attr]
 
