@@ -226,10 +226,10 @@ def _check_storage(md: Metadata, model_dir: Path, path: Path) -> None:
 
 class SafeReader(dcp.FileSystemReader):
     """A FileSystemReader whose metadata comes from the allow-listed unpickler and whose tensors are read by
-    `_Load`: each file read whole by many threads at once (a few files at a time), into host memory allocated once
-    per load and reused, hashed in order as its bytes arrive and
-    checked against `expected` ({file name in the DCP directory: (SHA-256, size)}) before a byte of it is parsed,
-    then its items parsed and copied into their targets on threads of their own while the next files are read."""
+    `_Load`: each file read whole by many threads at once (a few files at a time) into host memory allocated once
+    per load and reused, hashed in order as its bytes arrive and checked against `expected` ({file name in the DCP
+    directory: (SHA-256, size)}) before a byte of it is parsed, then its items parsed and copied into their
+    targets on threads of their own while the next files are read."""
 
     def __init__(self, path: str, expected: dict[str, tuple[str, int]] | None = None) -> None:
         super().__init__(path)
@@ -276,11 +276,11 @@ PARSE_THREADS = 4
 # of the largest: files read together end together, and the next one must have its room already, else the disk
 # idles while they are parsed and copied. 1 = the earliest file's chunks first.
 FILES_AT_ONCE = 4
-# No page-locked staging for GPU targets: measured on the H200 host (benchmarks/RESULTS.md), page-locking the
-# slabs took 2 s and the reads then waited on the copies' streams (10.0 s against 8.7 s from pageable slabs, whose
-# copies overlap the reads on the parse threads).
 # Host memory is taken in slabs that stay for the whole load and hold the next files once theirs are done: a
-# page is faulted in once, not for every file. False: a buffer of its own for each file.
+# page is faulted in once, not for every file. False: a buffer of its own for each file. The slabs are pageable
+# also for GPU targets: page-locked ones with asynchronous copies were measured on the H200 host (RESULTS.md) and
+# were slower (pinning took 2 s and the reads waited on the copies: 10.0 s against 8.7 s from pageable slabs, whose
+# copies overlap the reads on the parse threads).
 REUSE_SLABS = True
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
