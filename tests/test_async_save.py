@@ -328,3 +328,39 @@ def test_the_training_thread_plans_and_the_persist_thread_only_writes(
     assert planned_on == [threading.main_thread().name] * 2  # checkpoint-3 and checkpoint-6
     assert written_on and threading.main_thread().name not in written_on
     validate_complete(tmp_path / "run" / "checkpoint-3")
+
+
+def test_a_failure_of_any_rank_in_the_plan_or_the_write_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """Two ranks over gloo: the split save writes what dcp.save would (the tensors equal on both ranks once); a
+    failure in one rank's local plan, in the coordinator's global plan or in one rank's write is raised on both,
+    naming the rank and the half, and no rank waits in a collective; a failed write leaves no `.metadata`."""
+    from helpers import TORCHRUN, clean_env, run_tree
+
+    script = Path(__file__).with_name("dist_dcp_save.py")
+    done = run_tree(
+        [
+            TORCHRUN,
+            "--standalone",
+            "--nproc_per_node=2",
+            "--monitor_interval=0.5",
+            str(script),
+            str(tmp_path),
+        ],
+        timeout=240,
+        env=clean_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"seen-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["ok"] for s in seen] == ["ok", "ok"]
+    assert "__0_0.distcp" in seen[0]["ok_files"] and ".metadata" in seen[0]["ok_files"]
+    assert any(name.startswith("__1_") for name in seen[1]["ok_files"])  # rank 1 writes its own tensor
+    for s in seen:
+        assert "rank 1: plan: RuntimeError: boom in the local plan" in s["local"], s["local"]
+        assert "rank 0: plan: RuntimeError: boom in the global plan" in s["global"], s["global"]
+        assert s["write"].startswith("CheckpointError") and "rank 1: write:" in s["write"], s["write"]
+    assert (tmp_path / "write").is_dir() and not (tmp_path / "write" / ".metadata").exists()
+    import torch.distributed.checkpoint as dcp
+
+    back = {"model": {f"w{i}": torch.zeros(64) for i in range(6)}}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    assert all(torch.equal(back["model"][f"w{i}"], torch.arange(64.0) * (i + 1)) for i in range(6))
