@@ -33,11 +33,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_save import GB, cold_read, drop_cache, sync, timed  # noqa: E402
+from bench_save import (  # noqa: E402
+    GB,
+    cold_read,
+    drop_cache,
+    load_with_stats,
+    make_state,
+    save_once,
+    sync,
+    timed,
+)
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist  # noqa: E402
@@ -113,14 +121,7 @@ def main() -> None:
     dev = args.device
     if dev == "cuda":
         torch.cuda.set_device(0)
-    base = Path(tempfile.mkdtemp(prefix="bench-load-", dir=args.dir))
-    (base / "code").mkdir()
-    manifest = base / "manifest.jsonl"
-    manifest.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(1000)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(dev)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    base, manifest, model, ddp, opt = make_state(args, "bench-load-")
     ddp(torch.randn(args.batch, args.width, device=dev)).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -148,16 +149,8 @@ def main() -> None:
 
     if args.file_bytes:
         persist.FILE_BYTES = args.file_bytes
-    cfg = tr.RelayConfig(
-        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), async_save=False
-    )
-    run = tr.Run.open(base / "run", cfg, code_dir=base / "code")
-    run.track(model=ddp, optimizer=opt)
-    t_save = timed(lambda: run._saver.save(1), dev)
-    run._end_segment(1)
+    ckpt, files, t_save = save_once(base, manifest, ddp, opt, dev)
     saved = [t.detach().clone() for t in current()]  # on the device: torch.equal runs there
-    ckpt = base / "run" / "checkpoint-1"
-    files = sorted((ckpt / "model").glob("*.distcp"))
     sizes = [f.stat().st_size for f in files]
     print(
         f"[load] torchrelay save {t_save:.1f} s: {len(files)} tensor files, largest {max(sizes) / GB:.3f} GB",
@@ -185,14 +178,6 @@ def main() -> None:
     phases: dict[str, float] = {}
     plain_load = dcp_io.load
 
-    def load_with_stats(*a: Any, **k: Any) -> set[str]:
-        phases.clear()
-        t0 = time.perf_counter()
-        try:
-            return plain_load(*a, stats=phases, **k)
-        finally:
-            phases["wall"] = time.perf_counter() - t0
-
     def resume(knobs: dict[str, Any], cold: bool) -> dict[str, Any]:
         for key, value in {**defaults, **knobs}.items():
             setattr(dcp_io, key, value)
@@ -218,7 +203,7 @@ def main() -> None:
         equal = len(now) == len(saved) and not wrong
         return {"s": wall, "open_s": t_open, "equal": equal, "unequal": wrong[:5], **phases}
 
-    dcp_io.load = load_with_stats  # type: ignore[assignment]  # the breakdown of the resume's load
+    dcp_io.load = load_with_stats(plain_load, phases)  # type: ignore[assignment]  # the resume's breakdown
     rows: list[tuple[str, dict[str, Any]]] = []
     try:
         row = resume({}, cold=False)  # imports, streams, the CUDA context of each thread: not counted

@@ -120,14 +120,7 @@ def main() -> None:
     if dev == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = False
-    base = Path(tempfile.mkdtemp(prefix="bench-save-", dir=args.dir))
-    (base / "code").mkdir()
-    manifest = base / "manifest.jsonl"
-    manifest.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(1000)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(dev)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    base, manifest, model, ddp, opt = make_state(args, "bench-save-")
     x = torch.randn(args.batch, args.width, device=dev)
 
     def update() -> float:
@@ -388,6 +381,54 @@ def cold_read(files: list[Path], streams: int) -> float:
     return time.perf_counter() - t0
 
 
+def make_state(
+    args: argparse.Namespace, prefix: str
+) -> tuple[Path, Path, nn.Module, nn.Module, torch.optim.Optimizer]:
+    """A fresh folder under --dir with a run's code folder and a 1,000-line manifest, and the benchmark's state:
+    --layers x Linear(width, width) on --device under DDP, with AdamW (no step taken yet)."""
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir=args.dir))
+    (base / "code").mkdir()
+    manifest = base / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(1000)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(args.device)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    return base, manifest, model, ddp, opt
+
+
+def save_once(
+    base: Path, manifest: Path, ddp: nn.Module, opt: torch.optim.Optimizer, dev: str
+) -> tuple[Path, list[Path], float]:
+    """checkpoint-1 of base/run, saved inline by torchrelay: its folder, its tensor files, the seconds it took."""
+    cfg = tr.RelayConfig(
+        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), async_save=False
+    )
+    run = tr.Run.open(base / "run", cfg, code_dir=base / "code")
+    run.track(model=ddp, optimizer=opt)
+    seconds = timed(lambda: run._saver.save(1), dev)
+    run._end_segment(1)
+    ckpt = base / "run" / "checkpoint-1"
+    return ckpt, sorted((ckpt / "model").glob("*.distcp")), seconds
+
+
+def load_with_stats(plain_load: Callable[..., set[str]], phases: dict[str, float]) -> Callable[..., set[str]]:
+    """dcp_io.load that leaves in `phases` where its time went (its own timings) and its wall time."""
+    with_stats = (
+        "stats" in inspect.signature(plain_load).parameters
+    )  # not in the code before 2026-11-30 19:00
+
+    def load(*a: Any, **k: Any) -> set[str]:
+        phases.clear()
+        t0 = time.perf_counter()
+        try:
+            return plain_load(*a, **({"stats": phases} if with_stats else {}), **k)
+        finally:
+            phases["wall"] = time.perf_counter() - t0
+
+    return load
+
+
 def loads_only(
     args: argparse.Namespace,
     ddp: nn.Module,
@@ -400,7 +441,6 @@ def loads_only(
     nbytes: int,
 ) -> None:
     from torchrelay.checkpoint import dcp_io
-    from torchrelay.checkpoint import state as ckpt_state
 
     dev = args.device
     rows: dict[str, float] = {}
@@ -416,15 +456,7 @@ def loads_only(
             time.perf_counter() - t0
         )
         del host
-    cfg = tr.RelayConfig(
-        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), async_save=False
-    )
-    run = tr.Run.open(base / "run", cfg, code_dir=base / "code")
-    run.track(model=ddp, optimizer=opt)
-    t_save = timed(lambda: run._saver.save(1), dev)
-    run._end_segment(1)
-    ckpt = base / "run" / "checkpoint-1"
-    files = sorted((ckpt / "model").glob("*.distcp"))
+    ckpt, files, t_save = save_once(base, manifest, ddp, opt, dev)
     print(
         f"[bench] torchrelay save {t_save:.1f} s: {len(files)} files, largest "
         f"{max(f.stat().st_size for f in files) / GB:.2f} GB",
@@ -441,19 +473,7 @@ def loads_only(
 
     phases: dict[str, float] = {}
     plain_load = dcp_io.load
-
-    with_stats = (
-        "stats" in inspect.signature(plain_load).parameters
-    )  # not in the code before 2026-11-30 19:00
-
-    def load_with_stats(*a: Any, **k: Any) -> set[str]:
-        t0 = time.perf_counter()
-        try:
-            return plain_load(*a, **({"stats": phases} if with_stats else {}), **k)
-        finally:
-            phases["wall"] = time.perf_counter() - t0
-
-    ckpt_state.dcp_io.load = load_with_stats  # the breakdown of the resume's load
+    dcp_io.load = load_with_stats(plain_load, phases)  # type: ignore[assignment]  # the resume's breakdown
     breakdown: dict[str, dict[str, float]] = {}
     runs = [("cold", streams) for streams in args.read_streams] + [("warm", args.read_streams[0])]
     for how, streams in runs:
@@ -472,7 +492,7 @@ def loads_only(
         rows[f"torchrelay resume (open + track), {how}"] = time.perf_counter() - t0
         run._end_segment(1)
         breakdown[how] = {"Run.open": t_open, **phases}
-    ckpt_state.dcp_io.load = plain_load
+    dcp_io.load = plain_load  # type: ignore[assignment]
     out.update(loads=rows, breakdown=breakdown, bytes=nbytes, checkpoint_files=len(files))
     f_read = rows[next(k for k in rows if k.startswith("floor: cold read"))]
     lines = [

@@ -149,6 +149,12 @@ def from_exception(exc: BaseException, what: str = "") -> RelayError:
     return RelayError(f"{where}{type(exc).__name__}: {exc}")
 
 
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of its message`: what one rank tells the others it raised (a collective carries it)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _short(value: object, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -25,7 +25,7 @@ from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.errors import CheckpointError, DiskFull, mark_reported
+from torchrelay.errors import CheckpointError, DiskFull, mark_reported, one_line
 
 # KILL_ENV in a save: "<phase>:<update>:<rank>", phases: shards, inventory, rename
 from torchrelay.fsutil import KILL_ENV, fsync_dir
@@ -109,8 +109,7 @@ def commit_checkpoint(
     try:
         written = write(tmp, hook)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must learn of any failure
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        local_error = f"rank {rank}: {type(exc).__name__}: {first_line}"[:500]
+        local_error = f"rank {rank}: {one_line(exc)}"[:500]
         if _is_disk_full(exc) or _nearly_full(run_dir):
             local_error = f"rank {rank}: no space left on the device holding {run_dir} (disk full)"
         del exc

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torchrelay.checkpoint.persist import Digests, HashingWriter
-from torchrelay.errors import CheckpointError
+from torchrelay.errors import CheckpointError, one_line
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,8 +48,7 @@ class _Ranks:
         try:
             return True, fn()
         except BaseException as exc:  # noqa: BLE001 - every rank learns of it below, as with dcp.save
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            return False, f"rank {self.rank}: {step}: {type(exc).__name__}: {first}"[:500]
+            return False, f"rank {self.rank}: {step}: {one_line(exc)}"[:500]
 
     def _gathered(self, local: tuple[bool, Any]) -> list[tuple[bool, Any]] | None:
         if self.alone:
@@ -68,7 +67,7 @@ class _Ranks:
         try:
             return True, fn([what for _, what in gathered])
         except Exception as exc:  # noqa: BLE001 - carried to every rank
-            return False, f"rank 0: {step}: {type(exc).__name__}: {exc}"[:500]
+            return False, f"rank 0: {step}: {one_line(exc)}"[:500]
 
     def reduce_scatter(self, step: str, local: Callable[[], T], reduce: Callable[[list[T]], list[R]]) -> R:
         """`local` on every rank, `reduce` of all of them on the coordinator, its i-th result to rank i."""

@@ -199,26 +199,24 @@ class _HashingFileSystem(FileSystem):
         if slot is not None:
             _lower_priority()  # a writer thread of this persist (DCP's or the persist's own): it ends with the save
             slot.acquire()
-        held = slot is not None
 
-        def written() -> None:
-            # The file's bytes are all written: its fsync needs no slot (it holds no GIL), and the next file
-            # starts filling the page cache while the disk flushes this one.
-            nonlocal held
-            if held:
-                held = False
-                slot.release()  # type: ignore[union-attr]
+        def free() -> None:
+            # Once the file's bytes are all written its fsync needs no slot (it holds no GIL), and the next file
+            # fills the page cache while the disk flushes this one. Frees the slot once.
+            nonlocal slot
+            held, slot = slot, None
+            if held is not None:
+                held.release()
 
         try:
             with open(path, "wb") as f:
-                stream = _HashingStream(f, done, written)
+                stream = _HashingStream(f, done, free)
                 try:
                     yield stream
                 finally:
                     stream.close()
         finally:
-            if held:
-                slot.release()  # type: ignore[union-attr]
+            free()
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)

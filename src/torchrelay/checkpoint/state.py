@@ -165,11 +165,13 @@ class Snapshot:
     trainer_json: bytes | None = None  # rank 0: relay_state.json
     planned: dcp_save.PlannedSave | None = None  # the DCP save of tensors_doc, planned during the stall
 
-    def plan(self, group: Any = None) -> None:
-        """Plan the DCP save of the tensors with the other ranks (every rank calls it): on the training thread while
-        the copies into the host buffers are in flight, so that the persist thread only writes."""
+    def plan(self, group: Any = None) -> dcp_save.PlannedSave | None:
+        """Plan the DCP save of the tensors with the other ranks (every rank calls it, once or again): on the
+        training thread while the copies into the host buffers are in flight, so that the persist thread only
+        writes. None without tensors."""
         if self.tensors_doc is not None and self.planned is None:
             self.planned = dcp_save.plan(self.tensors_doc, group)
+        return self.planned
 
 
 def safetensors_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -277,10 +279,9 @@ def write_snapshot(
     fsynced; returns {relative path: (SHA-256, size)} of the files this rank wrote, hashed as they were written.
     `background`: called on the persist thread, beside the training loop."""
     written: dict[str, tuple[str, int]] = {}
-    if snap.tensors_doc is not None:
-        snap.plan(group)
-        assert snap.planned is not None
-        snap.planned.write(directory / MODEL_DIR, written, background=background)
+    planned = snap.plan(group)  # made during the stall already, unless saved in one go (save_state)
+    if planned is not None:
+        planned.write(directory / MODEL_DIR, written, background=background)
     if kill_hook:
         kill_hook("shards")
     (directory / "rng").mkdir(exist_ok=True)
