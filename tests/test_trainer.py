@@ -26,7 +26,9 @@ from helpers import (
     assert_same_final_state,
     assert_same_logs,
     clean_env,
+    exposures,
     make_code_repo,
+    make_data,
     run_tree,
     segments,
     sigterm,
@@ -282,3 +284,118 @@ def test_a_subclass_adds_its_own_state_to_what_relay_track_registers() -> None:
     trainer.relay, trainer.model_wrapped, trainer.optimizer, trainer.lr_scheduler = Run(), model, opt, sched  # type: ignore[assignment]
     trainer.relay_track()
     assert registered == [{"model": model, "optimizer": opt, "scheduler": sched, "noise": noise}]
+
+
+# ---------------------------------------------------------------------------------------------- over a manifest
+MANIFEST_SCRIPT = "train_hf_trainer_manifest.py"
+MU = 8  # that example's max_steps
+
+
+def _launch_manifest(code: Path, run_dir: Path, root: Path, manifest: Path, *extra: str) -> tuple[int, str]:
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor_interval=0.5",
+        str(code / MANIFEST_SCRIPT),
+    ]
+    cmd += ["--output-dir", str(run_dir), "--manifest", str(manifest), "--data-root", str(root), *extra]
+    out = run_tree(cmd, timeout=300, env=clean_env(), cwd=code)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_trainer_over_a_manifest_in_length_order_moved_rebased_and_resumed(tmp_path: Path) -> None:
+    """RelayOptions(manifest, data_root, dataset, sampler='length_bucketed'): the manifest's fingerprint is the
+    contract, `prepare --set data_root --check-files` moves the data (the old root and manifest gone), the script
+    resumes unchanged with 2 loader workers, and ends bit for bit where the uninterrupted run ends, in the
+    length-bucketed order, every sample once."""
+    from torchrelay.data.order import GlobalOrder
+    from torchrelay.manifest import Manifest
+
+    code = make_code_repo(tmp_path / "code", scripts=(MANIFEST_SCRIPT,))
+    root, manifest = make_data(tmp_path / "old", files=1, max_bytes=96)
+    ref = tmp_path / "ref"
+    rc, out = _launch_manifest(code, ref, root, manifest)
+    assert rc == 0, out
+    run = tmp_path / "run"
+    run.mkdir()
+    main(["stop", str(run), "--at-update", "3", "--before-start"])
+    rc, out = _launch_manifest(code, run, root, manifest)
+    assert rc != 0 and "exitcode  : 4" in out, out
+    fields = json.loads((run / "resume_contract.json").read_text())["fields"]
+    source = Manifest.load(manifest, str(root))
+    assert fields["data.fingerprint"] == source.fingerprint() and fields["data.samples"] == len(source)
+    bundle = tmp_path / "bundle"
+    assert main(["pack", str(run), str(bundle)]) == 0
+    assert main(["verify", str(bundle)]) == 0
+    # the data moves to another root; the old root and the script's manifest are gone
+    new_root = tmp_path / "cluster2" / "root"
+    new_root.parent.mkdir()
+    shutil.move(str(root), str(new_root))
+    manifest.unlink()
+    there = tmp_path / "cluster2" / "run"
+    prepare = [
+        "prepare",
+        str(bundle),
+        "--run-dir",
+        str(there),
+        "--set",
+        f"data_root={new_root}",
+        "--check-files",
+    ]
+    victim = next(new_root.iterdir())
+    victim.rename(victim.with_suffix(".away"))
+    assert main(prepare) != 0 and not there.exists()  # --check-files: a file the manifest names is missing
+    victim.with_suffix(".away").rename(victim)
+    assert main(prepare) == 0
+    record = json.loads((there / "REBASE_RECORD.json").read_text())
+    assert record["changes"]["data_root"] == [str(root), str(new_root)]
+    assert str(new_root) in (there / "data/manifest.jsonl").read_text()
+    moved = next((there / "source").iterdir())
+    rc, out = _launch_manifest(moved, there, root, manifest, "--workers", "2")  # the script's old paths
+    assert rc == 0, out
+    assert f"kept data_root={str(new_root)!r} set by prepare" in out, out
+    assert segments(there)[-1]["resumed_from"] == 3
+    assert json.loads((there / "resume_contract.json").read_text()) == json.loads(
+        (ref / "resume_contract.json").read_text()
+    )
+
+    assert assert_same_final_state(ref, there, MU) > 20
+    assert_same_logs(ref, there)
+    ledger = prove(there)
+    assert ledger.ok and ledger.exposures == ledger.distinct == MU * 8
+    # the order: global batches of similar `length` (runs of 4 batches sorted longest first), as the plain loop's
+    rebased = Manifest.load(there / "data/manifest.jsonl", str(new_root))
+    order = GlobalOrder(len(rebased), 1234, 8, "length_bucketed", rebased.lengths(), 4)
+    logged = [json.loads(x) for r in (0, 1) for x in exposures(there, r)]
+    by_slot = {
+        (e["u"], e["m"], r): e["i"] for r in (0, 1) for e in (json.loads(x) for x in exposures(there, r))
+    }
+    assert len(logged) == MU * 2 * 2
+    assert by_slot == {
+        (u, m, r): order.slot(u - 1, m, r, 2, 2) for u in range(1, MU + 1) for m in (0, 1) for r in (0, 1)
+    }
+    lengths = rebased.lengths()
+    assert any(len({int(lengths[i]) for i in order.global_batch_indices(u)}) < 8 for u in range(MU))
+
+
+def test_trainer_options_refuse_what_needs_a_manifest() -> None:
+    from transformers import TrainingArguments
+
+    from torchrelay.errors import ConfigError
+    from torchrelay.integrations.hf_contract import RelayOptions, check_supported
+
+    with pytest.raises(
+        ConfigError, match=r"RelayOptions.sampler='length_bucketed' needs RelayOptions.manifest"
+    ):
+        RelayOptions(sampler="length_bucketed")
+    with pytest.raises(ConfigError, match="RelayOptions.data_root needs RelayOptions.manifest"):
+        RelayOptions(data_root="/data")
+    with pytest.raises(ConfigError, match="RelayOptions.sampler must be one of"):
+        RelayOptions(manifest="m.jsonl", sampler="by_length")
+    args = TrainingArguments(
+        output_dir="/a", use_cpu=True, report_to="none", train_sampling_strategy="group_by_length"
+    )
+    with pytest.raises(ConfigError, match="group_by_length") as info:
+        check_supported(args, [1, 2], manifest=False)
+    assert "sampler='length_bucketed'" in (info.value.hint or "")

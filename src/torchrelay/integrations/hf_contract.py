@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchrelay.config import RelayConfig
+from torchrelay.config import SAMPLERS, RelayConfig
 from torchrelay.errors import ConfigError
 
 # TrainingArguments fields that never change what is computed: where output and logs go, how often and whereto
@@ -129,6 +130,40 @@ class RelayOptions:
     runtime_params: list[str] = field(default_factory=list)
     # more TrainingArguments fields to treat as runtime-only
     runtime_args: list[str] = field(default_factory=list)
+    # A torchrelay manifest (JSONL, one sample a line, each with a unique `id`; `path`s under `data_root`): the
+    # training set is indexed by its lines, its path-independent fingerprint is the contract, and
+    # `torchrelay prepare --set data_root=... --check-files` moves and checks the data. Without it, the
+    # train_dataset's own fingerprint is (dataset_fingerprint, or a digest of every sample).
+    manifest: str | None = None
+    data_root: str = ""
+    # builds the training set from the manifest's records (the run's own copy, rebased by prepare):
+    # `dataset(records)[i]` is line i. Instead, a train_dataset of as many samples may be given to the Trainer.
+    dataset: Callable[[Sequence[dict[str, Any]]], Any] | None = None
+    # the run's order: "shuffled", or "length_bucketed" (global batches of similar manifest `length`)
+    sampler: str = "shuffled"
+    bucket_size: int = 64  # length_bucketed: batches sorted by length within this many global batches
+
+    def __post_init__(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"RelayOptions.sampler must be one of {SAMPLERS}, got {self.sampler!r}")
+        if not isinstance(self.bucket_size, int) or self.bucket_size < 1:
+            raise ConfigError(f"RelayOptions.bucket_size must be an integer >= 1, got {self.bucket_size!r}")
+        if self.manifest is None:
+            needs = [
+                name
+                for name, given in (
+                    ("data_root", bool(self.data_root)),
+                    ("dataset", self.dataset is not None),
+                    ("sampler='length_bucketed'", self.sampler == "length_bucketed"),
+                )
+                if given
+            ]
+            if needs:
+                raise ConfigError(
+                    f"RelayOptions.{needs[0]} needs RelayOptions.manifest (the JSONL listing the samples)",
+                    hint="give manifest=PATH: one JSON object per sample with a unique `id` (and `length` for "
+                    "the length_bucketed sampler)",
+                )
 
 
 def _plain(value: Any) -> Any:
@@ -256,14 +291,37 @@ def write_manifest(samples: int, folder: Path) -> Path:
     return path
 
 
-def check_supported(args: Any, dataset: Any) -> None:
-    """Refuse what an exact resume cannot carry, naming the TrainingArguments field."""
+def check_dataset(dataset: Any, samples: int | None = None) -> None:
+    """Refuse a training set torchrelay's order cannot index (`samples`: the manifest's, which it must match)."""
     if dataset is None:
-        raise ConfigError("Trainer: torchrelay needs a train_dataset")
+        raise ConfigError(
+            "Trainer: torchrelay needs a train_dataset",
+            hint="pass train_dataset=..., or RelayOptions(manifest=..., dataset=...) to build it from a manifest",
+        )
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         raise ConfigError(
             "Trainer: the train_dataset is iterable; torchrelay's order needs a map-style dataset (dataset[i], len)",
             hint="index your samples (a list of records, a datasets.Dataset)",
+        )
+    if samples is not None and len(dataset) != samples:
+        raise ConfigError(
+            f"Trainer: the train_dataset has {len(dataset)} samples, RelayOptions.manifest {samples}",
+            hint="sample i must be the manifest's line i: build it with RelayOptions(dataset=...) from the records",
+        )
+
+
+def check_supported(args: Any, dataset: Any, *, manifest: bool = False) -> None:
+    """Refuse what an exact resume cannot carry, naming the TrainingArguments field (with a manifest, the
+    dataset is checked once it is built: see check_dataset)."""
+    if not manifest:
+        check_dataset(dataset)
+    strategy = _plain(args.train_sampling_strategy)
+    if strategy == "group_by_length":
+        raise ConfigError(
+            "TrainingArguments.train_sampling_strategy='group_by_length' is not supported with torchrelay: its "
+            "order is Trainer's own and does not resume exactly",
+            hint="leave it at 'random' and pass RelayOptions(manifest=..., sampler='length_bucketed'): the "
+            "manifest's `length` groups each global batch, on any worker count (docs/TRAINER.md)",
         )
     refused = {
         "auto_find_batch_size": (
@@ -327,23 +385,37 @@ def relay_config(
     world_size: int,
     manifest: Path | str,
     parallel: dict[str, Any] | None = None,
+    *,
+    samples: int | None = None,
 ) -> RelayConfig:
     """The RelayConfig of a Trainer run: the schedule and batch from TrainingArguments, the rest in params
-    (`parallel`: the FSDP settings accelerate trains with, see parallel_identity)."""
+    (`parallel`: the FSDP settings accelerate trains with, see parallel_identity; `samples`: the manifest's, when
+    RelayOptions names one: its fingerprint is the contract's data.fingerprint, the dataset may not be built yet)."""
     import accelerate
     import transformers
 
-    samples = len(dataset)
+    if options.manifest is None:
+        samples = len(dataset)
+        fingerprint = options.dataset_fingerprint or dataset_fingerprint(dataset)
+        data = {"fingerprint": fingerprint, "samples": samples, "class": type(dataset).__qualname__}
+    else:
+        assert samples is not None, "relay_config: a manifest's sample count is needed"
+        maker = options.dataset if options.dataset is not None else type(dataset)
+        data = {
+            "source": "manifest",  # data.fingerprint of the contract, path-independent
+            "samples": samples,
+            "class": getattr(maker, "__qualname__", type(maker).__qualname__),
+            **({"fingerprint": options.dataset_fingerprint} if options.dataset_fingerprint else {}),
+        }
     micro, accum = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
     global_batch = micro * accum * world_size
     total = total_updates(args, samples, global_batch)
     per_epoch = max(1, samples // global_batch)
     limit = args.save_total_limit
-    fingerprint = options.dataset_fingerprint or dataset_fingerprint(dataset)
     params = {
         "training_args": math_args(args, options.runtime_args),
         "model": model_identity(model),
-        "dataset": {"fingerprint": fingerprint, "samples": samples, "class": type(dataset).__qualname__},
+        "dataset": data,
         # only with FSDP: the contracts of runs without it stay as they were
         **({"accelerate": parallel} if parallel is not None else {}),
         **options.params,
@@ -356,6 +428,9 @@ def relay_config(
         total_updates=total,
         warmup_updates=min(total, int(args.get_warmup_steps(total))),
         manifest=str(manifest),
+        data_root=options.data_root,
+        sampler=options.sampler,
+        bucket_size=options.bucket_size,
         num_workers=int(args.dataloader_num_workers),
         save_every=save_every(args, total, per_epoch),
         keep=max(2, int(limit)) if limit else max(2, total),

@@ -36,6 +36,7 @@ from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import (
     RelayOptions,
+    check_dataset,
     check_supported,
     parallel_identity,
     relay_config,
@@ -43,7 +44,18 @@ from torchrelay.integrations.hf_contract import (
 )
 from torchrelay.layout import CONTRACT_FILE, MANIFEST_REL
 from torchrelay.log import logger
+from torchrelay.manifest import Manifest, index_path
 from torchrelay.run import Run, Step
+from torchrelay.rundir import RunDir
+
+
+def _manifest_samples(run_dir: Path, options: RelayOptions, existing: bool) -> int:
+    """How many samples the run's manifest lists: the script's file for a new run, else the run's own copy (the
+    script's path may be the old cluster's; prepare rebased the copy and its data_root)."""
+    if not existing:
+        return len(Manifest.load(options.manifest or "", options.data_root))
+    copy = run_dir / MANIFEST_REL
+    return len(Manifest.load(copy, RunDir(run_dir).load_config().data_root, index=index_path(copy)))
 
 
 class _UpdateBatches:
@@ -182,20 +194,40 @@ class RelayTrainerMixin:
             )
         # Trainer's own output (logs, a final model) goes where the run is: output_dir is runtime-only.
         self.args.output_dir = str(run_dir)
-        check_supported(self.args, self.train_dataset)
+        check_supported(self.args, self.train_dataset, manifest=options.manifest is not None)
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         folder = Path(tempfile.mkdtemp(prefix="torchrelay-hf-"))
         try:
             # A new run copies the manifest into itself; a resume reads its own copy, so none is written then.
             existing = (Path(run_dir) / CONTRACT_FILE).is_file()
-            manifest = MANIFEST_REL if existing else write_manifest(len(self.train_dataset), folder)
+            samples = None
+            if options.manifest is not None:
+                manifest: Path | str = options.manifest
+                samples = _manifest_samples(Path(run_dir), options, existing)
+            else:
+                manifest = MANIFEST_REL if existing else write_manifest(len(self.train_dataset), folder)
             parallel = parallel_identity(getattr(self, "accelerator", None))
             cfg = relay_config(
-                self.args, self.model, self.train_dataset, options, world_size, manifest, parallel
+                self.args,
+                self.model,
+                self.train_dataset,
+                options,
+                world_size,
+                manifest,
+                parallel,
+                samples=samples,
             )
             self.relay = Run.open(run_dir, cfg)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        if options.manifest is not None:
+            try:
+                if options.dataset is not None:  # from the run's own copy: the paths prepare rebased
+                    self.train_dataset = options.dataset(self.relay.manifest.records)
+                check_dataset(self.train_dataset, len(self.relay.manifest))
+            except BaseException as exc:
+                self.relay.close(exc)
+                raise
         # The schedule is the run's (on a resume, the recorded one, which the contract held equal).
         self.args.max_steps = self.relay.config.total_updates
         self.add_callback(RelayCallback(self))  # type: ignore[attr-defined]  # Trainer's
