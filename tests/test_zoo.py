@@ -62,9 +62,17 @@ def test_every_cpu_member_composed_is_equal_with_early_and_late_stops(tmp_path: 
     assert config["params"]["members"] == sorted(zoo.CPU_MEMBERS)
     stored = json.loads((run / "checkpoint-12" / "relay_state.json").read_text())
     tracked = set(stored["statefuls"]) | set((stored.get("per_rank") or {}).get("statefuls", []))
-    assert tracked == {"scheduler", "plateau", "ema", "scaler", "noise"}
+    assert tracked == {"scheduler", "muon_scheduler", "plateau", "ema", "scaler", "noise"}
+    # muon: Muon's momentum for the classifier's matrices beside AdamW's moments for the rest, one list tracked
+    from torchrelay.checkpoint.reader import load_tensors
+
+    names = set(load_tensors(run / "checkpoint-12"))
+    assert {"optim.fc.0.weight.momentum_buffer", "optim.classify.weight.momentum_buffer"} <= names
+    assert "optim.fc.0.bias.exp_avg" in names and "optim.fc.0.weight.exp_avg" not in names
+    groups = stored["optimizer"]["param_groups"]
+    assert [g.get("adjust_lr_fn") for g in groups if "momentum" in g] == ["match_rms_adamw"]
     rows = [json.loads(x) for x in (run / "train" / "metrics-rank1.jsonl").read_text().splitlines()]
-    assert {"grad_norm", "scale", "ema_w"} <= set(rows[-1]) and "eval_loss" in rows[-1]
+    assert {"grad_norm", "scale", "ema_w", "muon_lr"} <= set(rows[-1]) and "eval_loss" in rows[-1]
     lrs = [r["lr"] for r in rows]
     assert lrs[0] < lrs[2] and lrs[-1] < max(lrs)  # warmup, then cosine (and the plateau's cuts)
     assert len({r["scale"] for r in rows}) > 2  # the GradScaler grew: its state matters on resume

@@ -22,6 +22,8 @@ NCCL) with gradient accumulation. Each member switches one feature on; several c
   workers         2 DataLoader workers (persistent) with per-sample augmentation from tr.SampleContext, and an
                   evaluation DataLoader of the script's own with a persistent worker
   hf              a GPT-2 from transformers, built from a config (no download), on the token branch
+  muon            torch.optim.Muon (adjust_lr_fn="match_rms_adamw", cosine LR) on the 2-D weights of the
+                  classifier, AdamW on the rest (Muon takes matrices only): both optimizers tracked as one list
 
 Every run augments each sample from `ctx.generator()` (seeded from seed, sample, epoch), so the draws are
 the same with any worker count and after any resume.
@@ -59,6 +61,7 @@ MEMBERS = (
     "checkpointing",
     "workers",
     "hf",
+    "muon",
 )
 CPU_MEMBERS = tuple(m for m in MEMBERS if m != "syncbn")
 HERE = Path(__file__).resolve().parent
@@ -212,13 +215,21 @@ def main() -> int:
             net = ZooNet(on).to(device)
             model = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if cuda else None)
 
+            # muon: the hidden matrices go to Muon (it takes 2-D parameters only); embeddings, the GPT-2 and every
+            # other tensor stay with AdamW, as LingBot paired them.
+            matrices = (
+                [w for n, w in net.named_parameters() if w.ndim == 2 and n.startswith(("fc.", "classify."))]
+                if "muon" in on
+                else []
+            )
+            rest = [w for w in net.parameters() if all(w is not m for m in matrices)]
             if "adamw_groups" in on:
                 no_decay = [w for n, w in net.named_parameters() if w.ndim < 2 or "norm" in n or "embed" in n]
-                decay = [w for w in net.parameters() if all(w is not x for x in no_decay)]
+                decay = [w for w in rest if all(w is not x for x in no_decay)]
                 opt = torch.optim.AdamW(
                     [
                         {"params": decay, "weight_decay": p["weight_decay"]},
-                        {"params": no_decay, "weight_decay": 0.0},
+                        {"params": [w for w in no_decay if any(w is r for r in rest)], "weight_decay": 0.0},
                     ],
                     lr=p["lr"],
                 )
@@ -230,12 +241,23 @@ def main() -> int:
                     opt, [warmup, cosine], milestones=[cfg.warmup_updates]
                 )
             else:
-                opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=0.0)
+                opt = torch.optim.AdamW(rest, lr=p["lr"], weight_decay=0.0)
                 sched = None
+            optimizers: list[torch.optim.Optimizer] = [opt]
+            if matrices:
+                muon = torch.optim.Muon(
+                    matrices, lr=p["lr"], weight_decay=p["weight_decay"], adjust_lr_fn="match_rms_adamw"
+                )
+                optimizers.append(muon)
+                muon_sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+                    muon, T_max=cfg.total_updates, eta_min=1e-4
+                )
 
             state: dict[str, object] = {}
             if sched is not None:
                 state["scheduler"] = sched
+            if matrices:
+                state["muon_scheduler"] = muon_sched
             if "plateau" in on:
                 plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
                     opt, factor=0.5, patience=1, threshold=0.0
@@ -254,7 +276,8 @@ def main() -> int:
             if "per_rank" in on:
                 noise = torch.Generator(device=device).manual_seed(cfg.seed + 1000 * rank)
                 state["noise"] = noise  # differs by rank, and must come back per rank
-            run.track(model=model, optimizer=opt, **state)
+            # Several optimizers are tracked as one list (DCP keeps each one's state by parameter name).
+            run.track(model=model, optimizer=optimizers if len(optimizers) > 1 else opt, **state)
 
             loader = run.dataloader(ZooData(run.manifest.records), persistent_workers=True)
             evaluation = None
@@ -286,13 +309,19 @@ def main() -> int:
                 lr = opt.param_groups[0]["lr"]
                 metrics = {"loss": total.item(), "lr": lr}
                 if "clip" in on:
-                    scaler.unscale_(opt)
+                    for o in optimizers:
+                        scaler.unscale_(o)
                     metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
-                scaler.step(opt)
+                for o in optimizers:
+                    scaler.step(o)
                 scaler.update()
-                opt.zero_grad(set_to_none=True)
+                for o in optimizers:
+                    o.zero_grad(set_to_none=True)
                 if sched is not None:
                     sched.step()
+                if matrices:
+                    metrics["muon_lr"] = muon.param_groups[0]["lr"]
+                    muon_sched.step()
                 if "plateau" in on:
                     mean = total.clone()
                     dist.all_reduce(mean)  # every rank must step the plateau on the same number
