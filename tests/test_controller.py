@@ -301,3 +301,95 @@ def test_supervisor_forwards_stop_signals_to_the_ranks_and_reaps_stuck_ones(tmp_
         result.returncode == -signal.SIGKILL
         and "still alive 0.5s after the run recorded its end" in result.killed
     )
+
+
+# ------------------------------------------------------------------------------------------------ fallbacks
+def test_a_fallback_is_chosen_by_the_devices_and_validated(tmp_path: Path) -> None:
+    base = {"run_dir": "runs/x", "train": {"script": "t.py", "nproc_per_node": 8, "args": ["--a"]}}
+    fb = {"name": "gpu4", "run_dir": "runs/x4", "nproc_per_node": 4, "overrides": {"params.lr": 0.1}}
+    plan = Plan.from_dict(
+        {**base, "fallbacks": [fb, {**fb, "name": "gpu2", "run_dir": "r2", "nproc_per_node": 2}]}, tmp_path
+    )
+    assert plan.for_devices(8) is plan and plan.for_devices(None) is plan  # enough, or unknown: the primary
+    chosen = plan.for_devices(5)
+    assert (chosen.name, chosen.run_dir, chosen.train.nproc_per_node) == (
+        "gpu4",
+        str(tmp_path / "runs/x4"),
+        4,
+    )
+    assert (
+        chosen.train.args == ["--a"]
+        and chosen.train.overrides == {"params.lr": 0.1}
+        and chosen.fallbacks == []
+    )
+    assert chosen.fallback_of == {
+        "fallback": "gpu4",
+        "plan": "x",
+        "primary_run_dir": str(tmp_path / "runs/x"),
+        "primary_nproc_per_node": 8,
+        "devices": 5,
+        "nproc_per_node": 4,
+    }
+    assert plan.for_devices(3).name == "gpu2"
+    with pytest.raises(
+        ConfigError,
+        match=r"has 1 device\(s\) per node, train.nproc_per_node needs 8 and no "
+        r"fallback fits \(they need \[4, 2\]\)",
+    ):
+        plan.for_devices(1)
+    with pytest.raises(ConfigError, match="its run_dir is the primary's"):
+        Plan.from_dict({**base, "fallbacks": [{**fb, "run_dir": "runs/x"}]}, tmp_path)
+    with pytest.raises(ConfigError, match="nproc_per_node 8 is not fewer than train.nproc_per_node 8"):
+        Plan.from_dict({**base, "fallbacks": [{**fb, "nproc_per_node": 8}]}, tmp_path)
+    with pytest.raises(ConfigError, match=r"plan fallbacks: unknown field\(s\) \['gpus'\]"):
+        Plan.from_dict({**base, "fallbacks": [{**fb, "gpus": 4}]}, tmp_path)
+
+
+def test_launch_on_too_few_devices_runs_the_fallback_as_a_run_of_its_own(
+    example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchrelay.cli import main
+
+    # The fallback keeps the global batch on 1 rank by accumulating twice as many micro-batches (as LingBot's 4-GPU
+    # configuration did): its own configuration, its own run directory, its own contract.
+    config = write_config(tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=4)
+    accum = yaml.safe_load(config.read_text())["grad_accum"]
+    single = write_config(
+        tmp_path / "lm1.yaml", example["manifest"], example["root"], total_updates=4, grad_accum=2 * accum
+    )
+    run, fallback_run = tmp_path / "run", tmp_path / "run-1rank"
+    plan = write_plan(
+        tmp_path / "plan.yaml",
+        example["code"],
+        config,
+        run,
+        smoke={"when": "never"},
+        fallbacks=[
+            {
+                "name": "one-rank",
+                "run_dir": str(fallback_run),
+                "nproc_per_node": 1,
+                "args": ["--config", str(single)],
+            }
+        ],
+    )
+    out = launch_cli(plan, "--devices", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fallback 'one-rank' of plan 'run'" in out.stderr
+    assert not run.exists()  # the primary's run was not started
+    (seg,) = segments(fallback_run)
+    assert (seg["world_size"], seg["ended"], seg["last_update"]) == (1, "finished", 4)
+    (attempt,) = Attempts(fallback_run).all()
+    recorded = json.loads((attempt.path / "fallback.json").read_text())
+    assert (
+        recorded["fallback"] == "one-rank"
+        and recorded["devices"] == 1
+        and recorded["primary_nproc_per_node"] == 2
+    )
+    assert outcome_of(fallback_run)["fallback"] == recorded
+    assert yaml.safe_load((attempt.path / "plan.resolved.yaml").read_text())["train"]["nproc_per_node"] == 1
+    capsys.readouterr()
+    assert main(["status", str(fallback_run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fallback"] == recorded
+    assert main(["status", str(fallback_run)]) == 0
+    assert "launched as" in capsys.readouterr().out

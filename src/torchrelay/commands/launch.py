@@ -21,6 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget", type=float, default=None, metavar="SECONDS", help="stop cleanly within this"
     )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="devices per node this allocation has (default: the GPUs CUDA sees); fewer than the plan's "
+        "train.nproc_per_node runs its first fallback that fits",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,5 +37,6 @@ def run(args: argparse.Namespace) -> int:
         sets=parse_assignments(args.set),
         deadline=parse_deadline(args.deadline) if args.deadline else None,
         budget_s=args.budget,
+        devices=args.devices,
     )
     return launch(request).exit_code

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchrelay.audit.verdict import shown_for_run
+from torchrelay.controller.attempts import describe_fallback, latest_fallback
 from torchrelay.errors import EXIT_ERROR, ConfigError
 from torchrelay.history import read_history
 from torchrelay.lock import describe, holder
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         return _last_exit(args.run_dir)
     s = summarize(args.run_dir, ledger=args.ledger)
     s["audit"] = shown_for_run(args.run_dir)  # the summary is the run's; the verdict is the audit's
+    s["fallback"] = latest_fallback(args.run_dir)  # started by `launch` as a plan's fallback
     if args.json:
         print(json.dumps(s, indent=1, sort_keys=True))
         return 0
@@ -136,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     if s.get("audit"):
         a = s["audit"]
         t.add_row("last audit", f"{a.get('verdict', a)}")
+    if s.get("fallback"):
+        t.add_row("launched as", describe_fallback(s["fallback"]))
     console.print(t)
     c = Table(title="checkpoints")
     for col in ("update", "state", "size", "kept because"):

@@ -8,6 +8,7 @@ RUN_DIR/attempts/
     overrides.json           the --set assignments given on the command line
     plan.diff.json           [[dotted key, frozen value, this value], ...]: the change against the frozen plan
     measurements.json        update/save/startup seconds and checkpoint size from the smoke (when it ran)
+    fallback.json            when the allocation had too few devices: which fallback of which plan ran, and why
     outcome.json             exit code, ended, stage reached, updates done, notes (written last)
     smoke/                   the throwaway run directory of the smoke run
 ```
@@ -51,6 +52,9 @@ class Outcome:
     job: str | None = None
     notes: list[str] = field(default_factory=list)
     validation: dict[str, Any] = field(default_factory=dict)  # the validation stage's report, when it ran
+    fallback: dict[str, Any] = field(
+        default_factory=dict
+    )  # the plan's fallback this attempt ran (fallback.json)
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -175,6 +179,28 @@ class Attempts:
             if isinstance(data, dict):
                 return data
         return None
+
+
+def describe_fallback(fallback: dict[str, Any]) -> str:
+    """One line saying which fallback ran instead of which plan, and why."""
+    return (
+        f"fallback {fallback.get('fallback')!r} of plan {fallback.get('plan')!r}: the allocation has "
+        f"{fallback.get('devices')} device(s) per node, the plan needs {fallback.get('primary_nproc_per_node')}; "
+        f"{fallback.get('nproc_per_node')} rank(s) per node in a run of its own (not a continuation of "
+        f"{fallback.get('primary_run_dir')})"
+    )
+
+
+def latest_fallback(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """fallback.json of the run's newest attempt that has one: the run was started as a plan's fallback
+    (reads only: a status must not settle staged attempts)."""
+    root = Path(run_dir) / ATTEMPTS_DIR
+    numbered = [(int(m.group(1)), c) for c in root.glob("attempt_*") if (m := _NAME.match(c.name))]
+    for _, folder in sorted(numbered, reverse=True):
+        data = Attempt(folder, 0).read_json("fallback.json")
+        if isinstance(data, dict):
+            return data
+    return None
 
 
 def _yaml(data: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.controller.attempts import Attempt, Attempts, Outcome
+from torchrelay.controller.attempts import Attempt, Attempts, Outcome, describe_fallback
 from torchrelay.controller.memguard import MemoryLimits
 from torchrelay.controller.plan import Plan, load_plan
 from torchrelay.controller.preflight import CheckResult, PreflightReport, check_disk, run_preflight
@@ -70,6 +70,8 @@ class LaunchRequest:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     clock: Callable[[], float] = time.time
     time_left: Callable[[str], float | None] | None = None  # job id -> end time; default asks squeue
+    # devices per node this allocation has (`--devices`); None: the GPUs CUDA sees (none: the primary plan runs)
+    devices: int | None = None
 
 
 class Controller:
@@ -93,9 +95,19 @@ class Controller:
         deadline = self._deadline(started)
         attempt, diff = self.attempts.start(self.plan.to_dict(), self.req.sets)
         self._show_attempt(attempt, diff, deadline)
+        fallback = self.plan.fallback_of
+        if fallback:
+            attempt.write_json("fallback.json", fallback)
+            attempt.note(describe_fallback(fallback))
+            self.console.print(f"[yellow]fallback[/]: {describe_fallback(fallback)}")
         before = _saved_update(self.plan.run_path)
         outcome = Outcome(
-            exit_code=EXIT_ERROR, ended="error", stage="preflight", started=started, job=self.job
+            exit_code=EXIT_ERROR,
+            ended="error",
+            stage="preflight",
+            started=started,
+            job=self.job,
+            fallback=dict(fallback),
         )
         outcome.updates_before = outcome.updates_after = before
         with self.relay:
@@ -542,12 +554,23 @@ def _saved_update(run_dir: Path) -> int:
     return complete[-1] if complete else 0
 
 
+def visible_devices() -> int | None:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES applied), or None without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
 def launch(request: LaunchRequest, console: Console | None = None) -> Outcome:
     """Run one attempt of the plan and return its outcome (exit code in `outcome.exit_code`).
 
+    With fewer devices per node than the plan's train.nproc_per_node, the attempt runs the plan's first fallback
+    that fits (a run of its own, in its own run directory), recorded in the attempt's fallback.json.
     One controller per run: a second launch of the same run directory is refused (RunBusy, exit 2) before it
     records an attempt or starts anything.
     """
     plan = load_plan(request.plan_path, request.sets)
+    devices = request.devices if request.devices is not None else visible_devices()
+    plan = plan.for_devices(devices)
     with RunLock(plan.run_path, "launch"):
         return Controller(request, console, plan).run()

@@ -18,6 +18,8 @@ budget: {margin_s: 10}
 memory: {soft_fraction: 0.9, hard_fraction: 0.97}
 slurm: {time: "04:00:00", nodes: 1, gpus_per_node: 8, signal_s: 300}
 validate: {run: "python tools/validate.py --checkpoint {checkpoint} --out {metrics}", updates: [4000, 8000]}
+fallbacks:                        # when the allocation has fewer devices per node than train.nproc_per_node
+  - {name: gpu4, run_dir: runs/lm-4gpu, nproc_per_node: 4, args: [--config, configs/lm4.yaml]}
 ```
 """
 
@@ -221,6 +223,42 @@ class SlurmSpec:
             raise ConfigError(f"plan slurm: 'extra' must be a list of sbatch options, got {self.extra!r}")
 
 
+@dataclass(kw_only=True, slots=True)
+class FallbackSpec:
+    """Another configuration for an allocation with fewer devices per node than `train` needs: a run of its own.
+
+    Its run directory is its own (a new run with its own contract, never a continuation of the primary's: another
+    rank count changes the global batch or the reduction order). args, overrides: the primary's unless given.
+    """
+
+    name: str
+    run_dir: str
+    nproc_per_node: int
+    args: list[str] | None = None
+    overrides: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # added to train.env
+
+    def __post_init__(self) -> None:
+        src = f"plan fallbacks[{self.name!r}]" if isinstance(self.name, str) else "plan fallbacks"
+        _check_type(src, "name", self.name, str)
+        _check_type(src, "run_dir", self.run_dir, str)
+        _check_type(src, "nproc_per_node", self.nproc_per_node, int)
+        if not self.name or not self.run_dir:
+            raise ConfigError(f"{src}: every fallback needs a 'name' and its own 'run_dir'")
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"{src}: field 'nproc_per_node' must be >= 1, got {self.nproc_per_node}")
+        if self.args is not None:
+            if not isinstance(self.args, list) or not all(
+                isinstance(a, str | int | float) for a in self.args
+            ):
+                raise ConfigError(f"{src}: field 'args' must be a list of strings, got {self.args!r}")
+            self.args = [str(a) for a in self.args]
+        if self.overrides is not None:
+            _check_type(src, "overrides", self.overrides, dict)
+        _check_type(src, "env", self.env, dict)
+        self.env = {str(k): str(v) for k, v in self.env.items()}
+
+
 EXPORT_KEYS = ("dtype", "drop", "rename", "include")
 
 
@@ -277,6 +315,9 @@ class Plan:
     slurm: SlurmSpec = field(default_factory=SlurmSpec)
     validate: ValidateSpec = field(default_factory=ValidateSpec)
     name: str = ""
+    fallbacks: list[FallbackSpec] = field(default_factory=list)
+    # set on the plan `for_devices` derived from a fallback: which one, of which plan, and why
+    fallback_of: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_type("plan", "run_dir", self.run_dir, str)
@@ -284,6 +325,59 @@ class Plan:
             raise ConfigError("plan: 'run_dir' is required: the run directory the training writes")
         if not self.name:
             self.name = Path(self.run_dir).name
+        if not isinstance(self.fallbacks, list):
+            raise ConfigError(f"plan: 'fallbacks' must be a list, got {self.fallbacks!r}")
+        self.fallbacks = [
+            f if isinstance(f, FallbackSpec) else _build(FallbackSpec, f, "fallbacks") for f in self.fallbacks
+        ]
+        names = [f.name for f in self.fallbacks]
+        for f in self.fallbacks:
+            if names.count(f.name) > 1:
+                raise ConfigError(f"plan fallbacks: names must be unique, {f.name!r} is repeated")
+            if Path(f.run_dir) == Path(self.run_dir):
+                raise ConfigError(
+                    f"plan fallbacks[{f.name!r}]: its run_dir is the primary's; a fallback is a new run",
+                    hint="give it a run directory of its own (its contract differs: another rank count)",
+                )
+            if f.nproc_per_node >= self.train.nproc_per_node:
+                raise ConfigError(
+                    f"plan fallbacks[{f.name!r}]: nproc_per_node {f.nproc_per_node} is not fewer than "
+                    f"train.nproc_per_node {self.train.nproc_per_node}"
+                )
+
+    def for_devices(self, devices: int | None) -> Plan:
+        """The plan to run on `devices` per node (None: unknown, the primary): this one, or its first fallback that
+        fits, as a plan of its own; refused when none fits."""
+        need = self.train.nproc_per_node
+        if devices is None or devices >= need:
+            return self
+        fits = next((f for f in self.fallbacks if f.nproc_per_node <= devices), None)
+        if fits is None:
+            offered = [f.nproc_per_node for f in self.fallbacks]
+            raise ConfigError(
+                f"plan {self.name}: the allocation has {devices} device(s) per node, train.nproc_per_node needs "
+                f"{need}" + (f" and no fallback fits (they need {offered})" if offered else ""),
+                hint="run in a larger allocation, or add a fallback with fewer ranks (plan field 'fallbacks')",
+            )
+        t = self.train
+        train = dataclasses.replace(
+            t,
+            nproc_per_node=fits.nproc_per_node,
+            args=list(fits.args) if fits.args is not None else list(t.args),
+            overrides=dict(fits.overrides) if fits.overrides is not None else dict(t.overrides),
+            env={**t.env, **fits.env},
+        )
+        why = {
+            "fallback": fits.name,
+            "plan": self.name,
+            "primary_run_dir": self.run_dir,
+            "primary_nproc_per_node": need,
+            "devices": devices,
+            "nproc_per_node": fits.nproc_per_node,
+        }
+        return dataclasses.replace(
+            self, run_dir=fits.run_dir, name=fits.name, train=train, fallbacks=[], fallback_of=why
+        )
 
     @property
     def run_path(self) -> Path:
@@ -306,6 +400,9 @@ class Plan:
         for key in ("run_dir", "workdir"):
             if isinstance(data.get(key), str):
                 data[key] = str((base / os.path.expandvars(data[key])).resolve())
+        for fb in data.get("fallbacks") or []:
+            if isinstance(fb, dict) and isinstance(fb.get("run_dir"), str):
+                fb["run_dir"] = str((base / os.path.expandvars(fb["run_dir"])).resolve())
         if "workdir" not in data:
             data["workdir"] = str(base)
         if "train" not in data:
