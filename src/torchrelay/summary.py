@@ -14,7 +14,7 @@ from torchrelay.history import read_history
 from torchrelay.ledger import prove
 from torchrelay.lock import holder
 from torchrelay.rundir import RunDir
-from torchrelay.train_records import last_records, metrics_path
+from torchrelay.train_records import count_ooms, is_objective, last_records, metrics_path, read_ooms
 from torchrelay.validation_records import read_pending, read_records
 
 
@@ -35,6 +35,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     done = records[-1]["update"] if records else 0
     recent = records
     losses = [float(r["loss"]) for r in recent if isinstance(r.get("loss"), int | float)]
+    objectives = sorted({k for r in recent for k in r if is_objective(k)})
     times = [float(r["update_time"]) for r in recent if isinstance(r.get("update_time"), int | float)]
     left = cfg.total_updates - done
     mean_time = _mean(times)
@@ -64,6 +65,10 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
         "lr": records[-1].get("lr") if records else None,
         "loss_mean": _mean(losses),
         "loss_window": len(losses),
+        # each objective's loss (`loss_<name>` a script logs), mean of the same last updates
+        "objective_means": {
+            k: _mean([float(r[k]) for r in recent if isinstance(r.get(k), int | float)]) for k in objectives
+        },
         "update_time_mean": mean_time,
         "eta_seconds": left * mean_time if mean_time is not None else None,
         "checkpoints": [
@@ -104,6 +109,10 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
         "trained_by": holder(rd.path, "train"),
         "launched_by": holder(rd.path, "launch"),
     }
+    ooms = count_ooms(read_ooms(rd.train_dir))
+    out["cuda_ooms"] = ooms
+    for seg in out["segments"]:
+        seg["ooms"] = ooms["by_segment"].get(str(seg["segment"]), {"caught": 0, "fatal": 0})
     out["running"] = out["trained_by"] is not None
     # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
     out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]

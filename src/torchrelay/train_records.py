@@ -14,12 +14,53 @@ from typing import IO, Any
 
 import numpy as np
 
+from torchrelay.util.jsonl import iter_records
+
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
 _RANK_LOG = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
 
 
 def metrics_path(train_dir: Path, rank: int) -> Path:
     return train_dir / f"metrics-rank{rank}.jsonl"
+
+
+def is_objective(key: str) -> bool:
+    """A logged metric that is one objective's loss: `loss_<name>` (step.log(loss_g3=..., loss_a1=...))."""
+    return key.startswith("loss_") and len(key) > len("loss_")
+
+
+def count_ooms(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """CUDA OOMs in all and per segment: {"total", "caught", "fatal", "by_segment": {id: {"caught", "fatal"}}}."""
+    by: dict[str, dict[str, int]] = {}
+    for r in records:
+        seg = by.setdefault(str(r.get("segment")), {"caught": 0, "fatal": 0})
+        seg["fatal" if r.get("fatal") else "caught"] += 1
+    caught = sum(v["caught"] for v in by.values())
+    fatal = sum(v["fatal"] for v in by.values())
+    return {"total": caught + fatal, "caught": caught, "fatal": fatal, "by_segment": by}
+
+
+def ooms_path(train_dir: Path, rank: int) -> Path:
+    """Rank r's CUDA out-of-memory errors, one line each: never trimmed at a resume (an OOM that ended a segment
+    after its last checkpoint still happened)."""
+    return train_dir / f"ooms-rank{rank}.jsonl"
+
+
+def record_oom(train_dir: Path, rank: int, record: dict[str, Any]) -> None:
+    """Append one OOM record (update, segment, fatal, message), flushed to disk: the process may die next."""
+    train_dir.mkdir(parents=True, exist_ok=True)
+    with open(ooms_path(train_dir, rank), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"rank": rank, **record}, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_ooms(train_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's OOM records (few: each is an error a script met)."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(train_dir.glob("ooms-rank*.jsonl")):
+        out.extend(r for r in iter_records(path) if isinstance(r, dict))
+    return out
 
 
 def exposures_path(train_dir: Path, rank: int) -> Path:
@@ -247,8 +288,6 @@ def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _exposures_by_line(path: Path) -> Exposures:
-    from torchrelay.util.jsonl import iter_records
-
     updates: list[int] = []
     counts: list[int] = []
     ids: list[int] = []

@@ -133,6 +133,14 @@ def run(args: argparse.Namespace) -> int:
         )
     t.add_row("LR", _fmt(s["lr"], ".4g"))
     t.add_row(f"loss (mean of last {s['loss_window']})", _fmt(s["loss_mean"], ".4f"))
+    if s.get("objective_means"):
+        names = " / ".join(s["objective_means"])
+        values = " / ".join(_fmt(v, ".4g") for v in s["objective_means"].values())
+        t.add_row(f"{names} (same updates)", values)
+    ooms = s.get("cuda_ooms") or {}
+    t.add_row(
+        "CUDA OOMs", f"{ooms.get('total', 0)} ({ooms.get('caught', 0)} caught, {ooms.get('fatal', 0)} fatal)"
+    )
     t.add_row("update time (mean)", f"{s['update_time_mean']:.3f} s" if s["update_time_mean"] else "-")
     t.add_row("ETA", _duration(s["eta_seconds"]))
     if s.get("audit"):
@@ -161,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
         g.add_column(col)
     for i, seg in enumerate(s["segments"], 1):
         notes = "; ".join(seg.get("notes") or [])
+        oom = seg.get("ooms") or {}
+        if oom.get("caught") or oom.get("fatal"):
+            notes = f"OOMs: {oom.get('caught', 0)} caught, {oom.get('fatal', 0)} fatal; " + notes
         if seg.get("runtime_changes"):
             notes = f"runtime: {seg['runtime_changes']} " + notes
         g.add_row(

@@ -107,6 +107,15 @@ def render_readme(
         value = _get(progress, *keys)
         if value is not None:
             w(f"| {label} | {_fmt(value)} |")
+    objectives = progress.get("objective_loss_mean_100") or {}
+    if objectives:
+        names, values = " / ".join(objectives), " / ".join(_fmt(v) for v in objectives.values())
+        w(f"| {names} (mean of the last 100 updates) | {values} |")
+    ooms = progress.get("cuda_ooms")
+    if isinstance(ooms, dict):
+        w(
+            f"| CUDA OOMs | {ooms.get('total', 0)} ({ooms.get('caught', 0)} caught, {ooms.get('fatal', 0)} fatal) |"
+        )
     w("")
 
     w("## Invariants: do not change\n")

@@ -313,6 +313,10 @@ def _write_bundle(
     for kind in ("metrics", "exposures"):
         for _rank, path in rank_logs(rd.train_dir, kind).items():
             trim_copy(path, out / TRAIN_DIR / path.name, update)
+    for path in sorted(
+        rd.train_dir.glob("ooms-rank*.jsonl")
+    ):  # every OOM the run met: counted, never trimmed
+        shutil.copyfile(path, out / TRAIN_DIR / path.name)
 
     # 4. Manifest identity, the exact source, progress at the stop, lineage, the README.
     manifest = Manifest.load(rd.manifest_path, cfg.data_root)
@@ -399,18 +403,28 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     summary.setdefault("updates_left", max(total_updates - update, 0))
     summary.setdefault("total_updates", total_updates)
     losses: dict[int, list[float]] = {}
+    objectives: dict[str, dict[int, list[float]]] = {}
     lr = None
     for _rank, path in rank_logs(bundle_like / TRAIN_DIR, "metrics").items():
         for rec in iter_records(path):
             u = int(rec.get("update", 0))
             if isinstance(rec.get("loss"), (int, float)):
                 losses.setdefault(u, []).append(float(rec["loss"]))
+            for key, value in rec.items():  # `loss_<name>`: one objective's loss (loss_g3, loss_a1)
+                if key.startswith("loss_") and isinstance(value, (int, float)):
+                    objectives.setdefault(key, {}).setdefault(u, []).append(float(value))
             if u == update and isinstance(rec.get("lr"), (int, float)):
                 lr = float(rec["lr"])
     last = sorted(losses)[-100:]
     if last:
         # per update, the mean over ranks; then the mean over the last (up to) 100 updates
         summary.setdefault("loss_mean_100", sum(sum(losses[u]) / len(losses[u]) for u in last) / len(last))
+    if objectives:
+        means = {}
+        for key, per_update in sorted(objectives.items()):
+            window = sorted(per_update)[-100:]
+            means[key] = sum(sum(per_update[u]) / len(per_update[u]) for u in window) / len(window)
+        summary["objective_loss_mean_100"] = means  # mean over ranks, then over the last 100 updates
     if lr is not None:
         summary.setdefault("lr", lr)
     try:

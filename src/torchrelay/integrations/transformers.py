@@ -136,6 +136,10 @@ class RelayCallback(TrainerCallback):
         # epochs of the run's order, not of this launch's batches
         state.epoch = state.global_step / run.order.updates_per_epoch
         step = self._step(state.global_step)
+        pending = self._trainer._relay_pending
+        if step is not None and pending:
+            step.log(**{k: sum(v) / len(v) for k, v in pending.items()})
+        pending.clear()
         total = getattr(self._trainer, "_tr_loss", None)
         if step is not None and total is not None:
             now = float(total)
@@ -160,6 +164,7 @@ class RelayTrainerMixin:
 
     relay: Run
     _relay_batches: _UpdateBatches | None
+    _relay_pending: dict[str, list[float]]
     # what Trainer provides (this class is always mixed into a Trainer)
     args: Any
     model: Any
@@ -180,6 +185,7 @@ class RelayTrainerMixin:
             training_args.output_dir = str(early_dir)
         super().__init__(*args, **kwargs)
         self._relay_batches = None
+        self._relay_pending: dict[str, list[float]] = {}
         options = self.relay_options(relay or RelayOptions())
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -261,6 +267,13 @@ class RelayTrainerMixin:
         self.relay.track(
             model=self.model_wrapped, optimizer=optimizer, scheduler=self.lr_scheduler, **statefuls
         )
+
+    def relay_log(self, **metrics: Any) -> None:
+        """Log metrics of the update in progress from inside Trainer's loop, e.g. each objective's loss in
+        compute_loss (`self.relay_log(loss_g3=..., loss_a1=...)`): their mean over the update's micro-batches goes
+        into this rank's metrics beside the loss (`status`, training_progress.json and `report` show `loss_*`)."""
+        for key, value in metrics.items():
+            self._relay_pending.setdefault(key, []).append(float(value))
 
     # ------------------------------------------------------------------ Trainer's hooks
     def get_train_dataloader(self) -> Any:

@@ -34,7 +34,7 @@ def render(
     `audit`: the resumability audit's verdict line for the page (the `report` command looks it up)."""
     # Imported here so that `import torchrelay.report` stays cheap for tools that only read series.
     from torchrelay.report.html import write_html
-    from torchrelay.report.plots import PANELS, draw_overview, draw_panel, draw_validation
+    from torchrelay.report.plots import draw_overview, draw_panel, draw_validation, panels_for
 
     series = read_series(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
@@ -46,10 +46,11 @@ def render(
             hint="pass --out DIR somewhere writable",
         ) from exc
     overview = draw_overview(series, out / "overview.png")
-    plots = {name: draw_panel(name, series, out / f"{name}.png") for name in PANELS}
+    panels = panels_for(series)
+    plots = {name: draw_panel(name, series, out / f"{name}.png") for name in panels}
     if series.validation:  # only runs with validation records get the plot (and the page its table)
         plots["validation"] = draw_validation(series, out / "validation.png")
-    titles = {name: title for name, (title, _) in PANELS.items()} | {
+    titles = {name: title for name, (title, _) in panels.items()} | {
         "validation": "Validation (metric vs update)"
     }
     images = {"overview": ("Overview", overview)} | {

@@ -127,6 +127,22 @@ def draw_loss(ax: Axes, s: RunSeries) -> None:
     ax.legend(loc="lower left", fontsize=8)  # a falling loss leaves that corner empty
 
 
+def draw_objectives(ax: Axes, s: RunSeries) -> None:
+    palette = ("#1F3B73", "#C96F16", "#2F7F5F", "#B23A48", "#7A4E9E", "#5A5A5A")
+    drawn = {name: v for name, v in s.objectives.items() if _has_values(v)}
+    if not drawn:
+        return _no_data(ax, "per-objective loss")
+    for i, (name, values) in enumerate(drawn.items()):
+        color = palette[i % len(palette)]
+        ax.plot(s.updates, values, color=color, lw=0.7, alpha=0.45)
+        ax.plot(s.updates, smooth(values), color=color, lw=1.8, label=f"{name} (smoothed)")
+    finite = [x for v in drawn.values() for x in v if math.isfinite(x)]
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+        ax.set_yscale("log")  # objectives of other magnitudes (0.014 and 0.35) each stay readable
+    ax.set_ylabel("loss per objective" + (f" (mean of {s.ranks} ranks)" if s.ranks > 1 else ""))
+    ax.legend(loc="lower left", fontsize=8)
+
+
 def draw_lr(ax: Axes, s: RunSeries) -> None:
     if not _has_values(s.lr):
         return _no_data(ax, "learning rate")
@@ -183,6 +199,18 @@ PANELS: dict[str, tuple[str, Drawer]] = {
 }
 
 
+OBJECTIVES = ("Loss per objective (raw and smoothed)", draw_objectives)
+
+
+def panels_for(series: RunSeries) -> dict[str, tuple[str, Drawer]]:
+    """The panels of this run: PANELS, and after the loss the per-objective losses when any was logged."""
+    if not series.objectives:
+        return dict(PANELS)
+    out = {"loss": PANELS["loss"], "objectives": OBJECTIVES}
+    out.update({k: v for k, v in PANELS.items() if k != "loss"})
+    return out
+
+
 def _title(series: RunSeries) -> str:
     return (
         f"{series.run_dir.name}: updates {series.updates[0]}–{series.updates[-1]}, "
@@ -207,10 +235,11 @@ def _finish(fig: Any, series: RunSeries, path: Path) -> Path:
 
 def draw_overview(series: RunSeries, path: Path) -> Path:
     """All panels stacked on one shared update axis."""
-    rows = len(PANELS)
+    panels = panels_for(series)
+    rows = len(panels)
     height = 2.4 * rows + _legend_inches(series) + 0.8
     fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(12, height))
-    for ax, (title, drawer) in zip(axes, PANELS.values()):
+    for ax, (title, drawer) in zip(axes, panels.values()):
         drawer(ax, series)
         _decorate(ax, series, labels=ax is axes[0])
         ax.set_title(title, fontsize=10, loc="left", pad=16 if ax is axes[0] else 6)
@@ -222,7 +251,7 @@ def draw_overview(series: RunSeries, path: Path) -> Path:
 
 def draw_panel(name: str, series: RunSeries, path: Path) -> Path:
     """One quantity against the update, with the same segment shading and checkpoint marks."""
-    title, drawer = PANELS[name]
+    title, drawer = panels_for(series)[name]
     height = 4.0 + _legend_inches(series)
     fig, ax = plt.subplots(figsize=(10, height))
     drawer(ax, series)

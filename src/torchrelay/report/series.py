@@ -12,7 +12,7 @@ from torchrelay.errors import PathError, RelayError
 from torchrelay.history import read_history
 from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
 from torchrelay.reshard import describe_change
-from torchrelay.train_records import rank_logs
+from torchrelay.train_records import is_objective, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 
 
@@ -69,6 +69,8 @@ class RunSeries:
     run_dir: Path
     updates: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
+    # per objective (every logged `loss_<name>`, e.g. loss_g3 and loss_a1), the mean over ranks
+    objectives: dict[str, list[float]] = field(default_factory=dict)
     lr: list[float] = field(default_factory=list)
     update_time: list[float] = field(default_factory=list)
     samples_per_s: list[float] = field(default_factory=list)
@@ -171,7 +173,13 @@ def read_series(run_dir: str | Path) -> RunSeries:
     series = RunSeries(run_dir=root, ranks=len(per_rank))
     first_rank = next(iter(per_rank.values()))
     series.updates = sorted(set().union(*(rows.keys() for rows in per_rank.values())))
+    names = sorted({k for rows in per_rank.values() for row in rows.values() for k in row if is_objective(k)})
+    series.objectives = {name: [] for name in names}
     for update in series.updates:
+        for name in names:
+            values = [_float(rows[update].get(name)) for rows in per_rank.values() if update in rows]
+            kept = [x for x in values if math.isfinite(x)]
+            series.objectives[name].append(sum(kept) / len(kept) if kept else math.nan)
         losses = [_float(rows[update].get("loss")) for rows in per_rank.values() if update in rows]
         finite = [x for x in losses if math.isfinite(x)]
         series.loss.append(sum(finite) / len(finite) if finite else math.nan)

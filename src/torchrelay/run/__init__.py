@@ -40,6 +40,7 @@ from torchrelay.run.loop import Loop, Step
 from torchrelay.run.opening import SegmentOpener
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
+from torchrelay.train_records import record_oom
 from torchrelay.util.jsonl import iter_records
 
 
@@ -171,6 +172,25 @@ class Run:
         self._tracked.register(model, optimizer, statefuls)
         self._restore.state(self._tracked)
 
+    def note_oom(self, error: BaseException | None = None) -> None:
+        """Count a CUDA out-of-memory error this rank caught and went on from (a skipped or retried batch): kept
+        per segment in train/ooms-rank<r>.jsonl and shown by `status` and the packed training_progress.json. An
+        OOM that ends the process is counted by `close` (the `with` block or the Trainer) as fatal."""
+        self._record_oom(error, fatal=False)
+
+    def _record_oom(self, error: BaseException | None, *, fatal: bool) -> None:
+        record = {
+            "update": self._loop.current,
+            "segment": self.segment.segment,
+            "fatal": fatal,
+            "time": round(time.time(), 3),
+            "message": str(error).splitlines()[0][:200] if error is not None and str(error) else "",
+        }
+        try:
+            record_oom(self.dir.train_dir, self.rank, record)
+        except OSError as exc:  # a full disk must not hide the error being counted
+            logger.warning(f"[torchrelay] could not record an out-of-memory error: {exc}")
+
     def dataloader(
         self,
         dataset: Any,
@@ -252,6 +272,8 @@ class Run:
             self.ended = Ended.REFUSED if self.exit_code == EXIT_REFUSED else Ended.ERROR
             if error is not None:
                 self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
+            if isinstance(error, torch.OutOfMemoryError):
+                self._record_oom(error, fatal=True)
             self._end_segment(last)
         return self.exit_code
 

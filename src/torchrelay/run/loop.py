@@ -91,6 +91,7 @@ class Loop:
         self._announce = announce  # this rank's lines before its first update (the gate, the contract)
         self._notes = notes  # the segment's notes, shared with the Run
         self._last_flush = 0.0
+        self.current: int | None = None  # the update in progress (what a caught OOM is counted against)
 
     def run(self, loader: RelayLoader, finish: Callable[[int, int], None]) -> Iterator[Step]:
         """Yield one Step per update until the schedule ends or a stop is agreed, saving on the way; then call
@@ -130,6 +131,7 @@ class Loop:
                     finish(EXIT_FINISHED if done >= cfg.total_updates else code, done)
                     return
                 step = Step(done + 1, it, cfg.grad_accum)
+                self.current = step.update
                 t0 = time.perf_counter()
                 yield step
                 dt = time.perf_counter() - t0
