@@ -2,6 +2,12 @@
 `resume_from_checkpoint`, at several resume positions of one large synthetic dataset.
 
     python benchmarks/bench_trainer_resume.py --samples 2000000 --at 1000,20000,100000 --repeats 2
+    python benchmarks/bench_trainer_resume.py --workers 2,8 --repeats 3 [--src OTHER/src]
+
+--workers: loader workers instead, with benchmarks/trainer_resume_script.py (a script that imports transformers at
+its top, as users' do): time from the script's start to the end of its first update after a resume from
+checkpoint-1, RelayTrainer (forkserver workers) against Trainer's resume_from_checkpoint (forked workers), the same
+worker count; --src runs another torchrelay source tree (e.g. a checkout before a change).
 
 Each measurement is a fresh process (as a relaunch is): from building the trainer to the start of the first update
 after the checkpoint (its batches fetched), imports excluded. Both sides resume from a checkpoint made after one real
@@ -28,11 +34,11 @@ HERE = Path(__file__).resolve()
 MAX_STEPS = 400_000  # the schedule both sides are told: far past every position measured
 
 
-def _env() -> dict[str, str]:
+def _env(src: Path | None = None) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("TORCHRELAY_", "SLURM_", "RANK", "WORLD_"))
     }
-    src = HERE.parents[1] / "src"
+    src = src or HERE.parents[1] / "src"
     env["PYTHONPATH"] = f"{src}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
@@ -192,6 +198,56 @@ def position_costs(samples: int, positions: list[int]) -> list[dict[str, float]]
     return out
 
 
+# ------------------------------------------------------------------------------------------ loader workers
+SCRIPT = HERE.with_name("trainer_resume_script.py")
+
+
+def _script(out: Path, workers: int, relay: bool, resume: bool, src: Path | None) -> dict[str, Any]:
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--workers", str(workers)]
+    cmd += ["--relay"] * relay + ["--resume"] * resume
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(src), timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise SystemExit(
+            f"{cmd} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return dict(json.loads(lines[-1].removeprefix("RESULT ")))
+
+
+def worker_costs(counts: list[int], repeats: int, src: Path | None) -> list[dict[str, Any]]:
+    """Seconds from the script's start to its first update done after a resume, per worker count and side."""
+    from torchrelay.stop import write_request
+
+    base = Path(tempfile.mkdtemp(prefix="bench-trainer-workers-"))
+    rows = []
+    try:
+        relay_made, hf_made = base / "relay", base / "hf"
+        relay_made.mkdir()
+        write_request(relay_made, at_update=1, reason="benchmark")
+        _script(relay_made, 0, True, False, src)
+        _script(hf_made, 0, False, False, src)
+        for workers in counts:
+            for rep in range(repeats):
+                run, hf = base / f"relay-{workers}-{rep}", base / f"hf-{workers}-{rep}"
+                shutil.copytree(relay_made, run)
+                shutil.copytree(hf_made, hf)
+                write_request(run, at_update=2, reason="benchmark")
+                r = _script(run, workers, True, True, src)
+                h = _script(hf, workers, False, True, src)
+                assert r["global_step"] == h["global_step"] == 2, (r, h)
+                rows.append({"workers": workers, "rep": rep, "relay": r, "hf": h})
+                print(
+                    f"{workers} workers: torchrelay {r['first_update_done']:7.2f}s (in train() "
+                    f"{r['first_update_done'] - r['train']:6.2f}s)   Trainer {h['first_update_done']:7.2f}s "
+                    f"(in train() {h['first_update_done'] - h['train']:6.2f}s)   "
+                    f"ratio {r['first_update_done'] / h['first_update_done']:.2f}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -202,9 +258,16 @@ def main() -> None:
     parser.add_argument("--child", default=None)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--workers", default=None, help="loader worker counts, e.g. 2,8 (see above)")
+    parser.add_argument("--src", type=Path, default=None, help="--workers: the torchrelay source tree to run")
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.out, args.samples, int(args.at))
+        return
+    if args.workers:
+        rows = worker_costs([int(x) for x in args.workers.split(",")], args.repeats, args.src)
+        if args.json:
+            args.json.write_text(json.dumps({"workers": rows}, indent=1))
         return
     positions = [int(x) for x in args.at.split(",")]
     positioning = position_costs(args.samples, positions)

@@ -399,3 +399,30 @@ def test_trainer_options_refuse_what_needs_a_manifest() -> None:
     with pytest.raises(ConfigError, match="group_by_length") as info:
         check_supported(args, [1, 2], manifest=False)
     assert "sampler='length_bucketed'" in (info.value.hint or "")
+
+
+def test_the_forkserver_preloads_what_a_trainer_script_imports(tmp_path: Path) -> None:
+    """A forkserver's workers import the script, and with it transformers, each one: the server imports the
+    script's top-level imports once instead (data/loader.py script_imports), the modules `from X import name`
+    resolves lazily among them; nothing the script did not import itself."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json\n"
+        "import torch\n"
+        "from transformers import GPT2Config, TrainingArguments\n"
+        "from torchrelay.data.loader import script_imports\n"
+        "if __name__ == '__main__':\n"
+        "    import numpy.polynomial\n"  # under the guard: not run by a worker, not preloaded
+        "    print(json.dumps(script_imports()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    names = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"json", "torch", "transformers", "torchrelay.data.loader"} <= set(names), names
+    assert "transformers.models.gpt2.configuration_gpt2" in names and "transformers.training_args" in names
+    assert "numpy.polynomial" not in names and "__main__" not in names

@@ -271,10 +271,61 @@ class RelayLoader:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def script_imports() -> list[str]:
+    """The modules the training script imports at its top level, as this process has them loaded.
+
+    Each worker of a forkserver imports the script (as `__mp_main__`), and with it whatever the script imports:
+    transformers is seconds of CPU per worker, eight workers per rank. Python 3.11's forkserver would preload
+    `__main__` itself, but looks for a key its preparation data never holds. So the server imports these instead,
+    once; a worker's import of the script then finds them loaded. `from P import name` also names the module that
+    defines `name` (transformers resolves its names lazily, module by module). Only modules already imported here
+    are named: nothing the rank did not run itself.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return []
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: dict[str, None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update(dict.fromkeys(a.name for a in node.names))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names[node.module] = None
+            package = sys.modules.get(node.module)
+            for alias in node.names:
+                defined = getattr(getattr(package, alias.name, None), "__module__", None)
+                if isinstance(defined, str):
+                    names[defined] = None
+                names[f"{node.module}.{alias.name}"] = None  # a submodule imported by name
+    return [n for n in names if n in sys.modules and n != "__main__"]
+
+
 def _mp_context(name: str) -> Any:
     ctx = multiprocessing.get_context(name)
     if name == "forkserver":
-        # Workers fork from a server that imported torch once (Python's own preload of __main__ does not happen
-        # on 3.11), so each one starts in a fraction of a second; this is ignored once a server runs.
-        ctx.set_forkserver_preload(["torch", "torchrelay.data.forkserver_preload"])
+        # Workers fork from a server that imported torch and the script's imports once, so each one starts in a
+        # fraction of a second; this is ignored once a server runs.
+        ctx.set_forkserver_preload(["torch", *script_imports(), "torchrelay.data.forkserver_preload"])
     return ctx
+
+
+def start_forkserver(loader: RelayLoader) -> None:
+    """Start the workers' forkserver now, when the loader will use one: it imports while the rank goes on (builds
+    its optimizer, restores its checkpoint), and the first batch no longer waits for it."""
+    context, _ = loader.context()
+    if context != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    _mp_context(context)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # as in RelayLoader.start: blocked for life
+    try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

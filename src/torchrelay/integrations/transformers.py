@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from torchrelay.data.loader import RelayLoader
+from torchrelay.data.loader import RelayLoader, start_forkserver
 from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import (
@@ -291,6 +291,9 @@ class RelayTrainerMixin:
             prefetch_factor=args.dataloader_prefetch_factor,
             multiprocessing_context=args.dataloader_multiprocessing_context,
         )
+        # Trainer builds its optimizer and the run restores the checkpoint before the first batch: time in which
+        # the workers' forkserver imports what the script imports (transformers), instead of after it.
+        start_forkserver(loader)
         self._relay_batches = _UpdateBatches(self, loader)
         return self._relay_batches
 
