@@ -202,8 +202,10 @@ def position_costs(samples: int, positions: list[int]) -> list[dict[str, float]]
 SCRIPT = HERE.with_name("trainer_resume_script.py")
 
 
-def _script(out: Path, workers: int, relay: bool, resume: bool, src: Path | None) -> dict[str, Any]:
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--workers", str(workers)]
+def _script(
+    code: Path, out: Path, workers: int, relay: bool, resume: bool, src: Path | None
+) -> dict[str, Any]:
+    cmd = [sys.executable, str(code / SCRIPT.name), "--out", str(out), "--workers", str(workers)]
     cmd += ["--relay"] * relay + ["--resume"] * resume
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(src), timeout=3600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -220,20 +222,27 @@ def worker_costs(counts: list[int], repeats: int, src: Path | None) -> list[dict
 
     base = Path(tempfile.mkdtemp(prefix="bench-trainer-workers-"))
     rows = []
+    # The script in a repository of its own: its commit is the runs' code identity, whatever this checkout does.
+    code = base / "code"
+    code.mkdir()
+    shutil.copyfile(SCRIPT, code / SCRIPT.name)
+    git = ["git", "-C", str(code), "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
+    for step in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "bench"]):
+        subprocess.run([*git, *step], check=True, capture_output=True)
     try:
         relay_made, hf_made = base / "relay", base / "hf"
         relay_made.mkdir()
         write_request(relay_made, at_update=1, reason="benchmark")
-        _script(relay_made, 0, True, False, src)
-        _script(hf_made, 0, False, False, src)
+        _script(code, relay_made, 0, True, False, src)
+        _script(code, hf_made, 0, False, False, src)
         for workers in counts:
             for rep in range(repeats):
                 run, hf = base / f"relay-{workers}-{rep}", base / f"hf-{workers}-{rep}"
                 shutil.copytree(relay_made, run)
                 shutil.copytree(hf_made, hf)
                 write_request(run, at_update=2, reason="benchmark")
-                r = _script(run, workers, True, True, src)
-                h = _script(hf, workers, False, True, src)
+                r = _script(code, run, workers, True, True, src)
+                h = _script(code, hf, workers, False, True, src)
                 assert r["global_step"] == h["global_step"] == 2, (r, h)
                 rows.append({"workers": workers, "rep": rep, "relay": r, "hf": h})
                 print(

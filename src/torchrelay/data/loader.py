@@ -313,15 +313,16 @@ def _mp_context(name: str) -> Any:
     return ctx
 
 
-def start_forkserver(loader: RelayLoader) -> None:
-    """Start the workers' forkserver now, when the loader will use one: it imports while the rank goes on (builds
-    its optimizer, restores its checkpoint), and the first batch no longer waits for it."""
-    context, _ = loader.context()
-    if context != "forkserver":
+def start_forkserver(num_workers: int, asked: str | None = None) -> None:
+    """Start the workers' forkserver now, if the loader will want one (workers, the script under a main guard, no
+    other start method asked for): it imports while the rank goes on (builds its model and optimizer, restores its
+    checkpoint), and the first batch no longer waits for it. A loader that then starts its workers another way
+    (an unpicklable dataset) leaves the server unused."""
+    if num_workers < 1 or asked not in (None, "forkserver") or main_unguarded() is not None:
         return
     from multiprocessing import forkserver
 
-    _mp_context(context)
+    _mp_context("forkserver")
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # as in RelayLoader.start: blocked for life
     try:
         resource_tracker.ensure_running()

@@ -180,6 +180,12 @@ class RelayTrainerMixin:
         # Trainer's __init__ creates output_dir: when the run lives elsewhere (the audit's and launch's
         # TORCHRELAY_RUN_DIR), the script's own --output-dir must not be left behind as an empty folder.
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            # The loader workers' forkserver imports what the script imports (transformers: seconds of CPU) while
+            # Trainer and the run set up and restore, instead of when the first batch is asked for.
+            start_forkserver(
+                int(training_args.dataloader_num_workers), training_args.dataloader_multiprocessing_context
+            )
         early_dir = os.environ.get("TORCHRELAY_RUN_DIR") or (relay.run_dir if relay is not None else None)
         if early_dir and training_args is not None:
             training_args.output_dir = str(early_dir)
@@ -291,9 +297,6 @@ class RelayTrainerMixin:
             prefetch_factor=args.dataloader_prefetch_factor,
             multiprocessing_context=args.dataloader_multiprocessing_context,
         )
-        # Trainer builds its optimizer and the run restores the checkpoint before the first batch: time in which
-        # the workers' forkserver imports what the script imports (transformers), instead of after it.
-        start_forkserver(loader)
         self._relay_batches = _UpdateBatches(self, loader)
         return self._relay_batches
 
