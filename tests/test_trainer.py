@@ -417,7 +417,7 @@ def test_the_forkserver_preloads_what_a_trainer_script_imports(tmp_path: Path) -
         "    print(json.dumps(script_imports()))\n"
     )
     out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=120
+        [sys.executable, str(script)], capture_output=True, text=True, env=clean_env(), timeout=600
     )
     assert out.returncode == 0, out.stderr
     names = json.loads(out.stdout.strip().splitlines()[-1])
