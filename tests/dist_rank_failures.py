@@ -31,7 +31,6 @@ from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.errors import ConfigError
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.run import agreement, opening
-from torchrelay.util import collective
 from torchrelay.validation import ValidationSpec, validate_checkpoints
 
 
@@ -185,7 +184,7 @@ def main() -> None:
     validated = copy_of(base, "validate", validation_blocked)
     phase(
         "validation",
-        lambda: collective.agree(
+        lambda: tr.agree(
             "validating",
             lambda: validate_checkpoints(validated, ValidationSpec(command="true")) if rank == 0 else None,
         ),
@@ -197,7 +196,7 @@ def main() -> None:
     exported = copy_of(base, "export", metadata_planted)
     phase(
         "export",
-        lambda: collective.agree(
+        lambda: tr.agree(
             "exporting",
             lambda: export_weights(exported, base / "weights", ExportOptions()) if rank == victim else None,
         ),

@@ -13,6 +13,7 @@ __all__ = [
     "SampleContext",
     "Step",
     "__version__",
+    "agree",
     "sample_dropout",
     "sample_generator",
     "sample_seed",
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from torchrelay.data.sample import SampleContext, sample_dropout, sample_generator, sample_seed
     from torchrelay.lr_shape import warmup_cosine
     from torchrelay.run import Run, Step
+    from torchrelay.util.collective import agree
 
 # An uncaught refusal of the library (a configuration error, a contract mismatch) ends a rank with one message and
 # its exit code rather than a traceback per rank and exit 1; any other exception keeps its traceback.
@@ -33,6 +35,7 @@ _LAZY = {
     "RelayConfig": "config",
     "Run": "run",
     "Step": "run",
+    "agree": "util.collective",
     "warmup_cosine": "lr_shape",
     "SampleContext": "data.sample",
     "sample_dropout": "data.sample",

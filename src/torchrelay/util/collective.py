@@ -371,25 +371,26 @@ class Ranks:
             stack.pop()
 
 
-_groups: dict[int, Ranks] = {}
-_groups_lock = threading.Lock()
+_training: list[
+    tuple[Any, Ranks]
+] = []  # (the default group it was made for, the protocol over its own group)
+_training_lock = threading.Lock()
 
 
 def ranks(group: Any = None) -> Ranks:
-    """The protocol over `group`, or over the training thread's own gloo group (made by the first call, which
-    every rank makes at the same point)."""
+    """The protocol over `group`, or over the training thread's own gloo group (made by the first call after the
+    default group is initialized, which every rank makes at the same point: opening the run)."""
     if group is not None:
         return Ranks(group)
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    key = id(world)
-    with _groups_lock:
-        found = _groups.get(key)
-        if found is None or (world is not None and found.group is None and dist.get_world_size() > 1):
-            made = None
-            if world is not None and dist.get_world_size() > 1:
-                made = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
-            found = _groups[key] = Ranks(made)
-        return found
+    with _training_lock:
+        if _training and _training[0][0] is world:
+            return _training[0][1]
+        made = None
+        if world is not None and dist.get_world_size() > 1:
+            made = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        _training[:] = [(world, Ranks(made))]  # a default group made anew (after destroy) gets its own
+        return _training[0][1]
 
 
 def agree(name: str, fn: Callable[[], T]) -> T:
