@@ -1,10 +1,11 @@
 """Run under torchrun (2 or 4 ranks, gloo) by test_rank_failures.py: one failure on one rank in each collective
 phase, in one launch; every rank must raise the same error, with the same exit code, at once.
 
-`dist_rank_failures.py BASE CONFIG`: trains BASE/run to a checkpoint, then runs each phase on a copy of it with a
-failure injected on one rank (a function of this process wrapped, or a file of that rank's planted), and writes
-what each rank raised, and how long after the phase began, to BASE/seen-rank<r>.json. At last a data file of one
-rank goes missing mid-update, uncaught: the excepthook ends every rank (BASE/final-start holds when it began).
+`dist_rank_failures.py BASE CONFIG ENDING`: trains BASE/run to a checkpoint, then runs each phase on a copy of it
+with a failure injected on one rank (a function of this process wrapped, or a file of that rank's planted), and
+writes what each rank raised, and how long after the phase began, to BASE/seen-rank<r>.json. At last (ENDING) a
+data file of one rank goes missing mid-update, uncaught, and the excepthook ends every rank; or that rank is
+SIGKILLed while reading it, and the others, waiting for it, end (BASE/final-start holds when it began).
 A rank left waiting for a failed peer would sit out the script's gloo timeout (120 s) instead.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -89,7 +91,7 @@ def sample_files(run_dir: Path, update: int, rank: int) -> list[Path]:
 
 
 def main() -> None:
-    base, config_path = Path(sys.argv[1]), Path(sys.argv[2])
+    base, config_path, ending = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = world - 1  # the rank that fails, in each phase where one rank acts alone: rank 0
@@ -206,14 +208,23 @@ def main() -> None:
     final = copy_of(base, "final")
     gone = sample_files(final, 4, victim)
     dist.barrier()
-    if rank == victim:
+    if rank == victim and ending == "uncaught":
         for path in gone:
             path.unlink()
+    if rank == victim and ending == "kill":  # the victim dies reading its first sample of update 4
+        real_getitem = Files.__getitem__
+
+        def killed(self: Files, i: int) -> torch.Tensor:
+            if Path(self.records[i]["path"]) in gone:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_getitem(self, i)
+
+        Files.__getitem__ = killed  # type: ignore[method-assign]
     if rank == 0:
         (base / "final-start").write_text(str(time.time()))
     dist.barrier()
-    train(final, None)  # not caught: every rank's excepthook ends it with the refusal's code
-    raise AssertionError("unreachable: the data file is missing")
+    train(final, None)  # not caught: every rank's excepthook ends it
+    raise AssertionError("unreachable: the data file is missing, or a rank was killed")
 
 
 if __name__ == "__main__":
