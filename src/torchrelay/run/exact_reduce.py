@@ -125,9 +125,9 @@ class ExactReduction:
         if self.world_size > 1:
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
             dist.all_gather(gathered, flat, group=self.group)
-            flat = _halving([[t] for t in gathered])[0]
-            assert flat is not None
-            flat = flat.div_(self.world_size)  # DDP's mean; exact for a power of two
+            total = _halving([[t] for t in gathered])[0]
+            assert total is not None
+            flat = total.div_(self.world_size)  # DDP's mean; exact for a power of two
         offset = 0
         for p, t in zip(params, template, strict=True):
             p.grad = flat[offset : offset + t.numel()].view_as(t)
