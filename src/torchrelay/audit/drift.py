@@ -26,16 +26,14 @@ after 16 updates, in float64 and float32 alike, against tolerances of 3.6e-13 an
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
 from torchrelay.train_records import rank_logs
 from torchrelay.util.jsonl import iter_records
 
@@ -137,9 +135,10 @@ class Drift:
             if worst is not None
             else f"parameters ({self.dtype}): none judged"
         )
-        noise = self.of_kind("noise")
+        noise = [t.name for t in self.of_kind("noise")]
+        noise += [f"part of {t.name} ({t.detail.split(' elements')[0]})" for t in self.of_kind("parameter") if t.detail]
         if noise:
-            head += f"; set aside, gradient only rounding noise: {', '.join(t.name for t in noise)}"
+            head += f"; set aside, gradient only rounding noise: {', '.join(noise)}"
         buffers = [t for t in self.of_kind("buffer") if t.drift]
         if buffers:
             head += "; buffers differ by design: " + ", ".join(
@@ -193,15 +192,11 @@ def _second_moments(tensors: dict[str, list[torch.Tensor]]) -> dict[str, torch.T
     return out
 
 
-def _noise_level(moments: dict[str, torch.Tensor], params: list[str]) -> dict[str, float]:
-    """Per parameter, its RMS gradient in units of the whole model's (both from the same optimizer steps)."""
-    have = [n for n in params if n in moments and moments[n].numel()]
-    total = sum(float(moments[n].sum()) for n in have)
-    count = sum(moments[n].numel() for n in have)
-    if not have or total <= 0:
-        return {}
-    model_rms = math.sqrt(total / count)
-    return {n: math.sqrt(max(float(moments[n].mean()), 0.0)) / model_rms for n in have}
+def _model_rms(moments: dict[str, torch.Tensor], params: set[str]) -> float:
+    """The whole model's RMS gradient, from the optimizer's second moments (0.0 where it keeps none)."""
+    have = [moments[n] for n in sorted(params) if n in moments and moments[n].numel()]
+    count = sum(m.numel() for m in have)
+    return math.sqrt(max(sum(float(m.sum()) for m in have), 0.0) / count) if count else 0.0
 
 
 def measure_drift(
@@ -213,14 +208,25 @@ def measure_drift(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        ta, tb = split_ranks(dict(load_tensors(ckpt_a))), split_ranks(dict(load_tensors(ckpt_b)))
-        tm = split_ranks(dict(load_tensors(reference))) if reference is not None else {}
+        ta, tb = dict(load_tensors(ckpt_a)), dict(load_tensors(ckpt_b))
+        tm = dict(load_tensors(reference)) if reference is not None else {}
+    return drift_of(ta, tb, updates_since_change, tm)
+
+
+def drift_of(
+    tensors_a: dict[str, torch.Tensor],
+    tensors_b: dict[str, torch.Tensor],
+    updates_since_change: int,
+    reference: dict[str, torch.Tensor] | None = None,
+) -> Drift:
+    """measure_drift on checkpoints' flat tensors (`model.…`, `optim.…`, per rank `…@rank<r>`)."""
+    ta, tb, tm = split_ranks(tensors_a), split_ranks(tensors_b), split_ranks(reference or {})
     k = max(1, updates_since_change)
     moments = _second_moments(ta)
     model_names = sorted(n for n in set(ta) | set(tb) if n.startswith("model."))
     # A trained parameter is what the optimizer keeps state for; everything else of the model is a buffer.
     trained = {n for n in model_names if any(m.startswith("optim." + n[6:] + ".") for m in ta)}
-    noise = _noise_level(moments, sorted(trained))
+    model_rms = _model_rms(moments, trained)
     rows: list[TensorDrift] = []
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     dtype = torch.float32
@@ -244,17 +250,23 @@ def measure_drift(
                 continue
             dtype = va[0].dtype
             eps = torch.finfo(dtype).eps
-            step = _norm(a.double() - _merged(tm[name]).double()) if name in tm else 0.0
-            scale = eps * (k * step + _norm(a))
-            diff = _norm(a.double() - b.double())
+            x, y = a.double(), b.double()
+            m = _merged(tm[name]).double() if name in tm and tm[name][0].shape == a.shape else x
+            # Elements whose RMS gradient is rounding noise: Adam normalizes it into full-size steps (module doc).
+            quiet = torch.zeros(x.shape, dtype=torch.bool)
+            if name in moments and model_rms > 0 and moments[name].shape == a.shape:
+                quiet = moments[name].clamp(min=0).sqrt() <= NOISE_FACTOR * eps * model_rms
+            keep = ~quiet
+            diff, step, size = _norm((x - y)[keep]), _norm((x - m)[keep]), _norm(x[keep])
+            scale = eps * (k * step + size)
             units = 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
-            pairs.append((a.double(), b.double()))
-            level = noise.get(name)
-            if level is not None and level <= NOISE_FACTOR * eps:
-                detail = f"RMS gradient {level / eps:.2g} x eps of the model's"
-                rows.append(TensorDrift(name, "noise", units, detail))
+            pairs.append((x, y))
+            n_quiet = int(quiet.sum())
+            if n_quiet == x.numel() and x.numel():
+                rows.append(TensorDrift(name, "noise", 0.0, "every element's gradient is rounding noise"))
             else:
-                rows.append(TensorDrift(name, "parameter", units))
+                detail = f"{n_quiet} of {x.numel()} elements' gradient is rounding noise" if n_quiet else ""
+                rows.append(TensorDrift(name, "parameter", units, detail))
             continue
         rows.append(_buffer_row(name, a, b, len(va), len(vb)))
     optim: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -293,252 +305,3 @@ def _buffer_row(name: str, a: torch.Tensor, b: torch.Tensor, ranks_a: int, ranks
         return TensorDrift(name, "buffer", 1.0, shown + why + per_rank)
     rel = _rel_l2([(a.double(), b.double())])
     return TensorDrift(name, "buffer", rel, (f"{rel:.2g} relative" + per_rank) if rel else "")
-
-
-# --- the audit: --vary world_size=A,B,... ------------------------------------------------------------------------
-
-_NPROC = ("--nproc_per_node", "--nproc-per-node")
-
-
-def with_world_size(launch: list[str], world_size: int) -> list[str]:
-    """The launch command with its torchrun `--nproc_per_node` set to `world_size`."""
-    out = list(launch)
-    for i, arg in enumerate(out):
-        name, sep, _ = arg.partition("=")
-        if name in _NPROC:
-            if sep:
-                out[i] = f"{name}={world_size}"
-            elif i + 1 < len(out):
-                out[i + 1] = str(world_size)
-            return out
-    raise AuditError(
-        "--vary world_size: the launch command names no --nproc_per_node to vary",
-        hint="launch with torchrun --nproc_per_node=N ... after --",
-    )
-
-
-@dataclass(slots=True)
-class LayoutAudit:
-    """The verdict of an audit across world sizes: the ledger identical and each parameter within its tolerance
-    (under `elastic: exact`, every tensor of every compared checkpoint bit for bit)."""
-
-    worlds: list[int]
-    stops: list[int]
-    ledger: LedgerDiff
-    drift: dict[int, Drift]  # per compared checkpoint
-    run_dirs: dict[str, str]
-    exact: bool = False
-    bit_differing: dict[int, list[str]] = field(default_factory=dict)  # exact: per checkpoint, what differs
-    causes: list[dict[str, str]] = field(default_factory=list)  # {"name", "evidence", "fix"}, likeliest first
-
-    @property
-    def ok(self) -> bool:
-        if self.exact:
-            return self.ledger.equal and not any(self.bit_differing.values())
-        return self.ledger.equal and all(d.within for d in self.drift.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "exact": self.exact,
-            "worlds": self.worlds,
-            "stops": self.stops,
-            "ledger": {**asdict(self.ledger), "equal": self.ledger.equal},
-            "drift": {str(p): d.to_dict() for p, d in sorted(self.drift.items())},
-            "bit_differing": {str(p): v for p, v in sorted(self.bit_differing.items())},
-            "causes": self.causes,
-            "run_dirs": self.run_dirs,
-        }
-
-    def lines(self) -> list[str]:
-        worlds = " -> ".join(str(self.worlds[i % len(self.worlds)]) for i in range(len(self.stops) + 1))
-        out = [
-            f"layout audit: uninterrupted on {self.worlds[0]} rank(s) against relayed on {worlds} rank(s), "
-            f"stopped after updates {', '.join(map(str, self.stops))}"
-            + (" (elastic: exact)" if self.exact else ""),
-            f"ledger: {len(self.ledger.differing)} of {self.ledger.compared} update(s) differ"
-            + (
-                f" ({self.ledger.detail})"
-                if self.ledger.detail
-                else " (the same samples in the same micro-batches)"
-            ),
-        ]
-        if self.exact:
-            out += [
-                f"checkpoint-{p}: "
-                + (f"{len(v)} tensor(s) differ, e.g. {', '.join(v[:3])}" if v else "bit for bit")
-                for p, v in sorted(self.bit_differing.items())
-            ]
-        else:
-            out += [f"checkpoint-{p}: {d.line()}" for p, d in sorted(self.drift.items())]
-        if self.ok:
-            out.append(
-                "EQUAL: bit for bit on every layout (elastic: exact)"
-                if self.exact
-                else "WITHIN TOLERANCE: the same samples in the same updates; the parameters differ by "
-                "reduction order only"
-            )
-        else:
-            out.append(
-                "NOT EQUAL: elastic: exact promised the same bits"
-                if self.exact
-                else "OUTSIDE TOLERANCE: the layout change altered more than the reduction order"
-            )
-            out += [
-                f"{'likely cause' if i == 0 else 'also possible'}: {c['name']}: {c['evidence']}; fix: {c['fix']}"
-                for i, c in enumerate(self.causes)
-            ]
-        return out
-
-
-def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str, str]]:
-    """What most likely moved the run beyond rounding, from what the comparison saw (likeliest first)."""
-    if not ledger.equal:
-        if "micro_batch changed" in ledger.detail:
-            return [
-                {
-                    "name": "a changed micro-batch",
-                    "evidence": ledger.detail,
-                    "fix": "keep micro_batch across the move (only world_size and grad_accum change); a loss that "
-                    "is a mean over a micro-batch, or a BatchNorm, makes the grouping math",
-                }
-            ]
-        return [
-            {
-                "name": "other samples",
-                "evidence": ledger.detail,
-                "fix": "read batches from run.dataloader (its order is world-size free) and keep the global batch",
-            }
-        ]
-    outside = [t for d in drift.values() for t in d.judged if t.drift > TOLERANCE_FACTOR]
-    if not outside:
-        return []
-    first = min((p for p, d in drift.items() if not d.within), default=None)
-    share = len({t.name for t in outside})
-    judged = len({t.name for d in drift.values() for t in d.judged})
-    spread = f"{share} of {judged} parameter tensors outside" + (
-        f", from checkpoint-{first}" if first else ""
-    )
-    per_rank = sorted({t.name for d in drift.values() for t in d.tensors if "per rank" in t.detail})
-    causes = [
-        {
-            "name": "per-rank random numbers",
-            "evidence": f"{spread}; the ledger is the same, so the forward itself changed: a rank's torch RNG is "
-            "re-derived at a move, so nn.Dropout (or torch.rand on it) draws other masks",
-            "fix": "draw dropout per sample with tr.sample_dropout (docs/ELASTIC.md), or set p to 0",
-        },
-        {
-            "name": "per-rank buffers",
-            "evidence": (
-                f"stored per rank: {', '.join(per_rank[:3])}; each rank's statistics come from its own "
-                "micro-batches, so a forward that reads them (eval mode, a loss on them) changes with the layout"
-                if per_rank
-                else "no buffer is stored per rank here"
-            ),
-            "fix": "use SyncBatchNorm (CUDA) or GroupNorm/LayerNorm, or keep running statistics out of the loss",
-        },
-        {
-            "name": "a hyper-parameter computed from the layout",
-            "evidence": "a learning rate scaled by world_size, or a loss divided by a fixed accumulation count",
-            "fix": "compute them from the global batch (cfg.global_batch_for) or cfg.grad_accum as the run has it",
-        },
-    ]
-    if not per_rank:
-        causes.pop(1)
-    return causes
-
-
-def _elastic_exact(run_dir: Path) -> bool:
-    """Whether the run was made with `elastic: exact` (config.json)."""
-    try:
-        return json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("elastic") == "exact"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points: list[int]) -> LayoutAudit:
-    """Compare an uninterrupted run `a` with the same run relayed across world sizes `b` (moved after each stop)
-    at checkpoints `points`: the ledgers, then each parameter's drift (or every bit, under elastic: exact)."""
-    from torchrelay.audit.compare import compare_checkpoints
-
-    ledger = compare_ledgers(a, b)
-    reference = a / f"checkpoint-{stops[0]}"
-    ref = reference if (reference / "model").is_dir() else None
-    compared = [p for p in points if p > stops[0]]
-    drift = {
-        p: measure_drift(a / f"checkpoint-{p}", b / f"checkpoint-{p}", p - stops[0], ref) for p in compared
-    }
-    exact = _elastic_exact(a)
-    bits = {}
-    if exact:
-        bits = {
-            p: [d.name for d in compare_checkpoints(a / f"checkpoint-{p}", b / f"checkpoint-{p}").differing]
-            for p in compared
-        }
-    audit = LayoutAudit(
-        worlds=list(worlds),
-        stops=list(stops),
-        ledger=ledger,
-        drift=drift,
-        run_dirs={"uninterrupted": str(a), "interrupted": str(b)},
-        exact=exact,
-        bit_differing=bits,
-    )
-    if not audit.ok:
-        audit.causes = likely_causes(ledger, drift)
-    return audit
-
-
-def run_layout_audit(plan: Any, worlds: list[int], on_segment: Any = None) -> LayoutAudit:
-    """Run `plan` (audit/orchestrator.py AuditPlan) uninterrupted on worlds[0] ranks and relayed with the world size cycling
-    through `worlds` at each stop (TORCHRELAY_RESHARD=1), then compare ledgers and measure the drift."""
-    import os
-    import tempfile
-
-    from torchrelay.audit.orchestrator import comparison_points
-    from torchrelay.reshard import RESHARD_ENV
-
-    if len(worlds) < 2 or any(not isinstance(w, int) or w < 1 for w in worlds):
-        raise AuditError(
-            f"--vary world_size={','.join(map(str, worlds))}: give two or more rank counts, e.g. 2,1"
-        )
-    stops = plan.stop_updates()
-    work = (
-        Path(plan.work_dir)
-        if plan.work_dir is not None
-        else Path(tempfile.mkdtemp(prefix="torchrelay-audit-"))
-    )
-    target = plan.updates
-    points = comparison_points(stops, target)
-    # The first stop's checkpoint too: the parameters at the move, from which the optimizer's own step is measured.
-    keep = sorted({*points, stops[0]})
-    others = {k: v for k, v in plan.vary.items() if k != "world_size"}
-    env = dict(os.environ)
-    straight = run_segments(
-        "uninterrupted",
-        with_world_size(plan.launch, worlds[0]),
-        work / "uninterrupted",
-        work / "logs",
-        [target],
-        vary={k: v[:1] for k, v in others.items()},
-        env=env,
-        launcher=subprocess_launcher,
-        timeout_s=plan.timeout_s,
-        on_segment=on_segment,
-        extra_overrides={"keep_updates": keep},
-    )
-    relayed = run_segments(
-        "interrupted",
-        plan.launch,
-        work / "interrupted",
-        work / "logs",
-        [*stops, target],
-        vary=others,
-        env=env | {RESHARD_ENV: "1"},
-        argv_for=lambda i: with_world_size(plan.launch, worlds[i % len(worlds)]),
-        launcher=subprocess_launcher,
-        timeout_s=plan.timeout_s,
-        on_segment=on_segment,
-        extra_overrides={"keep_updates": keep},
-    )
-    return layout_verdict(straight.run_dir, relayed.run_dir, worlds, stops, points)

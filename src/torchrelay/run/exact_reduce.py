@@ -115,23 +115,39 @@ class ExactReduction:
         else:  # the leaf's pair in the tree's lowest level: micro-steps m - A/2 and m
             self._leaves[micro - half] = _add(self._leaves[micro - half], grads)
 
-    def finish(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum this rank's subtree, combine the ranks' subtrees, and set every `.grad` to the mean."""
+    def local_sum(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """This rank's subtree of the canonical sum, flat (a parameter without any gradient as zeros)."""
         nodes, self._leaves = self._leaves, []
         assert len(nodes) == max(1, self.grad_accum // 2), "take() must see every micro-step"
         local = _halving(nodes)
-        template = [g if g is not None else torch.zeros_like(p) for g, p in zip(local, params, strict=True)]
-        flat = torch.cat([t.reshape(-1) for t in template]) if template else torch.zeros(0)
+        flat = [
+            (g if g is not None else torch.zeros_like(p)).reshape(-1)
+            for g, p in zip(local, params, strict=True)
+        ]
+        return torch.cat(flat) if flat else torch.zeros(0)
+
+    @staticmethod
+    def combine(subtrees: list[torch.Tensor]) -> torch.Tensor:
+        """The ranks' subtree sums (in rank order) as the top of the canonical tree, then their mean."""
+        total = _halving([[t] for t in subtrees])[0]
+        assert total is not None
+        return (
+            total.div_(len(subtrees)) if len(subtrees) > 1 else total
+        )  # DDP's mean; exact for a power of two
+
+    def finish(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum this rank's subtree, combine the ranks' subtrees, and set every `.grad` to the mean."""
+        flat = self.local_sum(params)
         if self.world_size > 1:
+            # All-gather, then every rank adds in the same tree: the same bits everywhere, at world_size x the
+            # gradient's memory for the moment (a pairwise exchange would need one; not needed at this size yet).
             gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
             dist.all_gather(gathered, flat, group=self.group)
-            total = _halving([[t] for t in gathered])[0]
-            assert total is not None
-            flat = total.div_(self.world_size)  # DDP's mean; exact for a power of two
+            flat = self.combine(gathered)
         offset = 0
-        for p, t in zip(params, template, strict=True):
-            p.grad = flat[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
 
 
 def _add(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
