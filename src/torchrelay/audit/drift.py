@@ -151,7 +151,11 @@ class Drift:
             else f"parameters ({self.dtype}): none judged"
         )
         noise = [t.name for t in self.of_kind("noise")]
-        noise += [f"part of {t.name} ({t.detail.split(' elements')[0]})" for t in self.of_kind("parameter") if t.detail]
+        noise += [
+            f"part of {t.name} ({t.detail.split(' elements')[0]})"
+            for t in self.of_kind("parameter")
+            if t.detail
+        ]
         if noise:
             head += f"; set aside, gradient only rounding noise: {', '.join(noise)}"
         buffers = [t for t in self.of_kind("buffer") if t.drift]
