@@ -36,7 +36,9 @@ about lr x k, in float32 and float64 alike, which no tolerance in eps can hold. 
 the model's function, so it is set aside, element by element, where the optimizer's own second moment (Adam's
 exp_avg_sq, RMSprop's square_avg) has its RMS gradient at most NOISE_FACTOR x eps of the whole model's RMS gradient:
 measured 0.9 eps for that bias in both float32 and float64, against 5e6 eps and more (float32) for every trained
-tensor. An optimizer without a second moment (SGD) does not amplify noise, and nothing is set aside.
+tensor. Elements whose gradient is exactly nil (a ReLU unit that never fires, an embedding row never drawn) fall
+under the same rule; they move apart by nothing anyway. An optimizer without a second moment (SGD) does not
+amplify noise, and nothing is set aside.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class Drift:
             if t.detail
         ]
         if noise:
-            head += f"; set aside, gradient only rounding noise: {', '.join(noise)}"
+            head += f"; set aside, gradient nil or rounding noise: {', '.join(noise)}"
         buffers = [t for t in self.of_kind("buffer") if t.drift]
         if buffers:
             head += "; buffers differ by design: " + ", ".join(
@@ -282,9 +284,13 @@ def drift_of(
             pairs.append((x, y))
             n_quiet = int(quiet.sum())
             if n_quiet == x.numel() and x.numel():
-                rows.append(TensorDrift(name, "noise", 0.0, "every element's gradient is rounding noise"))
+                rows.append(
+                    TensorDrift(name, "noise", 0.0, "every element's gradient is nil or rounding noise")
+                )
             else:
-                detail = f"{n_quiet} of {x.numel()} elements' gradient is rounding noise" if n_quiet else ""
+                detail = (
+                    f"{n_quiet} of {x.numel()} elements' gradient is nil or rounding noise" if n_quiet else ""
+                )
                 rows.append(TensorDrift(name, "parameter", units, detail))
             continue
         rows.append(_buffer_row(name, a, b, len(va), len(vb)))
