@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, install_excepthook
 
 SAMPLERS = ("shuffled", "length_bucketed")
 ELASTIC_MODES = ("default", "exact")
@@ -56,6 +56,7 @@ class RelayConfig:
     runtime_params: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback
         for name in ("seed", "micro_batch", "grad_accum", "total_updates", "warmup_updates", "num_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -115,6 +116,7 @@ class RelayConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RelayConfig:
         """Build from a dict (YAML or JSON), naming unknown or missing fields."""
+        install_excepthook()  # as in __post_init__: its refusals too are one line
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
