@@ -432,6 +432,15 @@ def test_exact_mode_refuses_what_it_cannot_keep_exact() -> None:
 
     with pytest.raises(ConfigError, match="FSDP2"):
         check_model(Sharded(2, 2))
+
+    class Engine(torch.nn.Linear):  # what deepspeed.initialize returns: a module that reduces by itself
+        def zero_optimization_stage(self) -> int:
+            return 2
+
+    with pytest.raises(ConfigError, match="DeepSpeed engine"):
+        check_model(Engine(2, 2))
+    with pytest.raises(ConfigError, match="needs the model"):
+        check_model(None)  # type: ignore[arg-type]  # step.micro_batches() without it (the Trainer's loop)
     with pytest.raises(ConfigError, match="'elastic' must be one of"):
         RelayConfig(seed=1, micro_batch=1, total_updates=1, manifest="m.jsonl", elastic="exactly")
 

@@ -55,6 +55,11 @@ def check_model(model: torch.nn.Module) -> None:
         raise ConfigError(
             f"step.micro_batches(model): elastic: exact needs the model (a torch.nn.Module), got {type(model).__name__}"
         )
+    if callable(getattr(model, "zero_optimization_stage", None)):  # a DeepSpeed engine (it is a Module too)
+        raise ConfigError(
+            "elastic: exact: the model is a DeepSpeed engine, which reduces and partitions gradients itself",
+            hint="wrap the model in DDP (or none) for elastic: exact, or set elastic: default",
+        )
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel) and callable(
         getattr(model, "set_requires_gradient_sync", None)
     ):
