@@ -162,3 +162,28 @@ def test_strict_numerics_is_a_runtime_field() -> None:
     assert cfg.strict_numerics is False and cfg.is_runtime("strict_numerics")
     with pytest.raises(ConfigError, match="'strict_numerics' must be true or false, got 'yes'"):
         cfg.replace(strict_numerics="yes")
+
+
+def test_the_audit_says_which_identity_its_verdict_holds_for() -> None:
+    from torchrelay import numerics
+    from torchrelay.audit.verdict import Verdict, describe
+
+    here = numerics.gather()
+    there = {**here, "cpu.capability": "AVX2" if here["cpu.capability"] != "AVX2" else "AVX512"}
+    one = Verdict(
+        equal=True, launch=["x"], script=None, script_sha256=None, updates=4, stops=[2], numerics=[here]
+    )
+    assert one.summary() == (
+        f"equal: 4 updates, 1 stop(s), bit for bit; holds for numerics identity {numerics.fingerprint(here)} only "
+        f"({numerics.describe(here)})"
+    )
+    two = Verdict(
+        equal=True,
+        launch=["x"],
+        script=None,
+        script_sha256=None,
+        updates=4,
+        stops=[2],
+        numerics=[here, there],
+    )
+    assert "ran with 2 numerics identities" in two.summary() and "holds for" in describe(one.to_dict())

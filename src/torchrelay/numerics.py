@@ -83,7 +83,7 @@ def gather(device: int | None = None) -> dict[str, Any]:
             "cuda": torch.version.cuda,
             "gpu.model": torch.cuda.get_device_name(index),
             "gpu.capability": f"{major}.{minor}",
-            "cublas": _package_version("nvidia-cublas-cu13", "nvidia-cublas-cu12", "nvidia-cublas-cu11"),
+            "cublas": _package_version("nvidia-cublas", "nvidia-cublas-cu12", "nvidia-cublas-cu11"),
             "cudnn": cudnn.version() if cudnn.is_available() else None,
             "nccl": _nccl(torch),
             "tf32.matmul": bool(torch.backends.cuda.matmul.allow_tf32),
@@ -202,7 +202,8 @@ def _nccl(torch: Any) -> str | None:
 
 
 def _package_version(*names: str) -> str | None:
-    """The installed version of the first of `names` (cuBLAS ships as a wheel beside torch's CUDA build)."""
+    """The installed version of the first of `names`: torch names no cuBLAS version, but its CUDA builds install
+    cuBLAS as a wheel (nvidia-cublas for CUDA 13, nvidia-cublas-cu12 before; seen with torch 2.11 on an H200)."""
     from importlib import metadata
 
     for name in names:

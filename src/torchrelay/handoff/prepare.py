@@ -380,11 +380,14 @@ def _numerics_here(bundle: Path, update: int, cfg: RelayConfig, proofs: list[str
     here = gather()
     found = compare_here(read_history(bundle), here, upto=update)
     if found is not None and found["segments"]:
-        then = " (the launch refuses it: strict_numerics)" if cfg.strict_numerics else ""
+        then = " (strict_numerics: a launch here refuses it)" if cfg.strict_numerics else ""
         logger.warning(f"[torchrelay] warning: on this machine, {found['line']}{then}")
+    elif found is not None and found["unknown"]:
+        logger.info(f"[torchrelay] {found['line']}")
     elif found is not None:
         proofs.append(
-            f"numerics identity of this machine matches the bundle's segments {found['line'] or ''}".strip()
+            "numerics: this machine's processor and libraries are the bundle's segments' (the program's "
+            "threads, TF32 and determinism are compared at launch)"
         )
     return {"here": here, "change": found}
 
