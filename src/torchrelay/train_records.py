@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +12,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
+from torchrelay.errors import IntegrityError
+from torchrelay.util.jsonl import LINE_LIMIT
+from torchrelay.util.safepath import open_regular
 
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
 _RANK_LOG = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
@@ -99,11 +102,16 @@ def _start_of_tail(f: IO[bytes], update: int) -> int:
     return 0
 
 
-def _reversed_lines(f: IO[bytes], block: int = 1 << 16) -> Iterator[tuple[int, bytes]]:
-    """(offset, line with its newline) from the last line of `f` to the first, reading backwards."""
+def _reversed_lines(
+    f: IO[bytes], block: int = 1 << 16, *, path: Path | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """(offset, line with its newline) from the last line of `f` to the first, reading backwards; a line longer
+    than LINE_LIMIT is damage (IntegrityError), never gathered whole."""
     pos = f.seek(0, os.SEEK_END)
     rest = b""  # the start of a line that began before `pos`
     while pos > 0 or rest:
+        if len(rest) > LINE_LIMIT:
+            raise _line_too_long(path, f"the line ending at byte {pos + len(rest):,}")
         start = max(0, pos - block)
         f.seek(start)
         chunk = f.read(pos - start) + rest
@@ -120,15 +128,16 @@ def _reversed_lines(f: IO[bytes], block: int = 1 << 16) -> Iterator[tuple[int, b
 def last_records(path: Path, count: int) -> list[dict[str, Any]]:
     """The last `count` records of a JSONL log, read from its end (a torn or damaged line is left out)."""
     out: list[dict[str, Any]] = []
-    if not path.is_file():
+    if not os.path.lexists(path):
         return out
-    with open(path, "rb") as f:
-        for _, line in _reversed_lines(f):
+    fd, _ = open_regular(path, what=path.name)
+    with os.fdopen(fd, "rb") as f:
+        for _, line in _reversed_lines(f, path=path):
             if len(out) >= count:
                 break
             try:
                 rec = json.loads(line) if line.endswith(b"\n") else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 rec = None
             if isinstance(rec, dict):
                 out.append(rec)
@@ -181,13 +190,16 @@ def read_exposures(path: Path) -> Exposures:
     """The exposure lines of `path` (a last line without its newline is a torn write: left out)."""
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     tail = b""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        return _exposures_by_line(path)  # whose reader refuses a pipe or a device
-    with open(path, "rb") as f:
+    lines = 0
+    fd, _ = open_regular(path, what=path.name)  # no symlink, no pipe, no device
+    with os.fdopen(fd, "rb") as f:
         while block := f.read(_EXPOSURE_BLOCK):
             data = tail + block
             cut = data.rfind(b"\n") + 1
             tail = data[cut:]
+            if len(tail) > LINE_LIMIT:  # the line bound of every JSONL reader, met before the line is whole
+                raise _line_too_long(path, f"line {lines + 1}")
+            lines += data.count(b"\n", 0, cut)
             if cut:
                 parsed = _parse_exposure_block(data[:cut])
                 if parsed is None:
@@ -199,6 +211,13 @@ def read_exposures(path: Path) -> Exposures:
 
 
 _EXPOSURE_BLOCK = 1 << 23
+
+
+def _line_too_long(path: Path | None, which: str) -> IntegrityError:
+    return IntegrityError(
+        f"{path}: {which} is longer than {LINE_LIMIT:,} bytes",
+        hint=f"{path.name if path else 'the log'} is damaged; restore it from a copy",
+    )
 
 
 def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
