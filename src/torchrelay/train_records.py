@@ -18,6 +18,7 @@ from torchrelay.util.jsonl import LINE_LIMIT
 from torchrelay.util.safepath import open_regular
 
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
+METRIC_SCHEMA = {"update": int}  # what every metric record holds (util/records.check), the rest is the user's
 _RANK_LOG = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
 
 
@@ -106,19 +107,26 @@ def _reversed_lines(
     f: IO[bytes], block: int = 1 << 16, *, path: Path | None = None
 ) -> Iterator[tuple[int, bytes]]:
     """(offset, line with its newline) from the last line of `f` to the first, reading backwards; a line longer
-    than LINE_LIMIT is damage (IntegrityError), never gathered whole."""
+    than LINE_LIMIT is damage (IntegrityError), its pieces never joined."""
     pos = f.seek(0, os.SEEK_END)
-    rest = b""  # the start of a line that began before `pos`
+    rest: list[bytes] = []  # the start of a line that began before `pos`: the pieces read, the last read first
+    held = 0
     while pos > 0 or rest:
-        if len(rest) > LINE_LIMIT:
-            raise _line_too_long(path, f"the line ending at byte {pos + len(rest):,}")
         start = max(0, pos - block)
         f.seek(start)
-        chunk = f.read(pos - start) + rest
+        chunk = f.read(pos - start)
         pos = start
+        if start > 0 and b"\n" not in chunk:  # inside one long line: kept in pieces, joined once it is whole
+            rest.append(chunk)
+            held += len(chunk)
+            if held > LINE_LIMIT:
+                raise _line_too_long(path, f"the line before byte {pos + held:,}")
+            continue
+        chunk += b"".join(reversed(rest))
         pieces = chunk.split(b"\n")
         lines = [p + b"\n" for p in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else [])
-        whole, rest = (lines, b"") if start == 0 else (lines[1:], lines[0] if lines else b"")
+        whole, first = (lines, b"") if start == 0 else (lines[1:], lines[0] if lines else b"")
+        rest, held = ([first], len(first)) if first else ([], 0)
         offset = start + len(chunk)
         for line in reversed(whole):
             offset -= len(line)
@@ -126,22 +134,35 @@ def _reversed_lines(
 
 
 def last_records(path: Path, count: int) -> list[dict[str, Any]]:
-    """The last `count` records of a JSONL log, read from its end (a torn or damaged line is left out)."""
+    """The last `count` records of a JSONL log, read from its end: a torn last line is left out (a writer killed
+    mid-line), any other line that is not a record with an integer "update" is damage (IntegrityError)."""
     out: list[dict[str, Any]] = []
     if not os.path.lexists(path):
         return out
-    fd, _ = open_regular(path, what=path.name)
+    fd, size = open_regular(path, what=path.name)
     with os.fdopen(fd, "rb") as f:
-        for _, line in _reversed_lines(f, path=path):
+        for offset, line in _reversed_lines(f, path=path):
             if len(out) >= count:
                 break
+            if not line.strip():
+                continue
+            last = offset + len(line) == size
             try:
                 rec = json.loads(line) if line.endswith(b"\n") else None
-            except (ValueError, RecursionError):
+            except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the parser
                 rec = None
-            if isinstance(rec, dict):
+            if isinstance(rec, dict) and _is_update(rec.get("update")):
                 out.append(rec)
+            elif not last:
+                raise IntegrityError(
+                    f"{path}: the line at byte {offset:,} is not a record with an integer update",
+                    hint=f"{path.name} is damaged; restore it from a copy",
+                )
     return out[::-1]
+
+
+def _is_update(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def trim_copy(src: Path, dst: Path, update: int) -> None:
@@ -211,6 +232,7 @@ def read_exposures(path: Path) -> Exposures:
 
 
 _EXPOSURE_BLOCK = 1 << 23
+EXPOSURE_SCHEMA = {"u": int, "i": [int]}
 
 
 def _line_too_long(path: Path | None, which: str) -> IntegrityError:
@@ -271,9 +293,9 @@ def _exposures_by_line(path: Path) -> Exposures:
     updates: list[int] = []
     counts: list[int] = []
     ids: list[int] = []
-    for rec in iter_records(path):
-        got = [int(i) for i in rec["i"]]
-        updates.append(int(rec["u"]))
+    for rec in iter_records(path, schema=EXPOSURE_SCHEMA):
+        got = rec["i"]
+        updates.append(rec["u"])
         counts.append(len(got))
         ids.extend(got)
     return Exposures(

@@ -104,13 +104,13 @@ def read_json(
 class Optional:
     """A field that may be absent (and, when it is there, has one of `types`)."""
 
-    types: type | tuple[type, ...]
+    types: Any  # a type, a tuple of types or [type]
 
 
 def check(doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None = None) -> dict[str, Any]:
-    """`doc` as a JSON object with every field of `schema` ({name: type, tuple of types or Optional(...)})
-    present and of its type, else one RecordError naming `source`, `line` and the field. An int is never a
-    bool; a float may be an int."""
+    """`doc` as a JSON object with every field of `schema` present and of its type, else one RecordError naming
+    `source`, `line` and the field. A rule is a type, a tuple of types, `[type]` (an array of such values) or
+    `Optional(rule)` (may be absent); an int is never a bool, a float may be an int."""
     if not isinstance(doc, dict):
         raise RecordError(source, f"holds a JSON {_kind(doc)}, not an object", line=line, hint=_HINT)
     for name, rule in schema.items():
@@ -130,7 +130,9 @@ def check(doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None 
     return doc
 
 
-def _is(value: Any, types: type | tuple[type, ...]) -> bool:
+def _is(value: Any, types: Any) -> bool:
+    if isinstance(types, list):  # [type]: an array of such values
+        return isinstance(value, list) and all(_is(v, types[0]) for v in value)
     wanted = types if isinstance(types, tuple) else (types,)
     if isinstance(value, bool):
         return bool in wanted
@@ -144,7 +146,9 @@ def _kind(value: Any) -> str:
     return names.get(type(value), "number")
 
 
-def _names(types: type | tuple[type, ...]) -> str:
+def _names(types: Any) -> str:
+    if isinstance(types, list):
+        return f"an array of {_names(types[0]).split(' ', 1)[1]}s"
     wanted = types if isinstance(types, tuple) else (types,)
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
              float: "a number", type(None): "null"}  # fmt: skip
@@ -154,12 +158,15 @@ def _names(types: type | tuple[type, ...]) -> str:
 # --- YAML -----------------------------------------------------------------------------------------------------
 
 
-def read_yaml(path: str | os.PathLike[str], *, what: str, limit: int = YAML_LIMIT) -> Any:
-    """A YAML file (a plan) as untrusted input: bounded size, safe_load, bounded depth; one RecordError."""
+def read_yaml(
+    path: str | os.PathLike[str], *, what: str, limit: int = YAML_LIMIT, follow: bool = False
+) -> Any:
+    """A YAML file (a plan) as untrusted input: bounded size, safe_load, bounded depth; one RecordError.
+    `follow`: the user named the path (a link of theirs is followed; a pipe or a device still is not read)."""
     import yaml
 
     source = f"{path} ({what})"
-    data = read_regular(path, limit, what=what)
+    data = read_regular(path, limit, what=what, follow=follow)
     try:
         doc = yaml.safe_load(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -169,10 +176,18 @@ def read_yaml(path: str | os.PathLike[str], *, what: str, limit: int = YAML_LIMI
     ):  # PyYAML composes recursively: 100,000 nested brackets reach the interpreter's bound
         raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML") from None
     except yaml.YAMLError as exc:
-        raise RecordError(source, f"not valid YAML ({str(exc)[:300]})", hint="fix the YAML") from None
+        raise RecordError(source, f"not valid YAML ({_yaml_problem(exc)})", hint="fix the YAML") from None
     if depth_of(doc, DEPTH_LIMIT) > DEPTH_LIMIT:
         raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
     return doc
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML's error in one line: its problem and where (its own text spans several, with the line quoted)."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())[:300]
 
 
 # --- safetensors ----------------------------------------------------------------------------------------------

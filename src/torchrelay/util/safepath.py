@@ -81,19 +81,25 @@ def walk_files(root: Path) -> list[str]:
 
 
 def open_regular(
-    path: str | os.PathLike[str], *, what: str, root: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    root: str | os.PathLike[str] | None = None,
+    follow: bool = False,
 ) -> tuple[int, int]:
     """(descriptor, size) of the regular file `path`, for files that may come from elsewhere.
 
     A symbolic link as the last part is refused (O_NOFOLLOW), and with `root` so is a folder on the way that
     leads out of `root`; a pipe, a socket or a device is refused without blocking (O_NONBLOCK, then fstat) and
-    before a byte is read. A missing file or a folder raises FileNotFoundError or IsADirectoryError, as open()
+    before a byte is read. `follow`: a path the user named on the command line (a plan), whose link is theirs.
+    A missing file or a folder raises FileNotFoundError or IsADirectoryError, as open()
     does, for the caller to word (`errors.from_exception`: a wrong path, exit 2). The caller closes the descriptor.
     """
     if root is not None:
         ensure_inside(Path(root), Path(path).parent, source=what)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        nofollow = 0 if follow else os.O_NOFOLLOW
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -121,11 +127,16 @@ def open_regular(
 
 
 def read_regular(
-    path: str | os.PathLike[str], limit: int, *, what: str, root: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    limit: int,
+    *,
+    what: str,
+    root: str | os.PathLike[str] | None = None,
+    follow: bool = False,
 ) -> bytes:
     """The bytes of the regular file `path` (opened by `open_regular`) of at most `limit` bytes, refused naming
     `path` otherwise; a file that grows while it is read is cut off at the limit, not followed forever."""
-    fd, size = open_regular(path, what=what, root=root)
+    fd, size = open_regular(path, what=what, root=root, follow=follow)
     try:
         if size > limit:
             raise IntegrityError(
