@@ -16,6 +16,8 @@ import pickle
 import shutil
 import signal
 import struct
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save as safetensors_save
 
@@ -32,9 +35,10 @@ from torchrelay.checkpoint import state
 from torchrelay.checkpoint.reader import load_statefuls
 from torchrelay.cli import main
 from torchrelay.errors import EXIT_REFUSED, RelayError
+from torchrelay.fsutil import JSON_LIMIT
 from torchrelay.report.series import read_series
 from torchrelay.util.hashing import sha256_file
-from torchrelay.util.records import JSON_LIMIT, LINE_LIMIT, YAML_LIMIT
+from torchrelay.util.jsonl import LINE_LIMIT
 from torchrelay.util.safepath import walk_files
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
@@ -142,7 +146,9 @@ def safetensors_cases(outside: Path, marker: Path) -> dict[str, Maker]:
     return {
         "a pickle named .safetensors": _write(pickle.dumps(_Payload(marker))),
         "a torch.save named .safetensors": _torch_saved(marker),
-        "header claiming 2^62 bytes": lambda path, valid: path.write_bytes(struct.pack("<Q", 1 << 62) + valid[8:]),
+        "header claiming 2^62 bytes": lambda path, valid: path.write_bytes(
+            struct.pack("<Q", 1 << 62) + valid[8:]
+        ),
         "overlapping offsets": _write(
             _header({"a": {**f32, "data_offsets": [0, 8]}, "b": {**f32, "data_offsets": [4, 12]}}, bytes(12))
         ),
@@ -428,7 +434,7 @@ def test_launch_answers_a_hostile_plan_in_one_line(tmp_path: Path) -> None:
     cases: dict[str, Maker] = {
         "100,000-deep YAML": _write(b"[" * 100_000 + b"]" * 100_000),
         "100,000-deep YAML mapping": _write(b"{a: " * 100_000 + b"1" + b"}" * 100_000),
-        "larger than its bound": _sparse(YAML_LIMIT + 1, b"a: "),
+        "larger than its bound": _sparse(64 << 20, b"a: "),  # 4 x util/records.YAML_LIMIT
         "non-UTF-8": _write(b"run_dir: \xff\xfe\n"),
         "not YAML": _write(b"a: [\n"),
         "a list, not a mapping": _write(b"- 1\n- 2\n"),
@@ -440,3 +446,92 @@ def test_launch_answers_a_hostile_plan_in_one_line(tmp_path: Path) -> None:
         run_verb(tally, f"plan [{label}] via launch", plan.name, ["launch", str(plan)])
     print(tally.line())
     assert not tally.failures, f"{len(tally.failures)} of {tally.cases}:\n" + "\n".join(tally.failures[:40])
+
+
+# --- the issue's defects 3, 4 and 5, one by one -----------------------------------------------------------------
+
+
+def test_a_deepspeed_payload_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Defect 3: weights_only refuses a planted pickle in a DeepSpeed partition, and safe_load says so in one
+    line naming the file (exit 2), not an UnpicklingError traceback; the payload never runs."""
+    from torchrelay.checkpoint.deepspeed_engine import safe_load
+
+    marker = tmp_path / "PWNED"
+    cases = {
+        "a planted pickle": pickle.dumps(_Payload(marker)),
+        "truncated": b"\x80\x04\x95",
+        "noise": b"\x00" * 64,
+    }
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    cases["a torch.save'd payload"] = buf.getvalue()
+    for label, content in cases.items():
+        path = tmp_path / f"zero_pp_rank_0_mp_rank_00_optim_states-{len(label)}.pt"
+        path.write_bytes(content)
+        with pytest.raises(RelayError) as caught:
+            safe_load(path)
+        assert caught.value.exit_code == EXIT_REFUSED and path.name in str(caught.value), (
+            label,
+            caught.value,
+        )
+        assert len(str(caught.value).splitlines()) <= 2, (label, str(caught.value))
+    assert not marker.exists()
+
+
+def test_the_stop_request_never_follows_a_link_out_of_the_run(tmp_path: Path) -> None:
+    """Defect 4: REQUEST_STOP linked to a file outside the run: its text is never read (it would reach
+    history.jsonl's notes and status, which travel in bundles); the link still asks the run to stop."""
+    from torchrelay.stop import REQUEST_FILE, StopRequest
+
+    run = tmp_path / "run"
+    run.mkdir()
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"reason": "TOP-SECRET-TEXT", "by": "TOP-SECRET-TEXT", "job": "TOPSECRET"}))
+    (run / REQUEST_FILE).symlink_to(secret)
+    request = StopRequest.read(run / REQUEST_FILE)
+    assert request is not None and request.job is None and request.at_update is None
+    assert "TOPSECRET" not in repr(request).replace("-", ""), request
+    assert "symbolic link" in (request.note or ""), request
+    # a FIFO asks the same, without blocking the rank that reads it
+    (run / REQUEST_FILE).unlink()
+    os.mkfifo(run / REQUEST_FILE)
+    request = _bounded(lambda: StopRequest.read(run / REQUEST_FILE))
+    assert request is not None and "not a regular file" in (request.note or "")
+
+
+LEDGER_LINE = 600 << 20  # a 600 MB line (a hole): nine times the bound
+
+
+def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Path) -> None:
+    """Defect 5: `torchrelay ledger` refuses an exposure log whose line is longer than the bound `status` uses,
+    reading at most about the bound: the peak memory of the process stays far below the line's size."""
+    run = make_run(tmp_path)
+    for verb, name, head in (
+        ("ledger", "exposures", b'{"u":9,"m":0,"i":['),
+        ("status", "metrics", b'{"x":"'),
+    ):
+        target = run / "train" / f"{name}-rank0.jsonl"  # status reads the tail of rank 0's metrics
+        with open(target, "ab") as f:  # whole lines first, then one line of 400 MB (a hole: written at once)
+            f.write(head)
+            f.truncate(target.stat().st_size + LEDGER_LINE)
+        code = (
+            "import resource, sys\n"
+            "from torchrelay.cli import main\n"
+            "import torchrelay.ledger, torchrelay.summary, torchrelay.audit.verdict\n"
+            "print('BEFORE_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+            f"code = main([{verb!r}, {str(run)!r}])\n"
+            "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+            "sys.exit(code)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert out.returncode == EXIT_REFUSED, (verb, out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+        assert target.name in out.stderr and f"longer than {LINE_LIMIT:,} bytes" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
+        before = int(out.stdout.split("BEFORE_KB")[1].split()[0]) << 10
+        grown = (int(out.stdout.split("MAXRSS_KB")[1].split()[0]) << 10) - before
+        # what the verb itself held at its peak (after its imports): about the bound, never the line
+        assert grown < LEDGER_LINE / 4, f"{verb}: grew {grown >> 20} MB for a {LEDGER_LINE >> 20} MB line"
+        target.write_bytes((FIXTURE / "run" / "train" / target.name).read_bytes())

@@ -109,7 +109,9 @@ def _reversed_lines(
     """(offset, line with its newline) from the last line of `f` to the first, reading backwards; a line longer
     than LINE_LIMIT is damage (IntegrityError), its pieces never joined."""
     pos = f.seek(0, os.SEEK_END)
-    rest: list[bytes] = []  # the start of a line that began before `pos`: the pieces read, the last read first
+    rest: list[
+        bytes
+    ] = []  # the start of a line that began before `pos`: the pieces read, the last read first
     held = 0
     while pos > 0 or rest:
         start = max(0, pos - block)
@@ -210,22 +212,26 @@ class Exposures:
 def read_exposures(path: Path) -> Exposures:
     """The exposure lines of `path` (a last line without its newline is a torn write: left out)."""
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    tail = b""
-    lines = 0
+    rest: list[bytes] = []  # the start of a line the blocks read so far have not ended, in pieces
+    held = lines = 0
     fd, _ = open_regular(path, what=path.name)  # no symlink, no pipe, no device
     with os.fdopen(fd, "rb") as f:
         while block := f.read(_EXPOSURE_BLOCK):
-            data = tail + block
-            cut = data.rfind(b"\n") + 1
-            tail = data[cut:]
-            if len(tail) > LINE_LIMIT:  # the line bound of every JSONL reader, met before the line is whole
-                raise _line_too_long(path, f"line {lines + 1}")
-            lines += data.count(b"\n", 0, cut)
-            if cut:
-                parsed = _parse_exposure_block(data[:cut])
-                if parsed is None:
-                    return _exposures_by_line(path)
-                parts.append(parsed)
+            cut = block.rfind(b"\n") + 1
+            if not cut:  # inside one long line: held in pieces up to the bound of every JSONL reader
+                rest.append(block)
+                held += len(block)
+                if held > LINE_LIMIT:
+                    raise _line_too_long(path, f"line {lines + 1}")
+                continue
+            data = b"".join([*rest, block[:cut]])
+            rest, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
+            lines += data.count(b"\n")
+            parsed = _parse_exposure_block(data)
+            if parsed is None:
+                return _exposures_by_line(path)
+            parts.append(parsed)
+    tail = b"".join(rest)
     if not parts:
         return _exposures_by_line(path) if tail.strip() else Exposures(*(np.zeros(0, np.int64),) * 3)
     return Exposures(*(np.concatenate([p[k] for p in parts]) for k in range(3)))

@@ -364,7 +364,9 @@ def read_plan_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The raw mapping of a plan file, with the file named in any error."""
     p = Path(path)
     try:
-        data = read_yaml(p, what="plan file", follow=True)  # bounded size and depth: one line for a hostile plan
+        data = read_yaml(
+            p, what="plan file", follow=True
+        )  # bounded size and depth: one line for a hostile plan
     except FileNotFoundError as exc:
         raise ConfigError(f"plan file {p} does not exist", hint="pass the path of a plan YAML") from exc
     except RecordError as exc:
