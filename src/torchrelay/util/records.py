@@ -97,6 +97,23 @@ def read_json(
     return check(doc, schema, source=source) if schema is not None else doc
 
 
+def read_json_or_none(
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    root: str | os.PathLike[str] | None = None,
+    limit: int = 1 << 24,
+) -> Any:
+    """A JSON file whose absence or damage only means "unknown" (a cache, a note): None then, read the same
+    guarded way (no link, no pipe, bounded) otherwise."""
+    from torchrelay.errors import RelayError
+
+    try:
+        return read_json(path, what=what, root=root, limit=limit)
+    except (OSError, RelayError):
+        return None
+
+
 # --- schemas: the fields a record must have, and their types -------------------------------------------------
 
 
