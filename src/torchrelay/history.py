@@ -14,7 +14,7 @@ from torchrelay.ended import Ended
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.layout import HISTORY_FILE
 from torchrelay.util.jsonl import read_records
-from torchrelay.util.records import Optional
+from torchrelay.util.records import Optional, Schema
 
 
 class _Absent(Enum):
@@ -78,7 +78,7 @@ class Segment:
 _NONE = type(None)
 # The types of what status, report and a bundle's README show of a segment: each may be absent (a record another
 # version wrote), none may be of another type (a hand edit, a forged bundle): util/records.check.
-SEGMENT_SCHEMA = {
+SEGMENT_SCHEMA = Schema({
     name: Optional(rule)
     for name, rule in {
         "segment": (str, _NONE), "parent": (str, _NONE), "lineage": (str, _NONE), "parent_lineage": (str, _NONE),
@@ -89,7 +89,7 @@ SEGMENT_SCHEMA = {
         "stopped": (float, _NONE), "deadline": (float, _NONE), "ranks_by_host": (dict, _NONE),
         "layout_change": (dict, _NONE),
     }.items()
-}  # fmt: skip
+})  # fmt: skip
 
 
 def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -15,10 +15,13 @@ import numpy as np
 
 from torchrelay.errors import IntegrityError
 from torchrelay.util.jsonl import LINE_LIMIT
+from torchrelay.util.records import Schema
 from torchrelay.util.safepath import open_regular
 
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
-METRIC_SCHEMA = {"update": int}  # what every metric record holds (util/records.check), the rest is the user's
+METRIC_SCHEMA = Schema(
+    {"update": int}
+)  # what every metric record holds (util/records.check), the rest is the user's
 _RANK_LOG = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
 
 
@@ -238,7 +241,7 @@ def read_exposures(path: Path) -> Exposures:
 
 
 _EXPOSURE_BLOCK = 1 << 23
-EXPOSURE_SCHEMA = {"u": int, "i": [int]}
+EXPOSURE_SCHEMA = Schema({"u": int, "i": [int]})
 
 
 def _line_too_long(path: Path | None, which: str) -> IntegrityError:

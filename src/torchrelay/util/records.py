@@ -124,18 +124,30 @@ class Optional:
     types: Any  # a type, a tuple of types or [type]
 
 
+class Schema(dict[str, Any]):
+    """A record's fields and their rules (see `check`), with its required fields worked out once: a log of
+    200,000 records is checked at the cost of the fields each holds."""
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        super().__init__(fields)
+        self.required = tuple(name for name, rule in fields.items() if not isinstance(rule, Optional))
+
+
 def check(doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None = None) -> dict[str, Any]:
     """`doc` as a JSON object with every field of `schema` present and of its type, else one RecordError naming
     `source`, `line` and the field. A rule is a type, a tuple of types, `[type]` (an array of such values) or
     `Optional(rule)` (may be absent); an int is never a bool, a float may be an int."""
     if not isinstance(doc, dict):
         raise RecordError(source, f"holds a JSON {_kind(doc)}, not an object", line=line, hint=_HINT)
-    for name, rule in schema.items():
-        types = rule.types if isinstance(rule, Optional) else rule
+    required = schema.required if isinstance(schema, Schema) else Schema(schema).required
+    for name in required:
         if name not in doc:
-            if isinstance(rule, Optional):
-                continue
             raise RecordError(source, "missing", line=line, field=name, hint=_HINT)
+    for name in doc if len(doc) <= len(schema) else schema:
+        rule = schema.get(name) if name in doc else None
+        if rule is None:
+            continue
+        types = rule.types if isinstance(rule, Optional) else rule
         if not _is(doc[name], types):
             raise RecordError(
                 source,
