@@ -74,6 +74,26 @@ class IntegrityError(RelayError):
     exit_code = EXIT_REFUSED
 
 
+class RecordError(IntegrityError):
+    """A record on disk (JSON, a JSONL line, a safetensors header, a YAML plan) that is not what its reader
+    expects: the message names the file, and the line and field where there is one (util/records.py)."""
+
+    def __init__(
+        self,
+        source: str,
+        problem: str,
+        *,
+        line: int | None = None,
+        field: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        where = (
+            source + (f", line {line}" if line is not None else "") + (f", field {field!r}" if field else "")
+        )
+        super().__init__(f"{where}: {problem}", hint=hint)
+        self.source, self.line, self.field = source, line, field
+
+
 class UnsafeInput(RelayError):
     """A path or payload that could escape its directory or execute code."""
 

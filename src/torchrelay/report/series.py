@@ -13,7 +13,7 @@ from torchrelay.history import read_history
 from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
 from torchrelay.numerics import describe
 from torchrelay.reshard import describe_change
-from torchrelay.train_records import rank_logs
+from torchrelay.train_records import METRIC_SCHEMA, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 
 
@@ -165,7 +165,8 @@ def read_series(run_dir: str | Path) -> RunSeries:
         what = "is not a directory" if root.exists() else "does not exist"
         raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
     train_dir = root / TRAIN_DIR
-    per_rank = {rank: _by_update(read_records(p)) for rank, p in rank_logs(train_dir, "metrics").items()}
+    logs = rank_logs(train_dir, "metrics")
+    per_rank = {rank: _by_update(read_records(p, schema=METRIC_SCHEMA)) for rank, p in logs.items()}
     if not per_rank or not any(per_rank.values()):
         raise ReportError(
             f"{train_dir}: no metrics-rank*.jsonl lines yet",

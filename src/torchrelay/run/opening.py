@@ -58,6 +58,7 @@ from torchrelay.rundir import RunDir
 from torchrelay.stop import REQUEST_FILE, Deadline, deadline_from_env, job_start
 from torchrelay.train_records import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.util.jsonl import iter_records
+from torchrelay.util.records import read_json_or_none
 
 # A relaunch may start while the previous holder's last DataLoader worker still exits, or while `status` peeks.
 LOCK_WAIT_S = float(os.environ.get("TORCHRELAY_LOCK_WAIT_S", "3"))
@@ -554,10 +555,8 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
     marker = ckpt / HANDED_OFF
     if not marker.exists():
         return None
-    try:
-        handed = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        handed = {}
+    handed = read_json_or_none(marker, what="the hand-off record", root=ckpt)
+    handed = handed if isinstance(handed, dict) else {}
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     os.replace(marker, ckpt / f"{RECLAIMED_PREFIX}{stamp}.json")
     old = _read_lineage(run_dir)
@@ -570,7 +569,5 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
 
 
 def _read_lineage(run_dir: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((run_dir / LINEAGE_FILE).read_text()))
-    except (OSError, ValueError, TypeError):  # unreadable, not UTF-8, not JSON, not an object
-        return {}
+    lineage = read_json_or_none(run_dir / LINEAGE_FILE, what="the run's lineage", root=run_dir)
+    return dict(lineage) if isinstance(lineage, dict) else {}  # unreadable, not JSON, not an object: none
