@@ -1,0 +1,366 @@
+"""How to obtain page-locked staging memory without slowing the training loop (issue 22, goal 1).
+
+One process, one GPU: a loop of updates (`--layers` x Linear(width, width) + AdamW, batch `--batch`) runs while the
+host buffers of its state (parameters + both AdamW moments, the tensors a save copies) are obtained one way, then
+the device->host copy into them is timed. Each update's time (update end to update end, whatever ran between) is
+recorded; the ratios are to the median of the updates before the variant started.
+
+Variants (`--variants a,b`, default all):
+- hostalloc-thread: `torch.empty(..., pin_memory=True)` per tensor on a thread (cudaHostAlloc: torchrelay's
+  `HostStage.reserve` before issue 22);
+- fault-threads: pageable memory (one anonymous mmap), first touched by 8 threads, never registered (the copy
+  then runs from pageable memory);
+- register-thread-<C>: that memory, then `cudaHostRegister` of one <C>-byte chunk per call on a thread;
+- register-paced-<C>: the same with a pause of 3x each call's time after it;
+- register-loop-<C>: registered on the training thread between updates, up to 2 ms of calls per update;
+- thp-register-thread-<C>: the arena advised MADV_HUGEPAGE before the touch (transparent huge pages);
+- child-hostalloc: another process page-locks the same number of bytes (cudaHostAlloc) while this one trains.
+
+    python3 benchmarks/bench_pin.py --layers 72 --width 4096 --batch 256 --json $OUT/pin.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import mmap
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+MiB = 1 << 20
+HUGE = 2 * MiB
+GB = 1e9
+
+
+def sizes_arg(text: str) -> int:
+    low = text.lower()
+    scale = {"k": 1 << 10, "m": MiB, "g": 1 << 30}.get(low[-1:], 1)
+    return int(float(low[:-1] if scale > 1 else low) * scale)
+
+
+class Arena:
+    """One anonymous mapping holding every buffer (each at a 2 MiB-aligned offset), registered chunk by chunk."""
+
+    def __init__(self, shapes: list[tuple[torch.Size, torch.dtype]], huge: bool) -> None:
+        offsets, off = [], 0
+        for shape, dtype in shapes:
+            offsets.append(off)
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            off += -(-n // HUGE) * HUGE
+        self.size = off
+        self.map = mmap.mmap(-1, self.size + HUGE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.skip = -base % HUGE  # the arena starts 2 MiB-aligned, so huge pages can back it
+        self.base = base + self.skip
+        if huge:
+            self.map.madvise(mmap.MADV_HUGEPAGE, self.skip, self.size)
+        raw = torch.frombuffer(self.map, dtype=torch.uint8)[self.skip : self.skip + self.size]
+        self.raw = raw
+        self.bufs = []
+        for (shape, dtype), o in zip(shapes, offsets, strict=True):
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            self.bufs.append(raw[o : o + n].view(dtype).view(shape))
+        self.registered: list[tuple[int, int]] = []
+
+    def fault(self, threads: int = 8) -> None:
+        step = 64 * MiB
+
+        def touch(a: int) -> None:
+            self.raw[a : a + step].fill_(0)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(touch, range(0, self.size, step)))
+
+    def chunks(self, chunk: int) -> list[tuple[int, int]]:
+        return [(self.base + a, min(chunk, self.size - a)) for a in range(0, self.size, chunk)]
+
+    def register(self, ptr: int, n: int) -> float:
+        t0 = time.perf_counter()
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, n, 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister: error {err}")
+        self.registered.append((ptr, n))
+        return time.perf_counter() - t0
+
+    def unregister(self) -> float:
+        t0 = time.perf_counter()
+        for ptr, _ in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.registered.clear()
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=72)
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)  # child-hostalloc's process
+    args = ap.parse_args()
+    if args.child:
+        torch.cuda.init()
+        t0 = time.perf_counter()
+        keep = [
+            torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True) for _ in range(args.child // (64 * MiB))
+        ]
+        print(json.dumps({"child_alloc_s": time.perf_counter() - t0, "n": len(keep)}), flush=True)
+        return
+
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.width, device="cuda")
+
+    def update() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+
+    update()
+    tensors = list(model.parameters()) + [
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    shapes = [(t.shape, t.dtype) for t in tensors]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    facts = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "bytes": nbytes,
+        "tensors": len(tensors),
+        "thp": thp.read_text().strip() if thp.exists() else "?",
+    }
+    print(f"[pin] {facts}", flush=True)
+    # The machine's memory grows as it is first used (a VM): touch the bytes once so no variant pays for that.
+    t0 = time.perf_counter()
+    warm = Arena(shapes, huge=False)
+    warm.fault()
+    del warm
+    facts["first_touch_s"] = time.perf_counter() - t0
+
+    def probe(cuda: bool) -> dict[str, float]:
+        """One 2 GiB cudaHostRegister on a thread while this thread spins (pure Python, or a tiny kernel and a
+        synchronize per turn): the longest gap between turns says whether the call holds the GIL (or blocks CUDA
+        calls of other threads) for its whole length."""
+        arena = Arena([(torch.Size([1 << 31]), torch.uint8)], huge=False)
+        arena.fault()
+        took: list[float] = []
+        th = threading.Thread(target=lambda: took.append(arena.register(arena.base, arena.size)))
+        small = torch.zeros(16, device="cuda")
+        gap, last = 0.0, time.perf_counter()
+        th.start()
+        while th.is_alive():
+            if cuda:
+                small.add_(1)
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            gap, last = max(gap, now - last), now
+        th.join()
+        arena.unregister()
+        return {"register_s": took[0], "longest_gap_s": gap}
+
+    facts["probe_python"] = probe(False)
+    facts["probe_cuda"] = probe(True)
+    print(f"[pin] probes {facts['probe_python']} {facts['probe_cuda']}", flush=True)
+
+    def copy_into(bufs: list[torch.Tensor]) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, tensors, strict=True):
+            b.copy_(t.detach(), non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def loop(obtain: Callable[[], None], between: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Updates before, while `obtain` runs on a thread (or `between` on the loop's thread until it returns
+        False), and after."""
+        before = []
+        last = time.perf_counter()
+        for _ in range(15):
+            update()
+            now = time.perf_counter()
+            before.append(now - last)
+            last = now
+        med = statistics.median(before[3:])
+        done = threading.Event()
+        err: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                obtain()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                err.append(exc)
+            finally:
+                done.set()
+
+        t_start = time.perf_counter()
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        during: list[float] = []
+        last = time.perf_counter()
+        busy = True
+        while not done.is_set() or busy:
+            busy = between() if between is not None and busy else False
+            update()
+            now = time.perf_counter()
+            during.append(now - last)
+            last = now
+        ready = time.perf_counter() - t_start
+        th.join()
+        if err:
+            raise err[0]
+        after = []
+        for _ in range(5):
+            update()
+            now = time.perf_counter()
+            after.append(now - last)
+            last = now
+        ratios = [d / med for d in during]
+        return {
+            "ready_s": ready,
+            "update_median_s": med,
+            "updates_during": len(during),
+            "max_ratio": max(ratios),
+            "over_1_1x": sum(r > 1.1 for r in ratios),
+            "lost_s": sum(during) - len(during) * med,
+            "ratios": [round(r, 3) for r in ratios],
+            "after_max_ratio": max(a / med for a in after),
+        }
+
+    results: dict[str, Any] = {}
+
+    def hostalloc_thread() -> dict[str, Any]:
+        bufs: list[torch.Tensor] = []
+        r = loop(lambda: bufs.extend(torch.empty(s, dtype=d, pin_memory=True) for s, d in shapes))
+        r["copy_s"] = copy_into(bufs)
+        t0 = time.perf_counter()
+        bufs.clear()
+        torch.cuda.synchronize()
+        empty = getattr(
+            torch._C, "_host_emptyCache", None
+        )  # gives cudaHostAlloc's blocks back (torch >= 2.5)
+        if empty is not None:
+            empty()
+        r["free_s"] = time.perf_counter() - t0
+        return r
+
+    def fault_threads() -> dict[str, Any]:
+        arena = Arena(shapes, huge=False)
+        r = loop(arena.fault)
+        r["copy_s"] = copy_into(arena.bufs)
+        return r
+
+    def register(chunk: int, how: str, huge: bool) -> Callable[[], dict[str, Any]]:
+        def variant() -> dict[str, Any]:
+            arena = Arena(shapes, huge=huge)
+            calls: list[float] = []
+            todo = arena.chunks(chunk)
+
+            def thread() -> None:
+                arena.fault()
+                for ptr, n in todo:
+                    calls.append(arena.register(ptr, n))
+                    if how == "paced":
+                        time.sleep(3 * calls[-1])
+
+            if how == "loop":
+                arena.fault()
+                left = list(todo)
+
+                def between() -> bool:
+                    t_end = time.perf_counter() + 0.002
+                    while left and time.perf_counter() < t_end:
+                        calls.append(arena.register(*left.pop(0)))
+                    return bool(left)
+
+                r = loop(lambda: None, between)
+            else:
+                r = loop(thread)
+            r["register_calls"] = len(calls)
+            r["register_s"] = sum(calls)
+            r["register_max_call_s"] = max(calls)
+            r["register_gb_per_s"] = arena.size / sum(calls) / GB
+            r["copy_s"] = copy_into(arena.bufs)
+            r["unregister_s"] = arena.unregister()
+            if huge:
+                r["anon_huge_kb"] = next(
+                    (
+                        int(line.split()[1])
+                        for line in Path("/proc/meminfo").read_text().splitlines()
+                        if line.startswith("AnonHugePages")
+                    ),
+                    -1,
+                )
+            return r
+
+        return variant
+
+    def child_hostalloc() -> dict[str, Any]:
+        out: list[str] = []
+
+        def obtain() -> None:
+            p = subprocess.run(
+                [sys.executable, __file__, "--child", str(nbytes)], capture_output=True, text=True, check=True
+            )
+            out.append(p.stdout.strip().splitlines()[-1])
+
+        r = loop(obtain)
+        r.update(json.loads(out[0]))
+        return r
+
+    variants: dict[str, Callable[[], dict[str, Any]]] = {
+        "hostalloc-thread": hostalloc_thread,
+        "fault-threads": fault_threads,
+        "register-thread-64M": register(64 * MiB, "thread", False),
+        "register-thread-8M": register(8 * MiB, "thread", False),
+        "register-thread-2M": register(2 * MiB, "thread", False),
+        "register-paced-8M": register(8 * MiB, "paced", False),
+        "register-loop-8M": register(8 * MiB, "loop", False),
+        "thp-register-thread-8M": register(8 * MiB, "thread", True),
+        "thp-register-thread-64M": register(64 * MiB, "thread", True),
+        "thp-register-loop-64M": register(64 * MiB, "loop", True),
+        "child-hostalloc": child_hostalloc,
+    }
+    chosen = [v for v in args.variants.split(",") if v] or list(variants)
+    for name in chosen:
+        try:
+            r = variants[name]()
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not cost the others
+            r = {"error": repr(exc)}
+        results[name] = r
+        gc.collect()
+        short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "ratios"}
+        print(f"[pin] {name}: {short}", flush=True)
+    print("| variant | ready s | updates | max | > 1.1x | lost s | copy s | register GB/s | max call ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | {r['error']} |")
+            continue
+        print(
+            f"| {name} | {r['ready_s']:.2f} | {r['updates_during']} | {r['max_ratio']:.2f}x | {r['over_1_1x']} | "
+            f"{r['lost_s']:.3f} | {r.get('copy_s', float('nan')):.3f} | {r.get('register_gb_per_s', float('nan')):.1f} | "
+            f"{1000 * r.get('register_max_call_s', float('nan')):.1f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"facts": facts, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
