@@ -5,16 +5,16 @@ host buffers of its state (parameters + both AdamW moments, the tensors a save c
 the device->host copy into them is timed. Each update's time (update end to update end, whatever ran between) is
 recorded; the ratios are to the median of the updates before the variant started.
 
-Variants (`--variants a,b`, default all):
-- hostalloc-thread: `torch.empty(..., pin_memory=True)` per tensor on a thread (cudaHostAlloc: torchrelay's
-  `HostStage.reserve` before issue 22);
-- fault-threads: pageable memory (one anonymous mmap), first touched by 8 threads, never registered (the copy
-  then runs from pageable memory);
-- register-thread-<C>: that memory, then `cudaHostRegister` of one <C>-byte chunk per call on a thread;
-- register-paced-<C>: the same with a pause of 3x each call's time after it;
-- register-loop-<C>: registered on the training thread between updates, up to 2 ms of calls per update;
-- thp-register-thread-<C>: the arena advised MADV_HUGEPAGE before the touch (transparent huge pages);
-- child-hostalloc: another process page-locks the same number of bytes (cudaHostAlloc) while this one trains.
+Variants (`--variants a,b`, default all): `hostalloc-thread`, `torch.empty(..., pin_memory=True)` per tensor on a
+thread (cudaHostAlloc: torchrelay's `HostStage.reserve` before issue 22); `[thp-]fault-<threads>[-nice]`, pageable
+memory (one anonymous private mapping, advised MADV_HUGEPAGE with thp-) first touched by that many threads, never
+registered (the copy then runs from pageable memory); `[thp-]register-<how>-<C>`, that memory touched before the
+loop, then `cudaHostRegister` of one C-byte chunk per call: on a thread without pause (thread), at nice 10 asleep
+k-1 times each call's length after it (paced-k), or on the training thread between updates, up to 2 ms of calls
+per update (loop); `thp-fault-<t>-paced-<k>-<C>`, the touch and the paced registration on one thread, from
+nothing; `tensors-register`, torch.empty per tensor, touched, one registration per tensor; `child-hostalloc`,
+another process page-locks as many bytes (cudaHostAlloc) while this one trains. Probes first: one 2 GiB
+registration on a thread while this thread spins in Python, launches tiny kernels, or waits for a 30 ms kernel.
 
     python3 benchmarks/bench_pin.py --layers 72 --width 4096 --batch 256 --json $OUT/pin.json
 """
@@ -26,6 +26,7 @@ import ctypes
 import gc
 import json
 import mmap
+import os
 import statistics
 import subprocess
 import sys
@@ -60,7 +61,7 @@ class Arena:
             n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             off += -(-n // HUGE) * HUGE
         self.size = off
-        self.map = mmap.mmap(-1, self.size + HUGE)
+        self.map = mmap.mmap(-1, self.size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         self.skip = -base % HUGE  # the arena starts 2 MiB-aligned, so huge pages can back it
         self.base = base + self.skip
@@ -74,10 +75,12 @@ class Arena:
             self.bufs.append(raw[o : o + n].view(dtype).view(shape))
         self.registered: list[tuple[int, int]] = []
 
-    def fault(self, threads: int = 8) -> None:
+    def fault(self, threads: int = 8, nice: int = 0) -> None:
         step = 64 * MiB
 
         def touch(a: int) -> None:
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             self.raw[a : a + step].fill_(0)
 
         with ThreadPoolExecutor(threads) as pool:
@@ -90,7 +93,10 @@ class Arena:
         t0 = time.perf_counter()
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, n, 0))
         if err != 0:
-            raise RuntimeError(f"cudaHostRegister: error {err}")
+            raise RuntimeError(
+                f"cudaHostRegister: error {err} at offset {ptr - self.base} of {self.size}, {n} bytes, "
+                f"after {len(self.registered)} calls"
+            )
         self.registered.append((ptr, n))
         return time.perf_counter() - t0
 
@@ -154,30 +160,44 @@ def main() -> None:
     del warm
     facts["first_touch_s"] = time.perf_counter() - t0
 
-    def probe(cuda: bool) -> dict[str, float]:
-        """One 2 GiB cudaHostRegister on a thread while this thread spins (pure Python, or a tiny kernel and a
-        synchronize per turn): the longest gap between turns says whether the call holds the GIL (or blocks CUDA
-        calls of other threads) for its whole length."""
+    def probe(how: str) -> dict[str, float]:
         arena = Arena([(torch.Size([1 << 31]), torch.uint8)], huge=False)
         arena.fault()
         took: list[float] = []
-        th = threading.Thread(target=lambda: took.append(arena.register(arena.base, arena.size)))
         small = torch.zeros(16, device="cuda")
-        gap, last = 0.0, time.perf_counter()
-        th.start()
-        while th.is_alive():
-            if cuda:
-                small.add_(1)
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            gap, last = max(gap, now - last), now
-        th.join()
-        arena.unregister()
-        return {"register_s": took[0], "longest_gap_s": gap}
+        big = torch.randn(8192, 8192, device="cuda")
 
-    facts["probe_python"] = probe(False)
-    facts["probe_cuda"] = probe(True)
-    print(f"[pin] probes {facts['probe_python']} {facts['probe_cuda']}", flush=True)
+        def chain() -> None:
+            for _ in range(25):
+                big @ big  # noqa: B018 - about 30 ms of work on the stream
+
+        t0 = time.perf_counter()
+        chain()
+        torch.cuda.synchronize()
+        alone = time.perf_counter() - t0
+        th = threading.Thread(target=lambda: took.append(arena.register(arena.base, arena.size)))
+        gap, last = 0.0, time.perf_counter()
+        if how == "wait":
+            chain()
+            th.start()
+            time.sleep(0.002)
+            torch.cuda.synchronize()
+            gap = time.perf_counter() - last
+        else:
+            th.start()
+            while th.is_alive():
+                if how == "launch":
+                    small.add_(1)
+                now = time.perf_counter()
+                gap, last = max(gap, now - last), now
+        th.join()
+        torch.cuda.synchronize()
+        arena.unregister()
+        return {"register_s": took[0], "longest_gap_s": gap, "chain_alone_s": alone}
+
+    for how in ("python", "launch", "wait"):
+        facts[f"probe_{how}"] = probe(how)
+        print(f"[pin] probe {how}: {facts[f'probe_{how}']}", flush=True)
 
     def copy_into(bufs: list[torch.Tensor]) -> float:
         torch.cuda.synchronize()
@@ -260,56 +280,113 @@ def main() -> None:
         r["free_s"] = time.perf_counter() - t0
         return r
 
-    def fault_threads() -> dict[str, Any]:
-        arena = Arena(shapes, huge=False)
-        r = loop(arena.fault)
-        r["copy_s"] = copy_into(arena.bufs)
-        return r
+    def fault_only(threads: int, nice: int, huge: bool) -> Callable[[], dict[str, Any]]:
+        def variant() -> dict[str, Any]:
+            arena = Arena(shapes, huge=huge)
+            r = loop(lambda: arena.fault(threads, nice))
+            r["copy_s"] = copy_into(arena.bufs)
+            return r
 
-    def register(chunk: int, how: str, huge: bool) -> Callable[[], dict[str, Any]]:
+        return variant
+
+    def register(
+        chunk: int, how: str, huge: bool, fault: tuple[int, int] | None = None
+    ) -> Callable[[], dict[str, Any]]:
+        """Registration alone (the arena faulted before the loop), or, with `fault` (threads, nice), the touch
+        too, on the same thread, before the registration: the whole cost from nothing."""
+
         def variant() -> dict[str, Any]:
             arena = Arena(shapes, huge=huge)
             calls: list[float] = []
             todo = arena.chunks(chunk)
-
-            def thread() -> None:
+            if fault is None:
                 arena.fault()
-                for ptr, n in todo:
-                    calls.append(arena.register(ptr, n))
-                    if how == "paced":
-                        time.sleep(3 * calls[-1])
+            try:
 
-            if how == "loop":
-                arena.fault()
-                left = list(todo)
+                def thread() -> None:
+                    if fault is not None:
+                        arena.fault(*fault)
+                    if how.startswith("paced"):  # paced-<k>: k-1 times each call's length asleep after it
+                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+                    for ptr, n in todo:
+                        calls.append(arena.register(ptr, n))
+                        if how.startswith("paced"):
+                            time.sleep((int(how.split("-")[1]) - 1) * calls[-1])
 
-                def between() -> bool:
-                    t_end = time.perf_counter() + 0.002
-                    while left and time.perf_counter() < t_end:
-                        calls.append(arena.register(*left.pop(0)))
-                    return bool(left)
+                if how == "loop":
+                    left = list(todo)
 
-                r = loop(lambda: None, between)
-            else:
-                r = loop(thread)
-            r["register_calls"] = len(calls)
-            r["register_s"] = sum(calls)
-            r["register_max_call_s"] = max(calls)
-            r["register_gb_per_s"] = arena.size / sum(calls) / GB
-            r["copy_s"] = copy_into(arena.bufs)
-            r["unregister_s"] = arena.unregister()
-            if huge:
-                r["anon_huge_kb"] = next(
-                    (
-                        int(line.split()[1])
+                    def between() -> bool:
+                        t_end = time.perf_counter() + 0.002
+                        while left and time.perf_counter() < t_end:
+                            calls.append(arena.register(*left.pop(0)))
+                        return bool(left)
+
+                    r = loop(lambda: None, between)
+                else:
+                    r = loop(thread)
+                r["register_calls"] = len(calls)
+                r["register_s"] = sum(calls)
+                r["register_max_call_s"] = max(calls)
+                r["register_median_call_s"] = statistics.median(calls)
+                r["register_gb_per_s"] = arena.size / sum(calls) / GB
+                r["copy_s"] = copy_into(arena.bufs)
+                # the same copies cut at the registrations' edges (one cudaMemcpyAsync never spans two)
+                flat = [
+                    (b.view(-1).view(torch.uint8), t.detach().view(-1).view(torch.uint8))
+                    for b, t in zip(arena.bufs, tensors, strict=True)
+                ]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for b, t in flat:
+                    first = b.data_ptr() - arena.base
+                    a = 0
+                    while a < b.numel():
+                        z = min(b.numel(), (first + a) // chunk * chunk + chunk - first)
+                        b[a:z].copy_(t[a:z], non_blocking=True)
+                        a = z
+                torch.cuda.synchronize()
+                r["copy_split_s"] = time.perf_counter() - t0
+                if huge:
+                    r["anon_huge_gb"] = next(
+                        int(line.split()[1]) / 1e6
                         for line in Path("/proc/meminfo").read_text().splitlines()
                         if line.startswith("AnonHugePages")
-                    ),
-                    -1,
-                )
+                    )
+            finally:
+                r_un = arena.unregister()
+            r["unregister_s"] = r_un
             return r
 
         return variant
+
+    def tensors_register() -> dict[str, Any]:
+        """torch.empty per tensor (pageable), touched, then one cudaHostRegister per tensor on a thread."""
+        bufs = [torch.empty(s, dtype=d) for s, d in shapes]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda b: b.zero_(), bufs))
+        done: list[int] = []
+        calls: list[float] = []
+
+        def thread() -> None:
+            for b in bufs:
+                t0 = time.perf_counter()
+                err = int(torch.cuda.cudart().cudaHostRegister(b.data_ptr(), b.numel() * b.element_size(), 0))
+                calls.append(time.perf_counter() - t0)
+                if err:
+                    raise RuntimeError(f"cudaHostRegister: error {err} at tensor {len(done)}")
+                done.append(b.data_ptr())
+
+        try:
+            r = loop(thread)
+            r["register_s"] = sum(calls)
+            r["register_max_call_s"] = max(calls)
+            r["register_gb_per_s"] = nbytes / sum(calls) / GB
+            r["copy_s"] = copy_into(bufs)
+        finally:
+            for ptr in done:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        return r
 
     def child_hostalloc() -> dict[str, Any]:
         out: list[str] = []
@@ -326,15 +403,22 @@ def main() -> None:
 
     variants: dict[str, Callable[[], dict[str, Any]]] = {
         "hostalloc-thread": hostalloc_thread,
-        "fault-threads": fault_threads,
-        "register-thread-64M": register(64 * MiB, "thread", False),
+        "fault-8": fault_only(8, 0, False),
+        "fault-1": fault_only(1, 0, False),
+        "fault-1-nice": fault_only(1, 10, False),
+        "thp-fault-8": fault_only(8, 0, True),
+        "thp-fault-1": fault_only(1, 0, True),
+        "thp-fault-2-nice": fault_only(2, 10, True),
+        "tensors-register": tensors_register,
         "register-thread-8M": register(8 * MiB, "thread", False),
-        "register-thread-2M": register(2 * MiB, "thread", False),
-        "register-paced-8M": register(8 * MiB, "paced", False),
-        "register-loop-8M": register(8 * MiB, "loop", False),
-        "thp-register-thread-8M": register(8 * MiB, "thread", True),
         "thp-register-thread-64M": register(64 * MiB, "thread", True),
-        "thp-register-loop-64M": register(64 * MiB, "loop", True),
+        "thp-register-thread-8M": register(8 * MiB, "thread", True),
+        "thp-register-thread-2M": register(2 * MiB, "thread", True),
+        "thp-register-paced-10-8M": register(8 * MiB, "paced-10", True),
+        "thp-register-paced-10-2M": register(2 * MiB, "paced-10", True),
+        "thp-register-loop-8M": register(8 * MiB, "loop", True),
+        "thp-fault-1-paced-10-8M": register(8 * MiB, "paced-10", True, fault=(1, 10)),
+        "thp-fault-2-paced-20-8M": register(8 * MiB, "paced-20", True, fault=(2, 10)),
         "child-hostalloc": child_hostalloc,
     }
     chosen = [v for v in args.variants.split(",") if v] or list(variants)
@@ -347,15 +431,17 @@ def main() -> None:
         gc.collect()
         short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "ratios"}
         print(f"[pin] {name}: {short}", flush=True)
-    print("| variant | ready s | updates | max | > 1.1x | lost s | copy s | register GB/s | max call ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| variant | ready s | updates | max | > 1.1x | lost s | copy s | split copy s | register GB/s | max call ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if "error" in r:
             print(f"| {name} | {r['error']} |")
             continue
         print(
             f"| {name} | {r['ready_s']:.2f} | {r['updates_during']} | {r['max_ratio']:.2f}x | {r['over_1_1x']} | "
-            f"{r['lost_s']:.3f} | {r.get('copy_s', float('nan')):.3f} | {r.get('register_gb_per_s', float('nan')):.1f} | "
+            f"{r['lost_s']:.3f} | {r.get('copy_s', float('nan')):.3f} | {r.get('copy_split_s', float('nan')):.3f} | {r.get('register_gb_per_s', float('nan')):.1f} | "
             f"{1000 * r.get('register_max_call_s', float('nan')):.1f} |"
         )
     if args.json:
