@@ -6,15 +6,16 @@ the device->host copy into them is timed. Each update's time (update end to upda
 recorded; the ratios are to the median of the updates before the variant started.
 
 Variants (`--variants a,b`, default all): `hostalloc-thread`, `torch.empty(..., pin_memory=True)` per tensor on a
-thread (cudaHostAlloc: torchrelay's `HostStage.reserve` before issue 22); `[thp-]fault-<threads>[-nice]`, pageable
-memory (one anonymous private mapping, advised MADV_HUGEPAGE with thp-) first touched by that many threads, never
-registered (the copy then runs from pageable memory); `[thp-]register-<how>-<C>`, that memory touched before the
-loop, then `cudaHostRegister` of one C-byte chunk per call: on a thread without pause (thread), at nice 10 asleep
-k-1 times each call's length after it (paced-k), or on the training thread between updates, up to 2 ms of calls
-per update (loop); `thp-fault-<t>-paced-<k>-<C>`, the touch and the paced registration on one thread, from
-nothing; `tensors-register`, torch.empty per tensor, touched, one registration per tensor; `child-hostalloc`,
-another process page-locks as many bytes (cudaHostAlloc) while this one trains. Probes first: one 2 GiB
-registration on a thread while this thread spins in Python, launches tiny kernels, or waits for a 30 ms kernel.
+thread (cudaHostAlloc: torchrelay's `HostStage.reserve` before issue 22); `fault-1-nice`, pageable memory first
+touched by one thread at nice 10, never registered; `tensors-register`, torch.empty per tensor, touched, then one
+`cudaHostRegister` per tensor on a thread without pause; `[nothing-][thp-]<C>-paced-<k>`, one buffer per tensor
+(torch.empty, or an anonymous mapping advised MADV_HUGEPAGE with thp-) registered in pieces of C bytes (whole: one
+call per tensor), each call followed by k-1 times its length asleep, on a thread at nice 10; with nothing- that
+thread also allocates and touches each buffer just before registering it (the whole cost from nothing), else they
+are touched before the loop; `whole-loop`, registered on the training thread between updates, up to 2 ms of calls
+per update; `child-hostalloc`, another process page-locks as many bytes (cudaHostAlloc) while this one trains.
+Probes first: one 2 GiB registration on a thread while this thread spins in Python, launches tiny kernels, or
+waits for a 30 ms kernel; then whether one buffer can be registered in pieces.
 
     python3 benchmarks/bench_pin.py --layers 72 --width 4096 --batch 256 --json $OUT/pin.json
 """
@@ -289,37 +290,114 @@ def main() -> None:
 
         return variant
 
-    def register(
-        chunk: int, how: str, huge: bool, fault: tuple[int, int] | None = None
+    def try_register(ptr: int, n: int) -> str:
+        """cudaHostRegister's result, as text ("0": registered); torch raises some errors and returns others."""
+        try:
+            return str(int(torch.cuda.cudart().cudaHostRegister(ptr, n, 0)))
+        except Exception as exc:  # noqa: BLE001 - reported
+            return str(exc).splitlines()[0][:80]
+
+    def pieces(ptr: int, n: int, chunk: int) -> list[tuple[int, int]]:
+        """[ptr, ptr+n) cut at multiples of `chunk` of the address (0: whole)."""
+        if not chunk:
+            return [(ptr, n)]
+        out, a = [], ptr
+        while a < ptr + n:
+            z = min(ptr + n, (a // chunk + 1) * chunk)
+            out.append((a, z - a))
+            a = z
+        return out
+
+    def diagnose() -> dict[str, Any]:
+        """Whether one buffer can be registered in pieces (the arena's chunks failed with 'invalid argument')."""
+        res: dict[str, Any] = {}
+        b = torch.empty(256 * MiB, dtype=torch.uint8)
+        b.zero_()
+        got = [try_register(p, n) for p, n in pieces(b.data_ptr(), b.numel(), 64 * MiB)]
+        res["torch.empty 256M in 64M pieces"] = got
+        for (p, _), rc in zip(pieces(b.data_ptr(), b.numel(), 64 * MiB), got, strict=True):
+            if rc == "0":
+                torch.cuda.cudart().cudaHostUnregister(p)
+        m = mmap.mmap(-1, 64 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        t = torch.frombuffer(m, dtype=torch.uint8)
+        t.zero_()
+        base = t.data_ptr()
+        got = [try_register(base, 8 * MiB), try_register(base + 8 * MiB, 8 * MiB)]
+        res["mmap 8M + next 8M"] = got
+        for p, rc in zip((base, base + 8 * MiB), got, strict=True):
+            if rc == "0":
+                torch.cuda.cudart().cudaHostUnregister(p)
+        res["mmap whole 64M"] = try_register(base, 64 * MiB)
+        if res["mmap whole 64M"] == "0":
+            torch.cuda.cudart().cudaHostUnregister(base)
+        res["mmap from +4K, 8M"] = try_register(base + 4096, 8 * MiB)
+        if res["mmap from +4K, 8M"] == "0":
+            torch.cuda.cudart().cudaHostUnregister(base + 4096)
+        del t
+        return res
+
+    facts["diagnose"] = diagnose()
+    print(f"[pin] diagnose {facts['diagnose']}", flush=True)
+
+    def per_tensor(
+        chunk: int, pace: int, touched: bool, thp: bool = False, on_loop: bool = False
     ) -> Callable[[], dict[str, Any]]:
-        """Registration alone (the arena faulted before the loop), or, with `fault` (threads, nice), the touch
-        too, on the same thread, before the registration: the whole cost from nothing."""
+        """Buffers as a save would have them, one per tensor (torch.empty, or with `thp` an anonymous mapping
+        advised MADV_HUGEPAGE), registered in pieces of `chunk` bytes (0: whole), each call followed by
+        (pace - 1) times its length asleep at nice 10. `touched`: first touched before the loop; else the one
+        background thread allocates, touches and registers each buffer in turn, from nothing."""
 
         def variant() -> dict[str, Any]:
-            arena = Arena(shapes, huge=huge)
+            bufs: list[torch.Tensor] = []
+            maps: list[mmap.mmap] = []
             calls: list[float] = []
-            todo = arena.chunks(chunk)
-            if fault is None:
-                arena.fault()
+            done: list[int] = []
+
+            def new(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+                if not thp:
+                    return torch.empty(shape, dtype=dtype)
+                n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+                m = mmap.mmap(-1, -(-n // HUGE) * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                m.madvise(mmap.MADV_HUGEPAGE)
+                maps.append(m)
+                return torch.frombuffer(m, dtype=torch.uint8)[:n].view(dtype).view(shape)
+
+            def register_one(b: torch.Tensor) -> None:
+                for p, n in pieces(b.data_ptr(), b.numel() * b.element_size(), chunk):
+                    t0 = time.perf_counter()
+                    rc = try_register(p, n)
+                    calls.append(time.perf_counter() - t0)
+                    if rc != "0":
+                        raise RuntimeError(f"cudaHostRegister: {rc} after {len(done)} calls")
+                    done.append(p)
+                    if pace > 1:
+                        time.sleep((pace - 1) * calls[-1])
+
+            if touched:
+                bufs.extend(new(s, d) for s, d in shapes)
+                with ThreadPoolExecutor(8) as pool:
+                    list(pool.map(lambda b: b.zero_(), bufs))
+
+            def thread() -> None:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+                if touched:
+                    for b in bufs:
+                        register_one(b)
+                    return
+                for s, d in shapes:
+                    b = new(s, d)
+                    b.zero_()
+                    bufs.append(b)
+                    register_one(b)
+
             try:
-
-                def thread() -> None:
-                    if fault is not None:
-                        arena.fault(*fault)
-                    if how.startswith("paced"):  # paced-<k>: k-1 times each call's length asleep after it
-                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-                    for ptr, n in todo:
-                        calls.append(arena.register(ptr, n))
-                        if how.startswith("paced"):
-                            time.sleep((int(how.split("-")[1]) - 1) * calls[-1])
-
-                if how == "loop":
-                    left = list(todo)
+                if on_loop:
+                    left = list(bufs)
 
                     def between() -> bool:
                         t_end = time.perf_counter() + 0.002
                         while left and time.perf_counter() < t_end:
-                            calls.append(arena.register(*left.pop(0)))
+                            register_one(left.pop(0))
                         return bool(left)
 
                     r = loop(lambda: None, between)
@@ -329,33 +407,31 @@ def main() -> None:
                 r["register_s"] = sum(calls)
                 r["register_max_call_s"] = max(calls)
                 r["register_median_call_s"] = statistics.median(calls)
-                r["register_gb_per_s"] = arena.size / sum(calls) / GB
-                r["copy_s"] = copy_into(arena.bufs)
-                # the same copies cut at the registrations' edges (one cudaMemcpyAsync never spans two)
-                flat = [
-                    (b.view(-1).view(torch.uint8), t.detach().view(-1).view(torch.uint8))
-                    for b, t in zip(arena.bufs, tensors, strict=True)
-                ]
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for b, t in flat:
-                    first = b.data_ptr() - arena.base
-                    a = 0
-                    while a < b.numel():
-                        z = min(b.numel(), (first + a) // chunk * chunk + chunk - first)
-                        b[a:z].copy_(t[a:z], non_blocking=True)
-                        a = z
-                torch.cuda.synchronize()
-                r["copy_split_s"] = time.perf_counter() - t0
-                if huge:
+                r["register_gb_per_s"] = nbytes / sum(calls) / GB
+                r["copy_s"] = copy_into(bufs)
+                if chunk:  # the same copies cut at the pieces' edges: one cudaMemcpyAsync per registration
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for b, t in zip(bufs, tensors, strict=True):
+                        fb, ft = b.view(-1).view(torch.uint8), t.detach().view(-1).view(torch.uint8)
+                        a = 0
+                        for _, n in pieces(b.data_ptr(), fb.numel(), chunk):
+                            fb[a : a + n].copy_(ft[a : a + n], non_blocking=True)
+                            a += n
+                    torch.cuda.synchronize()
+                    r["copy_split_s"] = time.perf_counter() - t0
+                if thp:
                     r["anon_huge_gb"] = next(
                         int(line.split()[1]) / 1e6
                         for line in Path("/proc/meminfo").read_text().splitlines()
                         if line.startswith("AnonHugePages")
                     )
             finally:
-                r_un = arena.unregister()
-            r["unregister_s"] = r_un
+                t0 = time.perf_counter()
+                for p in done:
+                    torch.cuda.cudart().cudaHostUnregister(p)
+                un = time.perf_counter() - t0
+            r["unregister_s"] = un
             return r
 
         return variant
@@ -403,22 +479,17 @@ def main() -> None:
 
     variants: dict[str, Callable[[], dict[str, Any]]] = {
         "hostalloc-thread": hostalloc_thread,
-        "fault-8": fault_only(8, 0, False),
-        "fault-1": fault_only(1, 0, False),
         "fault-1-nice": fault_only(1, 10, False),
-        "thp-fault-8": fault_only(8, 0, True),
-        "thp-fault-1": fault_only(1, 0, True),
-        "thp-fault-2-nice": fault_only(2, 10, True),
         "tensors-register": tensors_register,
-        "register-thread-8M": register(8 * MiB, "thread", False),
-        "thp-register-thread-64M": register(64 * MiB, "thread", True),
-        "thp-register-thread-8M": register(8 * MiB, "thread", True),
-        "thp-register-thread-2M": register(2 * MiB, "thread", True),
-        "thp-register-paced-10-8M": register(8 * MiB, "paced-10", True),
-        "thp-register-paced-10-2M": register(2 * MiB, "paced-10", True),
-        "thp-register-loop-8M": register(8 * MiB, "loop", True),
-        "thp-fault-1-paced-10-8M": register(8 * MiB, "paced-10", True, fault=(1, 10)),
-        "thp-fault-2-paced-20-8M": register(8 * MiB, "paced-20", True, fault=(2, 10)),
+        "whole-paced-10": per_tensor(0, 10, True),
+        "whole-paced-20": per_tensor(0, 20, True),
+        "2M-paced-10": per_tensor(2 * MiB, 10, True),
+        "8M-paced-10": per_tensor(8 * MiB, 10, True),
+        "whole-loop": per_tensor(0, 1, True, on_loop=True),
+        "thp-whole-paced-10": per_tensor(0, 10, True, thp=True),
+        "nothing-whole-paced-10": per_tensor(0, 10, False),
+        "nothing-thp-whole-paced-10": per_tensor(0, 10, False, thp=True),
+        "nothing-8M-paced-10": per_tensor(8 * MiB, 10, False),
         "child-hostalloc": child_hostalloc,
     }
     chosen = [v for v in args.variants.split(",") if v] or list(variants)
