@@ -10,8 +10,8 @@ DDP on one rank. Measured in the same run, in this order:
 - torchrelay: a launch as the loop runs it (Run.open + track, then update / `due` / `save`), every update timed
   from the first (the host buffers are reserved after it): each of `--saves` saves' stall, time until committed
   against the multi-stream write floor, the page cache's dirty and writeback bytes at its start, the updates
-  around it and during its persist; then `--no-switch-saves` more with the GIL's switch interval left as it is
-  (issue 20), one async and one `async_save: false` save of the same state (same bytes?), with `--old-launch` a
+  around it and during its persist; then one async and one `async_save: false` save of the same state (same
+  bytes?), with `--old-launch` a
   launch whose buffers come from cudaHostAlloc (before issue 22);
 - load: DCP load, cold; torchrelay resume (Run.open + run.track: verification included), cold.
 
@@ -23,7 +23,7 @@ copy into the tensors, summed over the threads that do them).
     torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cpu --layers 8 --width 1024
     PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cuda \\
         --backend nccl --layers 72 --width 4096 --batch 256 --dir /root/bench [--only load] \\
-        [--saves 5 --save-every 150 --no-switch-saves 2 --old-launch --skip torch.save]
+        [--saves 5 --save-every 150 --old-launch --skip torch.save]
 """
 
 from __future__ import annotations
@@ -124,9 +124,6 @@ def main() -> None:
     )
     ap.add_argument("--saves", type=int, default=5, help="torchrelay saves in the timed launch")
     ap.add_argument("--save-every", type=int, default=150, help="updates between them (more than a persist)")
-    ap.add_argument(
-        "--no-switch-saves", type=int, default=0, help="then this many with the GIL interval as is"
-    )
     ap.add_argument("--old-launch", action="store_true", help="and a launch with cudaHostAlloc'd buffers")
     ap.add_argument(
         "--skip",
@@ -317,13 +314,6 @@ def main() -> None:
     launch = Launch(run_a, update, dev)
     launch.run(args.saves)
     out["launch"] = launch.report(floor_copy, disk_n)
-    if args.no_switch_saves:  # the same loop on, the persist without its short GIL switch interval (issue 20)
-        keep_switch = persist.SWITCH_S
-        persist.SWITCH_S = 1.0  # min(CPython's 5 ms, 1 s): the interval is left as it is
-        launch.saves, launch.committed, launch.times, launch.kind = [], {}, [], []
-        launch.run(args.no_switch_saves)
-        out["launch_no_switch_interval"] = launch.report(floor_copy, disk_n)
-        persist.SWITCH_S = keep_switch
     # The same state saved both ways (no update between): the tensor files and the RNG are the same bytes.
     from torchrelay.checkpoint.commit import wait_deletions
 
@@ -448,9 +438,10 @@ class Launch:
         ratios = [t / med for t in self.times]
         plain = [(i, r) for i, (r, k) in enumerate(zip(ratios, self.kind, strict=True)) if k != "save"]
         saves = []
-        for s in self.saves:
+        ends = [s["at"] for s in self.saves[1:]] + [len(ratios)]
+        for s, end in zip(self.saves, ends, strict=True):
             i = s["at"]
-            during = [ratios[j] for j in range(i + 1, len(ratios)) if self.kind[j] == "persist"]
+            during = [ratios[j] for j in range(i + 1, end) if self.kind[j] == "persist"]
             done_s = self.committed.get(s["update"], float("nan"))
             saves.append(
                 {
@@ -702,7 +693,7 @@ def table(out: dict[str, Any], nbytes: int) -> None:
     for name, s in loads.items():
         lines.append(f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {f_read / s:.2f} of the cold read |")
     lines.append(f"sync and async checkpoints hold identical files: {out['sync_and_async_files_identical']}")
-    for key in ("launch", "launch_no_switch_interval", "launch_cudaHostAlloc"):
+    for key in ("launch", "launch_cudaHostAlloc"):
         if key not in out:
             continue
         r = out[key]

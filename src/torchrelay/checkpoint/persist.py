@@ -13,7 +13,9 @@ hashed, fsynced and committed on a thread of its own while training goes on.
 The loop shares the interpreter with the persist: every Python-level step of the writer (torch.save's pickling,
 its ~40 small writes per tensor) holds the GIL the training thread needs to launch its next kernel. So DCP's plan
 is made during the stall (dcp_save.py), the background threads run at a lower CPU priority, write small pieces in
-batches, and at most `PERSIST_STREAMS` of them write at once (the file count stays a function of the tensors
+batches, and at most `PERSIST_STREAMS` of them write at once. The process's GIL switch interval is left as it is:
+with the plan off the persist thread, a shorter one measured no better on the H200 host (benchmarks/RESULTS.md,
+issue 22) (the file count stays a function of the tensors
 alone; only the concurrency varies). A file's fsync needs no slot, and its writeback starts as it is written
 (KICK_BYTES): the disk works while the writers fill the page cache.
 
@@ -30,7 +32,6 @@ import json
 import math
 import mmap
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,8 +62,6 @@ BACKGROUND_NICE = 10
 # Writes smaller than this are gathered (torch.save's zip headers, pickles, padding) and hashed and written together.
 _SMALL = 256 << 10
 _BATCH = 1 << 20
-# The GIL's switch interval while a background persist runs (CPython's default is 5 ms).
-SWITCH_S = 0.0005
 
 Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
 
@@ -151,25 +150,6 @@ def _lower_priority() -> None:
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: it runs as it is
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
-
-
-@contextmanager
-def _short_switch_interval() -> Iterator[None]:
-    """While a persist runs beside the loop, a thread waiting for the GIL gets it after SWITCH_S, not CPython's 5 ms.
-
-    The persist's pure-Python stretches (DCP's plan over every tensor, torch.save's pickling) keep the GIL until
-    forced to drop it; the training thread takes it back after each CUDA wait or autograd hand-off, and on the
-    H200 host those waits (5 ms each, dozens per update) made the update that overlaps DCP's planning 1.6-4x as
-    long as the others. The interval is the process's: the previous value comes back when the job ends, unless
-    someone changed it meanwhile."""
-    before = sys.getswitchinterval()
-    mine = min(before, SWITCH_S)
-    sys.setswitchinterval(mine)
-    try:
-        yield
-    finally:
-        if sys.getswitchinterval() == mine:
-            sys.setswitchinterval(before)
 
 
 def persist_streams() -> int:
@@ -282,7 +262,9 @@ def write_bytes(path: Path, data: bytes | memoryview, digests: Digests) -> None:
 # call, each call followed by PIN_PACE - 1 times its length asleep: no update over 1.05x, 0.02-0.04 s lost in all,
 # ready after 6-10 s for 14.5 GB. A save asked for before that finishes the rest without pauses.
 PIN_PACE = 10
-# Smaller buffers stay pageable (a mapping each would cost a huge page); their copies are short and synchronous.
+# Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
+# calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
+# the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
 PIN_MIN_BYTES = 1 << 20
 # False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two).
 PIN_BY_REGISTER = True
@@ -346,9 +328,12 @@ class HostStage:
         """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         locked: _Locked | None = None
-        if pinned and not PIN_BY_REGISTER:
+        if pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
+            t0 = time.perf_counter()
             buf = torch.empty(shape, dtype=dtype, pin_memory=True)
-        elif pinned and nbytes >= PIN_MIN_BYTES:
+            if pace and not self._hurry.is_set():
+                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+        elif pinned:
             locked = _Locked(nbytes)
             t0 = time.perf_counter()
             if not locked.register():
@@ -407,7 +392,7 @@ class HostStage:
         locked = self._locked.get(key)
         buf.copy_(
             src,
-            non_blocking=self._pinned(src) and (not PIN_BY_REGISTER or bool(locked and locked.registered)),
+            non_blocking=self._pinned(src) and (locked.registered if locked else buf.is_pinned()),
         )
         return buf
 
@@ -489,10 +474,9 @@ class Persister:
             _lower_priority()
             self.persisting.set()
             try:
-                with _short_switch_interval():
-                    while hold and not os.path.exists(hold):
-                        time.sleep(0.01)
-                    job()
+                while hold and not os.path.exists(hold):
+                    time.sleep(0.01)
+                job()
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
                 self._error = exc
             finally:
