@@ -26,6 +26,7 @@ RUNTIME_FIELDS = (
     "async_save",
     "external_files",
     "runtime_params",
+    "strict_code",
 )
 
 
@@ -52,6 +53,9 @@ class RelayConfig:
     external_files: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     runtime_params: list[str] = field(default_factory=list)
+    # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
+    # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
+    strict_code: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seed", "micro_batch", "grad_accum", "total_updates", "warmup_updates", "num_workers"):
@@ -73,8 +77,9 @@ class RelayConfig:
                 f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
                 f"and one more survives a crash during a save), got {self.keep}"
             )
-        if not isinstance(self.async_save, bool):
-            raise ConfigError(f"config field 'async_save' must be true or false, got {self.async_save!r}")
+        for flag in ("async_save", "strict_code"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"config field {flag!r} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 0:
             raise ConfigError(
                 f"config field 'keep_every' must be an integer >= 0 (0: keep no periodic checkpoints), "

@@ -27,6 +27,7 @@ from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
 from torchrelay.history import new_id
+from torchrelay.identity import tree_note
 from torchrelay.layout import (
     CONFIG_FILE,
     CONTRACT_FILE,
@@ -343,6 +344,9 @@ def _prepare_into(
 
     # 7. The same validation again on the assembled directory, which is what the launch will see.
     final = trainer_validation("prepared directory", tmp, final_cfg.replace(manifest=str(tmp / MANIFEST_REL)))
+    code_note = tree_note(final.code_changes)
+    if code_note:
+        hooks.say(f"warning: {code_note}")
     passed = proofs + check.passed + [p for p in final.passed if p not in check.passed]
     record = {
         "format": 1,

@@ -44,6 +44,7 @@ from torchrelay.identity import (
     fingerprint_summary,
     node_fingerprint,
     running_files,
+    tree_note,
     versions,
 )
 from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
@@ -272,6 +273,9 @@ class SegmentOpener:
             )
             assert check.config is not None
             cfg = check.config  # with the layout this launch runs with
+            code_note = tree_note(check.code_changes)
+            if code_note:
+                logger.warning(f"[torchrelay] warning: {code_note}")
             rd.remove_stale_temps()
             history = read_history(rd.path)
             last_logged = max(
@@ -301,6 +305,8 @@ class SegmentOpener:
             )
             if reclaim_note:
                 notes.append(reclaim_note)
+            if code_note:
+                notes.append(code_note)
             notes += kept
             if layout_change:
                 notes += layout_change["notes"]
@@ -335,6 +341,7 @@ class SegmentOpener:
                 self.code_dir,
                 self._rank0_manifest,
                 code_files=running_files(self.code_dir),
+                run_dir=rd.path,
             )
             code_fields = contract["fields"]
             (rd.path / "data").mkdir(parents=True, exist_ok=True)
