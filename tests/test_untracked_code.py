@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, git, launch, segments
+from helpers import EXAMPLES, REPO, git, launch, segments
 from torchrelay.cli import main
 from torchrelay.contract import comparable, contract_diff
 from torchrelay.handoff.pack import PackOptions, pack
@@ -32,10 +32,13 @@ def untracked_run(example: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     code = base / "code"
     code.mkdir()
     (code / "README.txt").write_text("the committed part of this checkout\n")
+    (code / "lm_extra.py").write_text("WIDTH = 1\n")  # a committed module the script imports
     git(code, "init", "-q", "-b", "main")
-    git(code, "add", "README.txt")
-    git(code, "commit", "-q", "-m", "readme only")
-    shutil.copyfile(EXAMPLES / "train_lm.py", code / "train_lm.py")  # never added: untracked
+    git(code, "add", "README.txt", "lm_extra.py")
+    git(code, "commit", "-q", "-m", "readme and a module")
+    script = (EXAMPLES / "train_lm.py").read_text()
+    anchor = "import torchrelay as tr  # noqa: E402\n"
+    (code / "train_lm.py").write_text(script.replace(anchor, anchor + "import lm_extra  # noqa: E402,F401\n"))
     run = base / "run"
     run.mkdir()
     write_request(run, at_update=2)
@@ -165,3 +168,91 @@ def test_a_contract_written_before_the_new_fields_still_compares_equal() -> None
         ("code.untracked[extra.py]", "<absent>", "ef"),
         ("code.untracked[train.py]", "ab", "cd"),
     ]
+
+
+# The code is the commit plus the program's files; any other changed file of the tree is warned about and recorded
+# in the segment, not refused, unless strict_code (issue 19 defects 1 and 6).
+
+
+def test_in_git_an_edited_file_never_imported_warns_an_edited_module_refuses(
+    untracked_run: dict[str, Path], tmp_path: Path
+) -> None:
+    code = tmp_path / "code"
+    shutil.copytree(untracked_run["code"], code)
+    run = tmp_path / "run"
+    shutil.copytree(untracked_run["run"], run)
+    assert json.loads((run / "resume_contract.json").read_text())["fields"]["code.program"] == [
+        "lm_extra.py",
+        "train_lm.py",
+    ]
+    (code / "README.txt").write_text("edited: tracked, and never imported\n")
+    write_request(run, at_update=3)
+    out = launch(code, run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "checkpoint-3" / "COMPLETE.json").is_file()
+    assert "README.txt (edited); recorded, not refused" in out.stderr, out.stderr[-3000:]
+    assert any("README.txt (edited)" in note for note in segments(run)[-1]["notes"])
+    (code / "lm_extra.py").write_text("WIDTH = 2\n")
+    out = launch(code, run)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"code.modified[lm_extra.py]: '<absent>' -> '{_sha256(code / 'lm_extra.py')}'" in out.stderr
+    assert "README.txt" not in out.stderr.split("code.modified[lm_extra.py]")[0].splitlines()[-1]
+
+
+def test_outside_git_a_file_beside_the_script_warns_and_strict_code_refuses_it(
+    example: dict[str, Path], tmp_path: Path
+) -> None:
+    code = tmp_path / "plain"  # no git anywhere above a pytest tmp dir
+    code.mkdir()
+    shutil.copyfile(EXAMPLES / "train_lm.py", code / "train_lm.py")
+    run = tmp_path / "run"
+    run.mkdir()
+    write_request(run, at_update=2)
+    out = launch(code, run, nproc=1, config=example["config"])
+    assert (run / "checkpoint-2" / "COMPLETE.json").is_file(), out.stderr[-3000:]
+    fields = json.loads((run / "resume_contract.json").read_text())["fields"]
+    assert fields["code.commit"] is None and fields["code.program"] == ["train_lm.py"]
+    assert fields["code.untracked"] == {"train_lm.py": _sha256(code / "train_lm.py")}
+    (code / "NOTES.txt").write_text("what I tried today\n")
+    out = launch(code, run, nproc=1, sets={"strict_code": True})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"code.changed[NOTES.txt]: '<absent>' -> '{_sha256(code / 'NOTES.txt')}'" in out.stderr
+    write_request(run, at_update=3)
+    out = launch(code, run, nproc=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "checkpoint-3" / "COMPLETE.json").is_file()
+    assert "NOTES.txt (new); recorded, not refused" in out.stderr
+    assert any("NOTES.txt (new)" in note for note in segments(run)[-1]["notes"])
+    (code / "train_lm.py").write_text((code / "train_lm.py").read_text() + "\n# edited\n")
+    out = launch(code, run, nproc=1)
+    assert out.returncode == 2 and "code.untracked[train_lm.py]: " in out.stderr, out.stderr[-3000:]
+
+
+def test_a_bundle_of_this_repository_verifies_prepares_and_continues(
+    example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh clone of this repository tracks two run directories (tests/fixtures/legacy-v0.1.0/): the packed
+    source hashes as git does, so prepare proves it and the trainer continues from the extracted tree."""
+    clone = tmp_path / "torchrelay"
+    git(tmp_path, "clone", "-q", str(REPO), str(clone))
+    assert (clone / "tests" / "fixtures" / "legacy-v0.1.0" / "run" / "resume_contract.json").is_file()
+    run = tmp_path / "run"
+    run.mkdir()
+    write_request(run, at_update=2)
+    script = "examples/train_lm.py"
+    out = launch(clone, run, nproc=1, config=example["config"], script=script)
+    assert (run / "checkpoint-2" / "COMPLETE.json").is_file(), out.stderr[-3000:]
+    bundle = tmp_path / "bundle"
+    assert main(["pack", str(run), str(bundle)]) == 0  # the code dir: the recorded script's git top level
+    assert main(["verify", str(bundle)]) == 0
+    prepared = tmp_path / "prepared"
+    capsys.readouterr()
+    assert main(["prepare", str(bundle), "--run-dir", str(prepared)]) == 0
+    said = capsys.readouterr().out
+    assert "PREFLIGHT: PASS" in said and said.strip().splitlines()[-1] == "PREPARE_OK", said
+    tree = prepared / "source" / json.loads((bundle / "bundle.json").read_text())["source"]["archive_prefix"]
+    write_request(prepared, at_update=3)
+    out = launch(tree, prepared, nproc=1, script=script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (prepared / "checkpoint-3" / "COMPLETE.json").is_file()
+    assert "recorded, not refused" not in out.stderr  # the extracted tree is the commit's, exactly

@@ -231,10 +231,21 @@ def _listing(root: Path, skip: Path | None, *, runs: bool = True) -> dict[str, s
     return out
 
 
+def _source_manifest(tree: Path) -> Path | None:
+    """The source manifest of a tree extracted from a bundle: beside it in the bundle's source/, or at the top of
+    the run directory `prepare` made (DIR/source/<tree>); None for any other tree."""
+    for path in (tree.parent / SOURCE_MANIFEST, tree.parent.parent / SOURCE_MANIFEST):
+        if tree.parent.name == "source" and path.is_file():
+            return path
+    return None
+
+
 def _changed_from_manifest(root: Path, ours: set[str], skip: Path | None) -> dict[str, str | None] | None:
     """For a tree extracted from a bundle that no longer hashes to its commit's tree: each file that differs from
     the bundle's source manifest (`source_manifest.sha256`, beside the tree), or None without one."""
-    manifest = root.parent / SOURCE_MANIFEST
+    manifest = _source_manifest(root)
+    if manifest is None:
+        return None
     try:
         lines = manifest.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
@@ -474,7 +485,7 @@ def find_code_dir(script: str | None = None) -> Path | None:
     if top:
         return Path(top)
     for tree in (folder, *folder.parents):
-        if (tree.parent / SOURCE_MANIFEST).is_file() and tree.parent != tree:
+        if tree.parent != tree and _source_manifest(tree) is not None:
             return tree
     return folder
 
