@@ -190,8 +190,8 @@ def test_in_git_an_edited_file_never_imported_warns_an_edited_module_refuses(
     out = launch(code, run)
     assert segments(run)[-1]["ended"] == "request", out.stderr[-3000:]  # stopped as asked, at 3
     assert (run / "checkpoint-3" / "COMPLETE.json").is_file()
-    assert "README.txt (edited); recorded, not refused" in out.stderr, out.stderr[-3000:]
-    assert any("README.txt (edited)" in note for note in segments(run)[-1]["notes"])
+    assert "README.txt (changed); recorded, not refused" in out.stderr, out.stderr[-3000:]
+    assert any("README.txt (changed)" in note for note in segments(run)[-1]["notes"])
     (code / "lm_extra.py").write_text("WIDTH = 2\n")
     out = launch(code, run)
     assert out.returncode != 0, out.stderr[-3000:]

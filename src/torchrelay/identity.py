@@ -333,23 +333,22 @@ def code_changes(
     return sorted(refused), sorted(other)
 
 
-def tree_note(other: list[tuple[str, Any, Any]]) -> str | None:
-    """The warning (and segment note) for changes of the tree outside the program, each file named, or None."""
+def tree_note(other: list[tuple[str, Any, Any]], *, commit: bool) -> str | None:
+    """The warning (and segment note) for changes of the tree outside the program, each file named, or None;
+    commit: the run has one (a file absent from code.changed is then as in the commit, not missing)."""
     if not other:
         return None
     words = []
     for key, old, new in other:
-        if key.startswith("code.changed["):
-            what = (
-                "new"
-                if old == _ABSENT
-                else "deleted"
-                if new is None
-                else "as in the commit"
-                if new == _ABSENT
-                else "edited"
-            )
-            words.append(f"{key.removeprefix('code.changed[')[:-1]} ({what})")
+        if not key.startswith("code.changed["):
+            continue
+        if new is None:
+            what = "deleted"
+        elif new == _ABSENT:
+            what = "as in the commit again" if commit else "removed"
+        else:
+            what = "new" if old == _ABSENT and not commit else "changed"
+        words.append(f"{key.removeprefix('code.changed[')[:-1]} ({what})")
     named = ", ".join(words) or ", ".join(f"{k}: {o!r} -> {n!r}" for k, o, n in other)
     return (
         f"the code directory changed outside the program since the run recorded it: {named}; recorded, not "

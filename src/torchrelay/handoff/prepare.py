@@ -347,7 +347,7 @@ def _prepare_into(
 
     # 7. The same validation again on the assembled directory, which is what the launch will see.
     final = trainer_validation("prepared directory", tmp, final_cfg.replace(manifest=str(tmp / MANIFEST_REL)))
-    code_note = tree_note(final.code_changes)
+    code_note = tree_note(final.code_changes, commit=fields.get("code.commit") is not None)
     if code_note:
         hooks.say(f"warning: {code_note}")
     passed = proofs + check.passed + [p for p in final.passed if p not in check.passed]

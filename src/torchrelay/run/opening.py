@@ -273,7 +273,9 @@ class SegmentOpener:
             )
             assert check.config is not None
             cfg = check.config  # with the layout this launch runs with
-            code_note = tree_note(check.code_changes)
+            code_note = tree_note(
+                check.code_changes, commit=check.recorded["fields"].get("code.commit") is not None
+            )
             if code_note:
                 logger.warning(f"[torchrelay] warning: {code_note}")
             rd.remove_stale_temps()
