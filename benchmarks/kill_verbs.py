@@ -8,7 +8,8 @@ within how long the uninterrupted command wrote for. The next command (the same 
 it) must complete, or refuse in one line when the killed one had already finished its work (a pack whose bundle
 got its SHA256SUMS: the checkpoint is handed off, and that bundle verifies); what it leaves must pass its own
 check (`verify` of a bundle, the prepared directory's trainer validation, the export's SHA256SUMS, every
-validation record complete) and no temporary of the killed command may remain.
+validation record complete) and no temporary of the killed command may remain. An export killed after its rename
+had finished too: the same command refuses to overwrite the folder, whose SHA256SUMS must check.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ class VerbCampaign:
             return "" if shown.returncode == 0 else f"status: {shown.stderr[-300:]}"
 
         def export_judge(k: int, done: subprocess.CompletedProcess[str]) -> str:
-            if done.returncode != 0:
+            # killed after its rename, the export had finished: the same command refuses to overwrite it
+            if done.returncode != 0 and "already exists and is not empty" not in done.stderr:
                 return f"export again: exit {done.returncode}: {done.stderr.strip()[-300:]}"
             sums = subprocess.run(
                 ["sha256sum", "-c", "--quiet", "SHA256SUMS"],

@@ -9,8 +9,10 @@ accepts it; a resume with a changed script is refused naming it. Contracts writt
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -21,7 +23,7 @@ from helpers import EXAMPLES, REPO, git, launch, segments
 from torchrelay.cli import main
 from torchrelay.contract import comparable, contract_diff
 from torchrelay.handoff.pack import PackOptions, pack
-from torchrelay.identity import code_identity, running_files
+from torchrelay.identity import code_changes, code_identity, running_files
 from torchrelay.stop import write_request
 
 
@@ -256,3 +258,48 @@ def test_a_bundle_of_this_repository_verifies_prepares_and_continues(
     assert segments(prepared)[-1]["ended"] == "request", out.stderr[-3000:]
     assert (prepared / "checkpoint-3" / "COMPLETE.json").is_file()
     assert "recorded, not refused" not in out.stderr  # the extracted tree is the commit's, exactly
+
+
+def test_a_tree_without_git_hashes_as_git_does_tracked_run_directories_included(tmp_path: Path) -> None:
+    code = tmp_path / "repo"
+    (code / "fixtures" / "run").mkdir(parents=True)
+    (code / "fixtures" / "run" / "resume_contract.json").write_text("{}\n")  # a small run the repo tracks
+    (code / "train.py").write_text("print('hi')\n")
+    git(code, "init", "-q", "-b", "main")
+    git(code, "add", "-A")
+    git(code, "commit", "-q", "-m", "with a tracked run directory")
+    extracted = tmp_path / "extracted"
+    extracted.mkdir()
+    archive = subprocess.run(["git", "-C", str(code), "archive", "HEAD"], capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(extracted, filter="data")
+    recorded = {
+        "code.commit": git(code, "rev-parse", "HEAD"),
+        "code.tree": git(code, "rev-parse", "HEAD^{tree}"),
+    }
+    plain = code_identity(extracted, use_git=False, known={**recorded, "code.program": ["train.py"]})
+    assert plain["tree"] == recorded["code.tree"] and plain["changed"] == {}
+
+
+def test_the_rule_compares_file_by_file() -> None:
+    """In-process, the rule's corner cases: a file that becomes a module keeps its content; a legacy contract
+    refuses any change of its tree; strict refuses what is otherwise a warning."""
+    base = {"code.commit": None, "code.tree": "t1", "code.dirty": True, "code.dirty_sha256": None}
+    old = {**base, "code.program": ["a.py"], "code.untracked": {"a.py": "1"}, "code.modified": {}}
+    old["code.changed"] = {"b.py": "2", "NOTES.txt": "3"}
+    now = {
+        **old,
+        "code.tree": "t2",
+        "code.program": ["a.py", "b.py"],
+        "code.untracked": {"a.py": "1", "b.py": "2"},
+    }
+    now["code.changed"] = {"NOTES.txt": "4"}
+    refused, other = code_changes(old, now)
+    assert refused == [] and other == [("code.changed[NOTES.txt]", "3", "4"), ("code.tree", "t1", "t2")]
+    assert code_changes(old, now, strict=True) == (other, [])
+    now["code.untracked"] = {"a.py": "1", "b.py": "5"}
+    assert code_changes(old, now)[0] == [("code.untracked[b.py]", "2", "5")]
+    legacy = {k: v for k, v in old.items() if k not in ("code.program", "code.changed")}
+    assert code_changes(legacy, {**legacy, "code.tree": "t2"})[0] == [("code.tree", "t1", "t2")]
+    git_old = {**old, "code.commit": "c1", "code.tree": "t1"}
+    assert code_changes(git_old, {**git_old, "code.commit": "c2"})[0] == [("code.commit", "c1", "c2")]
