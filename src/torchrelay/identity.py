@@ -177,6 +177,8 @@ def _file_id(path: Path) -> str | None:
         return None
     if stat.S_ISLNK(st.st_mode):
         return "symlink:" + os.readlink(path)
+    if not stat.S_ISREG(st.st_mode):
+        return "special"  # a FIFO or a device is never opened: reading one could block or never end
     if st.st_size > _HASHED_UP_TO:
         return f"size:{st.st_size}"
     return sha256_or_none(path)
