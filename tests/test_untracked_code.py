@@ -183,10 +183,6 @@ def test_in_git_an_edited_file_never_imported_warns_an_edited_module_refuses(
     shutil.copytree(untracked_run["code"], code)
     run = tmp_path / "run"
     shutil.copytree(untracked_run["run"], run)
-    assert json.loads((run / "resume_contract.json").read_text())["fields"]["code.program"] == [
-        "lm_extra.py",
-        "train_lm.py",
-    ]
     (code / "README.txt").write_text("edited: tracked, and never imported\n")
     write_request(run, at_update=3)
     out = launch(code, run)
@@ -199,6 +195,8 @@ def test_in_git_an_edited_file_never_imported_warns_an_edited_module_refuses(
     assert out.returncode != 0, out.stderr[-3000:]
     assert f"code.modified[lm_extra.py]: '<absent>' -> '{_sha256(code / 'lm_extra.py')}'" in out.stderr
     assert "README.txt" not in out.stderr.split("code.modified[lm_extra.py]")[0].splitlines()[-1]
+    fields = json.loads((run / "resume_contract.json").read_text())["fields"]
+    assert fields["code.program"] == ["lm_extra.py", "train_lm.py"] and fields["code.changed"] == {}
 
 
 def test_outside_git_a_file_beside_the_script_warns_and_strict_code_refuses_it(
@@ -212,9 +210,6 @@ def test_outside_git_a_file_beside_the_script_warns_and_strict_code_refuses_it(
     write_request(run, at_update=2)
     out = launch(code, run, nproc=1, config=example["config"])
     assert (run / "checkpoint-2" / "COMPLETE.json").is_file(), out.stderr[-3000:]
-    fields = json.loads((run / "resume_contract.json").read_text())["fields"]
-    assert fields["code.commit"] is None and fields["code.program"] == ["train_lm.py"]
-    assert fields["code.untracked"] == {"train_lm.py": _sha256(code / "train_lm.py")}
     (code / "NOTES.txt").write_text("what I tried today\n")
     out = launch(code, run, nproc=1, sets={"strict_code": True})
     assert out.returncode != 0, out.stderr[-3000:]
@@ -225,6 +220,9 @@ def test_outside_git_a_file_beside_the_script_warns_and_strict_code_refuses_it(
     assert (run / "checkpoint-3" / "COMPLETE.json").is_file()
     assert "NOTES.txt (new); recorded, not refused" in out.stderr
     assert any("NOTES.txt (new)" in note for note in segments(run)[-1]["notes"])
+    fields = json.loads((run / "resume_contract.json").read_text())["fields"]
+    assert fields["code.commit"] is None and fields["code.program"] == ["train_lm.py"]
+    assert fields["code.untracked"] == {"train_lm.py": _sha256(code / "train_lm.py")}
     (code / "train_lm.py").write_text((code / "train_lm.py").read_text() + "\n# edited\n")
     out = launch(code, run, nproc=1)
     assert out.returncode != 0 and "code.untracked[train_lm.py]: " in out.stderr, out.stderr[-3000:]
