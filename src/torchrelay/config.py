@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, install_excepthook
 
 SAMPLERS = ("shuffled", "length_bucketed")
 
@@ -27,6 +27,7 @@ RUNTIME_FIELDS = (
     "external_files",
     "runtime_params",
     "strict_code",
+    "strict_numerics",
 )
 
 
@@ -53,11 +54,16 @@ class RelayConfig:
     external_files: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     runtime_params: list[str] = field(default_factory=list)
+    # Refuse a resume whose numerics identity (CPU capability, libraries, GPU, TF32, ...) differs from the earlier
+    # segments' instead of warning (docs/NUMERICS.md). Runtime-only: a policy of where the run may continue, not
+    # of its math, so it may be turned on or off at any launch.
+    strict_numerics: bool = False
     # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
     # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
     strict_code: bool = False
 
     def __post_init__(self) -> None:
+        install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback
         for name in ("seed", "micro_batch", "grad_accum", "total_updates", "warmup_updates", "num_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -77,7 +83,7 @@ class RelayConfig:
                 f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
                 f"and one more survives a crash during a save), got {self.keep}"
             )
-        for flag in ("async_save", "strict_code"):
+        for flag in ("async_save", "strict_code", "strict_numerics"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"config field {flag!r} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 0:
@@ -113,6 +119,7 @@ class RelayConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RelayConfig:
         """Build from a dict (YAML or JSON), naming unknown or missing fields."""
+        install_excepthook()  # as in __post_init__: its refusals too are one line
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

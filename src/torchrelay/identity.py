@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import __version__
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, RelayError
 from torchrelay.layout import CONTRACT_FILE, SOURCE_MANIFEST
 from torchrelay.util.hashing import sha256_or_none
+from torchrelay.util.safepath import read_regular
 
 _SKIP_DIRS = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
@@ -248,10 +249,10 @@ def _changed_from_manifest(root: Path, ours: set[str], skip: Path | None) -> dic
     manifest = _source_manifest(root)
     if manifest is None:
         return None
-    try:
-        lines = manifest.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None
+    try:  # the one safe way to open a file that may be hostile: no link followed, no FIFO, bounded
+        lines = read_regular(manifest, 64 << 20, what="the bundle's source manifest").decode().splitlines()
+    except (RelayError, OSError, UnicodeDecodeError):
+        return None  # files that cannot be named: the tree's hash decides (code_changes refuses a change)
     prefix = root.name + "/"
     packed: dict[str, str] = {}
     for line in lines:
