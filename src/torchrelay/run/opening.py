@@ -39,6 +39,7 @@ from torchrelay.identity import (
     fingerprint_summary,
     node_fingerprint,
     running_files,
+    tree_note,
     versions,
 )
 from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
@@ -272,6 +273,11 @@ class SegmentOpener:
             )
             assert check.config is not None
             cfg = check.config  # with the layout this launch runs with
+            code_note = tree_note(
+                check.code_changes, commit=check.recorded["fields"].get("code.commit") is not None
+            )
+            if code_note:
+                logger.warning(f"[torchrelay] warning: {code_note}")
             rd.remove_stale_temps()
             history = read_history(rd.path)
             if check.checkpoint is not None and check.update < cfg.total_updates:  # refused before any write
@@ -305,6 +311,8 @@ class SegmentOpener:
             )
             if reclaim_note:
                 notes.append(reclaim_note)
+            if code_note:
+                notes.append(code_note)
             if numerics_change:
                 notes.append(numerics_change["line"])
             notes += kept
@@ -341,6 +349,7 @@ class SegmentOpener:
                 self.code_dir,
                 self._rank0_manifest,
                 code_files=running_files(self.code_dir),
+                run_dir=rd.path,
             )
             code_fields = contract["fields"]
             (rd.path / "data").mkdir(parents=True, exist_ok=True)
