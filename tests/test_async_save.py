@@ -16,7 +16,7 @@ from helpers import segments
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
-from torchrelay.checkpoint.persist import HOLD_ENV, SWITCH_S, canonical_safetensors
+from torchrelay.checkpoint.persist import HOLD_ENV, canonical_safetensors
 from torchrelay.errors import IntegrityError
 from torchrelay.stop import write_request
 
@@ -63,7 +63,7 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
     def during(update: int) -> None:  # updates 4 and 5 run while checkpoint-3 is held in flight
         if update in (4, 5):
             seen[update] = (run._saver.persisting, (run_dir / "checkpoint-3").exists())
-            seen[f"interval-{update}"] = sys.getswitchinterval()  # the GIL comes back to the loop sooner
+            seen[f"interval-{update}"] = sys.getswitchinterval()  # a persist leaves the process's GIL alone
 
     def at_stop() -> None:  # released once the loop has agreed to stop, not before
         for _ in range(6000):
@@ -81,10 +81,7 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
         watcher.join()
     assert done == [1, 2, 3, 4, 5]
     assert seen[4] == (True, False) and seen[5] == (True, False), seen
-    assert (
-        seen["interval-4"] == seen["interval-5"] == min(interval, SWITCH_S)
-        and sys.getswitchinterval() == interval
-    )
+    assert seen["interval-4"] == seen["interval-5"] == interval == sys.getswitchinterval()
     assert seen["stop"][0] and seen["stop"][1] is False, seen  # the stop came while checkpoint-3 persisted
     for update in (3, 5):  # and both were committed before the segment ended
         assert validate_complete(run_dir / f"checkpoint-{update}")["update"] == update
@@ -354,10 +351,17 @@ def test_a_failure_of_any_rank_in_the_plan_or_the_write_is_raised_on_every_rank(
     assert [s["ok"] for s in seen] == ["ok", "ok"]
     assert "__0_0.distcp" in seen[0]["ok_files"] and ".metadata" in seen[0]["ok_files"]
     assert any(name.startswith("__1_") for name in seen[1]["ok_files"])  # rank 1 writes its own tensor
-    for s in seen:
-        assert "rank 1: plan: RuntimeError: boom in the local plan" in s["local"], s["local"]
-        assert "rank 0: plan: RuntimeError: boom in the global plan" in s["global"], s["global"]
-        assert s["write"].startswith("CheckpointError") and "rank 1: write:" in s["write"], s["write"]
+    # the failing rank keeps its own exception (a bug: its traceback), the other raises one line naming it
+    assert seen[1]["local"] == "RuntimeError: boom in the local plan", seen[1]["local"]
+    assert seen[0]["local"].startswith(
+        "RelayError: the plan of the checkpoint's tensors failed on rank 1 with RuntimeError: boom in the local plan"
+    ), seen[0]["local"]
+    assert seen[0]["global"] == "RuntimeError: boom in the global plan", seen[0]["global"]
+    assert seen[1]["global"].startswith(
+        "RelayError: the plan of the checkpoint's tensors failed on rank 0 with RuntimeError: boom in the global"
+    ), seen[1]["global"]
+    for s in seen:  # a path the rank cannot write: the same refusal on both ranks
+        assert s["write"].startswith("PathError: the write of the checkpoint's tensors failed on rank 1: ")
     assert (tmp_path / "write").is_dir() and not (tmp_path / "write" / ".metadata").exists()
     import torch.distributed.checkpoint as dcp
 

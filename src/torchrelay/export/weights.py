@@ -31,6 +31,7 @@ from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
 from torchrelay.layout import CONTRACT_FILE, LINEAGE_FILE
 from torchrelay.util.hashing import sha256_hex
+from torchrelay.util.records import read_json_or_none
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 EXPORT_FORMAT = 1
@@ -201,11 +202,8 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
     if holder is not None:
-        try:
-            contract = json.loads((holder / CONTRACT_FILE).read_text())
-            lineage = json.loads((holder / LINEAGE_FILE).read_text())
-        except (OSError, ValueError):
-            pass
+        contract = read_json_or_none(holder / CONTRACT_FILE, what="the training contract", root=holder) or {}
+        lineage = read_json_or_none(holder / LINEAGE_FILE, what="the run's lineage", root=holder) or {}
     fields = contract.get("fields", {}) if isinstance(contract, dict) else {}
     return {
         "run_dir": str(holder.resolve()) if holder is not None else None,
@@ -260,7 +258,9 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
     )
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-tmp-{uuid.uuid4().hex[:12]}"
+    prefix = f".{out.name}.export-tmp-"
+    _remove_stale_temporaries(out.parent, prefix)
+    tmp = out.parent / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         sums: list[SumEntry] = []
@@ -321,6 +321,21 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         renamed=renamed,
         seconds=time.perf_counter() - started,
     )
+
+
+def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
+    """An export killed before its rename left `<prefix><pid>-<id>`: removed once that process is gone (another
+    export of the same folder may be running)."""
+    for child in parent.iterdir():
+        pid, _, rest = child.name.removeprefix(prefix).partition("-")
+        if not child.name.startswith(prefix) or not pid.isdigit() or not rest or child.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(child, ignore_errors=True)
+        except PermissionError:
+            continue  # another user's live process
 
 
 def _write(path: Path, obj: Any) -> None:

@@ -41,6 +41,7 @@ from torchrelay.run.opening import SegmentOpener
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
 from torchrelay.train_records import record_oom
+from torchrelay.util import collective
 from torchrelay.util.jsonl import iter_records
 
 
@@ -167,10 +168,13 @@ class Run:
     ) -> None:
         """Register what must resume (model, optimizer, scheduler, scaler, generators, ...) and restore it if
         resuming; each rank's own values come back to it (see checkpoint/ranks.py)."""
-        if is_engine(model):  # a DeepSpeed engine: its configuration must be the contract's
-            check_engine(model, optimizer, self.config)
-        self._tracked.register(model, optimizer, statefuls)
-        self._restore.state(self._tracked)
+        # Every rank registers and loads, or all raise the same error (util/collective.py): a rank whose load
+        # failed never leaves the others waiting in the next collective.
+        with collective.phase("run.track"):
+            if is_engine(model):  # a DeepSpeed engine: its configuration must be the contract's
+                check_engine(model, optimizer, self.config)
+            self._tracked.register(model, optimizer, statefuls)
+            self._restore.state(self._tracked)
 
     def note_oom(self, error: BaseException | None = None) -> None:
         """Count a CUDA out-of-memory error this rank caught and went on from (a skipped or retried batch): kept

@@ -12,7 +12,6 @@ bytes, the loop waiting.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.run.restore import Tracked
 from torchrelay.train_records import RankLog
+from torchrelay.util import collective
+from torchrelay.util.records import read_json_or_none
 
 
 class Saver:
@@ -131,17 +132,22 @@ class Saver:
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
             self.last = update
             return self._run_dir / f"checkpoint-{update}"
-        snap = ckpt_state.capture_state(
-            rank=self._rank,
-            model=tracked.model,
-            optimizer=tracked.optimizer,
-            statefuls=tracked.statefuls,
-            loop=loop,
-            stage=self._stage,
-        )
         group, background = self._group, self._background
-        snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
-        self._stage.synchronize()
+        # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
+        # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
+        # every rank raises the same error on its training thread, before any rank hands the save to its thread.
+        with collective.ranks(group).phase(f"saving checkpoint-{update}"):
+            snap = ckpt_state.capture_state(
+                rank=self._rank,
+                model=tracked.model,
+                optimizer=tracked.optimizer,
+                statefuls=tracked.statefuls,
+                loop=loop,
+                stage=self._stage,
+                group=group,
+            )
+            snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
+            self._stage.synchronize()
 
         def persist() -> None:
             _, seconds = commit_checkpoint(
@@ -185,6 +191,7 @@ class Saver:
         try:
             self.wait()
         finally:
+            self._stage.release()  # page-locked memory goes back once nothing reads it
             wait_deletions()
 
 
@@ -192,10 +199,9 @@ def last_save_seconds(ckpt: Path | None) -> float | None:
     """How long the save of `ckpt` took, as its COMPLETE.json records (None when unknown)."""
     if ckpt is None:
         return None
-    try:
-        return float(json.loads((ckpt / INVENTORY).read_text()).get("save_seconds"))
-    except (OSError, ValueError, TypeError):
-        return None
+    doc = read_json_or_none(ckpt / INVENTORY, what="checkpoint inventory", root=ckpt)
+    seconds = doc.get("save_seconds") if isinstance(doc, dict) else None
+    return float(seconds) if isinstance(seconds, int | float) and not isinstance(seconds, bool) else None
 
 
 def first_estimate(last_save_s: float | None) -> float:
