@@ -40,6 +40,7 @@ from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.resume import ResumeCheck, validate_resume
 from torchrelay.rundir import RunDir
+from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.safepath import check_relative, resolve_inside
@@ -73,24 +74,21 @@ class PrepareOptions:
 
     run_dir: Path
     sets: dict[str, Any] = field(default_factory=dict)
-    copy_mode: str = "copy"
+    copy_mode: str = field(default="copy", metadata={"choices": ("copy", "hardlink")})
     check_files: bool = False
     code_dir: Path | None = None
-    jobs: int | None = None
+    jobs: int | None = None  # 0 or None: one per core
     expect: str | None = None  # the bundle digest the packer gave: anything else is refused
     allowed_signers: Path | None = None  # SHA256SUMS.sig must verify against one of these keys
-    world_size: int | None = None  # continue on this many ranks: a layout change, the global batch kept
-    micro_batch: int | None = None  # ... with this micro-batch (grad_accum is derived)
+    # continue on this many ranks: a layout change, the global batch kept
+    world_size: int | None = field(default=None, metadata={"min": 1})
+    # ... with this micro-batch (grad_accum is derived)
+    micro_batch: int | None = field(default=None, metadata={"min": 1})
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "micro_batch"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        schema.check(self, "prepare")
         if self.expect is not None:
             self.expect = parse_digest(self.expect)
-        if self.copy_mode not in ("copy", "hardlink"):
-            raise ConfigError(f"--copy-mode must be 'copy' or 'hardlink', got {self.copy_mode!r}")
 
 
 @dataclass(slots=True)
