@@ -10,16 +10,17 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from torchrelay import envvars
 from torchrelay.errors import DiskFull, IntegrityError, UnsafeInput
 
 # Crash tests name a moment to be SIGKILLed at: "<phase>:<update>:<rank>" inside a save (checkpoint/commit.py),
 # or a step of pack or prepare ("pack:marked").
-KILL_ENV = "TORCHRELAY_TEST_KILL"
+KILL_ENV = envvars.TEST_KILL.name
 
 
 def kill_point(step: str) -> None:
     """A crash-test hook between two steps of pack or prepare: SIGKILL this process if KILL_ENV names `step`."""
-    if os.environ.get(KILL_ENV) == step:
+    if envvars.TEST_KILL.text() == step:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -139,8 +139,13 @@ class BatchSpec(SlurmSpec):
 
     @classmethod
     def from_request(cls, request: SlurmSpec, **changes: Any) -> BatchSpec:
-        """The plan's request with `changes` (the flags, the plan's paths) applied."""
-        asked = {f.name: getattr(request, f.name) for f in fields(SlurmSpec)}
+        """The plan's request with `changes` (the flags, the plan's paths) applied; an unset nodes or job_name
+        (0, "": derived from the plan) takes the batch default unless `changes` resolves it."""
+        asked = {
+            f.name: getattr(request, f.name)
+            for f in fields(SlurmSpec)
+            if getattr(request, f.name) or f.name not in ("nodes", "job_name")
+        }
         return cls(**{**asked, "extra": list(request.extra), **changes})
 
 

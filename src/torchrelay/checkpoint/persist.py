@@ -40,16 +40,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from torchrelay import envvars
+
 # Tests only: a background persist waits until this file exists before it writes anything, so that a test can
 # observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
-HOLD_ENV = "TORCHRELAY_TEST_HOLD_PERSIST"
+HOLD_ENV = envvars.TEST_HOLD_PERSIST.name
 
 # Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
 FILE_BYTES = 256 << 20
 MAX_FILES = 16
 # Files a rank writes at once in the background; the others wait their turn. Eight streams of SHA-256 (1.3 GB/s
 # each on the H200 host) outrun its disk (1.8 GB/s) while leaving the GIL to the loop more often than sixteen.
-STREAMS_ENV = "TORCHRELAY_PERSIST_STREAMS"
+STREAMS_ENV = envvars.PERSIST_STREAMS.name
 PERSIST_STREAMS = 8
 # Every this many bytes a file's writeback is started (0: left to the kernel until the fsync). On the H200 host,
 # 3 saves each: committed after 7.0-9.0 s with it, 7.8-9.4 s without (benchmarks/RESULTS.md).
@@ -172,8 +174,8 @@ def _short_switch_interval() -> Iterator[None]:
 
 def persist_streams() -> int:
     """How many files a rank writes at once in the background (TORCHRELAY_PERSIST_STREAMS, else PERSIST_STREAMS)."""
-    raw = os.environ.get(STREAMS_ENV, "")
-    return max(1, int(raw)) if raw.isdigit() else PERSIST_STREAMS
+    streams = envvars.PERSIST_STREAMS.get()
+    return PERSIST_STREAMS if streams is None else max(1, streams)
 
 
 class _HashingFileSystem(FileSystem):
@@ -388,7 +390,7 @@ class Persister:
                 self.update = self.started_at = None
             return
 
-        hold = os.environ.get(HOLD_ENV)
+        hold = envvars.TEST_HOLD_PERSIST.text()
 
         def run() -> None:
             _lower_priority()

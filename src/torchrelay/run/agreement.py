@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrelay import envvars
 from torchrelay.log import logger
 from torchrelay.stop import REQUEST_FILE, SignalFlag, StopContext, StopRequest, decide, is_stale
 
@@ -40,8 +41,8 @@ class StopAgreement:
         self._deadline = deadline
         self._save_estimate = save_estimate  # the saver's: a stop must leave time to commit what it saves
         self._notes = notes  # the segment's notes, shared with the Run
-        self._margin = float(os.environ.get("TORCHRELAY_MARGIN_S", "1.0"))
-        self._max_interval = int(os.environ.get("TORCHRELAY_CHECK_EVERY", "64"))
+        self._margin = float(envvars.MARGIN_S.get())
+        self._max_interval = int(envvars.CHECK_EVERY.get())
         self.job = os.environ.get("SLURM_JOB_ID")
         self.why = ""  # the policy's reason for the agreed stop, when this rank proposed it
         self._request_cache: tuple[tuple[int, int], StopRequest | None] | None = None
