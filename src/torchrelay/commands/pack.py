@@ -9,7 +9,7 @@ from pathlib import Path
 from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
-from torchrelay.util import bars
+from torchrelay.util import bars, schema
 
 
 def _checkpoint(text: str) -> int | None:
@@ -41,14 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = PackOptions(
-        checkpoint=args.checkpoint,
-        link=args.link,
-        code_dir=args.code_dir,
-        allow_dirty=args.allow_dirty,
-        jobs=args.jobs,
-        sign=args.sign,
-    )
+    options = schema.from_namespace(PackOptions, args)
     load_contract(
         args.run_dir
     )  # a path that holds no run is refused as such, before any checkpoint is looked for

@@ -10,7 +10,7 @@ from torchrelay.config import parse_assignments
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
 from torchrelay.handoff.verify import bundle_bytes
-from torchrelay.util import bars
+from torchrelay.util import bars, schema
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,18 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = PrepareOptions(
-        run_dir=args.run_dir,
-        sets=parse_assignments(args.set),
-        copy_mode=args.copy_mode,
-        check_files=args.check_files,
-        code_dir=args.code_dir,
-        jobs=args.jobs,
-        expect=args.expect,
-        allowed_signers=args.allowed_signers,
-        world_size=args.world_size,
-        micro_batch=args.micro_batch,
-    )
+    options = schema.from_namespace(PrepareOptions, args, sets=parse_assignments(args.set))
     total = 2 * bundle_bytes(args.bundle)  # verified once, then copied once
     try:
         with bars.PrepareBars(total) as shown:

@@ -95,6 +95,13 @@ def build(cls: type, data: Any, where: str, hint: str | None = None) -> Any:
     return cls(**kwargs)
 
 
+def from_namespace(cls: type, namespace: Any, **given: Any) -> Any:
+    """An instance of dataclass `cls` from parsed command-line flags: each field the namespace holds under its own
+    name (argparse's `--copy-mode` is `copy_mode`), and `given` for the rest (a flag named otherwise)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in vars(namespace).items() if k in names}, **given})
+
+
 def _why(meta: Mapping[str, Any]) -> str:
     text = meta.get("why") or meta.get("doc")
     return f" ({text})" if text else ""
