@@ -1,19 +1,18 @@
 """The one configuration layer (util/schema.py) and the one place of the environment variables (envvars.py):
 located errors, a did-you-mean, bool never an int, the runtime rule as field metadata, the committed JSON schemas
-and docs/ENVIRONMENT.md equal to what the code generates. In-process, except one fresh interpreter."""
+and docs/ENVIRONMENT.md equal to what the code generates. All in-process."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import REPO, clean_env
+from helpers import REPO
 from torchrelay import envvars
 from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.contract import build_contract
@@ -203,17 +202,44 @@ def test_a_bad_variable_is_one_line_naming_it() -> None:
     assert envvars.AUDIT_STREAMS_AT.get({"TORCHRELAY_AUDIT_STREAMS_AT": "3, 7"}) == [3, 7]
 
 
+def _import_time_reads(tree: ast.Module) -> list[int]:
+    """Lines of module-level code (run at import: top level and class bodies, not functions) that read the
+    environment: os.environ, os.getenv, or an envvars accessor."""
+    found: list[int] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return  # runs when called, not at import
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id == "os" and node.attr in ("environ", "getenv"):
+                found.append(node.lineno)
+            owner = base.value if isinstance(base, ast.Attribute) else None
+            if (
+                node.attr in ("get", "text", "is_set")
+                and isinstance(owner, ast.Name)
+                and owner.id == "envvars"
+            ):
+                found.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
 def test_no_variable_is_read_at_import_time() -> None:
-    # Every variable set to a value that does not parse: importing every module must still work (a bad value is
-    # refused when it is used, with its name), so a library user's import never fails on the environment.
-    bad = {v.name: "not-a-value!" for v in envvars.ALL if not v.name.startswith("TORCHRELAY_AUDIT_PROBE")}
-    readers = (
-        "cli", "reshard", "fsutil", "stop", "run", "run.opening", "run.agreement", "run.saver", "checkpoint.commit",
-        "checkpoint.persist", "checkpoint.handed_off", "controller.memguard", "validation", "audit.probe",
-        "audit.runner",
-    )  # fmt: skip
-    code = "import importlib\n" + "".join(f"importlib.import_module('torchrelay.{m}')\n" for m in readers)
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=clean_env(**bad), capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    # A library user's `import` never fails on the environment: a bad value is refused when it is used, by name.
+    # (The audit's sitecustomize is the exception by design: it runs inside the audited script to install the probe.)
+    wrong = []
+    for path in sorted((REPO / "src" / "torchrelay").rglob("*.py")):
+        if "_site" in path.parts or path.name == "envvars.py":
+            continue
+        wrong += [
+            f"{path.relative_to(REPO)}:{line}" for line in _import_time_reads(ast.parse(path.read_text()))
+        ]
+    assert wrong == []
+    # the check sees what it must: the read that opening.py made at import until this layer
+    assert _import_time_reads(ast.parse('import os\nLOCK_WAIT_S = float(os.environ.get("X", "3"))\n')) == [2]
+    assert _import_time_reads(ast.parse("class A:\n    x = envvars.RUN_DIR.text()\n")) == [2]
+    assert _import_time_reads(ast.parse("def f():\n    return envvars.RUN_DIR.text()\n")) == []
