@@ -16,7 +16,7 @@ from helpers import segments
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
-from torchrelay.checkpoint.persist import HOLD_ENV, SWITCH_S, canonical_safetensors
+from torchrelay.checkpoint.persist import SWITCH_S, canonical_safetensors
 from torchrelay.errors import IntegrityError
 from torchrelay.stop import write_request
 
@@ -51,11 +51,10 @@ def _loop(run: Run, hook: Any = None) -> list[int]:
 
 
 def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_first(
-    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    example: dict[str, Path], tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
     release = tmp_path / "release"
-    monkeypatch.setenv(HOLD_ENV, str(release))  # checkpoint-3's persist waits for this file
     run_dir.mkdir()
     write_request(run_dir, at_update=5)
     seen: dict[Any, Any] = {}
@@ -75,6 +74,7 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
 
     interval = sys.getswitchinterval()
     with Run.open(run_dir, _config(example), code_dir=example["code"]) as run:
+        run._saver._persister.hold = release  # checkpoint-3's persist waits for this file
         watcher = threading.Thread(target=at_stop, daemon=True)
         watcher.start()
         done = _loop(run, during)

@@ -165,10 +165,6 @@ TEST_KILL = Var(
     "TORCHRELAY_TEST_KILL", "str", None, "SIGKILL this process at a named moment: `<phase>:<update>:<rank>` of a "
     "save (shards, inventory, rename) or a step of pack or prepare (`pack:marked`)", by="tests",
 )  # fmt: skip
-TEST_HOLD_PERSIST = Var(
-    "TORCHRELAY_TEST_HOLD_PERSIST", "path", None, "a background persist waits until this file exists",
-    by="tests",
-)  # fmt: skip
 
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Var))
 
@@ -195,8 +191,8 @@ def markdown() -> str:
         lines.append(f"| `{var.name}` | {_WHAT[var.kind]} | {default} | {var.by} | {var.doc} |")
     lines += [
         "",
-        "The two `TORCHRELAY_TEST_*` hooks exist for the crash tests, which must reach the real child processes",
-        "(torchrun ranks, a `torchrelay pack`) they kill; nothing else should set them.",
+        "`TORCHRELAY_TEST_KILL` exists for the crash tests, which must reach the real child processes (torchrun",
+        "ranks, a `torchrelay pack`) they kill; nothing else should set it.",
     ]
     return "\n".join(lines) + "\n"
 

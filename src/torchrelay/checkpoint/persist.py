@@ -42,10 +42,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchrelay import envvars
 
-# Tests only: a background persist waits until this file exists before it writes anything, so that a test can
-# observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
-HOLD_ENV = envvars.TEST_HOLD_PERSIST.name
-
 # Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
 FILE_BYTES = 256 << 20
 MAX_FILES = 16
@@ -374,6 +370,9 @@ class Persister:
         self.started_at: float | None = None
         self.update: int | None = None
         self.persisting = threading.Event()  # set while a job runs (tests observe it)
+        # Tests only: a background job waits until this file exists before it writes anything, so that a test can
+        # observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
+        self.hold: Path | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -390,7 +389,7 @@ class Persister:
                 self.update = self.started_at = None
             return
 
-        hold = envvars.TEST_HOLD_PERSIST.text()
+        hold = self.hold
 
         def run() -> None:
             _lower_priority()
