@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, install_excepthook
 from torchrelay.util import schema
 
 SAMPLERS = ("shuffled", "length_bucketed")
@@ -51,6 +51,7 @@ class RelayConfig:
     runtime_params: list[str] = field(default_factory=list, metadata=RUNTIME)
 
     def __post_init__(self) -> None:
+        install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback
         schema.check(self, "config")
         if self.warmup_updates > self.total_updates:
             raise ConfigError(
@@ -80,6 +81,7 @@ class RelayConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RelayConfig:
         """Build from a dict (YAML or JSON), naming unknown (with a did-you-mean), missing and mistyped fields."""
+        install_excepthook()  # as in __post_init__: its refusals too are one line
         known = sorted(f.name for f in dataclasses.fields(cls))
         hint = f"torchrelay fields are {known}; put your own hyper-parameters under 'params'"
         try:

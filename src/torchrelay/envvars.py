@@ -89,8 +89,8 @@ def _parse(kind: str, text: str) -> Any:
 
 # --- what a training launch reads (set them yourself, or the controller sets them) ------------------------------
 RUN_DIR = Var(
-    "TORCHRELAY_RUN_DIR", "path", None, "overrides the run directory the script passes to `Run.open` "
-    "(and `RelayTrainer`'s output_dir)", by="you, the controller and the audit",
+    "TORCHRELAY_RUN_DIR", "path", None, "overrides the run directory a script passes to `Run.open` "
+    "(and `RelayTrainer`'s output_dir): audits, smoke runs", by="you, the controller and the audit",
 )  # fmt: skip
 OVERRIDES = Var(
     "TORCHRELAY_OVERRIDES", "json", {}, 'config overrides, e.g. `{"num_workers": 2}` (on a resume only runtime '
@@ -101,8 +101,9 @@ DEADLINE = Var(
     "checkpoint", by="you and the controller",
 )  # fmt: skip
 BUDGET_S = Var(
-    "TORCHRELAY_BUDGET_S", "float", None, "seconds from the job's start (the torchrun agent's start), same meaning "
-    "as TORCHRELAY_DEADLINE; the earliest of the two and SLURM_JOB_END_TIME wins",
+    "TORCHRELAY_BUDGET_S", "float", None, "the same as seconds from the job's start: the torchrun agent's start "
+    "(restarts keep it), else the process's; the earliest of TORCHRELAY_DEADLINE, this and SLURM_JOB_END_TIME (set "
+    "by newer Slurm) wins",
 )  # fmt: skip
 SAVE_ESTIMATE_S = Var(
     "TORCHRELAY_SAVE_ESTIMATE_S", "float", None, "a save-time estimate until the segment's first save is measured "
@@ -110,19 +111,23 @@ SAVE_ESTIMATE_S = Var(
 )  # fmt: skip
 MARGIN_S = Var("TORCHRELAY_MARGIN_S", "float", 1.0, "the in-run cost model's safety margin, in seconds")
 CHECK_EVERY = Var(
-    "TORCHRELAY_CHECK_EVERY", "int", 64, "the most updates between two agreements of the ranks on stopping"
+    "TORCHRELAY_CHECK_EVERY",
+    "int",
+    64,
+    "at most this many updates between stop agreements (the interval "
+    "adapts so agreeing costs < 0.1 % of update time and a stop lands within about a second)",
 )
 LOCK_WAIT_S = Var(
-    "TORCHRELAY_LOCK_WAIT_S", "float", 3.0, "how long to wait for the run directory's lock (a relaunch may "
-    "start while the previous holder's last worker still exits)",
+    "TORCHRELAY_LOCK_WAIT_S", "float", 3.0, "how long a launch waits for the run's writer lock before refusing "
+    "(one writer per run, see [FORMATS](FORMATS.md))",
 )  # fmt: skip
 RESHARD = Var(
-    "TORCHRELAY_RESHARD", "flag", False, "continue the run on another number of ranks, the global batch kept "
-    "(grad_accum is derived), like `Run.open(reshard=True)`",
+    "TORCHRELAY_RESHARD", "flag", False, "this launch may continue the run on another layout (world size, "
+    "`micro_batch` × `grad_accum`) with the same global batch, like `Run.open(reshard=True)`",
 )  # fmt: skip
 RECLAIM = Var(
-    "TORCHRELAY_RECLAIM", "flag", False, "continue (or pack) a checkpoint that was handed off, on purpose: a new "
-    "lineage, on record",
+    "TORCHRELAY_RECLAIM", "flag", False, "continue from (or pack) a checkpoint that `pack` handed off (the fork "
+    "guard), on purpose: a new lineage, on record",
 )  # fmt: skip
 PERSIST_STREAMS = Var(
     "TORCHRELAY_PERSIST_STREAMS", "int", None, "files a rank writes at once in the background (default 8)"
@@ -134,7 +139,12 @@ MEM_SOFT_GIB = Var(
 MEM_HARD_GIB = Var(
     "TORCHRELAY_MEM_HARD_GIB", "float", None, "the memory guard's hard limit in GiB (wins over the plan)"
 )
-TRACEBACK = Var("TORCHRELAY_TRACEBACK", "flag", False, "a CLI error raises with its traceback (debugging)")
+TRACEBACK = Var(
+    "TORCHRELAY_TRACEBACK",
+    "flag",
+    False,
+    "a CLI verb shows the traceback of an error instead of its one-line message",
+)
 # --- the audit, inside the audited script ------------------------------------------------------------------------
 AUDIT_PROBE = Var(
     "TORCHRELAY_AUDIT_PROBE", "path", None, "the folder the audit's probe writes rank<r>.jsonl into; unset: off",
