@@ -4,6 +4,7 @@ and docs/ENVIRONMENT.md equal to what the code generates. All in-process."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import re
@@ -14,13 +15,17 @@ import pytest
 
 from helpers import REPO
 from torchrelay import envvars
+from torchrelay.commands import pack as pack_cli
+from torchrelay.commands import prepare as prepare_cli
 from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.contract import build_contract
 from torchrelay.controller.plan import Plan, load_plan
 from torchrelay.controller.schemas import render, schemas
 from torchrelay.errors import ConfigError
+from torchrelay.handoff.pack import PackOptions
 from torchrelay.handoff.prepare import PrepareOptions
 from torchrelay.slurm import BatchSpec, SlurmSpec
+from torchrelay.util import schema
 
 BASE = {"seed": 1, "micro_batch": 2, "total_updates": 10, "manifest": "m.jsonl"}
 PLAN = {"run_dir": "runs/x", "train": {"script": "t.py"}}
@@ -148,9 +153,9 @@ def test_runtime_only_is_field_metadata_and_batch_spec_extends_the_plans_slurm_s
 
 
 def test_committed_schemas_are_the_generated_ones() -> None:
-    for name, schema in schemas().items():
+    for name, generated in schemas().items():
         committed = REPO / "docs" / "schema" / name
-        assert committed.read_text() == render(schema), (
+        assert committed.read_text() == render(generated), (
             f"{committed} is stale: run `python -m torchrelay.controller.schemas docs/schema`"
         )
     config = schemas()["relay-config.schema.json"]
@@ -243,3 +248,22 @@ def test_no_variable_is_read_at_import_time() -> None:
     assert _import_time_reads(ast.parse('import os\nLOCK_WAIT_S = float(os.environ.get("X", "3"))\n')) == [2]
     assert _import_time_reads(ast.parse("class A:\n    x = envvars.RUN_DIR.text()\n")) == [2]
     assert _import_time_reads(ast.parse("def f():\n    return envvars.RUN_DIR.text()\n")) == []
+
+
+def test_the_command_line_options_are_the_options_dataclasses_fields(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    prepare_cli.add_arguments(parser)
+    args = parser.parse_args(["b", "--run-dir", str(tmp_path), "--world-size", "2", "--check-files"])
+    options = schema.from_namespace(PrepareOptions, args, sets={})
+    assert options == PrepareOptions(run_dir=tmp_path, world_size=2, check_files=True)
+    defaults = schema.from_namespace(PrepareOptions, parser.parse_args(["b", "--run-dir", str(tmp_path)]))
+    assert defaults == PrepareOptions(run_dir=tmp_path)  # every default is the dataclass's own
+    with pytest.raises(ConfigError, match=r"^prepare\.micro_batch: must be >= 1, got 0$"):
+        schema.from_namespace(
+            PrepareOptions, parser.parse_args(["b", "--run-dir", "r", "--micro-batch", "0"])
+        )
+    pack_parser = argparse.ArgumentParser()
+    pack_cli.add_arguments(pack_parser)
+    packed = schema.from_namespace(PackOptions, pack_parser.parse_args(["r", "b", "--link", "--sign", "k"]))
+    assert packed == PackOptions(link=True, sign=Path("k"))
+    assert "KEYFILE" in pack_parser.format_help() and "--allow-dirty" in pack_parser.format_help()

@@ -22,22 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", type=_checkpoint, default=None, metavar="N|latest", help="default: latest"
     )
-    parser.add_argument("--link", action="store_true", help="hardlink checkpoint files instead of copying")
-    parser.add_argument(
-        "--code-dir",
-        type=Path,
-        default=None,
-        help="git checkout the run was trained from (default: where the run's recorded script lies)",
-    )
-    parser.add_argument("--allow-dirty", action="store_true", help="pack a run trained from uncommitted code")
-    parser.add_argument("--jobs", type=int, default=None, help="copy/hash threads (default: one per core)")
-    parser.add_argument(
-        "--sign",
-        type=Path,
-        default=None,
-        metavar="KEYFILE",
-        help="sign SHA256SUMS with this SSH key (ssh-keygen -Y sign) into SHA256SUMS.sig",
-    )
+    schema.add_flags(parser, PackOptions, ["link", "code_dir", "allow_dirty", "jobs", "sign"])
 
 
 def run(args: argparse.Namespace) -> int:

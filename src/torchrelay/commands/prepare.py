@@ -15,9 +15,7 @@ from torchrelay.util import bars, schema
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", type=Path, help="the verified bundle directory")
-    parser.add_argument(
-        "--run-dir", type=Path, required=True, help="the run directory to create (new or empty)"
-    )
+    schema.add_flags(parser, PrepareOptions, ["run_dir"])
     parser.add_argument(
         "--set",
         action="append",
@@ -25,30 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a runtime field (data_root, num_workers, ...)",
     )
-    parser.add_argument("--copy-mode", choices=("copy", "hardlink"), default="copy")
-    parser.add_argument(
-        "--check-files", action="store_true", help="check every manifest file exists under the new root"
-    )
-    parser.add_argument(
-        "--code-dir",
-        type=Path,
-        default=None,
-        help="validate against this checkout instead of the bundle's source",
-    )
-    parser.add_argument("--jobs", type=int, default=None, help="hash/copy threads (default: one per core)")
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="continue on N ranks: a layout change that keeps the global batch (grad_accum is derived)",
-    )
-    parser.add_argument(
-        "--micro-batch",
-        type=int,
-        default=None,
-        metavar="M",
-        help="with --world-size: the per-rank micro-batch of the new layout (default: the checkpoint's)",
+    schema.add_flags(
+        parser, PrepareOptions, ["copy_mode", "check_files", "code_dir", "jobs", "world_size", "micro_batch"]
     )
     add_trust_arguments(parser)
 

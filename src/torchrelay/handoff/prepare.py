@@ -72,18 +72,35 @@ class PreflightFailed(IntegrityError):
 class PrepareOptions:
     """Where to prepare, what to change, and how to copy."""
 
-    run_dir: Path
+    # `--help` reads `doc` and `metavar` (commands/prepare.py declares the options from these fields)
+    run_dir: Path = field(metadata={"doc": "the run directory to create (new or empty)"})
     sets: dict[str, Any] = field(default_factory=dict)
     copy_mode: str = field(default="copy", metadata={"choices": ("copy", "hardlink")})
-    check_files: bool = False
-    code_dir: Path | None = None
-    jobs: int | None = None  # 0 or None: one per core
+    check_files: bool = field(
+        default=False, metadata={"doc": "check every manifest file exists under the new root"}
+    )
+    code_dir: Path | None = field(
+        default=None, metadata={"doc": "validate against this checkout instead of the bundle's source"}
+    )
+    jobs: int | None = field(default=None, metadata={"doc": "hash/copy threads (default: one per core)"})
     expect: str | None = None  # the bundle digest the packer gave: anything else is refused
     allowed_signers: Path | None = None  # SHA256SUMS.sig must verify against one of these keys
-    # continue on this many ranks: a layout change, the global batch kept
-    world_size: int | None = field(default=None, metadata={"min": 1})
-    # ... with this micro-batch (grad_accum is derived)
-    micro_batch: int | None = field(default=None, metadata={"min": 1})
+    world_size: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "metavar": "N",
+            "doc": "continue on N ranks: a layout change that keeps the global batch (grad_accum is derived)",
+        },
+    )
+    micro_batch: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "metavar": "M",
+            "doc": "with --world-size: the per-rank micro-batch of the new layout (default: the checkpoint's)",
+        },
+    )
 
     def __post_init__(self) -> None:
         schema.check(self, "prepare")

@@ -95,6 +95,26 @@ def build(cls: type, data: Any, where: str, hint: str | None = None) -> Any:
     return cls(**kwargs)
 
 
+def add_flags(parser: Any, cls: type, names: typing.Iterable[str]) -> None:
+    """argparse options for fields of dataclass `cls` (`copy_mode` is `--copy-mode`): the type, default and
+    choices from the field, the help (`doc`) and `metavar` from its metadata, so the options are declared once."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names:
+        f, hint = fields[name], hints(cls)[name]
+        options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
+        kw: dict[str, Any] = {"help": f.metadata.get("doc")}
+        if options[0] is bool:
+            kw["action"] = "store_true"
+        else:
+            kw.update(type=None if options[0] is str else options[0], choices=f.metadata.get("choices"))
+            kw.update({"metavar": f.metadata["metavar"]} if "metavar" in f.metadata else {})
+        if _required(f):
+            kw["required"] = True
+        else:
+            kw["default"] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        parser.add_argument("--" + name.replace("_", "-"), **kw)
+
+
 def from_namespace(cls: type, namespace: Any, **given: Any) -> Any:
     """An instance of dataclass `cls` from parsed command-line flags: each field the namespace holds under its own
     name (argparse's `--copy-mode` is `copy_mode`), and `given` for the rest (a flag named otherwise)."""
@@ -186,7 +206,8 @@ def _fits(value: Any, hint: Any, meta: Mapping[str, Any]) -> bool:
 def _bounds(value: Any, meta: Mapping[str, Any], where: str) -> None:
     low = meta.get("min")
     if low is not None and isinstance(value, int | float) and value < low:
-        raise ConfigError(f"{where}: must be >= {low}{_why(meta)}, got {value!r}")
+        why = f" ({meta['why']})" if meta.get("why") else ""
+        raise ConfigError(f"{where}: must be >= {low}{why}, got {value!r}")
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         close = did_you_mean(value, choices) if isinstance(value, str) else ""
