@@ -87,9 +87,11 @@ def build(cls: type, data: Any, where: str, hint: str | None = None) -> Any:
             f"{child(where, first)}: unknown field{did_you_mean(first, fields)}{more}",
             hint=hint or f"known fields: {', '.join(sorted(fields))}",
         )
-    for name, f in fields.items():
-        if name not in data and _required(f):
-            raise ConfigError(f"{child(where, name)}: required field missing{_why(f.metadata)}")
+    missing = [name for name, f in fields.items() if name not in data and _required(f)]
+    if missing:
+        more = f" (and {len(missing) - 1} more: {missing[1:]})" if len(missing) > 1 else ""
+        why = _why(fields[missing[0]].metadata)
+        raise ConfigError(f"{child(where, missing[0])}: required field missing{why}{more}")
     types_ = hints(cls)
     kwargs = {k: value_of(v, types_[k], fields[k].metadata, child(where, k)) for k, v in data.items()}
     return cls(**kwargs)
