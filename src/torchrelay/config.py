@@ -12,11 +12,13 @@ from torchrelay.errors import ConfigError, install_excepthook
 from torchrelay.util import schema
 
 SAMPLERS = ("shuffled", "length_bucketed")
+ELASTIC_MODES = ("default", "exact")
 # Fields with metadata `runtime` do not change the math: they may differ between segments (server paths, worker
 # count, when to save, how long to run). Everything else, and every key of `params` not in `runtime_params`, is part
 # of the resume contract.
 RUNTIME = {"runtime": True}
 _KEEP_WHY = "the newest complete checkpoint is never deleted and one more survives a crash during a save"
+_ELASTIC_HINT = "exact: bit-for-bit equal across world sizes (docs/ELASTIC.md); default: DDP's own reduction"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,10 +47,16 @@ class RelayConfig:
     keep_updates: list[int] = field(default_factory=list, metadata=RUNTIME)
     # write, hash and commit checkpoints in the background (false: the loop waits)
     async_save: bool = field(default=True, metadata=RUNTIME)
+    # "exact": gradients summed in one layout-free order (run/exact_reduce.py)
+    elastic: str = field(default="default", metadata={"choices": ELASTIC_MODES, "hint": _ELASTIC_HINT})
     pins: list[str] = field(default_factory=list)
     external_files: dict[str, str] = field(default_factory=dict, metadata=RUNTIME)
     params: dict[str, Any] = field(default_factory=dict)
     runtime_params: list[str] = field(default_factory=list, metadata=RUNTIME)
+    # Refuse a resume whose numerics identity (CPU capability, libraries, GPU, TF32, ...) differs from the earlier
+    # segments' instead of warning (docs/NUMERICS.md). Runtime-only: a policy of where the run may continue, not
+    # of its math, so it may be turned on or off at any launch.
+    strict_numerics: bool = field(default=False, metadata=RUNTIME)
 
     def __post_init__(self) -> None:
         install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback

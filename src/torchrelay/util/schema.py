@@ -6,7 +6,7 @@ Why our own and not pydantic or msgspec: docs/CONFIG.md (import time and message
 
 - `doc`: what the field means (the schema's description);
 - `min`: the lowest allowed number (`why`: the reason, shown when it is broken);
-- `choices`: the allowed values;
+- `choices`: the allowed values (`hint`: what they mean, shown when another is given);
 - `as_str`: scalars (and list items, mapping keys and values) are accepted and turned into strings (argv, env);
 - `runtime`: the field may change between segments (config.py: not part of the resume contract);
 - `json_schema`: the field's schema, where its annotation is `Any`.
@@ -213,7 +213,10 @@ def _bounds(value: Any, meta: Mapping[str, Any], where: str) -> None:
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         close = did_you_mean(value, choices) if isinstance(value, str) else ""
-        raise ConfigError(f"{where}: must be one of {', '.join(map(repr, choices))}, got {value!r}{close}")
+        raise ConfigError(
+            f"{where}: must be one of {', '.join(map(repr, choices))}, got {value!r}{close}",
+            hint=meta.get("hint"),
+        )
 
 
 # ------------------------------------------------------------------------------------------------ JSON schema
