@@ -57,6 +57,9 @@ class RelayConfig:
     # segments' instead of warning (docs/NUMERICS.md). Runtime-only: a policy of where the run may continue, not
     # of its math, so it may be turned on or off at any launch.
     strict_numerics: bool = field(default=False, metadata=RUNTIME)
+    # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
+    # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
+    strict_code: bool = field(default=False, metadata=RUNTIME)
 
     def __post_init__(self) -> None:
         install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback

@@ -129,6 +129,11 @@ RECLAIM = Var(
     "TORCHRELAY_RECLAIM", "flag", False, "continue from (or pack) a checkpoint that `pack` handed off (the fork "
     "guard), on purpose: a new lineage, on record",
 )  # fmt: skip
+COLLECTIVE_TIMEOUT_S = Var(
+    "TORCHRELAY_COLLECTIVE_TIMEOUT_S", "float", 300.0, "how long an exchange between ranks waits for the "
+    "slowest rank: longer than any rank's legitimate lead within a phase (rank 0 alone prepares the run directory), "
+    "short enough that a hung peer ends the job in minutes instead of torch's default 30",
+)  # fmt: skip
 PERSIST_STREAMS = Var(
     "TORCHRELAY_PERSIST_STREAMS", "int", None, "files a rank writes at once in the background (default 8)"
 )

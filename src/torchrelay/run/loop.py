@@ -24,19 +24,26 @@ from torchrelay.run.exact_reduce import EXACT, ExactReduction
 from torchrelay.run.restore import Restore
 from torchrelay.run.saver import Saver
 from torchrelay.train_records import RankLog
+from torchrelay.util import collective
 
 
 class Step:
     """One update: its micro-batches and what the loop logs about it."""
 
-    __slots__ = ("update", "_it", "_accum", "_ids", "metrics", "_exact")
+    __slots__ = ("update", "_it", "_accum", "_ids", "metrics", "_exact", "_ranks")
 
     def __init__(
-        self, update: int, it: Iterator[Any], accum: int, exact: ExactReduction | None = None
+        self,
+        update: int,
+        it: Iterator[Any],
+        accum: int,
+        exact: ExactReduction | None = None,
+        ranks: collective.Ranks | None = None,
     ) -> None:
         self.update = update
         self._it = it
         self._accum = accum
+        self._ranks = ranks or collective.ranks()
         self._ids: list[list[int]] = []
         self.metrics: dict[str, Any] = {}
         self._exact = exact
@@ -53,10 +60,9 @@ class Step:
         params = exact.params(model) if exact is not None else []  # type: ignore[arg-type]  # it refuses None
         deferred = _sync_deferral(model, never=exact is not None)
         for micro in range(self._accum):
-            try:
-                ids, batch = next(self._it)
-            except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
-                raise _sample_error(exc, self.update) from exc
+            # A sample one rank cannot read fails this micro-batch on every rank, before any rank hands its batch
+            # to code that may wait in a collective for the rank that failed (one small all-reduce per batch).
+            ids, batch = self._ranks.agree("training", self._next)
             self._ids.append(ids)
             with deferred(micro == self._accum - 1):
                 yield micro, batch
@@ -64,6 +70,12 @@ class Step:
                 exact.take(params, micro)
         if exact is not None:
             exact.finish(params)
+
+    def _next(self) -> tuple[list[int], Any]:
+        try:
+            return next(self._it)
+        except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
+            raise _sample_error(exc, self.update) from exc
 
     def log(self, **metrics: Any) -> None:
         """Record this rank's metrics for the update (loss, lr, ...); tensors become floats."""
@@ -103,12 +115,13 @@ class Loop:
         self._announce = announce  # this rank's lines before its first update (the gate, the contract)
         self._notes = notes  # the segment's notes, shared with the Run
         self._last_flush = 0.0
+        self._ranks = collective.ranks()  # the training thread's exchanges (util/collective.py)
 
     def run(self, loader: RelayLoader, finish: Callable[[int, int], None]) -> Iterator[Step]:
         """Yield one Step per update until the schedule ends or a stop is agreed, saving on the way; then call
         `finish(exit_code, updates_done)` once the last checkpoint is complete."""
         cfg = self._config
-        self._restore.generators()
+        self._ranks.agree("restoring the random generators", self._restore.generators)
         for line in self._announce:
             logger.info(f"[rank {self._rank}] {line}")
         batches = RankBatches(
@@ -143,7 +156,7 @@ class Loop:
                     saver.wait()
                     finish(EXIT_FINISHED if done >= cfg.total_updates else code, done)
                     return
-                step = Step(done + 1, it, cfg.grad_accum, exact)
+                step = Step(done + 1, it, cfg.grad_accum, exact, self._ranks)
                 t0 = time.perf_counter()
                 yield step
                 dt = time.perf_counter() - t0
