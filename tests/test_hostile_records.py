@@ -506,14 +506,17 @@ def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Pat
     """Defect 5: `torchrelay ledger` refuses an exposure log whose line is longer than the bound `status` uses,
     reading at most about the bound: the peak memory of the process stays far below the line's size."""
     run = make_run(tmp_path)
-    for verb, name, head in (
-        ("ledger", "exposures", b'{"u":9,"m":0,"i":['),
-        ("status", "metrics", b'{"x":"'),
-    ):
+    lines = (
+        ("ledger", "exposures", b'{"u":9,"m":0,"i":[', b"]}\n"),
+        ("status", "metrics", b'{"x":"', b'"}\n'),
+    )
+    for verb, name, head, end in lines:
         target = run / "train" / f"{name}-rank0.jsonl"  # status reads the tail of rank 0's metrics
-        with open(target, "ab") as f:  # whole lines first, then one line of 400 MB (a hole: written at once)
+        with open(target, "ab") as f:  # whole lines first, then one line of 600 MB (a hole: written at once)
             f.write(head)
             f.truncate(target.stat().st_size + LEDGER_LINE)
+            f.seek(0, os.SEEK_END)
+            f.write(end)
         code = (
             "import resource, sys\n"
             "from torchrelay.cli import main\n"
@@ -533,5 +536,6 @@ def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Pat
         before = int(out.stdout.split("BEFORE_KB")[1].split()[0]) << 10
         grown = (int(out.stdout.split("MAXRSS_KB")[1].split()[0]) << 10) - before
         # what the verb itself held at its peak (after its imports): about the bound, never the line
+        print(f"{verb}: refused a {LEDGER_LINE >> 20} MB line, growing by {grown >> 20} MB")
         assert grown < LEDGER_LINE / 4, f"{verb}: grew {grown >> 20} MB for a {LEDGER_LINE >> 20} MB line"
         target.write_bytes((FIXTURE / "run" / "train" / target.name).read_bytes())
