@@ -6,8 +6,13 @@ DDP on one rank. Measured in the same run, in this order:
   (one stream and --files streams); a cold read of them (pages dropped with posix_fadvise); SHA-256 on one thread
   and on --files threads;
 - peers: torch.save + fsync; DCP save; DCP async_save on a gloo group of its own (blocked / done, two saves);
-- torchrelay: a save with `async_save: false`, and two with the default (the loop's stall, and until committed),
-  and the update time while a background persist runs against updates without one;
+- torch_checkpointing (meta-pytorch, if installed; buffered writes): two async saves (blocked / done), a cold load;
+- torchrelay: a launch as the loop runs it (Run.open + track, then update / `due` / `save`), every update timed
+  from the first (the host buffers are reserved after it): each of `--saves` saves' stall, time until committed
+  against the multi-stream write floor, the page cache's dirty and writeback bytes at its start, the updates
+  around it and during its persist; then one async and one `async_save: false` save of the same state (same
+  bytes?), with `--old-launch` a
+  launch whose buffers come from cudaHostAlloc (before issue 22);
 - load: DCP load, cold; torchrelay resume (Run.open + run.track: verification included), cold.
 
 `--only load` saves the state once each way and measures the loads alone (about two minutes for the 14.5 GB
@@ -17,12 +22,14 @@ copy into the tensors, summed over the threads that do them).
 
     torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cpu --layers 8 --width 1024
     PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_save.py --device cuda \\
-        --backend nccl --layers 72 --width 4096 --batch 256 --dir /root/bench [--only load]
+        --backend nccl --layers 72 --width 4096 --batch 256 --dir /root/bench [--only load] \\
+        [--saves 5 --save-every 150 --old-launch --skip torch.save]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import inspect
 import json
@@ -44,6 +51,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
+from torchrelay.checkpoint import persist
 
 GB = 1e9
 
@@ -113,6 +121,15 @@ def main() -> None:
         type=lambda text: [int(n) for n in text.split(",")],
         default=[16],
         help="--only load: the resume's reads in flight per rank, one cold resume for each (e.g. 16,32)",
+    )
+    ap.add_argument("--saves", type=int, default=5, help="torchrelay saves in the timed launch")
+    ap.add_argument("--save-every", type=int, default=150, help="updates between them (more than a persist)")
+    ap.add_argument("--old-launch", action="store_true", help="and a launch with cudaHostAlloc'd buffers")
+    ap.add_argument(
+        "--skip",
+        type=lambda text: set(filter(None, text.split(","))),
+        default=set(),
+        help="peers left out: torch.save,dcp-async,torch_checkpointing",
     )
     args = ap.parse_args()
     dist.init_process_group(args.backend)
@@ -255,15 +272,16 @@ def main() -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    peers["torch.save + fsync"] = timed(torch_save, dev)
-    p.unlink()
+    if "torch.save" not in args.skip:
+        peers["torch.save + fsync"] = timed(torch_save, dev)
+        p.unlink()
     dcp_dir = base / "dcp"
     peers["DCP save"] = timed(lambda: dcp.save(state, checkpoint_id=str(dcp_dir)), dev)
     drop_cache(dcp_dir)
     loads["DCP load, cold"] = timed(lambda: dcp.load(state, checkpoint_id=str(dcp_dir)), dev)
     shutil.rmtree(dcp_dir)
     gloo = dist.new_group(backend="gloo")
-    for i in (1, 2):
+    for i in (1, 2) if "dcp-async" not in args.skip else ():
         target = base / f"dcp-async-{i}"
         sync(dev)
         t0 = time.perf_counter()
@@ -275,67 +293,72 @@ def main() -> None:
         peers[f"DCP async_save #{i}: until done"] = done
         shutil.rmtree(target)
 
+    if "torch_checkpointing" not in args.skip:
+        torch_checkpointing_peer(state, base, dev, peers, loads)
+
     # ---- torchrelay
     relay: dict[str, float] = {}
     cfg = tr.RelayConfig(
-        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), keep=2
+        seed=0,
+        micro_batch=1,
+        total_updates=100000,
+        save_every=args.save_every,
+        manifest=str(manifest),
+        keep=2,
     )
+    # A launch as the loop runs it: the first update after Run.open + track (the host buffers are reserved after
+    # it), `--saves` saves every `--save-every` updates, every update timed (bench_save's figure before issue 22
+    # began after the buffers existed, and missed the 6-8 s the second update of a launch waited for them).
     run_a = tr.Run.open(base / "run-async", cfg, code_dir=base / "code")
     run_a.track(model=ddp, optimizer=opt)
-    run_a._saver.due(1)  # the loop asks after its first update: the host buffers are allocated on a thread
-    baseline = [update() for _ in range(20)]  # the first ones run while the host buffers are allocated
+    launch = Launch(run_a, update, dev)
+    launch.run(args.saves)
+    out["launch"] = launch.report(floor_copy, disk_n)
+    # The same state saved both ways (no update between): the tensor files and the RNG are the same bytes.
+    from torchrelay.checkpoint.commit import wait_deletions
+
+    last = launch.done
+    relay["torchrelay async save (same state as the sync save): until committed"] = timed(
+        lambda: (run_a._saver.save(last), run_a._saver.wait()), dev
+    )
+    wait_deletions()
     run_s = tr.Run.open(base / "run-sync", cfg.replace(async_save=False), code_dir=base / "code")
     run_s.track(model=ddp, optimizer=opt)
-    relay["torchrelay sync save"] = timed(lambda: run_s._saver.save(1), dev)
-    sync_ckpt = base / "run-sync" / "checkpoint-1"
-    during: list[float] = []
-    same = None
-    for i, u in enumerate((1, 2), start=1):
-        sync(dev)
-        t0 = time.perf_counter()
-        run_a._saver.save(u)
-        stall = time.perf_counter() - t0
-        n = 0
-        while run_a._saver.persisting:
-            during.append(update())
-            n += 1
-        run_a._saver.wait()
-        done = time.perf_counter() - t0
-        relay[f"torchrelay async save #{i}: loop blocked"] = stall
-        relay[f"torchrelay async save #{i}: until committed"] = done
-        print(
-            f"[bench] async save #{i}: stall {stall:.3f} s, committed {done:.3f} s, {n} updates ran",
-            flush=True,
-        )
-        if i == 1:  # the same state saved both ways: the tensor files and the RNG are the same bytes
-            a_ckpt = base / "run-async" / "checkpoint-1"
-            names = sorted(str(f.relative_to(sync_ckpt)) for f in sync_ckpt.rglob("*") if f.is_file())
-            same = names == sorted(
-                str(f.relative_to(a_ckpt)) for f in a_ckpt.rglob("*") if f.is_file()
-            ) and all(
-                _sha(sync_ckpt / rel) == _sha(a_ckpt / rel)
-                for rel in names
-                if rel.endswith(".distcp") or rel.startswith("rng/")
-            )
-            run_s._end_segment(1)
-            shutil.rmtree(base / "run-sync")
-            shutil.rmtree(a_ckpt)  # the disk holds two states at most
-    ckpt = base / "run-async" / "checkpoint-2"
-    saved_bytes = tree_bytes(ckpt)
-    run_a._end_segment(2)
+    relay["torchrelay sync save"] = timed(lambda: run_s._saver.save(last), dev)
+    sync_ckpt, a_ckpt = base / "run-sync" / f"checkpoint-{last}", base / "run-async" / f"checkpoint-{last}"
+    names = sorted(str(f.relative_to(sync_ckpt)) for f in sync_ckpt.rglob("*") if f.is_file())
+    same = names == sorted(str(f.relative_to(a_ckpt)) for f in a_ckpt.rglob("*") if f.is_file()) and all(
+        _sha(sync_ckpt / rel) == _sha(a_ckpt / rel)
+        for rel in names
+        if rel.endswith(".distcp") or rel.startswith("rng/")
+    )
+    run_s._end_segment(last)
+    shutil.rmtree(base / "run-sync")
+    saved_bytes = tree_bytes(a_ckpt)
+    run_a._end_segment(last)
+    run_a._saver.close()
     out["sync_and_async_files_identical"] = same
+    if args.old_launch:  # the same launch with the buffers from cudaHostAlloc (before issue 22), one save
+        persist.PIN_BY_REGISTER = False
+        run_o = tr.Run.open(base / "run-old", cfg.replace(save_every=40), code_dir=base / "code")
+        run_o.track(model=ddp, optimizer=opt)
+        old = Launch(run_o, update, dev)
+        old.run(1)
+        out["launch_cudaHostAlloc"] = old.report(floor_copy, disk_n)
+        run_o._end_segment(old.done)
+        run_o._saver.close()
+        shutil.rmtree(base / "run-old")
+        persist.PIN_BY_REGISTER = True
     # resume in this process, cold: Run.open verifies the inventory, run.track loads through DCP
-    drop_cache(ckpt)
+    drop_cache(a_ckpt)
     sync(dev)
     t0 = time.perf_counter()
     run_r = tr.Run.open(base / "run-async", None, code_dir=base / "code")
     run_r.track(model=ddp, optimizer=opt)
     sync(dev)
     loads["torchrelay resume (open + track), cold"] = time.perf_counter() - t0
-    run_r._end_segment(2)
+    run_r._end_segment(last)
 
-    slow_med = statistics.median(during) / statistics.median(baseline) if during else float("nan")
-    slow_max = max(during) / statistics.median(baseline) if during else float("nan")
     out.update(
         floors=floors,
         peers=peers,
@@ -343,14 +366,7 @@ def main() -> None:
         loads=loads,
         bytes=nbytes,
         checkpoint_bytes=saved_bytes,
-        update_s=statistics.median(baseline),
-        update_during_persist_median_ratio=slow_med,
-        update_during_persist_max_ratio=slow_max,
-        update_during_persist_p90_ratio=_quantile(during, 0.9) / statistics.median(baseline)
-        if during
-        else None,
-        updates_during_persist_over_1_1x=sum(d > 1.1 * statistics.median(baseline) for d in during),
-        updates_during_persist=len(during),
+        disk_write_streams_s=disk_n,
     )
     table(out, nbytes)
     if args.json:
@@ -358,6 +374,144 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _meminfo() -> dict[str, float]:
+    """GB of page cache, dirty and under-writeback pages (Linux): what the disk still owes at a save's start."""
+    got: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Cached", "Dirty", "Writeback", "MemFree"):
+                got[key] = int(rest.split()[0]) / 1e6
+    return got
+
+
+class Launch:
+    """A training loop as torchrelay's runs it: update, `due`, `save` when due; every update timed (end to end,
+    the save included in the update that holds it), and each save's stall and time until committed."""
+
+    def __init__(self, run: Any, update: Callable[[], float], dev: str) -> None:
+        self.saver, self.update, self.dev = run._saver, update, dev
+        self.times: list[float] = []  # seconds from one update's end to the next's
+        self.kind: list[str] = []  # "save" (held a save's stall), "persist" (a persist in flight), ""
+        self.saves: list[dict[str, Any]] = []
+        self.committed: dict[int, float] = {}
+        self.done = 0
+        self.reserve_ready_update: int | None = None
+
+    def run(self, saves: int, after: int = 20) -> None:
+        target = len(self.saves) + saves
+        extra = after
+        last = time.perf_counter()
+        while extra > 0:
+            self.update()
+            self.done += 1
+            kind = "persist" if self.saver.persisting else ""
+            if len(self.saves) < target and self.saver.due(self.done):
+                info = {"update": self.done, "at": len(self.times), **_meminfo()}
+                t0 = time.perf_counter()
+                self.saver.save(self.done)
+                info["stall_s"], info["t0"] = time.perf_counter() - t0, t0
+                self.saves.append(info)
+                kind = "save"
+            now = time.perf_counter()
+            self.times.append(now - last)
+            self.kind.append(kind)
+            last = now
+            stage = self.saver._stage
+            if self.reserve_ready_update is None and (
+                stage._reserving is None or not stage._reserving.is_alive()
+            ):
+                self.reserve_ready_update = self.done
+            pending = [s for s in self.saves if s["update"] not in self.committed]
+            if pending and not self.saver.persisting:
+                self.saver.wait()
+                for s in pending:
+                    self.committed[s["update"]] = now - s["t0"]
+            if len(self.saves) >= target and not self.saver.persisting:
+                extra -= 1
+        sync(self.dev)
+
+    def report(self, floor_copy: float, floor_write: float) -> dict[str, Any]:
+        med = statistics.median(t for t, k in zip(self.times, self.kind, strict=True) if k != "save")
+        ratios = [t / med for t in self.times]
+        plain = [(i, r) for i, (r, k) in enumerate(zip(ratios, self.kind, strict=True)) if k != "save"]
+        saves = []
+        ends = [s["at"] for s in self.saves[1:]] + [len(ratios)]
+        for s, end in zip(self.saves, ends, strict=True):
+            i = s["at"]
+            during = [ratios[j] for j in range(i + 1, end) if self.kind[j] == "persist"]
+            done_s = self.committed.get(s["update"], float("nan"))
+            saves.append(
+                {
+                    "update": s["update"],
+                    "stall_s": s["stall_s"],
+                    "stall_vs_copy": s["stall_s"] / floor_copy,
+                    "held_update_ratio": ratios[i],
+                    "committed_s": done_s,
+                    "persist_vs_write_floor": floor_write / done_s,
+                    "updates_during_persist": len(during),
+                    "max_during_persist": max(during, default=float("nan")),
+                    "over_1_1x_during_persist": sum(r > 1.1 for r in during),
+                    "around": [round(r, 3) for r in ratios[max(0, i - 2) : i + 12]],
+                    "cached_gb": s.get("Cached"),
+                    "dirty_gb": s.get("Dirty"),
+                    "writeback_gb": s.get("Writeback"),
+                }
+            )
+        lost = sum(self.times) - len(self.times) * med
+        return {
+            "update_median_s": med,
+            "updates": len(self.times),
+            "first_updates": [round(r, 3) for r in ratios[:6]],
+            "reserve_ready_update": self.reserve_ready_update,
+            "max_not_saving": max(r for _, r in plain),
+            "over_1_1x_not_saving": [(i + 1, round(r, 3)) for i, r in plain if r > 1.1],
+            "lost_s": lost,
+            "lost_vs_saves_x_copy": lost / (len(self.saves) * floor_copy) if self.saves else float("nan"),
+            "saves": saves,
+        }
+
+
+def torch_checkpointing_peer(
+    state: dict[str, Any], base: Path, dev: str, peers: dict[str, float], loads: dict[str, float]
+) -> None:
+    """torch_checkpointing (meta-pytorch; torchtitan's new backend) as a peer: two async saves (blocked: until
+    its staging is done, as `manager.lock()` around the optimizer step waits; done: the write future) and a cold
+    load. 0.1.1's O_DIRECT writes fail with EINVAL on ext4: buffered I/O (`use_direct_io=False`)."""
+    try:
+        import torch_checkpointing as tc
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+    except ImportError:
+        print("[bench] torch_checkpointing is not installed: its rows are skipped", flush=True)
+        return
+    mgr = tc.CheckpointManager(
+        tc.CheckpointManager.Config(storage_config=LocalFileSystemStorageConfig(use_direct_io=False))
+    )
+    payload = {"model": state["model"], "optim": state["optim"]}
+    for i in (1, 2):
+        target = base / f"tc-{i}"
+        sync(dev)
+        t0 = time.perf_counter()
+        fut = mgr.save(str(target), payload)
+        staging = getattr(mgr, "_staging_future", None)
+        if staging is not None:
+            staging.result()
+        blocked = time.perf_counter() - t0
+        if fut is not None:
+            fut.result()
+        done = time.perf_counter() - t0
+        peers[f"torch_checkpointing save #{i}: caller blocked"] = blocked
+        peers[f"torch_checkpointing save #{i}: until done"] = done
+        print(f"[bench] torch_checkpointing #{i}: blocked {blocked:.3f} s, done {done:.3f} s", flush=True)
+        if i == 2:
+            shutil.rmtree(target)
+    first = base / "tc-1"
+    drop_cache(first)
+    loads["torch_checkpointing load, cold"] = timed(lambda: mgr.load(str(first), into=payload), dev)
+    mgr.close()
+    shutil.rmtree(first)
 
 
 def cold_read(files: list[Path], streams: int) -> float:
@@ -521,48 +675,45 @@ def loads_only(
 def table(out: dict[str, Any], nbytes: int) -> None:
     floors, peers, relay, loads = out["floors"], out["peers"], out["relay"], out["loads"]
     f_copy, f_write, f_read = list(floors.values())[:3]
-    peer_ref = {
-        "torch.save": peers["torch.save + fsync"],
-        "DCP save": peers["DCP save"],
-        "DCP async done": peers["DCP async_save #2: until done"],
-    }
+    f_streams = out["disk_write_streams_s"]
     lines = [
-        f"state {nbytes / GB:.2f} GB, torch {out['torch']}, {out['device']}, {out['cores']} cores; "
-        f"update {out['update_s'] * 1000:.1f} ms",
-        "| what | s | GB/s | vs floor | vs torch.save | vs DCP save | vs DCP async (done) |",
-        "|---|---|---|---|---|---|---|",
+        f"state {nbytes / GB:.2f} GB, torch {out['torch']}, {out['device']}, {out['cores']} cores",
+        "| what | s | GB/s | vs floor |",
+        "|---|---|---|---|",
     ]
-
-    def line(name: str, s: float, floor: float | None, floor_name: str, peer: bool = True) -> None:
-        ratio = f"{floor / s:.2f} of {floor_name}" if floor else ""
-        cmp = " | ".join(f"{s / v:.2f}x" for v in peer_ref.values()) if peer else " | | "
-        lines.append(f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {ratio} | {cmp} |")
-
     for name, s in floors.items():
-        lines.append(f"| floor: {name} | {s:.3f} | {nbytes / s / GB:.2f} | | | | |")
-    for name, s in peers.items():
-        line(name, s, None if "blocked" in name else f_write, "disk write")
-    for name, s in relay.items():
-        if "blocked" in name:
-            lines.append(
-                f"| {name} | {s:.3f} | | {s / f_copy:.2f}x the host copy (goal <= 1.5x) | "
-                f"{s / peers['torch.save + fsync']:.2f}x | {s / peers['DCP save']:.2f}x | "
-                f"{s / peers['DCP async_save #2: caller blocked']:.2f}x of DCP async blocked |"
-            )
-        else:
-            line(name, s, f_write, "disk write (goal >= 0.85)")
-    for name, s in loads.items():
-        lines.append(
-            f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {f_read / s:.2f} of cold read (goal >= 0.85) | | "
-            f"{s / loads['DCP load, cold']:.2f}x DCP load | |"
+        lines.append(f"| floor: {name} | {s:.3f} | {nbytes / s / GB:.2f} | |")
+    for name, s in {**peers, **relay}.items():
+        ratio = (
+            f"{s / f_copy:.2f}x the host copy"
+            if "blocked" in name
+            else f"{f_streams / s:.2f} of the multi-stream disk write"
         )
-    lines.append(
-        f"update while a persist runs: median {out['update_during_persist_median_ratio']:.2f}x, p90 "
-        f"{out['update_during_persist_p90_ratio'] or float('nan'):.2f}x, max "
-        f"{out['update_during_persist_max_ratio']:.2f}x a normal update; "
-        f"{out['updates_during_persist_over_1_1x']} of {out['updates_during_persist']} updates over 1.1x (goal: none)"
-    )
+        lines.append(f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {ratio} |")
+    for name, s in loads.items():
+        lines.append(f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {f_read / s:.2f} of the cold read |")
     lines.append(f"sync and async checkpoints hold identical files: {out['sync_and_async_files_identical']}")
+    for key in ("launch", "launch_cudaHostAlloc"):
+        if key not in out:
+            continue
+        r = out[key]
+        lines += [
+            f"{key}: {r['updates']} updates, median {r['update_median_s'] * 1000:.1f} ms; first updates "
+            f"{r['first_updates']} x median; buffers ready after update {r['reserve_ready_update']}; not saving: "
+            f"max {r['max_not_saving']:.2f}x, over 1.1x {r['over_1_1x_not_saving']}; lost {r['lost_s']:.3f} s = "
+            f"{r['lost_vs_saves_x_copy']:.2f} x (saves x the copy floor)",
+            "| save at | stall s | vs copy | committed s | vs write floor | updates in persist | max | > 1.1x | "
+            "cached / dirty / writeback GB at start | updates around (x median, from 2 before) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for v in r["saves"]:
+            lines.append(
+                f"| {v['update']} | {v['stall_s']:.3f} | {v['stall_vs_copy']:.2f}x | {v['committed_s']:.3f} | "
+                f"{v['persist_vs_write_floor']:.2f} | {v['updates_during_persist']} | "
+                f"{v['max_during_persist']:.2f}x | {v['over_1_1x_during_persist']} | "
+                f"{v['cached_gb'] or 0:.1f} / {v['dirty_gb'] or 0:.2f} / {v['writeback_gb'] or 0:.2f} | "
+                f"{v['around']} |"
+            )
     print("\n".join(lines), flush=True)
 
 

@@ -62,6 +62,12 @@ class ContractMismatch(RelayError):
         self.differences = differences
 
 
+class NumericsChanged(RelayError):
+    """strict_numerics: this launch would compute with another numerics identity than the earlier segments."""
+
+    exit_code = EXIT_REFUSED
+
+
 class IntegrityError(RelayError):
     """A file does not match its recorded size or SHA-256, or is missing or unexpected."""
 

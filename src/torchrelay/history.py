@@ -54,6 +54,10 @@ class Segment:
     ranks_by_host: dict[str, list[int]] | _Absent = ABSENT
     # A move to another layout (reshard.change_record): only in the segment that made it.
     layout_change: dict[str, Any] | _Absent = ABSENT
+    # What decides the bits its kernels compute (numerics.gather), and how it differs from the earlier segments'
+    # (numerics.compare_with_history, only where it does); absent in runs made before the fields existed.
+    numerics: dict[str, Any] | _Absent = ABSENT
+    numerics_change: dict[str, Any] | _Absent = ABSENT
     extra: dict[str, Any] = field(default_factory=dict)  # fields another version wrote, kept as they were
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,7 +69,16 @@ class Segment:
     def from_dict(cls, doc: dict[str, Any]) -> Segment:
         """The record of one history.jsonl line written by this version (ValueError names a missing field)."""
         names = {f.name for f in fields(cls)} - {"extra"}
-        optional = {"ended", "exit_code", "stopped", "deadline", "ranks_by_host", "layout_change"}
+        optional = {
+            "ended",
+            "exit_code",
+            "stopped",
+            "deadline",
+            "ranks_by_host",
+            "layout_change",
+            "numerics",
+            "numerics_change",
+        }
         missing = sorted(names - optional - set(doc))
         if missing:
             raise ValueError(f"a segment of {HISTORY_FILE} lacks {missing}")

@@ -219,7 +219,7 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
             f"{ckpt}: the tracked state {statefuls} differed between ranks when it was saved, and a layout change "
             "has no rank to give each copy to",
             hint="keep the world size, or derive that randomness per sample (tr.SampleContext) instead of per "
-            "rank (README: moving to another number of GPUs)",
+            "rank (docs/ELASTIC.md)",
         )
     tensors = [*(per_rank.get("model") or []), *(per_rank.get("optim") or [])]
     if not tensors:

@@ -2,7 +2,8 @@
 hashed, fsynced and committed on a thread of its own while training goes on.
 
 - `HostStage`: one host buffer per tensor, allocated once (page-locked for CUDA tensors, so the copy is a DMA at
-  bus speed) and reused by every save; `reserve` allocates them on a background thread ahead of the first save.
+  bus speed) and reused by every save; `reserve` allocates them on a background thread ahead of the first save,
+  paced so that the loop's CUDA calls never wait for it (PIN_PACE).
 - `HashingWriter`: DCP's FileSystemWriter whose files are hashed from the very bytes written to them (no read
   back), and spread over several files per rank, so that writing and SHA-256 run on as many cores as files
   (one SHA-256 stream runs at about disk speed, 1.4 GB/s: one file per rank would halve the rate).
@@ -12,7 +13,9 @@ hashed, fsynced and committed on a thread of its own while training goes on.
 The loop shares the interpreter with the persist: every Python-level step of the writer (torch.save's pickling,
 its ~40 small writes per tensor) holds the GIL the training thread needs to launch its next kernel. So DCP's plan
 is made during the stall (dcp_save.py), the background threads run at a lower CPU priority, write small pieces in
-batches, and at most `PERSIST_STREAMS` of them write at once (the file count stays a function of the tensors
+batches, and at most `PERSIST_STREAMS` of them write at once. The process's GIL switch interval is left as it is:
+with the plan off the persist thread, a shorter one measured no better on the H200 host (benchmarks/RESULTS.md,
+issue 22) (the file count stays a function of the tensors
 alone; only the concurrency varies). A file's fsync needs no slot, and its writeback starts as it is written
 (KICK_BYTES): the disk works while the writers fill the page cache.
 
@@ -27,8 +30,8 @@ import hashlib
 import io
 import json
 import math
+import mmap
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -59,8 +62,6 @@ BACKGROUND_NICE = 10
 # Writes smaller than this are gathered (torch.save's zip headers, pickles, padding) and hashed and written together.
 _SMALL = 256 << 10
 _BATCH = 1 << 20
-# The GIL's switch interval while a background persist runs (CPython's default is 5 ms).
-SWITCH_S = 0.0005
 
 Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
 
@@ -149,25 +150,6 @@ def _lower_priority() -> None:
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: it runs as it is
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
-
-
-@contextmanager
-def _short_switch_interval() -> Iterator[None]:
-    """While a persist runs beside the loop, a thread waiting for the GIL gets it after SWITCH_S, not CPython's 5 ms.
-
-    The persist's pure-Python stretches (DCP's plan over every tensor, torch.save's pickling) keep the GIL until
-    forced to drop it; the training thread takes it back after each CUDA wait or autograd hand-off, and on the
-    H200 host those waits (5 ms each, dozens per update) made the update that overlaps DCP's planning 1.6-4x as
-    long as the others. The interval is the process's: the previous value comes back when the job ends, unless
-    someone changed it meanwhile."""
-    before = sys.getswitchinterval()
-    mine = min(before, SWITCH_S)
-    sys.setswitchinterval(mine)
-    try:
-        yield
-    finally:
-        if sys.getswitchinterval() == mine:
-            sys.setswitchinterval(before)
 
 
 def persist_streams() -> int:
@@ -271,45 +253,125 @@ def write_bytes(path: Path, data: bytes | memoryview, digests: Digests) -> None:
 
 # --- host buffers --------------------------------------------------------------------------------------
 
+# How the buffers become page-locked (issue 22; benchmarks/bench_pin.py, RESULTS.md). cudaHostAlloc on a thread
+# blocks every CUDA call of the training thread for the whole allocation: 14.5 GB took 6-8 s on the H200 host, and
+# the update after the first one waited for all of it (77-102x its time). A registration (cudaHostRegister) of
+# memory already touched blocks the other threads' launches too, but only for its own length (17-28 GB/s: a few ms
+# per 64 MiB buffer; a thread waiting for the GPU is not held up). So each buffer is an anonymous mapping of its
+# own, advised to use huge pages, touched and then registered by one background thread at nice 10, one buffer a
+# call, each call followed by PIN_PACE - 1 times its length asleep: no update over 1.05x, 0.02-0.04 s lost in all,
+# ready after 6-10 s for 14.5 GB. A save asked for before that finishes the rest without pauses.
+PIN_PACE = 10
+# Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
+# calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
+# the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
+PIN_MIN_BYTES = 1 << 20
+# False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two).
+PIN_BY_REGISTER = True
+_PAGE = mmap.PAGESIZE
+_HUGE = 2 << 20
+
+
+def _touch(view: memoryview) -> None:
+    """Fault in every page of `view` (one byte written per page): the registration then only pins them."""
+    view[::_PAGE] = bytes(len(range(0, len(view), _PAGE)))
+
+
+class _Locked:
+    """One buffer's own anonymous mapping, page-locked by registration with CUDA until `release`."""
+
+    def __init__(self, nbytes: int) -> None:
+        # exactly the tensor's bytes: a larger storage would make DCP's writer clone the buffer before writing it
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.size = -(-nbytes // _PAGE) * _PAGE  # what is page-locked: the mapping's last page in full
+        with contextlib.suppress(AttributeError, OSError):  # huge pages: fewer faults, a faster registration
+            self.map.madvise(mmap.MADV_HUGEPAGE)
+        with memoryview(self.map) as view:
+            _touch(view)
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.registered = False
+
+    def register(self) -> bool:
+        """Page-lock the mapping (cudaHostRegister); False if CUDA refused (the buffer stays pageable)."""
+        try:  # torch raises some of cudaHostRegister's errors and returns the others
+            self.registered = (
+                int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)) == 0
+            )
+        except RuntimeError:
+            self.registered = False
+        return self.registered
+
+    def release(self) -> None:
+        if self.registered:
+            self.registered = False
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+
 
 class HostStage:
     """Host copies of a state's tensors in buffers allocated once and reused by every save."""
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._locked: dict[str, _Locked] = {}
         self._lock = threading.Lock()
         self._reserving: threading.Thread | None = None
+        self._hurry = threading.Event()  # a save is waiting: no more pauses between registrations
         self.allocated_bytes = 0
+        self.unlocked = 0  # buffers of CUDA tensors CUDA would not page-lock (their copies are synchronous)
 
     @staticmethod
     def _pinned(t: torch.Tensor) -> bool:
         return t.device.type == "cuda" and torch.cuda.is_available()
 
+    def _new(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, pace: bool) -> None:
+        """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        locked: _Locked | None = None
+        if pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
+            t0 = time.perf_counter()
+            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+            if pace and not self._hurry.is_set():
+                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+        elif pinned:
+            locked = _Locked(nbytes)
+            t0 = time.perf_counter()
+            if not locked.register():
+                self.unlocked += 1
+            if pace and not self._hurry.is_set():
+                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+            buf = locked.tensor[:nbytes].view(dtype).view(shape)
+        else:
+            buf = torch.empty(shape, dtype=dtype)
+            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(
+                0
+            )  # the first touch of each page here, not in the copy
+        with self._lock:
+            old = self._locked.pop(key, None)
+            if old is not None:
+                old.release()
+            if locked is not None:
+                self._locked[key] = locked
+            self._bufs[key] = buf
+            self.allocated_bytes += nbytes
+
     def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._bufs.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pinned(t))
-            self._bufs[key] = buf
-            self.allocated_bytes += buf.numel() * buf.element_size()
+            self._new(key, tuple(t.shape), t.dtype, self._pinned(t), pace=False)
+            buf = self._bufs[key]
         return buf
 
     def reserve(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
-        """Allocate the buffers of `shapes` ({key: (shape, dtype, pinned)}) on a background thread, so that
-        the first save does not pay for page-locking gigabytes; `copy` waits for it."""
+        """Allocate the buffers of `shapes` ({key: (shape, dtype, pinned)}) on a background thread, paced so
+        that no update of the loop waits for it; `copy` waits for what is left."""
 
         def allocate() -> None:
+            _lower_priority()
             for key, (shape, dtype, pinned) in shapes.items():
-                with self._lock:
-                    buf = self._bufs.get(key)
-                    if buf is not None and tuple(buf.shape) == tuple(shape) and buf.dtype == dtype:
-                        continue
-                    # one tensor per call: the driver's lock is held for one allocation, not all of them
-                    new = torch.empty(shape, dtype=dtype, pin_memory=pinned)
-                if not pinned:
-                    new.zero_()  # the first touch of each page (a fault per page) happens here, not in the copy
-                with self._lock:
-                    self._bufs[key] = new
-                    self.allocated_bytes += new.numel() * new.element_size()
+                buf = self._bufs.get(key)
+                if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+                    self._new(key, tuple(shape), dtype, pinned, pace=True)
 
         self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
         self._reserving.start()
@@ -317,6 +379,7 @@ class HostStage:
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it)."""
         if self._reserving is not None:
+            self._hurry.set()
             self._reserving.join()
             self._reserving = None
         if _is_dtensor(t):
@@ -325,9 +388,12 @@ class HostStage:
             local = self.copy(key, t._local_tensor)  # type: ignore[attr-defined]
             return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]
         src = t.detach()
-        with self._lock:
-            buf = self._buffer(key, src)
-        buf.copy_(src, non_blocking=self._pinned(src))
+        buf = self._buffer(key, src)
+        locked = self._locked.get(key)
+        buf.copy_(
+            src,
+            non_blocking=self._pinned(src) and (locked.registered if locked else buf.is_pinned()),
+        )
         return buf
 
     def copy_tree(self, prefix: str, obj: Any) -> Any:
@@ -343,6 +409,20 @@ class HostStage:
         """Wait for the copies from the GPU (non-blocking, on the current stream) to land."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
+
+    def release(self) -> None:
+        """Unlock and drop every buffer (once nothing reads them: after the last persist); a later copy
+        allocates again."""
+        if self._reserving is not None:
+            self._hurry.set()
+            self._reserving.join()
+            self._reserving = None
+        with self._lock:
+            for locked in self._locked.values():
+                locked.release()
+            self._locked.clear()
+            self._bufs.clear()
+            self.allocated_bytes = 0
 
 
 def shapes_of(prefix: str, obj: Any, out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
@@ -394,10 +474,9 @@ class Persister:
             _lower_priority()
             self.persisting.set()
             try:
-                with _short_switch_interval():
-                    while hold and not os.path.exists(hold):
-                        time.sleep(0.01)
-                    job()
+                while hold and not os.path.exists(hold):
+                    time.sleep(0.01)
+                job()
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
                 self._error = exc
             finally:

@@ -335,7 +335,10 @@ def save_state(
         engine=engine,
     )
     stage.synchronize()
-    return written | write_snapshot(snap, directory, kill_hook=kill_hook)
+    try:
+        return written | write_snapshot(snap, directory, kill_hook=kill_hook)
+    finally:
+        stage.release()
 
 
 def state_path(ckpt_dir: Path) -> Path:

@@ -11,6 +11,7 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
 from torchrelay.history import read_history
 from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
+from torchrelay.numerics import describe
 from torchrelay.reshard import describe_change
 from torchrelay.train_records import METRIC_SCHEMA, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
@@ -38,6 +39,7 @@ class Segment:
     runtime_changes: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     layout_change: str = ""  # reshard.describe_change of the segment's record, or ""
+    numerics: str = ""  # numerics.describe of the segment's identity, or "" (not recorded)
 
     def label(self) -> str:
         """A short label: number, job, hosts, world size and how the segment ended."""
@@ -122,6 +124,7 @@ def _segments(run_dir: Path) -> list[Segment]:
                 runtime_changes=dict(row.get("runtime_changes") or {}),
                 notes=[str(n) for n in row.get("notes") or []],
                 layout_change=describe_change(row.get("layout_change")),
+                numerics=describe(row["numerics"]) if isinstance(row.get("numerics"), dict) else "",
             )
         )
     return segments

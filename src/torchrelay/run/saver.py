@@ -185,6 +185,7 @@ class Saver:
         try:
             self.wait()
         finally:
+            self._stage.release()  # page-locked memory goes back once nothing reads it
             wait_deletions()
 
 
