@@ -36,6 +36,7 @@ from torchrelay.checkpoint.reader import load_statefuls
 from torchrelay.cli import main
 from torchrelay.errors import EXIT_REFUSED, RelayError
 from torchrelay.fsutil import JSON_LIMIT
+from torchrelay.lock import TRAIN_LOCK
 from torchrelay.report.series import read_series
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.jsonl import LINE_LIMIT
@@ -371,6 +372,13 @@ def test_every_verb_and_the_resume_answer_a_hostile_record_in_one_line(tmp_path:
                     run_reader(tally, f"{rel} [{label}] via {who}", path.name, reader[1])
             _remove(path)
             path.write_bytes(valid)
+    # the writer lock: a pipe, a link or a deep record in its place is nobody's lock, and never blocks status
+    lock = run / TRAIN_LOCK
+    for label, make in {"fifo": _fifo, "symlink out": _symlink_out(out), "deep": _write(b"[" * 4096)}.items():
+        lock.write_bytes(b"{}")
+        plant(lock, make)
+        run_verb(tally, f"{TRAIN_LOCK} [{label}] via status", TRAIN_LOCK, status, tolerate=True)
+        _remove(lock)
     # a symlinked folder on the way out of the checkpoint: the link is not followed (its target holds valid files)
     rng_dir = run / CKPT / "rng"
     outside = tmp_path / "outside-rng"
