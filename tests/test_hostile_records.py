@@ -354,7 +354,7 @@ def test_every_verb_and_the_resume_answer_a_hostile_record_in_one_line(tmp_path:
          [("load_state", resume["load_state"]), ("load_statefuls", resume["load_statefuls"])]),
         (f"validation/{CKPT}/record.json",
          json_cases(out, json.dumps({**record, "metrics": [1], "seconds": "slow"}).encode()),
-         [status, series, validate]),
+         [status, ["report", r], validate]),
         ("validation/pending.json", json_cases(out, b'{"left": [4], "missing": "none"}'), [status]),
     ]  # fmt: skip
     for rel, cases, readers in targets:
