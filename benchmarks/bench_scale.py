@@ -243,10 +243,10 @@ order.global_batch_indices(0)
 print("samples", len(m), "seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
 """
 )
-# The manifest's reader processes (see torchrelay.manifest) each append their own VmHWM to $BENCH_READER_HWM.
+# The manifest's reader processes (see torchrelay.manifest.readers) each append their own VmHWM to $BENCH_READER_HWM.
 _READERS = """
 import os
-import torchrelay.manifest as _M
+import torchrelay.manifest.readers as _M
 if os.environ.get("BENCH_READER_HWM") and hasattr(_M, "_READER"):  # (not in a version without readers)
     _M._READER += (
         "; import os; open(os.environ['BENCH_READER_HWM'], 'a').write("

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,3 +32,42 @@ def baseline(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SCHEDULE_GATE_PASS (16, 2)" in out.stdout and "TRAINING_CONTRACT" in out.stdout
     return run
+
+
+# The fast tier (`bash scripts/test.sh --fast`): every test that needs no launch of ranks. A test is in it until it
+# starts one: the first launch (torchrun or `python -m torch.distributed.run`, a Slurm job, the demo, ranks of
+# torch.multiprocessing.spawn) skips it, so a new test needs no marker to land in the right tier. The full suite,
+# with every launch, stays the proof.
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", "demo.py")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true", help="skip every test at its first torchrun launch")
+
+
+def _launches(args: Any) -> bool:
+    words = [os.fsdecode(w) for w in ([args] if isinstance(args, str | bytes | os.PathLike) else list(args))]
+    if any(name in w for w in words for name in _LAUNCHERS):
+        return True
+    # a torchrelay process that launches one itself: `python -m torchrelay launch|audit ...`
+    return "torchrelay" in words and bool({"launch", "audit"} & set(words))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("--fast"):
+        return
+    real = subprocess.Popen.__init__
+
+    def refuse_launch(self: subprocess.Popen[Any], args: Any, *a: Any, **kw: Any) -> None:
+        if _launches(args):
+            pytest.skip("fast tier: this test launches torchrun")
+        real(self, args, *a, **kw)
+
+    def refuse_spawn(*a: Any, **kw: Any) -> None:
+        pytest.skip("fast tier: this test spawns ranks")
+
+    # for the whole session, so a session fixture's launch (the shared baseline run) skips its users too
+    subprocess.Popen.__init__ = refuse_launch  # type: ignore[method-assign]
+    import torch.multiprocessing
+
+    torch.multiprocessing.spawn = refuse_spawn  # type: ignore[assignment]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,7 +36,7 @@ from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG, _VerifiedLoad
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
-from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.errors import CheckpointError, ConfigError, UnsafeInput
 from torchrelay.ledger import prove
 from torchrelay.stop import write_request
 
@@ -170,7 +169,7 @@ def test_engine_files_are_read_weights_only_and_inside_the_checkpoint(tmp_path: 
     planted = root / DS_TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"optimizer_state_dict": _Payload(marker)}, planted)
     loads = _VerifiedLoads(None, root)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(UnsafeInput, match="not a DeepSpeed checkpoint file torchrelay loads"):  # one line, exit 2
         loads.load(str(planted))
     assert not marker.exists()
     outside = tmp_path / "elsewhere.pt"

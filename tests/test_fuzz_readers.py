@@ -37,7 +37,9 @@ from torchrelay.util.safepath import walk_files
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 SEED = 20260909
-CASE_SECONDS = 5  # a reader that takes longer on a tiny file is hanging
+CASE_SECONDS = (
+    10  # a reader that takes longer on a tiny file is hanging (200,000 lines take 2 s on a loaded 2-core VM)
+)
 WRONG = [None, -1, -(2**70), 2**70, "x", "", [], {}, True, 1.5, float("nan"), [[[]]], {"a": None}]
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from torchrelay import manifest as M
 from torchrelay.errors import ConfigError
+from torchrelay.manifest import readers as R
+from torchrelay.manifest import scan as S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_scale  # noqa: E402
@@ -76,8 +78,8 @@ def _same(a: M.Manifest, b: M.Manifest) -> None:
 def test_readers_find_what_one_process_finds_and_fingerprint_v1(tmp_path: Path) -> None:
     tricky = tmp_path / "tricky.jsonl"
     tricky.write_bytes(b"".join(tricky_lines()))
-    here = M._scan(tricky, ROOT, workers=1)
-    spread = M._scan(tricky, ROOT, workers=3, part=300)  # ~50 parts; the 3 KB lines span several
+    here = S.scan(tricky, ROOT, workers=1)
+    spread = S.scan(tricky, ROOT, workers=3, part=300)  # ~50 parts; the 3 KB lines span several
     _same(here, spread)
     # fingerprint v1 and the first bad length, as main computed them before the readers existed
     assert spread.sha256() == "e909b95738bff11be4a696828bd450067a5680cb5fadfbd1f8cc85334ae4b664"
@@ -89,8 +91,8 @@ def test_readers_find_what_one_process_finds_and_fingerprint_v1(tmp_path: Path) 
     # The benchmark's records: the one-parse-per-block path, the data root swapped in the canonical text.
     shaped = tmp_path / "b3000.jsonl"
     bench_scale.write_manifest(shaped, 3000)
-    m = M._scan(shaped, "/data/lingbot", workers=2, part=4096)
-    _same(M._scan(shaped, "/data/lingbot", workers=1), m)
+    m = S.scan(shaped, "/data/lingbot", workers=2, part=4096)
+    _same(S.scan(shaped, "/data/lingbot", workers=1), m)
     assert (
         m.fingerprint() == "fingerprint_v1:e2d4ef0b486896ca71869e3bfce405276532137c25bd2c0cae75448030df7e95"
     )
@@ -121,9 +123,9 @@ def test_a_refusal_from_a_later_part_names_its_file_and_line(tmp_path: Path, kin
     path.write_bytes(b"".join(lines))
     at = sum(map(len, lines[:41])) + bad.index(b"\xff") if kind == "not UTF-8" else 0
     with pytest.raises(ConfigError) as one:
-        M._scan(path, ROOT, workers=1)
+        S.scan(path, ROOT, workers=1)
     with pytest.raises(ConfigError) as spread:
-        M._scan(path, ROOT, workers=2, part=200)
+        S.scan(path, ROOT, workers=2, part=200)
     assert str(spread.value) == str(one.value)
     assert str(spread.value).startswith(f"{path}:42: {message.format(at=at)}")
 
@@ -132,19 +134,19 @@ def test_duplicate_ids_across_parts_and_forged_hash_collisions(tmp_path: Path) -
     path = tmp_path / "m.jsonl"
     lines = [json.dumps({"id": f"d{i}"}) for i in range(50)]
     path.write_text("\n".join(lines) + "\n")
-    m = M._scan(path, "", workers=2, part=64)
+    m = S.scan(path, "", workers=2, part=64)
     # Every id hashing alike (a 64-bit collision, forged): the ids are compared for real, so nothing is refused.
-    M._check_unique(m, np.zeros(len(m), dtype=np.int64))
+    S._check_unique(m, np.zeros(len(m), dtype=np.int64))
     lines[44] = lines[3]  # a repeat in a part far from the first
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=rf"^{path}:45: duplicate sample id 'd3'$"):
-        M._scan(path, "", workers=2, part=64)
+        S.scan(path, "", workers=2, part=64)
     data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     ends = np.flatnonzero(data == ord("\n"))
     starts = np.concatenate([[0], ends[:-1] + 1])
     repeated = M.Manifest(str(path), "", "", starts, ends - starts, "", None, None)
     with pytest.raises(ConfigError, match=rf"^{path}:45: duplicate sample id 'd3'$"):
-        M._check_unique(repeated, np.zeros(len(repeated), dtype=np.int64))  # found among forged collisions
+        S._check_unique(repeated, np.zeros(len(repeated), dtype=np.int64))  # found among forged collisions
 
 
 def test_a_reader_that_cannot_start_leaves_the_pass_to_this_process(
@@ -152,9 +154,9 @@ def test_a_reader_that_cannot_start_leaves_the_pass_to_this_process(
 ) -> None:
     path = tmp_path / "m.jsonl"
     path.write_bytes(b"".join(tricky_lines()))
-    monkeypatch.setattr(M, "_READER", "import sys; sys.exit(3)")
-    assert M._scan_parallel(path, ROOT, 2, 300) is None
-    _same(M._scan(path, ROOT, workers=2, part=300), M._scan(path, ROOT, workers=1))
+    monkeypatch.setattr(R, "_READER", "import sys; sys.exit(3)")
+    assert R.scan_parallel(path, ROOT, 2, 300) is None
+    _same(S.scan(path, ROOT, workers=2, part=300), S.scan(path, ROOT, workers=1))
 
 
 def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
@@ -164,10 +166,10 @@ def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
     path.write_bytes(b"".join(tricky_lines()) + b"\n")
     (tmp_path / "json.py").write_text("raise SystemExit(9)\n")  # what a reader would import from its cwd
     monkeypatch.chdir(tmp_path)
-    found = M._scan_parallel(path, ROOT, 2, 300)
+    found = R.scan_parallel(path, ROOT, 2, 300)
     assert found is not None, "the readers failed: the working directory shadowed a module"
-    _same(found, M._scan(path, ROOT, workers=1))
-    deal = M._deal
+    _same(found, S.scan(path, ROOT, workers=1))
+    deal = R._deal
 
     def then_append(*args: object) -> M.Manifest:
         m = deal(*args)  # type: ignore[arg-type]
@@ -175,9 +177,9 @@ def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
             f.write(b'{"id": "late"}\n')  # written while it was read
         return m
 
-    monkeypatch.setattr(M, "_deal", then_append)
+    monkeypatch.setattr(R, "_deal", then_append)
     with pytest.raises(ConfigError, match=rf"^data manifest {path} changed while it was read"):
-        M._scan(path, ROOT, workers=2, part=300)
+        S.scan(path, ROOT, workers=2, part=300)
 
 
 def test_load_uses_readers_for_a_big_file_unless_told_not_to(
@@ -186,18 +188,18 @@ def test_load_uses_readers_for_a_big_file_unless_told_not_to(
     path = tmp_path / "m.jsonl"
     path.write_bytes(b"".join(tricky_lines()))
     calls: list[int] = []
-    parallel = M._scan_parallel
+    parallel = R.scan_parallel
 
     def counted(p: Path, root: str, workers: int, part: int) -> M.Manifest | None:
         calls.append(workers)
         return parallel(p, root, workers, part)
 
-    monkeypatch.setattr(M, "_scan_parallel", counted)
-    monkeypatch.setattr(M, "_reader_count", lambda: 3)
+    monkeypatch.setattr(R, "scan_parallel", counted)
+    monkeypatch.setattr(R, "reader_count", lambda: 3)
     M.Manifest.load(path, ROOT)
     assert calls == []  # below _PARALLEL_FROM: starting readers would cost more than they save
-    monkeypatch.setattr(M, "_PARALLEL_FROM", 1000)
-    _same(M.Manifest.load(path, ROOT), M._scan(path, ROOT, workers=1))
+    monkeypatch.setattr(S, "_PARALLEL_FROM", 1000)
+    _same(M.Manifest.load(path, ROOT), S.scan(path, ROOT, workers=1))
     assert calls == [3]
     M.Manifest.load(path, ROOT, readers=1)  # every rank at once (opening's fallback): no readers
     assert calls == [3]

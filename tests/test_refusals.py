@@ -118,7 +118,8 @@ def test_refused_launches_are_recorded_unless_another_writer_holds_the_run(
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_an_uncaught_configuration_error_is_one_message_on_rank_0_and_exit_2(rank: int) -> None:
-    """Before Run.open (the script's own RelayConfig): the same error on every rank, said by rank 0 only."""
+    """Before Run.open (the script's own RelayConfig): the same error on every rank, said by rank 0 only; importing
+    torchrelay alone installs nothing (no side effect on import)."""
     script = "import torchrelay as tr\ntr.RelayConfig.from_dict({'seed': 1, 'micro_batch': 4})\n"
     out = subprocess.run(
         [sys.executable, "-c", script],
@@ -140,3 +141,7 @@ def test_an_uncaught_configuration_error_is_one_message_on_rank_0_and_exit_2(ran
         timeout=60,
     )
     assert other.returncode == 1 and "Traceback" in other.stderr and "ValueError: a bug" in other.stderr
+    untouched = (
+        "import sys\nhook = sys.excepthook\nimport torchrelay\nassert sys.excepthook is hook, 'changed'\n"
+    )
+    assert subprocess.run([sys.executable, "-c", untouched], env=clean_env(), timeout=60).returncode == 0

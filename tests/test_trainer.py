@@ -229,17 +229,15 @@ def test_trainer_refuses_a_changed_learning_rate(code: Path, baseline: Path) -> 
 @pytest.mark.parametrize(
     ("example", "section"),
     [
-        ("train_hf_trainer.py", "## With Hugging Face Trainer"),
-        ("train_hf_trainer_deepspeed.py", "## With DeepSpeed"),
+        ("train_hf_trainer.py", "TRAINER.md"),
+        ("train_hf_trainer_deepspeed.py", "DEEPSPEED.md"),
     ],
 )
-def test_readme_shows_the_example_file(example: str, section: str) -> None:
+def test_the_guide_shows_the_example_file(example: str, section: str) -> None:
     body = (REPO / "examples" / example).read_text()
-    readme = (REPO / "README.md").read_text()
-    shown = readme[readme.index(section) :]
-    shown = shown[: shown.index("\n## ", 1)]  # the section, up to the next one
+    shown = (REPO / "docs" / section).read_text()
     assert body[body.index("import argparse") :] in shown, (
-        f"copy examples/{example} (from `import argparse`) into {section}"
+        f"copy examples/{example} (from `import argparse`) into docs/{section}"
     )
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torchrelay.errors import install_excepthook
-
 __version__ = "0.1.0"
 __all__ = [
     "RelayConfig",
@@ -13,6 +11,7 @@ __all__ = [
     "SampleContext",
     "Step",
     "__version__",
+    "install_excepthook",
     "sample_dropout",
     "sample_generator",
     "sample_seed",
@@ -22,18 +21,20 @@ __all__ = [
 if TYPE_CHECKING:
     from torchrelay.config import RelayConfig
     from torchrelay.data.sample import SampleContext, sample_dropout, sample_generator, sample_seed
+    from torchrelay.errors import install_excepthook
     from torchrelay.lr_shape import warmup_cosine
     from torchrelay.run import Run, Step
 
-# An uncaught refusal of the library (a configuration error, a contract mismatch) ends a rank with one message and
-# its exit code rather than a traceback per rank and exit 1; any other exception keeps its traceback.
-install_excepthook()
-
+# Importing torchrelay changes nothing in the process. The one-line report of an uncaught refusal (a configuration
+# error, a contract mismatch: one message and its exit code instead of a traceback per rank and exit 1) is installed
+# by RelayConfig and Run.open, the calls that can raise one, and by nothing else; a program of its own opts in with
+# tr.install_excepthook().
 _LAZY = {
     "RelayConfig": "config",
     "Run": "run",
     "Step": "run",
     "warmup_cosine": "lr_shape",
+    "install_excepthook": "errors",
     "SampleContext": "data.sample",
     "sample_dropout": "data.sample",
     "sample_generator": "data.sample",

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, install_excepthook
 
 SAMPLERS = ("shuffled", "length_bucketed")
 
@@ -26,6 +26,7 @@ RUNTIME_FIELDS = (
     "async_save",
     "external_files",
     "runtime_params",
+    "strict_numerics",
 )
 
 
@@ -52,8 +53,13 @@ class RelayConfig:
     external_files: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     runtime_params: list[str] = field(default_factory=list)
+    # Refuse a resume whose numerics identity (CPU capability, libraries, GPU, TF32, ...) differs from the earlier
+    # segments' instead of warning (docs/NUMERICS.md). Runtime-only: a policy of where the run may continue, not
+    # of its math, so it may be turned on or off at any launch.
+    strict_numerics: bool = False
 
     def __post_init__(self) -> None:
+        install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback
         for name in ("seed", "micro_batch", "grad_accum", "total_updates", "warmup_updates", "num_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -72,6 +78,10 @@ class RelayConfig:
             raise ConfigError(
                 f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
                 f"and one more survives a crash during a save), got {self.keep}"
+            )
+        if not isinstance(self.strict_numerics, bool):
+            raise ConfigError(
+                f"config field 'strict_numerics' must be true or false, got {self.strict_numerics!r}"
             )
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"config field 'async_save' must be true or false, got {self.async_save!r}")
@@ -108,6 +118,7 @@ class RelayConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RelayConfig:
         """Build from a dict (YAML or JSON), naming unknown or missing fields."""
+        install_excepthook()  # as in __post_init__: its refusals too are one line
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -62,10 +62,36 @@ class ContractMismatch(RelayError):
         self.differences = differences
 
 
+class NumericsChanged(RelayError):
+    """strict_numerics: this launch would compute with another numerics identity than the earlier segments."""
+
+    exit_code = EXIT_REFUSED
+
+
 class IntegrityError(RelayError):
     """A file does not match its recorded size or SHA-256, or is missing or unexpected."""
 
     exit_code = EXIT_REFUSED
+
+
+class RecordError(IntegrityError):
+    """A record on disk (JSON, a JSONL line, a safetensors header, a YAML plan) that is not what its reader
+    expects: the message names the file, and the line and field where there is one (util/records.py)."""
+
+    def __init__(
+        self,
+        source: str,
+        problem: str,
+        *,
+        line: int | None = None,
+        field: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        where = (
+            source + (f", line {line}" if line is not None else "") + (f", field {field!r}" if field else "")
+        )
+        super().__init__(f"{where}: {problem}", hint=hint)
+        self.source, self.line, self.field = source, line, field
 
 
 class UnsafeInput(RelayError):

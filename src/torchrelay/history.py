@@ -14,6 +14,7 @@ from torchrelay.ended import Ended
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.layout import HISTORY_FILE
 from torchrelay.util.jsonl import read_records
+from torchrelay.util.records import Optional, Schema
 
 
 class _Absent(Enum):
@@ -53,6 +54,10 @@ class Segment:
     ranks_by_host: dict[str, list[int]] | _Absent = ABSENT
     # A move to another layout (reshard.change_record): only in the segment that made it.
     layout_change: dict[str, Any] | _Absent = ABSENT
+    # What decides the bits its kernels compute (numerics.gather), and how it differs from the earlier segments'
+    # (numerics.compare_with_history, only where it does); absent in runs made before the fields existed.
+    numerics: dict[str, Any] | _Absent = ABSENT
+    numerics_change: dict[str, Any] | _Absent = ABSENT
     extra: dict[str, Any] = field(default_factory=dict)  # fields another version wrote, kept as they were
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,7 +69,16 @@ class Segment:
     def from_dict(cls, doc: dict[str, Any]) -> Segment:
         """The record of one history.jsonl line written by this version (ValueError names a missing field)."""
         names = {f.name for f in fields(cls)} - {"extra"}
-        optional = {"ended", "exit_code", "stopped", "deadline", "ranks_by_host", "layout_change"}
+        optional = {
+            "ended",
+            "exit_code",
+            "stopped",
+            "deadline",
+            "ranks_by_host",
+            "layout_change",
+            "numerics",
+            "numerics_change",
+        }
         missing = sorted(names - optional - set(doc))
         if missing:
             raise ValueError(f"a segment of {HISTORY_FILE} lacks {missing}")
@@ -74,9 +88,27 @@ class Segment:
         )
 
 
+_NONE = type(None)
+# The types of what status, report and a bundle's README show of a segment: each may be absent (a record another
+# version wrote), none may be of another type (a hand edit, a forged bundle): util/records.check.
+SEGMENT_SCHEMA = Schema({
+    name: Optional(rule)
+    for name, rule in {
+        "segment": (str, _NONE), "parent": (str, _NONE), "lineage": (str, _NONE), "parent_lineage": (str, _NONE),
+        "job": (str, _NONE), "command": [str], "hosts": [str], "world_size": (int, _NONE), "first_update": int,
+        "last_update": (int, _NONE), "resumed_from": (int, _NONE), "started": (float, _NONE),
+        "contract_sha256": (str, _NONE), "code": (dict, _NONE), "versions": (dict, _NONE),
+        "runtime_changes": (dict, _NONE), "notes": [str], "ended": (str, _NONE), "exit_code": (int, _NONE),
+        "stopped": (float, _NONE), "deadline": (float, _NONE), "ranks_by_host": (dict, _NONE),
+        "layout_change": (dict, _NONE),
+    }.items()
+})  # fmt: skip
+
+
 def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The segment records of history.jsonl; none when it does not exist (see util.jsonl for a torn line)."""
-    return read_records(Path(run_dir) / HISTORY_FILE)
+    """The segment records of history.jsonl, each checked against SEGMENT_SCHEMA; none when it does not exist
+    (see util.jsonl for a torn line)."""
+    return read_records(Path(run_dir) / HISTORY_FILE, schema=SEGMENT_SCHEMA)
 
 
 def write_history(run_dir: Path, segments: list[dict[str, Any]]) -> None:

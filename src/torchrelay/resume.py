@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from torchrelay.reshard import (
 )
 from torchrelay.rundir import RunDir
 from torchrelay.util.dotted import flatten
+from torchrelay.util.records import read_json
 
 
 @dataclass(slots=True)
@@ -219,7 +219,7 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
             f"{ckpt}: the tracked state {statefuls} differed between ranks when it was saved, and a layout change "
             "has no rank to give each copy to",
             hint="keep the world size, or derive that randomness per sample (tr.SampleContext) instead of per "
-            "rank (README: moving to another number of GPUs)",
+            "rank (docs/ELASTIC.md)",
         )
     tensors = [*(per_rank.get("model") or []), *(per_rank.get("optim") or [])]
     if not tensors:
@@ -228,17 +228,24 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
     return [f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
 
 
+def _prepare_record(path: Path) -> Any:
+    """REBASE_RECORD.json read the guarded way, or None without one; a damaged one is refused (ConfigError)."""
+    try:
+        return read_json(path, what="prepare's record", root=path.parent)
+    except FileNotFoundError:
+        return None
+    except (OSError, RelayError) as exc:  # unreadable, not UTF-8, not JSON, too deep, a link, a pipe
+        raise ConfigError(
+            f"{path} cannot be read ({str(exc).splitlines()[0]})", hint="restore it from the bundle's prepare"
+        ) from None
+
+
 def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | None:
     """The layout `prepare --world-size` set for the checkpoint of `update` (REBASE_RECORD.json), or None."""
     path = Path(run_dir) / PREPARE_RECORD
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
+    record = _prepare_record(path)
+    if record is None:
         return None
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
-        raise ConfigError(
-            f"{path} cannot be read ({exc})", hint="restore it from the bundle's prepare"
-        ) from exc
     change = record.get("layout_change") if isinstance(record, dict) else None
     if not isinstance(change, dict) or change.get("at_update") != update:
         return None
@@ -251,15 +258,9 @@ def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | No
 
 def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:
     """The runtime fields `prepare` set on this run directory (REBASE_RECORD.json `changes`), dotted."""
-    path = Path(run_dir) / PREPARE_RECORD
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
+    record = _prepare_record(Path(run_dir) / PREPARE_RECORD)
+    if record is None:
         return []
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
-        raise ConfigError(
-            f"{path} cannot be read ({exc})", hint="restore it from the bundle's prepare"
-        ) from exc
     changes = record.get("changes") if isinstance(record, dict) else None
     return sorted(changes) if isinstance(changes, dict) else []
 

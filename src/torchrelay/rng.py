@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from torchrelay.errors import CheckpointError
+from torchrelay.errors import CheckpointError, RecordError
+from torchrelay.util.records import check, parse_json, read_safetensors
 
 RNG_FORMAT = 1
 
@@ -48,34 +49,16 @@ def save(path: str | os.PathLike[str]) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-def load(path: str | os.PathLike[str]) -> None:
-    """Restore every generator from `path`; refuse a format or device-count mismatch loudly."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta: dict[str, Any] = f.metadata() or {}
+def load(path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None) -> None:
+    """Restore every generator from `path` (inside `root`, the checkpoint); refuse a file that is not this
+    format's, a pickle or a forged header among them, in one RecordError naming it, before any generator moves."""
+    tensors, meta = read_safetensors(path, what="RNG state", root=root)
     if meta.get("format") != str(RNG_FORMAT):
         raise CheckpointError(f"{path}: RNG state format {meta.get('format')!r} is not {RNG_FORMAT}")
-    tensors = load_file(str(path))
-    random.setstate(
-        (
-            int(meta["python_version"]),
-            tuple(int(x) for x in tensors["python"].tolist()),
-            json.loads(meta["python_gauss"]),
-        )
-    )
-    npm = json.loads(meta["numpy"])
-    np.random.set_state(
-        (
-            npm["name"],
-            tensors["numpy_keys"].numpy().astype(np.uint32),
-            npm["pos"],
-            npm["has_gauss"],
-            npm["cached"],
-        )
-    )
-    torch.set_rng_state(tensors["torch_cpu"])
-    saved_cuda = int(meta.get("cuda_devices", "0"))
+    python, numpy_state, torch_cpu, saved_cuda = _checked(path, tensors, meta)
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_cpu)
     if saved_cuda and torch.cuda.is_available():
         if saved_cuda != torch.cuda.device_count():
             raise CheckpointError(
@@ -83,6 +66,49 @@ def load(path: str | os.PathLike[str]) -> None:
                 hint="launch with the same CUDA_VISIBLE_DEVICES per rank",
             )
         torch.cuda.set_rng_state_all([tensors[f"cuda_{i}"] for i in range(saved_cuda)])
+
+
+def _checked(
+    path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> tuple[Any, Any, torch.Tensor, int]:
+    """Every generator's state from the file's tensors and metadata, each checked to be what capture() wrote."""
+    source = f"{path} (RNG state)"
+    try:
+        gauss = parse_json(meta["python_gauss"], source=f"{source} python_gauss")
+        npm = check(
+            parse_json(meta["numpy"], source=f"{source} numpy"),
+            {"name": str, "pos": int, "has_gauss": int, "cached": float},
+            source=f"{source} numpy",
+        )
+        python = (
+            int(meta["python_version"]),
+            tuple(int(x) for x in _tensor(tensors, "python", torch.int64, source).tolist()),
+            gauss,
+        )
+        keys = _tensor(tensors, "numpy_keys", torch.int64, source).numpy().astype(np.uint32)
+        numpy_state = (npm["name"], keys, npm["pos"], npm["has_gauss"], npm["cached"])
+        torch_cpu = _tensor(tensors, "torch_cpu", torch.uint8, source)
+        saved_cuda = int(meta.get("cuda_devices", "0"))
+        # What the generators would refuse, asked first on throwaway ones: a bad state moves none of them.
+        random.Random().setstate(python)
+        np.random.RandomState().set_state(numpy_state)
+        torch.Generator().set_state(torch_cpu)
+    except RecordError:
+        raise
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise RecordError(
+            source,
+            f"not a state capture() writes ({type(exc).__name__}: {str(exc)[:200]})",
+            hint="the file is damaged; restore it, or resume from an older checkpoint",
+        ) from None
+    return python, numpy_state, torch_cpu, saved_cuda
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype, source: str) -> torch.Tensor:
+    t = tensors.get(name)
+    if t is None or t.dtype != dtype or t.dim() != 1:
+        raise RecordError(source, f"holds no 1-D {dtype} tensor {name!r}")
+    return t
 
 
 def seed_all(seed: int) -> None:

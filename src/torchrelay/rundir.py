@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from torchrelay.errors import IntegrityError
 from torchrelay.fsutil import read_json, temp_prefix
 from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LINEAGE_FILE, MANIFEST_REL, TRAIN_DIR
 from torchrelay.manifest import INDEX_NAME
+from torchrelay.util.records import read_json_or_none
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
 # leaves its temporary behind, for the next writer to remove.
@@ -89,7 +89,4 @@ class RunDir:
 
 
 def _is_json_object(path: Path) -> bool:
-    try:
-        return isinstance(json.loads(path.read_text()), dict)
-    except (OSError, ValueError):
-        return False
+    return isinstance(read_json_or_none(path, what=path.name), dict)

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,8 +17,9 @@ from typing import Any
 
 import psutil
 
-from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError
+from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, UnsafeInput
 from torchrelay.fsutil import atomic_write_text
+from torchrelay.util.safepath import open_regular
 
 REQUEST_FILE = "REQUEST_STOP"
 # The agreed stop code is the maximum over ranks; these values double as process exit codes.
@@ -49,14 +49,19 @@ class StopRequest:
         UTF-8, too large, a field of the wrong type, unreadable) asks any job to stop now, and `note` says why.
         """
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the rank at its open
+            # The one safe opener: a link is not followed (its target's text would reach history.jsonl and
+            # status, and travel in bundles), a pipe does not block the rank, a device is not read.
+            fd, _ = open_regular(path, what="the stop request")
         except FileNotFoundError:
             return None
+        except IsADirectoryError:
+            return cls._anyway(path, "cannot be read (a folder, not a file)")
+        except UnsafeInput:
+            kind = "a symbolic link" if os.path.islink(path) else "not a regular file: a pipe or a device"
+            return cls._anyway(path, f"is not read ({kind})")
         except OSError as exc:
             return cls._anyway(path, f"cannot be read ({exc.strerror or type(exc).__name__})")
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return cls._anyway(path, "cannot be read (not a regular file: a folder, a pipe or a device)")
             raw = b""
             while len(raw) <= REQUEST_MAX_BYTES and (chunk := os.read(fd, REQUEST_MAX_BYTES + 1 - len(raw))):
                 raw += chunk

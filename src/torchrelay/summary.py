@@ -94,6 +94,8 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
                     "exit_code",
                     "runtime_changes",
                     "layout_change",
+                    "numerics",
+                    "numerics_change",
                     "notes",
                 )
             }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +13,15 @@ from typing import IO, Any
 
 import numpy as np
 
+from torchrelay.errors import IntegrityError
+from torchrelay.util.jsonl import LINE_LIMIT
+from torchrelay.util.records import Schema
+from torchrelay.util.safepath import open_regular
+
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
+METRIC_SCHEMA = Schema(
+    {"update": int}
+)  # what every metric record holds (util/records.check), the rest is the user's
 _RANK_LOG = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
 
 
@@ -99,18 +106,32 @@ def _start_of_tail(f: IO[bytes], update: int) -> int:
     return 0
 
 
-def _reversed_lines(f: IO[bytes], block: int = 1 << 16) -> Iterator[tuple[int, bytes]]:
-    """(offset, line with its newline) from the last line of `f` to the first, reading backwards."""
+def _reversed_lines(
+    f: IO[bytes], block: int = 1 << 16, *, path: Path | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """(offset, line with its newline) from the last line of `f` to the first, reading backwards; a line longer
+    than LINE_LIMIT is damage (IntegrityError), its pieces never joined."""
     pos = f.seek(0, os.SEEK_END)
-    rest = b""  # the start of a line that began before `pos`
+    rest: list[
+        bytes
+    ] = []  # the start of a line that began before `pos`: the pieces read, the last read first
+    held = 0
     while pos > 0 or rest:
         start = max(0, pos - block)
         f.seek(start)
-        chunk = f.read(pos - start) + rest
+        chunk = f.read(pos - start)
         pos = start
+        if start > 0 and b"\n" not in chunk:  # inside one long line: kept in pieces, joined once it is whole
+            rest.append(chunk)
+            held += len(chunk)
+            if held > LINE_LIMIT:
+                raise _line_too_long(path, f"the line before byte {pos + held:,}")
+            continue
+        chunk += b"".join(reversed(rest))
         pieces = chunk.split(b"\n")
         lines = [p + b"\n" for p in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else [])
-        whole, rest = (lines, b"") if start == 0 else (lines[1:], lines[0] if lines else b"")
+        whole, first = (lines, b"") if start == 0 else (lines[1:], lines[0] if lines else b"")
+        rest, held = ([first], len(first)) if first else ([], 0)
         offset = start + len(chunk)
         for line in reversed(whole):
             offset -= len(line)
@@ -118,21 +139,35 @@ def _reversed_lines(f: IO[bytes], block: int = 1 << 16) -> Iterator[tuple[int, b
 
 
 def last_records(path: Path, count: int) -> list[dict[str, Any]]:
-    """The last `count` records of a JSONL log, read from its end (a torn or damaged line is left out)."""
+    """The last `count` records of a JSONL log, read from its end: a torn last line is left out (a writer killed
+    mid-line), any other line that is not a record with an integer "update" is damage (IntegrityError)."""
     out: list[dict[str, Any]] = []
-    if not path.is_file():
+    if not os.path.lexists(path):
         return out
-    with open(path, "rb") as f:
-        for _, line in _reversed_lines(f):
+    fd, size = open_regular(path, what=path.name)
+    with os.fdopen(fd, "rb") as f:
+        for offset, line in _reversed_lines(f, path=path):
             if len(out) >= count:
                 break
+            if not line.strip():
+                continue
+            last = offset + len(line) == size
             try:
                 rec = json.loads(line) if line.endswith(b"\n") else None
-            except ValueError:
+            except (ValueError, RecursionError):  # not UTF-8, not JSON, nested past the parser
                 rec = None
-            if isinstance(rec, dict):
+            if isinstance(rec, dict) and _is_update(rec.get("update")):
                 out.append(rec)
+            elif not last:
+                raise IntegrityError(
+                    f"{path}: the line at byte {offset:,} is not a record with an integer update",
+                    hint=f"{path.name} is damaged; restore it from a copy",
+                )
     return out[::-1]
+
+
+def _is_update(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def trim_copy(src: Path, dst: Path, update: int) -> None:
@@ -180,25 +215,40 @@ class Exposures:
 def read_exposures(path: Path) -> Exposures:
     """The exposure lines of `path` (a last line without its newline is a torn write: left out)."""
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    tail = b""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        return _exposures_by_line(path)  # whose reader refuses a pipe or a device
-    with open(path, "rb") as f:
+    rest: list[bytes] = []  # the start of a line the blocks read so far have not ended, in pieces
+    held = lines = 0
+    fd, _ = open_regular(path, what=path.name)  # no symlink, no pipe, no device
+    with os.fdopen(fd, "rb") as f:
         while block := f.read(_EXPOSURE_BLOCK):
-            data = tail + block
-            cut = data.rfind(b"\n") + 1
-            tail = data[cut:]
-            if cut:
-                parsed = _parse_exposure_block(data[:cut])
-                if parsed is None:
-                    return _exposures_by_line(path)
-                parts.append(parsed)
+            cut = block.rfind(b"\n") + 1
+            if not cut:  # inside one long line: held in pieces up to the bound of every JSONL reader
+                rest.append(block)
+                held += len(block)
+                if held > LINE_LIMIT:
+                    raise _line_too_long(path, f"line {lines + 1}")
+                continue
+            data = b"".join([*rest, block[:cut]])
+            rest, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
+            lines += data.count(b"\n")
+            parsed = _parse_exposure_block(data)
+            if parsed is None:
+                return _exposures_by_line(path)
+            parts.append(parsed)
+    tail = b"".join(rest)
     if not parts:
         return _exposures_by_line(path) if tail.strip() else Exposures(*(np.zeros(0, np.int64),) * 3)
     return Exposures(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
 
 
 _EXPOSURE_BLOCK = 1 << 23
+EXPOSURE_SCHEMA = Schema({"u": int, "i": [int]})
+
+
+def _line_too_long(path: Path | None, which: str) -> IntegrityError:
+    return IntegrityError(
+        f"{path}: {which} is longer than {LINE_LIMIT:,} bytes",
+        hint=f"{path.name if path else 'the log'} is damaged; restore it from a copy",
+    )
 
 
 def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -252,9 +302,9 @@ def _exposures_by_line(path: Path) -> Exposures:
     updates: list[int] = []
     counts: list[int] = []
     ids: list[int] = []
-    for rec in iter_records(path):
-        got = [int(i) for i in rec["i"]]
-        updates.append(int(rec["u"]))
+    for rec in iter_records(path, schema=EXPOSURE_SCHEMA):
+        got = rec["i"]
+        updates.append(rec["u"])
         counts.append(len(got))
         ids.extend(got)
     return Exposures(

@@ -37,6 +37,7 @@ from torchrelay.layout import CONTRACT_FILE
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
+from torchrelay.util.records import read_json, read_json_or_none
 from torchrelay.validation_records import (
     KEPT,
     LOG,
@@ -44,6 +45,7 @@ from torchrelay.validation_records import (
     PENDING,
     RECORD,
     RECORD_FORMAT,
+    RECORD_LIMIT,
     VALIDATION_DIR,
     ValidationRecord,
     folder,
@@ -352,11 +354,11 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 def _read_metrics(path: Path) -> tuple[dict[str, Any] | None, str]:
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path, what="the command's metrics", limit=RECORD_LIMIT)
     except FileNotFoundError:
         return None, f"exited 0 but wrote no metrics to {path.name} (the {{metrics}} path)"
-    except (OSError, ValueError) as exc:
-        return None, f"{path.name} is not valid JSON: {exc}"
+    except (OSError, RelayError) as exc:  # not JSON, too deep or large, a link, a pipe
+        return None, f"{path.name} is not valid JSON: {str(exc).splitlines()[0]}"
     if not isinstance(data, dict) or not data:
         return None, f"{path.name} must hold a non-empty JSON object of metrics, got {type(data).__name__}"
     return data, ""
@@ -379,7 +381,5 @@ def _code_of(cwd: Path) -> dict[str, Any]:
 
 
 def _contract_sha(run_dir: Path) -> str | None:
-    try:
-        return str(json.loads((run_dir / CONTRACT_FILE).read_text()).get("sha256"))
-    except (OSError, ValueError):
-        return None
+    doc = read_json_or_none(run_dir / CONTRACT_FILE, what="the training contract", root=run_dir)
+    return str(doc.get("sha256")) if isinstance(doc, dict) else None

@@ -6,13 +6,13 @@ validation runner (validation.py), which writes them.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, RecordError
+from torchrelay.util.records import Optional, check, read_json
 
 VALIDATION_DIR = "validation"
 RECORD = "record.json"
@@ -21,7 +21,10 @@ LOG = "output.log"
 PENDING = "pending.json"
 RECORD_FORMAT = 1
 DONE = ("ok", "failed")  # an interrupted validation is still to do
-KEPT = "kept"  # the selection "every complete checkpoint the run keeps"
+KEPT = "kept"
+RECORD_LIMIT = (
+    16 << 20
+)  # a record holds a command line and a few metrics  # the selection "every complete checkpoint the run keeps"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,13 +53,43 @@ class ValidationRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ValidationRecord:
+    def from_dict(cls, data: dict[str, Any], *, source: str = RECORD) -> ValidationRecord:
+        """The record of a record.json, every field checked against RECORD_SCHEMA (a RecordError names it)."""
+        check(data, RECORD_SCHEMA, source=source)
+        if not isinstance(data.get("code", {}), dict):
+            raise RecordError(source, "not an object", field="code")
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @property
     def done(self) -> bool:
         return self.status in DONE
+
+
+_NUMBER = Optional(float)
+# The fields status, report and pack read of a record, with their types (the rest are shown as they are).
+RECORD_SCHEMA = {
+    "update": int,
+    "checkpoint": str,
+    "command": str,
+    "status": str,
+    "reason": Optional(str),
+    "exit_code": Optional((int, type(None))),
+    "metrics": Optional((dict, type(None))),
+    "started": _NUMBER,
+    "ended": _NUMBER,
+    "seconds": _NUMBER,
+    "attempt": Optional(int),
+    "host": Optional(str),
+    "cwd": Optional(str),
+    "code": Optional(dict),
+    "inventory_sha256": Optional(str),
+    "contract_sha256": Optional((str, type(None))),
+    "format": Optional(int),
+}
+
+
+PENDING_SCHEMA = {"left": Optional(dict), "missing": Optional(dict), "command": Optional(str)}
 
 
 def parse_updates(value: Any, source: str = "validate.updates") -> list[int] | None:
@@ -80,7 +113,9 @@ def folder(run_dir: str | os.PathLike[str], update: int) -> Path:
 
 
 def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]:
-    """Every recorded validation, by update; a folder without a readable record holds none (killed mid-way)."""
+    """Every recorded validation, by update. A folder without a record holds none (a validation killed mid-way:
+    the record is written atomically, last); a record that is there but unreadable, or not a record, is damage:
+    one RecordError naming the file and the field."""
     root = Path(run_dir) / VALIDATION_DIR
     out: dict[int, ValidationRecord] = {}
     if not root.is_dir():
@@ -88,19 +123,23 @@ def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]
     for child in root.iterdir():
         if not child.name.startswith("checkpoint-") or not child.name[11:].isdigit():
             continue
-        try:
-            data = json.loads((child / RECORD).read_text())
-            record = ValidationRecord.from_dict(data)
-        except (OSError, ValueError, TypeError):
+        path = child / RECORD
+        if not os.path.lexists(path):
             continue
+        data = read_json(path, what="a validation record", root=run_dir, limit=RECORD_LIMIT)
+        record = ValidationRecord.from_dict(data, source=str(path))
+        if f"checkpoint-{record.update}" != child.name:
+            raise RecordError(str(path), f"says update {record.update}, in {child.name}", field="update",
+                              hint=f"remove {child} to validate that checkpoint again")  # fmt: skip
         out[record.update] = record
     return dict(sorted(out.items()))
 
 
 def read_pending(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """What the last validation pass left to do (`pending.json`), or None."""
-    try:
-        data = json.loads((Path(run_dir) / VALIDATION_DIR / PENDING).read_text())
-    except (OSError, ValueError):
+    """What the last validation pass left to do (`pending.json`), or None without one."""
+    path = Path(run_dir) / VALIDATION_DIR / PENDING
+    if not os.path.lexists(path):
         return None
-    return data if isinstance(data, dict) else None
+    return read_json(
+        path, what="what validation left to do", root=run_dir, limit=RECORD_LIMIT, schema=PENDING_SCHEMA
+    )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay import numerics
 from torchrelay.audit import compare, diagnose, probe, verdict
 from torchrelay.audit.runner import (
     AuditError,
@@ -133,6 +134,16 @@ def _difference(a: Path, b: Path, points: Sequence[int], atol: float, ignore: fr
             top = tensors.differing[0]
             return f"{len(tensors.differing)} tensor(s) differ in checkpoint-{point}, most {top.name} by {top.max_abs:.3g}"
     return None
+
+
+def _numerics_of(*run_dirs: Path) -> list[dict[str, Any]]:
+    """The distinct numerics identities the audited runs' segments recorded, in order of first use."""
+    seen: dict[str, dict[str, Any]] = {}
+    for run_dir in run_dirs:
+        for seg in read_history(run_dir):
+            if isinstance(seg.get("numerics"), dict):
+                seen.setdefault(numerics.fingerprint(seg["numerics"]), seg["numerics"])
+    return list(seen.values())
 
 
 def run_audit(
@@ -257,6 +268,7 @@ def run_audit(
         causes=[c.to_dict() for c in causes],
         seconds=time.monotonic() - started,
         code=dict(history[-1].get("code") or {}) if history else {},
+        numerics=_numerics_of(a, b),
     )
     keep = plan.keep or not owned or not equal
     if keep:

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from torchrelay.numerics import describe as describe_numerics
+from torchrelay.numerics import fingerprint
 from torchrelay.util.hashing import sha256_json
 
 VERDICT_FORMAT = 1
@@ -58,6 +61,9 @@ class Verdict:
     code: dict[str, Any] = field(
         default_factory=dict
     )  # the audited runs' code identity (history.jsonl "code")
+    # The numerics identities the audited segments ran with (history.jsonl "numerics", numerics.gather), one per
+    # distinct identity: EQUAL is a claim within one; another identity computes other bits (docs/NUMERICS.md).
+    numerics: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     time: float = field(default_factory=time.time)
     format: int = VERDICT_FORMAT
@@ -76,14 +82,16 @@ class Verdict:
         return self.causes[0]["name"] if self.causes else None
 
     def summary(self) -> str:
-        """One line: equal, or not equal with where and the likely cause."""
+        """One line: equal, or not equal with where and the likely cause; and the numerics it holds for."""
         if self.equal:
-            return f"equal: {self.updates} updates, {len(self.stops)} stop(s), bit for bit" + (
-                f" (atol {self.atol:g})" if self.atol else ""
+            return (
+                f"equal: {self.updates} updates, {len(self.stops)} stop(s), bit for bit"
+                + (f" (atol {self.atol:g})" if self.atol else "")
+                + f"; {holds_for(self.numerics)}"
             )
         where = self.metrics_first_update or self.ledger_first_update
         part = f" from update {where}" if where else ""
-        return f"NOT equal{part}; likely cause: {self.cause or 'unknown'}"
+        return f"NOT equal{part}; likely cause: {self.cause or 'unknown'}; {holds_for(self.numerics)}"
 
 
 def _mark(ok: bool) -> str:
@@ -153,6 +161,11 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         table.add_row(
             "  tensor", row["name"], f"max abs diff {diff}" + (f" ({row['note']})" if row["note"] else "")
         )
+    table.add_row(
+        "numerics",
+        f"{len(verdict.numerics)} identit{'y' if len(verdict.numerics) == 1 else 'ies'}",
+        "\n".join(escape(describe_numerics(n)) for n in verdict.numerics) or "not recorded",
+    )
     for rank, cause in enumerate(verdict.causes):
         label = "likely cause" if rank == 0 else "also possible"
         table.add_row(
@@ -307,4 +320,18 @@ def describe(verdict: dict[str, Any]) -> str:
     else:
         causes = verdict.get("causes") or []
         text = "NOT equal; likely cause: " + (causes[0]["name"] if causes else "unknown")
-    return f"{text}, audited {when}{stale}"
+    numerics = verdict.get("numerics")
+    held = f"; {holds_for(numerics)}" if isinstance(numerics, list) else ""
+    return f"{text}, audited {when}{stale}{held}"
+
+
+def holds_for(numerics: list[dict[str, Any]]) -> str:
+    """Which numerics identity the verdict holds for: bits are compared within one (docs/NUMERICS.md)."""
+    if not numerics:
+        return "numerics identity not recorded"
+    if len(numerics) == 1:
+        return (
+            f"holds for numerics identity {fingerprint(numerics[0])} only ({describe_numerics(numerics[0])})"
+        )
+    ids = ", ".join(fingerprint(n) for n in numerics)
+    return f"the audited segments ran with {len(numerics)} numerics identities ({ids}): bits may differ by kernel"

@@ -17,6 +17,7 @@ on that world size (DeepSpeed's universal checkpoint, which reshards, is not sup
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.errors import CheckpointError, ConfigError, UnsafeInput
 from torchrelay.fsutil import fsync_file
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import sha256_many
@@ -272,8 +273,17 @@ def safe_load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
 
             module = importlib.import_module(module_name)
         allowed.append(getattr(module, name))
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        # What weights_only refuses (a global outside LOADABLE, a forged opcode) and what a damaged file raises:
+        # one line naming the file, exit 2, never the unpickler's traceback.
+        raise UnsafeInput(
+            f"{path}: not a DeepSpeed checkpoint file torchrelay loads ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})",
+            hint="the checkpoint is damaged or forged; restore it, or resume from an older checkpoint",
+        ) from None
 
 
 class _VerifiedLoads:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchrelay.checkpoint import dcp_io
@@ -20,10 +19,13 @@ from torchrelay.checkpoint.state import (
     MODEL_DIR,
     RANK_STATE_DIR,
     STATE_TENSORS,
-    _from_tree,
     per_rank_of,
+    rank_state_file,
     read_rank_statefuls,
+    read_tensors,
     read_trainer_state,
+    state_path,
+    tree_of,
 )
 
 _DS_RANK = re.compile(r"^zero_pp_rank_(\d+)_")
@@ -128,13 +130,21 @@ def load_statefuls(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Every registered stateful's state (JSON values and tensors), by name; `<name>@rank<r>` when stored per rank."""
     root = Path(ckpt_dir)
     doc = read_trainer_state(root)
-    shared = load_file(str(root / STATE_TENSORS)) if (root / STATE_TENSORS).exists() else {}
-    out = {name: _from_tree(tree, shared) for name, tree in doc.get("statefuls", {}).items()}
+    shared = read_tensors(root / STATE_TENSORS, what="the statefuls' tensors", root=root)
+    source = str(state_path(root))
+    out = {
+        name: tree_of(tree, shared, source=source, name=name)
+        for name, tree in doc.get("statefuls", {}).items()
+    }
     if per_rank_of(doc)["statefuls"]:
         found = (_RANK_FILE.match(p.name) for p in (root / RANK_STATE_DIR).iterdir())
         for rank in sorted(int(m.group(1)) for m in found if m):
             trees, tensors = read_rank_statefuls(root, rank)
-            out |= {f"{name}@rank{rank}": _from_tree(tree, tensors) for name, tree in trees.items()}
+            source = str(rank_state_file(root, rank, ".json"))
+            out |= {
+                f"{name}@rank{rank}": tree_of(tree, tensors, source=source, name=name)
+                for name, tree in trees.items()
+            }
     return dict(sorted(out.items()))
 
 

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from safetensors.torch import save as _safetensors_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -29,8 +28,10 @@ from torchrelay.checkpoint.persist import (
     shapes_of,
     write_bytes,
 )
-from torchrelay.errors import CheckpointError, IntegrityError, mark_reported
+from torchrelay.errors import CheckpointError, IntegrityError, RecordError, mark_reported
 from torchrelay.util.hashing import sha256_many
+from torchrelay.util.records import Optional, check, read_json, read_safetensors
+from torchrelay.util.records import exists as records_exists
 
 # Format 1: everything but the RNG from rank 0. Format 2 (written only when something differs by rank): adds
 # "per_rank" and the files it names. A checkpoint where nothing differs is still written as format 1.
@@ -347,18 +348,45 @@ def state_path(ckpt_dir: Path) -> Path:
     return legacy if not path.exists() and legacy.exists() else path
 
 
+# What relay_state.json (and an older trainer_state.json) holds, checked before a field is used.
+STATE_SCHEMA = {
+    "format": int,
+    "loop": dict,
+    "statefuls": Optional(dict),
+    "optimizer": Optional((dict, type(None))),
+    "per_rank": Optional(dict),
+    "deepspeed": Optional((dict, type(None))),
+}
+RANK_STATE_SCHEMA = {"format": int, "rank": int, "statefuls": dict}
+OPTIMIZER_SCHEMA = {"param_groups": list, "scalars": dict}
+PER_RANK_SCHEMA = {part: Optional(list) for part in ("model", "optim", "statefuls")}
+
+
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
-    """relay_state.json (or an older checkpoint's trainer_state.json), checked to be a format this reads."""
+    """relay_state.json (or an older checkpoint's trainer_state.json), checked to be a format this reads; a file
+    that is not such a record (not JSON, too deep, a field of the wrong type, a link out) is one RecordError."""
     path = state_path(ckpt_dir)
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") not in READABLE_FORMATS:
+        doc = read_json(path, what="the checkpoint's state", root=ckpt_dir, schema=STATE_SCHEMA)
+    except FileNotFoundError as exc:
         raise CheckpointError(
-            f"{path}: state format {doc.get('format') if isinstance(doc, dict) else None!r} is not one of {list(READABLE_FORMATS)}",
+            f"{path} is missing", hint="the checkpoint is damaged; resume from another"
+        ) from exc
+    except OSError as exc:  # unreadable
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if doc["format"] not in READABLE_FORMATS:
+        raise CheckpointError(
+            f"{path}: state format {doc['format']!r} is not one of {list(READABLE_FORMATS)}",
             hint="continue this run with the torchrelay version that wrote it",
         )
+    if doc.get("optimizer") is not None:
+        optimizer = check(doc["optimizer"], OPTIMIZER_SCHEMA, source=f"{path} optimizer")
+        if not all(isinstance(v, dict) for v in optimizer["scalars"].values()):
+            raise RecordError(str(path), "holds a value that is not an object", field="optimizer.scalars")
+    per_rank = check(doc.get("per_rank") or {}, PER_RANK_SCHEMA, source=f"{path} per_rank")
+    for part, names in per_rank.items():
+        if not all(isinstance(n, str) for n in names):
+            raise RecordError(str(path), "names a part that is not a string", field=f"per_rank.{part}")
     return doc
 
 
@@ -372,21 +400,44 @@ def read_rank_statefuls(ckpt_dir: Path, rank: int) -> tuple[dict[str, Any], dict
     """The JSON trees and tensors of the statefuls stored for `rank`."""
     path = rank_state_file(ckpt_dir, rank, ".json")
     try:
-        doc = json.loads(path.read_text())
+        doc = read_json(path, what=f"rank {rank}'s statefuls", root=ckpt_dir, schema=RANK_STATE_SCHEMA)
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"{path} is missing: the checkpoint was saved by fewer ranks",
             hint="resume with the world size that saved it",
         ) from exc
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+    except OSError as exc:  # unreadable
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if doc.get("format") != RANK_STATE_FORMAT or doc.get("rank") != rank:
+    if doc["format"] != RANK_STATE_FORMAT or doc["rank"] != rank:
         raise CheckpointError(
-            f"{path}: not rank {rank}'s state of format {RANK_STATE_FORMAT} (format {doc.get('format')!r}, "
-            f"rank {doc.get('rank')!r})"
+            f"{path}: not rank {rank}'s state of format {RANK_STATE_FORMAT} (format {doc['format']!r}, "
+            f"rank {doc['rank']!r})"
         )
     tensor_file = rank_state_file(ckpt_dir, rank, ".safetensors")
-    return dict(doc["statefuls"]), load_file(str(tensor_file)) if tensor_file.exists() else {}
+    return dict(doc["statefuls"]), read_tensors(
+        tensor_file, what=f"rank {rank}'s stateful tensors", root=ckpt_dir
+    )
+
+
+def read_tensors(path: Path, *, what: str, root: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file of the checkpoint `root`, none when there is no such file; its header is
+    checked before anything is allocated (util/records.read_safetensors)."""
+    return read_safetensors(path, what=what, root=root)[0] if records_exists(path) else {}
+
+
+def tree_of(tree: Any, tensors: dict[str, torch.Tensor], *, source: str, name: str) -> Any:
+    """A stored stateful's state from its JSON tree; a tree no save writes (a missing tensor, a malformed node)
+    is one RecordError naming the file and the stateful."""
+    try:
+        return _from_tree(tree, tensors)
+    except CheckpointError as exc:
+        raise RecordError(source, exc.message, field=f"statefuls.{name}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError(
+            source,
+            f"not a tree a save writes ({type(exc).__name__}: {str(exc)[:120]})",
+            field=f"statefuls.{name}",
+        ) from None
 
 
 def load_state(
@@ -443,7 +494,7 @@ def load_state(
                 raise CheckpointError(f"{ckpt_dir}: holds no optimizer state but an optimizer is tracked")
             kwargs["optim_state_dict"] = _join_optimizer(target["optim"], doc["optimizer"])
         set_state_dict(model, optimizer or [], options=_OPTS, **kwargs)
-    tensors = load_file(str(ckpt_dir / STATE_TENSORS)) if (ckpt_dir / STATE_TENSORS).exists() else {}
+    tensors = read_tensors(ckpt_dir / STATE_TENSORS, what="the statefuls' tensors", root=ckpt_dir)
     stored = dict(doc.get("statefuls", {}))
     if per_rank["statefuls"]:
         own_trees, own_tensors = read_rank_statefuls(ckpt_dir, rank)
@@ -462,7 +513,7 @@ def load_state(
         unread = [p for p in inventory if p.endswith(".distcp") and not any(p in r for r in read)]
         _verify_share(ckpt_dir, unread, inventory, rank)
     for name, obj in statefuls.items():
-        obj.load_state_dict(_from_tree(stored[name], tensors))
+        obj.load_state_dict(tree_of(stored[name], tensors, source=str(state_path(ckpt_dir)), name=name))
     return dict(doc["loop"])
 
 
@@ -505,9 +556,9 @@ def _verify_share(ckpt_dir: Path, rels: list[str], inventory: dict[str, tuple[st
 def load_rng(ckpt_dir: Path, rank: int) -> None:
     """Restore this rank's generators; called right before the first update so nothing draws in between."""
     rng_file = rng.rank_file(ckpt_dir, rank)
-    if not rng_file.exists():
+    if not records_exists(rng_file):
         raise CheckpointError(
             f"{rng_file} is missing: the checkpoint was saved by fewer ranks",
             hint="resume with the world size that saved it",
         )
-    rng.load(rng_file)
+    rng.load(rng_file, root=ckpt_dir)

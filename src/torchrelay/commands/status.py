@@ -7,12 +7,15 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from torchrelay.audit.verdict import shown_for_run
 from torchrelay.errors import EXIT_ERROR, ConfigError
 from torchrelay.history import read_history
 from torchrelay.lock import describe, holder
+from torchrelay.numerics import describe as describe_numerics
+from torchrelay.numerics import fingerprint
 from torchrelay.reshard import describe_change
 from torchrelay.summary import summarize
 
@@ -133,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     t.add_row(f"loss (mean of last {s['loss_window']})", _fmt(s["loss_mean"], ".4f"))
     t.add_row("update time (mean)", f"{s['update_time_mean']:.3f} s" if s["update_time_mean"] else "-")
     t.add_row("ETA", _duration(s["eta_seconds"]))
+    t.add_row("numerics", _numerics(s["segments"]))
     if s.get("audit"):
         a = s["audit"]
         t.add_row("last audit", f"{a.get('verdict', a)}")
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(c)
     _print_validation(console, s["validation"])
     g = Table(title="segments" + (f" — {len(s['lineages'])} lineages" if len(s["lineages"]) > 1 else ""))
-    for col in ("#", "segment", "job", "hosts", "world", "updates", "ended", "notes"):
+    for col in ("#", "segment", "job", "hosts", "world", "updates", "ended", "numerics", "notes"):
         g.add_column(col)
     for i, seg in enumerate(s["segments"], 1):
         notes = "; ".join(seg.get("notes") or [])
@@ -167,13 +171,33 @@ def run(args: argparse.Namespace) -> int:
             _world(seg),
             _updates(seg),
             seg["ended"] or "-",
+            fingerprint(seg["numerics"]) if isinstance(seg.get("numerics"), dict) else "-",
             notes[:80],
         )
     console.print(g)
     for i, seg in enumerate(s["segments"], 1):
         if seg.get("layout_change"):
             console.print(f"segment #{i}: {describe_change(seg['layout_change'])}")
+        change = seg.get("numerics_change")
+        if isinstance(change, dict):
+            console.print(
+                f"segment #{i}: numerics changed: {escape(str(change.get('line')))}", soft_wrap=True
+            )
     return 0
+
+
+def _numerics(segments: list[dict[str, Any]]) -> str:
+    """The last recorded numerics identity, and how many identities the segments ran with."""
+    recorded = [s["numerics"] for s in segments if isinstance(s.get("numerics"), dict)]
+    if not recorded:
+        return "not recorded (segments written before torchrelay recorded it)"
+    kinds = len({fingerprint(n) for n in recorded})
+    more = (
+        f" [yellow]({kinds} identities across the segments: bit-for-bit comparison holds only within one)[/]"
+        if kinds > 1
+        else ""
+    )
+    return escape(describe_numerics(recorded[-1])) + more
 
 
 def _world(seg: dict[str, Any]) -> str:

@@ -26,9 +26,10 @@ from typing import Any
 import yaml
 
 from torchrelay.controller.plan import plan_diff
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, RelayError
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.rundir import RunDir
+from torchrelay.util.records import read_json, read_yaml
 
 ATTEMPTS_DIR = "attempts"
 FROZEN_PLAN = "plan.frozen.yaml"
@@ -86,9 +87,10 @@ class Attempt:
         return path
 
     def read_json(self, name: str) -> Any:
+        """An attempt's record, None when there is none or it is damaged (an attempt killed mid-way)."""
         try:
-            return json.loads((self.path / name).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            return read_json(self.path / name, what=name, root=self.path)
+        except (OSError, RelayError):
             return None
 
     def finish(self, outcome: Outcome) -> Path:
@@ -142,7 +144,7 @@ class Attempts:
         path = self.root / FROZEN_PLAN
         if not path.exists():
             return None
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path, what="the plan frozen at the first attempt")
         return data if isinstance(data, dict) else None
 
     def start(self, plan: dict[str, Any], sets: dict[str, Any]) -> tuple[Attempt, list[tuple[str, Any, Any]]]:

@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, RecordError
 from torchrelay.util.dotted import flatten
+from torchrelay.util.records import read_yaml
 
 SMOKE_WHEN = ("always", "first", "never")
 # Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.
@@ -365,11 +364,13 @@ def read_plan_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The raw mapping of a plan file, with the file named in any error."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = read_yaml(
+            p, what="plan file", follow=True
+        )  # bounded size and depth: one line for a hostile plan
     except FileNotFoundError as exc:
         raise ConfigError(f"plan file {p} does not exist", hint="pass the path of a plan YAML") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"plan file {p} is not valid YAML: {exc}") from exc
+    except RecordError as exc:
+        raise ConfigError(exc.message, hint=exc.hint) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"plan file {p} must hold a mapping (run_dir, train, ...), got {type(data).__name__}"

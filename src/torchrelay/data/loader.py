@@ -222,7 +222,7 @@ class RelayLoader:
             )
         return "fork", (
             f"loader workers are forked from the rank, not started by a forkserver: {why}; a fork copies the "
-            "locks the rank's communication threads hold (a rare hang); see README, DataLoader workers"
+            "locks the rank's communication threads hold (a rare hang); see docs/LOOP.md, DataLoader workers"
         )
 
     def build(self, batches: RankBatches, seed: int, context: str | None = None) -> DataLoader:

@@ -31,6 +31,7 @@ from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
 from torchrelay.layout import CONTRACT_FILE, LINEAGE_FILE
 from torchrelay.util.hashing import sha256_hex
+from torchrelay.util.records import read_json_or_none
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 
 EXPORT_FORMAT = 1
@@ -201,11 +202,8 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
     if holder is not None:
-        try:
-            contract = json.loads((holder / CONTRACT_FILE).read_text())
-            lineage = json.loads((holder / LINEAGE_FILE).read_text())
-        except (OSError, ValueError):
-            pass
+        contract = read_json_or_none(holder / CONTRACT_FILE, what="the training contract", root=holder) or {}
+        lineage = read_json_or_none(holder / LINEAGE_FILE, what="the run's lineage", root=holder) or {}
     fields = contract.get("fields", {}) if isinstance(contract, dict) else {}
     return {
         "run_dir": str(holder.resolve()) if holder is not None else None,

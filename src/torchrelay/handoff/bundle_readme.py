@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from torchrelay.numerics import describe
 from torchrelay.util.dotted import flatten
 
 # Contract fields worth a line of their own in the invariants table, in this order.
@@ -221,6 +222,13 @@ def render_readme(
             f"- segment `{seg.get('segment')}` ({'job ' + str(job) if job else 'no job id'}, {hosts}, "
             f"{seg.get('world_size')} rank(s)): {ran or f'updates {first_u}–{last_u}'}, "
             f"started {_when(seg.get('started'))}, ended `{seg.get('ended')}`"
+            + (f"; numerics {describe(seg['numerics'])}" if isinstance(seg.get("numerics"), dict) else "")
+        )
+    if any(isinstance(seg.get("numerics"), dict) for seg in history):
+        w(
+            "\nA continuation ends bit for bit like the uninterrupted run only under the same numerics (processor "
+            "and the capability torch dispatches, math libraries, GPU, CUDA libraries, TF32 and determinism); "
+            "`prepare` and the launch warn when they differ (docs/NUMERICS.md)."
         )
     for warning in info.get("warnings", []):
         w(f"\n**Warning:** {warning}")

@@ -13,6 +13,7 @@ from torchrelay.contract import CONTRACT_FILE, contract_diff, load_contract
 from torchrelay.errors import ConfigError, IntegrityError
 from torchrelay.layout import CONFIG_FILE, PREPARE_RECORD
 from torchrelay.util.dotted import flatten
+from torchrelay.util.records import read_json, read_json_or_none
 
 _CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -62,11 +63,8 @@ def load_side(path: Path) -> Side:
     root = path
     if path.name.startswith(_CHECKPOINT_PREFIX) and (path / INVENTORY).exists():
         root, checkpoint = path.parent, path.name
-        try:
-            doc = json.loads((path / INVENTORY).read_text(encoding="utf-8"))
-            checkpoint_contract = doc.get("contract_sha256") if isinstance(doc, dict) else None
-        except (OSError, ValueError):
-            checkpoint_contract = None
+        doc = read_json_or_none(path / INVENTORY, what="checkpoint inventory", root=path)
+        checkpoint_contract = doc.get("contract_sha256") if isinstance(doc, dict) else None
     if not (root / CONTRACT_FILE).is_file():
         raise ConfigError(
             f"{path} is not a run directory, a bundle or a checkpoint (no {CONTRACT_FILE} at {root})",
@@ -74,8 +72,8 @@ def load_side(path: Path) -> Side:
         )
     contract = load_contract(root)
     try:
-        config = json.loads((root / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        config = read_json(root / CONFIG_FILE, what="the run's configuration", root=root)
+    except OSError as exc:
         raise IntegrityError(f"{root / CONFIG_FILE} is unreadable: {exc}") from None
     if (root / "bundle.json").is_file() and (root / "SHA256SUMS").is_file():
         kind = "bundle"

@@ -26,7 +26,7 @@ from torchrelay.handoff.pack import BUNDLE_INFO, read_bundle_info, read_bundle_r
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
-from torchrelay.history import new_id
+from torchrelay.history import new_id, read_history
 from torchrelay.layout import (
     CONFIG_FILE,
     CONTRACT_FILE,
@@ -38,6 +38,7 @@ from torchrelay.layout import (
 )
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
+from torchrelay.numerics import compare_here, gather
 from torchrelay.resume import ResumeCheck, validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.util.dotted import flatten
@@ -330,6 +331,7 @@ def _prepare_into(
             if old != new:
                 changes[key] = [old, new]  # kept over a script's original split (resume.keep_prepared)
         new_cfg = new_cfg.replace(micro_batch=check.config.micro_batch, grad_accum=check.config.grad_accum)
+    numerics = _numerics_here(bundle, check.update, new_cfg, proofs)
 
     # 6. Copy (or link) into the temporary run dir, re-hashing every byte against what was verified.
     _copy_bundle(bundle, tmp, report, options, hooks)
@@ -362,12 +364,32 @@ def _prepare_into(
         "changes": changes,
         "layout_change": layout_change,
         "proofs": passed,
+        "numerics": numerics,
         "originals": [f"{CONFIG_FILE}.orig", MANIFEST_REL + ".orig"],
     }
     atomic_write_text(tmp / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
     return PrepareResult(
         run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir, layout_change=layout_change
     )
+
+
+def _numerics_here(bundle: Path, update: int, cfg: RelayConfig, proofs: list[str]) -> dict[str, Any]:
+    """This machine's numerics identity against the bundle's segments: a difference is warned (one line), never
+    refused here: prepare may run on another machine than the training (a login node); the launch compares again
+    and, with strict_numerics, refuses."""
+    here = gather()
+    found = compare_here(read_history(bundle), here, upto=update)
+    if found is not None and found["segments"]:
+        then = " (strict_numerics: a launch here refuses it)" if cfg.strict_numerics else ""
+        logger.warning(f"[torchrelay] warning: on this machine, {found['line']}{then}")
+    elif found is not None and found["unknown"]:
+        logger.info(f"[torchrelay] {found['line']}")
+    elif found is not None:
+        proofs.append(
+            "numerics: this machine's processor and libraries are the bundle's segments' (the program's "
+            "threads, TF32 and determinism are compared at launch)"
+        )
+    return {"here": here, "change": found}
 
 
 def _copy_bundle(

@@ -28,6 +28,7 @@ def _segment_row(seg: Segment) -> str:
         seg.ended,
         "—" if seg.exit_code is None else str(seg.exit_code),
         "; ".join(f"{k}: {old} → {new}" for k, (old, new) in _pairs(seg.runtime_changes)) or "—",
+        seg.numerics or "not recorded",
         "; ".join(([seg.layout_change] if seg.layout_change else []) + seg.notes) or "—",
     ]
     return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
@@ -87,6 +88,7 @@ def write_html(
         "ended",
         "exit code",
         "runtime changes",
+        "numerics",
         "notes",
     ]
     rows = "\n".join(_segment_row(s) for s in series.segments)
@@ -109,6 +111,7 @@ def write_html(
 <p>Resumability audit: {html.escape(audit or "none recorded for this run's code (run `torchrelay audit`)")}</p>
 <h2>Segments</h2>
 {segments}
+<p>{html.escape(_numerics_line(series))}</p>
 <h2>Checkpoints</h2>
 <p>{html.escape(checkpoints)}</p>
 {_validation_table(series)}
@@ -137,3 +140,16 @@ def _validation_table(series: RunSeries) -> str:
 
 def _starts(series: RunSeries) -> list[float]:
     return [s.started for s in series.segments if s.started is not None]
+
+
+def _numerics_line(series: RunSeries) -> str:
+    """Bit-for-bit comparison holds within one numerics identity: say how many the segments ran with."""
+    kinds = {s.numerics for s in series.segments if s.numerics}
+    if not kinds:
+        return "Numerics: not recorded (segments written before torchrelay recorded them)."
+    if len(kinds) == 1:
+        return "Numerics: every recorded segment ran with one identity; bit-for-bit comparison holds across them."
+    return (
+        f"Numerics: the segments ran with {len(kinds)} identities; bit-for-bit comparison holds only between "
+        "segments of one identity (docs/NUMERICS.md)."
+    )

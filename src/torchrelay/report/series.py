@@ -11,8 +11,9 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
 from torchrelay.history import read_history
 from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
+from torchrelay.numerics import describe
 from torchrelay.reshard import describe_change
-from torchrelay.train_records import rank_logs
+from torchrelay.train_records import METRIC_SCHEMA, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 
 
@@ -38,6 +39,7 @@ class Segment:
     runtime_changes: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     layout_change: str = ""  # reshard.describe_change of the segment's record, or ""
+    numerics: str = ""  # numerics.describe of the segment's identity, or "" (not recorded)
 
     def label(self) -> str:
         """A short label: number, job, hosts, world size and how the segment ended."""
@@ -122,6 +124,7 @@ def _segments(run_dir: Path) -> list[Segment]:
                 runtime_changes=dict(row.get("runtime_changes") or {}),
                 notes=[str(n) for n in row.get("notes") or []],
                 layout_change=describe_change(row.get("layout_change")),
+                numerics=describe(row["numerics"]) if isinstance(row.get("numerics"), dict) else "",
             )
         )
     return segments
@@ -162,7 +165,8 @@ def read_series(run_dir: str | Path) -> RunSeries:
         what = "is not a directory" if root.exists() else "does not exist"
         raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
     train_dir = root / TRAIN_DIR
-    per_rank = {rank: _by_update(read_records(p)) for rank, p in rank_logs(train_dir, "metrics").items()}
+    logs = rank_logs(train_dir, "metrics")
+    per_rank = {rank: _by_update(read_records(p, schema=METRIC_SCHEMA)) for rank, p in logs.items()}
     if not per_rank or not any(per_rank.values()):
         raise ReportError(
             f"{train_dir}: no metrics-rank*.jsonl lines yet",

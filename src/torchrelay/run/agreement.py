@@ -122,7 +122,7 @@ class StopAgreement:
     def _read_request(self) -> StopRequest | None:
         path = self._run_dir / REQUEST_FILE
         try:
-            st = os.stat(path)
+            st = os.lstat(path)  # a link is a request StopRequest.read refuses to follow, not its target
         except FileNotFoundError:
             return None
         key = (st.st_mtime_ns, st.st_size)
@@ -134,7 +134,7 @@ class StopAgreement:
         """Rank 0, after a stop the request asked for: move the request file into `archive`, so that the next
         launch does not stop at once."""
         src = self._run_dir / REQUEST_FILE
-        if src.exists():
+        if os.path.lexists(src):
             archive.mkdir(parents=True, exist_ok=True)
             os.replace(src, archive / f"REQUEST_STOP-{int(time.time() * 1000)}.json")
 

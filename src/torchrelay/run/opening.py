@@ -50,6 +50,7 @@ from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
 from torchrelay.lock import LOCK_FILES, RunLock
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
+from torchrelay.numerics import check_resume, gather
 from torchrelay.reshard import Layout
 from torchrelay.resume import keep_prepared, schedule_gate, validate_resume
 from torchrelay.run.saver import last_save_seconds
@@ -57,6 +58,7 @@ from torchrelay.rundir import RunDir
 from torchrelay.stop import REQUEST_FILE, Deadline, deadline_from_env, job_start
 from torchrelay.train_records import RankLog, exposures_path, metrics_path, trim_after
 from torchrelay.util.jsonl import iter_records
+from torchrelay.util.records import read_json_or_none
 
 # A relaunch may start while the previous holder's last DataLoader worker still exits, or while `status` peeks.
 LOCK_WAIT_S = float(os.environ.get("TORCHRELAY_LOCK_WAIT_S", "3"))
@@ -245,6 +247,7 @@ class SegmentOpener:
             raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
         # One writer per run directory, from here to the end of the segment (a second launch is refused).
         self.lock = RunLock(rd.path, "train").acquire(wait_s=LOCK_WAIT_S, create_dir=True)
+        numerics, numerics_change = gather(), None
         if rd.exists():
             stored = rd.load_config()
             cfg = config if config is not None else stored
@@ -274,6 +277,10 @@ class SegmentOpener:
             cfg = check.config  # with the layout this launch runs with
             rd.remove_stale_temps()
             history = read_history(rd.path)
+            if check.checkpoint is not None and check.update < cfg.total_updates:  # refused before any write
+                numerics_change = check_resume(
+                    history, numerics, upto=check.update, strict=cfg.strict_numerics
+                )
             last_logged = max(
                 (int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None
             )
@@ -301,6 +308,8 @@ class SegmentOpener:
             )
             if reclaim_note:
                 notes.append(reclaim_note)
+            if numerics_change:
+                notes.append(numerics_change["line"])
             notes += kept
             if layout_change:
                 notes += layout_change["notes"]
@@ -389,6 +398,8 @@ class SegmentOpener:
             runtime_changes=changes,
             notes=notes,
             layout_change=layout_change if layout_change else ABSENT,
+            numerics=numerics,
+            numerics_change=numerics_change or ABSENT,
         )
         return Prepared(
             config=cfg.to_dict(),
@@ -544,10 +555,8 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
     marker = ckpt / HANDED_OFF
     if not marker.exists():
         return None
-    try:
-        handed = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        handed = {}
+    handed = read_json_or_none(marker, what="the hand-off record", root=ckpt)
+    handed = handed if isinstance(handed, dict) else {}
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     os.replace(marker, ckpt / f"{RECLAIMED_PREFIX}{stamp}.json")
     old = _read_lineage(run_dir)
@@ -560,7 +569,5 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
 
 
 def _read_lineage(run_dir: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((run_dir / LINEAGE_FILE).read_text()))
-    except (OSError, ValueError, TypeError):  # unreadable, not UTF-8, not JSON, not an object
-        return {}
+    lineage = read_json_or_none(run_dir / LINEAGE_FILE, what="the run's lineage", root=run_dir)
+    return dict(lineage) if isinstance(lineage, dict) else {}  # unreadable, not JSON, not an object: none

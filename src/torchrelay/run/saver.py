@@ -12,7 +12,6 @@ bytes, the loop waiting.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.run.restore import Tracked
 from torchrelay.train_records import RankLog
+from torchrelay.util.records import read_json_or_none
 
 
 class Saver:
@@ -193,10 +193,9 @@ def last_save_seconds(ckpt: Path | None) -> float | None:
     """How long the save of `ckpt` took, as its COMPLETE.json records (None when unknown)."""
     if ckpt is None:
         return None
-    try:
-        return float(json.loads((ckpt / INVENTORY).read_text()).get("save_seconds"))
-    except (OSError, ValueError, TypeError):
-        return None
+    doc = read_json_or_none(ckpt / INVENTORY, what="checkpoint inventory", root=ckpt)
+    seconds = doc.get("save_seconds") if isinstance(doc, dict) else None
+    return float(seconds) if isinstance(seconds, int | float) and not isinstance(seconds, bool) else None
 
 
 def first_estimate(last_save_s: float | None) -> float:

@@ -5,6 +5,7 @@ Used by the checkpoint inventory (write and check), the manifest, the contract, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import mmap
@@ -46,8 +47,16 @@ def thread_buffer(size: int = BLOCK) -> bytearray:
 
 
 def sha256_file(path: Path, on_bytes: ByteCallback | None = None) -> tuple[str, int]:
-    """Return (hex SHA-256, size in bytes) of the file, reading each byte once."""
-    with open(path, "rb", buffering=0) as f:
+    """Return (hex SHA-256, size in bytes) of the file, reading each byte once; a pipe or a device (a file of a
+    bundle may be one) raises OSError at once instead of blocking the open or reading forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # no effect on a regular file's reads
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):  # what open() says of a folder
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        raise OSError(errno.EINVAL, "not a regular file (a pipe or a device)", str(path))
+    with open(fd, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size >= MAP_MIN:
             try:

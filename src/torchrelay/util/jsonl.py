@@ -6,40 +6,43 @@ appended one whole line per write, or rewritten atomically. So:
 - a bad line anywhere before the last is damage, never a crash: an IntegrityError naming the file and line number
   (stopping silently there would hide every record after it, e.g. from the exposure ledger);
 - blank lines are skipped; bytes that are not UTF-8 are an IntegrityError naming the line;
-- the file may come from elsewhere (a bundle): a pipe or a device (an endless /dev/zero) is refused before a byte
-  is read, and a line longer than LINE_LIMIT is damage, not something to hold in memory.
+- the file may come from elsewhere (a bundle): it is opened the one safe way (`safepath.open_regular`: no symlink,
+  no pipe or device), a line longer than LINE_LIMIT is damage, not something to hold in memory, and a line nested
+  deeper than DEPTH_LIMIT is not JSON a torchrelay writer makes;
+- with a `schema`, each record is checked against it (util/records.check): a wrong-typed field is one
+  RecordError naming the file, the line and the field.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.errors import IntegrityError
+from torchrelay.util.records import DEPTH_LIMIT, LINE_LIMIT, check, depth_of
+from torchrelay.util.safepath import open_regular
 
-LINE_LIMIT = 64 << 20  # no record torchrelay writes is near this
+__all__ = ["LINE_LIMIT", "iter_records", "read_records"]
 
 
-def iter_records(path: str | os.PathLike[str], *, missing_ok: bool = True) -> Iterator[dict[str, Any]]:
+def iter_records(
+    path: str | os.PathLike[str],
+    *,
+    missing_ok: bool = True,
+    schema: Mapping[str, Any] | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> Iterator[dict[str, Any]]:
     """Yield the JSON objects of a JSONL file, line by line, under the module's torn-line policy."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe must not block the open
+        fd, _ = open_regular(path, what=path.name, root=root)
     except FileNotFoundError:
-        if missing_ok:
+        if missing_ok and not os.path.islink(path):
             return
         raise IntegrityError(f"{path} is missing") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        if stat.S_ISDIR(mode):  # what open() says of a folder; the CLI and Run.open word it (exit 2)
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        raise UnsafeInput(f"{path} is not a regular file (a pipe or a device); refusing to read it")
     with os.fdopen(fd, "rb") as f:
         pending: tuple[int, str] | None = None  # a bad line, an error only if another line follows it
         number = 0
@@ -63,14 +66,16 @@ def iter_records(path: str | os.PathLike[str], *, missing_ok: bool = True) -> It
                 ) from None
             record, problem = _parse(line)
             if problem is None:
-                yield record
+                yield record if schema is None else check(record, schema, source=str(path), line=number)
             else:
                 pending = (number, problem)
 
 
-def read_records(path: str | os.PathLike[str], *, missing_ok: bool = True) -> list[dict[str, Any]]:
+def read_records(
+    path: str | os.PathLike[str], *, missing_ok: bool = True, schema: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """All JSON objects of a JSONL file (see the module's torn-line policy)."""
-    return list(iter_records(path, missing_ok=missing_ok))
+    return list(iter_records(path, missing_ok=missing_ok, schema=schema))
 
 
 def _parse(line: str) -> tuple[dict[str, Any], str | None]:
@@ -87,6 +92,8 @@ def _parse(line: str) -> tuple[dict[str, Any], str | None]:
         return {}, "is not JSON a torchrelay writer makes"
     if not isinstance(record, dict):
         return {}, "is not a JSON object"
+    if line.count("[") + line.count("{") > DEPTH_LIMIT and depth_of(record, DEPTH_LIMIT) > DEPTH_LIMIT:
+        return {}, f"nests deeper than {DEPTH_LIMIT} levels"
     return record, None
 
 

@@ -1,11 +1,14 @@
-"""Paths read from a bundle are untrusted: refuse absolute paths, `..`, `.git`, and symlinks that lead out of the bundle."""
+"""Paths read from a bundle or a run directory are untrusted: refuse absolute paths, `..`, `.git`, symlinks that
+lead out, and files that are no files (a pipe, a device). `open_regular` is the one way to open such a file."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path, PurePosixPath
 
-from torchrelay.errors import UnsafeInput
+from torchrelay.errors import IntegrityError, UnsafeInput
 
 # Characters that `sha256sum` would escape and that no file torchrelay writes ever contains.
 _FORBIDDEN_CHARS = ("\x00", "\n", "\r", "\\")
@@ -75,3 +78,79 @@ def walk_files(root: Path) -> list[str]:
             if os.path.islink(os.path.join(dirpath, name)):
                 found.append((rel_dir / name).as_posix())
     return sorted(found)
+
+
+def open_regular(
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    root: str | os.PathLike[str] | None = None,
+    follow: bool = False,
+) -> tuple[int, int]:
+    """(descriptor, size) of the regular file `path`, for files that may come from elsewhere.
+
+    A symbolic link as the last part is refused (O_NOFOLLOW), and with `root` so is a folder on the way that
+    leads out of `root`; a pipe, a socket or a device is refused without blocking (O_NONBLOCK, then fstat) and
+    before a byte is read. `follow`: a path the user named on the command line (a plan), whose link is theirs.
+    A missing file or a folder raises FileNotFoundError or IsADirectoryError, as open()
+    does, for the caller to word (`errors.from_exception`: a wrong path, exit 2). The caller closes the descriptor.
+    """
+    if root is not None:
+        ensure_inside(Path(root), Path(path).parent, source=what)
+    try:
+        nofollow = 0 if follow else os.O_NOFOLLOW
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeInput(
+                f"{path} ({what}) is a symbolic link; refusing to follow it",
+                hint="torchrelay never writes links; replace it with the file itself",
+            ) from None
+        if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket
+            raise UnsafeInput(f"{path} ({what}) is not a regular file; refusing to read it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):  # what open() says of a folder; the CLI and Run.open word it (exit 2)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeInput(
+                f"{path} ({what}) is not a regular file (a pipe or a device); refusing to read it",
+                hint="torchrelay writes only regular files; replace it with the file itself",
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_regular(
+    path: str | os.PathLike[str],
+    limit: int,
+    *,
+    what: str,
+    root: str | os.PathLike[str] | None = None,
+    follow: bool = False,
+) -> bytes:
+    """The bytes of the regular file `path` (opened by `open_regular`) of at most `limit` bytes, refused naming
+    `path` otherwise; a file that grows while it is read is cut off at the limit, not followed forever."""
+    fd, size = open_regular(path, what=what, root=root, follow=follow)
+    try:
+        if size > limit:
+            raise IntegrityError(
+                f"{path} ({what}) has {size:,} bytes, more than such a file can have ({limit:,})",
+                hint="the file is damaged or not what it should be",
+            )
+        chunks = []
+        left = limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise IntegrityError(f"{path} ({what}) grew past {limit:,} bytes while it was read")
+    return data

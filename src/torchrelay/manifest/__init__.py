@@ -1,0 +1,32 @@
+"""The data manifest: one JSON object per sample, and a fingerprint that does not change when the data moves.
+
+A manifest may hold ten million samples, so it is never kept as Python objects: `Manifest` keeps where each record's
+line lies in the file (and each sample's `length`) in numpy arrays and reads a record when it is asked for. Reading
+every line (to check it and compute the fingerprint) costs a few microseconds a line, so a manifest of 32 MB or
+more is read by one reader process per core this process may use (at most 16); the run keeps what that pass found
+beside its copy of the manifest (`data/manifest.index.npz`, written by the trainer), so a relaunch, every rank but
+rank 0, `ledger` and `status` read no line at all, only the file's SHA-256 or not even that.
+
+The package: `core` (the records and the saved index), `scan` (the pass over the lines, in this process),
+`readers` (the same pass in reader processes, for a big manifest).
+"""
+
+from torchrelay.manifest.core import (
+    FINGERPRINT_VERSION,
+    INDEX_FORMAT,
+    INDEX_NAME,
+    ROOT_TOKEN,
+    Manifest,
+    Records,
+    index_path,
+)
+
+__all__ = [
+    "FINGERPRINT_VERSION",
+    "INDEX_FORMAT",
+    "INDEX_NAME",
+    "ROOT_TOKEN",
+    "Manifest",
+    "Records",
+    "index_path",
+]

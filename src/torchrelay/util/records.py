@@ -1,0 +1,320 @@
+"""The one reader of every record torchrelay keeps on disk: JSON, JSONL lines, safetensors headers, YAML plans.
+
+Every byte of a run directory, a bundle or a plan may come from elsewhere (another cluster, a hand edit, a
+forger), so a reader here opens the file through `safepath.read_regular` (no symlink out of its root, no pipe or
+device, bounded size), parses it within bounds (size, line length, nesting depth) and checks it against the
+record's small schema before a caller touches a field. Whatever is wrong is one `RecordError` naming the file (and
+the line and field) and what to do: exit 2, never a RecursionError, TypeError or SafetensorError traceback.
+
+The bounds (docs/FORMATS.md):
+- a JSON file at most JSON_LIMIT bytes, a JSONL line at most LINE_LIMIT, a YAML plan at most YAML_LIMIT;
+- nesting at most DEPTH_LIMIT deep (torchrelay's deepest record, a stateful's tree, is a few dozen levels);
+- a safetensors header at most SAFETENSORS_HEADER_LIMIT bytes (safetensors' own bound), its tensors laid out
+  back to back exactly as safetensors writes them, each of its dtype's size, inside the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchrelay.errors import RecordError
+from torchrelay.util.safepath import open_regular, read_regular
+
+JSON_LIMIT = 256 << 20  # no JSON file torchrelay writes comes near this
+LINE_LIMIT = 64 << 20  # nor a JSONL line
+YAML_LIMIT = 16 << 20  # a plan is a page
+DEPTH_LIMIT = 200  # below Python's recursion limit with room for the recursive readers of a tree (state.py)
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # what safetensors itself refuses above
+_HINT = "the file is damaged or not what it should be; restore it from a copy"
+
+
+# --- JSON -----------------------------------------------------------------------------------------------------
+
+
+def parse_json(data: bytes | str, *, source: str, depth: int = DEPTH_LIMIT) -> Any:
+    """JSON from bytes or text that may come from elsewhere: one RecordError naming `source` for bytes that are
+    not UTF-8, bad syntax, numbers too long to convert, or nesting deeper than `depth`."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as exc:
+        raise RecordError(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})", hint=_HINT) from None
+    try:
+        doc = json.loads(text)
+    except RecursionError:  # nesting past the C parser's own bound: the same refusal as past ours
+        raise RecordError(source, f"nested deeper than {depth} levels", hint=_HINT) from None
+    except ValueError as exc:  # JSONDecodeError, and an integer of more digits than Python converts
+        raise RecordError(source, f"not valid JSON ({str(exc)[:200]})", hint=_HINT) from None
+    # A document with fewer brackets than the bound cannot be deeper: most are, and cost one count.
+    if text.count("[") + text.count("{") > depth and depth_of(doc, depth) > depth:
+        raise RecordError(source, f"nested deeper than {depth} levels", hint=_HINT)
+    return doc
+
+
+def depth_of(doc: Any, limit: int) -> int:
+    """How deep containers nest in `doc` (iteratively, stopping past `limit`)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children: Iterable[Any] = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+def read_bounded(
+    path: str | os.PathLike[str], limit: int, *, what: str, root: str | os.PathLike[str] | None = None
+) -> bytes:
+    """The bytes of the regular file `path` (at most `limit`), opened the one safe way (safepath.read_regular)."""
+    return read_regular(path, limit, what=what, root=root)
+
+
+def read_json(
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    limit: int = JSON_LIMIT,
+    root: str | os.PathLike[str] | None = None,
+    schema: Mapping[str, Any] | None = None,
+) -> Any:
+    """A JSON file read as untrusted input: opened safely, bounded, parsed within depth, and, with `schema`, an
+    object whose fields have their types (`check`). A missing file raises FileNotFoundError for the caller."""
+    source = f"{path} ({what})"
+    doc = parse_json(read_regular(path, limit, what=what, root=root), source=source)
+    return check(doc, schema, source=source) if schema is not None else doc
+
+
+def read_json_or_none(
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    root: str | os.PathLike[str] | None = None,
+    limit: int = 1 << 24,
+) -> Any:
+    """A JSON file whose absence or damage only means "unknown" (a cache, a note): None then, read the same
+    guarded way (no link, no pipe, bounded) otherwise."""
+    from torchrelay.errors import RelayError
+
+    try:
+        return read_json(path, what=what, root=root, limit=limit)
+    except (OSError, RelayError):
+        return None
+
+
+# --- schemas: the fields a record must have, and their types -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Optional:
+    """A field that may be absent (and, when it is there, has one of `types`)."""
+
+    types: Any  # a type, a tuple of types or [type]
+
+
+class Schema(dict[str, Any]):
+    """A record's fields and their rules (see `check`), with its required fields worked out once: a log of
+    200,000 records is checked at the cost of the fields each holds."""
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        super().__init__(fields)
+        self.required = tuple(name for name, rule in fields.items() if not isinstance(rule, Optional))
+
+
+def check(doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None = None) -> dict[str, Any]:
+    """`doc` as a JSON object with every field of `schema` present and of its type, else one RecordError naming
+    `source`, `line` and the field. A rule is a type, a tuple of types, `[type]` (an array of such values) or
+    `Optional(rule)` (may be absent); an int is never a bool, a float may be an int."""
+    if not isinstance(doc, dict):
+        raise RecordError(source, f"holds a JSON {_kind(doc)}, not an object", line=line, hint=_HINT)
+    required = schema.required if isinstance(schema, Schema) else Schema(schema).required
+    for name in required:
+        if name not in doc:
+            raise RecordError(source, "missing", line=line, field=name, hint=_HINT)
+    for name in doc if len(doc) <= len(schema) else schema:
+        rule = schema.get(name) if name in doc else None
+        if rule is None:
+            continue
+        types = rule.types if isinstance(rule, Optional) else rule
+        if not _is(doc[name], types):
+            raise RecordError(
+                source,
+                f"a JSON {_kind(doc[name])}, not {_names(types)}",
+                line=line,
+                field=name,
+                hint=_HINT,
+            )
+    return doc
+
+
+def _is(value: Any, types: Any) -> bool:
+    if isinstance(types, list):  # [type]: an array of such values
+        return isinstance(value, list) and all(_is(v, types[0]) for v in value)
+    wanted = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool):
+        return bool in wanted
+    if isinstance(value, int) and float in wanted:
+        return True
+    return isinstance(value, wanted)
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def _names(types: Any) -> str:
+    if isinstance(types, list):
+        return f"an array of {_names(types[0]).split(' ', 1)[1]}s"
+    wanted = types if isinstance(types, tuple) else (types,)
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}  # fmt: skip
+    return " or ".join(names.get(t, t.__name__) for t in wanted)
+
+
+# --- YAML -----------------------------------------------------------------------------------------------------
+
+
+def read_yaml(
+    path: str | os.PathLike[str], *, what: str, limit: int = YAML_LIMIT, follow: bool = False
+) -> Any:
+    """A YAML file (a plan) as untrusted input: bounded size, safe_load, bounded depth; one RecordError.
+    `follow`: the user named the path (a link of theirs is followed; a pipe or a device still is not read)."""
+    import yaml
+
+    source = f"{path} ({what})"
+    data = read_regular(path, limit, what=what, follow=follow)
+    try:
+        doc = yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RecordError(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})", hint=_HINT) from None
+    except (
+        RecursionError
+    ):  # PyYAML composes recursively: 100,000 nested brackets reach the interpreter's bound
+        raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML") from None
+    except yaml.YAMLError as exc:
+        raise RecordError(source, f"not valid YAML ({_yaml_problem(exc)})", hint="fix the YAML") from None
+    if depth_of(doc, DEPTH_LIMIT) > DEPTH_LIMIT:
+        raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
+    return doc
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML's error in one line: its problem and where (its own text spans several, with the line quoted)."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())[:300]
+
+
+# --- safetensors ----------------------------------------------------------------------------------------------
+
+# Bytes per element of each safetensors dtype (safetensors 0.4+).
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def safetensors_header(data: bytes, size: int, *, source: str) -> dict[str, Any]:
+    """The header of a safetensors file whose first bytes are `data` and whose size is `size`, checked before
+    anything is allocated: its length bounded, its JSON an object of tensors, each of a known dtype, a shape of
+    sizes, and offsets that lay the tensors back to back, each of its shape's size, ending at the file's end."""
+    if len(data) < 8:
+        raise RecordError(source, f"has {size} bytes, too few for a safetensors header", hint=_HINT)
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > SAFETENSORS_HEADER_LIMIT or 8 + length > size:
+        raise RecordError(
+            source,
+            f"claims a safetensors header of {length:,} bytes in a file of {size:,} (a pickle or a forgery?)",
+            hint=_HINT,
+        )
+    header = parse_json(data[8 : 8 + length], source=f"{source} header")
+    if not isinstance(header, dict):
+        raise RecordError(source, f"header is a JSON {_kind(header)}, not an object", hint=_HINT)
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise RecordError(source, "is not an object of strings", field="__metadata__", hint=_HINT)
+            continue
+        where = f"tensor {name!r}"
+        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_SIZES:
+            raise RecordError(source, f"{where} has no known dtype", hint=_HINT)
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(shape, list) or not all(_natural(d) for d in shape):
+            raise RecordError(source, f"{where}: shape {str(shape)[:80]} is not a list of sizes", hint=_HINT)
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(o) for o in offsets):
+            raise RecordError(
+                source, f"{where}: data_offsets {str(offsets)[:80]} are not two offsets", hint=_HINT
+            )
+        begin, end = offsets
+        if end - begin != math.prod(shape) * DTYPE_SIZES[entry["dtype"]]:
+            raise RecordError(
+                source,
+                f"{where}: data_offsets [{begin}, {end}] do not hold a {entry['dtype']} tensor of shape {shape}",
+                hint=_HINT,
+            )
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            problem = "overlaps the tensor before it" if begin < at else "leaves a gap before it"
+            raise RecordError(source, f"tensor {name!r} at [{begin}, {end}] {problem}", hint=_HINT)
+        at = end
+    if 8 + length + at != size:
+        raise RecordError(
+            source, f"its tensors end at byte {8 + length + at:,}, the file at {size:,}", hint=_HINT
+        )
+    return header
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_safetensors(
+    path: str | os.PathLike[str], *, what: str, root: str | os.PathLike[str] | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file read as untrusted input: opened the safe way, its header checked
+    (`safetensors_header`) before safetensors allocates a byte; any other fault of the file is a RecordError too."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    source = f"{path} ({what})"
+    fd, size = open_regular(path, what=what, root=root)
+    try:
+        head = os.pread(fd, 8, 0)
+        if len(head) == 8:
+            (length,) = struct.unpack("<Q", head)
+            if length <= SAFETENSORS_HEADER_LIMIT and 8 + length <= size:
+                head += os.pread(fd, length, 8)
+        header = safetensors_header(head, size, source=source)
+        # The file checked is the file loaded: safetensors opens it again, by this descriptor where /proc has it.
+        by_fd = f"/proc/self/fd/{fd}"
+        try:
+            tensors = load_file(by_fd if os.path.exists(by_fd) else os.fspath(path))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise RecordError(
+                source, f"not a safetensors file safetensors reads ({str(exc)[:200]})", hint=_HINT
+            ) from None
+    finally:
+        os.close(fd)
+    return tensors, dict(header.get("__metadata__") or {})
+
+
+def exists(path: str | os.PathLike[str]) -> bool:
+    """Whether something stands at `path`, a symbolic link included (a reader then refuses it, naming it)."""
+    return os.path.lexists(Path(path))

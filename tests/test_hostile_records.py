@@ -1,0 +1,537 @@
+"""Issue 19: every verb and the resume answer a hostile record with one line naming the file, exit 2.
+
+A real run directory and bundle (the 0.1.0 fixture, copied), one hostile version of one file at a time, read by
+the verbs that read it (`cli.main(argv)` in-process) and by the resume's readers: deep JSON, a huge line or file,
+wrong types, a symlink out, a FIFO, a pickle named .safetensors, a header claiming 2^62 bytes, overlapping
+offsets, truncated and non-UTF-8 files. The count of cases, refusals in one line, tracebacks and hangs is printed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save as safetensors_save
+
+from helpers import REPO
+from torchrelay.checkpoint import state
+from torchrelay.checkpoint.reader import load_statefuls
+from torchrelay.cli import main
+from torchrelay.errors import EXIT_REFUSED, RelayError
+from torchrelay.fsutil import JSON_LIMIT
+from torchrelay.report.series import read_series
+from torchrelay.util.hashing import sha256_file
+from torchrelay.util.jsonl import LINE_LIMIT
+from torchrelay.util.safepath import walk_files
+from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
+
+FIXTURE = REPO / "tests" / "fixtures" / "legacy-v0.1.0"
+CKPT = "checkpoint-8"
+CASE_SECONDS = 30  # a reader that takes longer on these small files is hanging
+DEEP_LIST = b"[" * 100_000 + b"]" * 100_000
+DEEP_OBJECT = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+
+
+class _Payload:
+    """A real malicious pickle: unpickling it creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (builtins.open, (self.marker, "w"))
+
+
+# --- hostile versions of a file ---------------------------------------------------------------------------------
+
+# Each writes a hostile version of a file at the path, given the valid file's bytes.
+Maker = Callable[[Path, bytes], None]
+
+
+def _write(content: bytes) -> Maker:
+    return lambda path, valid: path.write_bytes(content)
+
+
+def _truncated(path: Path, valid: bytes) -> None:
+    path.write_bytes(valid[: len(valid) // 2])
+
+
+def _non_utf8(path: Path, valid: bytes) -> None:
+    path.write_bytes(b"\xff\xfe" + valid)
+
+
+def _sparse(size: int, head: bytes = b"", tail: bytes = b"") -> Maker:
+    """A file of `size` bytes, most of them a hole: larger than a bound without writing it."""
+
+    def make(path: Path, valid: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(head)
+            f.seek(size)
+            f.write(tail)
+
+    return make
+
+
+def _symlink_out(outside: Path) -> Maker:
+    """A link to a file outside the run directory (or bundle) that holds the valid record."""
+
+    def make(path: Path, valid: bytes) -> None:
+        target = outside / f"outside-{path.name}"
+        target.write_bytes(valid)
+        path.symlink_to(target)
+
+    return make
+
+
+def _fifo(path: Path, valid: bytes) -> None:
+    os.mkfifo(path)
+
+
+def json_cases(outside: Path, wrong: bytes, limit: int = JSON_LIMIT) -> dict[str, Maker]:
+    return {
+        "100,000-deep list": _write(DEEP_LIST),
+        "100,000-deep object": _write(DEEP_OBJECT),
+        "wrong types": _write(wrong),
+        "truncated": _truncated,
+        "non-UTF-8": _non_utf8,
+        "larger than its bound": _sparse(limit + 1, b"{"),
+        "symlink out": _symlink_out(outside),
+        "fifo": _fifo,
+    }
+
+
+def jsonl_cases(outside: Path, wrong_line: bytes) -> dict[str, Maker]:
+    """A bad line is followed by a valid one: only a last line may be torn (util/jsonl's policy)."""
+
+    def then_valid(head: bytes) -> Maker:
+        return lambda path, valid: path.write_bytes(head + b"\n" + valid)
+
+    def huge(path: Path, valid: bytes) -> None:
+        _sparse(LINE_LIMIT + 1, b'{"', b'"}\n' + valid)(path, valid)
+
+    return {
+        "100,000-deep line": then_valid(DEEP_LIST),
+        "line longer than its bound": huge,
+        "wrong-typed line": then_valid(wrong_line),
+        "non-UTF-8 line": then_valid(b'{"\xff": 1}'),
+        "symlink out": _symlink_out(outside),
+        "fifo": _fifo,
+    }
+
+
+def _header(entries: dict[str, Any], data: bytes) -> bytes:
+    head = json.dumps(entries).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+def safetensors_cases(outside: Path, marker: Path) -> dict[str, Maker]:
+    f32 = {"dtype": "F32", "shape": [2]}
+    return {
+        "a pickle named .safetensors": _write(pickle.dumps(_Payload(marker))),
+        "a torch.save named .safetensors": _torch_saved(marker),
+        "header claiming 2^62 bytes": lambda path, valid: path.write_bytes(
+            struct.pack("<Q", 1 << 62) + valid[8:]
+        ),
+        "overlapping offsets": _write(
+            _header({"a": {**f32, "data_offsets": [0, 8]}, "b": {**f32, "data_offsets": [4, 12]}}, bytes(12))
+        ),
+        "offsets past the end": _write(_header({"a": {**f32, "data_offsets": [0, 8]}}, bytes(4))),
+        "a tensor of 2^62 elements": _write(
+            _header({"a": {"dtype": "U8", "shape": [1 << 62], "data_offsets": [0, 1 << 62]}}, b"")
+        ),
+        "100,000-deep header": _write(struct.pack("<Q", len(DEEP_LIST)) + DEEP_LIST),
+        "truncated": _truncated,
+        "symlink out": _symlink_out(outside),
+        "fifo": _fifo,
+    }
+
+
+def _torch_saved(marker: Path) -> Maker:
+    def make(path: Path, valid: bytes) -> None:
+        buf = io.BytesIO()
+        torch.save(_Payload(marker), buf)
+        path.write_bytes(buf.getvalue())
+
+    return make
+
+
+# --- the oracle -------------------------------------------------------------------------------------------------
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: object) -> None:
+    raise _Hang()
+
+
+@dataclass
+class Tally:
+    cases: int = 0
+    refused: int = 0
+    tolerated: int = 0
+    tracebacks: int = 0
+    hangs: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        return (
+            f"{self.cases} cases, {self.refused} refused in one line, {self.tolerated} read as valid, "
+            f"{self.tracebacks} tracebacks, {self.hangs} hangs"
+        )
+
+
+def _bounded(fn: Callable[[], Any]) -> Any:
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(CASE_SECONDS)
+    try:
+        return fn()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_verb(tally: Tally, label: str, name: str, argv: list[str], tolerate: bool = False) -> None:
+    """`torchrelay ARGV` in-process: exit 2 with one message (and its hint) naming `name`, or, when `tolerate`,
+    exit 0; never a traceback, never a hang."""
+    tally.cases += 1
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = _bounded(lambda: main(argv))
+    except _Hang:
+        tally.hangs += 1
+        tally.failures.append(f"{label}: hung for {CASE_SECONDS} s")
+        return
+    except BaseException:  # noqa: BLE001 - the point: an exception out of main is a traceback for the user
+        tally.tracebacks += 1
+        tally.failures.append(f"{label}: {traceback.format_exc(limit=-3)}")
+        return
+    said = err.getvalue().strip()
+    if "Traceback" in out.getvalue() + said:
+        tally.tracebacks += 1
+        tally.failures.append(f"{label}: printed a traceback: {said[-500:]}")
+    elif code == EXIT_REFUSED and name in said + out.getvalue() and len(said.splitlines()) <= 2:
+        # a refusal on stderr, or (verify) a failed check: a line per file on stdout
+        tally.refused += 1
+    elif code == 0 and tolerate:
+        tally.tolerated += 1
+    else:
+        tally.failures.append(f"{label}: exit {code}, said {said[:400]!r}")
+
+
+def run_reader(tally: Tally, label: str, name: str, read: Callable[[], Any], tolerate: bool = False) -> None:
+    """A library reader the resume calls: one RelayError of exit 2 naming `name` (a message and its hint)."""
+    tally.cases += 1
+    try:
+        _bounded(read)
+    except _Hang:
+        tally.hangs += 1
+        tally.failures.append(f"{label}: hung for {CASE_SECONDS} s")
+        return
+    except RelayError as exc:
+        text = str(exc)
+        if exc.exit_code == EXIT_REFUSED and name in text and len(text.splitlines()) <= 2:
+            tally.refused += 1
+        else:
+            tally.failures.append(f"{label}: {type(exc).__name__} (exit {exc.exit_code}): {text[:400]}")
+        return
+    except BaseException:  # noqa: BLE001 - any other exception is a traceback for the user
+        tally.tracebacks += 1
+        tally.failures.append(f"{label}: {traceback.format_exc(limit=-3)}")
+        return
+    if tolerate:
+        tally.tolerated += 1
+    else:
+        tally.failures.append(f"{label}: read as valid")
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def plant(path: Path, make: Maker) -> bytes:
+    """Replace `path` with a hostile version; returns the valid bytes to put back."""
+    valid = path.read_bytes()
+    _remove(path)
+    make(path, valid)
+    return valid
+
+
+# --- fixtures: a real run directory, a bundle and a plan -------------------------------------------------------
+
+
+class _Sink:
+    """A tracked object that takes whatever state it is given (the readers are under test, not the objects)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, value: Any) -> None:
+        pass
+
+
+def make_run(root: Path) -> Path:
+    """The fixture's run, with a validation record, what validation left to do, and shared stateful tensors."""
+    run = root / "run"
+    shutil.copytree(FIXTURE / "run", run, symlinks=True)
+    config = json.loads((run / "config.json").read_text())
+    config["data_root"] = str(root / "no-data")  # what the verbs here read never needs the data
+    (run / "config.json").write_text(json.dumps(config, indent=1))
+    record = {"update": 8, "checkpoint": CKPT, "command": "true", "status": "ok", "reason": "", "exit_code": 0,
+              "metrics": {"loss": 1.5}, "started": 1.0, "ended": 2.0, "seconds": 1.0, "attempt": 1, "host": "h",
+              "cwd": "/", "code": {}, "inventory_sha256": "", "contract_sha256": None, "format": 1}  # fmt: skip
+    (run / "validation" / CKPT).mkdir(parents=True)
+    (run / "validation" / CKPT / "record.json").write_text(json.dumps(record, indent=1))
+    pending = {"format": 1, "written": 3.0, "command": "true", "updates": "kept", "left": {"4": "budget"},
+               "missing": {}}  # fmt: skip
+    (run / "validation" / "pending.json").write_text(json.dumps(pending, indent=1))
+    tensors = safetensors_save({"ema": torch.arange(6.0)})
+    (run / CKPT / state.STATE_TENSORS).write_bytes(tensors)
+    return run
+
+
+def resume_readers(run: Path) -> dict[str, Callable[[], Any]]:
+    """What a resume reads of the checkpoint, as `Run.open`, `run.track` and `run.steps` call it on rank 0."""
+    ckpt = run / CKPT
+    doc = json.loads((ckpt / state.LEGACY_STATE).read_text())
+    statefuls = {name: _Sink() for name in doc["statefuls"]}
+    return {
+        "load_state": lambda: state.load_state(ckpt, rank=0, model=None, optimizer=None, statefuls=statefuls),
+        "load_rng": lambda: state.load_rng(ckpt, 0),
+        "load_statefuls": lambda: load_statefuls(ckpt),
+    }
+
+
+def test_every_verb_and_the_resume_answer_a_hostile_record_in_one_line(tmp_path: Path) -> None:
+    tally = Tally()
+    started = time.monotonic()
+    marker = tmp_path / "PWNED"
+    run = make_run(tmp_path)
+    out = tmp_path / "outside"
+    out.mkdir()
+    r = str(run)
+    series = ["report-series", lambda: read_series(run)]
+    resume = resume_readers(run)
+    status, ledger = ["status", r], ["ledger", r]
+    validate = ["validate", r, "--cmd", f"touch {marker}", "--updates", "8"]
+    contract = json.loads((run / "resume_contract.json").read_text())
+    wrong_contract = json.dumps({**contract, "fields": [], "sha256": 5}).encode()
+    record = json.loads((run / "validation" / CKPT / "record.json").read_text())
+    targets: list[tuple[str, dict[str, Maker], list[Any]]] = [
+        ("config.json", json_cases(out, b'{"total_updates": "many"}'), [status, ledger]),
+        ("resume_contract.json", json_cases(out, wrong_contract), [status, ledger]),
+        ("history.jsonl", jsonl_cases(out, b'{"first_update": "one", "hosts": 3}'), [status, series]),
+        ("train/metrics-rank0.jsonl", jsonl_cases(out, b'{"update": "x"}'), [status, series]),
+        ("train/exposures-rank0.jsonl", jsonl_cases(out, b'{"u":"x","i":7}'), [ledger]),
+        (f"{CKPT}/COMPLETE.json", json_cases(out, b'{"format": 1, "files": 7}'), [status + ["(incomplete)"]]),
+        (f"{CKPT}/{state.LEGACY_STATE}", json_cases(out, b'{"format": 1, "loop": [], "statefuls": 3}'),
+         [("load_state", resume["load_state"]), ("load_statefuls", resume["load_statefuls"])]),
+        (f"{CKPT}/rng/rank-0.safetensors", safetensors_cases(out, marker), [("load_rng", resume["load_rng"])]),
+        (f"{CKPT}/{state.STATE_TENSORS}", safetensors_cases(out, marker),
+         [("load_state", resume["load_state"]), ("load_statefuls", resume["load_statefuls"])]),
+        (f"validation/{CKPT}/record.json",
+         json_cases(out, json.dumps({**record, "metrics": [1], "seconds": "slow"}).encode()),
+         [status, series, validate]),
+        ("validation/pending.json", json_cases(out, b'{"left": [4], "missing": "none"}'), [status]),
+    ]  # fmt: skip
+    for rel, cases, readers in targets:
+        path = run / rel
+        for label, make in cases.items():
+            valid = plant(path, make)
+            for reader in readers:
+                who = reader[0]
+                if isinstance(reader[1], str):
+                    # a checkpoint whose inventory is damaged is listed as incomplete, never chosen: no refusal
+                    tolerate = reader[-1] == "(incomplete)"
+                    argv = [a for a in reader if a != "(incomplete)"]
+                    run_verb(tally, f"{rel} [{label}] via {who}", path.name, argv, tolerate=tolerate)
+                else:
+                    run_reader(tally, f"{rel} [{label}] via {who}", path.name, reader[1])
+            _remove(path)
+            path.write_bytes(valid)
+    # a symlinked folder on the way out of the checkpoint: the link is not followed (its target holds valid files)
+    rng_dir = run / CKPT / "rng"
+    outside = tmp_path / "outside-rng"
+    shutil.move(rng_dir, outside)
+    rng_dir.symlink_to(outside)
+    run_reader(tally, "rng/ [a folder symlinked out] via load_rng", "rng", resume["load_rng"])
+    rng_dir.unlink()
+    shutil.move(outside, rng_dir)
+
+    seconds = time.monotonic() - started
+    print(f"{tally.line()} in {seconds:.1f} s")
+    assert not marker.exists(), "a payload executed"
+    assert not tally.failures, f"{len(tally.failures)} of {tally.cases}:\n" + "\n".join(tally.failures[:40])
+    assert tally.tracebacks == 0 and tally.hangs == 0 and tally.cases > 140
+
+
+def resign(bundle: Path) -> None:
+    """What a forger who controls the bundle does: make SHA256SUMS agree with every file."""
+    entries = [SumEntry(rel, sha256_file(bundle / rel)[0]) for rel in walk_files(bundle) if rel != SUMS_NAME]
+    write_sums(bundle / SUMS_NAME, entries)
+
+
+def test_verify_and_prepare_answer_a_hostile_bundle_record_in_one_line(tmp_path: Path) -> None:
+    """Files of a bundle whose SHA256SUMS a forger re-signed: what verify and prepare read refuses them."""
+    tally = Tally()
+    bundle = tmp_path / "bundle"
+    shutil.copytree(FIXTURE / "bundle", bundle, symlinks=True)
+    target = tmp_path / "target"
+    out = tmp_path / "outside"
+    out.mkdir()
+    verify, prepare = ["verify", str(bundle)], ["prepare", str(bundle), "--run-dir", str(target)]
+    info = json.loads((bundle / "bundle.json").read_text())
+    targets = [
+        ("bundle.json", json_cases(out, json.dumps({**info, "lineage": 5}).encode(), 1 << 24),
+         [prepare]),  # verify checks its bytes against SHA256SUMS only; prepare reads it
+        ("data/manifest_info.json", json_cases(out, b'{"samples": "many", "sha256": 1}', 1 << 26), [prepare]),
+        (f"{CKPT}/COMPLETE.json", json_cases(out, b'{"format": 1, "files": 7}'), [verify, prepare]),
+    ]  # fmt: skip
+    for rel, cases, verbs in targets:
+        path = bundle / rel
+        for label, make in cases.items():
+            if label == "larger than its bound":
+                continue  # a 256 MiB hole that SHA256SUMS would hash: the bound is the library fuzz's
+            valid = plant(path, make)
+            if label not in ("symlink out", "fifo"):
+                resign(bundle)
+            for argv in verbs:
+                run_verb(tally, f"bundle {rel} [{label}] via {argv[0]}", path.name, argv)
+                assert not target.exists() or not any(target.iterdir()), f"{label}: prepare wrote {target}"
+                shutil.rmtree(target, ignore_errors=True)
+            _remove(path)
+            path.write_bytes(valid)
+            resign(bundle)
+    print(tally.line())
+    assert not tally.failures, f"{len(tally.failures)} of {tally.cases}:\n" + "\n".join(tally.failures[:40])
+
+
+def test_launch_answers_a_hostile_plan_in_one_line(tmp_path: Path) -> None:
+    tally = Tally()
+    plan = tmp_path / "plan.yaml"
+    cases: dict[str, Maker] = {
+        "100,000-deep YAML": _write(b"[" * 100_000 + b"]" * 100_000),
+        "100,000-deep YAML mapping": _write(b"{a: " * 100_000 + b"1" + b"}" * 100_000),
+        "larger than its bound": _sparse(64 << 20, b"a: "),  # 4 x util/records.YAML_LIMIT
+        "non-UTF-8": _write(b"run_dir: \xff\xfe\n"),
+        "not YAML": _write(b"a: [\n"),
+        "a list, not a mapping": _write(b"- 1\n- 2\n"),
+        "fifo": _fifo,
+    }
+    for label, make in cases.items():
+        _remove(plan)
+        make(plan, b"")
+        run_verb(tally, f"plan [{label}] via launch", plan.name, ["launch", str(plan)])
+    print(tally.line())
+    assert not tally.failures, f"{len(tally.failures)} of {tally.cases}:\n" + "\n".join(tally.failures[:40])
+
+
+# --- the issue's defects 3, 4 and 5, one by one -----------------------------------------------------------------
+
+
+def test_a_deepspeed_payload_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Defect 3: weights_only refuses a planted pickle in a DeepSpeed partition, and safe_load says so in one
+    line naming the file (exit 2), not an UnpicklingError traceback; the payload never runs."""
+    from torchrelay.checkpoint.deepspeed_engine import safe_load
+
+    marker = tmp_path / "PWNED"
+    cases = {
+        "a planted pickle": pickle.dumps(_Payload(marker)),
+        "truncated": b"\x80\x04\x95",
+        "noise": b"\x00" * 64,
+    }
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    cases["a torch.save'd payload"] = buf.getvalue()
+    for label, content in cases.items():
+        path = tmp_path / f"zero_pp_rank_0_mp_rank_00_optim_states-{len(label)}.pt"
+        path.write_bytes(content)
+        with pytest.raises(RelayError) as caught:
+            safe_load(path)
+        assert caught.value.exit_code == EXIT_REFUSED and path.name in str(caught.value), (
+            label,
+            caught.value,
+        )
+        assert len(str(caught.value).splitlines()) <= 2, (label, str(caught.value))
+    assert not marker.exists()
+
+
+def test_the_stop_request_never_follows_a_link_out_of_the_run(tmp_path: Path) -> None:
+    """Defect 4: REQUEST_STOP linked to a file outside the run: its text is never read (it would reach
+    history.jsonl's notes and status, which travel in bundles); the link still asks the run to stop."""
+    from torchrelay.stop import REQUEST_FILE, StopRequest
+
+    run = tmp_path / "run"
+    run.mkdir()
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"reason": "TOP-SECRET-TEXT", "by": "TOP-SECRET-TEXT", "job": "TOPSECRET"}))
+    (run / REQUEST_FILE).symlink_to(secret)
+    request = StopRequest.read(run / REQUEST_FILE)
+    assert request is not None and request.job is None and request.at_update is None
+    assert "TOPSECRET" not in repr(request).replace("-", ""), request
+    assert "symbolic link" in (request.note or ""), request
+    # a FIFO asks the same, without blocking the rank that reads it
+    (run / REQUEST_FILE).unlink()
+    os.mkfifo(run / REQUEST_FILE)
+    request = _bounded(lambda: StopRequest.read(run / REQUEST_FILE))
+    assert request is not None and "not a regular file" in (request.note or "")
+
+
+LEDGER_LINE = 600 << 20  # a 600 MB line (a hole): nine times the bound
+
+
+def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Path) -> None:
+    """Defect 5: `torchrelay ledger` refuses an exposure log whose line is longer than the bound `status` uses,
+    reading at most about the bound: the peak memory of the process stays far below the line's size."""
+    run = make_run(tmp_path)
+    for verb, name, head in (
+        ("ledger", "exposures", b'{"u":9,"m":0,"i":['),
+        ("status", "metrics", b'{"x":"'),
+    ):
+        target = run / "train" / f"{name}-rank0.jsonl"  # status reads the tail of rank 0's metrics
+        with open(target, "ab") as f:  # whole lines first, then one line of 400 MB (a hole: written at once)
+            f.write(head)
+            f.truncate(target.stat().st_size + LEDGER_LINE)
+        code = (
+            "import resource, sys\n"
+            "from torchrelay.cli import main\n"
+            "import torchrelay.ledger, torchrelay.summary, torchrelay.audit.verdict\n"
+            "print('BEFORE_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+            f"code = main([{verb!r}, {str(run)!r}])\n"
+            "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+            "sys.exit(code)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert out.returncode == EXIT_REFUSED, (verb, out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+        assert target.name in out.stderr and f"longer than {LINE_LIMIT:,} bytes" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
+        before = int(out.stdout.split("BEFORE_KB")[1].split()[0]) << 10
+        grown = (int(out.stdout.split("MAXRSS_KB")[1].split()[0]) << 10) - before
+        # what the verb itself held at its peak (after its imports): about the bound, never the line
+        assert grown < LEDGER_LINE / 4, f"{verb}: grew {grown >> 20} MB for a {LEDGER_LINE >> 20} MB line"
+        target.write_bytes((FIXTURE / "run" / "train" / target.name).read_bytes())
