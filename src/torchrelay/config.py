@@ -11,6 +11,7 @@ from typing import Any
 from torchrelay.errors import ConfigError, install_excepthook
 
 SAMPLERS = ("shuffled", "length_bucketed")
+ELASTIC_MODES = ("default", "exact")
 
 # Fields that do not change the math: they may differ between segments (server paths, worker count,
 # when to save, how long to run). Everything else, and every key of `params` not in `runtime_params`,
@@ -49,6 +50,7 @@ class RelayConfig:
     keep_every: int = 0  # also keep every checkpoint whose update is a multiple of this (0: none)
     keep_updates: list[int] = field(default_factory=list)  # also keep (and save) these updates
     async_save: bool = True  # write, hash and commit checkpoints in the background (false: the loop waits)
+    elastic: str = "default"  # "exact": gradients summed in one layout-free order (run/exact_reduce.py)
     pins: list[str] = field(default_factory=list)
     external_files: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
@@ -99,6 +101,11 @@ class RelayConfig:
                 f"{self.total_updates}], got {self.keep_updates!r}"
             )
         self.keep_updates = sorted(set(self.keep_updates))
+        if self.elastic not in ELASTIC_MODES:
+            raise ConfigError(
+                f"config field 'elastic' must be one of {ELASTIC_MODES}, got {self.elastic!r}",
+                hint="exact: bit-for-bit equal across world sizes (docs/ELASTIC.md); default: DDP's own reduction",
+            )
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"config field 'sampler' must be one of {SAMPLERS}, got {self.sampler!r}")
         if not self.manifest:

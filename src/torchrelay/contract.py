@@ -49,6 +49,9 @@ def build_contract(
     for name in RUNTIME_FIELDS:
         config.pop(name, None)
     config["params"] = {k: v for k, v in cfg.params.items() if k not in cfg.runtime_params}
+    if config.get("elastic") == "default":
+        # Absent means default: a contract written before the field, and its digest, stay as they were.
+        config.pop("elastic")
     pinned = versions(cfg.pins)
     code = code_identity(code_dir, use_git=use_git, files=code_files, known=known)
     tracked_dirty = code.pop("_tracked_dirty", None)
