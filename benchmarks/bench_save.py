@@ -599,7 +599,7 @@ def loads_only(
     out: dict[str, Any],
     nbytes: int,
 ) -> None:
-    from torchrelay.checkpoint import dcp_io
+    from torchrelay.checkpoint import dcp_io, verified_read
 
     dev = args.device
     rows: dict[str, float] = {}
@@ -636,8 +636,8 @@ def loads_only(
     breakdown: dict[str, dict[str, float]] = {}
     runs = [("cold", streams) for streams in args.read_streams] + [("warm", args.read_streams[0])]
     for how, streams in runs:
-        if hasattr(dcp_io, "READ_STREAMS"):
-            dcp_io.READ_STREAMS = streams
+        if hasattr(verified_read, "READ_STREAMS"):
+            verified_read.READ_STREAMS = streams
         if len(args.read_streams) > 1:
             how = f"{how}, {streams} reads in flight"
         if how.startswith("cold"):

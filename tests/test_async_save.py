@@ -187,10 +187,10 @@ def test_several_files_per_rank_load_one_at_a_time_within_the_buffer(
 ) -> None:
     """A rank's tensors split over several files; a resume with room for one file at a time still reads them all,
     in DCP's order, without waiting on itself, and restores every value."""
-    from torchrelay.checkpoint import dcp_io, persist
+    from torchrelay.checkpoint import persist, verified_read
 
     monkeypatch.setattr(persist, "FILE_BYTES", 128)
-    monkeypatch.setattr(dcp_io, "LOAD_BUFFER", 1)
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 1)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     write_request(run_dir, at_update=2)
