@@ -581,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-kill"))
     parser.add_argument("--updates", type=int, default=30, help="total_updates of each run")
+    parser.add_argument(
+        "--verbs", type=int, default=0, metavar="N",
+        help="instead: kill pack, prepare, validate and export N times each (benchmarks/kill_verbs.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -588,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     code = make_code_repo(args.out / "code")
     root, manifest = make_data(args.out / "data")
     config = write_config(args.out / "lm.yaml", manifest, root, total_updates=args.updates)
+    if args.verbs:
+        return verb_kills(args.out, code, config, args.verbs, args.seed)
     sets = {"save_every": 1, "num_workers": 1}
     t0 = time.time()
     camp = Campaign(args.out, code, config, sets=sets, seed=args.seed, log=lambda s: print(s, flush=True))
@@ -607,6 +613,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"every kill: {args.out / 'kills.json'}")
     bad = summary["corrupt_resumes"] or summary["refusals"] or summary["leftovers"]
     return 1 if bad or summary["runs_bit_exact"] != summary["runs"] else 0
+
+
+def verb_kills(out: Path, code: Path, config: Path, kills: int, seed: int) -> int:
+    """Train one run to its end, then kill each writing verb `kills` times on copies of it (kill_verbs.py)."""
+    from kill_verbs import VerbCampaign
+    from kill_verbs import table as verb_table
+
+    run = out / "run"
+    done = subprocess.run(
+        torchrun_cmd(code, run, config=config), capture_output=True, text=True, env=clean_env(), cwd=code
+    )
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    t0 = time.time()
+    camp = VerbCampaign(out / "verbs", run, code, seed=seed, log=lambda s: print(s, flush=True))
+    camp.run(kills)
+    summary = camp.summary()
+    doc = {"summary": summary, "wall_s": round(time.time() - t0, 1), "seed": seed}
+    doc["kills"] = [asdict(k) for k in camp.kills]
+    (out / "verb_kills.json").write_text(json.dumps(doc, indent=1))
+    print(verb_table(summary))
+    print(f"wall {doc['wall_s']} s; every kill: {out / 'verb_kills.json'}")
+    return 1 if any(s["problems"] for s in summary.values()) else 0
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ counter equal, each sample once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import pickle
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG, _VerifiedLoad
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
-from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.errors import CheckpointError, ConfigError, UnsafeInput
 from torchrelay.ledger import prove
 from torchrelay.stop import write_request
 
@@ -170,7 +171,9 @@ def test_engine_files_are_read_weights_only_and_inside_the_checkpoint(tmp_path: 
     planted = root / DS_TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     torch.save({"optimizer_state_dict": _Payload(marker)}, planted)
     loads = _VerifiedLoads(None, root)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(
+        UnsafeInput, match="not a DeepSpeed checkpoint file torchrelay loads"
+    ):  # one line, exit 2
         loads.load(str(planted))
     assert not marker.exists()
     outside = tmp_path / "elsewhere.pt"
@@ -179,6 +182,34 @@ def test_engine_files_are_read_weights_only_and_inside_the_checkpoint(tmp_path: 
         loads.load(str(outside))
     torch.save({"x": torch.ones(2)}, root / DS_TAG / "fine.pt")
     assert torch.equal(loads.load(str(root / DS_TAG / "fine.pt"))["x"], torch.ones(2))
+
+
+def test_a_planted_pickle_in_one_ranks_partition_ends_both_ranks_at_once(
+    ds: dict[str, Path], tmp_path: Path
+) -> None:
+    """Issue 19 defect 2: a pickle planted in rank 1's optimizer partition (its inventory entry rewritten to match,
+    as a hostile copy would) used to leave rank 0 waiting in the load's gather and rank 1 at the script's barrier
+    until gloo's 30-minute timeout. Now both raise the same line, said once, within seconds (util/collective.py)."""
+    run = tmp_path / "run"
+    shutil.copytree(ds["baseline"], run)
+    ckpt = run / f"checkpoint-{U}"
+    planted = ckpt / DS_DIR / DS_TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer_state_dict": _Payload(marker)}, planted)
+    inventory = json.loads((ckpt / "COMPLETE.json").read_text())
+    for entry in inventory["files"]:
+        if entry["path"] == f"{DS_DIR}/{DS_TAG}/{planted.name}":
+            entry["sha256"] = hashlib.sha256(planted.read_bytes()).hexdigest()
+            entry["size"] = planted.stat().st_size
+    (ckpt / "COMPLETE.json").write_text(json.dumps(inventory))
+    started = time.monotonic()
+    out = run_tree(_cmd(ds["code"], run, ds), timeout=150, env=_env(), cwd=ds["code"])
+    seconds = time.monotonic() - started
+    text = out.stdout + out.stderr
+    said = [line for line in text.splitlines() if line.startswith("torchrelay")]
+    assert out.returncode != 0 and not marker.exists(), text[-3000:]
+    assert len(said) == 1 and said[0].startswith(f"torchrelay: loading checkpoint-{U} failed on rank 1"), said
+    assert "Timed out" not in text and seconds < 120, (seconds, text[-3000:])
 
 
 # Trainer(deepspeed=...): examples/train_hf_trainer_deepspeed.py through tests/trainer_paced.py (its updates paced

@@ -125,3 +125,19 @@ def test_the_next_open_removes_half_written_files_of_a_killed_writer(
         pass
     assert not [rel for rel in debris if (run_dir / rel).exists()]
     assert (run_dir / ".REQUEST_STOP.tmp-7").exists()
+
+
+def test_pack_prepare_validate_export_sigkilled_while_writing_then_run_again(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """Each verb that writes, SIGKILLed (with what it started) at random moments of its writing: the same command
+    run again completes (or, for a pack that had finished its bundle, refuses in one line and that bundle
+    verifies), its output passes its own check, and no temporary is left (issue 19 defect 7)."""
+    from kill_verbs import VerbCampaign  # benchmarks/, on sys.path above
+
+    camp = VerbCampaign(tmp_path, baseline, example["code"], seed=19)
+    camp.run(kills_per_verb=2)
+    assert len(camp.kills) == 8
+    assert not [k for k in camp.kills if k.problem], [k for k in camp.kills if k.problem]
+    assert sum(k.killed_while_writing for k in camp.kills) >= 6, camp.kills  # the kills landed mid-write
+    assert all(k.next_rc in (0, 2) for k in camp.kills), camp.kills

@@ -54,9 +54,10 @@ def test_every_rank_raises_the_refusal_and_none_waits(opened: tuple[Path, str, l
     # a bug keeps its traceback on rank 0; rank 1 hears of it and exits 1
     assert _case(seen, "bug") == [("TypeError", None, False), ("RelayError", 1, True)]
     assert "failed on rank 0 with TypeError: injected bug" in seen[1]["bug"]["message"]
-    # rank 1 alone failed: it says so (unreported until its hook does), rank 0 raises the same refusal quietly
-    assert _case(seen, "local") == [("PathError", 2, True), ("PathError", 2, False)]
-    assert seen[0]["local"]["message"].startswith("rank 1: opening the run: ")
+    # rank 1 alone failed: both raise the same refusal naming it, said once by rank 0 (util/collective.py)
+    assert _case(seen, "local") == [("PathError", 2, True)] * 2
+    assert seen[0]["local"]["message"].startswith("opening the run failed on rank 1: ")
+    assert seen[0]["local"]["message"] == seen[1]["local"]["message"]
     assert all(s[c]["seconds"] < 20 for s in seen for c in s), seen
 
 
@@ -73,7 +74,9 @@ def test_refusals_are_said_once_without_a_traceback(opened: tuple[Path, str, lis
         "(invalid start byte at byte 40)",
         f"torchrelay: opening the run: {base / 'history' / 'history.jsonl'}: Is a directory",
         said[3],  # RunBusy names the holder
-        # (the bug is a traceback for rank 0's hook, and rank 1's own failure for its hook: both were caught)
+        # (the bug is a traceback for rank 0's hook: it was caught)
+        f"torchrelay: opening the run failed on rank 1: {base / 'local' / 'data' / 'manifest.jsonl'}: "
+        "Permission denied",
         f"torchrelay: resume refused: the training contract in {base / 'again' / 'resume_contract.json'} "
         "differs in 1 field(s):",
         f"torchrelay: resume refused: the training contract in {base / 'final' / 'resume_contract.json'} "
@@ -92,7 +95,7 @@ def test_refused_launches_are_recorded_unless_another_writer_holds_the_run(
     for name, why in (
         ("mismatch", "seed: 1234 -> 1235"),
         ("manifest", "not UTF-8 text"),
-        ("local", "rank 1: opening the run:"),
+        ("local", "opening the run failed on rank 1:"),
         ("final", "seed: 1234 -> 1235"),
     ):
         history = segments(base / name)

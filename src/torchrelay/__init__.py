@@ -11,6 +11,7 @@ __all__ = [
     "SampleContext",
     "Step",
     "__version__",
+    "agree",
     "install_excepthook",
     "sample_dropout",
     "sample_generator",
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from torchrelay.errors import install_excepthook
     from torchrelay.lr_shape import warmup_cosine
     from torchrelay.run import Run, Step
+    from torchrelay.util.collective import agree
 
 # Importing torchrelay changes nothing in the process. The one-line report of an uncaught refusal (a configuration
 # error, a contract mismatch: one message and its exit code instead of a traceback per rank and exit 1) is installed
@@ -33,6 +35,7 @@ _LAZY = {
     "RelayConfig": "config",
     "Run": "run",
     "Step": "run",
+    "agree": "util.collective",
     "warmup_cosine": "lr_shape",
     "install_excepthook": "errors",
     "SampleContext": "data.sample",

@@ -11,6 +11,7 @@ from typing import Any
 from torchrelay.errors import ConfigError, install_excepthook
 
 SAMPLERS = ("shuffled", "length_bucketed")
+ELASTIC_MODES = ("default", "exact")
 
 # Fields that do not change the math: they may differ between segments (server paths, worker count,
 # when to save, how long to run). Everything else, and every key of `params` not in `runtime_params`,
@@ -26,6 +27,7 @@ RUNTIME_FIELDS = (
     "async_save",
     "external_files",
     "runtime_params",
+    "strict_code",
     "strict_numerics",
 )
 
@@ -49,6 +51,7 @@ class RelayConfig:
     keep_every: int = 0  # also keep every checkpoint whose update is a multiple of this (0: none)
     keep_updates: list[int] = field(default_factory=list)  # also keep (and save) these updates
     async_save: bool = True  # write, hash and commit checkpoints in the background (false: the loop waits)
+    elastic: str = "default"  # "exact": gradients summed in one layout-free order (run/exact_reduce.py)
     pins: list[str] = field(default_factory=list)
     external_files: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
@@ -57,6 +60,9 @@ class RelayConfig:
     # segments' instead of warning (docs/NUMERICS.md). Runtime-only: a policy of where the run may continue, not
     # of its math, so it may be turned on or off at any launch.
     strict_numerics: bool = False
+    # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
+    # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
+    strict_code: bool = False
 
     def __post_init__(self) -> None:
         install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback
@@ -79,12 +85,9 @@ class RelayConfig:
                 f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
                 f"and one more survives a crash during a save), got {self.keep}"
             )
-        if not isinstance(self.strict_numerics, bool):
-            raise ConfigError(
-                f"config field 'strict_numerics' must be true or false, got {self.strict_numerics!r}"
-            )
-        if not isinstance(self.async_save, bool):
-            raise ConfigError(f"config field 'async_save' must be true or false, got {self.async_save!r}")
+        for flag in ("async_save", "strict_code", "strict_numerics"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"config field {flag!r} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 0:
             raise ConfigError(
                 f"config field 'keep_every' must be an integer >= 0 (0: keep no periodic checkpoints), "
@@ -99,6 +102,11 @@ class RelayConfig:
                 f"{self.total_updates}], got {self.keep_updates!r}"
             )
         self.keep_updates = sorted(set(self.keep_updates))
+        if self.elastic not in ELASTIC_MODES:
+            raise ConfigError(
+                f"config field 'elastic' must be one of {ELASTIC_MODES}, got {self.elastic!r}",
+                hint="exact: bit-for-bit equal across world sizes (docs/ELASTIC.md); default: DDP's own reduction",
+            )
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"config field 'sampler' must be one of {SAMPLERS}, got {self.sampler!r}")
         if not self.manifest:

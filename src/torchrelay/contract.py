@@ -9,7 +9,7 @@ from typing import Any
 from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.fsutil import read_json
-from torchrelay.identity import code_identity, versions
+from torchrelay.identity import CODE_FIELDS, code_changes, code_identity, versions
 from torchrelay.layout import CONTRACT_FILE
 from torchrelay.manifest import Manifest
 from torchrelay.util.dotted import flatten
@@ -21,7 +21,7 @@ CONTRACT_FORMAT = 1
 _OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
 # Fields added after contracts were first written (format 1 all along): a contract without them is compared
 # without them, so a run made before them still resumes; code.dirty then keeps its old sense (tracked files only).
-LATER_FIELDS = ("code.untracked", "code.modified")
+LATER_FIELDS = ("code.untracked", "code.modified", "code.program", "code.changed")
 
 
 def contract_sha256(fields: dict[str, Any]) -> str:
@@ -37,20 +37,24 @@ def build_contract(
     use_git: bool = True,
     code_files: list[str] | tuple[str, ...] = (),
     known: dict[str, Any] | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Recompute the contract from a configuration and what is installed and on disk here.
 
     use_git=False: `code_dir` is untrusted (extracted from a bundle); its identity is a plain content hash.
     code_files: the running program's files (identity.running_files); known: the recorded contract's fields, whose
-    code files are looked at too (see identity.code_identity).
+    code files are looked at too (see identity.code_identity); run_dir: the run's own directory, never code.
     """
     manifest = manifest or Manifest.load(cfg.manifest, cfg.data_root)
     config = cfg.to_dict()
     for name in RUNTIME_FIELDS:
         config.pop(name, None)
     config["params"] = {k: v for k, v in cfg.params.items() if k not in cfg.runtime_params}
+    if config.get("elastic") == "default":
+        # Absent means default: a contract written before the field, and its digest, stay as they were.
+        config.pop("elastic")
     pinned = versions(cfg.pins)
-    code = code_identity(code_dir, use_git=use_git, files=code_files, known=known)
+    code = code_identity(code_dir, use_git=use_git, files=code_files, known=known, run_dir=run_dir)
     tracked_dirty = code.pop("_tracked_dirty", None)
     fields: dict[str, Any] = {
         **flatten(config),
@@ -112,6 +116,16 @@ def contract_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, A
     return out
 
 
+def contract_changes(
+    recorded: dict[str, Any], recomputed: dict[str, Any], *, strict_code: bool = False
+) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """(refused, other): every differing field outside the code identity, and the code's differences as
+    identity.code_changes rules them (another file of the tree is `other` unless strict_code)."""
+    diffs = [d for d in contract_diff(recorded, recomputed) if d[0].split("[", 1)[0] not in CODE_FIELDS]
+    refused, other = code_changes(recorded, recomputed, strict=strict_code)
+    return sorted(diffs + refused), other
+
+
 def write_contract(run_dir: Path, contract: dict[str, Any]) -> None:
     from torchrelay.fsutil import atomic_write_text
 
@@ -145,12 +159,17 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_contract(
-    run_dir: Path, recomputed: dict[str, Any], recorded: dict[str, Any] | None = None
+    run_dir: Path,
+    recomputed: dict[str, Any],
+    recorded: dict[str, Any] | None = None,
+    *,
+    strict_code: bool = False,
 ) -> dict[str, Any]:
-    """Refuse with every differing field listed, or return the recorded contract."""
+    """Refuse with every differing field listed, or return the recorded contract (another changed file of the
+    code's tree is no refusal unless strict_code: identity.code_changes)."""
     recorded = recorded if recorded is not None else load_contract(run_dir)
     recomputed = comparable(recorded["fields"], recomputed)
-    diffs = contract_diff(recorded["fields"], recomputed["fields"])
+    diffs, _ = contract_changes(recorded["fields"], recomputed["fields"], strict_code=strict_code)
     if diffs:
         raise ContractMismatch(str(run_dir / CONTRACT_FILE), diffs)
     return recorded

@@ -9,4 +9,5 @@ LINEAGE_FILE = "lineage.json"
 HISTORY_FILE = "history.jsonl"
 MANIFEST_REL = "data/manifest.jsonl"  # the run's copy of its manifest
 TRAIN_DIR = "train"  # per-rank metric and exposure logs
+SOURCE_MANIFEST = "source_manifest.sha256"  # beside a bundle's (and a prepared run's) source tree
 PREPARE_RECORD = "REBASE_RECORD.json"  # written by `prepare` (handoff/prepare.py owns its format)

@@ -5,8 +5,10 @@ hyper-parameters and the precision: all in the resume contract. The layout is ho
 the world size and the micro-batch x gradient-accumulation split, with micro_batch x grad_accum x world_size =
 global_batch. A layout change keeps the global batch, so every update sees the same samples (data/order.py cuts
 each global batch into micro-batches and ranks without the world size); it is accepted only when asked for
-(TORCHRELAY_RESHARD=1, `Run.open(reshard=True)` or `prepare --world-size N`) and recorded. A change of the
-global batch is another run and is refused.
+(TORCHRELAY_RESHARD=1, `Run.open(reshard=True)` or `prepare --world-size N`) and recorded as the segment's
+`layout_change` in history.jsonl; only `prepare` also writes it into REBASE_RECORD.json (an in-place move writes no
+such file). A change of the global batch is another run and is refused. What a move keeps exactly and what it
+changes: docs/ELASTIC.md.
 
 The layout a checkpoint was saved with is its own (trainer_state.json `loop`); checkpoints written before
 layouts could change say only their world size, and their split is the contract's.
@@ -171,12 +173,12 @@ def refuse_unasked(path: str, current: Layout, new: Layout) -> ContractMismatch:
             "a layout change is accepted only when asked for"
         ),
         hint=f"launch with the checkpoint's layout ({current}), or ask for the change: {RESHARD_ENV}=1 for this "
-        "launch, or `torchrelay prepare BUNDLE --world-size N` (README: moving to another number of GPUs)",
+        "launch, or `torchrelay prepare BUNDLE --world-size N` (docs/ELASTIC.md)",
     )
 
 
 def change_record(old: Layout, new: Layout, update: int, how: str, notes: list[str]) -> dict[str, Any]:
-    """The `layout_change` of a segment (history.jsonl) or a prepare (REBASE_RECORD.json)."""
+    """The `layout_change` of a segment (history.jsonl, every move) and of a prepare (REBASE_RECORD.json too)."""
     return {
         "from": old.to_dict(),
         "to": new.to_dict(),

@@ -15,7 +15,7 @@ from torchrelay.contract import (
     CONTRACT_FILE,
     build_contract,
     comparable,
-    contract_diff,
+    contract_changes,
     load_contract,
     runtime_changes,
 )
@@ -51,6 +51,9 @@ class ResumeCheck:
     passed: list[str] = field(default_factory=list)
     config: RelayConfig | None = None  # the configuration with the layout this launch runs with
     layout_change: dict[str, Any] | None = None  # reshard.change_record when the layout changes here
+    code_changes: list[tuple[str, Any, Any]] = field(
+        default_factory=list
+    )  # files of the tree, not of the code
 
 
 def schedule_gate(cfg: RelayConfig, update: int, where: str) -> str:
@@ -138,9 +141,12 @@ def validate_resume(
         use_git=not code_from_bundle,
         code_files=code_files,
         known=fields,
+        run_dir=rd.path,
     )
     contract = comparable(fields, contract)
-    _check_math_and_layout(rd.path / CONTRACT_FILE, fields, contract["fields"], current, new, reshard)
+    other = _check_math_and_layout(
+        rd.path / CONTRACT_FILE, fields, contract["fields"], current, new, reshard, cfg.strict_code
+    )
     # The recorded digest is the run's one identity: prepare, the trainer and the bundle README print it. (A
     # recomputed digest can differ in fields the comparison skips, e.g. the commit of an extracted archive.)
     passed = [f"contract {recorded['sha256']} matches {rd.contract_path}"]
@@ -164,6 +170,7 @@ def validate_resume(
         passed,
         config=cfg,
         layout_change=change,
+        code_changes=other,
     )
 
 
@@ -174,11 +181,13 @@ def _check_math_and_layout(
     current: Layout,
     new: Layout,
     reshard: bool,
-) -> None:
-    """Refuse a change of the math (any contract field but the layout's), naming every field; a change of the
-    global batch names its product; a layout change only when asked for."""
+    strict_code: bool,
+) -> list[tuple[str, Any, Any]]:
+    """Refuse a change of the math (any contract field but the layout's) or of the code, naming every field; a
+    change of the global batch names its product; a layout change only when asked for. Returns the changes of
+    the code's tree that are not the code (identity.code_changes)."""
     expected = {**recorded, **{k: v for k, v in current.to_dict().items() if k in recorded}}
-    diffs = contract_diff(expected, recomputed)
+    diffs, other = contract_changes(expected, recomputed, strict_code=strict_code)
     math_diffs = [d for d in diffs if d[0] not in LAYOUT_FIELDS]
     if [d[0] for d in math_diffs] == ["global_batch"]:
         raise refuse_global_batch(str(path), contract_global_batch(recorded), current, new, diffs)
@@ -186,6 +195,7 @@ def _check_math_and_layout(
         raise ContractMismatch(str(path), diffs)
     if diffs and not reshard:
         raise refuse_unasked(str(path), current, new)
+    return other
 
 
 def _trainer_state(ckpt: Path | None) -> dict[str, Any]:

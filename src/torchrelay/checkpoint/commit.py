@@ -18,17 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.errors import CheckpointError, DiskFull, mark_reported, one_line
+from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
 
 # KILL_ENV in a save: "<phase>:<update>:<rank>", phases: shards, inventory, rename
 from torchrelay.fsutil import KILL_ENV, fsync_dir
+from torchrelay.util import collective
 
 TMP_PREFIX = ".tmp-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
@@ -60,14 +58,6 @@ def clean_stale(run_dir: Path) -> list[str]:
     return removed
 
 
-def _broadcast(obj: Any, distributed: bool, group: Any = None) -> Any:
-    if not distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
 Written = dict[str, tuple[str, int]]  # relative path -> (SHA-256, size) of the files a rank wrote
 
 
@@ -89,78 +79,72 @@ def commit_checkpoint(
     takes them as they are and hashes only what no rank reported (DCP's `.metadata`). Collectives go through
     `group` (a background persist has a gloo group of its own). `started`: when the save began (its staging).
     """
-    distributed = world_size > 1
     started = time.perf_counter() if started is None else started
     hook = kill_hook_for(update, rank)
-    tmp_name = None
-    error = ""
-    if rank == 0:
-        tmp_name = f"{TMP_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
-        try:
-            (run_dir / tmp_name).mkdir()
-        except OSError as exc:
-            error = f"cannot create {run_dir / tmp_name}: {exc.strerror}"
-    tmp_name, error = _broadcast((tmp_name, error), distributed, group)
-    if error:
-        raise CheckpointError(error)
-    tmp = run_dir / tmp_name
-    local_error = ""
-    written: Written | None = None
-    try:
-        written = write(tmp, hook)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must learn of any failure
-        local_error = f"rank {rank}: {one_line(exc)}"[:500]
+    peers = collective.ranks(group)
+    name = f"saving checkpoint-{update}"
+    tmp_box: list[Path] = []
+
+    def translate(exc: BaseException) -> BaseException:
+        """This rank's failure as the save's: a full disk said as such, anything else a CheckpointError."""
         if _is_disk_full(exc) or _nearly_full(run_dir):
-            local_error = f"rank {rank}: no space left on the device holding {run_dir} (disk full)"
-        del exc
+            return DiskFull(f"{name}: no space left on the device holding {run_dir} (disk full)")
+        return exc if isinstance(exc, RelayError) else CheckpointError(f"{name}: {one_line(exc)}"[:500])
+
+    def settle(err: RelayError) -> None:
+        """Every rank, once the ranks agreed the save failed: none renames; rank 0 removes the temporary."""
         gc.collect()  # a writer that failed mid-file may still hold it open, and its space with it
-    # Every rank learns whether any rank failed, so none renames a partial directory.
-    errors = [local_error]
-    if distributed:
-        errors = [""] * world_size
-        dist.all_gather_object(errors, local_error, group=group)
-    failed = [e for e in errors if e]
-    if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        cls = DiskFull if any("disk full" in e for e in failed) else CheckpointError
-        err = cls(
-            f"saving checkpoint-{update} failed: {'; '.join(failed)}",
-            hint="the previous complete checkpoint is untouched; free space or fix the cause and resume",
-        )
-        raise err if rank == 0 else mark_reported(err)  # the same message on every rank: rank 0 says it
-    if hook:
-        hook("inventory")
-    if written is None:  # a writer that hashed nothing: each rank hashes a share of the files
-        files = list_files(tmp)
-        mine: Any = inventory_entries(tmp, (rel for i, rel in enumerate(files) if i % world_size == rank))
-    else:
-        mine = [{"path": rel, "sha256": sha, "size": size} for rel, (sha, size) in written.items()]
-    gathered: list[Any] = [mine]
-    if distributed:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, mine, group=group)
-    final = run_dir / f"checkpoint-{update}"
-    if rank == 0:
-        entries = _complete_entries(tmp, [e for part in gathered for e in part])
-        seconds = time.perf_counter() - started
-        write_inventory(
-            tmp, entries, update=update, save_seconds=round(seconds, 4), world_size=world_size, **info
-        )
-        for sub in sorted({p.parent for p in tmp.rglob("*") if p.is_file()}, key=lambda p: -len(p.parts)):
-            fsync_dir(sub)
+        if rank == 0 and tmp_box:
+            shutil.rmtree(tmp_box[0], ignore_errors=True)
+
+    # One phase of the failure protocol (util/collective.py): whatever fails on any rank, every rank raises the
+    # same error before any rank renames, and none waits for a rank that failed.
+    with peers.phase(name, hint=_HINT, translate=translate, settle=settle, end=False):
+        tmp = run_dir / peers.broadcast(name, lambda: _make_tmp(run_dir, update))
+        tmp_box.append(tmp)
+        written = peers.agree(name, lambda: write(tmp, hook))
         if hook:
+            hook("inventory")
+        if written is None:  # a writer that hashed nothing: each rank hashes a share of the files
+            files = list_files(tmp)
+            mine: Any = inventory_entries(tmp, (rel for i, rel in enumerate(files) if i % world_size == rank))
+        else:
+            mine = [{"path": rel, "sha256": sha, "size": size} for rel, (sha, size) in written.items()]
+        gathered = peers.all_gather(name, lambda: mine)
+        final = run_dir / f"checkpoint-{update}"
+        if rank == 0:
+            entries = _complete_entries(tmp, [e for part in gathered for e in part])
+            seconds = time.perf_counter() - started
+            write_inventory(
+                tmp, entries, update=update, save_seconds=round(seconds, 4), world_size=world_size, **info
+            )
+            for sub in sorted({p.parent for p in tmp.rglob("*") if p.is_file()}, key=lambda p: -len(p.parts)):
+                fsync_dir(sub)
+            if hook:
+                hook("rename")
+            if final.exists():  # a complete checkpoint of the same update from an earlier segment
+                os.rename(final, run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}")
+            os.rename(tmp, final)
+            tmp_box.clear()  # renamed: nothing to remove any more
+            fsync_dir(run_dir)
+            _retain(run_dir, retention)
+        elif hook:
             hook("rename")
-        if final.exists():  # a complete checkpoint of the same update from an earlier segment
-            os.rename(final, run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}")
-        os.rename(tmp, final)
-        fsync_dir(run_dir)
-        _retain(run_dir, retention)
-    elif hook:
-        hook("rename")
-    if distributed:
-        dist.barrier(group=group)
+        peers.exchange(name)  # every rank returns once the checkpoint is renamed
     return final, time.perf_counter() - started
+
+
+_HINT = "the previous complete checkpoint is untouched; free space or fix the cause and resume"
+
+
+def _make_tmp(run_dir: Path, update: int) -> str:
+    """Rank 0: the save's temporary directory, named by update, process and time."""
+    tmp_name = f"{TMP_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
+    try:
+        (run_dir / tmp_name).mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {run_dir / tmp_name}: {exc.strerror}") from exc
+    return tmp_name
 
 
 def _complete_entries(tmp: Path, reported: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
-from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput, mark_reported
+from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput
 from torchrelay.fsutil import read_bounded
 from torchrelay.util.hashing import default_jobs
 
@@ -724,12 +724,12 @@ def load(
     reader = SafeReader(str(directory), expected)
     try:
         dcp.load(state, storage_reader=reader, no_dist=no_dist)
-    except CheckpointException as exc:  # a file failed its check on some rank: every rank raises it
+    except CheckpointException as exc:  # a file failed its check on some rank: DCP raises it on every rank
+        if not no_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise  # the caller's phase makes it one error, naming the rank (util/collective.py)
         for _, (failure, _tb) in sorted(exc.failures.items()):
             if isinstance(failure, IntegrityError | UnsafeInput | CheckpointError):
-                err = type(failure)(failure.message, hint=failure.hint)
-                first = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else True
-                raise err if first else mark_reported(err) from None  # rank 0 says it
+                raise type(failure)(failure.message, hint=failure.hint) from None
         raise
     finally:
         if stats is not None:

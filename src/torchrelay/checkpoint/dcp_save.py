@@ -27,78 +27,34 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torchrelay.checkpoint.persist import Digests, HashingWriter
-from torchrelay.errors import CheckpointError, one_line
+from torchrelay.util import collective
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
 class _Ranks:
-    """The ranks of one save and its coordinator (the group's rank 0); no collective with a single process."""
+    """The ranks of one save and its coordinator (the group's first rank), through the failure protocol
+    (util/collective.py): a failure on any rank, in its own part or in the coordinator's, is raised on every rank
+    (named by the save's phase when one is open: commit.py), and no rank waits in a collective for it."""
 
     def __init__(self, group: Any) -> None:
-        self.group = group
-        self.alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
+        self._peers = collective.ranks(group)
+        self.alone = self._peers.alone
         self.rank = 0 if self.alone else dist.get_rank(group)
-        self.size = 1 if self.alone else dist.get_world_size(group)
-        self.coordinator = self.rank == 0
-        self._dst = 0 if self.alone else dist.get_process_group_ranks(group or dist.group.WORLD)[0]
-
-    def _run(self, step: str, fn: Callable[[], T]) -> tuple[bool, Any]:
-        try:
-            return True, fn()
-        except BaseException as exc:  # noqa: BLE001 - every rank learns of it below, as with dcp.save
-            return False, f"rank {self.rank}: {step}: {one_line(exc)}"[:500]
-
-    def _gathered(self, local: tuple[bool, Any]) -> list[tuple[bool, Any]] | None:
-        if self.alone:
-            return [local]
-        out: list[Any] | None = [None] * self.size if self.coordinator else None
-        dist.gather_object(local, out, dst=self._dst, group=self.group)
-        return out
-
-    @staticmethod
-    def _reduce(
-        step: str, gathered: list[tuple[bool, Any]], fn: Callable[[list[Any]], R]
-    ) -> tuple[bool, Any]:
-        failed = [what for ok, what in gathered if not ok]
-        if failed:
-            return False, "; ".join(failed)
-        try:
-            return True, fn([what for _, what in gathered])
-        except Exception as exc:  # noqa: BLE001 - carried to every rank
-            return False, f"rank 0: {step}: {one_line(exc)}"[:500]
+        self.coordinator = self._peers.coordinator
 
     def reduce_scatter(self, step: str, local: Callable[[], T], reduce: Callable[[list[T]], list[R]]) -> R:
         """`local` on every rank, `reduce` of all of them on the coordinator, its i-th result to rank i."""
-        gathered = self._gathered(self._run(step, local))
-        parts: list[Any] | None = None
-        if gathered is not None:
-            ok, what = self._reduce(step, gathered, reduce)
-            parts = [(True, p) for p in what] if ok else [(False, what)] * self.size
-        if self.alone:
-            assert parts is not None
-            mine = parts[0]
-        else:
-            box: list[Any] = [None]
-            dist.scatter_object_list(box, parts, src=self._dst, group=self.group)
-            mine = box[0]
-        return _raise_or(mine)
+        name = f"{step} of the checkpoint's tensors"
+        gathered = self._peers.gather(name, local)
+        return self._peers.scatter(name, (lambda: reduce(gathered)) if gathered is not None else None)
 
     def all_reduce(self, step: str, local: Callable[[], T], reduce: Callable[[list[T]], R]) -> R:
         """`local` on every rank, `reduce` of all of them on the coordinator, its result to every rank."""
-        gathered = self._gathered(self._run(step, local))
-        box: list[Any] = [self._reduce(step, gathered, reduce) if gathered is not None else None]
-        if not self.alone:
-            dist.broadcast_object_list(box, src=self._dst, group=self.group)
-        return _raise_or(box[0])
-
-
-def _raise_or(result: tuple[bool, Any]) -> Any:
-    ok, what = result
-    if not ok:
-        raise CheckpointError(f"writing the checkpoint's tensors failed: {what}")
-    return what
+        name = f"{step} of the checkpoint's tensors"
+        gathered = self._peers.gather(name, local)
+        return self._peers.broadcast(name, (lambda: reduce(gathered)) if gathered is not None else None)
 
 
 class PlannedSave:
@@ -123,7 +79,7 @@ class PlannedSave:
             assert self._metadata is not None  # the coordinator's, from the global plan
             writer.finish(metadata=self._metadata, results=results)
 
-        self._ranks.all_reduce("write", write_local, finish)
+        self._ranks.all_reduce("the write", write_local, finish)
 
 
 def _set_up(writer: HashingWriter, ranks: _Ranks) -> None:
@@ -151,7 +107,7 @@ def plan(doc: dict[str, Any], group: Any = None) -> PlannedSave:
         metadata.append(md)
         return writer.prepare_global_plan(plans)
 
-    central = ranks.reduce_scatter("plan", local, coordinate)
+    central = ranks.reduce_scatter("the plan", local, coordinate)
     return PlannedSave(planner, planner.finish_plan(central), metadata[0] if metadata else None, ranks)
 
 

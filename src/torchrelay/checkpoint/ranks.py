@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from torchrelay.util import collective
 
 PER_RANK = "per_rank"  # the DCP key that holds, under str(rank), the tensors each rank stores for itself
 
@@ -74,13 +75,14 @@ def compared(
     return out
 
 
-def differing(digests: dict[str, str]) -> set[str]:
-    """Keys whose digest is not the same on every rank (or missing on one); the same set on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def differing(digests: dict[str, str], group: Any = None) -> set[str]:
+    """Keys whose digest is not the same on every rank (or missing on one); the same set on every rank. Gathered
+    through the failure protocol over `group` (util/collective.py): called inside a save's phase, it is also the
+    exchange where a rank that failed before it joins the others."""
+    peers = collective.ranks(group)
+    if peers.alone:
         return set()
-    world_size = dist.get_world_size()
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, digests)
+    gathered = peers.all_gather("comparing the ranks' state", lambda: digests)
     keys = set().union(*(set(g) for g in gathered))
     return {k for k in keys if len({g.get(k) for g in gathered}) > 1}
 

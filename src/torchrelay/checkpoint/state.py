@@ -28,7 +28,8 @@ from torchrelay.checkpoint.persist import (
     shapes_of,
     write_bytes,
 )
-from torchrelay.errors import CheckpointError, IntegrityError, RecordError, mark_reported
+from torchrelay.errors import CheckpointError, IntegrityError, RecordError
+from torchrelay.util import collective
 from torchrelay.util.hashing import sha256_many
 from torchrelay.util.records import Optional, check, read_json, read_safetensors
 from torchrelay.util.records import exists as records_exists
@@ -193,6 +194,7 @@ def capture_state(
     loop: dict[str, Any],
     stage: HostStage | None = None,
     engine: dict[str, Any] | None = None,
+    group: Any = None,
 ) -> Snapshot:
     """Take this rank's part of a checkpoint (every rank calls it, at the same update: it agrees with the others
     on what differs by rank). Tensors are copied into `stage`'s reused host buffers; after `stage.synchronize()`
@@ -219,7 +221,7 @@ def capture_state(
     ):  # one rank differs from none
         digests = {k: ranks.tensor_digest(v) for k, v in ranks.compared(model, msd, otensors).items()}
         digests |= {f"state/{n}": ranks.stateful_digest(trees[n], own_tensors[n]) for n in statefuls}
-        differ = ranks.differing(digests)
+        differ = ranks.differing(digests, group)
     per_rank = {
         "model": sorted(k.removeprefix("model/") for k in differ if k.startswith("model/")),
         "optim": sorted(k.removeprefix("optim/") for k in differ if k.startswith("optim/")),
@@ -459,14 +461,34 @@ def load_state(
     onto this one (DDP's replicated tensors, FSDP2's shards); tensors stored per rank come from rank 0, and
     per-rank statefuls were refused before (resume.validate_resume).
     """
+    # One phase of the failure protocol (util/collective.py): a rank that fails anywhere in here joins the exchange
+    # the others wait in, and every rank raises the same error. DCP and DeepSpeed run collectives of their own, so
+    # the ranks agree before entering them: none enters one that a failed rank will never join.
+    peers = collective.ranks()
+    with peers.phase(f"loading {ckpt_dir.name}"):
+        return _load_state(ckpt_dir, peers, rank, model, optimizer, statefuls, verify, resharded)
+
+
+def _load_state(
+    ckpt_dir: Path,
+    peers: collective.Ranks,
+    rank: int,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    statefuls: dict[str, Stateful],
+    verify: bool,
+    resharded: bool,
+) -> dict[str, Any]:
     inventory: dict[str, tuple[str, int]] = {}
+    phase = f"loading {ckpt_dir.name}"
     if verify:
         inventory = {e["path"]: (e["sha256"], e["size"]) for e in read_inventory(ckpt_dir)["files"]}
-        _verify_share(ckpt_dir, [p for p in inventory if not p.endswith(".distcp")], inventory, rank)
+        _verify_share(peers, ckpt_dir, [p for p in inventory if not p.endswith(".distcp")], inventory, rank)
     read_by_me: set[str] = set()
     doc = read_trainer_state(ckpt_dir)
     per_rank = per_rank_of(doc)
     if ds_engine.is_engine(model):  # its files were verified above when `verify`, at the open otherwise
+        peers.exchange(phase)
         ds_engine.load_engine(model, ckpt_dir, doc.get("deepspeed"))
         model = None
     elif doc.get("deepspeed") is not None:
@@ -481,8 +503,9 @@ def load_state(
         target, has_own = _dcp_layout(msd, otensors, per_rank, source)
         prefix = f"{MODEL_DIR}/"
         expected = {k.removeprefix(prefix): v for k, v in inventory.items() if k.startswith(prefix)}
+        peers.exchange(phase)
         read_by_me = {
-            prefix + name for name in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None)
+            prefix + n for n in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None)
         }
         if has_own:
             mine = target[ranks.PER_RANK][str(source)]
@@ -509,48 +532,38 @@ def load_state(
             hint="track the same objects with run.track(...) as the run that saved it",
         )
     if verify:  # a DCP file that no rank read (another rank's own tensors) is checked all the same
-        read = _gather(read_by_me)
+        read = peers.all_gather(phase, lambda: read_by_me)
         unread = [p for p in inventory if p.endswith(".distcp") and not any(p in r for r in read)]
-        _verify_share(ckpt_dir, unread, inventory, rank)
+        _verify_share(peers, ckpt_dir, unread, inventory, rank)
     for name, obj in statefuls.items():
         obj.load_state_dict(tree_of(stored[name], tensors, source=str(state_path(ckpt_dir)), name=name))
     return dict(doc["loop"])
 
 
-def _gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _verify_share(ckpt_dir: Path, rels: list[str], inventory: dict[str, tuple[str, int]], rank: int) -> None:
+def _verify_share(
+    peers: collective.Ranks, ckpt_dir: Path, rels: list[str], inventory: dict[str, tuple[str, int]], rank: int
+) -> None:
     """Hash this rank's share of `rels` (on every core); every rank raises the first mismatch any rank found."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     mine = [
         safe_relpath(ckpt_dir, rel, ckpt_dir / INVENTORY)
         for i, rel in enumerate(sorted(rels))
-        if i % world == rank
+        if i % peers.size == rank
     ]
-    problem = ""
-    try:
-        digests = sha256_many(mine)
-    except OSError as exc:
-        problem = f"cannot read {exc.filename}: {exc.strerror or exc}"
-    else:
+
+    def check() -> None:
+        damaged = (
+            f"the file is damaged; restore it, or remove {ckpt_dir.name} to resume from an older checkpoint"
+        )
+        try:
+            digests = sha256_many(mine)
+        except OSError as exc:
+            raise IntegrityError(f"cannot read {exc.filename}: {exc.strerror or exc}", hint=damaged) from exc
         for path in mine:
             rel = path.relative_to(ckpt_dir).as_posix()
             if digests[path] != inventory[rel]:
-                problem = f"{path} does not match its SHA-256 in {INVENTORY}"
-                break
-    problems = [p for p in _gather(problem) if p]
-    if problems:
-        err = IntegrityError(
-            problems[0],
-            hint=f"the file is damaged; restore it, or remove {ckpt_dir.name} to resume from an older checkpoint",
-        )
-        raise err if rank == 0 else mark_reported(err)  # raised on every rank alike, said by rank 0
+                raise IntegrityError(f"{path} does not match its SHA-256 in {INVENTORY}", hint=damaged)
+
+    peers.agree(f"loading {ckpt_dir.name}", check)
 
 
 def load_rng(ckpt_dir: Path, rank: int) -> None:

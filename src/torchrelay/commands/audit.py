@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         confirm_nondeterminism=not args.no_rerun,
     )
     if "world_size" in plan.vary:  # a layout audit: the drift against a tolerance, not bit for bit
-        from torchrelay.audit.drift import run_layout_audit
+        from torchrelay.audit.layout_audit import run_layout_audit
 
         layout = run_layout_audit(plan, plan.vary["world_size"], None if args.json else print_segment)
         if args.json:

@@ -25,7 +25,7 @@ from torchrelay import proctree
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.plan import CheckSpec, Plan
 from torchrelay.errors import EXIT_REFUSED, RelayError
-from torchrelay.identity import find_code_dir
+from torchrelay.identity import find_code_dir, tree_note
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
 
@@ -317,6 +317,9 @@ def check_contract(plan: Plan, report: PreflightReport) -> dict[str, Any] | None
     # it or not; the modules it imports are the run's recorded ones (the ranks check what they import).
     check = validate_resume(rd.path, cfg, plan.train.world_size, code_dir, deep=False, code_files=[script])
     report.add("contract", "; ".join(check.passed))
+    note = tree_note(check.code_changes, commit=check.recorded["fields"].get("code.commit") is not None)
+    if note:
+        report.add("code", note, warning=True)
     return cfg.to_dict()
 
 

@@ -258,7 +258,9 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
     )
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-tmp-{uuid.uuid4().hex[:12]}"
+    prefix = f".{out.name}.export-tmp-"
+    _remove_stale_temporaries(out.parent, prefix)
+    tmp = out.parent / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         sums: list[SumEntry] = []
@@ -319,6 +321,21 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         renamed=renamed,
         seconds=time.perf_counter() - started,
     )
+
+
+def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
+    """An export killed before its rename left `<prefix><pid>-<id>`: removed once that process is gone (another
+    export of the same folder may be running)."""
+    for child in parent.iterdir():
+        pid, _, rest = child.name.removeprefix(prefix).partition("-")
+        if not child.name.startswith(prefix) or not pid.isdigit() or not rest or child.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(child, ignore_errors=True)
+        except PermissionError:
+            continue  # another user's live process
 
 
 def _write(path: Path, obj: Any) -> None:

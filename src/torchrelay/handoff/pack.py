@@ -327,7 +327,14 @@ def _write_bundle(
     fields = contract["fields"]
     code = {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}
     code_dir = options.code_dir or recorded_code_dir(rd.path) or _checkout_here()
-    source = write_source(code, code_dir, out / SOURCE_DIR, allow_dirty=options.allow_dirty)
+    source = write_source(
+        code,
+        code_dir,
+        out / SOURCE_DIR,
+        allow_dirty=options.allow_dirty,
+        run_dir=rd.path,
+        strict_code=cfg.strict_code,
+    )
     result.warnings.extend(source.warnings)
     progress = training_progress(out, update, cfg.total_updates)
     _write_json(out / PROGRESS, progress)

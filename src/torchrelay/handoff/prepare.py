@@ -7,6 +7,7 @@ leaves nothing half-prepared, and a second run on a prepared directory only re-c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,13 +21,14 @@ from torchrelay import __version__
 from torchrelay.config import RelayConfig
 from torchrelay.contract import load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.fsutil import atomic_write_text, fsync_dir, kill_point
+from torchrelay.fsutil import atomic_write_bytes, atomic_write_text, fsync_dir, kill_point
 from torchrelay.handoff.copying import copy_many
 from torchrelay.handoff.pack import BUNDLE_INFO, read_bundle_info, read_bundle_record, read_manifest_info
 from torchrelay.handoff.signing import parse_digest
-from torchrelay.handoff.source import extract_source
+from torchrelay.handoff.source import SOURCE_DIR, extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
 from torchrelay.history import new_id, read_history
+from torchrelay.identity import tree_note
 from torchrelay.layout import (
     CONFIG_FILE,
     CONTRACT_FILE,
@@ -34,6 +36,7 @@ from torchrelay.layout import (
     LINEAGE_FILE,
     MANIFEST_REL,
     PREPARE_RECORD,
+    SOURCE_MANIFEST,
     TRAIN_DIR,
 )
 from torchrelay.log import logger
@@ -335,6 +338,7 @@ def _prepare_into(
 
     # 6. Copy (or link) into the temporary run dir, re-hashing every byte against what was verified.
     _copy_bundle(bundle, tmp, report, options, hooks)
+    _copy_source_manifest(bundle, tmp, report)
     (tmp / (MANIFEST_REL + ".orig")).unlink(missing_ok=True)
     shutil.copyfile(manifest_src, tmp / (MANIFEST_REL + ".orig"))
     shutil.copyfile(bundle / CONFIG_FILE, tmp / f"{CONFIG_FILE}.orig")
@@ -345,6 +349,9 @@ def _prepare_into(
 
     # 7. The same validation again on the assembled directory, which is what the launch will see.
     final = trainer_validation("prepared directory", tmp, final_cfg.replace(manifest=str(tmp / MANIFEST_REL)))
+    code_note = tree_note(final.code_changes, commit=fields.get("code.commit") is not None)
+    if code_note:
+        hooks.say(f"warning: {code_note}")
     passed = proofs + check.passed + [p for p in final.passed if p not in check.passed]
     record = {
         "format": 1,
@@ -426,6 +433,22 @@ def _copy_bundle(
                 f"{bundle / rel} changed between verification and copy (SHA-256 {r.sha256})",
                 hint="something is writing into the bundle; re-download it and run prepare again",
             )
+
+
+def _copy_source_manifest(bundle: Path, tmp: Path, report: VerifyReport) -> None:
+    """The bundle's source manifest, at the run dir's top (source/ holds only the tree): it names each file a
+    later edit of the tree changed (identity.code_identity); checked against the verified digest."""
+    rel = f"{SOURCE_DIR}/{SOURCE_MANIFEST}"
+    want = report.sums.digests().get(rel)
+    if want is None:
+        return
+    data = resolve_inside(bundle, rel, source=str(bundle)).read_bytes()
+    if hashlib.sha256(data).hexdigest() != want[0]:
+        raise IntegrityError(
+            f"{bundle / rel} changed between verification and copy",
+            hint="something is writing into the bundle; re-download it and run prepare again",
+        )
+    atomic_write_bytes(tmp / SOURCE_MANIFEST, data)
 
 
 def _check_files(manifest: Manifest, hooks: _Hooks, proofs: list[str]) -> list[str]:

@@ -18,10 +18,10 @@ from typing import Any
 
 from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
 from torchrelay.identity import code_identity
+from torchrelay.layout import CONTRACT_FILE, SOURCE_MANIFEST
 from torchrelay.util.safepath import check_relative
 
 SOURCE_DIR = "source"
-SOURCE_MANIFEST = "source_manifest.sha256"
 _SKIP = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
 
@@ -52,21 +52,40 @@ def _git(code_dir: Path, *args: str, binary: bool = False) -> subprocess.Complet
 
 
 def write_source(
-    code: dict[str, Any], code_dir: Path | None, out_dir: Path, *, allow_dirty: bool
+    code: dict[str, Any],
+    code_dir: Path | None,
+    out_dir: Path,
+    *,
+    allow_dirty: bool,
+    run_dir: Path | None = None,
+    strict_code: bool = False,
 ) -> SourceInfo:
     """Write the source recorded by the contract's code identity into `out_dir` (the bundle's source/)."""
     info = SourceInfo(commit=code.get("commit"), tree=code.get("tree"))
-    # Untracked files of the program (a script not yet committed) are carried below; changes to tracked files
-    # are not: the archive of the commit would not be the code that ran.
+    # Untracked files of the program (a script not yet committed) are carried below; edits of its tracked files
+    # are not: the archive of the commit would not be the code that ran. Other changed files of the tree are not
+    # the code (docs/CODE_IDENTITY.md): left behind, with a warning, unless the run asked for strict_code.
     untracked = code.get("untracked") or {}
-    tracked_changes = (
-        code.get("dirty_sha256") is not None
-        or bool(code.get("modified"))
-        or (bool(code.get("dirty")) and not untracked)
-    )
+    changed = sorted(code.get("changed") or {})
+    if "program" in code:
+        tracked_changes = bool(code.get("modified")) or (strict_code and bool(changed))
+        what = sorted(code.get("modified") or {}) + (changed if strict_code else [])
+    else:  # a contract written before the program was recorded: any change of a tracked file
+        tracked_changes = (
+            code.get("dirty_sha256") is not None
+            or bool(code.get("modified"))
+            or (bool(code.get("dirty")) and not untracked)
+        )
+        what = sorted(code.get("modified") or {})
+    if changed and not tracked_changes and "program" in code:
+        info.warnings.append(
+            f"changed files of the tree that are not the program's are not carried: {', '.join(changed[:10])}"
+            f"{' ...' if len(changed) > 10 else ''} (the contract's code.changed records them)"
+        )
     if tracked_changes:
+        named = f" ({', '.join(what[:10])}{' ...' if len(what) > 10 else ''})" if what else ""
         message = (
-            "the run was trained from a git tree with uncommitted changes "
+            f"the run was trained from a git tree with uncommitted changes{named} "
             f"(code.dirty_sha256 {str(code.get('dirty_sha256'))[:16]}...): no archive can reproduce that code"
         )
         if not allow_dirty:
@@ -95,7 +114,7 @@ def write_source(
             base = gzip.decompress((out_dir / Path(info.archive).name).read_bytes())
             info.manifest = _write_manifest(base, out_dir, extra)
     else:
-        _from_plain_tree(info, Path(code_dir), out_dir, untracked)
+        _from_plain_tree(info, Path(code_dir), out_dir, untracked, run_dir)
     return info
 
 
@@ -187,10 +206,15 @@ def _branch_containing(code_dir: Path, commit: str) -> str | None:
 
 
 def _from_plain_tree(
-    info: SourceInfo, code_dir: Path, out_dir: Path, untracked: dict[str, Any] | None = None
+    info: SourceInfo,
+    code_dir: Path,
+    out_dir: Path,
+    untracked: dict[str, Any] | None = None,
+    run_dir: Path | None = None,
 ) -> None:
-    # A plain tree's recorded untracked files (a tree prepared from a bundle) are hashed apart from its tree.
-    tree = code_identity(code_dir, use_git=False, known={"code.untracked": untracked or {}})["tree"]
+    # A plain tree's recorded untracked files (its program) are hashed apart from its tree.
+    known = {"code.untracked": untracked or {}}
+    tree = code_identity(code_dir, use_git=False, known=known, run_dir=run_dir)["tree"]
     if tree != info.tree:
         raise IntegrityError(
             f"{code_dir} hashes to tree {tree}, but the run was trained from tree {info.tree}",
@@ -200,7 +224,7 @@ def _from_plain_tree(
     prefix = f"{code_dir.resolve().name}-{str(tree)[:7]}"
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(_plain_files(code_dir)):
+        for path in sorted(_plain_files(code_dir, run_dir)):
             rel = path.relative_to(code_dir).as_posix()
             ti = tar.gettarinfo(str(path), arcname=f"{prefix}/{rel}")
             ti.uid = ti.gid = 0
@@ -219,10 +243,17 @@ def _from_plain_tree(
     info.warnings.append("the run was trained from a plain tree (no git commit): no git history is included")
 
 
-def _plain_files(root: Path) -> list[Path]:
+def _plain_files(root: Path, run_dir: Path | None = None) -> list[Path]:
+    """The files a plain tree's hash covers (identity._git_tree_of_dir, runs=False): run directories left out."""
     out: list[Path] = []
+    skip = run_dir.resolve() if run_dir is not None else None
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP]
+        here = Path(dirpath)
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if d not in _SKIP and (here / d).resolve() != skip and not (here / d / CONTRACT_FILE).exists()
+        ]
         out.extend(Path(dirpath) / n for n in filenames)
         out.extend(Path(dirpath) / d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))
     return out

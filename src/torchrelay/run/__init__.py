@@ -40,6 +40,7 @@ from torchrelay.run.loop import Loop, Step
 from torchrelay.run.opening import SegmentOpener
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
+from torchrelay.util import collective
 from torchrelay.util.jsonl import iter_records
 
 
@@ -166,10 +167,13 @@ class Run:
     ) -> None:
         """Register what must resume (model, optimizer, scheduler, scaler, generators, ...) and restore it if
         resuming; each rank's own values come back to it (see checkpoint/ranks.py)."""
-        if is_engine(model):  # a DeepSpeed engine: its configuration must be the contract's
-            check_engine(model, optimizer, self.config)
-        self._tracked.register(model, optimizer, statefuls)
-        self._restore.state(self._tracked)
+        # Every rank registers and loads, or all raise the same error (util/collective.py): a rank whose load
+        # failed never leaves the others waiting in the next collective.
+        with collective.phase("run.track"):
+            if is_engine(model):  # a DeepSpeed engine: its configuration must be the contract's
+                check_engine(model, optimizer, self.config)
+            self._tracked.register(model, optimizer, statefuls)
+            self._restore.state(self._tracked)
 
     def dataloader(
         self,

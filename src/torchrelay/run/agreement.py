@@ -10,13 +10,10 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from torchrelay.log import logger
 from torchrelay.stop import REQUEST_FILE, SignalFlag, StopContext, StopRequest, decide, is_stale
+from torchrelay.util import collective
 
 
 class StopAgreement:
@@ -49,12 +46,25 @@ class StopAgreement:
         self._seconds = 0.0  # what one agreement costs (moving average)
         self._signals = SignalFlag()
         self._signals.install()
-        # A CPU group of its own, so that a CUDA run never synchronizes its stream to agree.
-        self._group: Any = dist.new_group(backend="gloo") if self._distributed else None
+        # The training thread's gloo group of the failure protocol: CPU-only, so that a CUDA run never
+        # synchronizes its stream to agree, and a rank whose proposal failed joins this very all-reduce.
+        self._ranks = collective.ranks()
 
     def at(self, done: int, recent: Sequence[float]) -> tuple[int, int]:
-        """The stop code agreed after update `done` (0: go on) and the number of updates to the next boundary."""
-        return self._agree(*self._propose(done, recent))
+        """The stop code agreed after update `done` (0: go on) and the number of updates to the next boundary;
+        a rank that could not propose (its request file refused, say) fails the agreement on every rank."""
+        if not self._distributed:
+            return self._propose(done, recent)
+        t0 = time.perf_counter()
+
+        def propose() -> tuple[int, int]:
+            code, interval = self._propose(done, recent)
+            return code, -interval
+
+        code, neg_interval = self._ranks.agree_max(f"the stop agreement after update {done}", propose)
+        spent = time.perf_counter() - t0
+        self._seconds = spent if not self._seconds else 0.8 * self._seconds + 0.2 * spent
+        return code, -neg_interval
 
     def _propose(self, done: int, recent: Sequence[float]) -> tuple[int, int]:
         """This rank's stop code and the number of updates until the next agreement.
@@ -107,17 +117,6 @@ class StopAgreement:
             return 0
         self.why = verdict.why
         return verdict.code
-
-    def _agree(self, code: int, interval: int) -> tuple[int, int]:
-        """(largest stop code, smallest interval) over ranks: one all-reduce of two integers."""
-        if not self._distributed:
-            return code, interval
-        t0 = time.perf_counter()
-        t = torch.tensor([code, -interval], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        spent = time.perf_counter() - t0
-        self._seconds = spent if not self._seconds else 0.8 * self._seconds + 0.2 * spent
-        return int(t[0]), -int(t[1])
 
     def _read_request(self) -> StopRequest | None:
         path = self._run_dir / REQUEST_FILE

@@ -20,38 +20,62 @@ from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import EXIT_FINISHED, ConfigError, PathError, RelayError, from_exception
 from torchrelay.log import logger
 from torchrelay.run.agreement import StopAgreement
+from torchrelay.run.exact_reduce import EXACT, ExactReduction
 from torchrelay.run.restore import Restore
 from torchrelay.run.saver import Saver
 from torchrelay.train_records import RankLog
+from torchrelay.util import collective
 
 
 class Step:
     """One update: its micro-batches and what the loop logs about it."""
 
-    __slots__ = ("update", "_it", "_accum", "_ids", "metrics")
+    __slots__ = ("update", "_it", "_accum", "_ids", "metrics", "_exact", "_ranks")
 
-    def __init__(self, update: int, it: Iterator[Any], accum: int) -> None:
+    def __init__(
+        self,
+        update: int,
+        it: Iterator[Any],
+        accum: int,
+        exact: ExactReduction | None = None,
+        ranks: collective.Ranks | None = None,
+    ) -> None:
         self.update = update
         self._it = it
         self._accum = accum
+        self._ranks = ranks or collective.ranks()
         self._ids: list[list[int]] = []
         self.metrics: dict[str, Any] = {}
+        self._exact = exact
 
     def micro_batches(self, model: torch.nn.Module | None = None) -> Iterator[tuple[int, Any]]:
         """(micro_step, batch) for each of the update's gradient-accumulation steps.
 
         Given the DDP or FSDP2 model, gradients are synchronized only in the last micro-step: the loop body
         of every other one runs under `model.no_sync()` (DDP) or `set_requires_gradient_sync(False)` (FSDP2).
+        With `elastic: exact`, no micro-step syncs: each one's gradient is taken apart after its backward and the
+        update's gradient is summed in the canonical order (run/exact_reduce.py) once the last one is done.
         """
-        deferred = _sync_deferral(model)
+        exact = self._exact
+        params = exact.params(model) if exact is not None else []  # type: ignore[arg-type]  # it refuses None
+        deferred = _sync_deferral(model, never=exact is not None)
         for micro in range(self._accum):
-            try:
-                ids, batch = next(self._it)
-            except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
-                raise _sample_error(exc, self.update) from exc
+            # A sample one rank cannot read fails this micro-batch on every rank, before any rank hands its batch
+            # to code that may wait in a collective for the rank that failed (one small all-reduce per batch).
+            ids, batch = self._ranks.agree("training", self._next)
             self._ids.append(ids)
             with deferred(micro == self._accum - 1):
                 yield micro, batch
+            if exact is not None:
+                exact.take(params, micro)
+        if exact is not None:
+            exact.finish(params)
+
+    def _next(self) -> tuple[list[int], Any]:
+        try:
+            return next(self._it)
+        except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
+            raise _sample_error(exc, self.update) from exc
 
     def log(self, **metrics: Any) -> None:
         """Record this rank's metrics for the update (loss, lr, ...); tensors become floats."""
@@ -91,12 +115,13 @@ class Loop:
         self._announce = announce  # this rank's lines before its first update (the gate, the contract)
         self._notes = notes  # the segment's notes, shared with the Run
         self._last_flush = 0.0
+        self._ranks = collective.ranks()  # the training thread's exchanges (util/collective.py)
 
     def run(self, loader: RelayLoader, finish: Callable[[int, int], None]) -> Iterator[Step]:
         """Yield one Step per update until the schedule ends or a stop is agreed, saving on the way; then call
         `finish(exit_code, updates_done)` once the last checkpoint is complete."""
         cfg = self._config
-        self._restore.generators()
+        self._ranks.agree("restoring the random generators", self._restore.generators)
         for line in self._announce:
             logger.info(f"[rank {self._rank}] {line}")
         batches = RankBatches(
@@ -112,6 +137,8 @@ class Loop:
         if note and self._rank == 0:
             logger.warning(f"[torchrelay] {note}")
             self._notes.append(note)
+        # Refused here, before the first update, on every rank alike (a layout the canonical sum cannot cover).
+        exact = ExactReduction(self._rank, self._world_size, cfg.grad_accum) if cfg.elastic == EXACT else None
         it = loader.start(batches, cfg.seed, context)
         saver = self._saver
         done = self._start
@@ -129,7 +156,7 @@ class Loop:
                     saver.wait()
                     finish(EXIT_FINISHED if done >= cfg.total_updates else code, done)
                     return
-                step = Step(done + 1, it, cfg.grad_accum)
+                step = Step(done + 1, it, cfg.grad_accum, exact, self._ranks)
                 t0 = time.perf_counter()
                 yield step
                 dt = time.perf_counter() - t0
@@ -175,12 +202,15 @@ def _sample_error(exc: OSError, update: int) -> RelayError:
     return PathError(text, hint=hint) if isinstance(exc, wrong_path) else RelayError(text, hint=hint)
 
 
-def _sync_deferral(model: torch.nn.Module | None) -> Callable[[bool], AbstractContextManager[Any]]:
-    """For a micro-step (is it the last?), the context the loop body runs in: gradients sync in the last only."""
+def _sync_deferral(
+    model: torch.nn.Module | None, never: bool = False
+) -> Callable[[bool], AbstractContextManager[Any]]:
+    """For a micro-step (is it the last?), the context the loop body runs in: gradients sync in the last only
+    (never: in none, the exact reduction sums them instead)."""
     if model is None:
         return lambda last: contextlib.nullcontext()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return lambda last: contextlib.nullcontext() if last else model.no_sync()
+        return lambda last: contextlib.nullcontext() if last and not never else model.no_sync()
     set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 (fully_shard)
     if callable(set_sync):
 

@@ -19,10 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from torchrelay import __version__
-from torchrelay import errors as errors_module
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.config import RelayConfig
@@ -33,9 +30,7 @@ from torchrelay.errors import (
     EXIT_REFUSED,
     ConfigError,
     RelayError,
-    from_exception,
     mark_reported,
-    report,
 )
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
@@ -44,6 +39,7 @@ from torchrelay.identity import (
     fingerprint_summary,
     node_fingerprint,
     running_files,
+    tree_note,
     versions,
 )
 from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
@@ -57,6 +53,7 @@ from torchrelay.run.saver import last_save_seconds
 from torchrelay.rundir import RunDir
 from torchrelay.stop import REQUEST_FILE, Deadline, deadline_from_env, job_start
 from torchrelay.train_records import RankLog, exposures_path, metrics_path, trim_after
+from torchrelay.util import collective
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import read_json_or_none
 
@@ -138,54 +135,55 @@ class SegmentOpener:
         except ConfigError as exc:
             raise self._everywhere(exc) from None
 
-        # Rank 0 validates and prepares the directory; the outcome, or whatever it raised, reaches every rank.
-        outcome: Prepared | tuple[str, str, str | None, int] | None = None
-        raised: BaseException | None = None  # what rank 0 raises when it failed
-        if self.rank == 0:
-            try:
-                outcome = self.prepare(config, overrides)
-            except BaseException as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
-                err = _as_relay_error(exc, 0)
-                self._refuse(err, record=isinstance(exc, Exception))
-                if _plain(exc):
-                    report(err, 0)  # said now: once the others raise, torchrun may end this process
-                raised = err if _plain(exc) else exc  # a bug keeps its traceback
-                outcome = _wire(err)
-        outcome = self._broadcast(outcome)
-        if not isinstance(outcome, Prepared):
-            raise raised if raised is not None else mark_reported(_unwire(0, outcome))
+        # Rank 0 validates and prepares the directory; the outcome, or whatever it raised, reaches every rank
+        # (util/collective.py). Rank 0 records a refused launch and lets go of the lock before any rank raises.
+        ranks = collective.ranks()
+        try:
+            with ranks.phase("opening the run", settle=self._settle, name_rank=False, end=False):
+                outcome: Prepared = ranks.broadcast(
+                    "opening the run", lambda: self.prepare(config, overrides)
+                )
+        except BaseException:
+            self.unlock()  # an interrupt is not shared, and not recorded: the lock goes all the same
+            raise
         # What every rank does on its own (read the manifest, open its logs) can fail on one rank only: the
         # ranks agree on it in the same gather that collects the hosts.
         distributed = self.world_size > 1
-        local: BaseException | None = None
-        opened: Opened | None = None
-        fingerprint: dict[str, Any] | None = None
-        try:
-            opened = self._open_locally(outcome, deadline)
+        segment = outcome.segment
+        mine: dict[str, Any] = {}
+
+        def local() -> tuple[str, dict[str, Any] | None]:
+            mine["opened"] = self._open_locally(outcome, deadline)
             # Each node has its own environment and maybe its own checkout: compared with rank 0's below.
-            fingerprint = node_fingerprint(self.code_dir, opened.config.pins) if distributed else None
-        except Exception as exc:  # noqa: BLE001 - as above
-            local = exc
-        mine = None if local is None else _as_relay_error(local, self.rank)
-        host = socket.gethostname()
-        summary = None if fingerprint is None else fingerprint_summary(fingerprint)
-        gathered = self._gather_all((host, None if mine is None else _wire(mine), summary))
-        hosts = sorted({h for h, _, _ in gathered})
-        failed = [(rank, wire) for rank, (_, wire, _) in enumerate(gathered) if wire is not None]
+            mine["fingerprint"] = (
+                node_fingerprint(self.code_dir, mine["opened"].config.pins) if distributed else None
+            )
+            summary = None if mine["fingerprint"] is None else fingerprint_summary(mine["fingerprint"])
+            return socket.gethostname(), summary
+
+        def settle(err: RelayError) -> None:  # a failure of the local part, recorded by rank 0
+            self._settle(err, segment=replace(segment, hosts=[socket.gethostname()]))
+
+        try:
+            with ranks.phase("opening the run", settle=settle, end=False):
+                gathered = ranks.all_gather("opening the run", local)
+        except BaseException:
+            self.unlock()
+            raise
+        opened: Opened = mine["opened"]
+        hosts = sorted({h for h, _ in gathered})
         other = None
-        if not failed and distributed:
-            if len({g[2]["code_sha256"] for g in gathered}) > 1:  # every rank sees it: all gather the files
-                full = self._gather_all(fingerprint)
-                gathered = [(h, w, f) for (h, w, _), f in zip(gathered, full, strict=True)]
+        if distributed:
+            if (
+                len({(g[1] or {}).get("code_sha256") for g in gathered}) > 1
+            ):  # every rank sees it: all gather the files
+                full = ranks.all_gather("opening the run", lambda: mine["fingerprint"])
+                gathered = [(h, f) for (h, _), f in zip(gathered, full, strict=True)]
             other = _other_node(gathered)
-        if failed or other is not None:
-            first = _unwire(*failed[0]) if failed else other
-            assert first is not None
+        if other is not None:
             if self.rank == 0:
-                self._refuse(mine or first, record=True, segment=replace(outcome.segment, hosts=hosts))
-            if local is not None and mine is not None:
-                raise mine if _plain(local) else local  # said by the hook, on this rank
-            raise first if self.rank == 0 and other is not None else mark_reported(first)  # one rank says it
+                self._refuse(other, record=True, segment=replace(segment, hosts=hosts))
+            raise other if self.rank == 0 else mark_reported(other)  # the same on every rank: rank 0 says it
         assert opened is not None
         opened.hosts = hosts
         opened.ranks_by_host = {h: [r for r, g in enumerate(gathered) if g[0] == h] for h in hosts}
@@ -275,6 +273,11 @@ class SegmentOpener:
             )
             assert check.config is not None
             cfg = check.config  # with the layout this launch runs with
+            code_note = tree_note(
+                check.code_changes, commit=check.recorded["fields"].get("code.commit") is not None
+            )
+            if code_note:
+                logger.warning(f"[torchrelay] warning: {code_note}")
             rd.remove_stale_temps()
             history = read_history(rd.path)
             if check.checkpoint is not None and check.update < cfg.total_updates:  # refused before any write
@@ -308,6 +311,8 @@ class SegmentOpener:
             )
             if reclaim_note:
                 notes.append(reclaim_note)
+            if code_note:
+                notes.append(code_note)
             if numerics_change:
                 notes.append(numerics_change["line"])
             notes += kept
@@ -344,6 +349,7 @@ class SegmentOpener:
                 self.code_dir,
                 self._rank0_manifest,
                 code_files=running_files(self.code_dir),
+                run_dir=rd.path,
             )
             code_fields = contract["fields"]
             (rd.path / "data").mkdir(parents=True, exist_ok=True)
@@ -417,6 +423,11 @@ class SegmentOpener:
         """An error every rank raises alike before any collective: rank 0 says it, the others stay quiet."""
         return mark_reported(err) if self.rank != 0 else err
 
+    def _settle(self, err: RelayError, segment: Segment | None = None) -> None:
+        """Every rank, once the ranks agreed that opening failed: rank 0 records the launch and unlocks."""
+        if self.rank == 0:
+            self._refuse(err, record=True, segment=segment)
+
     def _refuse(self, err: RelayError, *, record: bool, segment: Segment | None = None) -> None:
         """Rank 0, when opening failed: record the launch (if this process holds the run), let go of the lock."""
         if record:
@@ -475,22 +486,6 @@ class SegmentOpener:
             self.lock.release()
             self.lock = None
 
-    # ------------------------------------------------------------------------------------- collectives
-    def _broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _gather_all(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order."""
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
 
 def _script() -> str | None:
     return str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else None
@@ -501,10 +496,10 @@ def _parent(history: list[dict[str, Any]]) -> str | None:
     return next((s.get("segment") for s in reversed(history) if s.get("ended") != "refused"), None)
 
 
-def _other_node(gathered: list[tuple[str, Any, dict[str, Any] | None]]) -> ConfigError | None:
+def _other_node(gathered: list[tuple[str, dict[str, Any] | None]]) -> ConfigError | None:
     """A refusal naming the first rank whose versions or program files differ from rank 0's, or None."""
-    host0, _, reference = gathered[0]
-    for rank, (host, _, fingerprint) in enumerate(gathered):
+    host0, reference = gathered[0]
+    for rank, (host, fingerprint) in enumerate(gathered):
         if rank == 0 or reference is None or fingerprint is None:
             continue
         differ = fingerprint_differences(reference, fingerprint)
@@ -516,38 +511,6 @@ def _other_node(gathered: list[tuple[str, Any, dict[str, Any] | None]]) -> Confi
                 "with rank 0's and launch again",
             )
     return None
-
-
-def _plain(exc: BaseException) -> bool:
-    """An error that one message explains: the library's own, a path, a full disk, a file that is not text."""
-    return isinstance(exc, (RelayError, OSError, UnicodeDecodeError))
-
-
-def _as_relay_error(exc: BaseException, rank: int) -> RelayError:
-    """The error as it travels to the other ranks: a plain one as itself (an OSError on a path is refused naming
-    the path), any other (a bug) as a note that points to the traceback on the rank that raised it."""
-    if _plain(exc):
-        return from_exception(exc, "opening the run")
-    return RelayError(
-        f"opening the run failed on rank {rank} with {type(exc).__name__}: {str(exc)[:500]}",
-        hint=f"rank {rank}'s output holds the traceback",
-    )
-
-
-def _wire(err: RelayError) -> tuple[str, str, str | None, int]:
-    return (type(err).__name__, err.message, err.hint, err.exit_code)
-
-
-def _unwire(rank: int, wire: tuple[str, str, str | None, int]) -> RelayError:
-    """The error another rank raised, as the same class here, whatever its constructor takes."""
-    name, message, hint, code = wire
-    cls_ = getattr(errors_module, name, RelayError)
-    if not (isinstance(cls_, type) and issubclass(cls_, RelayError)):
-        cls_ = RelayError
-    err = cls_.__new__(cls_)
-    RelayError.__init__(err, message if rank == 0 else f"rank {rank}: {message}", hint)
-    err.exit_code = code
-    return err
 
 
 def _reclaim(run_dir: Path, ckpt: Path) -> str | None:

@@ -28,6 +28,7 @@ from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.run.restore import Tracked
 from torchrelay.train_records import RankLog
+from torchrelay.util import collective
 from torchrelay.util.records import read_json_or_none
 
 
@@ -131,17 +132,22 @@ class Saver:
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
             self.last = update
             return self._run_dir / f"checkpoint-{update}"
-        snap = ckpt_state.capture_state(
-            rank=self._rank,
-            model=tracked.model,
-            optimizer=tracked.optimizer,
-            statefuls=tracked.statefuls,
-            loop=loop,
-            stage=self._stage,
-        )
         group, background = self._group, self._background
-        snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
-        self._stage.synchronize()
+        # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
+        # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
+        # every rank raises the same error on its training thread, before any rank hands the save to its thread.
+        with collective.ranks(group).phase(f"saving checkpoint-{update}"):
+            snap = ckpt_state.capture_state(
+                rank=self._rank,
+                model=tracked.model,
+                optimizer=tracked.optimizer,
+                statefuls=tracked.statefuls,
+                loop=loop,
+                stage=self._stage,
+                group=group,
+            )
+            snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
+            self._stage.synchronize()
 
         def persist() -> None:
             _, seconds = commit_checkpoint(

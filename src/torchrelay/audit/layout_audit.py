@@ -1,0 +1,260 @@
+"""`torchrelay audit --vary world_size=A,B,...`: the run uninterrupted on A ranks against the same run moved to B, ...
+at each stop, compared by audit/drift.py's rules (the ledger exactly, each parameter against its rounding
+tolerance, the buffers by theirs; every bit under `elastic: exact`), with the likely cause named when outside.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
+from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
+
+_NPROC = ("--nproc_per_node", "--nproc-per-node")
+
+
+def with_world_size(launch: list[str], world_size: int) -> list[str]:
+    """The launch command with its torchrun `--nproc_per_node` set to `world_size`."""
+    out = list(launch)
+    for i, arg in enumerate(out):
+        name, sep, _ = arg.partition("=")
+        if name in _NPROC:
+            if sep:
+                out[i] = f"{name}={world_size}"
+            elif i + 1 < len(out):
+                out[i + 1] = str(world_size)
+            return out
+    raise AuditError(
+        "--vary world_size: the launch command names no --nproc_per_node to vary",
+        hint="launch with torchrun --nproc_per_node=N ... after --",
+    )
+
+
+@dataclass(slots=True)
+class LayoutAudit:
+    """The verdict of an audit across world sizes: the ledger identical and each parameter within its tolerance
+    (under `elastic: exact`, every tensor of every compared checkpoint bit for bit)."""
+
+    worlds: list[int]
+    stops: list[int]
+    ledger: LedgerDiff
+    drift: dict[int, Drift]  # per compared checkpoint
+    run_dirs: dict[str, str]
+    exact: bool = False
+    bit_differing: dict[int, list[str]] = field(default_factory=dict)  # exact: per checkpoint, what differs
+    causes: list[dict[str, str]] = field(default_factory=list)  # {"name", "evidence", "fix"}, likeliest first
+
+    @property
+    def ok(self) -> bool:
+        if self.exact:
+            return self.ledger.equal and not any(self.bit_differing.values())
+        return self.ledger.equal and all(d.within for d in self.drift.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "exact": self.exact,
+            "worlds": self.worlds,
+            "stops": self.stops,
+            "ledger": {**asdict(self.ledger), "equal": self.ledger.equal},
+            "drift": {str(p): d.to_dict() for p, d in sorted(self.drift.items())},
+            "bit_differing": {str(p): v for p, v in sorted(self.bit_differing.items())},
+            "causes": self.causes,
+            "run_dirs": self.run_dirs,
+        }
+
+    def lines(self) -> list[str]:
+        worlds = " -> ".join(str(self.worlds[i % len(self.worlds)]) for i in range(len(self.stops) + 1))
+        out = [
+            f"layout audit: uninterrupted on {self.worlds[0]} rank(s) against relayed on {worlds} rank(s), "
+            f"stopped after updates {', '.join(map(str, self.stops))}"
+            + (" (elastic: exact)" if self.exact else ""),
+            f"ledger: {len(self.ledger.differing)} of {self.ledger.compared} update(s) differ"
+            + (
+                f" ({self.ledger.detail})"
+                if self.ledger.detail
+                else " (the same samples in the same micro-batches)"
+            ),
+        ]
+        if self.exact:
+            out += [
+                f"checkpoint-{p}: "
+                + (f"{len(v)} tensor(s) differ, e.g. {', '.join(v[:3])}" if v else "bit for bit")
+                for p, v in sorted(self.bit_differing.items())
+            ]
+        else:
+            out += [f"checkpoint-{p}: {d.line()}" for p, d in sorted(self.drift.items())]
+        if self.ok:
+            out.append(
+                "EQUAL: bit for bit on every layout (elastic: exact)"
+                if self.exact
+                else "WITHIN TOLERANCE: the same samples in the same updates; the parameters differ by "
+                "reduction order only"
+            )
+        else:
+            out.append(
+                "NOT EQUAL: elastic: exact promised the same bits"
+                if self.exact
+                else "OUTSIDE TOLERANCE: the layout change altered more than the reduction order"
+            )
+            out += [
+                f"{'likely cause' if i == 0 else 'also possible'}: {c['name']}: {c['evidence']}; fix: {c['fix']}"
+                for i, c in enumerate(self.causes)
+            ]
+        return out
+
+
+def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str, str]]:
+    """What most likely moved the run beyond rounding, from what the comparison saw (likeliest first)."""
+    if not ledger.equal:
+        if "micro_batch changed" in ledger.detail:
+            return [
+                {
+                    "name": "a changed micro-batch",
+                    "evidence": ledger.detail,
+                    "fix": "keep micro_batch across the move (only world_size and grad_accum change); a loss that "
+                    "is a mean over a micro-batch, or a BatchNorm, makes the grouping math",
+                }
+            ]
+        return [
+            {
+                "name": "other samples",
+                "evidence": ledger.detail,
+                "fix": "read batches from run.dataloader (its order is world-size free) and keep the global batch",
+            }
+        ]
+    outside = [t for d in drift.values() for t in d.judged if t.drift > TOLERANCE_FACTOR]
+    if not outside:
+        return []
+    first = min((p for p, d in drift.items() if not d.within), default=None)
+    share = len({t.name for t in outside})
+    judged = len({t.name for d in drift.values() for t in d.judged})
+    spread = f"{share} of {judged} parameter tensors outside" + (
+        f", from checkpoint-{first}" if first else ""
+    )
+    per_rank = sorted({t.name for d in drift.values() for t in d.tensors if "per rank" in t.detail})
+    causes = [
+        {
+            "name": "per-rank random numbers",
+            "evidence": f"{spread}; the ledger is the same, so the forward itself changed: a rank's torch RNG is "
+            "re-derived at a move, so nn.Dropout (or torch.rand on it) draws other masks",
+            "fix": "draw dropout per sample with tr.sample_dropout (docs/ELASTIC.md), or set p to 0",
+        },
+        {
+            "name": "per-rank buffers",
+            "evidence": (
+                f"stored per rank: {', '.join(per_rank[:3])}; each rank's statistics come from its own "
+                "micro-batches, so a forward that reads them (eval mode, a loss on them) changes with the layout"
+                if per_rank
+                else "no buffer is stored per rank here"
+            ),
+            "fix": "use SyncBatchNorm (CUDA) or GroupNorm/LayerNorm, or keep running statistics out of the loss",
+        },
+        {
+            "name": "a hyper-parameter computed from the layout",
+            "evidence": "a learning rate scaled by world_size, or a loss divided by a fixed accumulation count",
+            "fix": "compute them from the global batch (cfg.global_batch_for) or cfg.grad_accum as the run has it",
+        },
+    ]
+    if not per_rank:
+        causes.pop(1)
+    return causes
+
+
+def _elastic_exact(run_dir: Path) -> bool:
+    """Whether the run was made with `elastic: exact` (config.json)."""
+    try:
+        return json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("elastic") == "exact"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points: list[int]) -> LayoutAudit:
+    """Compare an uninterrupted run `a` with the same run relayed across world sizes `b` (moved after each stop)
+    at checkpoints `points`: the ledgers, then each parameter's drift (or every bit, under elastic: exact)."""
+    from torchrelay.audit.compare import compare_checkpoints
+
+    ledger = compare_ledgers(a, b)
+    reference = a / f"checkpoint-{stops[0]}"
+    ref = reference if (reference / "model").is_dir() else None
+    compared = [p for p in points if p > stops[0]]
+    drift = {
+        p: measure_drift(a / f"checkpoint-{p}", b / f"checkpoint-{p}", p - stops[0], ref) for p in compared
+    }
+    exact = _elastic_exact(a)
+    bits = {}
+    if exact:
+        bits = {
+            p: [d.name for d in compare_checkpoints(a / f"checkpoint-{p}", b / f"checkpoint-{p}").differing]
+            for p in compared
+        }
+    audit = LayoutAudit(
+        worlds=list(worlds),
+        stops=list(stops),
+        ledger=ledger,
+        drift=drift,
+        run_dirs={"uninterrupted": str(a), "interrupted": str(b)},
+        exact=exact,
+        bit_differing=bits,
+    )
+    if not audit.ok:
+        audit.causes = likely_causes(ledger, drift)
+    return audit
+
+
+def run_layout_audit(plan: Any, worlds: list[int], on_segment: Any = None) -> LayoutAudit:
+    """Run `plan` (audit/orchestrator.py AuditPlan) uninterrupted on worlds[0] ranks and relayed with the world size cycling
+    through `worlds` at each stop (TORCHRELAY_RESHARD=1), then compare ledgers and measure the drift."""
+    import os
+    import tempfile
+
+    from torchrelay.audit.orchestrator import comparison_points
+    from torchrelay.reshard import RESHARD_ENV
+
+    if len(worlds) < 2 or any(not isinstance(w, int) or w < 1 for w in worlds):
+        raise AuditError(
+            f"--vary world_size={','.join(map(str, worlds))}: give two or more rank counts, e.g. 2,1"
+        )
+    stops = plan.stop_updates()
+    work = (
+        Path(plan.work_dir)
+        if plan.work_dir is not None
+        else Path(tempfile.mkdtemp(prefix="torchrelay-audit-"))
+    )
+    target = plan.updates
+    points = comparison_points(stops, target)
+    # The first stop's checkpoint too: the parameters at the move, from which the optimizer's own step is measured.
+    keep = sorted({*points, stops[0]})
+    others = {k: v for k, v in plan.vary.items() if k != "world_size"}
+    env = dict(os.environ)
+    straight = run_segments(
+        "uninterrupted",
+        with_world_size(plan.launch, worlds[0]),
+        work / "uninterrupted",
+        work / "logs",
+        [target],
+        vary={k: v[:1] for k, v in others.items()},
+        env=env,
+        launcher=subprocess_launcher,
+        timeout_s=plan.timeout_s,
+        on_segment=on_segment,
+        extra_overrides={"keep_updates": keep},
+    )
+    relayed = run_segments(
+        "interrupted",
+        plan.launch,
+        work / "interrupted",
+        work / "logs",
+        [*stops, target],
+        vary=others,
+        env=env | {RESHARD_ENV: "1"},
+        argv_for=lambda i: with_world_size(plan.launch, worlds[i % len(worlds)]),
+        launcher=subprocess_launcher,
+        timeout_s=plan.timeout_s,
+        on_segment=on_segment,
+        extra_overrides={"keep_updates": keep},
+    )
+    return layout_verdict(straight.run_dir, relayed.run_dir, worlds, stops, points)

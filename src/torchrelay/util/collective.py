@@ -1,0 +1,403 @@
+"""The one cross-rank failure protocol: a rank's exception in any collective phase becomes the same error on
+every rank, and no rank waits for a peer that has failed (docs/FAILURES.md).
+
+Every exchange of the protocol starts with the same collective: one all-reduce (MAX) of a few integers on the
+phase's process group, the first of which says whether a rank failed, and which. When none did, the exchange
+goes on with its own payload (an all-gather, a gather, a scatter) or just returns the integers (the stop
+agreement's code and interval travel in them); when one did, every rank gathers the failures (one line each) and
+raises the same error, naming the rank. Because every exchange starts alike, a rank that fails anywhere takes
+part in the exchange its peers are waiting in, whichever call site they reached: a rank that fails before a
+collective still joins it, with its failure. `phase(...)` is that guard around a block of work, ending with an
+exchange when the block succeeded, so that no rank leaves a phase before every rank finished it.
+
+The policy, once:
+- The group: the training thread's exchanges go over a gloo group of their own (`ranks()`), created by the first
+  exchange (every rank reaches it at the same point: opening the run), with a timeout of its own
+  (TIMEOUT_S, TORCHRELAY_COLLECTIVE_TIMEOUT_S): CPU-only, so a CUDA run never synchronizes its stream to agree,
+  and never the group the training's own collectives run on. The persist thread passes its own gloo group
+  (run/saver.py): one group is never used by two threads at once.
+- The error: the lowest failing rank's, of its class and exit code, its message prefixed with the phase and the
+  rank; the other failing ranks are named after it. An error that is not the library's own (a bug) keeps its
+  traceback on the rank that raised it; the others raise a RelayError (exit 1) pointing to it.
+- Who says it: rank 0, at once (unless its own failure is a bug: its traceback says it), then every rank meets
+  once more before raising, so that no rank ends (and torchrun ends the others) before rank 0 said it. Every
+  rank raises the error marked as reported: its excepthook prints nothing more and exits with the code.
+- A peer that died or stopped answering: gloo raises in the waiting ranks at once when a peer's process ends
+  (its sockets close), or after TIMEOUT_S when it hangs; the exchange then raises one line saying so (exit 1), or
+  the rank's own failure if it had one.
+- With one process there is nothing to agree: the error is raised as it is (an OSError as the PathError or
+  DiskFull it means), and nothing is printed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from torchrelay import errors as errors_module
+from torchrelay.errors import EXIT_ERROR, RelayError, from_exception, mark_reported, report
+
+T = TypeVar("T")
+
+# How long an exchange waits for the slowest rank: longer than any rank's legitimate lead over another within a
+# phase (rank 0 alone prepares the run directory while the others wait), short enough that a hung peer ends
+# the job in minutes instead of torch's default 30.
+TIMEOUT_S = float(os.environ.get("TORCHRELAY_COLLECTIVE_TIMEOUT_S", "300"))
+WIDTH = 2  # integers an exchange carries beside the failure flag (the stop agreement's code and interval)
+_MAX_MESSAGE = 4000
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One rank's failure as it travels to the others: small, picklable, whatever the exception was."""
+
+    rank: int
+    cls: str  # the RelayError subclass it is raised as
+    message: str  # the error's message: it names the file, field or update
+    hint: str | None
+    exit_code: int
+    bug: (
+        str | None
+    )  # the exception's type when it is not one of the library's own (its traceback stays there)
+
+    @classmethod
+    def of(cls, exc: BaseException, rank: int, name: str) -> Failure:
+        """`exc` raised on `rank` during phase `name` (DCP's exception names the rank it happened on)."""
+        rank, exc = _unwrap(exc, rank)
+        if isinstance(exc, RelayError) or _plain(exc):
+            err = from_exception(exc, name)
+            return cls(rank, type(err).__name__, err.message[:_MAX_MESSAGE], err.hint, err.exit_code, None)
+        text = str(exc).strip()
+        first = text.splitlines()[0][:500] if text else ""
+        return cls(rank, "RelayError", f"{type(exc).__name__}: {first}", None, EXIT_ERROR, type(exc).__name__)
+
+
+def _unwrap(exc: BaseException, rank: int = 0) -> tuple[int, BaseException]:
+    """DCP's CheckpointException carries each rank's own exception: (its rank, the first of the library's own
+    if any, else the first); any other exception as it is."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        inner = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(failures.items())]
+        for r, candidate in inner:
+            if isinstance(candidate, RelayError) or _plain(candidate):
+                return int(r), candidate
+        if isinstance(inner[0][1], BaseException):
+            return int(inner[0][0]), inner[0][1]
+    return rank, exc
+
+
+def _plain(exc: BaseException) -> bool:
+    """An error one message explains: a path, a full disk, a file that is not text (see errors.from_exception)."""
+    return isinstance(exc, (OSError, UnicodeDecodeError))
+
+
+def agreed_error(name: str, failures: Sequence[Failure], *, name_rank: bool = True) -> RelayError:
+    """The error every rank raises when `failures` (in rank order) happened in phase `name`."""
+    first = failures[0]
+    cls_ = getattr(errors_module, first.cls, RelayError)
+    if not (isinstance(cls_, type) and issubclass(cls_, RelayError)):
+        cls_ = RelayError
+    inner = first.message.removeprefix(f"{name}: ")
+    hint = first.hint
+    if first.bug is not None:
+        message = f"{name} failed on rank {first.rank} with {inner}"
+        hint = hint or f"rank {first.rank}'s output holds the traceback"
+    elif name_rank or first.rank != 0:
+        message = f"{name} failed on rank {first.rank}: {inner}"
+    else:
+        message = first.message
+    others = sorted({f.rank for f in failures[1:]} - {first.rank})
+    if others:
+        shown = ", ".join(map(str, others[:8])) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+        message += f" (rank{'s' if len(others) > 1 else ''} {shown} failed too)"
+    err = cls_.__new__(cls_)
+    RelayError.__init__(err, message, hint)
+    err.exit_code = first.exit_code
+    return err
+
+
+def _agreed(err: BaseException) -> BaseException:
+    err.agreed = True  # type: ignore[attr-defined]
+    return err
+
+
+def is_agreed(exc: BaseException) -> bool:
+    """Whether every rank raises `exc` already (an exchange of the protocol raised it)."""
+    return bool(getattr(exc, "agreed", False))
+
+
+@dataclass(slots=True)
+class _Phase:
+    name: str
+    hint: str | None
+    translate: Callable[[BaseException], BaseException] | None
+    settle: Callable[[RelayError], None] | None
+    name_rank: bool
+
+
+_local = threading.local()
+
+
+def _current(name: str) -> _Phase:
+    """The innermost phase open on this thread (it names the error), else a bare one named `name`."""
+    stack: list[_Phase] = getattr(_local, "stack", [])
+    return stack[-1] if stack else _Phase(name, None, None, None, True)
+
+
+class Ranks:
+    """The ranks of one process group, as the protocol talks to them; every rank calls the same exchanges in the
+    same order (the group's collectives are matched by order, not by call site)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        on = dist.is_available() and dist.is_initialized()
+        self.size = dist.get_world_size(group) if on else 1
+        self.alone = self.size == 1
+        self.rank = dist.get_rank() if on else 0  # the global rank: what messages name
+        self._root = 0 if self.alone else dist.get_process_group_ranks(group or dist.group.WORLD)[0]
+        self.coordinator = self.rank == self._root
+        self._pending: BaseException | None = None  # this rank's own exception while it is being agreed
+
+    # ------------------------------------------------------------------------------------- the exchange
+    def exchange(self, name: str, failure: Failure | None = None, ints: Sequence[int] = ()) -> list[int]:
+        """Every rank's `ints` reduced by MAX (at most WIDTH); raises the agreed error when any rank failed."""
+        if self.alone:
+            return list(ints)
+        values = [0] * (WIDTH + 1)
+        values[1 : 1 + len(ints)] = list(ints)
+        if failure is not None:
+            values[0] = self.size - failure.rank  # the largest is the lowest failing rank
+        t = torch.tensor(values, dtype=torch.int64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - a peer died or hung: said in one line
+            raise self._lost(name, failure, exc) from None
+        if int(t[0]) == 0:
+            return [int(v) for v in t[1 : 1 + len(ints)]]
+        return self._raise(name, failure)
+
+    def _raise(self, name: str, failure: Failure | None) -> Any:
+        """A rank failed: every rank gathers the failures and raises the same error."""
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, failure, group=self.group)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(name, failure, exc) from None
+        failures = sorted((f for f in out if f is not None), key=lambda f: f.rank)
+        phase = _current(name)
+        err = agreed_error(phase.name, failures, name_rank=phase.name_rank)
+        if phase.hint is not None:
+            err.hint = phase.hint
+        if phase.settle is not None:
+            with contextlib.suppress(Exception):  # settling must not hide the failure
+                phase.settle(err)
+        if self.rank == 0 and not (failure is not None and failure.bug):
+            report(err, 0)
+        mark_reported(err)
+        # Rank 0 has said it before any rank ends (torchrun ends the others once one has); a peer that ended
+        # meanwhile changes nothing: the error stands.
+        with contextlib.suppress(Exception):
+            dist.barrier(group=self.group)
+        raise _agreed(err)
+
+    def _lost(self, name: str, failure: Failure | None, exc: BaseException) -> RelayError:
+        """What a rank raises when the exchange itself failed (a peer ended or did not answer in time)."""
+        if failure is not None:
+            return _agreed(agreed_error(_current(name).name, [failure]))  # type: ignore[return-value]
+        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        return _agreed(  # type: ignore[return-value]
+            RelayError(
+                f"{_current(name).name}: rank {self.rank} lost its peers ({text})",
+                hint=f"another rank ended or did not answer within {TIMEOUT_S:g} s: its output says why "
+                "(TORCHRELAY_COLLECTIVE_TIMEOUT_S sets the wait)",
+            )
+        )
+
+    # ------------------------------------------------------------------------------------- guarded work
+    def _attempt(self, name: str, fn: Callable[[], T]) -> tuple[T | None, Failure | None]:
+        """Run this rank's part; a failure comes back as a Failure, or is raised at once when it needs no
+        agreement (already agreed, an interrupt) or when this process is alone."""
+        try:
+            return fn(), None
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
+            return None, self._failure(name, exc)
+
+    def _failure(self, name: str, exc: BaseException) -> Failure:
+        if is_agreed(exc) or not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise exc  # every rank raises it already, or an interrupt / exit that is not a failure to share
+        phase = _current(name)
+        raw = exc
+        if phase.translate is not None:
+            exc = phase.translate(exc)
+            if exc is not raw:
+                exc.__cause__ = raw
+        failure = Failure.of(exc, self.rank, phase.name)
+        if self.alone:
+            if failure.bug is not None:
+                raise exc
+            err = exc if isinstance(exc, RelayError) else from_exception(_unwrap(exc)[1], phase.name)
+            if phase.hint is not None and err is not raw:
+                err.hint = phase.hint
+            raise err from (None if err is raw else raw)
+        self._pending = exc  # raised in place of the agreed error when it is a bug (its traceback)
+        return failure
+
+    def _fail(self, name: str, failure: Failure) -> Any:
+        """This rank failed: join the exchange the others wait in; raise the agreed error (or the bug)."""
+        original, self._pending = self._pending, None
+        try:
+            self.exchange(name, failure)
+        except RelayError as err:
+            if failure.bug is not None and original is not None:
+                raise _agreed(original) from None  # its traceback; the others raise `err` already
+            raise err from original
+        raise AssertionError("an exchange with a failure always raises")  # pragma: no cover
+
+    def agree(self, name: str, fn: Callable[[], T]) -> T:
+        """`fn()` on every rank; returns this rank's value once every rank succeeded."""
+        value, failure = self._attempt(name, fn)
+        if failure is not None:
+            self._fail(name, failure)
+        self.exchange(name)
+        return value  # type: ignore[return-value]
+
+    def agree_max(self, name: str, fn: Callable[[], Sequence[int]]) -> list[int]:
+        """`fn()` (at most WIDTH integers) on every rank; their MAX over ranks, in one all-reduce."""
+        value, failure = self._attempt(name, fn)
+        if failure is not None:
+            self._fail(name, failure)
+        return self.exchange(name, ints=value or ())
+
+    def all_gather(self, name: str, fn: Callable[[], T]) -> list[T]:
+        """`fn()` on every rank; every rank's value, in rank order, once every rank succeeded."""
+        value, failure = self._attempt(name, fn)
+        if failure is not None:
+            self._fail(name, failure)
+        if self.alone:
+            return [value]  # type: ignore[list-item]
+        self.exchange(name)
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, value, group=self.group)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(name, None, exc) from None
+        return out
+
+    def gather(self, name: str, fn: Callable[[], T]) -> list[T] | None:
+        """`fn()` on every rank; every rank's value on the coordinator (the group's first rank), None elsewhere."""
+        value, failure = self._attempt(name, fn)
+        if failure is not None:
+            self._fail(name, failure)
+        if self.alone:
+            return [value]  # type: ignore[list-item]
+        self.exchange(name)
+        out: list[Any] | None = [None] * self.size if self.coordinator else None
+        try:
+            dist.gather_object(value, out, dst=self._root, group=self.group)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(name, None, exc) from None
+        return out
+
+    def scatter(self, name: str, fn: Callable[[], list[T]] | None) -> T:
+        """`fn()` on the coordinator (one value per rank, in rank order): each rank receives its own."""
+        parts, failure = self._attempt(name, fn) if self.coordinator and fn is not None else (None, None)
+        if failure is not None:
+            self._fail(name, failure)
+        if self.alone:
+            assert parts is not None
+            return parts[0]
+        self.exchange(name)
+        box: list[Any] = [None]
+        try:
+            dist.scatter_object_list(
+                box, parts if self.coordinator else None, src=self._root, group=self.group
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(name, None, exc) from None
+        return box[0]
+
+    def broadcast(self, name: str, fn: Callable[[], T] | None) -> T:
+        """`fn()` on the coordinator; its value on every rank."""
+        value, failure = self._attempt(name, fn) if self.coordinator and fn is not None else (None, None)
+        if failure is not None:
+            self._fail(name, failure)
+        if self.alone:
+            return value  # type: ignore[return-value]
+        self.exchange(name)
+        box: list[Any] = [value]
+        try:
+            dist.broadcast_object_list(box, src=self._root, group=self.group)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(name, None, exc) from None
+        return box[0]
+
+    @contextmanager
+    def phase(
+        self,
+        name: str,
+        *,
+        hint: str | None = None,
+        translate: Callable[[BaseException], BaseException] | None = None,
+        settle: Callable[[RelayError], None] | None = None,
+        name_rank: bool = True,
+        end: bool = True,
+    ) -> Iterator[None]:
+        """A phase every rank runs: an exception escaping the block on one rank joins the exchange its peers
+        wait in (inside the block or after it) and becomes the same error on every rank; the block's exchanges
+        name this phase. `hint`: what to do, for any failure of the phase; `translate`: applied to this rank's
+        exception first; `settle`: called on every rank with the agreed error before any rank raises it (rank 0
+        records a refused launch); `name_rank=False`: a failure of rank 0 keeps its own message (rank 0 alone
+        acted); `end`: an exchange ends the block, so that no rank goes on before every rank finished it."""
+        stack: list[_Phase] = _local.__dict__.setdefault("stack", [])
+        stack.append(_Phase(name, hint, translate, settle, name_rank))
+        try:
+            try:
+                yield
+            except BaseException as exc:  # noqa: BLE001 - every rank must learn of it
+                failure = self._failure(name, exc)
+                self._fail(name, failure)
+            if end:
+                self.exchange(name)
+        finally:
+            stack.pop()
+
+
+_training: list[
+    tuple[Any, Ranks]
+] = []  # (the default group it was made for, the protocol over its own group)
+_training_lock = threading.Lock()
+
+
+def ranks(group: Any = None) -> Ranks:
+    """The protocol over `group`, or over the training thread's own gloo group (made by the first call after the
+    default group is initialized, which every rank makes at the same point: opening the run)."""
+    if group is not None:
+        return Ranks(group)
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    with _training_lock:
+        if _training and _training[0][0] is world:
+            return _training[0][1]
+        made = None
+        if world is not None and dist.get_world_size() > 1:
+            made = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        _training[:] = [(world, Ranks(made))]  # a default group made anew (after destroy) gets its own
+        return _training[0][1]
+
+
+def agree(name: str, fn: Callable[[], T]) -> T:
+    """`fn()` on every rank of the training thread's group; the same error on every rank if one failed."""
+    return ranks().agree(name, fn)
+
+
+def phase(name: str, **kwargs: Any) -> Any:
+    """Ranks.phase over the training thread's group."""
+    return ranks().phase(name, **kwargs)
