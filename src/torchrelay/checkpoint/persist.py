@@ -13,11 +13,11 @@ hashed, fsynced and committed on a thread of its own while training goes on.
 The loop shares the interpreter with the persist: every Python-level step of the writer (torch.save's pickling,
 its ~40 small writes per tensor) holds the GIL the training thread needs to launch its next kernel. So DCP's plan
 is made during the stall (dcp_save.py), the background threads run at a lower CPU priority, write small pieces in
-batches, and at most `PERSIST_STREAMS` of them write at once. The process's GIL switch interval is left as it is:
-with the plan off the persist thread, a shorter one measured no better on the H200 host (benchmarks/RESULTS.md,
-issue 22) (the file count stays a function of the tensors
+batches, and at most `PERSIST_STREAMS` of them write at once (the file count stays a function of the tensors
 alone; only the concurrency varies). A file's fsync needs no slot, and its writeback starts as it is written
-(KICK_BYTES): the disk works while the writers fill the page cache.
+(KICK_BYTES): the disk works while the writers fill the page cache. The process's GIL switch interval is left as
+it is: with the plan off the persist thread, a shorter one measured no better on the H200 host (benchmarks/
+RESULTS.md, issue 22).
 
 The bytes written are the same whether the job runs on the background thread or inline (`async_save: false`):
 both go through the same staging and the same writer.
@@ -269,7 +269,6 @@ PIN_MIN_BYTES = 1 << 20
 # False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two).
 PIN_BY_REGISTER = True
 _PAGE = mmap.PAGESIZE
-_HUGE = 2 << 20
 
 
 def _touch(view: memoryview) -> None:
@@ -297,7 +296,7 @@ class _Locked:
             self.registered = (
                 int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)) == 0
             )
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 - any refusal leaves the buffer pageable: slower copies, the same bytes
             self.registered = False
         return self.registered
 
@@ -343,9 +342,8 @@ class HostStage:
             buf = locked.tensor[:nbytes].view(dtype).view(shape)
         else:
             buf = torch.empty(shape, dtype=dtype)
-            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(
-                0
-            )  # the first touch of each page here, not in the copy
+            # the first touch of each page (a fault per page) happens here, not in the copy
+            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(0)
         with self._lock:
             old = self._locked.pop(key, None)
             if old is not None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
 from torchrelay.util import bars
+from torchrelay.util.records import read_json_or_none
 
 
 def _checkpoint(text: str) -> int | None:
@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         f"packed update {result.update} into {result.bundle}: {result.files} files, {result.bytes / 1e9:.3f} GB "
         f"({result.linked} hardlinked) in {result.seconds:.2f} s ({rate:.2f} GB/s)"
     )
-    contract = json.loads((result.bundle / "bundle.json").read_text()).get("contract_sha256")
+    info = read_json_or_none(result.bundle / "bundle.json", what="the bundle's lineage record") or {}
+    contract = info.get("contract_sha256")
     print(f"contract {contract} (the training prints it as TRAINING_CONTRACT)")
     print(f"bundle lineage {result.lineage}; {ckpt}/HANDED_OFF.json now refuses a second continuation here")
     print(f"BUNDLE_DIGEST sha256:{result.digest}")
