@@ -143,6 +143,13 @@ class _Phase:
 _local = threading.local()
 
 
+def _settle(phase: _Phase, err: RelayError) -> None:
+    """The phase's own record of the failure (opening records a refused segment), before any rank raises."""
+    if phase.settle is not None:
+        with contextlib.suppress(Exception):  # settling must not hide the failure
+            phase.settle(err)
+
+
 def _current(name: str) -> _Phase:
     """The innermost phase open on this thread (it names the error), else a bare one named `name`."""
     stack: list[_Phase] = getattr(_local, "stack", [])
@@ -193,9 +200,7 @@ class Ranks:
         err = agreed_error(phase.name, failures, name_rank=phase.name_rank)
         if phase.hint is not None:
             err.hint = phase.hint
-        if phase.settle is not None:
-            with contextlib.suppress(Exception):  # settling must not hide the failure
-                phase.settle(err)
+        _settle(phase, err)
         if self.rank == 0 and not (failure is not None and failure.bug):
             report(err, 0)
         mark_reported(err)
@@ -237,12 +242,16 @@ class Ranks:
             if exc is not raw:
                 exc.__cause__ = raw
         failure = Failure.of(exc, self.rank, phase.name)
-        if self.alone:
+        if (
+            self.alone
+        ):  # no exchange, but the same settling as with many ranks (a refused segment is recorded)
             if failure.bug is not None:
+                _settle(phase, agreed_error(phase.name, [failure], name_rank=phase.name_rank))
                 raise exc
             err = exc if isinstance(exc, RelayError) else from_exception(_unwrap(exc)[1], phase.name)
             if phase.hint is not None and err is not raw:
                 err.hint = phase.hint
+            _settle(phase, err)
             raise err from (None if err is raw else raw)
         self._pending = exc  # raised in place of the agreed error when it is a bug (its traceback)
         return failure
