@@ -8,7 +8,7 @@ from pathlib import Path
 from torchrelay.commands.verify import add_trust_arguments
 from torchrelay.config import parse_assignments
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
-from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
+from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import bundle_bytes
 from torchrelay.util import bars, schema
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with bars.PrepareBars(total) as shown:
             result = prepare(args.bundle, options, on_bytes=shown.on_bytes, on_files=shown.on_files)
-    except PreflightFailed as exc:
+    except PrepareRefused as exc:
         print("PREFLIGHT: FAIL")
         for failure in exc.failures:
             print(f"  - {failure}")

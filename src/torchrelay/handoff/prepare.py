@@ -60,8 +60,9 @@ _NEVER_LINK_PREFIXES = (f"{TRAIN_DIR}/", HISTORY_FILE, CONFIG_FILE, MANIFEST_REL
 Say = Callable[[str], None]
 
 
-class PreflightFailed(IntegrityError):
-    """One or more preflight checks failed; `failures` names each."""
+class PrepareRefused(IntegrityError):
+    """prepare refused the bundle: one or more of its preflight checks failed; `failures` names each (the
+    controller's own preflight before a launch raises controller.preflight.PreflightFailed)."""
 
     def __init__(self, failures: list[str]) -> None:
         body = "\n".join(f"  - {f}" for f in failures)
@@ -167,7 +168,7 @@ def prepare(
     on_bytes: ByteCallback | None = None,
     on_files: Callable[[int, int], None] | None = None,
 ) -> PrepareResult:
-    """Check everything, then assemble the run directory from the bundle; raise PreflightFailed naming each failure."""
+    """Check everything, then assemble the run directory from the bundle; raise PrepareRefused naming each failure."""
     started = time.perf_counter()
     hooks = _Hooks(say, on_bytes, on_files)
     bundle = Path(bundle).resolve()
@@ -191,7 +192,7 @@ def prepare(
         allowed_signers=options.allowed_signers,
     )
     if not report.ok:
-        raise PreflightFailed([f"bundle file {p}" for p in report.problems()])
+        raise PrepareRefused([f"bundle file {p}" for p in report.problems()])
 
     info = read_bundle_info(bundle)
     contract = load_contract(bundle)
@@ -312,7 +313,7 @@ def _prepare_into(
             extra = resolve_inside(bundle, str(source["untracked"]), source=str(bundle / BUNDLE_INFO))
             extract_source(extra, tmp / "source", prefix.as_posix())
     if failures:
-        raise PreflightFailed(failures)
+        raise PrepareRefused(failures)
 
     # 5. The trainer's own validation, on the bundle itself, before anything is copied (with --world-size, of
     # the layout change: the global batch must stay).
@@ -337,7 +338,7 @@ def _prepare_into(
                 explicit=explicit,
             )
         except RelayError as exc:
-            raise PreflightFailed([f"trainer validation on the {where}: {exc}"]) from None
+            raise PrepareRefused([f"trainer validation on the {where}: {exc}"]) from None
 
     check = trainer_validation("bundle", bundle, check_cfg)
     assert check.config is not None
@@ -567,7 +568,7 @@ def _recheck(
             code_from_bundle=from_bundle,
         )
     except RelayError as exc:
-        raise PreflightFailed([f"trainer validation on {run_dir}: {exc}"]) from None
+        raise PrepareRefused([f"trainer validation on {run_dir}: {exc}"]) from None
     return PrepareResult(
         run_dir=run_dir,
         changes=record.get("changes", {}),
