@@ -5,7 +5,7 @@ The state (`--layers` x Linear(width, width) + AdamW after one step, DDP on one 
 then, in this process: the cold read of the checkpoint's tensor files (`--streams` threads, pages dropped with
 posix_fadvise: bench_save's floor), DCP save + cold load of the same state (unless --no-dcp), one warm resume that
 is not counted (imports, CUDA streams), and a cold resume (Run.open + run.track) for each variant of
-checkpoint/dcp_io.py's knobs. Before each resume every tensor of the model and optimizer is zeroed; after it each
+checkpoint/verified_read.py's knobs. Before each resume every tensor of the model and optimizer is zeroed; after it each
 must be `torch.equal` to its value at the save. Each row prints the wall time, its ratio to the cold read and to
 DCP load, and the load's own timings (seconds summed over the threads that spend them).
 
@@ -48,7 +48,7 @@ from bench_save import (  # noqa: E402
 )
 
 import torchrelay as tr  # noqa: E402
-from torchrelay.checkpoint import dcp_io, persist  # noqa: E402
+from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
 
 KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "REUSE_SLABS")
 # Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
@@ -149,7 +149,7 @@ def main() -> None:
     if args.variant and not args.variants:
         variants = {}
     variants.update(parse_variant(v) for v in args.variant)
-    defaults = {k: getattr(dcp_io, k) for k in KNOBS}
+    defaults = {k: getattr(verified_read, k) for k in KNOBS}
 
     dist.init_process_group(args.backend)
     dev = args.device
@@ -216,7 +216,7 @@ def main() -> None:
 
     def resume(knobs: dict[str, Any], cold: bool) -> dict[str, Any]:
         for key, value in {**defaults, **knobs}.items():
-            setattr(dcp_io, key, value)
+            setattr(verified_read, key, value)
         with torch.no_grad():
             for t in current():
                 t.zero_()
@@ -263,7 +263,7 @@ def main() -> None:
     finally:
         dcp_io.load = plain_load  # type: ignore[assignment]
         for key, value in defaults.items():
-            setattr(dcp_io, key, value)
+            setattr(verified_read, key, value)
     out["rows"] = dict(rows)
 
     lines = [

@@ -340,6 +340,11 @@ def main() -> None:
     out["sync_and_async_files_identical"] = same
     if args.old_launch:  # the same launch with the buffers from cudaHostAlloc (before issue 22), one save
         persist.PIN_BY_REGISTER = False
+        # torch keeps freed pinned blocks for reuse: the floors' and the peers' would serve this launch at once
+        # (2026-12-01: update 2 at 1.0x), which is not what a fresh launch sees
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
         run_o = tr.Run.open(base / "run-old", cfg.replace(save_every=40), code_dir=base / "code")
         run_o.track(model=ddp, optimizer=opt)
         old = Launch(run_o, update, dev)
@@ -594,7 +599,7 @@ def loads_only(
     out: dict[str, Any],
     nbytes: int,
 ) -> None:
-    from torchrelay.checkpoint import dcp_io
+    from torchrelay.checkpoint import dcp_io, verified_read
 
     dev = args.device
     rows: dict[str, float] = {}
@@ -631,8 +636,8 @@ def loads_only(
     breakdown: dict[str, dict[str, float]] = {}
     runs = [("cold", streams) for streams in args.read_streams] + [("warm", args.read_streams[0])]
     for how, streams in runs:
-        if hasattr(dcp_io, "READ_STREAMS"):
-            dcp_io.READ_STREAMS = streams
+        if hasattr(verified_read, "READ_STREAMS"):
+            verified_read.READ_STREAMS = streams
         if len(args.read_streams) > 1:
             how = f"{how}, {streams} reads in flight"
         if how.startswith("cold"):

@@ -92,7 +92,7 @@ def test_preservation_fields_are_validated_and_runtime_only(example: dict[str, P
         _cfg(keep_updates=[0])
     with pytest.raises(ConfigError, match="'keep_updates' must be a list"):
         _cfg(keep_updates=[31])
-    with pytest.raises(ConfigError, match="'keep_every' must be an integer >= 0"):
+    with pytest.raises(ConfigError, match=r"^config\.keep_every: must be >= 0"):
         _cfg(keep_every=-1)
     assert _cfg(keep_updates=[20, 10, 20]).keep_updates == [10, 20]
     # changing what is kept never changes the contract (the math): a resume accepts it as a runtime change

@@ -4,6 +4,7 @@ commits the checkpoint in flight first, and the bytes are those a synchronous sa
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -14,9 +15,10 @@ import torch
 
 from helpers import segments
 from torchrelay import RelayConfig, Run
+from torchrelay.checkpoint import persist
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
-from torchrelay.checkpoint.persist import HOLD_ENV, canonical_safetensors
+from torchrelay.checkpoint.persist import canonical_safetensors
 from torchrelay.errors import IntegrityError
 from torchrelay.stop import write_request
 
@@ -51,11 +53,10 @@ def _loop(run: Run, hook: Any = None) -> list[int]:
 
 
 def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_first(
-    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    example: dict[str, Path], tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
     release = tmp_path / "release"
-    monkeypatch.setenv(HOLD_ENV, str(release))  # checkpoint-3's persist waits for this file
     run_dir.mkdir()
     write_request(run_dir, at_update=5)
     seen: dict[Any, Any] = {}
@@ -75,6 +76,7 @@ def test_the_loop_goes_on_while_a_checkpoint_persists_and_a_stop_commits_it_firs
 
     interval = sys.getswitchinterval()
     with Run.open(run_dir, _config(example), code_dir=example["code"]) as run:
+        run._saver._persister.hold = release  # checkpoint-3's persist waits for this file
         watcher = threading.Thread(target=at_stop, daemon=True)
         watcher.start()
         done = _loop(run, during)
@@ -124,6 +126,35 @@ def test_safetensors_bytes_do_not_depend_on_the_metadata_order() -> None:
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
 
 
+def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back() -> None:
+    """The reserve thread runs at the writers' lower priority (it page-locks on a GPU: benchmarks/bench_pin.py);
+    a copy waits for it and is exact; a tensor whose shape changed gets a buffer of its own; release() gives
+    everything back. A page-locked buffer's own mapping holds exactly the tensor's bytes: a larger storage would
+    make DCP's writer clone it before writing."""
+    nice: list[int] = []
+
+    class Watched(persist.HostStage):
+        def _new(self, key: str, *args: Any, **kwargs: Any) -> None:
+            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            super()._new(key, *args, **kwargs)
+
+    stage = Watched()
+    live = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int64), "s": torch.tensor(2.5)}
+    shapes: dict[str, Any] = {}
+    persist.shapes_of("t", live, shapes)
+    stage.reserve(shapes)
+    copies = stage.copy_tree("t", live)
+    assert all(torch.equal(copies[k], live[k]) and copies[k] is not live[k] for k in live)
+    assert nice == [max(os.getpriority(os.PRIO_PROCESS, 0), persist.BACKGROUND_NICE)] * 3, nice
+    assert stage.allocated_bytes == 300 * 7 * 4 + 5 * 8 + 4
+    grown = stage.copy("t/w", torch.ones(301, 7))
+    assert grown.shape == (301, 7) and bool((grown == 1).all())
+    stage.release()
+    assert stage.allocated_bytes == 0 and not stage._bufs
+    locked = persist._Locked(3 * 4096 + 12)
+    assert locked.tensor.untyped_storage().size() == 3 * 4096 + 12 and locked.size == 4 * 4096
+
+
 def test_a_resume_verifies_each_file_as_it_reads_it(example: dict[str, Path], tmp_path: Path) -> None:
     """Run.open checks names and sizes; run.track hashes every file while loading it and refuses a flipped byte,
     naming the file, before the loop starts (a damaged small file too)."""
@@ -156,10 +187,10 @@ def test_several_files_per_rank_load_one_at_a_time_within_the_buffer(
 ) -> None:
     """A rank's tensors split over several files; a resume with room for one file at a time still reads them all,
     in DCP's order, without waiting on itself, and restores every value."""
-    from torchrelay.checkpoint import dcp_io, persist
+    from torchrelay.checkpoint import persist, verified_read
 
     monkeypatch.setattr(persist, "FILE_BYTES", 128)
-    monkeypatch.setattr(dcp_io, "LOAD_BUFFER", 1)
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 1)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     write_request(run_dir, at_update=2)

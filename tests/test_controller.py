@@ -69,11 +69,11 @@ def test_plan_fields_are_validated_and_named(tmp_path: Path) -> None:
     plan = Plan.from_dict(base, tmp_path)
     assert plan.run_dir == str(tmp_path / "runs" / "x") and plan.workdir == str(tmp_path)
     assert plan.train.world_size == 2 and plan.smoke.when == "always" and plan.memory.soft_fraction == 0.9
-    with pytest.raises(ConfigError, match=r"plan smoke: unknown field\(s\) \['updatez'\]"):
+    with pytest.raises(ConfigError, match=r"^plan\.smoke\.updatez: unknown field; did you mean 'updates'\?"):
         Plan.from_dict({**base, "smoke": {"updatez": 3}}, tmp_path)
-    with pytest.raises(ConfigError, match="plan train: field 'nproc_per_node' must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^plan\.train\.nproc_per_node: must be >= 1, got 0$"):
         Plan.from_dict({**base, "train": {"script": "t.py", "nproc_per_node": 0}}, tmp_path)
-    with pytest.raises(ConfigError, match="'when' must be one of"):
+    with pytest.raises(ConfigError, match=r"^plan\.smoke\.when: must be one of"):
         Plan.from_dict({**base, "smoke": {"when": "sometimes"}}, tmp_path)
     with pytest.raises(ConfigError, match="check names must be unique"):
         Plan.from_dict({**base, "preflight": {"checks": [{"name": "a", "run": "true"}] * 2}}, tmp_path)
@@ -341,7 +341,7 @@ def test_a_fallback_is_chosen_by_the_devices_and_validated(tmp_path: Path) -> No
         Plan.from_dict({**base, "fallbacks": [{**fb, "run_dir": "runs/x"}]}, tmp_path)
     with pytest.raises(ConfigError, match="nproc_per_node 8 is not fewer than train.nproc_per_node 8"):
         Plan.from_dict({**base, "fallbacks": [{**fb, "nproc_per_node": 8}]}, tmp_path)
-    with pytest.raises(ConfigError, match=r"plan fallbacks: unknown field\(s\) \['gpus'\]"):
+    with pytest.raises(ConfigError, match="gpus"):
         Plan.from_dict({**base, "fallbacks": [{**fb, "gpus": 4}]}, tmp_path)
 
 

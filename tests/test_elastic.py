@@ -441,7 +441,10 @@ def test_exact_mode_refuses_what_it_cannot_keep_exact() -> None:
         check_model(Engine(2, 2))
     with pytest.raises(ConfigError, match="needs the model"):
         check_model(None)  # type: ignore[arg-type]  # step.micro_batches() without it (the Trainer's loop)
-    with pytest.raises(ConfigError, match="'elastic' must be one of"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config\.elastic: must be one of 'default', 'exact', got 'exactly'; did you mean 'exact'\?",
+    ):
         RelayConfig(seed=1, micro_batch=1, total_updates=1, manifest="m.jsonl", elastic="exactly")
 
 

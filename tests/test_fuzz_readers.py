@@ -395,6 +395,64 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
         SEED + 10,
     )
 
+    # issue 19: the records of a checkpoint, of validation, of prepare and of a plan, each through its reader
+    import torch
+    from safetensors.torch import save as safetensors_save
+
+    from torchrelay import rng as rng_state
+    from torchrelay.checkpoint.state import read_rank_statefuls, read_trainer_state
+    from torchrelay.controller.plan import read_plan_file
+    from torchrelay.resume import prepared_keys, prepared_layout
+    from torchrelay.validation_records import read_pending
+    from torchrelay.validation_records import read_records as read_validations
+
+    relay_state = ckpt / "relay_state.json"
+    relay_state.write_text(json.dumps({"format": 2, "loop": {"update": 3}, "statefuls": {"s": 1},
+                                       "optimizer": None, "per_rank": {"statefuls": ["r"]}}))  # fmt: skip
+    fuzz_file(outcome, relay_state, relay_state.read_bytes(), {"read_trainer_state": lambda: read_trainer_state(ckpt)},
+              SEED + 11)  # fmt: skip
+    (ckpt / "statefuls").mkdir()
+    own = ckpt / "statefuls" / "rank-1.json"
+    own.write_text(json.dumps({"format": 1, "rank": 1, "statefuls": {"r": {"__tensor__": "r.x"}}}))
+    (ckpt / "statefuls" / "rank-1.safetensors").write_bytes(safetensors_save({"r.x": torch.ones(2)}))
+    fuzz_file(
+        outcome,
+        own,
+        own.read_bytes(),
+        {"read_rank_statefuls": lambda: read_rank_statefuls(ckpt, 1)},
+        SEED + 12,
+    )
+    tensors = ckpt / "statefuls" / "rank-1.safetensors"
+    fuzz_file(outcome, tensors, tensors.read_bytes(), {"read_rank_statefuls": lambda: read_rank_statefuls(ckpt, 1)},
+              SEED + 13)  # fmt: skip
+    (ckpt / "rng").mkdir()
+    rng_file = ckpt / "rng" / "rank-0.safetensors"
+    rng_state.save(rng_file)
+    fuzz_file(outcome, rng_file, rng_file.read_bytes(), {"rng.load": lambda: rng_state.load(rng_file, root=ckpt)},
+              SEED + 14)  # fmt: skip
+    record = run_dir / "validation" / "checkpoint-3" / "record.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"update": 3, "checkpoint": "checkpoint-3", "command": "c", "status": "ok",
+                                  "metrics": {"loss": 1.0}, "seconds": 1.0, "code": {}}))  # fmt: skip
+    fuzz_file(outcome, record, record.read_bytes(), {"validation records": lambda: read_validations(run_dir)},
+              SEED + 15)  # fmt: skip
+    pending = run_dir / "validation" / "pending.json"
+    pending.write_text(json.dumps({"format": 1, "left": {"4": "budget"}, "missing": {}, "command": "c"}))
+    fuzz_file(
+        outcome, pending, pending.read_bytes(), {"read_pending": lambda: read_pending(run_dir)}, SEED + 16
+    )
+    rebase = run_dir / "REBASE_RECORD.json"
+    rebase.write_text(json.dumps({"format": 1, "changes": {"data_root": ["/a", "/b"]}, "layout_change":
+                                  {"at_update": 3, "to": {"world_size": 1, "micro_batch": 2, "grad_accum": 1}}}))  # fmt: skip
+    reads = {
+        "prepared_keys": lambda: prepared_keys(run_dir),
+        "prepared_layout": lambda: prepared_layout(run_dir, 3),
+    }
+    fuzz_file(outcome, rebase, rebase.read_bytes(), reads, SEED + 17)
+    plan = run_dir / "plan.yaml"
+    plan.write_text(json.dumps({"run_dir": "r", "train": {"command": "c"}}))
+    fuzz_file(outcome, plan, plan.read_bytes(), {"read_plan_file": lambda: read_plan_file(plan)}, SEED + 18)
+
     seconds = time.monotonic() - started
     print(
         f"{outcome.cases} cases, {outcome.refused} refused, {len(outcome.failures)} failures in {seconds:.1f} s"
@@ -403,7 +461,7 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
         outcome.failures[:40]
     )
     assert outcome.cases > 300 and outcome.refused > outcome.cases // 2
-    assert seconds < 60
+    assert seconds < 120
 
 
 @pytest.mark.parametrize("verb", ["verify", "prepare"])

@@ -21,7 +21,7 @@ from torchrelay.cli import main
 from torchrelay.errors import ConfigError, ForkRefused, RelayError
 from torchrelay.handoff.diff import diff
 from torchrelay.handoff.pack import PackOptions, pack
-from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
+from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.ledger import prove
 from torchrelay.resume import validate_resume
@@ -215,7 +215,7 @@ def test_missing_data_file_with_check_files(packed: Packed, tmp_path: Path) -> N
     shutil.copytree(packed.root, root)
     victim = sorted(root.iterdir())[0]
     victim.unlink()
-    with pytest.raises(PreflightFailed) as info:
+    with pytest.raises(PrepareRefused) as info:
         _prepare(packed, tmp_path / "r", data_root=str(root))
     text = str(info.value)
     n = len((packed.bundle / "data/manifest.jsonl").read_text().splitlines())
@@ -228,7 +228,7 @@ def test_teacher_with_wrong_hash_is_refused(packed: Packed, tmp_path: Path) -> N
     data = bytearray(packed.teacher.read_bytes())
     data[-1] ^= 0xFF  # always another byte (setting it to 0 was a no-op for 1 teacher in 256)
     wrong.write_bytes(bytes(data))
-    with pytest.raises(PreflightFailed, match="external file 'teacher'.*SHA-256"):
+    with pytest.raises(PrepareRefused, match="external file 'teacher'.*SHA-256"):
         _prepare(packed, tmp_path / "r", **{"external_files.teacher": str(wrong)})
     assert not (tmp_path / "r").exists()
 

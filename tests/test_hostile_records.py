@@ -36,6 +36,7 @@ from torchrelay.checkpoint.reader import load_statefuls
 from torchrelay.cli import main
 from torchrelay.errors import EXIT_REFUSED, RelayError
 from torchrelay.fsutil import JSON_LIMIT
+from torchrelay.lock import TRAIN_LOCK
 from torchrelay.report.series import read_series
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.jsonl import LINE_LIMIT
@@ -353,7 +354,7 @@ def test_every_verb_and_the_resume_answer_a_hostile_record_in_one_line(tmp_path:
          [("load_state", resume["load_state"]), ("load_statefuls", resume["load_statefuls"])]),
         (f"validation/{CKPT}/record.json",
          json_cases(out, json.dumps({**record, "metrics": [1], "seconds": "slow"}).encode()),
-         [status, series, validate]),
+         [status, ["report", r], validate]),
         ("validation/pending.json", json_cases(out, b'{"left": [4], "missing": "none"}'), [status]),
     ]  # fmt: skip
     for rel, cases, readers in targets:
@@ -371,6 +372,13 @@ def test_every_verb_and_the_resume_answer_a_hostile_record_in_one_line(tmp_path:
                     run_reader(tally, f"{rel} [{label}] via {who}", path.name, reader[1])
             _remove(path)
             path.write_bytes(valid)
+    # the writer lock: a pipe, a link or a deep record in its place is nobody's lock, and never blocks status
+    lock = run / TRAIN_LOCK
+    for label, make in {"fifo": _fifo, "symlink out": _symlink_out(out), "deep": _write(b"[" * 4096)}.items():
+        lock.write_bytes(b"{}")
+        plant(lock, make)
+        run_verb(tally, f"{TRAIN_LOCK} [{label}] via status", TRAIN_LOCK, status, tolerate=True)
+        _remove(lock)
     # a symlinked folder on the way out of the checkpoint: the link is not followed (its target holds valid files)
     rng_dir = run / CKPT / "rng"
     outside = tmp_path / "outside-rng"
@@ -506,14 +514,17 @@ def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Pat
     """Defect 5: `torchrelay ledger` refuses an exposure log whose line is longer than the bound `status` uses,
     reading at most about the bound: the peak memory of the process stays far below the line's size."""
     run = make_run(tmp_path)
-    for verb, name, head in (
-        ("ledger", "exposures", b'{"u":9,"m":0,"i":['),
-        ("status", "metrics", b'{"x":"'),
-    ):
+    lines = (
+        ("ledger", "exposures", b'{"u":9,"m":0,"i":[', b"]}\n"),
+        ("status", "metrics", b'{"x":"', b'"}\n'),
+    )
+    for verb, name, head, end in lines:
         target = run / "train" / f"{name}-rank0.jsonl"  # status reads the tail of rank 0's metrics
-        with open(target, "ab") as f:  # whole lines first, then one line of 400 MB (a hole: written at once)
+        with open(target, "ab") as f:  # whole lines first, then one line of 600 MB (a hole: written at once)
             f.write(head)
             f.truncate(target.stat().st_size + LEDGER_LINE)
+            f.seek(0, os.SEEK_END)
+            f.write(end)
         code = (
             "import resource, sys\n"
             "from torchrelay.cli import main\n"
@@ -533,5 +544,6 @@ def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Pat
         before = int(out.stdout.split("BEFORE_KB")[1].split()[0]) << 10
         grown = (int(out.stdout.split("MAXRSS_KB")[1].split()[0]) << 10) - before
         # what the verb itself held at its peak (after its imports): about the bound, never the line
+        print(f"{verb}: refused a {LEDGER_LINE >> 20} MB line, growing by {grown >> 20} MB")
         assert grown < LEDGER_LINE / 4, f"{verb}: grew {grown >> 20} MB for a {LEDGER_LINE >> 20} MB line"
         target.write_bytes((FIXTURE / "run" / "train" / target.name).read_bytes())

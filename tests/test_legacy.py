@@ -15,6 +15,7 @@ computed here: 0.1.0's library continues the same stopped run to its end, on thi
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -38,7 +39,11 @@ BASE = Path(EXPECTED["base"])  # the data root of 0.1.0's run lay here; the mani
 @pytest.fixture(scope="module")
 def legacy() -> Path:
     """The fixture's data at its recorded place, its code at its recorded commit (a clone of the git bundle) and
-    0.1.0's library under BASE/torchrelay-0.1.0/src."""
+    0.1.0's library under BASE/torchrelay-0.1.0/src. BASE is one fixed path (the manifest names it): a second
+    session running this module on the machine (another checkout's suite) waits for this one instead of
+    removing its files mid-launch."""
+    lock = open(f"{BASE}.lock", "a")  # noqa: SIM115 - held, and released by closing, at the fixture's end
+    fcntl.flock(lock, fcntl.LOCK_EX)
     shutil.rmtree(BASE, ignore_errors=True)
     shutil.copytree(FIXTURE / "data", BASE / "data")
     git(BASE, "clone", "-q", "-b", "main", str(FIXTURE / "code.gitbundle"), "code")
@@ -48,6 +53,7 @@ def legacy() -> Path:
         tar.extractall(BASE / "torchrelay-0.1.0", **safe)  # type: ignore[arg-type]
     yield BASE
     shutil.rmtree(BASE, ignore_errors=True)
+    lock.close()
 
 
 @pytest.fixture(scope="module")

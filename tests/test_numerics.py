@@ -32,17 +32,17 @@ OTHER = ("avx2", "AVX2") if HERE != "AVX2" else ("default", "DEFAULT")
 
 @pytest.fixture(scope="module")
 def moved(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One run on 1 rank: updates 1-4 here; a strict launch under OTHER (refused); updates 5-6 under OTHER."""
+    """One run on 2 ranks: updates 1-4 here; a strict launch under OTHER (refused); updates 5-6 under OTHER."""
     run = tmp_path_factory.mktemp("numerics") / "run"
     run.mkdir()
     code, config = example["code"], example["config"]
     write_request(run, at_update=4)
-    first = launch(code, run, nproc=1, config=config, sets={"save_every": 2})
+    first = launch(code, run, config=config, sets={"save_every": 2})
     assert segments(run)[-1]["last_update"] == 4, first.stdout + first.stderr
     other = {"ATEN_CPU_CAPABILITY": OTHER[0]}
-    strict = launch(code, run, nproc=1, env=other, sets={"strict_numerics": True})
+    strict = launch(code, run, env=other, sets={"strict_numerics": True})
     write_request(run, at_update=6)
-    warned = launch(code, run, nproc=1, env=other)
+    warned = launch(code, run, env=other)
     assert segments(run)[-1]["last_update"] == 6, warned.stdout + warned.stderr
     return {"run": run, "code": code, "strict": strict, "warned": warned}
 
@@ -160,7 +160,7 @@ def test_strict_numerics_is_a_runtime_field() -> None:
 
     cfg = RelayConfig(seed=0, micro_batch=1, total_updates=2, manifest="m.jsonl")
     assert cfg.strict_numerics is False and cfg.is_runtime("strict_numerics")
-    with pytest.raises(ConfigError, match="'strict_numerics' must be true or false, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"^config\.strict_numerics: expected true or false, got 'yes'$"):
         cfg.replace(strict_numerics="yes")
 
 

@@ -133,7 +133,7 @@ def test_an_uncaught_configuration_error_is_one_message_on_rank_0_and_exit_2(ran
     )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
-    said = "torchrelay: config: RelayConfig.__init__() missing 2 required keyword-only arguments"
+    said = "torchrelay: config.total_updates: required field missing (and 1 more: ['manifest'])"
     assert out.stderr.startswith(said) if rank == 0 else out.stderr == "", out.stderr
     # any other exception keeps its traceback and exit 1
     other = subprocess.run(

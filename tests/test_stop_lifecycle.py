@@ -24,7 +24,7 @@ from torchrelay.controller.plan import CheckSpec
 from torchrelay.controller.preflight import PreflightFailed, PreflightReport, run_user_check
 from torchrelay.controller.supervisor import Supervisor
 from torchrelay.data.loader import RelayLoader, main_unguarded
-from torchrelay.errors import EXIT_REQUEST, EXIT_SIGNAL, ConfigError
+from torchrelay.errors import EXIT_REQUEST, EXIT_SIGNAL, ConfigError, RelayError
 from torchrelay.lock import RunLock
 from torchrelay.proctree import Tree, survivors
 from torchrelay.stop import REQUEST_MAX_BYTES, SignalFlag, StopContext, StopRequest, deadline_from_env, decide
@@ -172,7 +172,14 @@ def test_in_process_stops_garbage_request_chained_signal_and_a_finished_run(
     run, done = _train(run_dir, example, 4)
     assert (run.exit_code, done, len(segments(run_dir))) == (0, [], 3)
     assert "is finished (update 4 of 4): nothing to train, nothing recorded" in caplog.text
-    assert RunLock(run_dir, "train").acquire(wait_s=0) is not None  # and it let go of the run
+    held = RunLock(run_dir, "train").acquire(wait_s=0)
+    assert held is not None  # and it let go of the run
+    held.release()
+    # A launch refused while opening, with no process group (one rank alone): recorded as a segment of its own,
+    # as with many ranks, so `status --last-exit` reports the refusal and not the finish before it.
+    with pytest.raises(RelayError, match="total_updates"):
+        _train(run_dir, example, 5)
+    assert len(segments(run_dir)) == 4 and segments(run_dir)[-1]["ended"] == "refused"
 
 
 def test_budget_counts_from_the_job_start_and_refuses_nonsense() -> None:

@@ -89,9 +89,9 @@ def test_contract_diff_lists_every_field_and_skips_unknown_commit() -> None:
 def test_config_validation_names_the_field() -> None:
     base = {"seed": 1, "micro_batch": 2, "total_updates": 10, "manifest": "m.jsonl"}
     RelayConfig.from_dict(base)
-    with pytest.raises(ConfigError, match="'keep' must be >= 2"):
+    with pytest.raises(ConfigError, match=r"^config\.keep: must be >= 2"):
         RelayConfig.from_dict({**base, "keep": 1})
-    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['lr'\]"):
+    with pytest.raises(ConfigError, match=r"^config\.lr: unknown field"):
         RelayConfig.from_dict({**base, "lr": 0.1})
     with pytest.raises(ConfigError, match="override 'nope' names no config field"):
         RelayConfig.from_dict(base).with_overrides({"nope": 1})

@@ -1,4 +1,4 @@
-"""The verified load (checkpoint/dcp_io.py): files read in chunks by many threads, each hashed in order as its
+"""The verified load (checkpoint/verified_read.py): files read in chunks by many threads, each hashed in order as its
 bytes arrive and checked before a byte of it is parsed; items parsed onto the meta device and copied from the
 file's bytes into their tensors. No process group: these are the library's own functions."""
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchrelay.checkpoint import dcp_io
+from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
 from torchrelay.errors import IntegrityError
 
@@ -65,12 +65,12 @@ def _load(
 def test_files_read_in_many_chunks_at_once_load_every_value_and_are_each_verified(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dcp_io, "_CHUNK", 1024)  # every file in many chunks, completed out of order
-    monkeypatch.setattr(dcp_io, "READ_STREAMS", 8)
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)  # every file in many chunks, completed out of order
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 8)
     model, state, expected = _saved(tmp_path, files=3)
     assert len(expected) == 3
     for budget in (1, 1 << 30):  # one file in memory at a time; all at once
-        monkeypatch.setattr(dcp_io, "LOAD_BUFFER", budget)
+        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
         target, verified = _load(model, state, expected)
         assert verified == set(expected)
         for key, value in state.items():
@@ -84,7 +84,7 @@ def test_files_read_in_many_chunks_at_once_load_every_value_and_are_each_verifie
 def test_a_damaged_file_is_never_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A byte changed, a byte cut or a byte added: the file is refused naming it, and torch.load never sees a
     byte of it (one file, so any torch.load call would be of that file)."""
-    monkeypatch.setattr(dcp_io, "_CHUNK", 4096)
+    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
     model, state, expected = _saved(tmp_path, files=1)
     (name,) = expected
     shard = model / name
@@ -137,7 +137,7 @@ def test_items_parse_to_what_torch_load_gives_at_any_offset() -> None:
         want = torch.load(io.BytesIO(item), weights_only=True)
         for pad in (0, 1, 3):
             view = memoryview(bytearray(b"\x55" * pad + item + b"\xaa" * 5))
-            got = dcp_io._parse_item(view, pad, len(item), Path("f"), "x")
+            got = verified_read._parse_item(view, pad, len(item), Path("f"), "x")
             assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
             assert torch.equal(got, want), (tensor.shape, pad)
             if got.numel():  # a view of the bytes, not a copy
@@ -161,7 +161,7 @@ def test_an_archive_in_another_byte_order_is_loaded_by_torch_load(tmp_path: Path
                 data = tensor.numpy().astype(">f4").tobytes()
             dst.writestr(info.filename, data)
     item = out.getvalue()
-    got = dcp_io._parse_item(memoryview(item), 0, len(item), Path("f"), "x")
+    got = verified_read._parse_item(memoryview(item), 0, len(item), Path("f"), "x")
     assert torch.equal(got, tensor)
 
 
@@ -171,13 +171,13 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     """More files than the buffer holds: their bytes go into at most LOAD_BUFFER // slab slabs, allocated once
     and reused by the next files (each page touched once, not once per file); every value loads. Without reuse
     (REUSE_SLABS off) each file has a buffer of its own, as before."""
-    monkeypatch.setattr(dcp_io, "_CHUNK", 1024)
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)  # the files the plan reads (a file of empty tensors is not read)
     assert len(read) >= 6
     largest = max(expected[name][1] for name in read)
-    monkeypatch.setattr(dcp_io, "_SLAB", largest)  # one file per slab
-    monkeypatch.setattr(dcp_io, "LOAD_BUFFER", 3 * largest + 1)  # room for three: two read at once
+    monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 3 * largest + 1)  # room for three: two read at once
     buffers: list[int] = []
     real_empty = torch.empty
 
@@ -188,14 +188,14 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
 
     monkeypatch.setattr(torch, "empty", spy)
     for files_at_once in (1, 3):
-        monkeypatch.setattr(dcp_io, "FILES_AT_ONCE", files_at_once)
+        monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
         buffers.clear()
         target, verified = _load(model, state, expected)
         assert verified == read
         assert all(torch.equal(target[k], v) for k, v in state.items())
         # three slabs at most for all the files (fewer if a file was done before the next one came)
         assert 1 <= len(buffers) <= 3 and set(buffers) == {largest}, buffers
-    monkeypatch.setattr(dcp_io, "REUSE_SLABS", False)
+    monkeypatch.setattr(verified_read, "REUSE_SLABS", False)
     buffers.clear()
     target, _ = _load(model, state, expected)
     assert all(torch.equal(target[k], v) for k, v in state.items())
@@ -208,10 +208,11 @@ def test_reads_spread_over_the_first_files_at_once() -> None:
 
     def order(files_at_once: int) -> list[tuple[str, int]]:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dcp_io, "FILES_AT_ONCE", files_at_once)
-            load = dcp_io._Load(Path("."), {}, {}, None, None)
+            mp.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
+            load = verified_read._Load(Path("."), {}, {}, None, None)
         load._reading = [
-            dcp_io._File(name, Path(name), 3 * dcp_io._CHUNK - 1, None, []) for name in ("a", "b", "c")
+            verified_read._File(name, Path(name), 3 * verified_read._CHUNK - 1, None, [])
+            for name in ("a", "b", "c")
         ]
         load._admitted_all = True
         return [(f.rel, k) for f, k in iter(load._next, None)]
@@ -228,23 +229,23 @@ def test_a_damaged_file_among_many_is_refused_before_any_of_its_items_is_parsed(
 ) -> None:
     """Reads spread over several files, slabs reused: one damaged file of eight is refused naming it, and none of
     its bytes reaches the parser, whichever of the others did."""
-    monkeypatch.setattr(dcp_io, "_CHUNK", 1024)
-    monkeypatch.setattr(dcp_io, "READ_STREAMS", 4)
-    monkeypatch.setattr(dcp_io, "FILES_AT_ONCE", 3)
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    monkeypatch.setattr(verified_read, "FILES_AT_ONCE", 3)
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)
     largest = max(expected[name][1] for name in read)
-    monkeypatch.setattr(dcp_io, "_SLAB", largest)
-    monkeypatch.setattr(dcp_io, "LOAD_BUFFER", 4 * largest)
+    monkeypatch.setattr(verified_read, "_SLAB", largest)
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 4 * largest)
     names = sorted(read)
     parsed: list[Path] = []
-    real_parse = dcp_io._parse_item
+    real_parse = verified_read._parse_item
 
     def spy(view: memoryview, offset: int, length: int, path: Path, fqn: str) -> torch.Tensor:
         parsed.append(path)
         return real_parse(view, offset, length, path, fqn)
 
-    monkeypatch.setattr(dcp_io, "_parse_item", spy)
+    monkeypatch.setattr(verified_read, "_parse_item", spy)
     for victim in (names[0], names[len(names) // 2], names[-1]):
         shard = model / victim
         good = shard.read_bytes()

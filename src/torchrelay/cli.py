@@ -6,11 +6,10 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
-from torchrelay import __version__
+from torchrelay import __version__, envvars
 from torchrelay.errors import EXIT_ERROR, RelayError, from_exception
 from torchrelay.log import configure
 
@@ -84,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RelayError, OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         # The one place where what went wrong becomes a message and an exit code: a library refusal keeps its
         # own; a path that is a file, missing or unreadable, or a file that is not text, is refused (exit 2).
-        if os.environ.get("TORCHRELAY_TRACEBACK") == "1":
+        if envvars.TRACEBACK.get():
             raise
         err = from_exception(exc)
         print(f"torchrelay {args.verb}: error: {err}", file=sys.stderr)

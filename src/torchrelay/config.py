@@ -9,27 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchrelay.errors import ConfigError, install_excepthook
+from torchrelay.util import schema
 
 SAMPLERS = ("shuffled", "length_bucketed")
 ELASTIC_MODES = ("default", "exact")
-
-# Fields that do not change the math: they may differ between segments (server paths, worker count,
-# when to save, how long to run). Everything else, and every key of `params` not in `runtime_params`,
-# is part of the resume contract.
-RUNTIME_FIELDS = (
-    "manifest",
-    "data_root",
-    "num_workers",
-    "save_every",
-    "keep",
-    "keep_every",
-    "keep_updates",
-    "async_save",
-    "external_files",
-    "runtime_params",
-    "strict_code",
-    "strict_numerics",
-)
+# Fields with metadata `runtime` do not change the math: they may differ between segments (server paths, worker
+# count, when to save, how long to run). Everything else, and every key of `params` not in `runtime_params`, is part
+# of the resume contract.
+RUNTIME = {"runtime": True}
+_KEEP_WHY = "the newest complete checkpoint is never deleted and one more survives a crash during a save"
+_ELASTIC_HINT = "exact: bit-for-bit equal across world sizes (docs/ELASTIC.md); default: DDP's own reduction"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,78 +26,55 @@ class RelayConfig:
     """What torchrelay needs to know about a run; `params` holds the user's own hyper-parameters."""
 
     seed: int
-    micro_batch: int
-    grad_accum: int = 1
-    total_updates: int
-    warmup_updates: int = 0
-    sampler: str = "shuffled"
-    bucket_size: int = 64  # length_bucketed: global batches sorted by length within this many batches
-    manifest: str
-    data_root: str = ""
-    num_workers: int = 0
-    save_every: int = 100
-    keep: int = 2  # the newest complete checkpoints kept for resuming
-    keep_every: int = 0  # also keep every checkpoint whose update is a multiple of this (0: none)
-    keep_updates: list[int] = field(default_factory=list)  # also keep (and save) these updates
-    async_save: bool = True  # write, hash and commit checkpoints in the background (false: the loop waits)
-    elastic: str = "default"  # "exact": gradients summed in one layout-free order (run/exact_reduce.py)
+    micro_batch: int = field(metadata={"min": 1})
+    grad_accum: int = field(default=1, metadata={"min": 1})
+    total_updates: int = field(metadata={"min": 1})
+    warmup_updates: int = field(default=0, metadata={"min": 0})
+    sampler: str = field(default="shuffled", metadata={"choices": SAMPLERS})
+    # length_bucketed: global batches sorted by length within this many batches
+    bucket_size: int = field(default=64, metadata={"min": 1})
+    manifest: str = field(metadata={**RUNTIME, "doc": "the JSONL file listing the samples"})
+    data_root: str = field(default="", metadata=RUNTIME)
+    num_workers: int = field(default=0, metadata={**RUNTIME, "min": 0})
+    save_every: int = field(default=100, metadata={**RUNTIME, "min": 1})
+    # the newest complete checkpoints kept for resuming
+    keep: int = field(default=2, metadata={**RUNTIME, "min": 2, "why": _KEEP_WHY})
+    # also keep every checkpoint whose update is a multiple of this (0: none)
+    keep_every: int = field(
+        default=0, metadata={**RUNTIME, "min": 0, "why": "0: keep no periodic checkpoints"}
+    )
+    # also keep (and save) these updates
+    keep_updates: list[int] = field(default_factory=list, metadata=RUNTIME)
+    # write, hash and commit checkpoints in the background (false: the loop waits)
+    async_save: bool = field(default=True, metadata=RUNTIME)
+    # "exact": gradients summed in one layout-free order (run/exact_reduce.py)
+    elastic: str = field(default="default", metadata={"choices": ELASTIC_MODES, "hint": _ELASTIC_HINT})
     pins: list[str] = field(default_factory=list)
-    external_files: dict[str, str] = field(default_factory=dict)
+    external_files: dict[str, str] = field(default_factory=dict, metadata=RUNTIME)
     params: dict[str, Any] = field(default_factory=dict)
-    runtime_params: list[str] = field(default_factory=list)
+    runtime_params: list[str] = field(default_factory=list, metadata=RUNTIME)
     # Refuse a resume whose numerics identity (CPU capability, libraries, GPU, TF32, ...) differs from the earlier
     # segments' instead of warning (docs/NUMERICS.md). Runtime-only: a policy of where the run may continue, not
     # of its math, so it may be turned on or off at any launch.
-    strict_numerics: bool = False
+    strict_numerics: bool = field(default=False, metadata=RUNTIME)
     # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
     # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
-    strict_code: bool = False
+    strict_code: bool = field(default=False, metadata=RUNTIME)
 
     def __post_init__(self) -> None:
         install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback
-        for name in ("seed", "micro_batch", "grad_accum", "total_updates", "warmup_updates", "num_workers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
-        for name in ("micro_batch", "grad_accum", "total_updates", "save_every", "bucket_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"config field {name!r} must be >= 1, got {getattr(self, name)!r}")
-        if self.warmup_updates < 0 or self.warmup_updates > self.total_updates:
+        schema.check(self, "config")
+        if self.warmup_updates > self.total_updates:
             raise ConfigError(
                 f"config field 'warmup_updates' must be in [0, total_updates={self.total_updates}], "
                 f"got {self.warmup_updates}"
             )
-        if self.num_workers < 0:
-            raise ConfigError(f"config field 'num_workers' must be >= 0, got {self.num_workers}")
-        if self.keep < 2:
-            raise ConfigError(
-                f"config field 'keep' must be >= 2 (the newest complete checkpoint is never deleted "
-                f"and one more survives a crash during a save), got {self.keep}"
-            )
-        for flag in ("async_save", "strict_code", "strict_numerics"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"config field {flag!r} must be true or false, got {getattr(self, flag)!r}")
-        if not isinstance(self.keep_every, int) or isinstance(self.keep_every, bool) or self.keep_every < 0:
-            raise ConfigError(
-                f"config field 'keep_every' must be an integer >= 0 (0: keep no periodic checkpoints), "
-                f"got {self.keep_every!r}"
-            )
-        if not isinstance(self.keep_updates, list) or not all(
-            isinstance(u, int) and not isinstance(u, bool) and 1 <= u <= self.total_updates
-            for u in self.keep_updates
-        ):
+        if not all(1 <= u <= self.total_updates for u in self.keep_updates):
             raise ConfigError(
                 f"config field 'keep_updates' must be a list of updates in [1, total_updates="
                 f"{self.total_updates}], got {self.keep_updates!r}"
             )
         self.keep_updates = sorted(set(self.keep_updates))
-        if self.elastic not in ELASTIC_MODES:
-            raise ConfigError(
-                f"config field 'elastic' must be one of {ELASTIC_MODES}, got {self.elastic!r}",
-                hint="exact: bit-for-bit equal across world sizes (docs/ELASTIC.md); default: DDP's own reduction",
-            )
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"config field 'sampler' must be one of {SAMPLERS}, got {self.sampler!r}")
         if not self.manifest:
             raise ConfigError("config field 'manifest' is required: the JSONL file listing the samples")
         missing = [k for k in self.runtime_params if k not in self.params]
@@ -125,19 +91,12 @@ class RelayConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RelayConfig:
-        """Build from a dict (YAML or JSON), naming unknown or missing fields."""
+        """Build from a dict (YAML or JSON), naming unknown (with a did-you-mean), missing and mistyped fields."""
         install_excepthook()  # as in __post_init__: its refusals too are one line
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown field(s) {unknown}",
-                hint=f"torchrelay fields are {sorted(known)}; put your own hyper-parameters under 'params'",
-            )
+        known = sorted(f.name for f in dataclasses.fields(cls))
+        hint = f"torchrelay fields are {known}; put your own hyper-parameters under 'params'"
         try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ConfigError(f"{source}: {exc}") from exc
+            return schema.build(cls, data, source, hint=hint)
         except ConfigError as exc:
             if source == "config" or source in exc.message:
                 raise
@@ -189,6 +148,10 @@ class RelayConfig:
 
     def global_batch_for(self, world_size: int) -> int:
         return self.micro_batch * self.grad_accum * world_size
+
+
+# The runtime-only fields, in declaration order (contract.py drops them from the contract).
+RUNTIME_FIELDS = schema.fields_with(RelayConfig, "runtime")
 
 
 def is_runtime_key(key: str, runtime_params: Iterable[str]) -> bool:

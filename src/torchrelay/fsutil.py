@@ -7,16 +7,17 @@ import os
 import signal
 from pathlib import Path
 
+from torchrelay import envvars
 from torchrelay.errors import DiskFull
 
 # Crash tests name a moment to be SIGKILLed at: "<phase>:<update>:<rank>" inside a save (checkpoint/commit.py),
 # or a step of pack or prepare ("pack:marked").
-KILL_ENV = "TORCHRELAY_TEST_KILL"
+KILL_ENV = envvars.TEST_KILL.name
 
 
 def kill_point(step: str) -> None:
     """A crash-test hook between two steps of pack or prepare: SIGKILL this process if KILL_ENV names `step`."""
-    if os.environ.get(KILL_ENV) == step:
+    if envvars.TEST_KILL.text() == step:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

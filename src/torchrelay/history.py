@@ -100,7 +100,7 @@ SEGMENT_SCHEMA = Schema({
         "contract_sha256": (str, _NONE), "code": (dict, _NONE), "versions": (dict, _NONE),
         "runtime_changes": (dict, _NONE), "notes": [str], "ended": (str, _NONE), "exit_code": (int, _NONE),
         "stopped": (float, _NONE), "deadline": (float, _NONE), "ranks_by_host": (dict, _NONE),
-        "layout_change": (dict, _NONE),
+        "layout_change": (dict, _NONE), "numerics": (dict, _NONE), "numerics_change": (dict, _NONE),
     }.items()
 })  # fmt: skip
 

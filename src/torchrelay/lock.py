@@ -122,8 +122,8 @@ class RunLock:
 def holder(run_dir: str | os.PathLike[str], role: str) -> dict[str, Any] | None:
     """Who holds the run for `role` now (pid, host, job, since, command), or None when nobody does."""
     path = lock_path(run_dir, role)
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # a lock file is ours: a link or a pipe in its place is nobody's lock (and must not block `status`)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -155,6 +155,6 @@ def describe(holder: dict[str, Any], command: bool = True) -> str:
 def _read(fd: int) -> dict[str, Any]:
     try:
         data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, not JSON, nested past the parser
         return {}
     return data if isinstance(data, dict) else {}

@@ -21,9 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from torchrelay import envvars
 from torchrelay.errors import ContractMismatch
 
-RESHARD_ENV = "TORCHRELAY_RESHARD"
+RESHARD_ENV = envvars.RESHARD.name
 LAYOUT_FIELDS = ("world_size", "micro_batch", "grad_accum")
 # What a layout change cannot carry over, and what replaces it (history.jsonl, `layout_change.rng`).
 RNG_REDERIVED = "re-derived per rank from (seed, update, rank, world size)"
@@ -57,8 +58,7 @@ class Layout:
 
 def reshard_asked(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
     """TORCHRELAY_RESHARD=1 (or true/yes): this launch may continue the run on another layout."""
-    value = (environ if environ is not None else os.environ).get(RESHARD_ENV, "")
-    return value.strip().lower() in ("1", "true", "yes")
+    return bool(envvars.RESHARD.get(environ))
 
 
 def contract_layout(fields: dict[str, Any]) -> Layout:

@@ -14,11 +14,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from torchrelay.errors import EXIT_BUDGET, EXIT_SIGNAL, ConfigError, RelayError
+from torchrelay.util import schema
 
 Runner = Callable[[Sequence[str]], str]
 REQUEUE_CODES = (EXIT_BUDGET, EXIT_SIGNAL)
@@ -86,32 +88,43 @@ def rendezvous(env: Mapping[str, str] | None = None, runner: Runner = run_comman
 
 
 @dataclass(kw_only=True, slots=True)
-class BatchSpec:
-    """Everything the batch script needs; built from the plan's `slurm` section and command-line flags."""
+class SlurmSpec:
+    """What `torchrelay sbatch` asks Slurm for (a plan's `slurm` section); command-line flags override these."""
+
+    time: str = field(default="01:00:00", metadata={"as_str": True})
+    nodes: int = field(default=0, metadata={"min": 0, "doc": "0: train.nnodes"})
+    gpus_per_node: int = field(default=0, metadata={"min": 0})
+    cpus_per_task: int = field(default=0, metadata={"min": 0})
+    mem: str = ""
+    partition: str = ""
+    account: str = ""
+    job_name: str = ""
+    signal_s: int = field(default=120, metadata={"min": 0})
+    max_requeues: int = field(default=20, metadata={"min": 0})
+    output: str = ""  # log file; default RUN_DIR/slurm-%j.out (appended to by every requeued run)
+    extra: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. ["--exclusive"]
+
+    def __post_init__(self) -> None:
+        schema.check(self, "plan.slurm")
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchSpec(SlurmSpec):
+    """Everything the batch script needs: the plan's `slurm` section with the command-line flags applied, and
+    how to start the controller."""
 
     plan_path: Path
     run_dir: Path
     workdir: Path
-    time: str
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 0
-    mem: str = ""
-    partition: str = ""
-    account: str = ""
+    nodes: int = field(default=1, metadata={"min": 1})  # resolved: never "0: train.nnodes"
     job_name: str = "torchrelay"
-    signal_s: int = 120
-    max_requeues: int = 20
-    output: str = ""
-    extra: list[str] = field(default_factory=list)
     sets: list[str] = field(default_factory=list)  # `--set KEY=VALUE` passed on to every launch
     launch_args: list[str] = field(default_factory=list)  # more `torchrelay launch` flags
     python: str = sys.executable
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ConfigError(f"sbatch: --nodes must be >= 1, got {self.nodes}")
+        schema.check(self, "sbatch")
         if self.signal_s < 1:
             raise ConfigError(
                 f"sbatch: the warning signal must come >= 1 s before the end, got {self.signal_s}"
@@ -123,6 +136,17 @@ class BatchSpec:
                 f"{self.signal_s}s before the end",
                 hint="raise --time or lower slurm.signal_s",
             )
+
+    @classmethod
+    def from_request(cls, request: SlurmSpec, **changes: Any) -> BatchSpec:
+        """The plan's request with `changes` (the flags, the plan's paths) applied; an unset nodes or job_name
+        (0, "": derived from the plan) takes the batch default unless `changes` resolves it."""
+        asked = {
+            f.name: getattr(request, f.name)
+            for f in fields(SlurmSpec)
+            if getattr(request, f.name) or f.name not in ("nodes", "job_name")
+        }
+        return cls(**{**asked, "extra": list(request.extra), **changes})
 
 
 def time_limit_minutes(text: str) -> float:

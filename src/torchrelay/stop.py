@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from torchrelay import envvars
 from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, UnsafeInput
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.util.safepath import open_regular
@@ -279,15 +280,12 @@ def deadline_from_env(env: Mapping[str, str], start: float) -> Deadline | None:
     """The earliest of TORCHRELAY_DEADLINE (unix seconds), `start` + TORCHRELAY_BUDGET_S and Slurm's
     SLURM_JOB_END_TIME; each is fixed for the whole job, so a restart within the job keeps its deadline."""
     found: list[Deadline] = []
-    for name in ("TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S"):
-        text = env.get(name, "").strip()
-        if not text:
+    for var in (envvars.DEADLINE, envvars.BUDGET_S):
+        name, text = var.name, var.text(env)
+        value = var.get(env)
+        if value is None:
             continue
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or (name == "TORCHRELAY_BUDGET_S" and value < 0):
+        if var is envvars.BUDGET_S and value < 0:
             raise ConfigError(
                 f"{name}={text!r} is not a number of seconds",
                 hint="TORCHRELAY_DEADLINE is unix seconds, TORCHRELAY_BUDGET_S seconds from the job's start",

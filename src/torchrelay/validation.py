@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.costmodel import validation_fits
@@ -163,7 +164,7 @@ def validate_checkpoints(
     rd = RunDir(run_dir)
     if not rd.exists():
         raise ConfigError(f"{rd.path} holds no torchrelay run", hint="validate a run directory")
-    with RunLock(rd.path, "train").acquire(wait_s=float(os.environ.get("TORCHRELAY_LOCK_WAIT_S", "3"))):
+    with RunLock(rd.path, "train").acquire(wait_s=envvars.LOCK_WAIT_S.get()):
         sel = select(rd.path, spec.updates, again=spec.again)
         report = ValidationReport(done_before=sel.done, missing=dict(sel.missing))
         for i, update in enumerate(sel.todo):

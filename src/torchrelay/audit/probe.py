@@ -26,12 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torchrelay import envvars
 from torchrelay.util.jsonl import read_records
 
-ENV = "TORCHRELAY_AUDIT_PROBE"  # the folder the probe writes rank<r>.jsonl into; unset: the probe is off
+ENV = envvars.AUDIT_PROBE.name  # the folder the probe writes rank<r>.jsonl into; unset: the probe is off
 # Updates at whose start the probe also records the state of every random stream the process holds
 # (streams-rank<r>.jsonl): the audit passes the first update of each continued segment.
-STREAMS_AT_ENV = "TORCHRELAY_AUDIT_STREAMS_AT"
+STREAMS_AT_ENV = envvars.AUDIT_STREAMS_AT.name
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 
 _state: dict[str, Any] = {"update": 0}
@@ -73,7 +74,7 @@ def _record(it: Any, batch: Any) -> None:
         "sampler": type(sampler).__name__,
         "sha": h.hexdigest()[:20],
     }
-    folder = Path(os.environ[ENV])
+    folder = Path(envvars.AUDIT_PROBE.get())
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
@@ -81,7 +82,7 @@ def _record(it: Any, batch: Any) -> None:
 
 def install() -> None:
     """Wrap DataLoader iteration and torchrelay's Step so each foreign batch is recorded with its update."""
-    if not os.environ.get(ENV) or _state.get("installed"):
+    if not envvars.AUDIT_PROBE.is_set() or _state.get("installed"):
         return
     import importlib
 
@@ -103,7 +104,7 @@ def install() -> None:
             _record(self, batch)
         return batch
 
-    streams_at = {int(u) for u in os.environ.get(STREAMS_AT_ENV, "").split(",") if u.strip()}
+    streams_at = set(envvars.AUDIT_STREAMS_AT.get())
 
     def step_init(self: Any, update: int, *args: Any, **kwargs: Any) -> None:
         _state["update"] = update
@@ -245,7 +246,7 @@ def state_tensors() -> dict[str, str]:
 
 def _record_streams(update: int) -> None:
     rank = os.environ.get("RANK", "0")
-    folder = Path(os.environ[ENV])
+    folder = Path(envvars.AUDIT_PROBE.get())
     folder.mkdir(parents=True, exist_ok=True)
     line: dict[str, Any] = {"update": update, "streams": random_streams()}
     with contextlib.suppress(Exception):  # the stream digests stand on their own

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import RelayError
 from torchrelay.proctree import end_tree
@@ -177,7 +178,7 @@ def run_segments(
 
     base_env = dict(os.environ if env is None else env)
     try:
-        base_overrides = json.loads(base_env.get("TORCHRELAY_OVERRIDES") or "{}")
+        base_overrides = json.loads(envvars.OVERRIDES.text(base_env) or "{}")
     except json.JSONDecodeError as exc:
         raise AuditError(f"TORCHRELAY_OVERRIDES is not JSON ({exc.msg})", hint="unset it or fix it") from exc
     base_overrides.update(extra_overrides or {})

@@ -19,6 +19,7 @@ from rich.table import Table
 from torchrelay.numerics import describe as describe_numerics
 from torchrelay.numerics import fingerprint
 from torchrelay.util.hashing import sha256_json
+from torchrelay.util.records import read_json_or_none
 
 VERDICT_FORMAT = 1
 AUDIT_FILE = "AUDIT.json"
@@ -275,10 +276,7 @@ def verdict_for_run(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
-        return {}
+    data = read_json_or_none(path, what="an audit verdict")  # unreadable, not JSON, a link, a pipe: none
     return data if isinstance(data, dict) else {}
 
 
@@ -303,9 +301,8 @@ def last_verdict(script_path: str | Path, *, any_version: bool = False) -> dict[
         path, stale = root / "by-path" / f"{_path_key(script_path)}.json", True
         if not path.is_file():
             return None
-    try:
-        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+    data = read_json_or_none(path, what="an audit verdict")  # unreadable, not JSON, a link, a pipe: none
+    if not isinstance(data, dict):
         return None
     data["stale"] = stale
     return data

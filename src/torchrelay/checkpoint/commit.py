@@ -18,14 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torchrelay import envvars
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
 
-# KILL_ENV in a save: "<phase>:<update>:<rank>", phases: shards, inventory, rename
-from torchrelay.fsutil import KILL_ENV, fsync_dir
+# TORCHRELAY_TEST_KILL in a save: "<phase>:<update>:<rank>", phases: shards, inventory, rename
+from torchrelay.fsutil import fsync_dir
 from torchrelay.util import collective
 
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -34,7 +35,7 @@ DELETING_PREFIX = ".deleting-checkpoint-"
 
 def kill_hook_for(update: int, rank: int) -> Callable[[str], None] | None:
     """A crash-test hook: SIGKILL this very process at a named phase of one save (tests only)."""
-    spec = os.environ.get(KILL_ENV)
+    spec = envvars.TEST_KILL.text()
     if not spec or spec.count(":") != 2:  # none, or a step of pack or prepare
         return None
     phase, at_update, at_rank = spec.split(":")

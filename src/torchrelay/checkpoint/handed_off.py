@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torchrelay import envvars
 from torchrelay.errors import RelayError
 from torchrelay.fsutil import fsync_dir, kill_point, read_bounded
 
@@ -20,7 +21,7 @@ HANDED_OFF = "HANDED_OFF.json"
 PACKING = "packing"
 HANDED = "handed-off"
 TMP_PREFIX = f".{HANDED_OFF}.tmp-"
-RECLAIM_ENV = "TORCHRELAY_RECLAIM"  # =1: continue (or pack) a handed-off checkpoint on purpose
+RECLAIM_ENV = envvars.RECLAIM.name  # =1: continue (or pack) a handed-off checkpoint on purpose
 # A reclaimed checkpoint keeps its record under this prefix (TORCHRELAY_RECLAIM=1 renames it, see run.py).
 RECLAIMED_PREFIX = "HANDED_OFF.reclaimed-"
 
@@ -29,7 +30,7 @@ def guarding_record(ckpt: Path) -> dict[str, Any] | None:
     """The record that forbids continuing or packing `ckpt` again; None when there is none, or when
     TORCHRELAY_RECLAIM=1 reclaims the checkpoint on purpose. The one fork guard of the trainer and `pack`."""
     record = read_marker(ckpt)
-    return None if record is None or os.environ.get(RECLAIM_ENV) == "1" else record
+    return None if record is None or envvars.RECLAIM.get() else record
 
 
 def read_marker(ckpt: Path) -> dict[str, Any] | None:

@@ -13,11 +13,11 @@ hashed, fsynced and committed on a thread of its own while training goes on.
 The loop shares the interpreter with the persist: every Python-level step of the writer (torch.save's pickling,
 its ~40 small writes per tensor) holds the GIL the training thread needs to launch its next kernel. So DCP's plan
 is made during the stall (dcp_save.py), the background threads run at a lower CPU priority, write small pieces in
-batches, and at most `PERSIST_STREAMS` of them write at once. The process's GIL switch interval is left as it is:
-with the plan off the persist thread, a shorter one measured no better on the H200 host (benchmarks/RESULTS.md,
-issue 22) (the file count stays a function of the tensors
+batches, and at most `PERSIST_STREAMS` of them write at once (the file count stays a function of the tensors
 alone; only the concurrency varies). A file's fsync needs no slot, and its writeback starts as it is written
-(KICK_BYTES): the disk works while the writers fill the page cache.
+(KICK_BYTES): the disk works while the writers fill the page cache. The process's GIL switch interval is left as
+it is: with the plan off the persist thread, a shorter one measured no better on the H200 host (benchmarks/
+RESULTS.md, issue 22).
 
 The bytes written are the same whether the job runs on the background thread or inline (`async_save: false`):
 both go through the same staging and the same writer.
@@ -43,16 +43,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-# Tests only: a background persist waits until this file exists before it writes anything, so that a test can
-# observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
-HOLD_ENV = "TORCHRELAY_TEST_HOLD_PERSIST"
+from torchrelay import envvars
 
 # Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
 FILE_BYTES = 256 << 20
 MAX_FILES = 16
 # Files a rank writes at once in the background; the others wait their turn. Eight streams of SHA-256 (1.3 GB/s
 # each on the H200 host) outrun its disk (1.8 GB/s) while leaving the GIL to the loop more often than sixteen.
-STREAMS_ENV = "TORCHRELAY_PERSIST_STREAMS"
+STREAMS_ENV = envvars.PERSIST_STREAMS.name
 PERSIST_STREAMS = 8
 # Every this many bytes a file's writeback is started (0: left to the kernel until the fsync). On the H200 host,
 # 3 saves each: committed after 7.0-9.0 s with it, 7.8-9.4 s without (benchmarks/RESULTS.md).
@@ -154,8 +152,8 @@ def _lower_priority() -> None:
 
 def persist_streams() -> int:
     """How many files a rank writes at once in the background (TORCHRELAY_PERSIST_STREAMS, else PERSIST_STREAMS)."""
-    raw = os.environ.get(STREAMS_ENV, "")
-    return max(1, int(raw)) if raw.isdigit() else PERSIST_STREAMS
+    streams = envvars.PERSIST_STREAMS.get()
+    return PERSIST_STREAMS if streams is None else max(1, streams)
 
 
 class _HashingFileSystem(FileSystem):
@@ -269,7 +267,6 @@ PIN_MIN_BYTES = 1 << 20
 # False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two).
 PIN_BY_REGISTER = True
 _PAGE = mmap.PAGESIZE
-_HUGE = 2 << 20
 
 
 def _touch(view: memoryview) -> None:
@@ -297,7 +294,7 @@ class _Locked:
             self.registered = (
                 int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)) == 0
             )
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 - any refusal leaves the buffer pageable: slower copies, the same bytes
             self.registered = False
         return self.registered
 
@@ -343,9 +340,8 @@ class HostStage:
             buf = locked.tensor[:nbytes].view(dtype).view(shape)
         else:
             buf = torch.empty(shape, dtype=dtype)
-            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(
-                0
-            )  # the first touch of each page here, not in the copy
+            # the first touch of each page (a fault per page) happens here, not in the copy
+            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(0)
         with self._lock:
             old = self._locked.pop(key, None)
             if old is not None:
@@ -452,6 +448,9 @@ class Persister:
         self.started_at: float | None = None
         self.update: int | None = None
         self.persisting = threading.Event()  # set while a job runs (tests observe it)
+        # Tests only: a background job waits until this file exists before it writes anything, so that a test can
+        # observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
+        self.hold: Path | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -468,7 +467,7 @@ class Persister:
                 self.update = self.started_at = None
             return
 
-        hold = os.environ.get(HOLD_ENV)
+        hold = self.hold
 
         def run() -> None:
             _lower_priority()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -347,7 +348,7 @@ def state_path(ckpt_dir: Path) -> Path:
     the rename (never both from us: a trainer_state.json beside relay_state.json is Hugging Face's, not read)."""
     path = ckpt_dir / RELAY_STATE
     legacy = ckpt_dir / LEGACY_STATE
-    return legacy if not path.exists() and legacy.exists() else path
+    return legacy if not os.path.lexists(path) and legacy.exists() else path
 
 
 # What relay_state.json (and an older trainer_state.json) holds, checked before a field is used.
@@ -386,8 +387,8 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
         if not all(isinstance(v, dict) for v in optimizer["scalars"].values()):
             raise RecordError(str(path), "holds a value that is not an object", field="optimizer.scalars")
     per_rank = check(doc.get("per_rank") or {}, PER_RANK_SCHEMA, source=f"{path} per_rank")
-    for part, names in per_rank.items():
-        if not all(isinstance(n, str) for n in names):
+    for part in PER_RANK_SCHEMA:
+        if not all(isinstance(n, str) for n in per_rank.get(part) or []):
             raise RecordError(str(path), "names a part that is not a string", field=f"per_rank.{part}")
     return doc
 

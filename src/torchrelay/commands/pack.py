@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
-from torchrelay.util import bars
+from torchrelay.util import bars, schema
+from torchrelay.util.records import read_json_or_none
 
 
 def _checkpoint(text: str) -> int | None:
@@ -22,33 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", type=_checkpoint, default=None, metavar="N|latest", help="default: latest"
     )
-    parser.add_argument("--link", action="store_true", help="hardlink checkpoint files instead of copying")
-    parser.add_argument(
-        "--code-dir",
-        type=Path,
-        default=None,
-        help="git checkout the run was trained from (default: where the run's recorded script lies)",
-    )
-    parser.add_argument("--allow-dirty", action="store_true", help="pack a run trained from uncommitted code")
-    parser.add_argument("--jobs", type=int, default=None, help="copy/hash threads (default: one per core)")
-    parser.add_argument(
-        "--sign",
-        type=Path,
-        default=None,
-        metavar="KEYFILE",
-        help="sign SHA256SUMS with this SSH key (ssh-keygen -Y sign) into SHA256SUMS.sig",
-    )
+    schema.add_flags(parser, PackOptions, ["link", "code_dir", "allow_dirty", "jobs", "sign"])
 
 
 def run(args: argparse.Namespace) -> int:
-    options = PackOptions(
-        checkpoint=args.checkpoint,
-        link=args.link,
-        code_dir=args.code_dir,
-        allow_dirty=args.allow_dirty,
-        jobs=args.jobs,
-        sign=args.sign,
-    )
+    options = schema.from_namespace(PackOptions, args)
     load_contract(
         args.run_dir
     )  # a path that holds no run is refused as such, before any checkpoint is looked for
@@ -65,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         f"packed update {result.update} into {result.bundle}: {result.files} files, {result.bytes / 1e9:.3f} GB "
         f"({result.linked} hardlinked) in {result.seconds:.2f} s ({rate:.2f} GB/s)"
     )
-    contract = json.loads((result.bundle / "bundle.json").read_text()).get("contract_sha256")
+    info = read_json_or_none(result.bundle / "bundle.json", what="the bundle's lineage record") or {}
+    contract = info.get("contract_sha256")
     print(f"contract {contract} (the training prints it as TRAINING_CONTRACT)")
     print(f"bundle lineage {result.lineage}; {ckpt}/HANDED_OFF.json now refuses a second continuation here")
     print(f"BUNDLE_DIGEST sha256:{result.digest}")

@@ -8,16 +8,14 @@ from pathlib import Path
 from torchrelay.commands.verify import add_trust_arguments
 from torchrelay.config import parse_assignments
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
-from torchrelay.handoff.prepare import PreflightFailed, PrepareOptions, prepare
+from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import bundle_bytes
-from torchrelay.util import bars
+from torchrelay.util import bars, schema
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", type=Path, help="the verified bundle directory")
-    parser.add_argument(
-        "--run-dir", type=Path, required=True, help="the run directory to create (new or empty)"
-    )
+    schema.add_flags(parser, PrepareOptions, ["run_dir"])
     parser.add_argument(
         "--set",
         action="append",
@@ -25,52 +23,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a runtime field (data_root, num_workers, ...)",
     )
-    parser.add_argument("--copy-mode", choices=("copy", "hardlink"), default="copy")
-    parser.add_argument(
-        "--check-files", action="store_true", help="check every manifest file exists under the new root"
-    )
-    parser.add_argument(
-        "--code-dir",
-        type=Path,
-        default=None,
-        help="validate against this checkout instead of the bundle's source",
-    )
-    parser.add_argument("--jobs", type=int, default=None, help="hash/copy threads (default: one per core)")
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="continue on N ranks: a layout change that keeps the global batch (grad_accum is derived)",
-    )
-    parser.add_argument(
-        "--micro-batch",
-        type=int,
-        default=None,
-        metavar="M",
-        help="with --world-size: the per-rank micro-batch of the new layout (default: the checkpoint's)",
+    schema.add_flags(
+        parser, PrepareOptions, ["copy_mode", "check_files", "code_dir", "jobs", "world_size", "micro_batch"]
     )
     add_trust_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    options = PrepareOptions(
-        run_dir=args.run_dir,
-        sets=parse_assignments(args.set),
-        copy_mode=args.copy_mode,
-        check_files=args.check_files,
-        code_dir=args.code_dir,
-        jobs=args.jobs,
-        expect=args.expect,
-        allowed_signers=args.allowed_signers,
-        world_size=args.world_size,
-        micro_batch=args.micro_batch,
-    )
+    options = schema.from_namespace(PrepareOptions, args, sets=parse_assignments(args.set))
     total = 2 * bundle_bytes(args.bundle)  # verified once, then copied once
     try:
         with bars.PrepareBars(total) as shown:
             result = prepare(args.bundle, options, on_bytes=shown.on_bytes, on_files=shown.on_files)
-    except PreflightFailed as exc:
+    except PrepareRefused as exc:
         print("PREFLIGHT: FAIL")
         for failure in exc.failures:
             print(f"  - {failure}")

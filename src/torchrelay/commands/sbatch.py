@@ -36,22 +36,18 @@ def run(args: argparse.Namespace) -> int:
     sets = parse_assignments(args.set)
     plan = load_plan(args.plan, sets)
     s = plan.slurm
-    spec = BatchSpec(
+    spec = BatchSpec.from_request(
+        s,
         plan_path=args.plan.resolve(),
         run_dir=plan.run_path,
         workdir=plan.work_path,
         time=args.time or s.time,
         nodes=args.nodes or s.nodes or plan.train.nnodes,
         gpus_per_node=s.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node,
-        cpus_per_task=s.cpus_per_task,
-        mem=s.mem,
         partition=args.partition or s.partition,
         account=args.account or s.account,
         job_name=s.job_name or f"relay-{plan.name}",
         signal_s=args.signal or s.signal_s,
-        max_requeues=s.max_requeues,
-        output=s.output,
-        extra=list(s.extra),
         sets=list(args.set),
         python=plan.train.python,
     )

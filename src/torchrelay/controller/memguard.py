@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import psutil
 
+from torchrelay import envvars
 from torchrelay.controller.plan import MemorySpec
 from torchrelay.errors import ConfigError
 
 GIB = 1024**3
-ENV_SOFT = "TORCHRELAY_MEM_SOFT_GIB"
-ENV_HARD = "TORCHRELAY_MEM_HARD_GIB"
+ENV_SOFT = envvars.MEM_SOFT_GIB.name
+ENV_HARD = envvars.MEM_HARD_GIB.name
 
 OK, SOFT, HARD = "ok", "soft", "hard"
 
@@ -43,8 +44,8 @@ class MemoryLimits:
         """Limits from the environment, else the plan's GiB values, else fractions of this host's RAM."""
         env = os.environ if env is None else env
         total = psutil.virtual_memory().total if total_bytes is None else total_bytes
-        soft = _gib(env, ENV_SOFT) or spec.soft_gib or 0.0
-        hard = _gib(env, ENV_HARD) or spec.hard_gib or 0.0
+        soft = _gib(env, envvars.MEM_SOFT_GIB) or spec.soft_gib or 0.0
+        hard = _gib(env, envvars.MEM_HARD_GIB) or spec.hard_gib or 0.0
         soft_bytes = int(soft * GIB) if soft else int(spec.soft_fraction * total)
         hard_bytes = int(hard * GIB) if hard else max(int(spec.hard_fraction * total), soft_bytes)
         return cls(soft_bytes=soft_bytes, hard_bytes=hard_bytes)
@@ -53,17 +54,11 @@ class MemoryLimits:
         return f"soft {self.soft_bytes / GIB:.2f} GiB, hard {self.hard_bytes / GIB:.2f} GiB"
 
 
-def _gib(env: Mapping[str, str], name: str) -> float:
-    text = env.get(name, "").strip()
-    if not text:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={text!r} is not a number of GiB") from exc
-    if value <= 0:
-        raise ConfigError(f"{name}={text!r} must be > 0 GiB")
-    return value
+def _gib(env: Mapping[str, str], var: envvars.Var) -> float:
+    value = var.get(env)
+    if value is not None and value <= 0:
+        raise ConfigError(f"{var.name}={var.text(env)!r} must be > 0 GiB")
+    return float(value or 0.0)
 
 
 class MemoryGuard:

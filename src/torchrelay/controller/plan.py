@@ -34,22 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.errors import ConfigError, RecordError
+from torchrelay.slurm import SlurmSpec
+from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.records import read_yaml
 
 SMOKE_WHEN = ("always", "first", "never")
 # Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.
 FREE_FORM = (("train", "overrides"), ("train", "env"), ("smoke", "overrides"), ("validate", "env"))
-
-
-def _check_type(source: str, name: str, value: object, kind: type | tuple[type, ...]) -> None:
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
-        raise ConfigError(f"{source}: field {name!r} must be {_kind_name(kind)}, got {value!r}")
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
+AT_LEAST_0 = {"min": 0}
+AT_LEAST_1 = {"min": 1}
+AS_STR = {"as_str": True}  # YAML's `10` in argv or env is the string "10"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,9 +56,7 @@ class CheckSpec:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        _check_type("plan preflight.checks", "name", self.name, str)
-        _check_type(f"plan preflight check {self.name!r}", "run", self.run, str)
-        _check_type(f"plan preflight check {self.name!r}", "timeout_s", self.timeout_s, (int, float))
+        schema.check(self, "plan.preflight.checks")
         if not self.name or not self.run.strip():
             raise ConfigError("plan preflight.checks: every check needs a non-empty 'name' and 'run'")
 
@@ -73,33 +66,18 @@ class TrainSpec:
     """The training command: `torchrun [torchrun_args] script [args]` on every node."""
 
     script: str
-    args: list[str] = field(default_factory=list)
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    torchrun_args: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list, metadata=AS_STR)
+    nproc_per_node: int = field(default=1, metadata=AT_LEAST_1)
+    nnodes: int = field(default=1, metadata=AT_LEAST_1)
+    torchrun_args: list[str] = field(default_factory=list, metadata=AS_STR)
     python: str = ""  # the interpreter that runs torchrun; empty: this one
-    srun: bool = (
-        False  # start torchrun through srun and a per-node agent even on one node (always when nnodes > 1)
-    )
+    # start torchrun through srun and a per-node agent even on one node (always when nnodes > 1)
+    srun: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, metadata=AS_STR)
 
     def __post_init__(self) -> None:
-        src = "plan train"
-        _check_type(src, "script", self.script, str)
-        for name in ("nproc_per_node", "nnodes"):
-            _check_type(src, name, getattr(self, name), int)
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{src}: field {name!r} must be >= 1, got {getattr(self, name)}")
-        for name in ("args", "torchrun_args"):
-            value = getattr(self, name)
-            if not isinstance(value, list) or not all(isinstance(a, str | int | float) for a in value):
-                raise ConfigError(f"{src}: field {name!r} must be a list of strings, got {value!r}")
-            setattr(self, name, [str(a) for a in value])
-        _check_type(src, "overrides", self.overrides, dict)
-        _check_type(src, "env", self.env, dict)
-        _check_type(src, "srun", self.srun, bool)
-        self.env = {str(k): str(v) for k, v in self.env.items()}
+        schema.check(self, "plan.train")
         if not self.python:
             self.python = sys.executable
 
@@ -114,22 +92,13 @@ class TrainSpec:
 
 @dataclass(kw_only=True, slots=True)
 class PreflightSpec:
-    checkpoints_ahead: int = 2
+    checkpoints_ahead: int = field(default=2, metadata=AT_LEAST_0)
     checks: list[CheckSpec] = field(default_factory=list)
     manifest: str = ""  # for a fresh run: the manifest (and data_root) whose files must exist
     data_root: str = ""
 
     def __post_init__(self) -> None:
-        _check_type("plan preflight", "checkpoints_ahead", self.checkpoints_ahead, int)
-        if self.checkpoints_ahead < 0:
-            raise ConfigError(
-                f"plan preflight: 'checkpoints_ahead' must be >= 0, got {self.checkpoints_ahead}"
-            )
-        if not isinstance(self.checks, list):
-            raise ConfigError(f"plan preflight: 'checks' must be a list, got {self.checks!r}")
-        self.checks = [
-            c if isinstance(c, CheckSpec) else _build(CheckSpec, c, "preflight.checks") for c in self.checks
-        ]
+        schema.check(self, "plan.preflight")
         names = [c.name for c in self.checks]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -140,86 +109,49 @@ class PreflightSpec:
 class SmokeSpec:
     """A few updates on all ranks in a throwaway run directory, before the formal run."""
 
-    when: str = "always"  # always | first (until measurements exist) | never
+    # always | first (until measurements exist) | never
+    when: str = field(default="always", metadata={"choices": SMOKE_WHEN})
     updates: int = 3
     save_every: int = 2
     timeout_s: float = 600.0
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.when not in SMOKE_WHEN:
-            raise ConfigError(f"plan smoke: 'when' must be one of {SMOKE_WHEN}, got {self.when!r}")
-        for name in ("updates", "save_every"):
-            _check_type("plan smoke", name, getattr(self, name), int)
+        schema.check(self, "plan.smoke")
         if self.updates < 2 or not 1 <= self.save_every <= self.updates:
             raise ConfigError(
                 f"plan smoke: need updates >= 2 and 1 <= save_every <= updates "
                 f"(one update to time, one save to time), got updates={self.updates} save_every={self.save_every}"
             )
-        _check_type("plan smoke", "timeout_s", self.timeout_s, (int, float))
-        _check_type("plan smoke", "overrides", self.overrides, dict)
 
 
 @dataclass(kw_only=True, slots=True)
 class BudgetSpec:
     """The safety margin of the cost model, and estimates used before anything was measured."""
 
-    margin_s: float = 10.0
-    update_s: float = 0.0
-    save_s: float = 0.0
-    startup_s: float = 0.0
+    margin_s: float = field(default=10.0, metadata=AT_LEAST_0)
+    update_s: float = field(default=0.0, metadata=AT_LEAST_0)
+    save_s: float = field(default=0.0, metadata=AT_LEAST_0)
+    startup_s: float = field(default=0.0, metadata=AT_LEAST_0)
 
     def __post_init__(self) -> None:
-        for name in ("margin_s", "update_s", "save_s", "startup_s"):
-            _check_type("plan budget", name, getattr(self, name), (int, float))
-            if getattr(self, name) < 0:
-                raise ConfigError(f"plan budget: {name!r} must be >= 0, got {getattr(self, name)}")
+        schema.check(self, "plan.budget")
 
 
 @dataclass(kw_only=True, slots=True)
 class MemorySpec:
     """Host-memory guard of the training process tree; GiB values win over fractions of RAM."""
 
-    soft_fraction: float = 0.9
-    hard_fraction: float = 0.97
-    soft_gib: float = 0.0
-    hard_gib: float = 0.0
-    poll_s: float = 1.0
+    soft_fraction: float = field(default=0.9, metadata=AT_LEAST_0)
+    hard_fraction: float = field(default=0.97, metadata=AT_LEAST_0)
+    soft_gib: float = field(default=0.0, metadata=AT_LEAST_0)
+    hard_gib: float = field(default=0.0, metadata=AT_LEAST_0)
+    poll_s: float = field(default=1.0, metadata=AT_LEAST_0)
 
     def __post_init__(self) -> None:
-        for name in ("soft_fraction", "hard_fraction", "soft_gib", "hard_gib", "poll_s"):
-            _check_type("plan memory", name, getattr(self, name), (int, float))
-            if getattr(self, name) < 0:
-                raise ConfigError(f"plan memory: {name!r} must be >= 0, got {getattr(self, name)}")
+        schema.check(self, "plan.memory")
         if self.poll_s <= 0:
             raise ConfigError(f"plan memory: 'poll_s' must be > 0, got {self.poll_s}")
-
-
-@dataclass(kw_only=True, slots=True)
-class SlurmSpec:
-    """What `torchrelay sbatch` asks Slurm for; command-line flags override these."""
-
-    time: str = "01:00:00"
-    nodes: int = 0  # 0: train.nnodes
-    gpus_per_node: int = 0
-    cpus_per_task: int = 0
-    mem: str = ""
-    partition: str = ""
-    account: str = ""
-    job_name: str = ""
-    signal_s: int = 120
-    max_requeues: int = 20
-    output: str = ""  # log file; default RUN_DIR/slurm-%j.out (appended to by every requeued run)
-    extra: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. ["--exclusive"]
-
-    def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_s", "max_requeues"):
-            _check_type("plan slurm", name, getattr(self, name), int)
-            if getattr(self, name) < 0:
-                raise ConfigError(f"plan slurm: {name!r} must be >= 0, got {getattr(self, name)}")
-        self.time = str(self.time)
-        if not isinstance(self.extra, list):
-            raise ConfigError(f"plan slurm: 'extra' must be a list of sbatch options, got {self.extra!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,27 +170,25 @@ class FallbackSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to train.env
 
     def __post_init__(self) -> None:
-        src = f"plan fallbacks[{self.name!r}]" if isinstance(self.name, str) else "plan fallbacks"
-        _check_type(src, "name", self.name, str)
-        _check_type(src, "run_dir", self.run_dir, str)
-        _check_type(src, "nproc_per_node", self.nproc_per_node, int)
+        schema.check(self, "plan.fallbacks")
         if not self.name or not self.run_dir:
-            raise ConfigError(f"{src}: every fallback needs a 'name' and its own 'run_dir'")
+            raise ConfigError("plan fallbacks: every fallback needs a 'name' and its own 'run_dir'")
         if self.nproc_per_node < 1:
-            raise ConfigError(f"{src}: field 'nproc_per_node' must be >= 1, got {self.nproc_per_node}")
-        if self.args is not None:
-            if not isinstance(self.args, list) or not all(
-                isinstance(a, str | int | float) for a in self.args
-            ):
-                raise ConfigError(f"{src}: field 'args' must be a list of strings, got {self.args!r}")
-            self.args = [str(a) for a in self.args]
-        if self.overrides is not None:
-            _check_type(src, "overrides", self.overrides, dict)
-        _check_type(src, "env", self.env, dict)
-        self.env = {str(k): str(v) for k, v in self.env.items()}
+            raise ConfigError(
+                f"plan fallbacks[{self.name!r}]: field 'nproc_per_node' must be >= 1, got {self.nproc_per_node}"
+            )
 
 
 EXPORT_KEYS = ("dtype", "drop", "rename", "include")
+_UPDATES_SCHEMA = {
+    "anyOf": [{"const": "kept"}, {"type": "array", "items": {"type": "integer", "minimum": 1}}]
+}
+_EXPORT_SCHEMA = {
+    "anyOf": [
+        {"type": "boolean"},
+        {"type": "object", "properties": {k: {} for k in EXPORT_KEYS}, "additionalProperties": False},
+    ]
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -266,25 +196,21 @@ class ValidateSpec:
     """After the formal run exits (finished or stopped): a command on each named checkpoint not validated yet."""
 
     run: str = ""  # shell command in workdir; {checkpoint} {metrics} {update} {run_dir}; empty: no stage
-    updates: Any = "kept"  # a list of updates, or "kept": every complete checkpoint
-    timeout_s: float = 0.0  # fail one validation after this long (0: only the deadline limits it)
-    estimate_s: float = 0.0  # seconds one validation takes, until one was measured (the cost model's input)
-    env: dict[str, str] = field(default_factory=dict)
+    # a list of updates, or "kept": every complete checkpoint
+    updates: Any = field(default="kept", metadata={"json_schema": _UPDATES_SCHEMA})
+    # fail one validation after this long (0: only the deadline limits it)
+    timeout_s: float = field(default=0.0, metadata=AT_LEAST_0)
+    # seconds one validation takes, until one was measured (the cost model's input)
+    estimate_s: float = field(default=0.0, metadata=AT_LEAST_0)
+    env: dict[str, str] = field(default_factory=dict, metadata=AS_STR)
     # Export the checkpoint's weights for the command ({weights}): true, or options {dtype, drop, rename, include}
-    export: Any = False
+    export: bool | dict[str, Any] = field(default=False, metadata={"json_schema": _EXPORT_SCHEMA})
 
     def __post_init__(self) -> None:
         from torchrelay.validation_records import parse_updates
 
-        _check_type("plan validate", "run", self.run, str)
+        schema.check(self, "plan.validate")
         parse_updates(self.updates, "plan validate.updates")
-        for name in ("timeout_s", "estimate_s"):
-            _check_type("plan validate", name, getattr(self, name), (int, float))
-            if getattr(self, name) < 0:
-                raise ConfigError(f"plan validate: {name!r} must be >= 0, got {getattr(self, name)}")
-        _check_type("plan validate", "env", self.env, dict)
-        self.env = {str(k): str(v) for k, v in self.env.items()}
-        _check_type("plan validate", "export", self.export, (bool, dict))
         if isinstance(self.export, dict):
             unknown = sorted(set(self.export) - set(EXPORT_KEYS))
             if unknown:
@@ -304,7 +230,7 @@ class ValidateSpec:
 class Plan:
     """A resolved plan: absolute paths, every stage typed; `to_dict()` is what an attempt records."""
 
-    run_dir: str
+    run_dir: str = field(metadata={"doc": "the run directory the training writes"})
     workdir: str = "."
     train: TrainSpec
     preflight: PreflightSpec = field(default_factory=PreflightSpec)
@@ -319,16 +245,11 @@ class Plan:
     fallback_of: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_type("plan", "run_dir", self.run_dir, str)
+        schema.check(self, "plan")
         if not self.run_dir:
             raise ConfigError("plan: 'run_dir' is required: the run directory the training writes")
         if not self.name:
             self.name = Path(self.run_dir).name
-        if not isinstance(self.fallbacks, list):
-            raise ConfigError(f"plan: 'fallbacks' must be a list, got {self.fallbacks!r}")
-        self.fallbacks = [
-            f if isinstance(f, FallbackSpec) else _build(FallbackSpec, f, "fallbacks") for f in self.fallbacks
-        ]
         names = [f.name for f in self.fallbacks]
         for f in self.fallbacks:
             if names.count(f.name) > 1:
@@ -406,33 +327,7 @@ class Plan:
             data["workdir"] = str(base)
         if "train" not in data:
             raise ConfigError(f"{source}: 'train' is required (script, args, nproc_per_node)")
-        sections = {
-            "train": TrainSpec,
-            "preflight": PreflightSpec,
-            "smoke": SmokeSpec,
-            "budget": BudgetSpec,
-            "memory": MemorySpec,
-            "slurm": SlurmSpec,
-            "validate": ValidateSpec,
-        }
-        for key, spec in sections.items():
-            if key in data and not isinstance(data[key], spec):
-                data[key] = _build(spec, data[key] if data[key] is not None else {}, key, source)
-        return _build(cls, data, "", source)
-
-
-def _build(cls: Any, data: Any, section: str, source: str = "plan") -> Any:
-    where = f"{source} {section}".strip()
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: must be a mapping, got {data!r}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {unknown}", hint=f"known fields: {sorted(known)}")
-    try:
-        return cls(**data)
-    except TypeError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
+        return schema.build(cls, data, source)
 
 
 def apply_sets(data: dict[str, Any], sets: dict[str, Any]) -> dict[str, Any]:

@@ -26,12 +26,14 @@ from typing import IO, Any
 import psutil
 
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
+from torchrelay.errors import RelayError
 from torchrelay.history import read_history
 from torchrelay.log import logger
 from torchrelay.proctree import Tree, survivors
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 from torchrelay.train_records import metrics_path
+from torchrelay.util.safepath import open_regular
 
 # How long after a forwarded clean-stop signal, or after the hard deadline, before the tree is killed.
 KILL_GRACE_S = 60.0
@@ -270,7 +272,11 @@ def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
 def last_logged_update(path: Path) -> int | None:
     """The update of the last complete line of a metrics log (reads only its tail)."""
     try:
-        with open(path, "rb") as f:
+        fd, _ = open_regular(path, what=path.name)  # no link, no pipe: the controller must not block on one
+    except (OSError, RelayError):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 4096))
             lines = f.read().splitlines()
@@ -279,7 +285,7 @@ def last_logged_update(path: Path) -> int | None:
     for line in reversed(lines):
         try:
             return int(json.loads(line)["update"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             continue  # a torn last line, or the tail's cut first line
     return None
 

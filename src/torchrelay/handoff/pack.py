@@ -58,12 +58,24 @@ RUN_FILES = (CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, MANIFEST_REL)
 class PackOptions:
     """How to pack: which checkpoint, link or copy, where the run's source lives."""
 
+    # `--help` reads `doc` and `metavar` (commands/pack.py declares the options from these fields)
     checkpoint: int | None = None  # None: the newest complete checkpoint
-    link: bool = False
-    code_dir: Path | None = None  # None: where the run's recorded script lies (its git top level)
-    allow_dirty: bool = False
-    jobs: int | None = None
-    sign: Path | None = None  # an SSH key: SHA256SUMS.sig is written with it
+    link: bool = field(default=False, metadata={"doc": "hardlink checkpoint files instead of copying"})
+    code_dir: Path | None = field(
+        default=None,
+        metadata={
+            "doc": "git checkout the run was trained from (default: where the run's recorded script lies)"
+        },
+    )
+    allow_dirty: bool = field(default=False, metadata={"doc": "pack a run trained from uncommitted code"})
+    jobs: int | None = field(default=None, metadata={"doc": "copy/hash threads (default: one per core)"})
+    sign: Path | None = field(
+        default=None,
+        metadata={
+            "metavar": "KEYFILE",
+            "doc": "sign SHA256SUMS with this SSH key (ssh-keygen -Y sign) into SHA256SUMS.sig",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.checkpoint < 0:

@@ -44,6 +44,7 @@ from torchrelay.manifest import Manifest
 from torchrelay.numerics import compare_here, gather
 from torchrelay.resume import ResumeCheck, validate_resume
 from torchrelay.rundir import RunDir
+from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.safepath import check_relative, resolve_inside
@@ -59,8 +60,9 @@ _NEVER_LINK_PREFIXES = (f"{TRAIN_DIR}/", HISTORY_FILE, CONFIG_FILE, MANIFEST_REL
 Say = Callable[[str], None]
 
 
-class PreflightFailed(IntegrityError):
-    """One or more preflight checks failed; `failures` names each."""
+class PrepareRefused(IntegrityError):
+    """prepare refused the bundle: one or more of its preflight checks failed; `failures` names each (the
+    controller's own preflight before a launch raises controller.preflight.PreflightFailed)."""
 
     def __init__(self, failures: list[str]) -> None:
         body = "\n".join(f"  - {f}" for f in failures)
@@ -75,26 +77,40 @@ class PreflightFailed(IntegrityError):
 class PrepareOptions:
     """Where to prepare, what to change, and how to copy."""
 
-    run_dir: Path
+    # `--help` reads `doc` and `metavar` (commands/prepare.py declares the options from these fields)
+    run_dir: Path = field(metadata={"doc": "the run directory to create (new or empty)"})
     sets: dict[str, Any] = field(default_factory=dict)
-    copy_mode: str = "copy"
-    check_files: bool = False
-    code_dir: Path | None = None
-    jobs: int | None = None
+    copy_mode: str = field(default="copy", metadata={"choices": ("copy", "hardlink")})
+    check_files: bool = field(
+        default=False, metadata={"doc": "check every manifest file exists under the new root"}
+    )
+    code_dir: Path | None = field(
+        default=None, metadata={"doc": "validate against this checkout instead of the bundle's source"}
+    )
+    jobs: int | None = field(default=None, metadata={"doc": "hash/copy threads (default: one per core)"})
     expect: str | None = None  # the bundle digest the packer gave: anything else is refused
     allowed_signers: Path | None = None  # SHA256SUMS.sig must verify against one of these keys
-    world_size: int | None = None  # continue on this many ranks: a layout change, the global batch kept
-    micro_batch: int | None = None  # ... with this micro-batch (grad_accum is derived)
+    world_size: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "metavar": "N",
+            "doc": "continue on N ranks: a layout change that keeps the global batch (grad_accum is derived)",
+        },
+    )
+    micro_batch: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "metavar": "M",
+            "doc": "with --world-size: the per-rank micro-batch of the new layout (default: the checkpoint's)",
+        },
+    )
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "micro_batch"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        schema.check(self, "prepare")
         if self.expect is not None:
             self.expect = parse_digest(self.expect)
-        if self.copy_mode not in ("copy", "hardlink"):
-            raise ConfigError(f"--copy-mode must be 'copy' or 'hardlink', got {self.copy_mode!r}")
 
 
 @dataclass(slots=True)
@@ -152,7 +168,7 @@ def prepare(
     on_bytes: ByteCallback | None = None,
     on_files: Callable[[int, int], None] | None = None,
 ) -> PrepareResult:
-    """Check everything, then assemble the run directory from the bundle; raise PreflightFailed naming each failure."""
+    """Check everything, then assemble the run directory from the bundle; raise PrepareRefused naming each failure."""
     started = time.perf_counter()
     hooks = _Hooks(say, on_bytes, on_files)
     bundle = Path(bundle).resolve()
@@ -176,7 +192,7 @@ def prepare(
         allowed_signers=options.allowed_signers,
     )
     if not report.ok:
-        raise PreflightFailed([f"bundle file {p}" for p in report.problems()])
+        raise PrepareRefused([f"bundle file {p}" for p in report.problems()])
 
     info = read_bundle_info(bundle)
     contract = load_contract(bundle)
@@ -297,7 +313,7 @@ def _prepare_into(
             extra = resolve_inside(bundle, str(source["untracked"]), source=str(bundle / BUNDLE_INFO))
             extract_source(extra, tmp / "source", prefix.as_posix())
     if failures:
-        raise PreflightFailed(failures)
+        raise PrepareRefused(failures)
 
     # 5. The trainer's own validation, on the bundle itself, before anything is copied (with --world-size, of
     # the layout change: the global batch must stay).
@@ -322,7 +338,7 @@ def _prepare_into(
                 explicit=explicit,
             )
         except RelayError as exc:
-            raise PreflightFailed([f"trainer validation on the {where}: {exc}"]) from None
+            raise PrepareRefused([f"trainer validation on the {where}: {exc}"]) from None
 
     check = trainer_validation("bundle", bundle, check_cfg)
     assert check.config is not None
@@ -552,7 +568,7 @@ def _recheck(
             code_from_bundle=from_bundle,
         )
     except RelayError as exc:
-        raise PreflightFailed([f"trainer validation on {run_dir}: {exc}"]) from None
+        raise PrepareRefused([f"trainer validation on {run_dir}: {exc}"]) from None
     return PrepareResult(
         run_dir=run_dir,
         changes=record.get("changes", {}),

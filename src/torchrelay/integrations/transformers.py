@@ -31,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
+from torchrelay import envvars
 from torchrelay.data.loader import RelayLoader, start_forkserver
 from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
@@ -186,7 +187,7 @@ class RelayTrainerMixin:
             start_forkserver(
                 int(training_args.dataloader_num_workers), training_args.dataloader_multiprocessing_context
             )
-        early_dir = os.environ.get("TORCHRELAY_RUN_DIR") or (relay.run_dir if relay is not None else None)
+        early_dir = envvars.RUN_DIR.text() or (relay.run_dir if relay is not None else None)
         if early_dir and training_args is not None:
             training_args.output_dir = str(early_dir)
         super().__init__(*args, **kwargs)
@@ -199,7 +200,7 @@ class RelayTrainerMixin:
                 f"WORLD_SIZE={world} but Trainer did not join a process group, so each rank would train alone",
                 hint="on CPU, pass TrainingArguments(use_cpu=True)",
             )
-        run_dir = os.environ.get("TORCHRELAY_RUN_DIR") or options.run_dir or self.args.output_dir
+        run_dir = envvars.RUN_DIR.text() or options.run_dir or self.args.output_dir
         if not run_dir:
             raise ConfigError(
                 "no run directory: set TrainingArguments.output_dir or RelayOptions(run_dir=...)"

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from torchrelay import envvars
 from torchrelay.log import logger
 from torchrelay.stop import REQUEST_FILE, SignalFlag, StopContext, StopRequest, decide, is_stale
 from torchrelay.util import collective
@@ -37,8 +38,8 @@ class StopAgreement:
         self._deadline = deadline
         self._save_estimate = save_estimate  # the saver's: a stop must leave time to commit what it saves
         self._notes = notes  # the segment's notes, shared with the Run
-        self._margin = float(os.environ.get("TORCHRELAY_MARGIN_S", "1.0"))
-        self._max_interval = int(os.environ.get("TORCHRELAY_CHECK_EVERY", "64"))
+        self._margin = float(envvars.MARGIN_S.get())
+        self._max_interval = int(envvars.CHECK_EVERY.get())
         self.job = os.environ.get("SLURM_JOB_ID")
         self.why = ""  # the policy's reason for the agreed stop, when this rank proposed it
         self._request_cache: tuple[tuple[int, int], StopRequest | None] | None = None

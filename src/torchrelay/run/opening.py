@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torchrelay import __version__
+from torchrelay import __version__, envvars
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.config import RelayConfig
@@ -56,9 +56,6 @@ from torchrelay.train_records import RankLog, exposures_path, metrics_path, trim
 from torchrelay.util import collective
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import read_json_or_none
-
-# A relaunch may start while the previous holder's last DataLoader worker still exits, or while `status` peeks.
-LOCK_WAIT_S = float(os.environ.get("TORCHRELAY_LOCK_WAIT_S", "3"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +112,7 @@ class SegmentOpener:
         self.lock: RunLock | None = None
         self._opened_at = time.time()
         self._rank0_manifest: Manifest | None = None
-        run_dir = os.environ.get("TORCHRELAY_RUN_DIR") or run_dir
+        run_dir = envvars.RUN_DIR.text() or run_dir
         if run_dir is None:
             raise self._everywhere(ConfigError("no run directory given (argument or TORCHRELAY_RUN_DIR)"))
         self.dir = RunDir(Path(run_dir).resolve())
@@ -123,13 +120,10 @@ class SegmentOpener:
     def open(self, config: RelayConfig | None, overrides: dict[str, Any] | None) -> Opened:
         """Open the segment (every rank); raises the same RelayError on every rank when any rank failed."""
         overrides = dict(overrides or {})
-        if os.environ.get("TORCHRELAY_OVERRIDES"):
-            try:
-                overrides.update(json.loads(os.environ["TORCHRELAY_OVERRIDES"]))
-            except (ValueError, TypeError) as exc:
-                raise self._everywhere(
-                    ConfigError(f"TORCHRELAY_OVERRIDES is not a JSON object ({exc})")
-                ) from None
+        try:
+            overrides.update(envvars.OVERRIDES.get())
+        except ConfigError as exc:
+            raise self._everywhere(exc) from None
         try:  # fixed once for the job (see job_start); a bad value refuses here, before anything is touched
             deadline = deadline_from_env(os.environ, job_start())
         except ConfigError as exc:
@@ -244,7 +238,8 @@ class SegmentOpener:
         if config is None and not rd.exists():
             raise ConfigError(f"{rd.path} holds no run yet, and no configuration was given to create one")
         # One writer per run directory, from here to the end of the segment (a second launch is refused).
-        self.lock = RunLock(rd.path, "train").acquire(wait_s=LOCK_WAIT_S, create_dir=True)
+        # A relaunch may start while the previous holder's last DataLoader worker still exits, or while `status` peeks.
+        self.lock = RunLock(rd.path, "train").acquire(wait_s=envvars.LOCK_WAIT_S.get(), create_dir=True)
         numerics, numerics_change = gather(), None
         if rd.exists():
             stored = rd.load_config()

@@ -12,12 +12,12 @@ bytes, the loop waiting.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from torchrelay import envvars
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import is_engine
@@ -207,4 +207,5 @@ def last_save_seconds(ckpt: Path | None) -> float | None:
 def first_estimate(last_save_s: float | None) -> float:
     """The save-time estimate a segment starts with: the cost model's (TORCHRELAY_SAVE_ESTIMATE_S), else how long
     the checkpoint it resumes from took to save, else 0 (unknown until the first save)."""
-    return float(os.environ.get("TORCHRELAY_SAVE_ESTIMATE_S", last_save_s or 0.0))
+    estimate = envvars.SAVE_ESTIMATE_S.get()
+    return float(last_save_s or 0.0) if estimate is None else float(estimate)

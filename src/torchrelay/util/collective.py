@@ -23,7 +23,7 @@ The policy, once:
   once more before raising, so that no rank ends (and torchrun ends the others) before rank 0 said it. Every
   rank raises the error marked as reported: its excepthook prints nothing more and exits with the code.
 - A peer that died or stopped answering: gloo raises in the waiting ranks at once when a peer's process ends
-  (its sockets close), or after TIMEOUT_S when it hangs; the exchange then raises one line saying so (exit 1), or
+  (its sockets close), or after TORCHRELAY_COLLECTIVE_TIMEOUT_S when it hangs; the exchange then raises one line saying so (exit 1), or
   the rank's own failure if it had one.
 - With one process there is nothing to agree: the error is raised as it is (an OSError as the PathError or
   DiskFull it means), and nothing is printed here.
@@ -32,7 +32,6 @@ The policy, once:
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -43,15 +42,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from torchrelay import envvars
 from torchrelay import errors as errors_module
 from torchrelay.errors import EXIT_ERROR, RelayError, from_exception, mark_reported, report
 
 T = TypeVar("T")
 
-# How long an exchange waits for the slowest rank: longer than any rank's legitimate lead over another within a
-# phase (rank 0 alone prepares the run directory while the others wait), short enough that a hung peer ends
-# the job in minutes instead of torch's default 30.
-TIMEOUT_S = float(os.environ.get("TORCHRELAY_COLLECTIVE_TIMEOUT_S", "300"))
 WIDTH = 2  # integers an exchange carries beside the failure flag (the stop agreement's code and interval)
 _MAX_MESSAGE = 4000
 
@@ -147,6 +143,13 @@ class _Phase:
 _local = threading.local()
 
 
+def _settle(phase: _Phase, err: RelayError) -> None:
+    """The phase's own record of the failure (opening records a refused segment), before any rank raises."""
+    if phase.settle is not None:
+        with contextlib.suppress(Exception):  # settling must not hide the failure
+            phase.settle(err)
+
+
 def _current(name: str) -> _Phase:
     """The innermost phase open on this thread (it names the error), else a bare one named `name`."""
     stack: list[_Phase] = getattr(_local, "stack", [])
@@ -197,9 +200,7 @@ class Ranks:
         err = agreed_error(phase.name, failures, name_rank=phase.name_rank)
         if phase.hint is not None:
             err.hint = phase.hint
-        if phase.settle is not None:
-            with contextlib.suppress(Exception):  # settling must not hide the failure
-                phase.settle(err)
+        _settle(phase, err)
         if self.rank == 0 and not (failure is not None and failure.bug):
             report(err, 0)
         mark_reported(err)
@@ -217,7 +218,7 @@ class Ranks:
         return _agreed(  # type: ignore[return-value]
             RelayError(
                 f"{_current(name).name}: rank {self.rank} lost its peers ({text})",
-                hint=f"another rank ended or did not answer within {TIMEOUT_S:g} s: its output says why "
+                hint=f"another rank ended or did not answer within {envvars.COLLECTIVE_TIMEOUT_S.get():g} s: its output says why "
                 "(TORCHRELAY_COLLECTIVE_TIMEOUT_S sets the wait)",
             )
         )
@@ -241,12 +242,16 @@ class Ranks:
             if exc is not raw:
                 exc.__cause__ = raw
         failure = Failure.of(exc, self.rank, phase.name)
-        if self.alone:
+        if (
+            self.alone
+        ):  # no exchange, but the same settling as with many ranks (a refused segment is recorded)
             if failure.bug is not None:
+                _settle(phase, agreed_error(phase.name, [failure], name_rank=phase.name_rank))
                 raise exc
             err = exc if isinstance(exc, RelayError) else from_exception(_unwrap(exc)[1], phase.name)
             if phase.hint is not None and err is not raw:
                 err.hint = phase.hint
+            _settle(phase, err)
             raise err from (None if err is raw else raw)
         self._pending = exc  # raised in place of the agreed error when it is a bug (its traceback)
         return failure
@@ -388,7 +393,9 @@ def ranks(group: Any = None) -> Ranks:
             return _training[0][1]
         made = None
         if world is not None and dist.get_world_size() > 1:
-            made = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+            made = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=envvars.COLLECTIVE_TIMEOUT_S.get())
+            )
         _training[:] = [(world, Ranks(made))]  # a default group made anew (after destroy) gets its own
         return _training[0][1]
 

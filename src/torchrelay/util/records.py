@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -197,18 +198,37 @@ def read_yaml(
     source = f"{path} ({what})"
     data = read_regular(path, limit, what=what, follow=follow)
     try:
-        doc = yaml.safe_load(data.decode("utf-8"))
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecordError(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})", hint=_HINT) from None
-    except (
-        RecursionError
-    ):  # PyYAML composes recursively: 100,000 nested brackets reach the interpreter's bound
-        raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML") from None
+    # PyYAML's scanner takes time in the square of flow nesting ([[[...): the brackets are counted first.
+    if _flow_depth(text) > DEPTH_LIMIT:
+        raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
+    deep = RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
+    try:
+        doc = yaml.safe_load(text)
+    except RecursionError:  # PyYAML composes recursively: deep block nesting reaches the interpreter's bound
+        raise deep from None
     except yaml.YAMLError as exc:
         raise RecordError(source, f"not valid YAML ({_yaml_problem(exc)})", hint="fix the YAML") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise RecordError(source, f"not YAML a plan holds ({str(exc)[:120]})", hint="fix the YAML") from None
     if depth_of(doc, DEPTH_LIMIT) > DEPTH_LIMIT:
-        raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
+        raise deep
     return doc
+
+
+def _flow_depth(text: str) -> int:
+    """How deep YAML's flow brackets nest, at most (a bracket inside a quoted string counts too)."""
+    if text.count("[") + text.count("{") <= DEPTH_LIMIT:
+        return 0
+    depth = deepest = 0
+    for bracket in re.finditer(r"[\[\]{}]", text):
+        depth += 1 if bracket.group() in "[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > DEPTH_LIMIT:
+            break
+    return deepest
 
 
 def _yaml_problem(exc: Exception) -> str:

@@ -1,0 +1,216 @@
+"""Every `TORCHRELAY_*` environment variable torchrelay reads or sets: its type, default and meaning, in one place.
+
+Modules read a variable through its `Var` here, at the moment they need it (never at import time), so one rule
+holds for all: unset or empty is the default; a value that does not parse is a `ConfigError` naming the variable.
+docs/ENVIRONMENT.md is generated from this module (`python -m torchrelay.envvars > docs/ENVIRONMENT.md`;
+tests/test_schema.py checks that the committed page is the generated one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torchrelay.errors import ConfigError
+
+_FLAG_TRUE = ("1", "true", "yes")
+_FLAG_FALSE = ("0", "false", "no")
+_WHAT = {
+    "str": "text",
+    "path": "a path",
+    "int": "an integer",
+    "float": "a number",
+    "flag": "a flag (1 or 0)",
+    "json": "a JSON object",
+    "ints": "comma-separated integers",
+}
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # identity: a Var is one declaration
+class Var:
+    """One environment variable: `kind` says how its text parses; `by` who sets it (you, torchrelay, tests)."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    by: str = "you"
+
+    def text(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The raw value, None when unset or empty."""
+        value = (os.environ if env is None else env).get(self.name, "").strip()
+        return value or None
+
+    def get(self, env: Mapping[str, str] | None = None) -> Any:
+        """The parsed value, or the default when unset; a bad value raises one line naming the variable."""
+        text = self.text(env)
+        if text is None:
+            return self.default.copy() if isinstance(self.default, list | dict) else self.default
+        try:
+            return _parse(self.kind, text)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"{self.name}={text!r} is not {_WHAT[self.kind]}", hint=f"{self.name}: {self.doc}"
+            ) from exc
+
+    def is_set(self, env: Mapping[str, str] | None = None) -> bool:
+        return self.text(env) is not None
+
+
+def _parse(kind: str, text: str) -> Any:
+    if kind in ("str", "path"):
+        return text
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(text)
+        return value
+    if kind == "flag":
+        if text.lower() in _FLAG_TRUE:
+            return True
+        if text.lower() in _FLAG_FALSE:
+            return False
+        raise ValueError(text)
+    if kind == "json":
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError(text)
+        return value
+    if kind == "ints":
+        return [int(part) for part in text.split(",") if part.strip()]
+    raise AssertionError(f"unknown kind {kind!r}")
+
+
+# --- what a training launch reads (set them yourself, or the controller sets them) ------------------------------
+RUN_DIR = Var(
+    "TORCHRELAY_RUN_DIR", "path", None, "overrides the run directory a script passes to `Run.open` "
+    "(and `RelayTrainer`'s output_dir): audits, smoke runs", by="you, the controller and the audit",
+)  # fmt: skip
+OVERRIDES = Var(
+    "TORCHRELAY_OVERRIDES", "json", {}, 'config overrides, e.g. `{"num_workers": 2}` (on a resume only runtime '
+    "fields may change)", by="you, the controller and the audit",
+)  # fmt: skip
+DEADLINE = Var(
+    "TORCHRELAY_DEADLINE", "float", None, "unix time by which the process must have stopped with a complete "
+    "checkpoint", by="you and the controller",
+)  # fmt: skip
+BUDGET_S = Var(
+    "TORCHRELAY_BUDGET_S", "float", None, "the same as seconds from the job's start: the torchrun agent's start "
+    "(restarts keep it), else the process's; the earliest of TORCHRELAY_DEADLINE, this and SLURM_JOB_END_TIME (set "
+    "by newer Slurm) wins",
+)  # fmt: skip
+SAVE_ESTIMATE_S = Var(
+    "TORCHRELAY_SAVE_ESTIMATE_S", "float", None, "a save-time estimate until the segment's first save is measured "
+    "(the controller passes the smoke run's)", by="you and the controller",
+)  # fmt: skip
+MARGIN_S = Var("TORCHRELAY_MARGIN_S", "float", 1.0, "the in-run cost model's safety margin, in seconds")
+CHECK_EVERY = Var(
+    "TORCHRELAY_CHECK_EVERY",
+    "int",
+    64,
+    "at most this many updates between stop agreements (the interval "
+    "adapts so agreeing costs < 0.1 % of update time and a stop lands within about a second)",
+)
+LOCK_WAIT_S = Var(
+    "TORCHRELAY_LOCK_WAIT_S", "float", 3.0, "how long a launch waits for the run's writer lock before refusing "
+    "(one writer per run, see [FORMATS](FORMATS.md))",
+)  # fmt: skip
+RESHARD = Var(
+    "TORCHRELAY_RESHARD", "flag", False, "this launch may continue the run on another layout (world size, "
+    "`micro_batch` × `grad_accum`) with the same global batch, like `Run.open(reshard=True)`",
+)  # fmt: skip
+RECLAIM = Var(
+    "TORCHRELAY_RECLAIM", "flag", False, "continue from (or pack) a checkpoint that `pack` handed off (the fork "
+    "guard), on purpose: a new lineage, on record",
+)  # fmt: skip
+COLLECTIVE_TIMEOUT_S = Var(
+    "TORCHRELAY_COLLECTIVE_TIMEOUT_S", "float", 300.0, "how long an exchange between ranks waits for the "
+    "slowest rank: longer than any rank's legitimate lead within a phase (rank 0 alone prepares the run directory), "
+    "short enough that a hung peer ends the job in minutes instead of torch's default 30",
+)  # fmt: skip
+PERSIST_STREAMS = Var(
+    "TORCHRELAY_PERSIST_STREAMS", "int", None, "files a rank writes at once in the background (default 8)"
+)
+# --- the controller (`torchrelay launch`) and the command line ------------------------------------------------
+MEM_SOFT_GIB = Var(
+    "TORCHRELAY_MEM_SOFT_GIB", "float", None, "the memory guard's soft limit in GiB (wins over the plan)"
+)
+MEM_HARD_GIB = Var(
+    "TORCHRELAY_MEM_HARD_GIB", "float", None, "the memory guard's hard limit in GiB (wins over the plan)"
+)
+TRACEBACK = Var(
+    "TORCHRELAY_TRACEBACK",
+    "flag",
+    False,
+    "a CLI verb shows the traceback of an error instead of its one-line message",
+)
+# --- the audit, inside the audited script ------------------------------------------------------------------------
+AUDIT_PROBE = Var(
+    "TORCHRELAY_AUDIT_PROBE", "path", None, "the folder the audit's probe writes rank<r>.jsonl into; unset: off",
+    by="the audit",
+)  # fmt: skip
+AUDIT_STREAMS_AT = Var(
+    "TORCHRELAY_AUDIT_STREAMS_AT", "ints", [], "updates at which the probe records the random streams",
+    by="the audit",
+)  # fmt: skip
+# --- given to a validation command (read by your command, never by torchrelay) ----------------------------------
+CHECKPOINT = Var("TORCHRELAY_CHECKPOINT", "path", None, "the checkpoint to validate", by="the validate stage")
+VALIDATION_METRICS = Var(
+    "TORCHRELAY_VALIDATION_METRICS", "path", None, "where the command writes its JSON metrics",
+    by="the validate stage",
+)  # fmt: skip
+VALIDATION_UPDATE = Var(
+    "TORCHRELAY_VALIDATION_UPDATE", "int", None, "the checkpoint's update", by="the validate stage"
+)
+VALIDATION_RUN_DIR = Var(
+    "TORCHRELAY_VALIDATION_RUN_DIR", "path", None, "the run directory", by="the validate stage"
+)
+VALIDATION_WEIGHTS = Var(
+    "TORCHRELAY_VALIDATION_WEIGHTS", "path", None, "the exported weights, when the command names {weights}",
+    by="the validate stage",
+)  # fmt: skip
+# --- crash-test hooks: read only where a test arms them (see docs/ENVIRONMENT.md) -----------------------------
+TEST_KILL = Var(
+    "TORCHRELAY_TEST_KILL", "str", None, "SIGKILL this process at a named moment: `<phase>:<update>:<rank>` of a "
+    "save (shards, inventory, rename) or a step of pack or prepare (`pack:marked`)", by="tests",
+)  # fmt: skip
+
+ALL = tuple(v for v in list(globals().values()) if isinstance(v, Var))
+
+
+def markdown() -> str:
+    """docs/ENVIRONMENT.md: every variable, its type, default and meaning."""
+    lines = [
+        "# Environment variables",
+        "",
+        "<!-- generated from src/torchrelay/envvars.py by `python -m torchrelay.envvars`; edit that module -->",
+        "",
+        "Every `TORCHRELAY_*` variable torchrelay reads or sets. Unset or empty means the default; a value that",
+        "does not parse stops with one line naming the variable (exit 2). Flags take 1/true/yes or 0/false/no.",
+        "",
+        "| variable | type | default | set by | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for var in ALL:
+        default = (
+            ""
+            if var.default in (None, [], {})
+            else f"`{int(var.default) if var.kind == 'flag' else var.default}`"
+        )
+        lines.append(f"| `{var.name}` | {_WHAT[var.kind]} | {default} | {var.by} | {var.doc} |")
+    lines += [
+        "",
+        "`TORCHRELAY_TEST_KILL` exists for the crash tests, which must reach the real child processes (torchrun",
+        "ranks, a `torchrelay pack`) they kill; nothing else should set it.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
