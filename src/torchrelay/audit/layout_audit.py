@@ -5,13 +5,14 @@ tolerance, the buffers by theirs; every bit under `elastic: exact`), with the li
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
+from torchrelay.layout import CONFIG_FILE
+from torchrelay.util.records import read_json_or_none
 
 _NPROC = ("--nproc_per_node", "--nproc-per-node")
 
@@ -166,10 +167,8 @@ def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str,
 
 def _elastic_exact(run_dir: Path) -> bool:
     """Whether the run was made with `elastic: exact` (config.json)."""
-    try:
-        return json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("elastic") == "exact"
-    except (OSError, ValueError, AttributeError):
-        return False
+    cfg = read_json_or_none(run_dir / CONFIG_FILE, what="the run's configuration", root=run_dir)
+    return isinstance(cfg, dict) and cfg.get("elastic") == "exact"
 
 
 def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points: list[int]) -> LayoutAudit:
