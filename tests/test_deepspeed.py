@@ -81,14 +81,21 @@ def ds(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
     return {"code": code, "baseline": baseline, "manifest": example["manifest"], "root": example["root"]}
 
 
+def _rank_of(path: Path) -> int:
+    return int(path.name.split("_")[3])
+
+
 def engine_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every tensor of the engine's checkpoint, and its counters, LR scheduler and loss scaler."""
+    """Every tensor of the engine's checkpoint, and its counters, LR scheduler and each rank's loss scaler."""
     tensors = load_tensors(ckpt)
     files = ckpt / DS_DIR / DS_TAG
     model = safe_load(files / "mp_rank_00_model_states.pt")
     counters = {k: model[k] for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")}
-    for rank in (0, 1):
-        optim = safe_load(files / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    for rank, path in enumerate(
+        sorted(files.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
+    ):
+        assert _rank_of(path) == rank, path
+        optim = safe_load(path)["optimizer_state_dict"]
         counters[f"loss_scaler@{rank}"] = vars(optim["loss_scaler"])
     return tensors, counters
 

@@ -16,6 +16,14 @@ class Pace(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         time.sleep(float(os.environ.get("TRAINER_PACE_S", "0")))
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the optimizer that steps, inside accelerate's and DeepSpeed's wrappers (tests/test_four_ranks.py reads it)
+        inner, chain = kwargs.get("optimizer"), []
+        while inner is not None and len(chain) < 4:
+            chain.append(type(inner).__name__)
+            inner = getattr(inner, "optimizer", None)
+        print(f"[rank {os.environ.get('RANK', '0')}] OPTIMIZER {' > '.join(chain)}", flush=True)
+
 
 if __name__ == "__main__":
     example = importlib.import_module(os.environ.get("TRAINER_EXAMPLE", "train_hf_trainer"))

@@ -24,6 +24,8 @@ NCCL) with gradient accumulation. Each member switches one feature on; several c
   hf              a GPT-2 from transformers, built from a config (no download), on the token branch
   muon            torch.optim.Muon (adjust_lr_fn="match_rms_adamw", cosine LR) on the 2-D weights of the
                   classifier, AdamW on the rest (Muon takes matrices only): both optimizers tracked as one list
+  cpu_adam        DeepSpeed's CPU Adam (deepspeed.ops.adam.DeepSpeedCPUAdam, adamw_mode) in AdamW's place, without
+                  a DeepSpeed engine: a torch optimizer whose C++ op DeepSpeed compiles once (a C++ compiler needed)
 
 Every run augments each sample from `ctx.generator()` (seeded from seed, sample, epoch), so the draws are
 the same with any worker count and after any resume.
@@ -62,6 +64,7 @@ MEMBERS = (
     "workers",
     "hf",
     "muon",
+    "cpu_adam",
 )
 CPU_MEMBERS = tuple(m for m in MEMBERS if m != "syncbn")
 HERE = Path(__file__).resolve().parent
@@ -223,10 +226,15 @@ def main() -> int:
                 else []
             )
             rest = [w for w in net.parameters() if all(w is not m for m in matrices)]
+            adamw: type[torch.optim.Optimizer] = torch.optim.AdamW
+            if "cpu_adam" in on:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam  # AdamW's update in C++ (adamw_mode=True)
+
+                adamw = DeepSpeedCPUAdam
             if "adamw_groups" in on:
                 no_decay = [w for n, w in net.named_parameters() if w.ndim < 2 or "norm" in n or "embed" in n]
                 decay = [w for w in rest if all(w is not x for x in no_decay)]
-                opt = torch.optim.AdamW(
+                opt = adamw(
                     [
                         {"params": decay, "weight_decay": p["weight_decay"]},
                         {"params": [w for w in no_decay if any(w is r for r in rest)], "weight_decay": 0.0},
@@ -241,7 +249,7 @@ def main() -> int:
                     opt, [warmup, cosine], milestones=[cfg.warmup_updates]
                 )
             else:
-                opt = torch.optim.AdamW(rest, lr=p["lr"], weight_decay=0.0)
+                opt = adamw(rest, lr=p["lr"], weight_decay=0.0)
                 sched = None
             optimizers: list[torch.optim.Optimizer] = [opt]
             if matrices:

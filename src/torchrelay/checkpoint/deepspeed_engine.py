@@ -221,7 +221,7 @@ def load_engine(engine: Any, ckpt_dir: Path, record: dict[str, Any] | None) -> N
         engine.checkpoint_engine = previous
     if path is None:
         raise CheckpointError(f"{ckpt_dir / DS_DIR}: DeepSpeed found no checkpoint to load (rank {rank})")
-    _replay_cpu_adam(engine)
+    replay_cpu_adam(getattr(engine.optimizer, "optimizer", None))
     if int(engine.global_steps) != record.get("global_steps"):
         raise CheckpointError(
             f"{ckpt_dir}: the engine resumed at global step {engine.global_steps}, the record says "
@@ -229,11 +229,14 @@ def load_engine(engine: Any, ckpt_dir: Path, record: dict[str, Any] | None) -> N
         )
 
 
-def _replay_cpu_adam(engine: Any) -> None:
-    """DeepSpeedCPUAdam keeps beta1^t and beta2^t in its C++ object as running products (one multiplication per
+def replay_cpu_adam(optimizer: Any) -> None:
+    """After its state is loaded, make a DeepSpeedCPUAdam (a plain loop's, or the one inside a ZeRO engine) step on
+    exactly as the optimizer that saved it would; any other optimizer is left alone.
+
+    DeepSpeedCPUAdam keeps beta1^t and beta2^t in its C++ object as running products (one multiplication per
     step) that no state_dict holds; a fresh object would compute them with pow at its first step, which differs in
     the last bits. The same calls its step() made, on empty tensors, rebuild the products exactly."""
-    inner: Any = getattr(engine.optimizer, "optimizer", None)
+    inner: Any = optimizer
     op = getattr(inner, "ds_opt_adam", None)
     if inner is None or op is None or not hasattr(inner, "opt_id"):
         return

@@ -518,6 +518,8 @@ def _load_state(
                 raise CheckpointError(f"{ckpt_dir}: holds no optimizer state but an optimizer is tracked")
             kwargs["optim_state_dict"] = _join_optimizer(target["optim"], doc["optimizer"])
         set_state_dict(model, optimizer or [], options=_OPTS, **kwargs)
+        for each in optimizer if isinstance(optimizer, list | tuple) else [optimizer]:
+            ds_engine.replay_cpu_adam(each)
     tensors = read_tensors(ckpt_dir / STATE_TENSORS, what="the statefuls' tensors", root=ckpt_dir)
     stored = dict(doc.get("statefuls", {}))
     if per_rank["statefuls"]:

@@ -1,0 +1,196 @@
+"""Four ranks, as the G3A1 run had (issue 21), and DeepSpeed's CPU Adam, its optimizer.
+
+- examples/train_hf_trainer_offload.py: Trainer + DeepSpeed ZeRO-2 with `offload_optimizer: cpu`
+  (DeepSpeedCPUAdam), a tiny Qwen3 with an adapter at 10x the learning rate, on 4 CPU ranks: stopped by a request
+  late (update 5 of 6) and resumed with a loader worker, every tensor (each of the 4 ZeRO partitions) equal to the
+  uninterrupted 4-rank run's, each sample once.
+- examples/train_lm.py, the plain torchrelay loop, on 4 ranks: stopped late and resumed with other workers,
+  bit for bit.
+- DeepSpeedCPUAdam in a plain loop (no engine): saved and loaded by torchrelay, it steps on bit for bit.
+
+DeepSpeedCPUAdam's C++ op is compiled by DeepSpeed on first use (scripts/env.sh builds it once, before the tests);
+without a C++ compiler the tests that need it skip, saying so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import (
+    REPO,
+    TORCHRUN,
+    assert_same_final_state,
+    assert_same_logs,
+    clean_env,
+    launch,
+    make_code_repo,
+    run_tree,
+    segments,
+)
+from test_deepspeed import engine_state
+from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG
+from torchrelay.checkpoint.inventory import inventory_entries, list_files, validate_complete, write_inventory
+from torchrelay.checkpoint.state import load_state, save_state
+from torchrelay.ledger import prove
+from torchrelay.stop import write_request
+
+WORLD = 4
+
+
+def cpu_adam_or_skip() -> Any:
+    """DeepSpeedCPUAdam, its op loaded (built by DeepSpeed if not cached), or a skip naming what is missing."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("DeepSpeedCPUAdam needs its C++ op built and no C++ compiler (g++) is on PATH")
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    CPUAdamBuilder().load(verbose=False)
+    return DeepSpeedCPUAdam
+
+
+# --- DeepSpeedCPUAdam in a plain loop, in process -----------------------------------------------------------------
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        g = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def test_cpu_adam_tracked_in_a_plain_loop_steps_on_bit_exact(tmp_path: Path) -> None:
+    """Before the fix only the ZeRO engine's CPU Adam was replayed: a plain loop's DeepSpeedCPUAdam, loaded by
+    torchrelay into a fresh process's optimizer, took its first step with pow-computed beta powers and parted from
+    the uninterrupted run in the last bits."""
+    cpu_adam = cpu_adam_or_skip()
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        groups = [{"params": net[0].parameters()}, {"params": net[1].parameters(), "lr": 1e-1}]
+        return net, cpu_adam(groups, lr=1e-2, weight_decay=0.01, adamw_mode=True)
+
+    whole, whole_opt = make()
+    _steps(whole, whole_opt, 1, 20)
+    saved, saved_opt = make()
+    _steps(saved, saved_opt, 1, 5)
+    save_state(tmp_path, rank=0, model=saved, optimizer=saved_opt, statefuls={}, loop={"update": 5})
+    write_inventory(tmp_path, inventory_entries(tmp_path, list_files(tmp_path)))
+    fresh, fresh_opt = make()
+    load_state(tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={})
+    _steps(fresh, fresh_opt, 6, 20)
+    differ = [
+        n
+        for (n, a), b in zip(whole.named_parameters(), fresh.parameters(), strict=True)
+        if not torch.equal(a, b)
+    ]
+    assert not differ, f"parted after the resume: {differ}"
+
+
+# --- four ranks under torchrun ------------------------------------------------------------------------------------
+
+
+def _seconds(started: float, what: str) -> None:
+    print(f"{what}: {time.monotonic() - started:.0f} s")  # the launches' cost, shown by pytest -s
+
+
+def test_plain_loop_on_4_ranks_stopped_late_and_resumed_with_a_worker_is_bit_exact(
+    example: dict[str, Path], tmp_path: Path
+) -> None:
+    """examples/train_lm.py on 4 ranks (16 updates, checkpoints every 8): a request stops it after update 14 and
+    it finishes with 1 loader worker per rank instead of none, equal to the uninterrupted 4-rank run."""
+    code, config = example["code"], example["config"]
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    started = time.monotonic()
+    out = launch(code, whole, nproc=WORLD, config=config)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _seconds(started, "plain loop, 4 ranks, uninterrupted")
+    run.mkdir()
+    write_request(run, at_update=14)
+    out = launch(code, run, nproc=WORLD, config=config)
+    assert segments(run)[-1]["ended"] == "request", out.stdout[-3000:] + out.stderr[-3000:]
+    assert segments(run)[-1]["last_update"] == 14
+    out = launch(code, run, nproc=WORLD, sets={"num_workers": 1})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _seconds(started, "plain loop, 4 ranks, all three launches")
+    segs = segments(run)
+    assert [s["ended"] for s in segs] == ["request", "finished"] and segs[-1]["resumed_from"] == 14
+    assert segs[-1]["world_size"] == WORLD and segs[-1]["runtime_changes"] == {"num_workers": [0, 1]}
+    assert assert_same_final_state(whole, run, 16) > 5
+    assert_same_logs(whole, run, ranks=WORLD)
+    ledger = prove(run)
+    assert ledger.ok and ledger.exposures == prove(whole).exposures and ledger.repeats == prove(whole).repeats
+
+
+# Trainer + ZeRO-2 + CPU Adam: examples/train_hf_trainer_offload.py through tests/trainer_paced.py (which says which
+# optimizer steps); 6 updates of 16 samples (2 a micro-batch, 2 micro-batches, 4 ranks) from a 64-sample set
+HF_SCRIPT = "train_hf_trainer_offload.py"
+U, STOP = 6, 5
+
+
+def _hf(code: Path, run: Path, *args: str) -> tuple[int, str]:
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={WORLD}", "--monitor_interval=0.5"]
+    cmd += [str(code / "trainer_paced.py"), "--output-dir", str(run), *args]
+    env = clean_env(DS_ACCELERATOR="cpu", TRAINER_EXAMPLE=HF_SCRIPT.removesuffix(".py"))
+    out = run_tree(cmd, timeout=900, env=env, cwd=code)
+    return out.returncode, out.stdout[-6000:] + out.stderr[-4000:]
+
+
+def test_trainer_zero2_cpu_adam_on_4_ranks_stopped_late_and_resumed_with_a_worker_is_bit_exact(
+    tmp_path: Path,
+) -> None:
+    """The G3A1 shape on its world size: stopped by a request after update 5 of 6 and resumed with 1 loader worker
+    per rank instead of none, every tensor of the engine's checkpoint (the model, each of the 4 ranks' ZeRO
+    partitions of the CPU-offloaded optimizer, the LR scheduler) and its counters equal to the uninterrupted
+    4-rank run's; the ledger exact. Without the CPU Adam replay (deepspeed_engine.replay_cpu_adam) the resumed
+    update parts from the uninterrupted one in the last bits."""
+    cpu_adam_or_skip()
+    (tmp_path / "code").mkdir()
+    shutil.copyfile(REPO / "tests" / "trainer_paced.py", tmp_path / "code" / "trainer_paced.py")
+    code = make_code_repo(tmp_path / "code", (HF_SCRIPT,))
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    started = time.monotonic()
+    rc, out = _hf(code, whole)
+    assert rc == 0, out
+    _seconds(started, "Trainer + ZeRO-2 offload, 4 ranks, uninterrupted")
+    # the engine steps DeepSpeed's CPU Adam, on every rank
+    assert (
+        out.count("OPTIMIZER DeepSpeedOptimizerWrapper > DeepSpeedZeroOptimizer > DeepSpeedCPUAdam") == WORLD
+    ), out
+    run.mkdir()
+    write_request(run, at_update=STOP)
+    rc, out = _hf(code, run)
+    assert rc != 0 and segments(run)[-1]["ended"] == "request", out
+    assert segments(run)[-1]["last_update"] == STOP
+    listed = {e["path"] for e in validate_complete(run / f"checkpoint-{STOP}")["files"]}
+    parts = {f"{DS_DIR}/{DS_TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD)}
+    assert parts <= listed and {f"rng/rank-{r}.safetensors" for r in range(WORLD)} <= listed
+    rc, out = _hf(code, run, "--workers", "1")
+    assert rc == 0, out
+    _seconds(started, "Trainer + ZeRO-2 offload, 4 ranks, all three launches")
+    segs = segments(run)
+    assert [s["ended"] for s in segs] == ["request", "finished"] and segs[-1]["resumed_from"] == STOP
+    assert segs[-1]["world_size"] == WORLD
+
+    want, want_counters = engine_state(whole / f"checkpoint-{U}")
+    have, have_counters = engine_state(run / f"checkpoint-{U}")
+    assert want.keys() == have.keys()
+    assert {k.split(".")[0] for k in want if k.startswith("optim@")} == {
+        f"optim@rank{r}" for r in range(WORLD)
+    }
+    differ = [k for k in want if not torch.equal(want[k], have[k])]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ, e.g. {differ[:3]}"
+    assert want_counters == have_counters and want_counters["global_steps"] == U
+    assert_same_logs(
+        whole, run, ranks=WORLD
+    )  # the loss and both learning rates at every update, each rank's ids
+    ledger = prove(run)
+    # 6 updates of 16 samples from 64: one epoch whole, half of the next, no sample twice in one
+    assert ledger.ok and ledger.exposures == U * 16 and ledger.distinct == 64 and ledger.repeats == 0
