@@ -1,9 +1,9 @@
 """The zoo (examples/zoo/zoo.py): every CPU member composed into one script, audited under real torchrun.
 
 One audit covers all of them (the members share one model and loop; DeepSpeed's CPU Adam among them where a C++
-compiler can build its op), stopped early and late, with the state
-compared at the first checkpoint after each resume, so the whole zoo costs four launches. Also the zoo's findings
-in the library: state shapes that ordinary training scripts hold.
+compiler can build its op), stopped early and late, with the state compared at the first checkpoint after each
+resume, so the whole zoo costs four launches. Also the zoo's findings in the library: state shapes that ordinary
+training scripts hold.
 """
 
 from __future__ import annotations
