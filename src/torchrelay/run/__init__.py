@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
+from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
 from torchrelay.config import RelayConfig
 from torchrelay.contract import canonical_json
 from torchrelay.data.loader import RelayLoader
@@ -173,6 +174,10 @@ class Run:
         with collective.phase("run.track"):
             if is_engine(model):  # a DeepSpeed engine: its configuration must be the contract's
                 check_engine(model, optimizer, self.config)
+            if (
+                self.world_size > 2
+            ):  # two terms add alike in any order: only more ranks see DDP's bucket layout
+                settle_ddp_buckets(model)
             self._tracked.register(model, optimizer, statefuls)
             self._restore.state(self._tracked)
 
