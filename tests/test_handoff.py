@@ -25,7 +25,7 @@ from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.ledger import prove
-from torchrelay.resume import validate_resume
+from torchrelay.resume_check import validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 

@@ -460,7 +460,7 @@ def load_state(
     no rank read, last, in shares. Every rank raises the first failure, naming the file.
     resharded: the checkpoint was saved on another layout (another world size). DCP reshards model and optimizer
     onto this one (DDP's replicated tensors, FSDP2's shards); tensors stored per rank come from rank 0, and
-    per-rank statefuls were refused before (resume.validate_resume).
+    per-rank statefuls were refused before (resume_check.validate_resume).
     """
     # One phase of the failure protocol (util/collective.py): a rank that fails anywhere in here joins the exchange
     # the others wait in, and every rank raises the same error. DCP and DeepSpeed run collectives of their own, so
