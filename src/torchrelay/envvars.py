@@ -131,7 +131,7 @@ RECLAIM = Var(
 )  # fmt: skip
 COLLECTIVE_TIMEOUT_S = Var(
     "TORCHRELAY_COLLECTIVE_TIMEOUT_S", "float", 300.0, "how long an exchange between ranks waits for the "
-    "slowest rank: longer than any rank's legitimate lead within a phase (rank 0 alone prepares the run directory), "
+    "slowest rank: longer than any rank's legitimate lead within a phase (rank 0 alone opens the run directory), "
     "short enough that a hung peer ends the job in minutes instead of torch's default 30",
 )  # fmt: skip
 PERSIST_STREAMS = Var(
