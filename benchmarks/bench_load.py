@@ -50,11 +50,11 @@ from bench_save import (  # noqa: E402
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
 
-KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "REUSE_SLABS")
+KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "REUSE_SLABS", "PIN_SLABS")
 # Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
 # before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. The files read at once
 # are at most one fewer than the buffer holds of the largest file (the default 4 GiB: 4 of 0.94 GB, so 3 at once).
-# (Page-locked slabs with asynchronous copies were measured too, on the H200 host, and were slower: RESULTS.md.)
+# (Slabs from cudaHostAlloc were measured on the H200 host and were slower: RESULTS.md; "pinned" registers them.)
 BUILT_IN: dict[str, dict[str, Any]] = {
     "before": {"FILES_AT_ONCE": 1, "REUSE_SLABS": False},
     "slabs": {"FILES_AT_ONCE": 1},  # reused slabs, one file at a time
@@ -62,6 +62,8 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "default-2-at-once": {"FILES_AT_ONCE": 2},
     "default-8GiB": {"LOAD_BUFFER": 8 << 30},  # 8 slabs, 4 files at once
     "default-24-reads": {"READ_STREAMS": 24},
+    "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
+    "pageable": {"PIN_SLABS": False},
 }
 
 

@@ -15,7 +15,7 @@ import torch
 
 from helpers import segments
 from torchrelay import RelayConfig, Run
-from torchrelay.checkpoint import persist
+from torchrelay.checkpoint import host_stage, persist
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
 from torchrelay.checkpoint.persist import canonical_safetensors
@@ -151,7 +151,7 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     assert grown.shape == (301, 7) and bool((grown == 1).all())
     stage.release()
     assert stage.allocated_bytes == 0 and not stage._bufs
-    locked = persist._Locked(3 * 4096 + 12)
+    locked = host_stage._Locked(3 * 4096 + 12)
     assert locked.tensor.untyped_storage().size() == 3 * 4096 + 12 and locked.size == 4 * 4096
 
 

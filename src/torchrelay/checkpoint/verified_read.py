@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from torchrelay.checkpoint.dcp_metadata import read_metadata
+from torchrelay.checkpoint.host_stage import _Locked
 from torchrelay.checkpoint.inventory import INVENTORY, safe_relpath
 from torchrelay.checkpoint.items import _parse_item, _refuse_transforms
 from torchrelay.checkpoint.torch_compat import (
@@ -93,6 +94,11 @@ FILES_AT_ONCE = 4
 # were slower (pinning took 2 s and the reads waited on the copies: 10.0 s against 8.7 s from pageable slabs, whose
 # copies overlap the reads on the parse threads).
 REUSE_SLABS = True
+# True: for a load into CUDA tensors the slabs are page-locked by registration (an anonymous mapping each, touched
+# and registered: 17-28 GB/s, where cudaHostAlloc took 2 s for 4 GiB) and each item's copy is a DMA on a stream of
+# its parse thread, waited for before its room goes back; the copies of the last files read then take
+# milliseconds instead of the pageable path's fraction of a second (benchmarks/bench_load.py, RESULTS.md).
+PIN_SLABS = False
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
 _ALIGN = 4096
@@ -101,9 +107,16 @@ _ALIGN = 4096
 class _Slab:
     """Host memory holding whole files one after another; its room is handed out again once they are all done."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, pinned: bool = False) -> None:
         self.size = size
-        self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
+        self.locked: _Locked | None = None
+        if pinned:
+            locked = _Locked(size)
+            if locked.register():
+                self.locked = locked
+            self.data = locked.tensor[:size]
+        else:
+            self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
         self.view = self.data.numpy().data.cast("B")
         self.top = 0  # bytes handed out
         self.files = 0  # files holding bytes of it
@@ -176,6 +189,8 @@ class _Load:
         self._finished = 0
         self._error: BaseException | None = None
         self._plan = threading.Lock()  # the planner is not known to be thread-safe
+        self._pinned = PIN_SLABS and torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._streams = threading.local()  # each parse thread's CUDA stream for copies from page-locked slabs
         self._opened: list[_File] = []
 
     def run(self) -> None:
@@ -220,6 +235,9 @@ class _Load:
             for f in self._opened:
                 f.close()
                 f.slab, f.view = None, memoryview(b"")
+            for slab in self._slabs:
+                if slab.locked is not None:  # every copy from it was waited for
+                    slab.locked.release()
             self._slabs.clear()
         if self._error is not None:
             raise self._error
@@ -256,7 +274,7 @@ class _Load:
             if f.slab is None:  # allocated outside the lock: the reads of the files admitted go on meanwhile
                 t0 = time.perf_counter()
                 try:
-                    slab = _Slab(size)
+                    slab = _Slab(size, self._pinned)
                 except BaseException:
                     with self._cond:
                         self._allocated -= size
@@ -399,7 +417,17 @@ class _Load:
                 hint="the checkpoint is damaged or was not written by torchrelay",
             )
         t1 = time.perf_counter()
-        target.copy_(tensor)  # releases the GIL; to a GPU a pageable copy, finished when it returns
+        slab = f.slab
+        if slab is not None and slab.locked is not None and target.is_cuda:
+            stream = getattr(self._streams, "stream", None)
+            if stream is None:
+                stream = self._streams.stream = torch.cuda.Stream(target.device)
+            stream.wait_stream(torch.cuda.default_stream(target.device))  # work queued on the target first
+            with torch.cuda.stream(stream):
+                target.copy_(tensor, non_blocking=True)
+            stream.synchronize()  # the slab's room is reused once every item is in; releases the GIL
+        else:
+            target.copy_(tensor)  # releases the GIL; to a GPU a pageable copy, finished when it returns
         t2 = time.perf_counter()
         with self._plan:
             self.planner.commit_tensor(req, target)
