@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
 from torchrelay.checkpoint import host_stage, persist
+from torchrelay.run import saver as saver_mod
 
 GB = 1e9
 
@@ -432,6 +433,8 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "DROP_AFTER_FSYNC": persist,
     "KICK_BYTES": persist,
     "PERSIST_STREAMS": persist,
+    "BACKGROUND_NICE": host_stage,
+    "FREEZE_GC": saver_mod,
 }
 
 
@@ -462,6 +465,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
             for save in r["saves"]
         ],
         "gc_in_slow": r.get("gc_in_slow"),
+        "gen2": r.get("gen2_collections"),
+        "first_due_s": r.get("first_due_s"),
     }
 
 
@@ -489,6 +494,7 @@ class Launch:
         self.done = 0
         self.reserve_ready_update: int | None = None
         self.ends: list[float] = []  # when each update ended (perf_counter)
+        self.first_due_s = 0.0
         self.gc_events: list[
             tuple[float, float, int, str]
         ] = []  # (start, end, generation, thread) of collections
@@ -523,7 +529,11 @@ class Launch:
             self.update()
             self.done += 1
             kind = "persist" if self.saver.persisting else ""
-            if len(self.saves) < target and self.saver.due(self.done):
+            t_due = time.perf_counter()
+            due = len(self.saves) < target and self.saver.due(self.done)
+            if self.done == 1:
+                self.first_due_s = time.perf_counter() - t_due  # the reservation's start, on this thread
+            if due:
                 info = {"update": self.done, "at": len(self.times), **_meminfo()}
                 t0 = time.perf_counter()
                 self.saver.save(self.done)
@@ -591,6 +601,7 @@ class Launch:
         gen2 = [(round(e - b, 4), name) for b, e, g, name in self.gc_events if g == 2]
         return {
             "gc_in_slow": gc_in_slow,
+            "first_due_s": self.first_due_s,
             "gen2_collections": gen2,
             "update_median_s": med,
             "updates": len(self.times),
