@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=150, help="updates between them (more than a persist)")
     ap.add_argument("--old-launch", action="store_true", help="and a launch with cudaHostAlloc'd buffers")
     ap.add_argument(
+        "--quick", action="store_true", help="no sync save (nor the check that its bytes are the same)"
+    )
+    ap.add_argument(
         "--launch",
         action="append",
         default=[],
@@ -357,18 +360,21 @@ def main() -> None:
         lambda: (run_a._saver.save(last), run_a._saver.wait()), dev
     )
     wait_deletions()
-    run_s = tr.Run.open(base / "run-sync", cfg.replace(async_save=False), code_dir=base / "code")
-    run_s.track(model=ddp, optimizer=opt)
-    relay["torchrelay sync save"] = timed(lambda: run_s._saver.save(last), dev)
-    sync_ckpt, a_ckpt = base / "run-sync" / f"checkpoint-{last}", base / "run-async" / f"checkpoint-{last}"
-    names = sorted(str(f.relative_to(sync_ckpt)) for f in sync_ckpt.rglob("*") if f.is_file())
-    same = names == sorted(str(f.relative_to(a_ckpt)) for f in a_ckpt.rglob("*") if f.is_file()) and all(
-        _sha(sync_ckpt / rel) == _sha(a_ckpt / rel)
-        for rel in names
-        if rel.endswith(".distcp") or rel.startswith("rng/")
-    )
-    run_s._end_segment(last)
-    shutil.rmtree(base / "run-sync")
+    a_ckpt = base / "run-async" / f"checkpoint-{last}"
+    same: bool | None = None
+    if not args.quick:
+        run_s = tr.Run.open(base / "run-sync", cfg.replace(async_save=False), code_dir=base / "code")
+        run_s.track(model=ddp, optimizer=opt)
+        relay["torchrelay sync save"] = timed(lambda: run_s._saver.save(last), dev)
+        sync_ckpt = base / "run-sync" / f"checkpoint-{last}"
+        names = sorted(str(f.relative_to(sync_ckpt)) for f in sync_ckpt.rglob("*") if f.is_file())
+        same = names == sorted(str(f.relative_to(a_ckpt)) for f in a_ckpt.rglob("*") if f.is_file()) and all(
+            _sha(sync_ckpt / rel) == _sha(a_ckpt / rel)
+            for rel in names
+            if rel.endswith(".distcp") or rel.startswith("rng/")
+        )
+        run_s._end_segment(last)
+        shutil.rmtree(base / "run-sync")
     saved_bytes = tree_bytes(a_ckpt)
     run_a._end_segment(last)
     run_a._saver.close()
