@@ -53,9 +53,11 @@ PERSIST_STREAMS = 8
 # Every this many bytes a file's writeback is started (0: left to the kernel until the fsync). On the H200 host,
 # 3 saves each: committed after 7.0-9.0 s with it, 7.8-9.4 s without (benchmarks/RESULTS.md).
 KICK_BYTES = 64 << 20
-# Once a file is fsynced its pages are clean and nothing reads them back (its hash was taken as it was written):
-# they are dropped, so that the page cache does not grow by a checkpoint per save (benchmarks/RESULTS.md, issue 22).
-DROP_AFTER_FSYNC = True
+# True: once a file is fsynced its (clean) pages are dropped from the page cache. Measured on the H200 host
+# (benchmarks/RESULTS.md, issue 22), 6 saves each: the cache then stayed at 16.5 GB where it grew to 53 GB without,
+# but the persist was no faster (0.87-1.00 of the write floor with it, 0.94-1.03 without), and a resume on the same
+# machine after a crash reads what is cached at memory speed. So the kernel keeps them.
+DROP_AFTER_FSYNC = False
 # Writes smaller than this are gathered (torch.save's zip headers, pickles, padding) and hashed and written together.
 _SMALL = 256 << 10
 _BATCH = 1 << 20
