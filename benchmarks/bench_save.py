@@ -53,7 +53,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
 from torchrelay.checkpoint import host_stage, persist
-from torchrelay.run import saver as saver_mod
 
 GB = 1e9
 
@@ -440,7 +439,6 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "KICK_BYTES": persist,
     "PERSIST_STREAMS": persist,
     "BACKGROUND_NICE": host_stage,
-    "FREEZE_GC": saver_mod,
 }
 
 

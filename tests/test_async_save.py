@@ -399,28 +399,3 @@ def test_a_failure_of_any_rank_in_the_plan_or_the_write_is_raised_on_every_rank(
     back = {"model": {f"w{i}": torch.zeros(64) for i in range(6)}}
     dcp.load(back, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
     assert all(torch.equal(back["model"][f"w{i}"], torch.arange(64.0) * (i + 1)) for i in range(6))
-
-
-def test_a_background_save_freezes_the_collector_until_the_run_closes(
-    example: dict[str, Path], tmp_path: Path
-) -> None:
-    """A full garbage collection during a persist walked the whole heap (0.19 s on the training thread, 2.5 s on a
-    writer thread holding the GIL: benchmarks/RESULTS.md, issue 22): from the first background save on, the
-    objects the process held are frozen, and given back to the collector when the Run closes; objects the
-    process froze itself are left as they are."""
-    import gc
-
-    seen: dict[int, int] = {}
-    assert gc.get_freeze_count() == 0
-    with Run.open(tmp_path / "run", _config(example, total_updates=5), code_dir=example["code"]) as run:
-        _loop(run, lambda u: seen.__setitem__(u, gc.get_freeze_count()))
-    assert seen[1] == seen[2] == seen[3] == 0 and seen[4] > 0, seen  # update 3 saves once its step is done
-    assert gc.get_freeze_count() == 0
-    gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        with Run.open(tmp_path / "run2", _config(example, total_updates=5), code_dir=example["code"]) as run:
-            _loop(run)
-        assert 0 < gc.get_freeze_count() <= frozen  # neither frozen again nor unfrozen (some were freed)
-    finally:
-        gc.unfreeze()

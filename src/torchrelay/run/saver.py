@@ -12,7 +12,6 @@ bytes, the loop waiting.
 
 from __future__ import annotations
 
-import gc
 import time
 from pathlib import Path
 
@@ -32,13 +31,6 @@ from torchrelay.run.restore import Tracked
 from torchrelay.train_records import RankLog
 from torchrelay.util import collective
 from torchrelay.util.records import read_json_or_none
-
-# At the first background save every object the process holds is moved out of the garbage collector's reach
-# (gc.freeze) until the Saver closes (gc.unfreeze): a full collection then walks only what was made since. On the
-# H200 host (benchmarks/RESULTS.md, issue 22) a full collection over the whole heap, started by the persist's own
-# allocations, took 0.19 s on the training thread and 2.5 s on a writer thread (at nice 10, holding the GIL), and
-# the updates it overlapped took up to 20x their time. Left alone if the process froze objects itself.
-FREEZE_GC = True
 
 
 class Saver:
@@ -78,7 +70,6 @@ class Saver:
         self._stage = HostStage()
         self._persister = Persister(background=self._background)
         self._reserved = False
-        self._froze = False  # this Saver froze the collector's objects (FREEZE_GC)
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
         self._group = dist.new_group(backend="gloo") if world_size > 1 and self._background else None
@@ -175,9 +166,6 @@ class Saver:
             )
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
 
-        if FREEZE_GC and background and not self._froze and gc.get_freeze_count() == 0:
-            gc.freeze()  # O(1): the generations' lists are moved, nothing is walked
-            self._froze = True
         self._persister.submit(update, persist)
         self.last = update
         return self._run_dir / f"checkpoint-{update}"
@@ -205,9 +193,6 @@ class Saver:
             self.wait()
         finally:
             self._stage.release()  # page-locked memory goes back once nothing reads it
-            if self._froze:
-                self._froze = False
-                gc.unfreeze()  # what became garbage meanwhile is collectable again
             wait_deletions()
 
 
