@@ -39,8 +39,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 # memory already touched blocks the other threads' launches too, but only for its own length (17-28 GB/s: a few ms
 # per 64 MiB buffer; a thread waiting for the GPU is not held up). So each buffer is an anonymous mapping of its
 # own, advised to use huge pages, touched and then registered by one background thread at nice 10, one buffer a
-# call, each call followed by PIN_PACE - 1 times its length asleep: no update over 1.05x, 0.02-0.04 s lost in all,
-# ready after 6-10 s for 14.5 GB. A save asked for before that finishes the rest without pauses.
+# call, each call followed by PIN_PACE - 1 times its length asleep: in the real loop (DDP, NCCL, 2026-12-02) no
+# update over 1.1x, ready after 8 s for 14.5 GB (not within 12.4 s on a fresh VM, whose never-touched memory faults
+# in slower). A save asked for before that finishes the rest without pauses, in its stall.
 PIN_PACE = 10
 # Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
 # calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
@@ -52,8 +53,8 @@ _PAGE = mmap.PAGESIZE
 
 
 # True: a buffer's pages are faulted in by a torch fill, which releases the GIL. False: by a memoryview
-# assignment, which held it for the whole touch (milliseconds per 64 MiB buffer, more on a VM whose memory grows as
-# it is used), and the loop's next kernel launch waited for it (benchmarks/RESULTS.md, issue 22).
+# assignment, which held it for the whole touch, and the loop's next launch waited: 11 of the 111 updates before
+# the buffers were ready took 1.10-1.18x with it, none with the fill (benchmarks/RESULTS.md, issue 22).
 TOUCH_WITHOUT_GIL = True
 
 
