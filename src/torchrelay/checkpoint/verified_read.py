@@ -84,7 +84,8 @@ LOAD_BUFFER = 4 << 30
 PARSE_THREADS = 4
 # Threads that hash the files' chunks in order as they arrive (0: the reading thread that completes a file's next
 # chunk hashes it, as before issue 22). A reader that hashes issues no read meanwhile: on the H200 host the 16
-# readers spent 13 s of their 126 s hashing, and the load read at 1.50 GB/s where the cold read reached 1.70.
+# readers spent 11-14 s of their 110-127 s hashing; with hash threads the load took 0.88 of the cold read's speed
+# where it took 0.84 (benchmarks/RESULTS.md, issue 22).
 HASH_THREADS = 4
 # Files whose chunks are read at the same time, the reads spread evenly over them. A file is hashed in order on
 # one core (1.1-1.4 GB/s on the GPU host, under its disk's 2.3 GB/s): read at a share of the disk's speed, its
@@ -100,8 +101,8 @@ FILES_AT_ONCE = 4
 REUSE_SLABS = True
 # True: for a load into CUDA tensors the slabs are page-locked by registration (an anonymous mapping each, touched
 # and registered: 17-28 GB/s, where cudaHostAlloc took 2 s for 4 GiB) and each item's copy is a DMA on a stream of
-# its parse thread, waited for before its room goes back; the copies of the last files read then take
-# milliseconds instead of the pageable path's fraction of a second (benchmarks/bench_load.py, RESULTS.md).
+# its parse thread, waited for before its room goes back. Measured on the H200 host: the copies' thread time 1.2 s
+# against 9 s, the load no shorter (9.7-9.8 s against 9.7-11.4 s): the copies were never its tail. So it is off.
 PIN_SLABS = False
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
