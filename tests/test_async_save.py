@@ -133,7 +133,7 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     make DCP's writer clone it before writing."""
     nice: list[int] = []
 
-    class Watched(persist.HostStage):
+    class Watched(host_stage.HostStage):
         def _new(self, key: str, *args: Any, **kwargs: Any) -> None:
             nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             super()._new(key, *args, **kwargs)
@@ -141,7 +141,7 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     stage = Watched()
     live = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int64), "s": torch.tensor(2.5)}
     shapes: dict[str, Any] = {}
-    persist.shapes_of("t", live, shapes)
+    host_stage.shapes_of("t", live, shapes)
     stage.reserve(shapes)
     copies = stage.copy_tree("t", live)
     assert all(torch.equal(copies[k], live[k]) and copies[k] is not live[k] for k in live)
