@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_save, ranks
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
-from torchrelay.checkpoint.persist import HostStage, shapes_of, write_bytes
+from torchrelay.checkpoint.host_stage import HostStage, shapes_of
+from torchrelay.checkpoint.persist import write_bytes
 from torchrelay.checkpoint.state.document import STATE_DICT_OPTIONS, dcp_document, split_optimizer
 from torchrelay.checkpoint.state.records import (
     MODEL_DIR,
