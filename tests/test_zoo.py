@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import EXAMPLES, TORCHRUN, make_code_repo
-from torchrelay.audit import AuditPlan, run_audit
+from torchrelay.audit import AuditSpec, run_audit
 from torchrelay.checkpoint.state import load_state, save_state
 
 sys.path.insert(0, str(EXAMPLES / "zoo"))
@@ -51,7 +51,7 @@ def test_every_cpu_member_composed_is_equal_with_early_and_late_stops(tmp_path: 
         print(
             "test_zoo: member cpu_adam left out: DeepSpeedCPUAdam needs its C++ op and no C++ compiler is on PATH"
         )
-    plan = AuditPlan(
+    spec = AuditSpec(
         launch=[*launch, "--member", ",".join(members)],
         updates=12,
         stops=2,
@@ -60,7 +60,7 @@ def test_every_cpu_member_composed_is_equal_with_early_and_late_stops(tmp_path: 
         keep=True,
         timeout_s=480,
     )
-    verdict = run_audit(plan)
+    verdict = run_audit(spec)
     assert verdict.equal, (verdict.summary(), verdict.causes, verdict.top_tensors, verdict.metrics_detail)
     assert verdict.stops == [1, 11]  # early and late
     assert [c["update"] for c in verdict.checkpoints] == [2, 12]
