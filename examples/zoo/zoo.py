@@ -191,6 +191,10 @@ def main() -> int:
     cuda = torch.cuda.is_available() and os.environ.get("ZOO_DEVICE", "cuda") == "cuda"
     if "syncbn" in on and not cuda:
         raise SystemExit("zoo: member syncbn needs CUDA (torch's SyncBatchNorm has no CPU kernel)")
+    if "cpu_adam" in on and cuda:
+        raise SystemExit(
+            "zoo: member cpu_adam steps CPU parameters (DeepSpeedCPUAdam); run it with ZOO_DEVICE=cpu"
+        )
     torch.set_num_threads(1)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
