@@ -27,6 +27,7 @@ from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
 
 # TORCHRELAY_TEST_KILL in a save: "<phase>:<update>:<rank>", phases: shards, inventory, rename
 from torchrelay.fsutil import fsync_dir
+from torchrelay.layout import checkpoint_name
 from torchrelay.util import collective
 
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -83,7 +84,7 @@ def commit_checkpoint(
     started = time.perf_counter() if started is None else started
     hook = kill_hook_for(update, rank)
     peers = collective.ranks(group)
-    name = f"saving checkpoint-{update}"
+    name = f"saving {checkpoint_name(update)}"
     tmp_box: list[Path] = []
 
     def translate(exc: BaseException) -> BaseException:
@@ -112,7 +113,7 @@ def commit_checkpoint(
         else:
             mine = [{"path": rel, "sha256": sha, "size": size} for rel, (sha, size) in written.items()]
         gathered = peers.all_gather(name, lambda: mine)
-        final = run_dir / f"checkpoint-{update}"
+        final = run_dir / checkpoint_name(update)
         if rank == 0:
             entries = _complete_entries(tmp, [e for part in gathered for e in part])
             seconds = time.perf_counter() - started

@@ -47,6 +47,7 @@ from torchrelay.errors import (
     RelayError,
 )
 from torchrelay.history import read_history, upsert
+from torchrelay.layout import checkpoint_name
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
@@ -133,8 +134,8 @@ class Controller:
         total = _total_updates(plan.run_path)
         if total is not None and _saved_update(plan.run_path) >= total:
             # Nothing to train: a launch of a complete run only does what is left after training (validation).
-            self.console.print(f"the run is complete (checkpoint-{total}): no smoke, no formal run")
-            attempt.note(f"the run was complete (checkpoint-{total}) before this attempt")
+            self.console.print(f"the run is complete ({checkpoint_name(total)}): no smoke, no formal run")
+            attempt.note(f"the run was complete ({checkpoint_name(total)}) before this attempt")
             outcome.exit_code, outcome.ended, outcome.stage = EXIT_FINISHED, "finished", "done"
             return self._validate(outcome, deadline)
         self._warn_unpreserved(attempt)
@@ -197,13 +198,13 @@ class Controller:
             return outcome
         outcome.validation = report.to_dict()
         for update, why in sorted(report.missing.items()):
-            self.console.print(f"validation: checkpoint-{update} not available: {why}")
+            self.console.print(f"validation: {checkpoint_name(update)} not available: {why}")
         if report.failed:
             outcome.notes.append(
                 f"validation failed for checkpoint(s) {report.failed} (see RUN_DIR/validation/)"
             )
         if report.left:
-            left = ", ".join(f"checkpoint-{u}" for u in sorted(report.left))
+            left = ", ".join(checkpoint_name(u) for u in sorted(report.left))
             why = next(iter(report.left.values()))
             outcome.notes.append(f"validation left for the next launch: {left} ({why})")
             self.console.print(f"validation left for the next launch: {left} ({why})")
@@ -234,11 +235,13 @@ class Controller:
 
     def _show_validation(self, event: str, update: int, record: ValidationRecord | None) -> None:
         if event == "start":
-            self.console.print(f"validating checkpoint-{update} ...")
+            self.console.print(f"validating {checkpoint_name(update)} ...")
         elif record is not None:
             metrics = ", ".join(f"{k}={v}" for k, v in (record.metrics or {}).items())
             detail = metrics if record.status == "ok" else record.reason
-            self.console.print(f"checkpoint-{update}: {record.status} in {record.seconds:.1f}s: {detail}")
+            self.console.print(
+                f"{checkpoint_name(update)}: {record.status} in {record.seconds:.1f}s: {detail}"
+            )
 
     def _measurements(self, attempt: Attempt) -> Measurements | None:
         """Measurements to use without a smoke run, or None: run the smoke."""

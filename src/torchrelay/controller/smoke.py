@@ -20,6 +20,7 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
 from torchrelay.history import read_history
+from torchrelay.rundir import RunDir
 from torchrelay.train_records import metrics_path
 from torchrelay.util.jsonl import iter_records
 
@@ -102,5 +103,5 @@ def _finite(value: object) -> bool:
 
 def discard(smoke_dir: Path) -> None:
     """Remove the smoke's checkpoints (the logs and history stay for the record)."""
-    for ckpt in smoke_dir.glob("checkpoint-*"):
+    for ckpt in RunDir(smoke_dir).checkpoint_dirs():
         shutil.rmtree(ckpt, ignore_errors=True)

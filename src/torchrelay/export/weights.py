@@ -30,6 +30,7 @@ from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
 from torchrelay.layout import CONTRACT_FILE, LINEAGE_FILE
+from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json_or_none
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
@@ -181,7 +182,9 @@ def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | No
     match = [c for c in complete if c.update == which]
     if not match:
         have = ", ".join(str(c.update) for c in complete) or "none"
-        raise CheckpointError(f"{source}/checkpoint-{which} is not a complete checkpoint (complete: {have})")
+        raise CheckpointError(
+            f"{RunDir(source).checkpoint(which)} is not a complete checkpoint (complete: {have})"
+        )
     return match[0].path, source
 
 
