@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.config import RelayConfig
+from torchrelay.contract import load_contract
 from torchrelay.errors import IntegrityError
 from torchrelay.fsutil import read_json, temp_prefix
+from torchrelay.history import read_history
 from torchrelay.layout import (
     ATTEMPTS_DIR,
     BUNDLE_INFO,
@@ -37,7 +41,7 @@ from torchrelay.layout import (
 )
 from torchrelay.manifest import INDEX_NAME
 from torchrelay.util.records import parse_json, read_json_or_none
-from torchrelay.util.safepath import read_regular, resolve_inside
+from torchrelay.util.safepath import check_relative, read_regular, resolve_inside
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
 # leaves its temporary behind, for the next writer to remove.
@@ -150,13 +154,26 @@ def _is_json_object(path: Path) -> bool:
 _BUNDLE_RECORD_LIMIT = (
     1 << 26
 )  # a bundle's JSON records; its lineage record at most 1 << 24 when only peeked at
+Digests = Mapping[str, tuple[str, int]]  # SHA256SUMS as verified: {relative path: (sha256, size)}
+
+
+@dataclass(frozen=True, slots=True)
+class BundleRecords:
+    """What `prepare` believes of a verified bundle: each record read once, from the bytes SHA256SUMS vouches for."""
+
+    info: dict[str, Any]  # bundle.json
+    contract: dict[str, Any]  # resume_contract.json (contract.load_contract)
+    config: RelayConfig  # config.json as packed
+    config_bytes: bytes  # its bytes, kept as the prepared run's config.json.orig
+    history: list[dict[str, Any]]  # history.jsonl's segments
 
 
 class Bundle:
     """A bundle directory (docs/FORMATS.md): a run directory's files at its top beside the ones `pack` adds
     (bundle.json, SHA256SUMS, data/manifest_info.json, source/), and their readers. `pack` writes it
-    (handoff/pack.py); every reader asks this object. A bundle's file is believed only once `verify` checked it
-    against SHA256SUMS: `config()` keeps the digest of the bytes it parsed, for the caller to hold against it."""
+    (handoff/pack.py); every reader asks this object. A bundle's record is believed only once `verify` checked
+    the bundle against SHA256SUMS: given the verified digests, a reader refuses bytes that are not the ones
+    verified (a bundle written into between the verification and the read)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -185,15 +202,10 @@ class Bundle:
         """The path of `rel` inside the bundle, refused if it leads out of it (a name from a bundle's record)."""
         return resolve_inside(self.path, rel, source=source or str(self.path))
 
-    def record(self, rel: str, what: str) -> dict[str, Any]:
-        """A JSON object record of the bundle, or IntegrityError naming the file (missing, unreadable, not an
-        object)."""
-        return read_record(self.path / rel, what)
-
-    def info(self) -> dict[str, Any]:
+    def info(self, verified: Digests | None = None) -> dict[str, Any]:
         """bundle.json, checked to hold what `pack` writes in the fields `prepare` relies on, with their types."""
         path = self.info_path
-        info = read_record(path, "the bundle's lineage record")
+        info, _ = _read_object(path, "the bundle's lineage record", _want(verified, BUNDLE_INFO))
         _require(path, info, "lineage", str, "a lineage id")
         _require(path, info, "parent_lineage", (str, type(None)), "a lineage id or null")
         _require(path, info, "checkpoint", str, "a checkpoint name")
@@ -208,10 +220,10 @@ class Bundle:
         info = read_json_or_none(self.info_path, what="the bundle's lineage record")
         return info if isinstance(info, dict) else {}
 
-    def manifest_info(self) -> dict[str, Any]:
+    def manifest_info(self, verified: Digests | None = None) -> dict[str, Any]:
         """data/manifest_info.json: the manifest's identity at packing, {sha256, fingerprint, data_root, samples}."""
         path = self.manifest_info_path
-        info = read_record(path, "the manifest's identity")
+        info, _ = _read_object(path, "the manifest's identity", _want(verified, MANIFEST_INFO))
         for key in ("sha256", "fingerprint", "data_root"):
             _require(path, info, key, str, "text")
         _require(path, info, "samples", int, "a count")
@@ -221,44 +233,70 @@ class Bundle:
             )
         return info
 
+    def source_archives(self, info: dict[str, Any]) -> tuple[list[Path], str]:
+        """The archives of the run's exact code that bundle.json `info` names (the commit's, then the files git did
+        not track), each inside the bundle, and the prefix their members lie under; ([], "") without any."""
+        source = info.get("source") or {}
+        if not isinstance(source, dict):
+            raise IntegrityError(f"{self.info_path}: 'source' is not an object", hint="the bundle is damaged")
+        if not source.get("archive"):
+            return [], ""
+        named = [source["archive"]] + ([source["untracked"]] if source.get("untracked") else [])
+        archives = [self.file(str(rel), source=str(self.info_path)) for rel in named]
+        prefix = check_relative(
+            str(source.get("archive_prefix")), source=f"{BUNDLE_INFO} source.archive_prefix"
+        )
+        return archives, prefix.as_posix()
+
     def config(self) -> RelayConfig:
-        """The run's configuration as packed (config.json), read once: later calls return the same object."""
+        """The run's configuration as packed (config.json), read once: later calls return the same object (a
+        caller may read it before the verification, to refuse early; `verified_records` holds its bytes against
+        SHA256SUMS)."""
         if self._config is None:
-            path, what = self.path / CONFIG_FILE, "the run's configuration"
-            try:
-                data = read_regular(path, _BUNDLE_RECORD_LIMIT, what=what)
-            except FileNotFoundError:
-                raise IntegrityError(
-                    f"{path} is missing ({what})", hint="is this a torchrelay bundle?"
-                ) from None
-            doc = _object(path, parse_json(data, source=f"{path} ({what})"), what)
+            doc, data = _read_object(self.path / CONFIG_FILE, "the run's configuration", None)
             self._config = RelayConfig.from_dict(doc, source=CONFIG_FILE), data
         return self._config[0]
 
-    def config_bytes(self) -> bytes:
-        """The bytes `config()` parsed (a configuration is a page)."""
-        self.config()
-        assert self._config is not None
-        return self._config[1]
-
-    def config_sha256(self) -> str:
-        """The SHA-256 of the bytes `config()` parsed: the caller holds it against the verified SHA256SUMS."""
-        return hashlib.sha256(self.config_bytes()).hexdigest()
+    def verified_records(self, verified: Digests) -> BundleRecords:
+        """The records every use of a bundle needs, once `verify` checked it: each read once, refused unless its
+        bytes are the verified ones."""
+        config, data = self.config(), self._config[1] if self._config else b""
+        if hashlib.sha256(data).hexdigest() != _want(verified, CONFIG_FILE):
+            raise IntegrityError(
+                f"{self.path / CONFIG_FILE} changed between verification and reading",
+                hint="something is writing into the bundle; re-download it and run prepare again",
+            )
+        info = self.info(verified)
+        return BundleRecords(info, load_contract(self.path), config, data, read_history(self.path))
 
 
 def read_record(path: Path, what: str) -> dict[str, Any]:
     """A JSON object record of a bundle or a prepared run directory, or IntegrityError naming the file."""
+    return _read_object(path, what, None)[0]
+
+
+def _want(verified: Digests | None, rel: str) -> str | None:
+    if verified is None:
+        return None
+    return verified.get(rel, ("not listed in SHA256SUMS", 0))[0]
+
+
+def _read_object(path: Path, what: str, want: str | None) -> tuple[dict[str, Any], bytes]:
+    """A JSON object record and its bytes, read the guarded way; with `want`, refused unless the bytes are the
+    ones SHA256SUMS vouched for (a bundle written into between the verification and this read)."""
     try:
-        data = read_json(path, what=what, limit=_BUNDLE_RECORD_LIMIT)
+        data = read_regular(path, _BUNDLE_RECORD_LIMIT, what=what)
     except FileNotFoundError:
         raise IntegrityError(f"{path} is missing ({what})", hint="is this a torchrelay bundle?") from None
-    return _object(path, data, what)
-
-
-def _object(path: Path, data: Any, what: str) -> dict[str, Any]:
-    if not isinstance(data, dict):
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise IntegrityError(
+            f"{path} changed between verification and reading",
+            hint="something is writing into the bundle; re-download it and run prepare again",
+        )
+    doc = parse_json(data, source=f"{path} ({what})")
+    if not isinstance(doc, dict):
         raise IntegrityError(f"{path} does not hold a JSON object ({what})", hint="re-download the bundle")
-    return data
+    return doc, data
 
 
 def _require(path: Path, doc: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> None:

@@ -14,7 +14,6 @@ from torchrelay.errors import IntegrityError
 from torchrelay.fsutil import atomic_write_bytes
 from torchrelay.handoff.copying import copy_many
 from torchrelay.handoff.verify import VerifyReport
-from torchrelay.history import read_history
 from torchrelay.layout import (
     CONFIG_FILE,
     CONTRACT_FILE,
@@ -45,12 +44,14 @@ class Hooks:
     on_files: Callable[[int, int], None] | None
 
 
-def numerics_here(bundle: Bundle, update: int, cfg: RelayConfig, proofs: list[str]) -> dict[str, Any]:
+def numerics_here(
+    history: list[dict[str, Any]], update: int, cfg: RelayConfig, proofs: list[str]
+) -> dict[str, Any]:
     """This machine's numerics identity against the bundle's segments: a difference is warned (one line), never
     refused here: prepare may run on another machine than the training (a login node); the launch compares again
     and, with strict_numerics, refuses."""
     here = gather()
-    found = compare_here(read_history(bundle.path), here, upto=update)
+    found = compare_here(history, here, upto=update)
     if found is not None and found["segments"]:
         then = " (strict_numerics: a launch here refuses it)" if cfg.strict_numerics else ""
         logger.warning(f"[torchrelay] warning: on this machine, {found['line']}{then}")

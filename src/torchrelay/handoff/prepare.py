@@ -18,7 +18,6 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.config import RelayConfig
-from torchrelay.contract import load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.fsutil import atomic_write_bytes, atomic_write_text, fsync_dir, kill_point
 from torchrelay.handoff.assemble import (
@@ -38,11 +37,10 @@ from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.resume import ResumeCheck, validate_resume
-from torchrelay.rundir import Bundle, RunDir, read_record
+from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import ByteCallback, sha256_file
-from torchrelay.util.safepath import check_relative
 
 # Keys prepare owns itself: the manifest always lives in the run directory.
 _MANAGED = {
@@ -153,13 +151,15 @@ def prepare(
 ) -> PrepareResult:
     """Check everything, then assemble the run directory from the bundle; raise PrepareRefused naming each failure."""
     started = time.perf_counter()
-    hooks = Hooks(say, on_bytes, on_files)
-    packed = Bundle(Path(bundle).resolve())
+    return _prepare(Bundle(Path(bundle).resolve()), options, Hooks(say, on_bytes, on_files), started)
+
+
+def _prepare(bundle: Bundle, options: PrepareOptions, hooks: Hooks, started: float) -> PrepareResult:
     run_dir = Path(options.run_dir).absolute()
     # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory. The
     # configuration is read once, here; it is believed once SHA256SUMS vouched for the bytes it was read from.
     try:
-        early: RelayConfig | None = packed.config()
+        early: RelayConfig | None = bundle.config()
     except (RelayError, ValueError):
         early = None  # a damaged file: the verification below names it
     if early is not None:
@@ -167,31 +167,29 @@ def prepare(
     _refuse_unrelated(run_dir)
 
     # Every byte against SHA256SUMS before any file of the bundle is believed.
-    say("verifying the bundle against SHA256SUMS")
+    hooks.say("verifying the bundle against SHA256SUMS")
     report = verify_bundle(
-        packed.path,
+        bundle.path,
         jobs=options.jobs,
-        on_bytes=on_bytes,
+        on_bytes=hooks.on_bytes,
         expect=options.expect,
         allowed_signers=options.allowed_signers,
     )
     if not report.ok:
         raise PrepareRefused([f"bundle file {p}" for p in report.problems()])
 
-    info = packed.info()
-    contract = load_contract(packed.path)
-    stored = _verified_config(packed, report)
-    new_cfg, changes = apply_sets(stored, options.sets)
+    records = bundle.verified_records(report.sums.digests())
+    new_cfg, changes = apply_sets(records.config, options.sets)
 
-    existing = _existing_state(run_dir, info)
+    existing = _existing_state(run_dir, records.info)
     if existing is not None:
-        return _recheck(run_dir, existing, changes, options, contract, hooks, started)
+        return _recheck(run_dir, existing, changes, options, records.contract, hooks, started)
 
     _remove_stale_temporaries(run_dir.parent, f".{run_dir.name}.prepare-tmp-")
     tmp = run_dir.parent / f".{run_dir.name}.prepare-tmp-{new_id()}"
     tmp.mkdir(parents=True)
     try:
-        result = _prepare_into(tmp, packed, report, info, contract, stored, new_cfg, changes, options, hooks)
+        result = _prepare_into(tmp, bundle, report, records, new_cfg, changes, options, hooks)
         kill_point("prepare:assembled")
         # One step from nothing to a whole run dir (an empty DIR is replaced): a kill on either side of it
         # leaves no DIR (the next prepare removes the temporary) or a prepared one (the next one re-checks it).
@@ -212,14 +210,13 @@ def _prepare_into(
     tmp: Path,
     bundle: Bundle,
     report: VerifyReport,
-    info: dict[str, Any],
-    contract: dict[str, Any],
-    stored: RelayConfig,
+    records: BundleRecords,
     new_cfg: RelayConfig,
     changes: dict[str, list[Any]],
     options: PrepareOptions,
     hooks: Hooks,
 ) -> PrepareResult:
+    info, contract, stored = records.info, records.contract, records.config
     fields = contract["fields"]
     failures: list[str] = []
     proofs: list[str] = []
@@ -229,7 +226,7 @@ def _prepare_into(
     into.data_dir.mkdir()
     manifest_src = bundle.file(MANIFEST_REL)
     old_manifest = Manifest.load(manifest_src, stored.data_root)
-    recorded = bundle.manifest_info()["fingerprint"]
+    recorded = bundle.manifest_info(report.sums.digests())["fingerprint"]
     fp_old = old_manifest.fingerprint()
     rebased_path = into.manifest_path
     if new_cfg.data_root != stored.data_root:
@@ -282,17 +279,12 @@ def _prepare_into(
     from_bundle = (
         False  # the caller's own checkout may be asked for its git identity; the bundle's tree never
     )
-    source = info.get("source") or {}
-    if not isinstance(source, dict):
-        raise IntegrityError(f"{bundle.info_path}: 'source' is not an object", hint="the bundle is damaged")
-    if code_dir is None and source.get("archive"):
+    archives, prefix = bundle.source_archives(info) if code_dir is None else ([], "")
+    if archives:
         from_bundle = True
-        archive = bundle.file(str(source["archive"]), source=str(bundle.info_path))
-        prefix = check_relative(str(source.get("archive_prefix")), source="bundle.json source.archive_prefix")
-        code_dir = extract_source(archive, into.source_dir, prefix.as_posix())
-        if source.get("untracked"):  # the program's files git did not track, beside the commit's
-            extra = bundle.file(str(source["untracked"]), source=str(bundle.info_path))
-            extract_source(extra, into.source_dir, prefix.as_posix())
+        code_dir = extract_source(archives[0], into.source_dir, prefix)
+        for extra in archives[1:]:  # the program's files git did not track, beside the commit's
+            extract_source(extra, into.source_dir, prefix)
     if failures:
         raise PrepareRefused(failures)
 
@@ -331,7 +323,7 @@ def _prepare_into(
             if old != new:
                 changes[key] = [old, new]  # kept over a script's original split (resume.keep_prepared)
         new_cfg = new_cfg.replace(micro_batch=check.config.micro_batch, grad_accum=check.config.grad_accum)
-    numerics = numerics_here(bundle, check.update, new_cfg, proofs)
+    numerics = numerics_here(records.history, check.update, new_cfg, proofs)
 
     # 6. Copy (or link) into the temporary run dir, re-hashing every byte against what was verified.
     copy_bundle(bundle, into, report, link=options.copy_mode == "hardlink", jobs=options.jobs, hooks=hooks)
@@ -339,7 +331,7 @@ def _prepare_into(
     orig_manifest = into.path / (MANIFEST_REL + ".orig")
     orig_manifest.unlink(missing_ok=True)
     shutil.copyfile(manifest_src, orig_manifest)
-    atomic_write_bytes(into.path / f"{CONFIG_FILE}.orig", bundle.config_bytes())  # the bytes verified
+    atomic_write_bytes(into.path / f"{CONFIG_FILE}.orig", records.config_bytes)  # the bytes verified
     final_cfg = new_cfg.replace(manifest=stored.manifest)
     atomic_write_text(into.config_path, json.dumps(final_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     lineage = {"lineage": info.get("lineage"), "parent_lineage": info.get("parent_lineage")}
@@ -376,17 +368,6 @@ def _prepare_into(
     return PrepareResult(
         run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir, layout_change=layout_change
     )
-
-
-def _verified_config(bundle: Bundle, report: VerifyReport) -> RelayConfig:
-    """The configuration read before the verification, believed only if SHA256SUMS vouches for its bytes."""
-    verified = report.sums.digests().get(CONFIG_FILE, ("",))[0]
-    if bundle.config_sha256() != verified:
-        raise IntegrityError(
-            f"{bundle.path / CONFIG_FILE} changed between verification and reading",
-            hint="something is writing into the bundle; re-download it and run prepare again",
-        )
-    return bundle.config()
 
 
 def _remove_stale_temporaries(parent: Path, prefix: str) -> None:

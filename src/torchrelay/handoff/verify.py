@@ -20,7 +20,6 @@ from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.rundir import Bundle
 from torchrelay.util.hashing import ByteCallback
-from torchrelay.util.safepath import walk_files
 from torchrelay.util.sums import SUMS_LIMIT, SUMS_NAME, SumsReport, check_sums, listed_size, parse_sums
 
 
@@ -89,7 +88,8 @@ def verify_bundle(
     sums = check_sums(bundle, entries, jobs=jobs, on_bytes=on_bytes, not_listed_ok=(SUMS_NAME, SIG_NAME))
     report = VerifyReport(sums=sums, digest=digest, signer=signer)
     known = sums.digests()
-    for inventory in find_inventories(bundle):
+    # every file was listed and read just now (an unlisted one is a problem of its own): the inventories among them
+    for inventory in [bundle / rel for rel in sorted(known) if rel.rsplit("/", 1)[-1] == INVENTORY]:
         rel_dir = inventory.parent.relative_to(bundle).as_posix()
         if parse_checkpoint_name(rel_dir) is None:
             # prepare copies checkpoint folders into the run dir; only the top-level checkpoint-N/ are ones
@@ -120,11 +120,6 @@ def _decode(raw: bytes, path: Path) -> str:
 
 def _sums_text(path: Path) -> str:
     return _decode(_sums_bytes(path), path)
-
-
-def find_inventories(root: Path) -> list[Path]:
-    """Every COMPLETE.json under `root` (symlinks are not followed)."""
-    return [root / rel for rel in walk_files(root) if rel.rsplit("/", 1)[-1] == INVENTORY]
 
 
 def check_inventory(root: Path, ckpt_dir: Path, known: dict[str, tuple[str, int]] | None = None) -> list[str]:
