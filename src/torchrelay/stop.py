@@ -20,9 +20,10 @@ import psutil
 from torchrelay import envvars
 from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, UnsafeInput
 from torchrelay.fsutil import atomic_write_text
+from torchrelay.layout import REQUEST_STOP
 from torchrelay.util.safepath import open_regular
 
-REQUEST_FILE = "REQUEST_STOP"
+REQUEST_FILE = REQUEST_STOP  # the name lives in layout.py
 # The agreed stop code is the maximum over ranks; these values double as process exit codes.
 NONE = 0
 

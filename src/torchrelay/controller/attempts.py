@@ -29,10 +29,10 @@ import yaml
 from torchrelay.controller.plan import plan_diff
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.fsutil import atomic_write_text
+from torchrelay.layout import ATTEMPTS_DIR
 from torchrelay.rundir import RunDir
 from torchrelay.util.records import read_json, read_yaml
 
-ATTEMPTS_DIR = "attempts"
 FROZEN_PLAN = "plan.frozen.yaml"
 _NAME = re.compile(r"^attempt_(\d+)$")
 STAGES = ("preflight", "smoke", "formal", "validate", "done")

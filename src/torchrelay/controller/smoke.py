@@ -51,7 +51,8 @@ def evaluate(
     smoke_dir: Path, launched_at: float, updates: int, returncode: int, tail: list[str]
 ) -> SmokeResult:
     """Judge a finished smoke run from its run directory; raises SmokeFailed naming what went wrong."""
-    rows = list(iter_records(metrics_path(smoke_dir / "train", 0))) if (smoke_dir / "train").exists() else []
+    train = RunDir(smoke_dir).train_dir
+    rows = list(iter_records(metrics_path(train, 0))) if train.exists() else []
     history = read_history(smoke_dir)
     ended = history[-1].get("ended", "crash") if history else "crash"
     output = "\n".join(f"  | {line}" for line in tail[-25:]) or "  (no output)"
