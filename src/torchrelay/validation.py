@@ -34,7 +34,7 @@ from torchrelay.costmodel import validation_fits
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.fsutil import atomic_write_text
 from torchrelay.identity import code_identity, find_code_dir
-from torchrelay.layout import CONTRACT_FILE, checkpoint_name
+from torchrelay.layout import checkpoint_name
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
@@ -382,5 +382,5 @@ def _code_of(cwd: Path) -> dict[str, Any]:
 
 
 def _contract_sha(run_dir: Path) -> str | None:
-    doc = read_json_or_none(run_dir / CONTRACT_FILE, what="the training contract", root=run_dir)
+    doc = read_json_or_none(RunDir(run_dir).contract_path, what="the training contract", root=run_dir)
     return str(doc.get("sha256")) if isinstance(doc, dict) else None

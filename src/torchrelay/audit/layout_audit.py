@@ -11,7 +11,7 @@ from typing import Any
 
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
-from torchrelay.layout import CONFIG_FILE, checkpoint_name
+from torchrelay.layout import checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.records import read_json_or_none
 
@@ -168,7 +168,7 @@ def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str,
 
 def _elastic_exact(run_dir: Path) -> bool:
     """Whether the run was made with `elastic: exact` (config.json)."""
-    cfg = read_json_or_none(run_dir / CONFIG_FILE, what="the run's configuration", root=run_dir)
+    cfg = read_json_or_none(RunDir(run_dir).config_path, what="the run's configuration", root=run_dir)
     return isinstance(cfg, dict) and cfg.get("elastic") == "exact"
 
 

@@ -29,7 +29,6 @@ from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
-from torchrelay.layout import CONTRACT_FILE, LINEAGE_FILE
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json_or_none
@@ -166,9 +165,9 @@ def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | No
         if which is not None:
             raise ConfigError("export --checkpoint N applies to a run directory, not to a checkpoint")
         parent = source.parent
-        holder = parent if (parent / CONTRACT_FILE).exists() else None
+        holder = parent if RunDir(parent).contract_path.exists() else None
         return source, holder
-    if not (source / CONTRACT_FILE).exists():
+    if not RunDir(source).contract_path.exists():
         raise ConfigError(
             f"{source} is neither a run directory, a bundle nor a checkpoint-<N> directory",
             hint="pass RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoint-N",
@@ -205,8 +204,10 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
     if holder is not None:
-        contract = read_json_or_none(holder / CONTRACT_FILE, what="the training contract", root=holder) or {}
-        lineage = read_json_or_none(holder / LINEAGE_FILE, what="the run's lineage", root=holder) or {}
+        contract = (
+            read_json_or_none(RunDir(holder).contract_path, what="the training contract", root=holder) or {}
+        )
+        lineage = read_json_or_none(RunDir(holder).lineage_path, what="the run's lineage", root=holder) or {}
     fields = contract.get("fields", {}) if isinstance(contract, dict) else {}
     return {
         "run_dir": str(holder.resolve()) if holder is not None else None,
