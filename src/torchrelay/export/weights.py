@@ -29,6 +29,7 @@ from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.fsutil import fsync_dir
+from torchrelay.layout import checkpoint_label, parse_checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json_or_none
@@ -161,7 +162,7 @@ def _some(names: list[str]) -> str:
 def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | None]:
     """(checkpoint directory, the run or bundle directory holding it, if any) for a run, bundle or checkpoint."""
     source = Path(source)
-    if (source / INVENTORY).exists() or source.name.startswith("checkpoint-"):
+    if (source / INVENTORY).exists() or parse_checkpoint_name(source.name) is not None:
         if which is not None:
             raise ConfigError("export --checkpoint N applies to a run directory, not to a checkpoint")
         parent = source.parent
@@ -182,7 +183,7 @@ def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | No
     if not match:
         have = ", ".join(str(c.update) for c in complete) or "none"
         raise CheckpointError(
-            f"{RunDir(source).checkpoint(which)} is not a complete checkpoint (complete: {have})"
+            f"{source / checkpoint_label(which)} is not a complete checkpoint (complete: {have})"
         )
     return match[0].path, source
 
