@@ -260,8 +260,9 @@ class Bundle:
     def verified_records(self, verified: Digests) -> BundleRecords:
         """The records every use of a bundle needs, once `verify` checked it: each read once, refused unless its
         bytes are the verified ones."""
+        want = _want(verified, CONFIG_FILE)
         config, data = self.config(), self._config[1] if self._config else b""
-        if hashlib.sha256(data).hexdigest() != _want(verified, CONFIG_FILE):
+        if hashlib.sha256(data).hexdigest() != want:
             raise IntegrityError(
                 f"{self.path / CONFIG_FILE} changed between verification and reading",
                 hint="something is writing into the bundle; re-download it and run prepare again",
