@@ -22,13 +22,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_io, dcp_save, ranks
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
+from torchrelay.checkpoint.host_stage import HostStage, shapes_of
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
-from torchrelay.checkpoint.persist import (
-    HostStage,
-    canonical_safetensors,
-    shapes_of,
-    write_bytes,
-)
+from torchrelay.checkpoint.persist import canonical_safetensors, write_bytes
 from torchrelay.errors import CheckpointError, IntegrityError, RecordError
 from torchrelay.util import collective
 from torchrelay.util.hashing import sha256_many
