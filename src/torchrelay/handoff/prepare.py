@@ -36,7 +36,7 @@ from torchrelay.identity import tree_note
 from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.resume import ResumeCheck, validate_resume
+from torchrelay.resume_check import ResumeCheck, validate_resume
 from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
@@ -321,7 +321,7 @@ def _prepare_into(
         for key in ("micro_batch", "grad_accum"):
             old, new = layout_change["from"][key], layout_change["to"][key]
             if old != new:
-                changes[key] = [old, new]  # kept over a script's original split (resume.keep_prepared)
+                changes[key] = [old, new]  # kept over a script's original split (resume_check.keep_prepared)
         new_cfg = new_cfg.replace(micro_batch=check.config.micro_batch, grad_accum=check.config.grad_accum)
     numerics = numerics_here(records.history, check.update, new_cfg, proofs)
 
