@@ -9,7 +9,7 @@ its top, as users' do): time from the script's start to the end of its first upd
 checkpoint-1, RelayTrainer against Trainer's resume_from_checkpoint, the same worker count, each with its default
 start method (both fork here: one process, one thread); `relay-forkserver` is RelayTrainer with the forkserver a
 rank with other threads (gloo's, CUDA's) gets. Each repetition runs the sides back to back, in alternating order;
-the summary gives the medians of the paired ratios and differences. --src runs another torchrelay source tree
+the summary gives the medians of the paired ratios and differences (ratios are taken pair by pair). --src runs another torchrelay source tree
 (e.g. a checkout before a change).
 
 Each measurement is a fresh process (as a relaunch is): from building the trainer to the start of the first update
@@ -233,9 +233,12 @@ SIDES = {  # name: (RelayTrainer?, multiprocessing context asked for)
 }
 
 
-def worker_costs(counts: list[int], repeats: int, src: Path | None, sides: list[str]) -> list[dict[str, Any]]:
+def worker_costs(
+    counts: list[int], repeats: int, src: Path | None, sides: list[str], keep: Path | None = None
+) -> list[dict[str, Any]]:
     """Seconds from the script's start to its first update done after a resume, per worker count and side: the
-    sides of one repetition back to back, in an order that alternates (whoever goes first meets another load)."""
+    sides of one repetition back to back, in an order that alternates (whoever goes first meets another load).
+    keep: the rows so far are written there after each pair (a long run on a loaded machine)."""
     from torchrelay.stop import write_request
 
     base = Path(tempfile.mkdtemp(prefix="bench-trainer-workers-"))
@@ -267,6 +270,8 @@ def worker_costs(counts: list[int], repeats: int, src: Path | None, sides: list[
                     shutil.rmtree(run, ignore_errors=True)
                 row["load_after"] = os.getloadavg()[0]
                 rows.append(row)
+                if keep is not None:
+                    keep.write_text(json.dumps({"workers": rows}, indent=1))
                 print(
                     f"{workers} workers, load {row['load']:.1f}: "
                     + "   ".join(
@@ -283,27 +288,29 @@ def worker_costs(counts: list[int], repeats: int, src: Path | None, sides: list[
 
 def summary(rows: list[dict[str, Any]], sides: list[str]) -> list[str]:
     """Per worker count and side against Trainer: medians of each side's times, of the paired ratios and of the
-    paired differences (what torchrelay adds, whatever the load did to both), end to end and inside train()."""
+    paired differences (what torchrelay adds, whatever the load did to both), from three starts: the script's
+    (end to end), the end of its imports and model (the same code on both sides: what differs), `train()`."""
     lines = []
+    spans = {"end to end": None, "after the imports": "imported", "inside train()": "train"}
     for workers in sorted({r["workers"] for r in rows}):
         mine = [r for r in rows if r["workers"] == workers]
         load = statistics.median(r["load"] for r in mine)
         for side in [s for s in sides if s != "hf"]:
-            total = [(r[side]["first_update_done"], r["hf"]["first_update_done"]) for r in mine]
-            inner = [
-                (
-                    r[side]["first_update_done"] - r[side]["train"],
-                    r["hf"]["first_update_done"] - r["hf"]["train"],
+            parts = []
+            for span, mark in spans.items():
+                pairs = [
+                    [r[x]["first_update_done"] - (r[x][mark] if mark else 0.0) for x in (side, "hf")]
+                    for r in mine
+                ]
+                parts.append(
+                    f"{span} {statistics.median(a for a, _ in pairs):.2f}s vs "
+                    f"{statistics.median(b for _, b in pairs):.2f}s, ratio "
+                    f"{statistics.median(a / b for a, b in pairs):.2f}, difference "
+                    f"{statistics.median(a - b for a, b in pairs):+.2f}s"
                 )
-                for r in mine
-            ]
             lines.append(
-                f"{workers} workers, {len(mine)} pairs, load {load:.1f}: {side} "
-                f"{statistics.median(a for a, _ in total):.2f}s vs Trainer {statistics.median(b for _, b in total):.2f}s"
-                f", ratio {statistics.median(a / b for a, b in total):.2f} (paired median), difference "
-                f"{statistics.median(a - b for a, b in total):+.2f}s; inside train() "
-                f"{statistics.median(a for a, _ in inner):.2f}s vs {statistics.median(b for _, b in inner):.2f}s, "
-                f"difference {statistics.median(a - b for a, b in inner):+.2f}s"
+                f"{workers} workers, {len(mine)} pairs, load {load:.1f}, {side} vs Trainer: "
+                + "; ".join(parts)
             )
     return lines
 
@@ -329,7 +336,9 @@ def main() -> None:
         return
     if args.workers:
         sides = args.sides.split(",")
-        rows = worker_costs([int(x) for x in args.workers.split(",")], args.repeats, args.src, sides)
+        rows = worker_costs(
+            [int(x) for x in args.workers.split(",")], args.repeats, args.src, sides, args.json
+        )
         for line in summary(rows, sides):
             print(line)
         if args.json:
