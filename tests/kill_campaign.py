@@ -208,7 +208,10 @@ class Campaign:
         plans: list[tuple[str, int, float]] | None = None,
         log: Any = print,
         launch_timeout: float = 300.0,
+        baseline: Path | None = None,
     ) -> None:
+        """`baseline`: an uninterrupted run of `config` to judge against; the kills' `sets` may differ from it only in
+        runtime fields (save_every, num_workers: no bit changes). Without it the first `run` trains one."""
         self.out, self.code, self.config, self.sets = out, code, config, dict(sets or {})
         self.rng = random.Random(seed)
         self.fixed_plans = list(plans) if plans is not None else None  # (kind, nth, delay_s), for tests
@@ -221,8 +224,8 @@ class Campaign:
         self.startup_s: list[float] = [8.0]
         self.update_s: list[float] = [0.1]
         self.create_s: list[float] = [0.02]  # from data/ to resume_contract.json of a new run
-        self.baseline: Path | None = None
-        self.total = 0
+        self.baseline = baseline
+        self.total = int(segments(baseline)[-1]["last_update"]) if baseline is not None else 0
         self._pending: list[Kill] = []  # kills whose next opening launch has not come yet
         self._stale: set[str] = set()  # temporaries left by earlier kills, not yet cleaned
 

@@ -16,7 +16,9 @@ from torchrelay import RelayConfig, Run
 from torchrelay.errors import ConfigError
 
 
-def test_whole_job_sigkilled_inside_saves_resumes_exactly(example: dict[str, Path], tmp_path: Path) -> None:
+def test_whole_job_sigkilled_inside_saves_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
     camp = Campaign(
         tmp_path,
         example["code"],
@@ -25,6 +27,7 @@ def test_whole_job_sigkilled_inside_saves_resumes_exactly(example: dict[str, Pat
         # (where, n-th event of the launch, delay after it): creating the run, the first and third save's
         # first moments, the update after a commit
         plans=[("create", 1, 0.0), ("save", 1, 0.0), ("save", 3, 0.002), ("update", 2, 0.0)],
+        baseline=baseline,  # the session's: saving every update and a loader worker change no bit
     )
     camp.run(kills=4)
 
