@@ -264,6 +264,7 @@ def _expect(child: subprocess.Popen[str], word: str) -> str:
     raise AssertionError(f"no {word} from the child (exit {child.wait()}):\n" + "".join(lines))
 
 
+@pytest.mark.full  # 5 rounds of real loader workers under signals: 35 s on a busy machine
 def test_loader_workers_survive_stop_signals_and_end_with_their_rank(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(WORKERS_CHILD)
