@@ -85,7 +85,7 @@ class PlannedSave:
 def _set_up(writer: HashingWriter, ranks: _Ranks) -> None:
     if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
         writer.set_up_storage_writer(ranks.coordinator, rank=ranks.rank, use_collectives=True)
-    else:  # older torch
+    else:  # torch 2.8: set_up_storage_writer(is_coordinator) alone
         writer.set_up_storage_writer(ranks.coordinator)
 
 

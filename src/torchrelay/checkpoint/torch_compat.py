@@ -13,6 +13,8 @@ and the window widened.
 
 from __future__ import annotations
 
+import functools
+import io
 import pickle
 from typing import IO, Any
 
@@ -52,10 +54,37 @@ def zip_reader(stream: IO[bytes]) -> Any:
     return torch._C.PyTorchFileReader(stream)
 
 
-def storage_offset_in_file(storage: Any) -> int | None:
-    """Where torch.load(mmap=False) found a storage's bytes in the item's file, if it recorded it: the verified
-    reader then views the verified bytes in place instead of copying them (one copy less, RESULTS.md)."""
-    return getattr(storage, "_checkpoint_offset", None)
+def tensor_layout(stream: IO[bytes]) -> tuple[Any, int | None]:
+    """What a torch.save archive holds, read weights_only without reading its bytes (a tensor's dtype, shape,
+    strides and storage offset, its storage on the meta device or allocated and left unread), and where that
+    storage's bytes lie in the archive (None if unknown): the verified reader then views the verified bytes in
+    place instead of copying them (one copy less, RESULTS.md)."""
+    if _meta_load_says_where():
+        meta = torch.load(stream, map_location="meta", weights_only=True)
+        if not isinstance(meta, torch.Tensor):
+            return meta, None
+        return meta, getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    # torch 2.8: a load onto meta reads every byte before moving the tensor there and records no offset; with
+    # skip_data the storage is allocated and left unread, and the archive's one data record says where it lies
+    start = stream.tell()
+    with torch.serialization.skip_data():
+        layout = torch.load(stream, weights_only=True)
+    stream.seek(start)
+    reader = zip_reader(stream)
+    data = [name for name in reader.get_all_records() if name.startswith("data/")]
+    if not isinstance(layout, torch.Tensor) or len(data) != 1:
+        return layout, None
+    return layout, int(reader.get_record_offset(data[0]))
+
+
+@functools.cache
+def _meta_load_says_where() -> bool:
+    """Whether torch.load(map_location="meta") records where each storage lies (torch 2.13 does, 2.8 does not)."""
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1), buf)
+    buf.seek(0)
+    meta = torch.load(buf, map_location="meta", weights_only=True)
+    return isinstance(getattr(meta.untyped_storage(), "_checkpoint_offset", None), int)
 
 
 # --- FSDP2's DTensor (checkpoint/persist.py) ------------------------------------------------------------------
@@ -103,6 +132,6 @@ __all__ = [
     "dtensor_like",
     "dtensor_local",
     "index_sampler",
-    "storage_offset_in_file",
+    "tensor_layout",
     "zip_reader",
 ]
