@@ -45,7 +45,9 @@ def _in_place(view: memoryview, offset: int, length: int, start: int, layout: to
         return torch.empty(0, dtype=layout.dtype).as_strided(
             layout.size(), layout.stride(), layout.storage_offset()
         )
-    reach = layout.storage_offset() + sum((n - 1) * s for n, s in zip(layout.size(), layout.stride())) + 1
+    reach = (
+        int(layout.storage_offset()) + sum((n - 1) * s for n, s in zip(layout.size(), layout.stride())) + 1
+    )
     nbytes = reach * layout.element_size()
     if start < 0 or start + nbytes > length:
         raise CheckpointError(f"bytes {start}..{start + nbytes} lie outside the item's {length}")
