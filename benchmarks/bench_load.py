@@ -50,11 +50,19 @@ from bench_save import (  # noqa: E402
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
 
-KNOBS = ("READ_STREAMS", "LOAD_BUFFER", "PARSE_THREADS", "FILES_AT_ONCE", "REUSE_SLABS")
+KNOBS = (
+    "READ_STREAMS",
+    "LOAD_BUFFER",
+    "PARSE_THREADS",
+    "FILES_AT_ONCE",
+    "REUSE_SLABS",
+    "PIN_SLABS",
+    "HASH_THREADS",
+)
 # Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
 # before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. The files read at once
 # are at most one fewer than the buffer holds of the largest file (the default 4 GiB: 4 of 0.94 GB, so 3 at once).
-# (Page-locked slabs with asynchronous copies were measured too, on the H200 host, and were slower: RESULTS.md.)
+# (Slabs from cudaHostAlloc were measured on the H200 host and were slower: RESULTS.md; "pinned" registers them.)
 BUILT_IN: dict[str, dict[str, Any]] = {
     "before": {"FILES_AT_ONCE": 1, "REUSE_SLABS": False},
     "slabs": {"FILES_AT_ONCE": 1},  # reused slabs, one file at a time
@@ -62,6 +70,10 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "default-2-at-once": {"FILES_AT_ONCE": 2},
     "default-8GiB": {"LOAD_BUFFER": 8 << 30},  # 8 slabs, 4 files at once
     "default-24-reads": {"READ_STREAMS": 24},
+    "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
+    "pageable": {"PIN_SLABS": False},
+    "readers-hash": {"HASH_THREADS": 0},  # the reading threads hash (before issue 22's hash threads)
+    "all-at-once": {"LOAD_BUFFER": 16 << 30, "FILES_AT_ONCE": 16},  # every file read at once, a thread each
 }
 
 
@@ -265,11 +277,14 @@ def main() -> None:
         for key, value in defaults.items():
             setattr(verified_read, key, value)
     out["rows"] = dict(rows)
+    floor_after = cold_read(files, args.streams)  # the disk may drift over a run: the floor again, last
+    out["cold_read_after_s"] = floor_after
+    print(f"[load] floor again after the resumes: {floor_after:.3f} s", flush=True)
 
     lines = [
         f"state {nbytes / GB:.2f} GB in {len(files)} files (largest {max(sizes) / GB:.2f} GB), torch "
         f"{out['torch']}, {out['device']}, {out['cores']} cores; cold read {floor:.3f} s "
-        f"({nbytes / floor / GB:.2f} GB/s)"
+        f"({nbytes / floor / GB:.2f} GB/s; after the resumes {floor_after:.3f} s)"
         + (f"; DCP load cold {dcp_s:.3f} s" if dcp_s else "")
         + (
             f"; torch_checkpointing load cold {tc_s:.3f} s = {floor / tc_s:.2f} of the cold read"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import inspect
 import json
@@ -51,7 +52,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
-from torchrelay.checkpoint import persist
+from torchrelay.checkpoint import host_stage, persist
 
 GB = 1e9
 
@@ -126,10 +127,20 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=150, help="updates between them (more than a persist)")
     ap.add_argument("--old-launch", action="store_true", help="and a launch with cudaHostAlloc'd buffers")
     ap.add_argument(
+        "--quick", action="store_true", help="no sync save (nor the check that its bytes are the same)"
+    )
+    ap.add_argument(
+        "--launch",
+        action="append",
+        default=[],
+        help="a launch before the main one: NAME:SAVES[:KNOB=VALUE,...] over host_stage/persist's knobs "
+        f"({', '.join(LAUNCH_KNOBS)}), e.g. 'before:6:TOUCH_WITHOUT_GIL=0,DROP_AFTER_FSYNC=0' (repeatable)",
+    )
+    ap.add_argument(
         "--skip",
         type=lambda text: set(filter(None, text.split(","))),
         default=set(),
-        help="peers left out: torch.save,dcp-async,torch_checkpointing",
+        help="peers left out: torch.save,dcp,dcp-async,torch_checkpointing",
     )
     args = ap.parse_args()
     dist.init_process_group(args.backend)
@@ -182,11 +193,11 @@ def main() -> None:
     floor_copy = min(timed(copy_all, dev) for _ in range(2))
     views = [memoryview(h.view(-1).view(torch.uint8).numpy()) for h in host]
 
-    def write_streams(n: int) -> float:
+    def write_streams(n: int, sources: list[memoryview] | None = None) -> float:
         folder = base / f"floor-{n}"
         folder.mkdir()
         parts: list[list[memoryview]] = [[] for _ in range(n)]
-        for v in sorted(views, key=len, reverse=True):
+        for v in sorted(views if sources is None else sources, key=len, reverse=True):
             parts[min(range(n), key=lambda k: sum(len(p) for p in parts[k]))].append(v)
 
         def one(k: int) -> None:
@@ -276,10 +287,11 @@ def main() -> None:
         peers["torch.save + fsync"] = timed(torch_save, dev)
         p.unlink()
     dcp_dir = base / "dcp"
-    peers["DCP save"] = timed(lambda: dcp.save(state, checkpoint_id=str(dcp_dir)), dev)
-    drop_cache(dcp_dir)
-    loads["DCP load, cold"] = timed(lambda: dcp.load(state, checkpoint_id=str(dcp_dir)), dev)
-    shutil.rmtree(dcp_dir)
+    if "dcp" not in args.skip:
+        peers["DCP save"] = timed(lambda: dcp.save(state, checkpoint_id=str(dcp_dir)), dev)
+        drop_cache(dcp_dir)
+        loads["DCP load, cold"] = timed(lambda: dcp.load(state, checkpoint_id=str(dcp_dir)), dev)
+        shutil.rmtree(dcp_dir)
     gloo = dist.new_group(backend="gloo")
     for i in (1, 2) if "dcp-async" not in args.skip else ():
         target = base / f"dcp-async-{i}"
@@ -309,37 +321,65 @@ def main() -> None:
     # A launch as the loop runs it: the first update after Run.open + track (the host buffers are reserved after
     # it), `--saves` saves every `--save-every` updates, every update timed (bench_save's figure before issue 22
     # began after the buffers existed, and missed the 6-8 s the second update of a launch waited for them).
+    from torchrelay.checkpoint.commit import wait_deletions
+
+    out["launches"] = {}
+    for spec in args.launch:  # each a fresh Run: its buffers reserved again, its own knobs
+        name, n_saves, knobs = parse_launch(spec)
+        before = {k: getattr(LAUNCH_KNOBS[k], k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(LAUNCH_KNOBS[k], k, v)
+        try:
+            run_v = tr.Run.open(base / f"run-{name}", cfg, code_dir=base / "code")
+            run_v.track(model=ddp, optimizer=opt)
+            var = Launch(run_v, update, dev)
+            var.run(n_saves)
+            out["launches"][name] = {"knobs": knobs, **var.report(floor_copy, disk_n)}
+            run_v._end_segment(var.done)
+            run_v._saver.close()
+            wait_deletions()
+        finally:
+            for k, v in before.items():
+                setattr(LAUNCH_KNOBS[k], k, v)
+        shutil.rmtree(base / f"run-{name}", ignore_errors=True)
+        print(f"[bench] launch {name}: {json.dumps(summary(out['launches'][name]))}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
     run_a = tr.Run.open(base / "run-async", cfg, code_dir=base / "code")
     run_a.track(model=ddp, optimizer=opt)
     launch = Launch(run_a, update, dev)
     launch.run(args.saves)
     out["launch"] = launch.report(floor_copy, disk_n)
+    print(f"[bench] launch (defaults): {json.dumps(summary(out['launch']))}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
     # The same state saved both ways (no update between): the tensor files and the RNG are the same bytes.
-    from torchrelay.checkpoint.commit import wait_deletions
-
     last = launch.done
     relay["torchrelay async save (same state as the sync save): until committed"] = timed(
         lambda: (run_a._saver.save(last), run_a._saver.wait()), dev
     )
     wait_deletions()
-    run_s = tr.Run.open(base / "run-sync", cfg.replace(async_save=False), code_dir=base / "code")
-    run_s.track(model=ddp, optimizer=opt)
-    relay["torchrelay sync save"] = timed(lambda: run_s._saver.save(last), dev)
-    sync_ckpt, a_ckpt = base / "run-sync" / f"checkpoint-{last}", base / "run-async" / f"checkpoint-{last}"
-    names = sorted(str(f.relative_to(sync_ckpt)) for f in sync_ckpt.rglob("*") if f.is_file())
-    same = names == sorted(str(f.relative_to(a_ckpt)) for f in a_ckpt.rglob("*") if f.is_file()) and all(
-        _sha(sync_ckpt / rel) == _sha(a_ckpt / rel)
-        for rel in names
-        if rel.endswith(".distcp") or rel.startswith("rng/")
-    )
-    run_s._end_segment(last)
-    shutil.rmtree(base / "run-sync")
+    a_ckpt = base / "run-async" / f"checkpoint-{last}"
+    same: bool | None = None
+    if not args.quick:
+        run_s = tr.Run.open(base / "run-sync", cfg.replace(async_save=False), code_dir=base / "code")
+        run_s.track(model=ddp, optimizer=opt)
+        relay["torchrelay sync save"] = timed(lambda: run_s._saver.save(last), dev)
+        sync_ckpt = base / "run-sync" / f"checkpoint-{last}"
+        names = sorted(str(f.relative_to(sync_ckpt)) for f in sync_ckpt.rglob("*") if f.is_file())
+        same = names == sorted(str(f.relative_to(a_ckpt)) for f in a_ckpt.rglob("*") if f.is_file()) and all(
+            _sha(sync_ckpt / rel) == _sha(a_ckpt / rel)
+            for rel in names
+            if rel.endswith(".distcp") or rel.startswith("rng/")
+        )
+        run_s._end_segment(last)
+        shutil.rmtree(base / "run-sync")
     saved_bytes = tree_bytes(a_ckpt)
     run_a._end_segment(last)
     run_a._saver.close()
     out["sync_and_async_files_identical"] = same
     if args.old_launch:  # the same launch with the buffers from cudaHostAlloc (before issue 22), one save
-        persist.PIN_BY_REGISTER = False
+        host_stage.PIN_BY_REGISTER = False
         # torch keeps freed pinned blocks for reuse: the floors' and the peers' would serve this launch at once
         # (2026-12-01: update 2 at 1.0x), which is not what a fresh launch sees
         empty = getattr(torch._C, "_host_emptyCache", None)
@@ -353,7 +393,16 @@ def main() -> None:
         run_o._end_segment(old.done)
         run_o._saver.close()
         shutil.rmtree(base / "run-old")
-        persist.PIN_BY_REGISTER = True
+        host_stage.PIN_BY_REGISTER = True
+    # the disk's floor again, after every save: a virtual disk's sustained rate may be below its burst rate
+    again = [t.detach().cpu() for t in tensors]
+    disk_after = write_streams(args.files, [memoryview(h.view(-1).view(torch.uint8).numpy()) for h in again])
+    shutil.rmtree(base / f"floor-{args.files}")
+    del again
+    out["disk_write_streams_after_s"] = disk_after
+    print(
+        f"[bench] floor after the launches: write+fsync {args.files} streams {disk_after:.3f} s", flush=True
+    )
     # resume in this process, cold: Run.open verifies the inventory, run.track loads through DCP
     drop_cache(a_ckpt)
     sync(dev)
@@ -381,13 +430,57 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+LAUNCH_KNOBS: dict[str, Any] = {
+    "PIN_PACE": host_stage,
+    "TOUCH_WITHOUT_GIL": host_stage,
+    "PIN_BY_REGISTER": host_stage,
+    "PIN_MIN_BYTES": host_stage,
+    "DROP_AFTER_FSYNC": persist,
+    "KICK_BYTES": persist,
+    "PERSIST_STREAMS": persist,
+    "BACKGROUND_NICE": host_stage,
+}
+
+
+def parse_launch(spec: str) -> tuple[str, int, dict[str, Any]]:
+    """NAME:SAVES[:KNOB=VALUE,...] (VALUE an integer; 0/1 for the booleans)."""
+    name, saves, *rest = spec.split(":")
+    knobs: dict[str, Any] = {}
+    for part in filter(None, (rest[0] if rest else "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in LAUNCH_KNOBS:
+            raise SystemExit(f"--launch {spec!r}: {key!r} is not one of {', '.join(LAUNCH_KNOBS)}")
+        current = getattr(LAUNCH_KNOBS[key], key)
+        knobs[key] = bool(int(value)) if isinstance(current, bool) else int(value)
+    return name, int(saves), knobs
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    """A launch's figures in one line of the log (the full report is in the JSON)."""
+    return {
+        "median_ms": round(r["update_median_s"] * 1000, 1),
+        "first": r["first_updates"],
+        "ready_after": r["reserve_ready_update"],
+        "over_1_1x_not_saving": r["over_1_1x_not_saving"][:30],
+        "lost_s": round(r["lost_s"], 3),
+        "lost_vs_saves_x_copy": round(r["lost_vs_saves_x_copy"], 2),
+        "saves": [
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in save.items() if k not in ("around",)}
+            for save in r["saves"]
+        ],
+        "gc_in_slow": r.get("gc_in_slow"),
+        "gen2": r.get("gen2_collections"),
+        "first_due_s": r.get("first_due_s"),
+    }
+
+
 def _meminfo() -> dict[str, float]:
     """GB of page cache, dirty and under-writeback pages (Linux): what the disk still owes at a save's start."""
     got: dict[str, float] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             key, _, rest = line.partition(":")
-            if key in ("Cached", "Dirty", "Writeback", "MemFree"):
+            if key in ("Cached", "Dirty", "Writeback", "MemFree", "MemTotal"):
                 got[key] = int(rest.split()[0]) / 1e6
     return got
 
@@ -404,8 +497,35 @@ class Launch:
         self.committed: dict[int, float] = {}
         self.done = 0
         self.reserve_ready_update: int | None = None
+        self.ends: list[float] = []  # when each update ended (perf_counter)
+        self.first_due_s = 0.0
+        self.gc_events: list[
+            tuple[float, float, int, str]
+        ] = []  # (start, end, generation, thread) of collections
+        self._gc_open: dict[int, float] = {}
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        ident = threading.get_ident()
+        if phase == "start":
+            self._gc_open[ident] = time.perf_counter()
+        elif ident in self._gc_open:
+            self.gc_events.append(
+                (
+                    self._gc_open.pop(ident),
+                    time.perf_counter(),
+                    int(info.get("generation", -1)),
+                    threading.current_thread().name,
+                )
+            )
 
     def run(self, saves: int, after: int = 20) -> None:
+        gc.callbacks.append(self._on_gc)
+        try:
+            self._run(saves, after)
+        finally:
+            gc.callbacks.remove(self._on_gc)
+
+    def _run(self, saves: int, after: int) -> None:
         target = len(self.saves) + saves
         extra = after
         last = time.perf_counter()
@@ -413,7 +533,11 @@ class Launch:
             self.update()
             self.done += 1
             kind = "persist" if self.saver.persisting else ""
-            if len(self.saves) < target and self.saver.due(self.done):
+            t_due = time.perf_counter()
+            due = len(self.saves) < target and self.saver.due(self.done)
+            if self.done == 1:
+                self.first_due_s = time.perf_counter() - t_due  # the reservation's start, on this thread
+            if due:
                 info = {"update": self.done, "at": len(self.times), **_meminfo()}
                 t0 = time.perf_counter()
                 self.saver.save(self.done)
@@ -422,6 +546,7 @@ class Launch:
                 kind = "save"
             now = time.perf_counter()
             self.times.append(now - last)
+            self.ends.append(now)
             self.kind.append(kind)
             last = now
             stage = self.saver._stage
@@ -466,7 +591,22 @@ class Launch:
                 }
             )
         lost = sum(self.times) - len(self.times) * med
+        gc_in_slow = []  # the slow updates (not holding a save) and the collections that overlapped them
+        for i, r in plain:
+            if r <= 1.1:
+                continue
+            start, end = self.ends[i] - self.times[i], self.ends[i]
+            hits = [
+                (round(min(e, end) - max(b, start), 4), g, name)
+                for b, e, g, name in self.gc_events
+                if b < end and e > start and e - b > 0.002
+            ]
+            gc_in_slow.append({"update": i + 1, "x": round(r, 3), "kind": self.kind[i], "gc": hits})
+        gen2 = [(round(e - b, 4), name) for b, e, g, name in self.gc_events if g == 2]
         return {
+            "gc_in_slow": gc_in_slow,
+            "first_due_s": self.first_due_s,
+            "gen2_collections": gen2,
             "update_median_s": med,
             "updates": len(self.times),
             "first_updates": [round(r, 3) for r in ratios[:6]],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchlib import machine
 
-from torchrelay.audit import AuditPlan, run_audit
+from torchrelay.audit import AuditSpec, run_audit
 
 ZOO = Path(__file__).resolve().parents[1] / "examples" / "zoo" / "zoo.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -28,9 +28,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 def audit(member: str, work: Path, device: str) -> dict[str, object]:
     os.environ["ZOO_DEVICE"] = device
     launch = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.5", str(ZOO)]
-    plan = AuditPlan(launch=[*launch, "--member", member], updates=12, stops=3, work_dir=work, timeout_s=900)
+    spec = AuditSpec(launch=[*launch, "--member", member], updates=12, stops=3, work_dir=work, timeout_s=900)
     started = time.monotonic()
-    verdict = run_audit(plan)
+    verdict = run_audit(spec)
     return {
         "member": member,
         "equal": verdict.equal,

@@ -25,6 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
+from torchrelay import kill_points  # noqa: E402
 from torchrelay.config import parse_assignments  # noqa: E402
 
 
@@ -113,7 +114,14 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--config", type=Path, default=None, help="YAML config; needed to create a run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument(
+        "--kill-at",
+        default=None,
+        metavar="PHASE:UPDATE:RANK",
+        help="crash tests: SIGKILL a rank inside a save",
+    )
     args = parser.parse_args()
+    kill_points.arm(args.kill_at)  # none unless a crash test asks (tests/test_exact_resume.py)
 
     torch.set_num_threads(1)  # two ranks share two cores; one thread each is also deterministic
     cuda = _device_of(args) == "cuda"

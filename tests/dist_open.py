@@ -55,7 +55,7 @@ def main() -> None:
     with tr.Run.open(base / "run", cfg):  # created; no update is run
         pass
     seen: dict[str, Any] = {}
-    real_prepare, real_load = SegmentOpener.prepare, Manifest.load
+    real_prepare, real_load = SegmentOpener.open_directory, Manifest.load
 
     def bug(self: Any, *args: Any) -> Any:
         raise TypeError("injected bug")
@@ -76,7 +76,7 @@ def main() -> None:
     for name, path, config in cases:
         lock = RunLock(path, "train").acquire() if name == "busy" and rank == 0 else None
         if name == "bug" and rank == 0:
-            SegmentOpener.prepare = bug  # type: ignore[method-assign]
+            SegmentOpener.open_directory = bug  # type: ignore[method-assign]
         if name == "local" and rank == 1:
             Manifest.load = classmethod(unreadable)  # type: ignore[method-assign,assignment]
         started = time.monotonic()
@@ -91,7 +91,7 @@ def main() -> None:
                 "message": str(exc),
             }
         seen[name]["seconds"] = time.monotonic() - started
-        SegmentOpener.prepare, Manifest.load = real_prepare, real_load  # type: ignore[method-assign]
+        SegmentOpener.open_directory, Manifest.load = real_prepare, real_load  # type: ignore[method-assign]
         if lock is not None:
             lock.release()
         dist.barrier()

@@ -87,7 +87,9 @@ def torchrun_cmd(
     config: Path | None = None,
     sets: dict[str, Any] | None = None,
     script: str = "train_lm.py",
+    args: tuple[str, ...] = (),
 ) -> list[str]:
+    """torchrun running the example on `nproc` ranks; `args`: more of the script's own (`--kill-at`)."""
     cmd = [
         TORCHRUN,
         "--standalone",
@@ -101,7 +103,7 @@ def torchrun_cmd(
         cmd += ["--config", str(config)]
     for k, v in (sets or {}).items():
         cmd += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
-    return cmd
+    return [*cmd, *args]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -120,10 +122,11 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     script: str = "train_lm.py",
+    args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """One real torchrun launch of the example, to completion (or its clean stop, or its crash)."""
     return run_tree(
-        torchrun_cmd(code, run_dir, nproc, config, sets, script),
+        torchrun_cmd(code, run_dir, nproc, config, sets, script, args),
         timeout=timeout,
         env=clean_env(**(env or {})),
         cwd=code,

@@ -15,7 +15,7 @@ import torch
 
 from helpers import segments
 from torchrelay import RelayConfig, Run
-from torchrelay.checkpoint import persist
+from torchrelay.checkpoint import host_stage, persist
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
 from torchrelay.checkpoint.persist import canonical_safetensors
@@ -133,7 +133,7 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     make DCP's writer clone it before writing."""
     nice: list[int] = []
 
-    class Watched(persist.HostStage):
+    class Watched(host_stage.HostStage):
         def _new(self, key: str, *args: Any, **kwargs: Any) -> None:
             nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             super()._new(key, *args, **kwargs)
@@ -141,7 +141,7 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     stage = Watched()
     live = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int64), "s": torch.tensor(2.5)}
     shapes: dict[str, Any] = {}
-    persist.shapes_of("t", live, shapes)
+    host_stage.shapes_of("t", live, shapes)
     stage.reserve(shapes)
     copies = stage.copy_tree("t", live)
     assert all(torch.equal(copies[k], live[k]) and copies[k] is not live[k] for k in live)
@@ -151,7 +151,7 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     assert grown.shape == (301, 7) and bool((grown == 1).all())
     stage.release()
     assert stage.allocated_bytes == 0 and not stage._bufs
-    locked = persist._Locked(3 * 4096 + 12)
+    locked = host_stage._Locked(3 * 4096 + 12)
     assert locked.tensor.untyped_storage().size() == 3 * 4096 + 12 and locked.size == 4 * 4096
 
 

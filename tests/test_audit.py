@@ -16,7 +16,7 @@ from torchrelay.audit import (
     RNG,
     UNREGISTERED,
     AuditError,
-    AuditPlan,
+    AuditSpec,
     last_verdict,
     run_audit,
     verdict_for_run,
@@ -102,10 +102,10 @@ def test_good_example_is_equal_with_three_stops(code, example, tmp_path, capsys)
 
 @pytest.mark.parametrize("script", list(BROKEN))
 def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
-    plan = AuditPlan(
+    spec = AuditSpec(
         launch=launch_cmd(code, script, example["config"]), updates=8, stop_at=[4], work_dir=tmp_path / "work"
     )
-    verdict = run_audit(plan)
+    verdict = run_audit(spec)
     assert not verdict.equal
     assert verdict.cause == BROKEN[script], verdict.causes
     assert "uninterrupted-again" not in verdict.run_dirs  # the evidence sufficed: no second uninterrupted run
@@ -164,13 +164,13 @@ def test_a_run_that_does_not_repeat_itself_is_confirmed_by_a_second_run(code, ex
     (code / "broken" / "unseeded.py").write_text(
         source.replace(seeded, "augment = torch.Generator()\n" + " " * 12 + "augment.seed()")
     )
-    plan = AuditPlan(
+    spec = AuditSpec(
         launch=launch_cmd(code, "broken/unseeded.py", example["config"]),
         updates=4,
         stop_at=[2],
         work_dir=tmp_path / "work",
     )
-    verdict = run_audit(plan)
+    verdict = run_audit(spec)
     assert not verdict.equal and verdict.metrics_first_update == 1
     assert verdict.cause == NONDETERMINISM
     assert "a second uninterrupted run already differs from the first" in verdict.causes[0]["evidence"]

@@ -15,7 +15,7 @@ from torchrelay.audit import (
     RNG,
     UNREGISTERED,
     AuditError,
-    AuditPlan,
+    AuditSpec,
     Verdict,
     describe,
     last_verdict,
@@ -30,7 +30,7 @@ from torchrelay.audit.compare import (
 )
 from torchrelay.audit.diagnose import Evidence, diagnose
 from torchrelay.audit.orchestrator import comparison_points
-from torchrelay.audit.runner import plan_stops
+from torchrelay.audit.runner import choose_stops
 from torchrelay.audit.verdict import save
 from torchrelay.cli import main
 from torchrelay.commands.audit import parse_vary
@@ -129,23 +129,23 @@ def test_equal_runs_have_no_cause():
 
 def test_stops_are_planned_inside_the_run_from_early_to_late():
     # The first stop after update 1, the last one update before the end (a late resume leaves nothing to fade).
-    assert plan_stops(12, 3) == [1, 6, 11]
-    assert plan_stops(10, 3) == [1, 5, 9]
-    assert plan_stops(12, 1) == [11] and plan_stops(3, 2) == [1, 2]
-    assert len(plan_stops(12, 11)) == 11
+    assert choose_stops(12, 3) == [1, 6, 11]
+    assert choose_stops(10, 3) == [1, 5, 9]
+    assert choose_stops(12, 1) == [11] and choose_stops(3, 2) == [1, 2]
+    assert len(choose_stops(12, 11)) == 11
     # Both runs are compared at the first checkpoint after each resume, and at the end.
     assert comparison_points([1, 6, 11], 12) == [2, 7, 12]
     assert comparison_points([4, 5], 8) == [5, 6, 8]
     import random
 
-    drawn = plan_stops(10, 3, rng=random.Random(1))
+    drawn = choose_stops(10, 3, rng=random.Random(1))
     assert len(drawn) == 3 and all(1 <= a < 10 for a in drawn)
     with pytest.raises(AuditError, match="between 1 and 9"):
-        plan_stops(10, 10)
+        choose_stops(10, 10)
     with pytest.raises(AuditError, match="every stop must lie in 1..9"):
-        AuditPlan(launch=["x"], updates=10, stop_at=[0, 3]).stop_updates()
+        AuditSpec(launch=["x"], updates=10, stop_at=[0, 3]).stop_updates()
     with pytest.raises(AuditError, match="no launch command"):
-        AuditPlan(launch=[])
+        AuditSpec(launch=[])
 
 
 def test_vary_parsing():

@@ -190,8 +190,12 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
         out = launch_cli(plan, "--budget", "20", *sets)
         took = time.time() - t0
         assert out.returncode == 3, out.stdout + out.stderr
-        assert took < 20 + 15, f"the budget of 20 s was overrun: {took:.1f}s (with start-up and teardown)"
         seg = segments(run)[-1]
+        # The promise is the run's: its last checkpoint committed and its segment closed before the deadline it was
+        # given. Process start-up and teardown around it are the machine's (a loaded 2-core host adds tens of
+        # seconds), so the wall clock only guards against a run that ignored the budget altogether.
+        assert seg["deadline"] is not None and seg["stopped"] <= seg["deadline"], seg
+        assert took < 20 + 120, f"the budget of 20 s was ignored: {took:.1f}s"
         assert seg["ended"] == "budget" and seg["exit_code"] == 3 and 0 < seg["last_update"] < 2000, seg
         ckpt = latest_complete(run)
         assert ckpt is not None and ckpt.name == f"checkpoint-{seg['last_update']}"

@@ -264,7 +264,7 @@ def test_trainer_zero2_stopped_killed_handed_off_ends_bit_exact(hf: dict[str, Pa
     assert {f"{DS_DIR}/{DS_TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= listed
     # 2. rank 0 SIGKILLed inside the save of checkpoint-4 (the engine's files and the inventory written, not yet
     # renamed), with 2 loader workers
-    rc, out = launch_hf(code, run, "--workers", "2", env={"TORCHRELAY_TEST_KILL": "rename:4:0"})
+    rc, out = launch_hf(code, run, "--workers", "2", "--kill-at", "rename:4:0")
     assert rc != 0 and not (run / "checkpoint-4").exists(), out
     killed = list(run.glob(".tmp-checkpoint-4-*"))
     assert killed and (killed[0] / DS_DIR / DS_TAG / "mp_rank_00_model_states.pt").is_file(), out

@@ -38,7 +38,7 @@ from torchrelay.cli import main
 from torchrelay.config import RelayConfig
 from torchrelay.errors import EXIT_REFUSED, ConfigError, ContractMismatch
 from torchrelay.ledger import prove
-from torchrelay.resume import validate_resume
+from torchrelay.resume_check import validate_resume
 from torchrelay.run.exact_reduce import ExactReduction, check_layout, check_model
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request

@@ -123,7 +123,7 @@ def test_sigkill_during_saves(
             example["code"],
             run,
             config=example["config"] if i == 0 else None,
-            env={"TORCHRELAY_TEST_KILL": phase},
+            args=("--kill-at", phase),
         )
         assert out.returncode != 0 and "SIGKILL" in out.stderr, out.stderr[-2000:]
         assert not (run / "checkpoint-16").exists()
@@ -159,7 +159,7 @@ def test_sigkill_during_a_background_persist_resumes_from_the_previous_checkpoin
         run,
         config=example["config"],
         sets={"save_every": 4},
-        env={"TORCHRELAY_TEST_KILL": "shards:8:1"},
+        args=("--kill-at", "shards:8:1"),
     )
     assert out.returncode != 0 and "SIGKILL" in out.stderr, out.stderr[-2000:]
     assert (run / "checkpoint-4" / "COMPLETE.json").exists() and not (run / "checkpoint-8").exists()

@@ -402,7 +402,7 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
     from torchrelay import rng as rng_state
     from torchrelay.checkpoint.state import read_rank_statefuls, read_trainer_state
     from torchrelay.controller.plan import read_plan_file
-    from torchrelay.resume import prepared_keys, prepared_layout
+    from torchrelay.resume_check import prepared_keys, prepared_layout
     from torchrelay.validation_records import read_pending
     from torchrelay.validation_records import read_records as read_validations
 

@@ -14,6 +14,7 @@ import pytest
 
 from handoff_fixtures import STOP_AT, TOTAL, Packed
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
+from torchrelay import kill_points
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import read_marker
 from torchrelay.checkpoint.select import list_checkpoints
@@ -24,7 +25,7 @@ from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import verify_bundle
 from torchrelay.ledger import prove
-from torchrelay.resume import validate_resume
+from torchrelay.resume_check import validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 
@@ -320,12 +321,12 @@ PACK_STEPS = ("pack:written", "pack:renamed", "pack:marking", "pack:marked", "pa
 
 
 def _killed_at(step: str, work: Callable[[], object]) -> None:
-    """Run `work` in a forked child that SIGKILLs itself at `step` (TORCHRELAY_TEST_KILL): a real kill, cheap."""
+    """Run `work` in a forked child that SIGKILLs itself at `step` (kill_points.arm): a real kill, cheap."""
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest
         code = 3
         try:
-            os.environ["TORCHRELAY_TEST_KILL"] = step
+            kill_points.arm(step)
             work()
         except BaseException:  # noqa: BLE001 - any way out but the kill is reported by the exit code
             code = 4

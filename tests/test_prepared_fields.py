@@ -9,7 +9,7 @@ import pytest
 
 from torchrelay.config import RelayConfig
 from torchrelay.errors import ConfigError
-from torchrelay.resume import keep_prepared, prepared_keys
+from torchrelay.resume_check import keep_prepared, prepared_keys
 
 
 def config(**changes: object) -> RelayConfig:

@@ -20,7 +20,7 @@ from helpers import launch, make_code_repo, metrics, segments, write_config
 from torchrelay.checkpoint.adapters import adapt
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
 from torchrelay.checkpoint.reader import load_statefuls, load_tensors
-from torchrelay.checkpoint.state import _from_tree, _to_tree, load_state, read_trainer_state
+from torchrelay.checkpoint.state import from_tree, load_state, read_trainer_state, to_tree
 from torchrelay.cli import main
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.stop import write_request
@@ -33,8 +33,8 @@ FORMAT1 = Path(__file__).parent / "fixtures" / "legacy-v0.1.0-state"
 def _stored(obj: Any) -> Any:
     """A tracked object's state as a checkpoint holds it (JSON text and a safetensors file) and read back."""
     tensors: dict[str, torch.Tensor] = {}
-    tree = json.loads(json.dumps(_to_tree(adapt("g", obj).state_dict(), "g", tensors)))
-    return _from_tree(tree, load_file_roundtrip(tensors))
+    tree = json.loads(json.dumps(to_tree(adapt("g", obj).state_dict(), "g", tensors)))
+    return from_tree(tree, load_file_roundtrip(tensors))
 
 
 def load_file_roundtrip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ import pytest
 
 from helpers import REPO, assert_same_final_state, clean_env, launch_bg, segments, write_config
 from test_controller import CLI, write_plan
+from torchrelay.controller.argv import training_argv
 from torchrelay.controller.attempts import Attempts
-from torchrelay.controller.launcher import training_argv
 from torchrelay.controller.memguard import GIB, MemoryLimits
 from torchrelay.controller.plan import Plan
 from torchrelay.errors import ConfigError

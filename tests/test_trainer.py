@@ -172,7 +172,7 @@ def test_trainer_stopped_killed_handed_off_ends_bit_exact(code: Path, baseline: 
     assert segments(run)[-1]["ended"] == "request" and segments(run)[-1]["last_update"] == 3
     assert not (run / "final").exists()  # save_model() of a stopped run writes nothing
     # 2. rank 0 SIGKILLed inside the save of checkpoint-4 (its inventory written, not yet renamed), 2 loader workers
-    rc, out = _launch(code, run, "--workers", "2", env={"TORCHRELAY_TEST_KILL": "rename:4:0"})
+    rc, out = _launch(code, run, "--workers", "2", "--kill-at", "rename:4:0")
     assert rc != 0, out
     assert not (run / "checkpoint-4").exists() and list(run.glob(".tmp-checkpoint-4-*")), out
     # 3. SIGTERM late in the schedule (after update 8 of 12): resumes from checkpoint-3, the previous complete one

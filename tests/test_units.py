@@ -265,3 +265,36 @@ def test_the_segment_record_round_trips_history_lines_exactly() -> None:
     assert Segment.from_dict(newer).extra == {"elastic": {"from": 2}}  # a newer writer's field is kept
     with pytest.raises(ValueError, match="lacks \\['world_size'\\]"):
         Segment.from_dict({k: v for k, v in lines[0].items() if k != "world_size"})
+
+
+def test_kill_points_are_armed_in_the_process_never_by_the_environment() -> None:
+    """A crash test's kill lands where it was armed; the old variable in the environment arms nothing."""
+    import os
+    import signal
+
+    from torchrelay import kill_points
+
+    def child(arm: str | None) -> int:
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            os.environ["TORCHRELAY_TEST_KILL"] = "pack:marked"
+            kill_points.arm(arm)
+            kill_points.kill_point("pack:marked")
+            hook = kill_points.save_hook(8, 1)
+            if hook is not None:
+                hook("inventory")
+            os._exit(0)
+        return os.waitpid(pid, 0)[1]
+
+    assert os.WIFEXITED(child(None)) and os.WEXITSTATUS(child(None)) == 0
+    for spec in ("pack:marked", "inventory:8:1"):
+        status = child(spec)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, spec
+    assert os.WIFEXITED(child("inventory:8:0"))  # another rank's save
+    try:
+        kill_points.arm("shards:8:1")
+        assert kill_points.save_hook(8, 1) is not None and kill_points.save_hook(4, 1) is None
+        with pytest.raises(ValueError, match="expected <shards|inventory|rename>"):
+            kill_points.arm("write:8:1")
+    finally:
+        kill_points.arm(None)

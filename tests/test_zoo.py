@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import EXAMPLES, TORCHRUN, make_code_repo
-from torchrelay.audit import AuditPlan, run_audit
+from torchrelay.audit import AuditSpec, run_audit
 from torchrelay.checkpoint.state import load_state, save_state
 
 sys.path.insert(0, str(EXAMPLES / "zoo"))
@@ -41,7 +41,7 @@ def test_every_cpu_member_composed_is_equal_with_early_and_late_stops(tmp_path: 
         "--monitor_interval=0.5",
         str(code / "zoo/zoo.py"),
     ]
-    plan = AuditPlan(
+    spec = AuditSpec(
         launch=[*launch, "--member", "all"],
         updates=12,
         stops=2,
@@ -50,7 +50,7 @@ def test_every_cpu_member_composed_is_equal_with_early_and_late_stops(tmp_path: 
         keep=True,
         timeout_s=480,
     )
-    verdict = run_audit(plan)
+    verdict = run_audit(spec)
     assert verdict.equal, (verdict.summary(), verdict.causes, verdict.top_tensors, verdict.metrics_detail)
     assert verdict.stops == [1, 11]  # early and late
     assert [c["update"] for c in verdict.checkpoints] == [2, 12]

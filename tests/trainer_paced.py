@@ -1,5 +1,6 @@
 """A Trainer example (TRAINER_EXAMPLE, by default train_hf_trainer) with each update paced to TRAINER_PACE_S seconds,
-so that a signal lands before the end."""
+so that a signal lands before the end; `--kill-at PHASE:UPDATE:RANK` (taken off the example's own arguments)
+arms a crash test's kill inside a save (torchrelay.kill_points)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from torchrelay import kill_points
+
 
 class Pace(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -18,5 +21,9 @@ class Pace(TrainerCallback):
 
 
 if __name__ == "__main__":
+    if "--kill-at" in sys.argv:
+        at = sys.argv.index("--kill-at")
+        kill_points.arm(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
     example = importlib.import_module(os.environ.get("TRAINER_EXAMPLE", "train_hf_trainer"))
     sys.exit(example.main(callbacks=(Pace(),)))

@@ -131,7 +131,7 @@ RECLAIM = Var(
 )  # fmt: skip
 COLLECTIVE_TIMEOUT_S = Var(
     "TORCHRELAY_COLLECTIVE_TIMEOUT_S", "float", 300.0, "how long an exchange between ranks waits for the "
-    "slowest rank: longer than any rank's legitimate lead within a phase (rank 0 alone prepares the run directory), "
+    "slowest rank: longer than any rank's legitimate lead within a phase (rank 0 alone opens the run directory), "
     "short enough that a hung peer ends the job in minutes instead of torch's default 30",
 )  # fmt: skip
 PERSIST_STREAMS = Var(
@@ -175,12 +175,6 @@ VALIDATION_WEIGHTS = Var(
     "TORCHRELAY_VALIDATION_WEIGHTS", "path", None, "the exported weights, when the command names {weights}",
     by="the validate stage",
 )  # fmt: skip
-# --- crash-test hooks: read only where a test arms them (see docs/ENVIRONMENT.md) -----------------------------
-TEST_KILL = Var(
-    "TORCHRELAY_TEST_KILL", "str", None, "SIGKILL this process at a named moment: `<phase>:<update>:<rank>` of a "
-    "save (shards, inventory, rename) or a step of pack or prepare (`pack:marked`)", by="tests",
-)  # fmt: skip
-
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Var))
 
 
@@ -206,8 +200,8 @@ def markdown() -> str:
         lines.append(f"| `{var.name}` | {_WHAT[var.kind]} | {default} | {var.by} | {var.doc} |")
     lines += [
         "",
-        "`TORCHRELAY_TEST_KILL` exists for the crash tests, which must reach the real child processes (torchrun",
-        "ranks, a `torchrelay pack`) they kill; nothing else should set it.",
+        "No variable arms a test hook: the crash tests' kill points are armed explicitly in the process they kill",
+        "(`torchrelay.kill_points.arm`; the example `train_lm.py --kill-at`).",
     ]
     return "\n".join(lines) + "\n"
 

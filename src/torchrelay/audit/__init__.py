@@ -15,6 +15,7 @@ __all__ = [
     "UNREGISTERED",
     "AuditError",
     "AuditPlan",
+    "AuditSpec",
     "Verdict",
     "describe",
     "last_verdict",
@@ -26,7 +27,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # The runner pulls in torch; `torchrelay status` only needs last_verdict and should stay fast.
-    if name in ("AuditPlan", "run_audit"):
+    if name in ("AuditSpec", "AuditPlan", "run_audit"):
         from torchrelay.audit import orchestrator
 
         return getattr(orchestrator, name)

@@ -204,8 +204,8 @@ def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points
     return audit
 
 
-def run_layout_audit(plan: Any, worlds: list[int], on_segment: Any = None) -> LayoutAudit:
-    """Run `plan` (audit/orchestrator.py AuditPlan) uninterrupted on worlds[0] ranks and relayed with the world size cycling
+def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> LayoutAudit:
+    """Run `spec` (audit/orchestrator.py AuditSpec) uninterrupted on worlds[0] ranks and relayed with the world size cycling
     through `worlds` at each stop (TORCHRELAY_RESHARD=1), then compare ledgers and measure the drift."""
     import os
     import tempfile
@@ -217,42 +217,42 @@ def run_layout_audit(plan: Any, worlds: list[int], on_segment: Any = None) -> La
         raise AuditError(
             f"--vary world_size={','.join(map(str, worlds))}: give two or more rank counts, e.g. 2,1"
         )
-    stops = plan.stop_updates()
+    stops = spec.stop_updates()
     work = (
-        Path(plan.work_dir)
-        if plan.work_dir is not None
+        Path(spec.work_dir)
+        if spec.work_dir is not None
         else Path(tempfile.mkdtemp(prefix="torchrelay-audit-"))
     )
-    target = plan.updates
+    target = spec.updates
     points = comparison_points(stops, target)
     # The first stop's checkpoint too: the parameters at the move, from which the optimizer's own step is measured.
     keep = sorted({*points, stops[0]})
-    others = {k: v for k, v in plan.vary.items() if k != "world_size"}
+    others = {k: v for k, v in spec.vary.items() if k != "world_size"}
     env = dict(os.environ)
     straight = run_segments(
         "uninterrupted",
-        with_world_size(plan.launch, worlds[0]),
+        with_world_size(spec.launch, worlds[0]),
         work / "uninterrupted",
         work / "logs",
         [target],
         vary={k: v[:1] for k, v in others.items()},
         env=env,
         launcher=subprocess_launcher,
-        timeout_s=plan.timeout_s,
+        timeout_s=spec.timeout_s,
         on_segment=on_segment,
         extra_overrides={"keep_updates": keep},
     )
     relayed = run_segments(
         "interrupted",
-        plan.launch,
+        spec.launch,
         work / "interrupted",
         work / "logs",
         [*stops, target],
         vary=others,
         env=env | {RESHARD_ENV: "1"},
-        argv_for=lambda i: with_world_size(plan.launch, worlds[i % len(worlds)]),
+        argv_for=lambda i: with_world_size(spec.launch, worlds[i % len(worlds)]),
         launcher=subprocess_launcher,
-        timeout_s=plan.timeout_s,
+        timeout_s=spec.timeout_s,
         on_segment=on_segment,
         extra_overrides={"keep_updates": keep},
     )

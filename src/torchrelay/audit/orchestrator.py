@@ -21,7 +21,7 @@ from torchrelay.audit.runner import (
     RunLaunches,
     SegmentLaunch,
     check_stops,
-    plan_stops,
+    choose_stops,
     run_segments,
     subprocess_launcher,
 )
@@ -34,7 +34,7 @@ TOP_TENSORS = 5
 
 
 @dataclass(kw_only=True, slots=True)
-class AuditPlan:
+class AuditSpec:
     """What to audit and how: the launch command, U updates, where to stop, what to vary, the tolerance."""
 
     launch: list[str]
@@ -68,7 +68,11 @@ class AuditPlan:
         if self.stop_at:
             return check_stops(self.updates, self.stop_at)
         rng = random.Random(self.seed) if self.random_stops else None
-        return plan_stops(self.updates, self.stops or 1, rng=rng)
+        return choose_stops(self.updates, self.stops or 1, rng=rng)
+
+
+# Its name before issue 20 (a plan is the launch's, controller/plan.py): kept for programs that import it.
+AuditPlan = AuditSpec
 
 
 def find_script(launch: Sequence[str]) -> str | None:
@@ -147,18 +151,18 @@ def _numerics_of(*run_dirs: Path) -> list[dict[str, Any]]:
 
 
 def run_audit(
-    plan: AuditPlan,
+    spec: AuditSpec,
     *,
     launcher: Launcher = subprocess_launcher,
     on_segment: Callable[[str, SegmentLaunch], None] | None = None,
 ) -> verdict.Verdict:
-    """Launch the plan's command uninterrupted and interrupted, compare, diagnose, and record the verdict."""
+    """Launch the spec's command uninterrupted and interrupted, compare, diagnose, and record the verdict."""
     started = time.monotonic()
-    stops = plan.stop_updates()
-    owned = plan.work_dir is None
+    stops = spec.stop_updates()
+    owned = spec.work_dir is None
     work = (
-        Path(plan.work_dir)
-        if plan.work_dir is not None
+        Path(spec.work_dir)
+        if spec.work_dir is not None
         else Path(tempfile.mkdtemp(prefix="torchrelay-audit-"))
     )
     if not owned and work.is_dir() and any(work.iterdir()):
@@ -166,24 +170,24 @@ def run_audit(
             f"{work}: the audit's work directory is not empty", hint="pass an empty or new --work-dir"
         )
     logs = work / "logs"
-    target = plan.updates  # both runs end with checkpoint-<target>
+    target = spec.updates  # both runs end with checkpoint-<target>
     points = comparison_points(stops, target)
 
     def launch(name: str, stop_after: list[int], vary: dict[str, list[Any]]) -> RunLaunches:
         env = dict(os.environ)
-        if plan.probe:
+        if spec.probe:
             env[probe.ENV] = str(work / "probe" / name)
             env[probe.STREAMS_AT_ENV] = ",".join(str(stop + 1) for stop in stops)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe.SITE_DIR), env.get("PYTHONPATH")) if p)
         return run_segments(
             name,
-            plan.launch,
+            spec.launch,
             work / name,
             logs,
             stop_after,
             vary=vary,
             launcher=launcher,
-            timeout_s=plan.timeout_s,
+            timeout_s=spec.timeout_s,
             on_segment=on_segment,
             env=env,
             # Saved and kept in both runs (a runtime field, the same in every segment): later saves would
@@ -191,18 +195,18 @@ def run_audit(
             extra_overrides={"keep_updates": points},
         )
 
-    first_values = {k: v[:1] for k, v in plan.vary.items()}
+    first_values = {k: v[:1] for k, v in spec.vary.items()}
     straight = launch("uninterrupted", [target], first_values)
-    _check_vary(straight.run_dir, plan.vary)
-    relayed = launch("interrupted", [*stops, target], plan.vary)
+    _check_vary(straight.run_dir, spec.vary)
+    relayed = launch("interrupted", [*stops, target], spec.vary)
 
     a, b = straight.run_dir, relayed.run_dir
-    by_point = compare_points(a, b, points, plan.atol)
+    by_point = compare_points(a, b, points, spec.atol)
     differing_at = [p for p, t in by_point.items() if not t.equal]
     tensors_at = differing_at[0] if differing_at else target
     tensors = by_point[tensors_at]
-    ignore = frozenset(plan.ignore_keys)
-    metrics = compare.compare_metrics(a, b, plan.atol, ignore)
+    ignore = frozenset(spec.ignore_keys)
+    metrics = compare.compare_metrics(a, b, spec.atol, ignore)
     ledger = compare.compare_ledgers(a, b)
     own = compare.compare_own_batches(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
     own_loaders = probe.samplers(work / "probe" / "interrupted")
@@ -210,7 +214,7 @@ def run_audit(
 
     def rerun() -> str | None:
         again = launch("uninterrupted-again", [target], first_values)
-        return _difference(a, again.run_dir, points, plan.atol, ignore)
+        return _difference(a, again.run_dir, points, spec.atol, ignore)
 
     evidence = diagnose.Evidence(
         stops=stops,
@@ -219,23 +223,23 @@ def run_audit(
         tensors=tensors,
         own_batches=own if own_loaders else None,
         own_samplers=own_loaders,
-        streams=streams if plan.probe else None,
+        streams=streams if spec.probe else None,
         tensors_at=tensors_at,
         final_equal=by_point[target].equal,
     )
-    causes = diagnose.diagnose(evidence, rerun if plan.confirm_nondeterminism else None)
+    causes = diagnose.diagnose(evidence, rerun if spec.confirm_nondeterminism else None)
     equal = tensors.equal and metrics.equal and ledger.equal
-    script = find_script(plan.launch)
+    script = find_script(spec.launch)
     history = read_history(b)
     result = verdict.Verdict(
         equal=equal,
-        launch=list(plan.launch),
+        launch=list(spec.launch),
         script=script,
         script_sha256=sha256_or_none(script) if script else None,
         updates=target,
         stops=stops,
-        vary=plan.vary,
-        atol=plan.atol,
+        vary=spec.vary,
+        atol=spec.atol,
         ignored_keys=sorted(ignore),
         tensors_equal=tensors.equal,
         tensors_compared=tensors.compared,
@@ -270,7 +274,7 @@ def run_audit(
         code=dict(history[-1].get("code") or {}) if history else {},
         numerics=_numerics_of(a, b),
     )
-    keep = plan.keep or not owned or not equal
+    keep = spec.keep or not owned or not equal
     if keep:
         result.run_dirs = {"uninterrupted": str(a), "interrupted": str(b)}
         if (work / "uninterrupted-again").is_dir():

@@ -23,7 +23,7 @@ KILL_GRACE_S = 15.0
 
 
 class AuditError(RelayError):
-    """The audit could not run: a bad plan, or a launch that failed or did not stop where it was asked to."""
+    """The audit could not run: a bad spec, or a launch that failed or did not stop where it was asked to."""
 
 
 # Runs argv with env, output to log; returns the exit code. Injected so tests can run without torchrun.
@@ -76,7 +76,7 @@ def _end(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     proc.wait()
 
 
-def plan_stops(updates: int, stops: int, *, rng: random.Random | None = None) -> list[int]:
+def choose_stops(updates: int, stops: int, *, rng: random.Random | None = None) -> list[int]:
     """K distinct updates in [1, U-1] after which to stop: drawn from rng, or spread from early to late.
 
     The last stop is after update U-1 and, with K >= 2, the first after update 1: state restored wrongly at

@@ -11,42 +11,23 @@ import errno
 import gc
 import os
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchrelay import envvars
+from torchrelay import kill_points
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
-
-# TORCHRELAY_TEST_KILL in a save: "<phase>:<update>:<rank>", phases: shards, inventory, rename
 from torchrelay.fsutil import fsync_dir
 from torchrelay.util import collective
 
 TMP_PREFIX = ".tmp-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
-
-
-def kill_hook_for(update: int, rank: int) -> Callable[[str], None] | None:
-    """A crash-test hook: SIGKILL this very process at a named phase of one save (tests only)."""
-    spec = envvars.TEST_KILL.text()
-    if not spec or spec.count(":") != 2:  # none, or a step of pack or prepare
-        return None
-    phase, at_update, at_rank = spec.split(":")
-    if int(at_update) != update or int(at_rank) != rank:
-        return None
-
-    def hook(current: str) -> None:
-        if current == phase:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
 
 
 def clean_stale(run_dir: Path) -> list[str]:
@@ -81,7 +62,7 @@ def commit_checkpoint(
     `group` (a background persist has a gloo group of its own). `started`: when the save began (its staging).
     """
     started = time.perf_counter() if started is None else started
-    hook = kill_hook_for(update, rank)
+    hook = kill_points.save_hook(update, rank)  # a crash test's, when one armed this save (kill_points.py)
     peers = collective.ranks(group)
     name = f"saving checkpoint-{update}"
     tmp_box: list[Path] = []

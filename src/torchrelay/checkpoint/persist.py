@@ -1,9 +1,8 @@
 """Saving without stalling the loop: the state is copied into host buffers kept from save to save, then written,
 hashed, fsynced and committed on a thread of its own while training goes on.
 
-- `HostStage`: one host buffer per tensor, allocated once (page-locked for CUDA tensors, so the copy is a DMA at
-  bus speed) and reused by every save; `reserve` allocates them on a background thread ahead of the first save,
-  paced so that the loop's CUDA calls never wait for it (PIN_PACE).
+- `HostStage` (host_stage.py): one host buffer per tensor, allocated once and reused by every save, obtained on a
+  background thread ahead of the first save without stalling the loop.
 - `HashingWriter`: DCP's FileSystemWriter whose files are hashed from the very bytes written to them (no read
   back), and spread over several files per rank, so that writing and SHA-256 run on as many cores as files
   (one SHA-256 stream runs at about disk speed, 1.4 GB/s: one file per rank would halve the rate).
@@ -30,7 +29,6 @@ import hashlib
 import io
 import json
 import math
-import mmap
 import os
 import threading
 import time
@@ -39,12 +37,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchrelay import envvars
-from torchrelay.checkpoint.torch_compat import dtensor_like, dtensor_local
+from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority, shapes_of
 
 # Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
 FILE_BYTES = 256 << 20
@@ -56,19 +53,16 @@ PERSIST_STREAMS = 8
 # Every this many bytes a file's writeback is started (0: left to the kernel until the fsync). On the H200 host,
 # 3 saves each: committed after 7.0-9.0 s with it, 7.8-9.4 s without (benchmarks/RESULTS.md).
 KICK_BYTES = 64 << 20
-# Nice value of the background writer threads (Linux: per thread). The loop keeps its core when cores are short.
-BACKGROUND_NICE = 10
+# True: once a file is fsynced its (clean) pages are dropped from the page cache. Measured on the H200 host
+# (benchmarks/RESULTS.md, issue 22), 6 saves each: the cache then stayed at 16.5 GB where it grew to 53 GB without,
+# but the persist was no faster (0.87-1.00 of the write floor with it, 0.94-1.03 without), and a resume on the same
+# machine after a crash reads what is cached at memory speed. So the kernel keeps them.
+DROP_AFTER_FSYNC = False
 # Writes smaller than this are gathered (torch.save's zip headers, pickles, padding) and hashed and written together.
 _SMALL = 256 << 10
 _BATCH = 1 << 20
 
 Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 # --- hashing while writing ---------------------------------------------------------------------------
@@ -87,6 +81,7 @@ class _HashingStream(io.RawIOBase):
         self._on_written = on_written
         self._pending = bytearray()
         self._kicked = 0  # bytes handed to the kernel's writeback so far (KICK_BYTES)
+        self.synced = False  # the writer asked for the descriptor (to fsync it): every byte is written
 
     def writable(self) -> bool:
         return True
@@ -129,6 +124,7 @@ class _HashingStream(io.RawIOBase):
 
     def fileno(self) -> int:
         self.flush()  # a caller that fsyncs the descriptor means every byte written so far
+        self.synced = True
         if self._on_written is not None:
             self._on_written()
         return int(self._f.fileno())
@@ -142,13 +138,6 @@ class _HashingStream(io.RawIOBase):
             self.flush()
             self._on_close(self._h.hexdigest(), self._n)
         super().close()
-
-
-def _lower_priority() -> None:
-    """Lower the calling thread's CPU priority (Linux keeps a nice value per thread); best effort."""
-    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: it runs as it is
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
 
 
 def persist_streams() -> int:
@@ -178,7 +167,7 @@ class _HashingFileSystem(FileSystem):
 
         slot = self._slots
         if slot is not None:
-            _lower_priority()  # a writer thread of this persist (DCP's or the persist's own): it ends with the save
+            lower_priority()  # a writer thread of this persist (DCP's or the persist's own): it ends with the save
             slot.acquire()
 
         def free() -> None:
@@ -196,6 +185,9 @@ class _HashingFileSystem(FileSystem):
                     yield stream
                 finally:
                     stream.close()
+                if DROP_AFTER_FSYNC and stream.synced:
+                    with contextlib.suppress(AttributeError, OSError):  # best effort: only the cache's size
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             free()
 
@@ -250,189 +242,6 @@ def write_bytes(path: Path, data: bytes | memoryview, digests: Digests) -> None:
     digests[str(path)] = (hashlib.sha256(data).hexdigest(), len(data))
 
 
-# --- host buffers --------------------------------------------------------------------------------------
-
-# How the buffers become page-locked (issue 22; benchmarks/bench_pin.py, RESULTS.md). cudaHostAlloc on a thread
-# blocks every CUDA call of the training thread for the whole allocation: 14.5 GB took 6-8 s on the H200 host, and
-# the update after the first one waited for all of it (77-102x its time). A registration (cudaHostRegister) of
-# memory already touched blocks the other threads' launches too, but only for its own length (17-28 GB/s: a few ms
-# per 64 MiB buffer; a thread waiting for the GPU is not held up). So each buffer is an anonymous mapping of its
-# own, advised to use huge pages, touched and then registered by one background thread at nice 10, one buffer a
-# call, each call followed by PIN_PACE - 1 times its length asleep: no update over 1.05x, 0.02-0.04 s lost in all,
-# ready after 6-10 s for 14.5 GB. A save asked for before that finishes the rest without pauses.
-PIN_PACE = 10
-# Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
-# calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
-# the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
-PIN_MIN_BYTES = 1 << 20
-# False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two).
-PIN_BY_REGISTER = True
-_PAGE = mmap.PAGESIZE
-
-
-def _touch(view: memoryview) -> None:
-    """Fault in every page of `view` (one byte written per page): the registration then only pins them."""
-    view[::_PAGE] = bytes(len(range(0, len(view), _PAGE)))
-
-
-class _Locked:
-    """One buffer's own anonymous mapping, page-locked by registration with CUDA until `release`."""
-
-    def __init__(self, nbytes: int) -> None:
-        # exactly the tensor's bytes: a larger storage would make DCP's writer clone the buffer before writing it
-        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.size = -(-nbytes // _PAGE) * _PAGE  # what is page-locked: the mapping's last page in full
-        with contextlib.suppress(AttributeError, OSError):  # huge pages: fewer faults, a faster registration
-            self.map.madvise(mmap.MADV_HUGEPAGE)
-        with memoryview(self.map) as view:
-            _touch(view)
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.registered = False
-
-    def register(self) -> bool:
-        """Page-lock the mapping (cudaHostRegister); False if CUDA refused (the buffer stays pageable)."""
-        try:  # torch raises some of cudaHostRegister's errors and returns the others
-            self.registered = (
-                int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)) == 0
-            )
-        except Exception:  # noqa: BLE001 - any refusal leaves the buffer pageable: slower copies, the same bytes
-            self.registered = False
-        return self.registered
-
-    def release(self) -> None:
-        if self.registered:
-            self.registered = False
-            with contextlib.suppress(RuntimeError):
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-
-
-class HostStage:
-    """Host copies of a state's tensors in buffers allocated once and reused by every save."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-        self._locked: dict[str, _Locked] = {}
-        self._lock = threading.Lock()
-        self._reserving: threading.Thread | None = None
-        self._hurry = threading.Event()  # a save is waiting: no more pauses between registrations
-        self.allocated_bytes = 0
-        self.unlocked = 0  # buffers of CUDA tensors CUDA would not page-lock (their copies are synchronous)
-
-    @staticmethod
-    def _pinned(t: torch.Tensor) -> bool:
-        return t.device.type == "cuda" and torch.cuda.is_available()
-
-    def _new(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, pace: bool) -> None:
-        """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        locked: _Locked | None = None
-        if pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
-            t0 = time.perf_counter()
-            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
-            if pace and not self._hurry.is_set():
-                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
-        elif pinned:
-            locked = _Locked(nbytes)
-            t0 = time.perf_counter()
-            if not locked.register():
-                self.unlocked += 1
-            if pace and not self._hurry.is_set():
-                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
-            buf = locked.tensor[:nbytes].view(dtype).view(shape)
-        else:
-            buf = torch.empty(shape, dtype=dtype)
-            # the first touch of each page (a fault per page) happens here, not in the copy
-            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(0)
-        with self._lock:
-            old = self._locked.pop(key, None)
-            if old is not None:
-                old.release()
-            if locked is not None:
-                self._locked[key] = locked
-            self._bufs[key] = buf
-            self.allocated_bytes += nbytes
-
-    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._bufs.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            self._new(key, tuple(t.shape), t.dtype, self._pinned(t), pace=False)
-            buf = self._bufs[key]
-        return buf
-
-    def reserve(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
-        """Allocate the buffers of `shapes` ({key: (shape, dtype, pinned)}) on a background thread, paced so
-        that no update of the loop waits for it; `copy` waits for what is left."""
-
-        def allocate() -> None:
-            _lower_priority()
-            for key, (shape, dtype, pinned) in shapes.items():
-                buf = self._bufs.get(key)
-                if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
-                    self._new(key, tuple(shape), dtype, pinned, pace=True)
-
-        self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
-        self._reserving.start()
-
-    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it)."""
-        if self._reserving is not None:
-            self._hurry.set()
-            self._reserving.join()
-            self._reserving = None
-        if _is_dtensor(t):
-            return dtensor_like(self.copy(key, dtensor_local(t)), t)
-        src = t.detach()
-        buf = self._buffer(key, src)
-        locked = self._locked.get(key)
-        buf.copy_(
-            src,
-            non_blocking=self._pinned(src) and (locked.registered if locked else buf.is_pinned()),
-        )
-        return buf
-
-    def copy_tree(self, prefix: str, obj: Any) -> Any:
-        """`obj` (nested dicts of tensors) with every tensor replaced by its host copy."""
-        if isinstance(obj, torch.Tensor):
-            return self.copy(prefix, obj)
-        if isinstance(obj, dict):
-            return {k: self.copy_tree(f"{prefix}/{k}", v) for k, v in obj.items()}
-        return obj
-
-    @staticmethod
-    def synchronize() -> None:
-        """Wait for the copies from the GPU (non-blocking, on the current stream) to land."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()
-
-    def release(self) -> None:
-        """Unlock and drop every buffer (once nothing reads them: after the last persist); a later copy
-        allocates again."""
-        if self._reserving is not None:
-            self._hurry.set()
-            self._reserving.join()
-            self._reserving = None
-        with self._lock:
-            for locked in self._locked.values():
-                locked.release()
-            self._locked.clear()
-            self._bufs.clear()
-            self.allocated_bytes = 0
-
-
-def shapes_of(prefix: str, obj: Any, out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
-    """{key: (shape, dtype, pinned)} of the tensors `HostStage.copy_tree(prefix, obj)` would copy."""
-    if isinstance(obj, torch.Tensor):
-        local = dtensor_local(obj) if _is_dtensor(obj) else obj
-        out[prefix] = (
-            tuple(local.shape),
-            local.dtype,
-            local.device.type == "cuda" and torch.cuda.is_available(),
-        )
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            shapes_of(f"{prefix}/{k}", v, out)
-
-
 # --- the background job ----------------------------------------------------------------------------------
 
 
@@ -468,7 +277,7 @@ class Persister:
         hold = self.hold
 
         def run() -> None:
-            _lower_priority()
+            lower_priority()
             self.persisting.set()
             try:
                 while hold and not os.path.exists(hold):
@@ -497,4 +306,12 @@ class Persister:
             raise err
 
 
-__all__ = ["HashingWriter", "canonical_safetensors", "HostStage", "Persister", "shapes_of", "write_bytes"]
+__all__ = [
+    "BACKGROUND_NICE",
+    "HashingWriter",
+    "HostStage",
+    "Persister",
+    "canonical_safetensors",
+    "shapes_of",
+    "write_bytes",
+]

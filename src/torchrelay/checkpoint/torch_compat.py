@@ -87,7 +87,7 @@ def _meta_load_says_where() -> bool:
     return isinstance(getattr(meta.untyped_storage(), "_checkpoint_offset", None), int)
 
 
-# --- FSDP2's DTensor (checkpoint/persist.py) ------------------------------------------------------------------
+# --- FSDP2's DTensor (checkpoint/host_stage.py) ---------------------------------------------------------------
 
 
 def dtensor_local(t: Any) -> torch.Tensor:

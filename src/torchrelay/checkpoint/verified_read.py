@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from torchrelay.checkpoint.dcp_metadata import read_metadata
+from torchrelay.checkpoint.host_stage import _Locked
 from torchrelay.checkpoint.inventory import INVENTORY, safe_relpath
 from torchrelay.checkpoint.items import _narrow, _parse_item, _refuse_transforms
 from torchrelay.checkpoint.torch_compat import StorageInfo
@@ -78,6 +79,11 @@ LOAD_BUFFER = 4 << 30
 # Threads that parse verified files and copy their items into the tensors: a copy runs at memory or bus speed, so
 # a few keep up with the disk.
 PARSE_THREADS = 4
+# Threads that hash the files' chunks in order as they arrive (0: the reading thread that completes a file's next
+# chunk hashes it, as before issue 22). A reader that hashes issues no read meanwhile: on the H200 host the 16
+# readers spent 11-14 s of their 110-127 s hashing; with hash threads the load took 0.88 of the cold read's speed
+# where it took 0.84 (benchmarks/RESULTS.md, issue 22).
+HASH_THREADS = 4
 # Files whose chunks are read at the same time, the reads spread evenly over them. A file is hashed in order on
 # one core (1.1-1.4 GB/s on the GPU host, under its disk's 2.3 GB/s): read at a share of the disk's speed, its
 # hash keeps up and the file is verified as its last chunk arrives. At most one file fewer than the buffer holds
@@ -90,6 +96,11 @@ FILES_AT_ONCE = 4
 # were slower (pinning took 2 s and the reads waited on the copies: 10.0 s against 8.7 s from pageable slabs, whose
 # copies overlap the reads on the parse threads).
 REUSE_SLABS = True
+# True: for a load into CUDA tensors the slabs are page-locked by registration (an anonymous mapping each, touched
+# and registered: 17-28 GB/s, where cudaHostAlloc took 2 s for 4 GiB) and each item's copy is a DMA on a stream of
+# its parse thread, waited for before its room goes back. Measured on the H200 host: the copies' thread time 1.2 s
+# against 9 s, the load no shorter (9.7-9.8 s against 9.7-11.4 s): the copies were never its tail. So it is off.
+PIN_SLABS = False
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
 _ALIGN = 4096
@@ -98,9 +109,16 @@ _ALIGN = 4096
 class _Slab:
     """Host memory holding whole files one after another; its room is handed out again once they are all done."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, pinned: bool = False) -> None:
         self.size = size
-        self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
+        self.locked: _Locked | None = None
+        if pinned:
+            locked = _Locked(size)
+            if locked.register():
+                self.locked = locked
+            self.data = locked.tensor[:size]
+        else:
+            self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
         self.view = self.data.numpy().data.cast("B")
         self.top = 0  # bytes handed out
         self.files = 0  # files holding bytes of it
@@ -173,11 +191,19 @@ class _Load:
         self._finished = 0
         self._error: BaseException | None = None
         self._plan = threading.Lock()  # the planner is not known to be thread-safe
+        self._hasher: ThreadPoolExecutor | None = None
+        self._pinned = PIN_SLABS and torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._streams = threading.local()  # each parse thread's CUDA stream for copies from page-locked slabs
         self._opened: list[_File] = []
 
     def run(self) -> None:
         self._parse = ThreadPoolExecutor(
             max(1, min(PARSE_THREADS, default_jobs())), thread_name_prefix="torchrelay-parse"
+        )
+        self._hasher = (
+            ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="torchrelay-hash")
+            if HASH_THREADS > 0
+            else None
         )
         readers = [
             threading.Thread(target=self._reader, name=f"torchrelay-read-{i}", daemon=True)
@@ -213,10 +239,15 @@ class _Load:
                 self._cond.notify_all()
             for thread in readers:
                 thread.join()
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=True, cancel_futures=True)
             self._parse.shutdown(wait=True, cancel_futures=True)
             for f in self._opened:
                 f.close()
                 f.slab, f.view = None, memoryview(b"")
+            for slab in self._slabs:
+                if slab.locked is not None:  # every copy from it was waited for
+                    slab.locked.release()
             self._slabs.clear()
         if self._error is not None:
             raise self._error
@@ -253,7 +284,7 @@ class _Load:
             if f.slab is None:  # allocated outside the lock: the reads of the files admitted go on meanwhile
                 t0 = time.perf_counter()
                 try:
-                    slab = _Slab(size)
+                    slab = _Slab(size, self._pinned)
                 except BaseException:
                     with self._cond:
                         self._allocated -= size
@@ -335,14 +366,21 @@ class _Load:
                     hint=_DAMAGED,
                 )
             got += n
-        t1 = time.perf_counter()
-        self._count("read", t1 - t0)
+        self._count("read", time.perf_counter() - t0)
         with f.lock:
             f.arrived[k] = True
             if f.hashing:
                 return
             f.hashing = True
-        while True:  # hash the arrived prefix; a chunk that arrives meanwhile is left to this thread
+        if self._hasher is not None:  # the reading thread goes back to reading at once
+            self._hasher.submit(self._guard, self._hash, f)
+        else:
+            self._hash(f)
+
+    def _hash(self, f: _File) -> None:
+        """Hash the file's arrived prefix (the caller set f.hashing); verify it once all of it is hashed."""
+        t1 = time.perf_counter()
+        while True:  # a chunk that arrives meanwhile is left to this thread
             with f.lock:
                 n = f.hashed
                 if n == f.chunks or not f.arrived[n]:
@@ -396,7 +434,17 @@ class _Load:
                 hint="the checkpoint is damaged or was not written by torchrelay",
             )
         t1 = time.perf_counter()
-        target.copy_(tensor)  # releases the GIL; to a GPU a pageable copy, finished when it returns
+        slab = f.slab
+        if slab is not None and slab.locked is not None and target.is_cuda:
+            stream = getattr(self._streams, "stream", None)
+            if stream is None:
+                stream = self._streams.stream = torch.cuda.Stream(target.device)
+            stream.wait_stream(torch.cuda.default_stream(target.device))  # work queued on the target first
+            with torch.cuda.stream(stream):
+                target.copy_(tensor, non_blocking=True)
+            stream.synchronize()  # the slab's room is reused once every item is in; releases the GIL
+        else:
+            target.copy_(tensor)  # releases the GIL; to a GPU a pageable copy, finished when it returns
         t2 = time.perf_counter()
         with self._plan:
             self.planner.commit_tensor(req, target)

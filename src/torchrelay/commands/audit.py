@@ -87,13 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchrelay.audit.orchestrator import AuditPlan, run_audit
+    from torchrelay.audit.orchestrator import AuditSpec, run_audit
     from torchrelay.audit.verdict import render_table
 
     launch = list(args.launch)
     if launch and launch[0] == "--":
         launch = launch[1:]
-    plan = AuditPlan(
+    spec = AuditSpec(
         launch=launch,
         updates=args.updates,
         stops=args.stops,
@@ -108,17 +108,17 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         confirm_nondeterminism=not args.no_rerun,
     )
-    if "world_size" in plan.vary:  # a layout audit: the drift against a tolerance, not bit for bit
+    if "world_size" in spec.vary:  # a layout audit: the drift against a tolerance, not bit for bit
         from torchrelay.audit.layout_audit import run_layout_audit
 
-        layout = run_layout_audit(plan, plan.vary["world_size"], None if args.json else print_segment)
+        layout = run_layout_audit(spec, spec.vary["world_size"], None if args.json else print_segment)
         if args.json:
             print(json.dumps(layout.to_dict(), indent=2, sort_keys=True))
         else:
             print("\n".join(layout.lines()))
             print("run directories: " + ", ".join(f"{k} {v}" for k, v in layout.run_dirs.items()))
         return 0 if layout.ok else 1
-    verdict = run_audit(plan, on_segment=None if args.json else print_segment)
+    verdict = run_audit(spec, on_segment=None if args.json else print_segment)
     if args.json:
         print(json.dumps(verdict.to_dict(), indent=2, sort_keys=True))
     else:

@@ -10,22 +10,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.controller.argv import training_argv
 from torchrelay.controller.attempts import Attempt, Attempts, Outcome, describe_fallback
+from torchrelay.controller.console import LaunchConsole
 from torchrelay.controller.memguard import MemoryLimits
 from torchrelay.controller.plan import Plan, load_plan
-from torchrelay.controller.preflight import CheckResult, PreflightReport, check_disk, run_preflight
+from torchrelay.controller.preflight import PreflightReport, check_disk, run_preflight
 from torchrelay.controller.smoke import SmokeFailed, discard, evaluate, smoke_overrides
 from torchrelay.controller.supervisor import (
     SignalRelay,
@@ -51,7 +51,7 @@ from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 from torchrelay.train_records import metrics_path
-from torchrelay.validation import ValidationRecord, ValidationSpec, validate_checkpoints
+from torchrelay.validation import ValidationSpec, validate_checkpoints
 
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
 STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
@@ -81,9 +81,7 @@ class Controller:
         self, request: LaunchRequest, console: Console | None = None, plan: Plan | None = None
     ) -> None:
         self.req = request
-        # Logs (Slurm's output file) get wide tables; a terminal keeps its own width.
-        width = None if sys.stderr.isatty() else 140
-        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True, width=width)
+        self.show = LaunchConsole(console)
         self.plan: Plan = plan or load_plan(request.plan_path, request.sets)
         self.attempts = Attempts(self.plan.run_path)
         self.job = request.env.get("SLURM_JOB_ID") or None
@@ -94,12 +92,13 @@ class Controller:
         started = self.req.clock()
         deadline = self._deadline(started)
         attempt, diff = self.attempts.start(self.plan.to_dict(), self.req.sets)
-        self._show_attempt(attempt, diff, deadline)
+        left_s = deadline - self.req.clock() if deadline is not None else None
+        self.show.attempt(self.plan.name, attempt.number, attempt.path, diff, left_s)
         fallback = self.plan.fallback_of
         if fallback:
             attempt.write_json("fallback.json", fallback)
             attempt.note(describe_fallback(fallback))
-            self.console.print(f"[yellow]fallback[/]: {describe_fallback(fallback)}")
+            self.show.fallback(describe_fallback(fallback))
         before = _saved_update(self.plan.run_path)
         outcome = Outcome(
             exit_code=EXIT_ERROR,
@@ -121,19 +120,19 @@ class Controller:
         outcome.updates_after = max(outcome.updates_after, _saved_update(self.plan.run_path))
         attempt = self.attempts.settle(attempt) or attempt
         attempt.finish(outcome)
-        self._show_outcome(attempt, outcome)
+        self.show.outcome(attempt, outcome)
         return outcome
 
     def _stages(self, attempt: Attempt, outcome: Outcome, deadline: float | None) -> Outcome:
         plan = self.plan
-        report = run_preflight(plan, self._env({}), on_result=self._show_check)
+        report = run_preflight(plan, self._env({}), on_result=self.show.check)
         attempt.write_json("preflight.json", report.to_list())
         if self._interrupted(outcome, "before the smoke run"):
             return outcome
         total = _total_updates(plan.run_path)
         if total is not None and _saved_update(plan.run_path) >= total:
             # Nothing to train: a launch of a complete run only does what is left after training (validation).
-            self.console.print(f"the run is complete (checkpoint-{total}): no smoke, no formal run")
+            self.show.complete(total)
             attempt.note(f"the run was complete (checkpoint-{total}) before this attempt")
             outcome.exit_code, outcome.ended, outcome.stage = EXIT_FINISHED, "finished", "done"
             return self._validate(outcome, deadline)
@@ -157,7 +156,7 @@ class Controller:
         outcome.stage = "formal"
         cost = CostModel(measurements=measurements, margin_s=plan.budget.margin_s)
         decision = cost.decide(deadline, self.req.clock())
-        self.console.print(f"[bold]cost model[/]: {decision.why}")
+        self.show.cost(decision.why)
         if not decision.go:
             outcome.exit_code, outcome.ended = EXIT_REFUSED, "refused"
             outcome.message = f"not enough time to start the formal run: {decision.why}"
@@ -171,7 +170,7 @@ class Controller:
             return outcome
         # After a stop signal nothing starts, but what is left is still recorded (and requeued for).
         outcome.stage = "validate"
-        self.console.rule(f"validation: {spec.run}")
+        self.show.validation_start(spec.run)
         request = ValidationSpec(
             command=spec.run,
             updates=spec.update_list,
@@ -188,16 +187,16 @@ class Controller:
                 deadline=deadline,
                 margin_s=plan.budget.margin_s,
                 should_stop=lambda: self.relay.stopped,
-                on_event=self._show_validation,
+                on_event=self.show.validation,
                 clock=self.req.clock,
             )
         except RelayError as exc:  # the training's outcome stands; the checkpoints stay to validate
             outcome.notes.append(f"validation could not run: {exc.message}")
-            self.console.print(f"[red]validation could not run[/]: {exc}")
+            self.show.validation_failed_to_run(exc)
             return outcome
         outcome.validation = report.to_dict()
         for update, why in sorted(report.missing.items()):
-            self.console.print(f"validation: checkpoint-{update} not available: {why}")
+            self.show.validation_missing(update, why)
         if report.failed:
             outcome.notes.append(
                 f"validation failed for checkpoint(s) {report.failed} (see RUN_DIR/validation/)"
@@ -206,7 +205,7 @@ class Controller:
             left = ", ".join(f"checkpoint-{u}" for u in sorted(report.left))
             why = next(iter(report.left.values()))
             outcome.notes.append(f"validation left for the next launch: {left} ({why})")
-            self.console.print(f"validation left for the next launch: {left} ({why})")
+            self.show.validation_left(left, why)
             if outcome.ended == "finished":  # the work is not done: a batch script requeues on 3 and 5
                 outcome.exit_code = EXIT_SIGNAL if self.relay.stopped else EXIT_BUDGET
                 outcome.message = f"training finished; validation of {left} left for the next launch ({why})"
@@ -230,15 +229,7 @@ class Controller:
                 "them before the validation stage (add them to keep_updates, a runtime field)"
             )
             attempt.note(note)
-            self.console.print(f"[yellow]warning[/]: {note}")
-
-    def _show_validation(self, event: str, update: int, record: ValidationRecord | None) -> None:
-        if event == "start":
-            self.console.print(f"validating checkpoint-{update} ...")
-        elif record is not None:
-            metrics = ", ".join(f"{k}={v}" for k, v in (record.metrics or {}).items())
-            detail = metrics if record.status == "ok" else record.reason
-            self.console.print(f"checkpoint-{update}: {record.status} in {record.seconds:.1f}s: {detail}")
+            self.show.warning(note)
 
     def _measurements(self, attempt: Attempt) -> Measurements | None:
         """Measurements to use without a smoke run, or None: run the smoke."""
@@ -248,12 +239,10 @@ class Controller:
             if previous is None:
                 return None
             m = Measurements.from_dict(previous)
-            self.console.print(
-                f"smoke: skipped (when: first); using the {m.source} measurements of an earlier attempt"
-            )
+            self.show.smoke_skipped(f"(when: first); using the {m.source} measurements of an earlier attempt")
         elif smoke.when == "never":
             m = Measurements(update_s=budget.update_s, save_s=budget.save_s, startup_s=budget.startup_s)
-            self.console.print("smoke: skipped (when: never); using the plan's budget estimates")
+            self.show.smoke_skipped("(when: never); using the plan's budget estimates")
         else:
             return None
         attempt.write_json("measurements.json", m.to_dict())
@@ -264,7 +253,7 @@ class Controller:
         smoke_dir = attempt.smoke_dir
         overrides = smoke_overrides(plan.train.overrides, smoke.overrides, smoke.save_every)
         env = self._env({"TORCHRELAY_RUN_DIR": str(smoke_dir), "TORCHRELAY_OVERRIDES": json.dumps(overrides)})
-        self.console.rule(f"smoke: {smoke.updates} updates on {plan.train.world_size} rank(s) in {smoke_dir}")
+        self.show.smoke_start(smoke.updates, plan.train.world_size, smoke_dir)
         requested = False
 
         def stop_at_updates() -> None:
@@ -294,11 +283,7 @@ class Controller:
             discard(smoke_dir)
         m = measured.measurements
         attempt.write_json("measurements.json", m.to_dict())
-        self.console.print(
-            f"smoke: {measured.updates} updates, losses {', '.join(f'{x:.4f}' for x in measured.losses)}; "
-            f"update {m.update_s:.3f}s, save {m.save_s:.3f}s, startup {m.startup_s:.1f}s, "
-            f"checkpoint {m.checkpoint_bytes / 2**20:.1f} MiB"
-        )
+        self.show.smoke_done(measured, m)
         return m
 
     def _formal(self, attempt: Attempt, outcome: Outcome, cost: CostModel, deadline: float | None) -> Outcome:
@@ -311,7 +296,7 @@ class Controller:
             extra["TORCHRELAY_DEADLINE"] = f"{training_deadline:.3f}"
         if cost.measurements.save_s:
             extra["TORCHRELAY_SAVE_ESTIMATE_S"] = f"{cost.measurements.save_s:.3f}"
-        self.console.rule(f"formal run: {plan.run_path} ({plan.train.world_size} rank(s))")
+        self.show.formal_start(plan.run_path, plan.train.world_size)
         launched = self.req.clock()
         # The training stops itself before the deadline; past it (plus a grace for the save) it is stopped.
         kill_at = None if deadline is None else deadline + FORMAL_GRACE_S
@@ -350,7 +335,7 @@ class Controller:
                 slurm_end = ask(self.job)
             except slurm.SlurmError as exc:
                 # The warning signal still stops the run cleanly; say why the budget is not known.
-                self.console.print(f"[yellow]time left of job {self.job} unknown[/]: {exc}")
+                self.show.time_unknown(self.job, exc)
         budget_end = now + self.req.budget_s if self.req.budget_s is not None else None
         return earliest(self.req.deadline, budget_end, slurm_end)
 
@@ -440,90 +425,6 @@ class Controller:
         if result.returncode == EXIT_REFUSED or EXIT_REFUSED in codes:
             return "refused"
         return "crash"
-
-    # ------------------------------------------------------------------------------------------ printing
-    def _show_attempt(
-        self, attempt: Attempt, diff: list[tuple[str, Any, Any]], deadline: float | None
-    ) -> None:
-        left = f"{deadline - self.req.clock():.0f}s left" if deadline is not None else "no deadline"
-        self.console.rule(f"[bold]{self.plan.name}[/]: attempt {attempt.number:02d} ({left})")
-        self.console.print(f"attempt folder: {attempt.path}")
-        if diff:
-            table = Table(title="changes against the frozen plan", title_justify="left")
-            for col in ("key", "frozen", "this attempt"):
-                table.add_column(col)
-            for key, old, new in diff:
-                table.add_row(key, repr(old), repr(new))
-            self.console.print(table)
-
-    def _show_check(self, result: CheckResult) -> None:
-        mark = (
-            "[yellow]skip[/]"
-            if result.skipped
-            else "[yellow]warning[/]"
-            if result.warning
-            else "[green]ok[/]"
-        )
-        self.console.print(f"preflight {result.name}: {mark} {result.detail}", markup=True)
-
-    def _show_outcome(self, attempt: Attempt, outcome: Outcome) -> None:
-        table = Table(title=f"attempt {attempt.number:02d} outcome", title_justify="left", show_header=False)
-        table.add_column("field")
-        table.add_column("value")
-        table.add_row("ended", outcome.ended)
-        table.add_row("exit code", str(outcome.exit_code))
-        table.add_row("stage reached", outcome.stage)
-        table.add_row(
-            "updates", f"{outcome.updates_before} -> {outcome.updates_after} (+{outcome.updates_done})"
-        )
-        if outcome.validation:
-            v = outcome.validation
-            table.add_row(
-                "validation",
-                f"ok {v['validated']}, failed {v['failed']}, before {v['done_before']}, left {sorted(v['left'])}",
-            )
-        for note in outcome.notes:
-            table.add_row("note", note)
-        self.console.print(table)
-        if outcome.message:
-            self.console.print(outcome.message, markup=False)
-
-
-def training_argv(
-    plan: Plan,
-    run_dir: Path,
-    limits: MemoryLimits,
-    env: Mapping[str, str],
-    runner: Callable[[Sequence[str]], str] | None = None,
-) -> list[str]:
-    """torchrun on this node, or (several nodes) srun starting a per-node agent that runs torchrun."""
-    t = plan.train
-    user_rdzv = any(a.startswith(("--rdzv", "--master", "--standalone")) for a in t.torchrun_args)
-    if not t.uses_srun:
-        rdzv = [] if user_rdzv else ["--standalone"]
-        return [t.python, "-m", "torch.distributed.run", *rdzv, "--nnodes=1",
-                f"--nproc_per_node={t.nproc_per_node}", *t.torchrun_args, t.script, *t.args]  # fmt: skip
-    from torchrelay import slurm
-
-    master, port, nodes = slurm.rendezvous(env, runner or slurm.run_command)
-    if nodes != t.nnodes:
-        raise RelayError(
-            f"plan train.nnodes is {t.nnodes} but the allocation has {nodes} node(s)",
-            hint="submit with --nodes equal to train.nnodes (torchrelay sbatch does)",
-        )
-    rdzv = [] if user_rdzv else [f"--master_addr={master}", f"--master_port={port}"]
-    torchrun = [t.python, "-m", "torch.distributed.run", f"--nnodes={t.nnodes}", "--node_rank={SLURM_NODEID}",
-                f"--nproc_per_node={t.nproc_per_node}", *rdzv, *t.torchrun_args, t.script, *t.args]  # fmt: skip
-    agent = [t.python, "-m", "torchrelay.controller.supervisor", "--run-dir", str(run_dir),
-             f"--soft-gib={limits.soft_bytes / 2**30:.3f}", f"--hard-gib={limits.hard_bytes / 2**30:.3f}"]  # fmt: skip
-    srun = [
-        "srun",
-        f"--nodes={t.nnodes}",
-        f"--ntasks={t.nnodes}",
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-    ]
-    return [*srun, *agent, "--", *torchrun]
 
 
 def _export_options(export: Any, workdir: Path) -> Any:

@@ -301,7 +301,7 @@ def check_node_local(
 
 def check_contract(plan: Plan, report: PreflightReport) -> dict[str, Any] | None:
     """Run the trainer's own resume validation; returns the stored config when the run exists."""
-    from torchrelay.resume import validate_resume  # imports torch: only when there is a run to check
+    from torchrelay.resume_check import validate_resume  # imports torch: only when there is a run to check
 
     rd = RunDir(plan.run_path)
     if not rd.exists():

@@ -42,7 +42,7 @@ from torchrelay.layout import (
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.numerics import compare_here, gather
-from torchrelay.resume import ResumeCheck, validate_resume
+from torchrelay.resume_check import ResumeCheck, validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
@@ -348,7 +348,7 @@ def _prepare_into(
         for key in ("micro_batch", "grad_accum"):
             old, new = layout_change["from"][key], layout_change["to"][key]
             if old != new:
-                changes[key] = [old, new]  # kept over a script's original split (resume.keep_prepared)
+                changes[key] = [old, new]  # kept over a script's original split (resume_check.keep_prepared)
         new_cfg = new_cfg.replace(micro_batch=check.config.micro_batch, grad_accum=check.config.grad_accum)
     numerics = _numerics_here(bundle, check.update, new_cfg, proofs)
 

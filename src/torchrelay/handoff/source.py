@@ -244,7 +244,7 @@ def _from_plain_tree(
 
 
 def _plain_files(root: Path, run_dir: Path | None = None) -> list[Path]:
-    """The files a plain tree's hash covers (identity._git_tree_of_dir, runs=False): run directories left out."""
+    """The files a plain tree's hash covers (identity/files.git_tree_of_dir, runs=False): run directories left out."""
     out: list[Path] = []
     skip = run_dir.resolve() if run_dir is not None else None
     for dirpath, dirnames, filenames in os.walk(root):

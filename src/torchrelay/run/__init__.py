@@ -1,7 +1,7 @@
 """The Run: opens or resumes a run directory, restores state, drives the update loop, stops cleanly.
 
 A small facade over the modules of this package, in the order a segment uses them:
-`opening.py` (rank 0 prepares the directory, every rank opens its part, any failure reaches every rank),
+`opening.py` (rank 0 opens the directory: `directory.py`, every rank opens its part, any failure reaches every rank),
 `restore.py` (tracked state, generators, the update cross-check), `loop.py` (one `Step` per update, the logs),
 `agreement.py` (the ranks agree on a stop) and `saver.py` (when and how a checkpoint is committed).
 The Run wires them together and records how the segment ended.

@@ -3,7 +3,7 @@
 
 The loop calls `due(done)` after each update and `save(update)`; a stop saves once more if the update is not
 saved yet, then `wait()`s; closing the Run calls `close()`. With `async_save` (the default) `save()` returns once the
-state is copied into host buffers (checkpoint/persist.py), and a thread of its own writes, hashes, fsyncs and
+state is copied into host buffers (checkpoint/host_stage.py), and a thread of its own writes, hashes, fsyncs and
 commits it while the loop trains; `wait()` / `close()` return once that checkpoint is committed (or raise what
 failed), so a segment never records its end, nor lets go of the lock, before its last checkpoint is complete. A save
 due while one persists waits for it (the buffers are reused). `async_save: false` runs the same job inline: the same
@@ -21,8 +21,9 @@ from torchrelay import envvars
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import is_engine
+from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
-from torchrelay.checkpoint.persist import HostStage, Persister
+from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder

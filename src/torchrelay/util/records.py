@@ -31,7 +31,9 @@ from torchrelay.util.safepath import open_regular, read_regular
 JSON_LIMIT = 256 << 20  # no JSON file torchrelay writes comes near this
 LINE_LIMIT = 64 << 20  # nor a JSONL line
 YAML_LIMIT = 16 << 20  # a plan is a page
-DEPTH_LIMIT = 200  # below Python's recursion limit with room for the recursive readers of a tree (state.py)
+DEPTH_LIMIT = (
+    200  # below Python's recursion limit with room for the recursive readers of a tree (state/trees.py)
+)
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # what safetensors itself refuses above
 _HINT = "the file is damaged or not what it should be; restore it from a copy"
 

@@ -200,7 +200,7 @@ def _check_math_and_layout(
 
 def _trainer_state(ckpt: Path | None) -> dict[str, Any]:
     """A checkpoint's loop-and-statefuls record (verified by its inventory), or {} without a checkpoint; one that
-    cannot be read here is refused when the state is loaded (checkpoint/state.py words that)."""
+    cannot be read here is refused when the state is loaded (checkpoint/state/records.py words that)."""
     if ckpt is None:
         return {}
     from torchrelay.checkpoint.state import read_trainer_state  # imports torch: only with a checkpoint

@@ -1,0 +1,230 @@
+"""Host buffers a save copies the state into: one per tensor, allocated once (page-locked for CUDA tensors, so the
+copy is a DMA at bus speed) and reused by every save. `HostStage.reserve` obtains them on a background thread ahead
+of the first save, paced so that the loop's CUDA calls never wait for it (PIN_PACE), and without the GIL: a
+touch of a buffer's pages runs in torch (which releases it), never in Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from torchrelay.checkpoint.torch_compat import dtensor_like, dtensor_local
+
+# Nice value of the background threads (Linux: per thread). The loop keeps its core when cores are short.
+BACKGROUND_NICE = 10
+
+
+def lower_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux keeps a nice value per thread); best effort."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: it runs as it is
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+# How the buffers become page-locked (issue 22; benchmarks/bench_pin.py, RESULTS.md). cudaHostAlloc on a thread
+# blocks every CUDA call of the training thread for the whole allocation: 14.5 GB took 6-8 s on the H200 host, and
+# the update after the first one waited for all of it (77-102x its time). A registration (cudaHostRegister) of
+# memory already touched blocks the other threads' launches too, but only for its own length (17-28 GB/s: a few ms
+# per 64 MiB buffer; a thread waiting for the GPU is not held up). So each buffer is an anonymous mapping of its
+# own, advised to use huge pages, touched and then registered by one background thread at nice 10, one buffer a
+# call, each call followed by PIN_PACE - 1 times its length asleep: in the real loop (DDP, NCCL, 2026-12-02) no
+# update over 1.1x, ready after 8 s for 14.5 GB (not within 12.4 s on a fresh VM, whose never-touched memory faults
+# in slower). A save asked for before that finishes the rest without pauses, in its stall.
+PIN_PACE = 10
+# Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
+# calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
+# the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
+PIN_MIN_BYTES = 1 << 20
+# False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two).
+PIN_BY_REGISTER = True
+_PAGE = mmap.PAGESIZE
+
+
+# True: a buffer's pages are faulted in by a torch fill, which releases the GIL. False: by a memoryview
+# assignment, which held it for the whole touch, and the loop's next launch waited: 11 of the 111 updates before
+# the buffers were ready took 1.10-1.18x with it, none with the fill (benchmarks/RESULTS.md, issue 22).
+TOUCH_WITHOUT_GIL = True
+
+
+def touch(tensor: torch.Tensor) -> None:
+    """Fault in every page of a flat uint8 host tensor (one byte written per page): a registration then only
+    pins them, and a read into it faults nothing."""
+    if TOUCH_WITHOUT_GIL:
+        tensor[::_PAGE].fill_(0)
+    else:
+        view = tensor.numpy().data.cast("B")
+        view[::_PAGE] = bytes(len(range(0, len(view), _PAGE)))
+
+
+class _Locked:
+    """One buffer's own anonymous mapping, page-locked by registration with CUDA until `release`."""
+
+    def __init__(self, nbytes: int) -> None:
+        # exactly the tensor's bytes: a larger storage would make DCP's writer clone the buffer before writing it
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.size = -(-nbytes // _PAGE) * _PAGE  # what is page-locked: the mapping's last page in full
+        with contextlib.suppress(AttributeError, OSError):  # huge pages: fewer faults, a faster registration
+            self.map.madvise(mmap.MADV_HUGEPAGE)
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+        touch(self.tensor)
+        self.registered = False
+
+    def register(self) -> bool:
+        """Page-lock the mapping (cudaHostRegister); False if CUDA refused (the buffer stays pageable)."""
+        try:  # torch raises some of cudaHostRegister's errors and returns the others
+            self.registered = (
+                int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)) == 0
+            )
+        except Exception:  # noqa: BLE001 - any refusal leaves the buffer pageable: slower copies, the same bytes
+            self.registered = False
+        return self.registered
+
+    def release(self) -> None:
+        if self.registered:
+            self.registered = False
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+
+
+class HostStage:
+    """Host copies of a state's tensors in buffers allocated once and reused by every save."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._locked: dict[str, _Locked] = {}
+        self._lock = threading.Lock()
+        self._reserving: threading.Thread | None = None
+        self._hurry = threading.Event()  # a save is waiting: no more pauses between registrations
+        self.allocated_bytes = 0
+        self.unlocked = 0  # buffers of CUDA tensors CUDA would not page-lock (their copies are synchronous)
+
+    @staticmethod
+    def _pinned(t: torch.Tensor) -> bool:
+        return t.device.type == "cuda" and torch.cuda.is_available()
+
+    def _new(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, pace: bool) -> None:
+        """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        locked: _Locked | None = None
+        if pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
+            t0 = time.perf_counter()
+            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+            if pace and not self._hurry.is_set():
+                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+        elif pinned:
+            locked = _Locked(nbytes)
+            t0 = time.perf_counter()
+            if not locked.register():
+                self.unlocked += 1
+            if pace and not self._hurry.is_set():
+                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+            buf = locked.tensor[:nbytes].view(dtype).view(shape)
+        else:
+            buf = torch.empty(shape, dtype=dtype)
+            # the first touch of each page (a fault per page) happens here, not in the copy
+            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(0)
+        with self._lock:
+            old = self._locked.pop(key, None)
+            if old is not None:
+                old.release()
+            if locked is not None:
+                self._locked[key] = locked
+            self._bufs[key] = buf
+            self.allocated_bytes += nbytes
+
+    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            self._new(key, tuple(t.shape), t.dtype, self._pinned(t), pace=False)
+            buf = self._bufs[key]
+        return buf
+
+    def reserve(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
+        """Allocate the buffers of `shapes` ({key: (shape, dtype, pinned)}) on a background thread, paced so
+        that no update of the loop waits for it; `copy` waits for what is left."""
+
+        def allocate() -> None:
+            lower_priority()
+            for key, (shape, dtype, pinned) in shapes.items():
+                buf = self._bufs.get(key)
+                if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+                    self._new(key, tuple(shape), dtype, pinned, pace=True)
+
+        self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
+        self._reserving.start()
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it)."""
+        if self._reserving is not None:
+            self._hurry.set()
+            self._reserving.join()
+            self._reserving = None
+        if _is_dtensor(t):
+            return dtensor_like(self.copy(key, dtensor_local(t)), t)
+        src = t.detach()
+        buf = self._buffer(key, src)
+        locked = self._locked.get(key)
+        buf.copy_(
+            src,
+            non_blocking=self._pinned(src) and (locked.registered if locked else buf.is_pinned()),
+        )
+        return buf
+
+    def copy_tree(self, prefix: str, obj: Any) -> Any:
+        """`obj` (nested dicts of tensors) with every tensor replaced by its host copy."""
+        if isinstance(obj, torch.Tensor):
+            return self.copy(prefix, obj)
+        if isinstance(obj, dict):
+            return {k: self.copy_tree(f"{prefix}/{k}", v) for k, v in obj.items()}
+        return obj
+
+    @staticmethod
+    def synchronize() -> None:
+        """Wait for the copies from the GPU (non-blocking, on the current stream) to land."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+
+    def release(self) -> None:
+        """Unlock and drop every buffer (once nothing reads them: after the last persist); a later copy
+        allocates again."""
+        if self._reserving is not None:
+            self._hurry.set()
+            self._reserving.join()
+            self._reserving = None
+        with self._lock:
+            for locked in self._locked.values():
+                locked.release()
+            self._locked.clear()
+            self._bufs.clear()
+            self.allocated_bytes = 0
+
+
+def shapes_of(prefix: str, obj: Any, out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
+    """{key: (shape, dtype, pinned)} of the tensors `HostStage.copy_tree(prefix, obj)` would copy."""
+    if isinstance(obj, torch.Tensor):
+        local = dtensor_local(obj) if _is_dtensor(obj) else obj
+        out[prefix] = (
+            tuple(local.shape),
+            local.dtype,
+            local.device.type == "cuda" and torch.cuda.is_available(),
+        )
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            shapes_of(f"{prefix}/{k}", v, out)
+
+
+__all__ = ["BACKGROUND_NICE", "HostStage", "lower_priority", "shapes_of", "touch"]

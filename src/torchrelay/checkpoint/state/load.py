@@ -1,0 +1,171 @@
+"""A load of everything one rank holds from a checkpoint (model and optimizer through DCP, the statefuls, and
+right before the first update its generators), every file checked against the inventory on the way when asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from torchrelay import rng
+from torchrelay.checkpoint import dcp_io, ranks
+from torchrelay.checkpoint import deepspeed_engine as ds_engine
+from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
+from torchrelay.checkpoint.state.document import (
+    STATE_DICT_OPTIONS,
+    dcp_document,
+    join_optimizer,
+    split_optimizer,
+)
+from torchrelay.checkpoint.state.records import (
+    MODEL_DIR,
+    STATE_TENSORS,
+    Stateful,
+    per_rank_of,
+    read_rank_statefuls,
+    read_tensors,
+    read_trainer_state,
+    state_path,
+)
+from torchrelay.checkpoint.state.trees import tree_of
+from torchrelay.errors import CheckpointError, IntegrityError
+from torchrelay.util import collective
+from torchrelay.util.hashing import sha256_many
+from torchrelay.util.records import exists as records_exists
+
+
+def load_state(
+    ckpt_dir: Path,
+    *,
+    rank: int,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    statefuls: dict[str, Stateful],
+    verify: bool = False,
+    resharded: bool = False,
+) -> dict[str, Any]:
+    """Restore everything this rank holds from `ckpt_dir` (its own copy of what differs by rank); returns the loop state.
+
+    verify: check every file against COMPLETE.json on the way (every rank calls it): the small files first, hashed
+    in shares by the ranks; the DCP files by each rank that reads them, as it reads them, in parallel; the DCP files
+    no rank read, last, in shares. Every rank raises the first failure, naming the file.
+    resharded: the checkpoint was saved on another layout (another world size). DCP reshards model and optimizer
+    onto this one (DDP's replicated tensors, FSDP2's shards); tensors stored per rank come from rank 0, and
+    per-rank statefuls were refused before (resume_check.validate_resume).
+    """
+    # One phase of the failure protocol (util/collective.py): a rank that fails anywhere in here joins the exchange
+    # the others wait in, and every rank raises the same error. DCP and DeepSpeed run collectives of their own, so
+    # the ranks agree before entering them: none enters one that a failed rank will never join.
+    peers = collective.ranks()
+    with peers.phase(f"loading {ckpt_dir.name}"):
+        return _load_state(ckpt_dir, peers, rank, model, optimizer, statefuls, verify, resharded)
+
+
+def _load_state(
+    ckpt_dir: Path,
+    peers: collective.Ranks,
+    rank: int,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    statefuls: dict[str, Stateful],
+    verify: bool,
+    resharded: bool,
+) -> dict[str, Any]:
+    inventory: dict[str, tuple[str, int]] = {}
+    phase = f"loading {ckpt_dir.name}"
+    if verify:
+        inventory = {e["path"]: (e["sha256"], e["size"]) for e in read_inventory(ckpt_dir)["files"]}
+        _verify_share(peers, ckpt_dir, [p for p in inventory if not p.endswith(".distcp")], inventory, rank)
+    read_by_me: set[str] = set()
+    doc = read_trainer_state(ckpt_dir)
+    per_rank = per_rank_of(doc)
+    if ds_engine.is_engine(model):  # its files were verified above when `verify`, at the open otherwise
+        peers.exchange(phase)
+        ds_engine.load_engine(model, ckpt_dir, doc.get("deepspeed"))
+        model = None
+    elif doc.get("deepspeed") is not None:
+        raise CheckpointError(
+            f"{ckpt_dir}: holds a DeepSpeed engine's checkpoint, but no DeepSpeed engine is tracked",
+            hint="track the engine deepspeed.initialize returned: run.track(model=engine)",
+        )
+    source = 0 if resharded else rank  # whose per-rank tensors this rank takes
+    if model is not None:
+        msd, osd = get_state_dict(model, optimizer or [], options=STATE_DICT_OPTIONS)
+        otensors, _ = split_optimizer(osd) if optimizer is not None else ({}, None)
+        target, has_own = dcp_document(msd, otensors, per_rank, source)
+        prefix = f"{MODEL_DIR}/"
+        expected = {k.removeprefix(prefix): v for k, v in inventory.items() if k.startswith(prefix)}
+        peers.exchange(phase)
+        read_by_me = {
+            prefix + n for n in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None)
+        }
+        if has_own:
+            mine = target[ranks.PER_RANK][str(source)]
+            target["model"] = {**target["model"], **mine["model"]}
+            target["optim"] = {**target["optim"], **mine["optim"]}
+        kwargs: dict[str, Any] = {"model_state_dict": target["model"]}
+        if optimizer is not None:
+            if doc.get("optimizer") is None:
+                raise CheckpointError(f"{ckpt_dir}: holds no optimizer state but an optimizer is tracked")
+            kwargs["optim_state_dict"] = join_optimizer(target["optim"], doc["optimizer"])
+        set_state_dict(model, optimizer or [], options=STATE_DICT_OPTIONS, **kwargs)
+    tensors = read_tensors(ckpt_dir / STATE_TENSORS, what="the statefuls' tensors", root=ckpt_dir)
+    stored = dict(doc.get("statefuls", {}))
+    if per_rank["statefuls"]:
+        own_trees, own_tensors = read_rank_statefuls(ckpt_dir, rank)
+        stored |= own_trees
+        tensors = {**tensors, **own_tensors}
+    missing = sorted(set(statefuls) - set(stored))
+    extra = sorted(set(stored) - set(statefuls))
+    if missing or extra:
+        raise CheckpointError(
+            f"{state_path(ckpt_dir)}: tracked state differs from the checkpoint "
+            f"(missing in checkpoint: {missing}, not tracked now: {extra})",
+            hint="track the same objects with run.track(...) as the run that saved it",
+        )
+    if verify:  # a DCP file that no rank read (another rank's own tensors) is checked all the same
+        read = peers.all_gather(phase, lambda: read_by_me)
+        unread = [p for p in inventory if p.endswith(".distcp") and not any(p in r for r in read)]
+        _verify_share(peers, ckpt_dir, unread, inventory, rank)
+    for name, obj in statefuls.items():
+        obj.load_state_dict(tree_of(stored[name], tensors, source=str(state_path(ckpt_dir)), name=name))
+    return dict(doc["loop"])
+
+
+def _verify_share(
+    peers: collective.Ranks, ckpt_dir: Path, rels: list[str], inventory: dict[str, tuple[str, int]], rank: int
+) -> None:
+    """Hash this rank's share of `rels` (on every core); every rank raises the first mismatch any rank found."""
+    mine = [
+        safe_relpath(ckpt_dir, rel, ckpt_dir / INVENTORY)
+        for i, rel in enumerate(sorted(rels))
+        if i % peers.size == rank
+    ]
+
+    def check() -> None:
+        damaged = (
+            f"the file is damaged; restore it, or remove {ckpt_dir.name} to resume from an older checkpoint"
+        )
+        try:
+            digests = sha256_many(mine)
+        except OSError as exc:
+            raise IntegrityError(f"cannot read {exc.filename}: {exc.strerror or exc}", hint=damaged) from exc
+        for path in mine:
+            rel = path.relative_to(ckpt_dir).as_posix()
+            if digests[path] != inventory[rel]:
+                raise IntegrityError(f"{path} does not match its SHA-256 in {INVENTORY}", hint=damaged)
+
+    peers.agree(f"loading {ckpt_dir.name}", check)
+
+
+def load_rng(ckpt_dir: Path, rank: int) -> None:
+    """Restore this rank's generators; called right before the first update so nothing draws in between."""
+    rng_file = rng.rank_file(ckpt_dir, rank)
+    if not records_exists(rng_file):
+        raise CheckpointError(
+            f"{rng_file} is missing: the checkpoint was saved by fewer ranks",
+            hint="resume with the world size that saved it",
+        )
+    rng.load(rng_file, root=ckpt_dir)

@@ -1,0 +1,220 @@
+"""Rank 0's part of opening a segment, under the run's writer lock: create a new run directory, or reopen one (the
+contract checked, stale cleanup, crash repair, log trim, lineage and reclaim). Either way the outcome is a `Start`,
+which the opener (opening.py) turns into the segment's record and sends to every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrelay.checkpoint.commit import clean_stale
+from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
+from torchrelay.config import RelayConfig
+from torchrelay.contract import build_contract, write_contract
+from torchrelay.errors import ConfigError
+from torchrelay.fsutil import atomic_write_text
+from torchrelay.history import close_crashed, new_id, read_history, write_history
+from torchrelay.identity import running_files, tree_note
+from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
+from torchrelay.lock import LOCK_FILES
+from torchrelay.log import logger
+from torchrelay.manifest import Manifest
+from torchrelay.numerics import check_resume
+from torchrelay.reshard import Layout
+from torchrelay.resume_check import keep_prepared, schedule_gate, validate_resume
+from torchrelay.run.saver import last_save_seconds
+from torchrelay.rundir import RunDir
+from torchrelay.stop import REQUEST_FILE
+from torchrelay.train_records import metrics_path, trim_after
+from torchrelay.util.jsonl import iter_records
+from torchrelay.util.records import read_json_or_none
+
+
+@dataclass(slots=True)
+class Start:
+    """Where the segment starts, as rank 0 settled it in the run directory (before the segment is recorded)."""
+
+    config: RelayConfig
+    contract_sha: str
+    code_fields: dict[str, Any]  # the contract's fields, of which the segment records the code's
+    manifest: Manifest  # rank 0's, indexed: the other ranks read only its index
+    update: int = 0  # the update the checkpoint holds (0: a new run)
+    checkpoint: Path | None = None  # the checkpoint to resume from
+    runtime_changes: dict[str, list[Any]] = field(default_factory=dict)
+    last_save_s: float | None = None  # how long that checkpoint took to save
+    parent: str | None = None  # the segment this one continues
+    notes: list[str] = field(default_factory=list)
+    layout_change: dict[str, Any] | None = None
+    numerics_change: dict[str, Any] | None = None
+    gate: str = ""  # the line that says which resume gate passed
+
+
+def create_run(
+    rd: RunDir, config: RelayConfig, overrides: dict[str, Any], *, world_size: int, code_dir: Path | None
+) -> Start:
+    """A new run: everything that can refuse (the manifest, the code identity) is checked before anything is
+    written, the contract last (from then on the directory holds a run)."""
+    cfg = config.with_overrides(overrides) if overrides else config
+    # A stop request may be written before the first launch (audits stop at chosen updates), a controller may have
+    # recorded its attempts there, and a creation killed before it wrote the contract leaves files that this
+    # creation overwrites.
+    leftovers = (
+        rd.unexplained_entries((REQUEST_FILE, "attempts", *LOCK_FILES))[:5] if rd.path.exists() else []
+    )
+    if leftovers:
+        raise ConfigError(
+            f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",
+            hint="choose an empty or new run directory",
+        )
+    source_manifest = cfg.manifest
+    manifest = Manifest.load(source_manifest, cfg.data_root)
+    cfg = cfg.replace(manifest=MANIFEST_REL)
+    contract = build_contract(
+        cfg, world_size, code_dir, manifest, code_files=running_files(code_dir), run_dir=rd.path
+    )
+    (rd.path / "data").mkdir(parents=True, exist_ok=True)
+    rd.train_dir.mkdir(exist_ok=True)
+    rd.remove_stale_temps()
+    shutil.copyfile(source_manifest, rd.path / MANIFEST_REL)
+    manifest.save_index(rd.manifest_index_path)
+    # The source's arrays go before the copy's are read (10 M samples: 240 MB each).
+    source_sha = manifest.sha256()
+    del manifest
+    copy = Manifest.load(  # the run's copy, found by its index
+        rd.path / MANIFEST_REL, cfg.data_root, index=rd.manifest_index_path, sha256=source_sha
+    )
+    atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(rd.path / LINEAGE_FILE, json.dumps({"lineage": new_id(), "parent_lineage": None}))
+    write_contract(rd.path, contract)  # last: from here on the directory holds a run
+    return Start(
+        config=cfg,
+        contract_sha=contract["sha256"],
+        code_fields=contract["fields"],
+        manifest=copy,
+        gate=schedule_gate(cfg, 0, str(rd.path)),
+    )
+
+
+def reopen_run(
+    rd: RunDir,
+    config: RelayConfig | None,
+    overrides: dict[str, Any],
+    *,
+    world_size: int,
+    code_dir: Path | None,
+    reshard: bool,
+    numerics: dict[str, Any],
+) -> Start:
+    """A run that exists: its contract rebuilt and compared (only runtime fields may change), the checkpoint to
+    resume chosen, and the directory repaired where a crash left it (temporaries, an unclosed segment, logs past
+    that checkpoint); `config` None continues with the recorded configuration."""
+    stored = rd.load_config()
+    cfg = config if config is not None else stored
+    kept: list[str] = []
+    if config is not None and cfg.manifest != stored.manifest:
+        cfg = cfg.replace(manifest=stored.manifest)  # the run's own copy, unless overridden below
+    if config is not None:
+        cfg, kept = keep_prepared(rd.path, stored, cfg, overrides)  # prepare's fields win
+        for note in kept:
+            logger.warning(f"[torchrelay] warning: {note}")
+    cfg = cfg.with_overrides(overrides) if overrides else cfg
+    clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
+    # The script and the modules it imported from the code directory, tracked by git or not.
+    # Names and sizes only here: every rank hashes the files it loads as it reads them (run.track), so no
+    # rank waits while this one reads the whole checkpoint
+    check = validate_resume(
+        rd.path,
+        cfg,
+        world_size,
+        code_dir,
+        code_files=running_files(code_dir),
+        deep=False,
+        reshard=reshard,
+        explicit=set(overrides),
+    )
+    assert check.config is not None
+    cfg = check.config  # with the layout this launch runs with
+    code_note = tree_note(check.code_changes, commit=check.recorded["fields"].get("code.commit") is not None)
+    if code_note:
+        logger.warning(f"[torchrelay] warning: {code_note}")
+    rd.remove_stale_temps()
+    history = read_history(rd.path)
+    numerics_change = None
+    if check.checkpoint is not None and check.update < cfg.total_updates:  # refused before any write
+        numerics_change = check_resume(history, numerics, upto=check.update, strict=cfg.strict_numerics)
+    last_logged = max((int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None)
+    write_history(rd.path, close_crashed(history, last_logged))
+    archived = trim_after(rd.train_dir, check.update)
+    layout_change = check.layout_change
+    split = (cfg.micro_batch, cfg.grad_accum)
+    if check.runtime_changes or split != (stored.micro_batch, stored.grad_accum):
+        atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+    if not check.manifest.indexed:  # the next launch, and the other ranks now, read no line
+        check.manifest.save_index(rd.manifest_index_path)
+    update, ckpt = check.update, check.checkpoint
+    reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
+    notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
+    if reclaim_note:
+        notes.append(reclaim_note)
+    if code_note:
+        notes.append(code_note)
+    if numerics_change:
+        notes.append(numerics_change["line"])
+    notes += kept
+    if layout_change:
+        notes += layout_change["notes"]
+        logger.info(
+            f"[torchrelay] layout change at update {update}: {Layout(**layout_change['from'])} -> "
+            f"{Layout(**layout_change['to'])}, global batch {layout_change['global_batch']} kept; "
+            f"per-rank random streams {layout_change['rng']}"
+        )
+    return Start(
+        config=cfg,
+        contract_sha=check.recorded["sha256"],  # the run's one digest (see resume_check.validate_resume)
+        code_fields=check.recorded["fields"],
+        manifest=check.manifest,
+        update=update,
+        checkpoint=ckpt,
+        runtime_changes=check.runtime_changes,
+        last_save_s=last_save_seconds(ckpt),
+        parent=last_segment(history),
+        notes=notes,
+        layout_change=layout_change,
+        numerics_change=numerics_change,
+        gate=check.passed[-1],
+    )
+
+
+def last_segment(history: list[dict[str, Any]]) -> str | None:
+    """The segment a new one continues: the last that ran (a refused launch continued nothing)."""
+    return next((s.get("segment") for s in reversed(history) if s.get("ended") != "refused"), None)
+
+
+def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
+    """Continuing a handed-off checkpoint on purpose (TORCHRELAY_RECLAIM=1) starts a new lineage, on record."""
+    marker = ckpt / HANDED_OFF
+    if not marker.exists():
+        return None
+    handed = read_json_or_none(marker, what="the hand-off record", root=ckpt)
+    handed = handed if isinstance(handed, dict) else {}
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    os.replace(marker, ckpt / f"{RECLAIMED_PREFIX}{stamp}.json")
+    old = read_lineage(run_dir)
+    new = {"lineage": new_id(), "parent_lineage": old.get("lineage")}
+    atomic_write_text(run_dir / LINEAGE_FILE, json.dumps(new))
+    return (
+        f"reclaimed {ckpt.name}, handed off to bundle lineage {handed.get('lineage', '?')}: "
+        f"new lineage {new['lineage']} (parent {old.get('lineage')})"
+    )
+
+
+def read_lineage(run_dir: Path) -> dict[str, Any]:
+    """lineage.json's lineage and parent_lineage; none when unreadable, not JSON or not an object."""
+    lineage = read_json_or_none(run_dir / LINEAGE_FILE, what="the run's lineage", root=run_dir)
+    return dict(lineage) if isinstance(lineage, dict) else {}
