@@ -27,10 +27,9 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import CONTRACT_FILE, contract_sha256, load_contract
 from torchrelay.errors import EXIT_REFUSED, RelayError, from_exception
 from torchrelay.handoff.bundle_readme import render_readme
-from torchrelay.handoff.pack import read_bundle_info, read_manifest_info
 from torchrelay.handoff.verify import check_inventory, verify_bundle
 from torchrelay.history import read_history
-from torchrelay.rundir import RunDir
+from torchrelay.rundir import Bundle, RunDir
 from torchrelay.stop import REQUEST_FILE, StopRequest, write_request
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.safepath import walk_files
@@ -333,7 +332,7 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
         outcome,
         bundle / "bundle.json",
         (bundle / "bundle.json").read_bytes(),
-        {"read_bundle_info": lambda: read_bundle_info(bundle)},
+        {"read_bundle_info": lambda: Bundle(bundle).info()},
         SEED + 4,
     )
 
@@ -345,7 +344,7 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
         outcome,
         target,
         target.read_bytes(),
-        {"read_manifest_info": lambda: read_manifest_info(bundle)},
+        {"read_manifest_info": lambda: Bundle(bundle).manifest_info()},
         SEED + 5,
     )
 
