@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "torchrelay"
 
 # (prefix of a module path under torchrelay, layer); the longest matching prefix wins
 LAYERS = [
-    ("util", 0), ("fsutil", 0), ("errors", 0), ("envvars", 0), ("ended", 0), ("proctree", 0), ("log", 0),
+    ("util", 0), ("errors", 0), ("envvars", 0), ("ended", 0), ("proctree", 0), ("log", 0),
     ("kill_points", 0),
     ("layout", 1), ("rundir", 1), ("config", 1), ("contract", 1), ("identity", 1), ("manifest", 1),
     ("history", 1), ("train_records", 1), ("lock", 1), ("checkpoint", 1), ("rng", 1), ("lr_shape", 1), ("reshard", 1),

@@ -14,7 +14,6 @@ from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.config import RelayConfig
 from torchrelay.contract import load_contract
 from torchrelay.errors import IntegrityError
-from torchrelay.fsutil import read_json, temp_prefix
 from torchrelay.history import read_history
 from torchrelay.layout import (
     ATTEMPTS_DIR,
@@ -40,7 +39,8 @@ from torchrelay.layout import (
     parse_checkpoint_name,
 )
 from torchrelay.manifest import INDEX_NAME
-from torchrelay.util.records import parse_json, read_json_or_none
+from torchrelay.util.durable import temp_prefix
+from torchrelay.util.records import parse_json, read_json, read_json_or_none
 from torchrelay.util.safepath import check_relative, read_regular, resolve_inside
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write

@@ -19,9 +19,9 @@ import psutil
 
 from torchrelay import envvars
 from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, UnsafeInput
-from torchrelay.fsutil import atomic_write_text
 from torchrelay.layout import REQUEST_STOP
 from torchrelay.rundir import RunDir
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.safepath import open_regular
 
 REQUEST_FILE = REQUEST_STOP  # the name lives in layout.py

@@ -32,11 +32,11 @@ from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.costmodel import validation_fits
 from torchrelay.errors import ConfigError, RelayError
-from torchrelay.fsutil import atomic_write_text
 from torchrelay.identity import code_identity, find_code_dir
 from torchrelay.layout import checkpoint_name
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json, read_json_or_none
 from torchrelay.validation_records import (

@@ -23,9 +23,9 @@ from torchrelay.checkpoint.inventory import inventory_entries, list_files, write
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
-from torchrelay.fsutil import fsync_dir
 from torchrelay.layout import checkpoint_name
 from torchrelay.util import collective
+from torchrelay.util.durable import fsync_dir
 
 TMP_PREFIX = ".tmp-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
 from torchrelay.checkpoint.torch_compat import METADATA_PICKLE_NAMES, PythonUnpickler, StorageInfo
 from torchrelay.errors import UnsafeInput
-from torchrelay.fsutil import read_bounded
+from torchrelay.util.records import read_bounded
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", "Metadata"),

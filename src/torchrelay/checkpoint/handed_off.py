@@ -15,8 +15,10 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.errors import RelayError
-from torchrelay.fsutil import fsync_dir, kill_point, read_bounded
+from torchrelay.kill_points import kill_point
 from torchrelay.layout import CHECKPOINT_GLOB, parse_checkpoint_name
+from torchrelay.util.durable import fsync_dir
+from torchrelay.util.records import read_bounded
 
 HANDED_OFF = "HANDED_OFF.json"
 PACKING = "packing"

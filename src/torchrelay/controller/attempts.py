@@ -28,9 +28,9 @@ import yaml
 
 from torchrelay.controller.plan import plan_diff
 from torchrelay.errors import ConfigError, RelayError
-from torchrelay.fsutil import atomic_write_text
 from torchrelay.layout import ATTEMPTS_DIR
 from torchrelay.rundir import RunDir
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.records import read_json, read_yaml
 
 FROZEN_PLAN = "plan.frozen.yaml"

@@ -28,9 +28,9 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
-from torchrelay.fsutil import fsync_dir
 from torchrelay.layout import checkpoint_label, parse_checkpoint_name
 from torchrelay.rundir import RunDir
+from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json_or_none
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums

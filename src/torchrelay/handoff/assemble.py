@@ -11,7 +11,6 @@ from typing import Any
 
 from torchrelay.config import RelayConfig
 from torchrelay.errors import IntegrityError
-from torchrelay.fsutil import atomic_write_bytes
 from torchrelay.handoff.copying import copy_many
 from torchrelay.handoff.verify import VerifyReport
 from torchrelay.layout import (
@@ -28,6 +27,7 @@ from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.numerics import compare_here, gather
 from torchrelay.rundir import Bundle, RunDir
+from torchrelay.util.durable import atomic_write_bytes
 from torchrelay.util.hashing import ByteCallback
 
 Say = Callable[[str], None]

@@ -28,18 +28,19 @@ from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError
-from torchrelay.fsutil import fsync_dir, kill_point
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many
 from torchrelay.handoff.signing import bundle_digest, check_key, sign
 from torchrelay.handoff.source import write_source
 from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
+from torchrelay.kill_points import kill_point
 from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, MANIFEST_REL
 from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import Bundle, RunDir
 from torchrelay.train_records import rank_logs, trim_copy
+from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import read_json_or_none

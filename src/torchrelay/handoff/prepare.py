@@ -19,7 +19,6 @@ from typing import Any
 from torchrelay import __version__
 from torchrelay.config import RelayConfig
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.fsutil import atomic_write_bytes, atomic_write_text, fsync_dir, kill_point
 from torchrelay.handoff.assemble import (
     Hooks,
     Say,
@@ -33,6 +32,7 @@ from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
 from torchrelay.history import new_id
 from torchrelay.identity import tree_note
+from torchrelay.kill_points import kill_point
 from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
@@ -40,6 +40,7 @@ from torchrelay.resume_check import ResumeCheck, validate_resume
 from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
+from torchrelay.util.durable import atomic_write_bytes, atomic_write_text, fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
 
 # Keys prepare owns itself: the manifest always lives in the run directory.
