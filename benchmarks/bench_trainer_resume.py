@@ -2,12 +2,15 @@
 `resume_from_checkpoint`, at several resume positions of one large synthetic dataset.
 
     python benchmarks/bench_trainer_resume.py --samples 2000000 --at 1000,20000,100000 --repeats 2
-    python benchmarks/bench_trainer_resume.py --workers 2,8 --repeats 3 [--src OTHER/src]
+    python benchmarks/bench_trainer_resume.py --workers 2,8 --repeats 5 [--sides relay,hf,relay-forkserver] [--src S]
 
 --workers: loader workers instead, with benchmarks/trainer_resume_script.py (a script that imports transformers at
 its top, as users' do): time from the script's start to the end of its first update after a resume from
-checkpoint-1, RelayTrainer (forkserver workers) against Trainer's resume_from_checkpoint (forked workers), the same
-worker count; --src runs another torchrelay source tree (e.g. a checkout before a change).
+checkpoint-1, RelayTrainer against Trainer's resume_from_checkpoint, the same worker count, each with its default
+start method (both fork here: one process, one thread); `relay-forkserver` is RelayTrainer with the forkserver a
+rank with other threads (gloo's, CUDA's) gets. Each repetition runs the sides back to back, in alternating order;
+the summary gives the medians of the paired ratios and differences (ratios are taken pair by pair). --src runs another torchrelay source tree
+(e.g. a checkout before a change).
 
 Each measurement is a fresh process (as a relaunch is): from building the trainer to the start of the first update
 after the checkpoint (its batches fetched), imports excluded. Both sides resume from a checkpoint made after one real
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -203,10 +207,16 @@ SCRIPT = HERE.with_name("trainer_resume_script.py")
 
 
 def _script(
-    code: Path, out: Path, workers: int, relay: bool, resume: bool, src: Path | None
+    code: Path,
+    out: Path,
+    workers: int,
+    relay: bool,
+    resume: bool,
+    src: Path | None,
+    context: str | None = None,
 ) -> dict[str, Any]:
     cmd = [sys.executable, str(code / SCRIPT.name), "--out", str(out), "--workers", str(workers)]
-    cmd += ["--relay"] * relay + ["--resume"] * resume
+    cmd += ["--relay"] * relay + ["--resume"] * resume + ["--context", context] * (context is not None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(src), timeout=3600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
@@ -216,8 +226,19 @@ def _script(
     return dict(json.loads(lines[-1].removeprefix("RESULT ")))
 
 
-def worker_costs(counts: list[int], repeats: int, src: Path | None) -> list[dict[str, Any]]:
-    """Seconds from the script's start to its first update done after a resume, per worker count and side."""
+SIDES = {  # name: (RelayTrainer?, multiprocessing context asked for)
+    "relay": (True, None),  # the default: forked workers here (one process, one thread)
+    "hf": (False, None),  # Trainer's own resume_from_checkpoint, DataLoader's default (fork)
+    "relay-forkserver": (True, "forkserver"),  # what a rank with other threads (gloo, CUDA) gets
+}
+
+
+def worker_costs(
+    counts: list[int], repeats: int, src: Path | None, sides: list[str], keep: Path | None = None
+) -> list[dict[str, Any]]:
+    """Seconds from the script's start to its first update done after a resume, per worker count and side: the
+    sides of one repetition back to back, in an order that alternates (whoever goes first meets another load).
+    keep: the rows so far are written there after each pair (a long run on a loaded machine)."""
     from torchrelay.stop import write_request
 
     base = Path(tempfile.mkdtemp(prefix="bench-trainer-workers-"))
@@ -230,31 +251,68 @@ def worker_costs(counts: list[int], repeats: int, src: Path | None) -> list[dict
     for step in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "bench"]):
         subprocess.run([*git, *step], check=True, capture_output=True)
     try:
-        relay_made, hf_made = base / "relay", base / "hf"
-        relay_made.mkdir()
-        write_request(relay_made, at_update=1, reason="benchmark")
-        _script(code, relay_made, 0, True, False, src)
-        _script(code, hf_made, 0, False, False, src)
-        for workers in counts:
-            for rep in range(repeats):
-                run, hf = base / f"relay-{workers}-{rep}", base / f"hf-{workers}-{rep}"
-                shutil.copytree(relay_made, run)
-                shutil.copytree(hf_made, hf)
-                write_request(run, at_update=2, reason="benchmark")
-                r = _script(code, run, workers, True, True, src)
-                h = _script(code, hf, workers, False, True, src)
-                assert r["global_step"] == h["global_step"] == 2, (r, h)
-                rows.append({"workers": workers, "rep": rep, "relay": r, "hf": h})
+        made = {True: base / "relay", False: base / "hf"}
+        made[True].mkdir()
+        write_request(made[True], at_update=1, reason="benchmark")
+        _script(code, made[True], 0, True, False, src)
+        _script(code, made[False], 0, False, False, src)
+        for rep in range(repeats):
+            for workers in counts:
+                row: dict[str, Any] = {"workers": workers, "rep": rep, "load": os.getloadavg()[0]}
+                for side in sides if rep % 2 == 0 else sides[::-1]:
+                    relay, context = SIDES[side]
+                    run = base / f"{side}-{workers}-{rep}"
+                    shutil.copytree(made[relay], run)
+                    if relay:
+                        write_request(run, at_update=2, reason="benchmark")
+                    row[side] = _script(code, run, workers, relay, True, src, context)
+                    assert row[side]["global_step"] == 2, row
+                    shutil.rmtree(run, ignore_errors=True)
+                row["load_after"] = os.getloadavg()[0]
+                rows.append(row)
+                if keep is not None:
+                    keep.write_text(json.dumps({"workers": rows}, indent=1))
                 print(
-                    f"{workers} workers: torchrelay {r['first_update_done']:7.2f}s (in train() "
-                    f"{r['first_update_done'] - r['train']:6.2f}s)   Trainer {h['first_update_done']:7.2f}s "
-                    f"(in train() {h['first_update_done'] - h['train']:6.2f}s)   "
-                    f"ratio {r['first_update_done'] / h['first_update_done']:.2f}",
+                    f"{workers} workers, load {row['load']:.1f}: "
+                    + "   ".join(
+                        f"{side} {row[side]['first_update_done']:6.2f}s "
+                        f"(train() {row[side]['first_update_done'] - row[side]['train']:5.2f}s)"
+                        for side in sides
+                    ),
                     flush=True,
                 )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return rows
+
+
+def summary(rows: list[dict[str, Any]], sides: list[str]) -> list[str]:
+    """Per worker count and side against Trainer: medians of each side's times, of the paired ratios and of the
+    paired differences (what torchrelay adds, whatever the load did to both), from three starts: the script's
+    (end to end), the end of its imports and model (the same code on both sides: what differs), `train()`."""
+    lines = []
+    spans = {"end to end": None, "after the imports": "imported", "inside train()": "train"}
+    for workers in sorted({r["workers"] for r in rows}):
+        mine = [r for r in rows if r["workers"] == workers]
+        load = statistics.median(r["load"] for r in mine)
+        for side in [s for s in sides if s != "hf"]:
+            parts = []
+            for span, mark in spans.items():
+                pairs = [
+                    [r[x]["first_update_done"] - (r[x][mark] if mark else 0.0) for x in (side, "hf")]
+                    for r in mine
+                ]
+                parts.append(
+                    f"{span} {statistics.median(a for a, _ in pairs):.2f}s vs "
+                    f"{statistics.median(b for _, b in pairs):.2f}s, ratio "
+                    f"{statistics.median(a / b for a, b in pairs):.2f}, difference "
+                    f"{statistics.median(a - b for a, b in pairs):+.2f}s"
+                )
+            lines.append(
+                f"{workers} workers, {len(mine)} pairs, load {load:.1f}, {side} vs Trainer: "
+                + "; ".join(parts)
+            )
+    return lines
 
 
 def main() -> None:
@@ -269,12 +327,20 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--workers", default=None, help="loader worker counts, e.g. 2,8 (see above)")
     parser.add_argument("--src", type=Path, default=None, help="--workers: the torchrelay source tree to run")
+    parser.add_argument(
+        "--sides", default="relay,hf", help=f"--workers: which of {', '.join(SIDES)} (hf is the peer)"
+    )
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.out, args.samples, int(args.at))
         return
     if args.workers:
-        rows = worker_costs([int(x) for x in args.workers.split(",")], args.repeats, args.src)
+        sides = args.sides.split(",")
+        rows = worker_costs(
+            [int(x) for x in args.workers.split(",")], args.repeats, args.src, sides, args.json
+        )
+        for line in summary(rows, sides):
+            print(line)
         if args.json:
             args.json.write_text(json.dumps({"workers": rows}, indent=1))
         return

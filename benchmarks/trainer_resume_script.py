@@ -2,7 +2,7 @@
 at the top, the dataset a top-level class, the training under a main guard), so that a forkserver's workers import
 it and, with it, transformers. `--relay`: RelayTrainer; else Trainer and its own resume_from_checkpoint.
 
-    python benchmarks/trainer_resume_script.py --out DIR --workers 2 [--relay] [--resume]
+    python benchmarks/trainer_resume_script.py --out DIR --workers 2 [--relay] [--resume] [--context forkserver]
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def main() -> None:
     cli.add_argument("--workers", type=int, default=0)
     cli.add_argument("--relay", action="store_true")
     cli.add_argument("--resume", action="store_true")
+    cli.add_argument(
+        "--context", default=None, help="dataloader_multiprocessing_context (default: Trainer's)"
+    )
     opt = cli.parse_args()
     args = TrainingArguments(
         output_dir=opt.out,
@@ -62,6 +65,7 @@ def main() -> None:
         save_steps=1,
         logging_strategy="no",
         dataloader_num_workers=opt.workers,
+        dataloader_multiprocessing_context=opt.context,
         report_to="none",
         disable_tqdm=True,
         seed=1234,

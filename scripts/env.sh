@@ -1,17 +1,25 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: make .venv with what torchrelay needs, once.
+# TORCHRELAY_FLOOR=1 (scripts/test.sh --floor): .venv-floor instead, with the lowest torch the package declares
+# (scripts/constraints-floor.txt); TORCHRELAY_VENV=DIR: that venv instead of either (made there if missing).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+if [ "${TORCHRELAY_FLOOR:-0}" = 1 ]; then
+  VENV="${TORCHRELAY_VENV:-$ROOT/.venv-floor}"
+  CONSTRAINTS="$ROOT/scripts/constraints-floor.txt"
+else
+  VENV="${TORCHRELAY_VENV:-$ROOT/.venv}"
+  CONSTRAINTS="$ROOT/scripts/constraints.txt"
+fi
 STAMP="$VENV/.torchrelay-installed"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV" >&2
   python3 -m venv "$VENV"
 fi
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scripts/constraints.txt" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$CONSTRAINTS" -nt "$STAMP" ]; then
   echo "setup: installing torchrelay and its dependencies into $VENV" >&2
   # exact dev builds from the constraints file (torch: the CPU wheel on disk); the package itself has lower bounds only
   # DS_BUILD_OPS=0: deepspeed's sdist builds a pure-Python wheel (measured: 37 s on the shared 2-core VM at load 10)
-  DS_BUILD_OPS=0 "$VENV/bin/pip" install -q --disable-pip-version-check -c "$ROOT/scripts/constraints.txt" \
+  DS_BUILD_OPS=0 "$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONSTRAINTS" \
     -e "$ROOT[dev]" 2>&1 | grep -v "is ignored" >&2 || true
   "$VENV/bin/python" -c "import torch, torchrelay, matplotlib, pytest, transformers, deepspeed, accelerate" >/dev/null
   # DeepSpeed's CPU accelerator compiles its shared-memory collectives (deepspeed_shm_comm, C++ with g++ and ninja)

@@ -37,7 +37,10 @@ def baseline(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 # The fast tier (`bash scripts/test.sh --fast`): every test that needs no launch of ranks. A test is in it until it
 # starts one: the first launch (torchrun or `python -m torch.distributed.run`, a Slurm job, the demo, ranks of
 # torch.multiprocessing.spawn) skips it, so a new test needs no marker to land in the right tier. The full suite,
-# with every launch, stays the proof.
+# with every launch, stays the proof. Two kinds are skipped before they start, so the tier stays a few minutes on a
+# busy 2-core machine: `slurm` tests (each launches a job, but its fixture first starts the daemons: 10-12 s), and
+# `full` tests, which launch no rank but start heavy real processes of their own (a rank's loader workers taking
+# signals: 35 s; a fresh interpreter importing transformers: 20 s).
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", "demo.py")
 
 
@@ -54,6 +57,7 @@ def _launches(args: Any) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "full: starts heavy real processes (no rank): in the full suite only")
     if not config.getoption("--fast"):
         return
     real = subprocess.Popen.__init__
@@ -71,3 +75,15 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch.multiprocessing
 
     torch.multiprocessing.spawn = refuse_spawn  # type: ignore[assignment]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--fast"):
+        return
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.skip(reason="fast tier: this test launches a Slurm job"))
+        elif item.get_closest_marker("full"):
+            item.add_marker(
+                pytest.mark.skip(reason="fast tier: this test starts heavy processes (marked full)")
+            )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,16 +73,26 @@ def test_three_stops_request_signal_budget(example: dict[str, Path], baseline: P
     assert [s["first_update"] for s in segs[1:]] == [s["last_update"] + 1 for s in segs[:-1]]
 
 
-def test_num_workers_change_between_segments(
-    example: dict[str, Path], baseline: Path, tmp_path: Path
-) -> None:
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def stopped_at_0_and_5(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run, three launches that two tests read: a stop agreed before the first update, a stop after update 5,
+    then to the end with 2 loader workers (one launch fewer than a run for each)."""
+    run = tmp_path_factory.mktemp("stops-0-5") / "run"
     run.mkdir()
+    write_request(run)  # no update named: honoured at the first boundary
+    first = launch(example["code"], run, config=example["config"])
+    after_first = {"segment": segments(run)[-1], "checkpoints": list(run.glob("checkpoint-*"))}
     write_request(run, at_update=5)
-    launch(example["code"], run, config=example["config"])
+    launch(example["code"], run)
     out = launch(example["code"], run, sets={"num_workers": 2})
     assert out.returncode == 0, out.stdout + out.stderr
-    seg = segments(run)[-1]
+    return {"run": run, "first": first, "after_first": after_first}
+
+
+def test_num_workers_change_between_segments(stopped_at_0_and_5: dict[str, Any], baseline: Path) -> None:
+    run = stopped_at_0_and_5["run"]
+    stopped, seg = segments(run)[-2:]
+    assert (stopped["ended"], stopped["last_update"]) == ("request", 5)
     assert seg["runtime_changes"] == {"num_workers": [0, 2]}
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
@@ -199,19 +210,14 @@ def test_checkpoint_without_inventory_is_never_chosen(
 
 
 def test_stop_before_the_first_update_leaves_no_checkpoint_and_resumes_exactly(
-    example: dict[str, Path], baseline: Path, tmp_path: Path
+    stopped_at_0_and_5: dict[str, Any], baseline: Path
 ) -> None:
     """A stop agreed at update 0 writes no checkpoint (an optimizer that never stepped has no true state)."""
-    run = tmp_path / "run"
-    run.mkdir()
-    write_request(run)  # no update named: honoured at the first boundary
-    out = launch(example["code"], run, config=example["config"])
-    assert out.returncode != 0
-    seg = segments(run)[-1]
+    run = stopped_at_0_and_5["run"]
+    assert stopped_at_0_and_5["first"].returncode != 0
+    seg = stopped_at_0_and_5["after_first"]["segment"]
     assert (seg["ended"], seg["last_update"]) == ("request", 0)
-    assert not list(run.glob("checkpoint-*"))
-    out = launch(example["code"], run)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert segments(run)[-1]["resumed_from"] is None
+    assert not stopped_at_0_and_5["after_first"]["checkpoints"]
+    assert segments(run)[1]["resumed_from"] is None  # the next launch started from update 1
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)

@@ -35,11 +35,11 @@ from torchrelay.checkpoint import state
 from torchrelay.checkpoint.reader import load_statefuls
 from torchrelay.cli import main
 from torchrelay.errors import EXIT_REFUSED, RelayError
-from torchrelay.fsutil import JSON_LIMIT
 from torchrelay.lock import TRAIN_LOCK
 from torchrelay.report.series import read_series
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.jsonl import LINE_LIMIT
+from torchrelay.util.records import JSON_LIMIT
 from torchrelay.util.safepath import walk_files
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
 

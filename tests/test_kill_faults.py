@@ -1,26 +1,24 @@
-"""A few SIGKILLs of the whole job (launcher, both ranks, loader workers), as benchmarks/bench_kill.py does hundreds:
-inside saves, while the run is being created, between updates. Each next launch resumes from the newest complete
-checkpoint, refuses nothing, leaves no temporary behind, and the run ends bit for bit with its ledger proved."""
+"""A few SIGKILLs of the whole job (launcher, both ranks, loader workers), as benchmarks/bench_kill.py does hundreds
+with the same tests/kill_campaign.py: inside saves, while the run is being created, between updates. Each next
+launch resumes from the newest complete checkpoint, refuses nothing, leaves no temporary behind, and the run ends
+bit for bit with its ledger proved."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import REPO
+from kill_campaign import Campaign
 from torchrelay import RelayConfig, Run
 from torchrelay.errors import ConfigError
 
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_kill import Campaign  # noqa: E402
-
-
-def test_whole_job_sigkilled_inside_saves_resumes_exactly(example: dict[str, Path], tmp_path: Path) -> None:
+def test_whole_job_sigkilled_inside_saves_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
     camp = Campaign(
         tmp_path,
         example["code"],
@@ -29,6 +27,7 @@ def test_whole_job_sigkilled_inside_saves_resumes_exactly(example: dict[str, Pat
         # (where, n-th event of the launch, delay after it): creating the run, the first and third save's
         # first moments, the update after a commit
         plans=[("create", 1, 0.0), ("save", 1, 0.0), ("save", 3, 0.002), ("update", 2, 0.0)],
+        baseline=baseline,  # the session's: saving every update and a loader worker change no bit
     )
     camp.run(kills=4)
 
@@ -133,7 +132,7 @@ def test_pack_prepare_validate_export_sigkilled_while_writing_then_run_again(
     """Each verb that writes, SIGKILLed (with what it started) at random moments of its writing: the same command
     run again completes (or, for a pack that had finished its bundle, refuses in one line and that bundle
     verifies), its output passes its own check, and no temporary is left (issue 19 defect 7)."""
-    from kill_verbs import VerbCampaign  # benchmarks/, on sys.path above
+    from kill_verbs import VerbCampaign
 
     camp = VerbCampaign(tmp_path, baseline, example["code"], seed=19)
     camp.run(kills_per_verb=2)

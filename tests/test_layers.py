@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "torchrelay"
 
 # (prefix of a module path under torchrelay, layer); the longest matching prefix wins
 LAYERS = [
-    ("util", 0), ("fsutil", 0), ("errors", 0), ("envvars", 0), ("ended", 0), ("proctree", 0), ("log", 0),
+    ("util", 0), ("errors", 0), ("envvars", 0), ("ended", 0), ("proctree", 0), ("log", 0),
     ("kill_points", 0),
     ("layout", 1), ("rundir", 1), ("config", 1), ("contract", 1), ("identity", 1), ("manifest", 1),
     ("history", 1), ("train_records", 1), ("lock", 1), ("checkpoint", 1), ("rng", 1), ("lr_shape", 1), ("reshard", 1),
@@ -88,3 +88,25 @@ def test_imports_point_down_and_tools_stay_apart() -> None:
     assert used >= KNOWN_TOOL_IMPORTS, (
         f"no longer imported, remove from KNOWN_TOOL_IMPORTS: {KNOWN_TOOL_IMPORTS - used}"
     )
+
+
+def test_no_test_imports_from_benchmarks() -> None:
+    """Benchmarks may use the tests' support modules, never the other way: a test must not break when a benchmark
+    is edited or dropped, and the fast tier must not import a benchmark's heavy setup."""
+    tests = Path(__file__).resolve().parent
+    folder = "bench" + "marks"  # spelled apart, so this file does not match its own rule
+    benches = {p.stem for p in (tests.parent / folder).glob("*.py")}
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        source = path.read_text()
+        if f'"{folder}"' in source:  # a path to the folder: put on sys.path or loaded by file name
+            found.append(f"{path.name}: names the benchmarks folder")
+        if not any(name in source for name in benches):
+            continue  # the parse below is for the files that could import one
+        for node in ast.walk(ast.parse(source)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            )
+            found += [f"{path.name}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] in benches]
+    assert not found, found

@@ -9,19 +9,16 @@ main before the readers existed).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from scale_run import write_manifest
 from torchrelay import manifest as M
 from torchrelay.errors import ConfigError
 from torchrelay.manifest import readers as R
 from torchrelay.manifest import scan as S
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_scale  # noqa: E402
 
 ROOT = "/data/set"
 
@@ -90,7 +87,7 @@ def test_readers_find_what_one_process_finds_and_fingerprint_v1(tmp_path: Path) 
     assert spread.records[5] == json.loads(tricky_lines()[5])
     # The benchmark's records: the one-parse-per-block path, the data root swapped in the canonical text.
     shaped = tmp_path / "b3000.jsonl"
-    bench_scale.write_manifest(shaped, 3000)
+    write_manifest(shaped, 3000)
     m = S.scan(shaped, "/data/lingbot", workers=2, part=4096)
     _same(S.scan(shaped, "/data/lingbot", workers=1), m)
     assert (

@@ -1,9 +1,10 @@
 """At scale (issue 11): `status`, `ledger` and a rank's manifest read in memory that does not grow with the run.
 
-A small version of benchmarks/bench_scale.py: a run of 2,000 updates x 1,024 (2 M exposures in 4 ranks' logs) over a
-200,000-sample manifest, written as the library writes it. Each command runs in a fresh process that reports its
-own peak RSS (VmHWM). Measured on main before this change: status 377 MiB, ledger 375 MiB, the manifest 245 MiB;
-after: 40, 113 and 44 MiB. The bounds sit between, with room for a slower or busier machine; no time is asserted.
+A small version of benchmarks/bench_scale.py (both write the run with tests/scale_run.py): a run of 2,000 updates x
+1,024 (2 M exposures in 4 ranks' logs) over a 200,000-sample manifest, written as the library writes it. Each command
+runs in a fresh process that reports its own peak RSS (VmHWM). Measured on main before this change: status 377 MiB,
+ledger 375 MiB, the manifest 245 MiB; after: 40, 113 and 44 MiB. The bounds sit between, with room for a slower or
+busier machine; no time is asserted.
 """
 
 from __future__ import annotations
@@ -16,19 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bench_scale  # noqa: E402
-
-from torchrelay.ledger import order_for, prove  # noqa: E402
-from torchrelay.manifest import Manifest, index_path  # noqa: E402
-from torchrelay.train_records import trim_after  # noqa: E402
+from scale_run import _HWM, cli, make_run, measure, write_manifest
+from torchrelay.ledger import order_for, prove
+from torchrelay.manifest import Manifest, index_path
+from torchrelay.train_records import trim_after
 
 UPDATES, BATCH, SAMPLES = 2000, 1024, 200_000
 
 _MANIFEST = (
-    bench_scale._HWM
+    _HWM
     + """
 import sys
 from pathlib import Path
@@ -43,7 +40,7 @@ print(len(m), m.indexed, m.fingerprint(), "hwm_kib", _hwm())
 @pytest.fixture(scope="module")
 def scale_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("scale")
-    return bench_scale.make_run(
+    return make_run(
         base,
         samples=SAMPLES,
         updates=UPDATES,
@@ -60,13 +57,13 @@ def _json(result: dict) -> dict:
 
 
 def _measure(args: list[str]) -> dict:
-    r = bench_scale.measure(args, keep_stdout=True)
+    r = measure(args, keep_stdout=True)
     assert r["rc"] == 0, r["err"]
     return r
 
 
 def test_status_reads_no_exposure_and_stays_small(scale_run: Path) -> None:
-    r = _measure(bench_scale.cli("status", "--json", str(scale_run)))
+    r = _measure(cli("status", "--json", str(scale_run)))
     s = _json(r)
     assert (s["updates_done"], s["exposures"], s["global_batch"]) == (UPDATES, UPDATES * BATCH, BATCH)
     assert s["ledger_ok"] is None and s["distinct"] is None  # not proven: that is `ledger`'s job
@@ -78,7 +75,7 @@ def test_status_reads_no_exposure_and_stays_small(scale_run: Path) -> None:
 
 
 def test_ledger_proves_2m_exposures_in_bounded_memory(scale_run: Path) -> None:
-    r = _measure(bench_scale.cli("ledger", "--json", str(scale_run)))
+    r = _measure(cli("ledger", "--json", str(scale_run)))
     rep = _json(r)
     assert rep["ok"] and rep["exposures"] == UPDATES * BATCH and rep["updates"] == UPDATES
     order, _ = order_for(scale_run)
@@ -106,7 +103,7 @@ def test_a_rank_reads_the_manifest_index_not_its_lines(scale_run: Path, tmp_path
 
 def test_the_index_is_used_only_for_the_bytes_it_was_made_from(tmp_path: Path) -> None:
     src = tmp_path / "manifest.jsonl"
-    bench_scale.write_manifest(src, 3000)
+    write_manifest(src, 3000)
     cold = Manifest.load(src, "/data/lingbot", index=index_path(src))
     assert not cold.indexed
     cold.save_index(index_path(src))

@@ -23,7 +23,7 @@ from torchrelay.audit.runner import AuditError, subprocess_launcher
 from torchrelay.controller.plan import CheckSpec
 from torchrelay.controller.preflight import PreflightFailed, PreflightReport, run_user_check
 from torchrelay.controller.supervisor import Supervisor
-from torchrelay.data.loader import RelayLoader, main_unguarded
+from torchrelay.data.loader import RelayLoader, main_unguarded, start_forkserver
 from torchrelay.errors import EXIT_REQUEST, EXIT_SIGNAL, ConfigError, RelayError
 from torchrelay.lock import RunLock
 from torchrelay.proctree import Tree, survivors
@@ -264,20 +264,22 @@ def _expect(child: subprocess.Popen[str], word: str) -> str:
     raise AssertionError(f"no {word} from the child (exit {child.wait()}):\n" + "".join(lines))
 
 
+@pytest.mark.full  # 5 rounds of real loader workers under signals: 35 s on a busy machine
 def test_loader_workers_survive_stop_signals_and_end_with_their_rank(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(WORKERS_CHILD)
-    # A rank that takes the stop signals and then crashes, and one that is killed outright.
-    # Forked workers (the fallback) are as safe from the signals as a forkserver's.
-    rounds = [(0, False, None), (2, True, None), (8, False, None), (2, False, "fork"), (2, False, None)]
+    # A rank that takes the stop signals and then crashes, and one that is killed outright. Forked workers (asked
+    # for, or the default of this single-threaded process) are as safe from the signals as a forkserver's.
+    rounds = [(0, False, None), (2, True, "forkserver"), (8, False, None), (2, False, "fork")]
+    rounds.append((2, False, "forkserver"))
     signalled = _child(script, rounds)
-    killed = _child(script, [(2, False, None)])
+    killed = _child(script, [(2, False, "forkserver")])
     trees = []
     try:
         for i, (nw_, _, asked) in enumerate(rounds):
             _, nw, _, context, kids = _expect(signalled, "READY").split(" ", 4)
             assert len(json.loads(kids)) >= int(nw)  # the workers (and a forkserver) are up
-            assert int(nw) == nw_ and context == ("None" if nw_ == 0 else asked or "forkserver")
+            assert int(nw) == nw_ and context == ("None" if nw_ == 0 else asked or "fork")
             assert signalled.stdin is not None
             if i == len(rounds) - 1:
                 trees.append(Tree(signalled.pid))
@@ -317,17 +319,22 @@ def test_workers_start_from_a_forkserver_only_when_they_can(tmp_path: Path) -> N
     try:
         main.__file__ = str(guarded)
         assert main_unguarded() is None
-        assert RelayLoader(list(range(8)), None, 2).context() == ("forkserver", None)
+        # A rank with other threads (gloo's, CUDA's): a forkserver; with one thread alone a fork is safe, and free.
+        assert RelayLoader(list(range(8)), None, 2).context(threads=5) == ("forkserver", None)
+        assert RelayLoader(list(range(8)), None, 2).context(threads=1) == ("fork", None)
+        assert not start_forkserver(2, threads=1)  # nor is a server started early for it
         # A dataset that cannot be pickled into a worker: fork, and a note saying why; asked for: refused.
         loader = RelayLoader([lambda: 1], None, 2)
-        context, note = loader.context()
+        context, note = loader.context(threads=5)
         assert context == "fork" and note is not None and "cannot be pickled" in note
+        assert loader.context(threads=1) == ("fork", None)
         loader.multiprocessing_context = "forkserver"
         with pytest.raises(ConfigError, match="cannot be pickled"):
-            loader.context()
+            loader.context(threads=1)
         main.__file__ = str(loose)
         assert "has no `if __name__" in str(main_unguarded())
-        assert RelayLoader(list(range(8)), None, 2).context()[0] == "fork"
+        assert RelayLoader(list(range(8)), None, 2).context(threads=5)[0] == "fork"
+        assert not start_forkserver(2, threads=5)  # the workers will be forked: no server
         assert RelayLoader(list(range(8)), None, 0).context() == (None, None)
     finally:
         main.__file__ = saved  # type: ignore[assignment]

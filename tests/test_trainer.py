@@ -401,6 +401,7 @@ def test_trainer_options_refuse_what_needs_a_manifest() -> None:
     assert "sampler='length_bucketed'" in (info.value.hint or "")
 
 
+@pytest.mark.full  # a fresh interpreter importing transformers: 20 s on a busy machine
 def test_the_forkserver_preloads_what_a_trainer_script_imports(tmp_path: Path) -> None:
     """A forkserver's workers import the script, and with it transformers, each one: the server imports the
     script's top-level imports once instead (data/loader.py script_imports), the modules `from X import name`

@@ -1,4 +1,5 @@
-"""Hugging Face Trainer with FSDP2 through accelerate (benchmarks/gpu_trainer_fsdp2.py's worker, 2 ranks, gloo).
+"""Hugging Face Trainer with FSDP2 through accelerate (tests/trainer_fsdp2.py's worker, 2 ranks, gloo:
+the script benchmarks/gpu_trainer_fsdp2.py runs on GPUs).
 
 accelerate applies an FSDP plugin only on an accelerator; the worker turns it on for CPU (FSDP2's fully_shard runs
 on CPU tensors with a gloo mesh), so the sharded path is tested here and on GPUs by the same script. Stopped by a
@@ -9,24 +10,19 @@ wrote its own shards; the FSDP settings accelerate trains with are in the contra
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from helpers import REPO, segments
+from helpers import segments
 from torchrelay.stop import write_request
 
 
 def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "gpu_trainer_fsdp2", REPO / "benchmarks" / "gpu_trainer_fsdp2.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import trainer_fsdp2
+
+    return trainer_fsdp2
 
 
 def _plugin(**fsdp_config: Any) -> Any:

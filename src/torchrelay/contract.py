@@ -8,12 +8,12 @@ from typing import Any
 
 from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
-from torchrelay.fsutil import read_json
 from torchrelay.identity import CODE_FIELDS, code_changes, code_identity, versions
 from torchrelay.layout import CONTRACT_FILE
 from torchrelay.manifest import Manifest
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
+from torchrelay.util.records import read_json
 
 CONTRACT_FORMAT = 1
 # A plain source tree (an extracted `git archive`) knows its tree hash but not its commit: the commit is
@@ -127,7 +127,7 @@ def contract_changes(
 
 
 def write_contract(run_dir: Path, contract: dict[str, Any]) -> None:
-    from torchrelay.fsutil import atomic_write_text
+    from torchrelay.util.durable import atomic_write_text
 
     recorded = {k: contract[k] for k in ("format", "fields", "sha256")}  # not "compat": it is no field
     atomic_write_text(run_dir / CONTRACT_FILE, canonical_json(recorded) + "\n")

@@ -229,10 +229,12 @@ def report(exc: RelayError, rank: int, stream: TextIO | None = None) -> None:
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    rank = _env_rank()
+    if not isinstance(exc, RelayError) and not _before_run and _peer_gone(exc):
+        exc = _lost_peers(exc, rank)
     if not isinstance(exc, RelayError):
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
-    rank = _env_rank()
     if rank != 0 and _before_run and isinstance(exc, ConfigError):
         mark_reported(exc)  # rank 0 says it
     # The process's own stderr: torch.distributed's init_process_group wraps this hook and points sys.stderr at a
@@ -250,6 +252,27 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
         pass
     atexit._run_exitfuncs()
     os._exit(code)
+
+
+# What gloo and NCCL raise in a rank waiting in a collective of the training's own (DDP's gradient all-reduce) when
+# a peer's process ended: the peer's own output says why, so this rank says so in one line, as the failure
+# protocol's exchanges do (util/collective.py), instead of a traceback through the script.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    text = str(exc)
+    named = type(exc).__name__ in ("DistBackendError", "DistNetworkError")
+    return isinstance(exc, RuntimeError) and (named or any(s in text for s in _PEER_GONE))
+
+
+def _lost_peers(exc: BaseException, rank: int) -> RelayError:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = (lines[0] if lines else type(exc).__name__)[:300]
+    return RelayError(
+        f"training: rank {rank} lost its peers ({text})",
+        hint="another rank ended: its output says why",
+    )
 
 
 def _env_rank() -> int:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from torchrelay.ended import Ended
-from torchrelay.fsutil import atomic_write_text
 from torchrelay.layout import HISTORY_FILE
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import read_records
 from torchrelay.util.records import Optional, Schema
 

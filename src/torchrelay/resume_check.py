@@ -12,7 +12,6 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.config import RelayConfig
 from torchrelay.contract import (
-    CONTRACT_FILE,
     build_contract,
     comparable,
     contract_changes,
@@ -145,7 +144,7 @@ def validate_resume(
     )
     contract = comparable(fields, contract)
     other = _check_math_and_layout(
-        rd.path / CONTRACT_FILE, fields, contract["fields"], current, new, reshard, cfg.strict_code
+        rd.contract_path, fields, contract["fields"], current, new, reshard, cfg.strict_code
     )
     # The recorded digest is the run's one identity: prepare, the trainer and the bundle README print it. (A
     # recomputed digest can differ in fields the comparison skips, e.g. the commit of an extracted archive.)
@@ -252,7 +251,7 @@ def _prepare_record(path: Path) -> Any:
 
 def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | None:
     """The layout `prepare --world-size` set for the checkpoint of `update` (REBASE_RECORD.json), or None."""
-    path = Path(run_dir) / PREPARE_RECORD
+    path = RunDir(run_dir).prepare_record_path
     record = _prepare_record(path)
     if record is None:
         return None
@@ -268,7 +267,7 @@ def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | No
 
 def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:
     """The runtime fields `prepare` set on this run directory (REBASE_RECORD.json `changes`), dotted."""
-    record = _prepare_record(Path(run_dir) / PREPARE_RECORD)
+    record = _prepare_record(RunDir(run_dir).prepare_record_path)
     if record is None:
         return []
     changes = record.get("changes") if isinstance(record, dict) else None

@@ -19,10 +19,12 @@ import psutil
 
 from torchrelay import envvars
 from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, UnsafeInput
-from torchrelay.fsutil import atomic_write_text
+from torchrelay.layout import REQUEST_STOP
+from torchrelay.rundir import RunDir
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.safepath import open_regular
 
-REQUEST_FILE = "REQUEST_STOP"
+REQUEST_FILE = REQUEST_STOP  # the name lives in layout.py
 # The agreed stop code is the maximum over ranks; these values double as process exit codes.
 NONE = 0
 
@@ -134,7 +136,7 @@ def write_request(
     reason: str = "user",
 ) -> Path:
     """Ask the run in `run_dir` to save and stop (at the next boundary, or after `at_update`)."""
-    path = Path(run_dir) / REQUEST_FILE
+    path = RunDir(run_dir).request_stop_path
     try:
         by = f"{getpass.getuser()}@{socket.gethostname()}"
     except Exception:  # noqa: BLE001 - no user name in some containers

@@ -232,14 +232,15 @@ def rank_logs(train_dir: Path, kind: str) -> dict[int, Path]:
 # ------------------------------------------------------------------------------ reading exposure logs fast
 # The writer above makes every exposure line `{"u":U,"m":M,"i":[I,...]}` (json.dumps, compact): a file made only of
 # such lines is read as arrays, 20 M exposures in seconds; any other file is read line by line (util/jsonl's
-# policy for a torn or damaged line applies either way).
+# policy for a torn or damaged line applies either way). The check of a block costs a few passes of bytes and
+# numpy operations over it, none per number but numpy's own parse (profiled at LingBot size: RESULTS.md).
 _EXPOSURE_HEAD = b'{"u":,"m":,"i":['
+_DIGITS = b"0123456789"
 _NOT_DIGIT = bytes(c if 48 <= c <= 57 else 32 for c in range(256))
-_IS_DIGIT = bytes(1 if 48 <= c <= 57 else 0 for c in range(256))
-_BEFORE_NUMBER = np.zeros(256, dtype=bool)
-_BEFORE_NUMBER[list(b":[,")] = True
-_AFTER_NUMBER = np.zeros(256, dtype=bool)
-_AFTER_NUMBER[list(b",]")] = True
+# Each byte's role around a number: a digit (0), what may stand before one (o: `:` `[`), after one (c: `]`),
+# both (b: `,`); anything else (x).
+_ROLE = bytes(48 if 48 <= c <= 57 else {58: 111, 91: 111, 44: 98, 93: 99}.get(c, 120) for c in range(256))
+_POWERS = [10**k for k in range(1, 19)]
 
 
 @dataclass(slots=True)
@@ -268,10 +269,10 @@ def read_exposures(path: Path) -> Exposures:
                 continue
             data = b"".join([*rest, block[:cut]])
             rest, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
-            lines += data.count(b"\n")
             parsed = _parse_exposure_block(data)
             if parsed is None:
                 return _exposures_by_line(path)
+            lines += len(parsed[0])
             parts.append(parsed)
     tail = b"".join(rest)
     if not parts:
@@ -291,10 +292,22 @@ def _line_too_long(path: Path | None, which: str) -> IntegrityError:
 
 
 def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(updates, counts, ids) of whole lines written as the writer writes them, else None."""
-    skeleton = data.translate(None, b"0123456789")  # each line must read {"u":,"m":,"i":[,,,]}
+    """(updates, counts, ids) of whole lines written as the writer writes them, else None.
+
+    What is checked, and why it is enough: without its digits each line is the writer's skeleton
+    `{"u":,"m":,"i":[,,]}`; every run of digits starts after `:`, `[` or `,` and ends before `,` or `]` (so it
+    fills one slot of the skeleton, and no slot holds two); there are as many runs as slots (none is empty); and
+    the digits are exactly as many as the values' own (no leading zero), each value below 10^18."""
+    skeleton = data.translate(None, _DIGITS)
     lines = skeleton.count(b"\n")
-    if (
+    first_line = skeleton.find(b"\n") + 1
+    width = first_line - len(_EXPOSURE_HEAD) - 3  # the commas of the first line's list
+    if width < 0:
+        return None
+    if len(skeleton) == first_line * lines:  # every line as long as the first: one comparison
+        if skeleton != (_EXPOSURE_HEAD + b"," * width + b"]}\n") * lines:
+            return None
+    elif (
         not skeleton.startswith(_EXPOSURE_HEAD)
         or skeleton.count(_EXPOSURE_HEAD) != lines
         or skeleton.count(b"\n" + _EXPOSURE_HEAD) != lines - 1
@@ -302,33 +315,36 @@ def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarr
         or skeleton.replace(_EXPOSURE_HEAD, b"").replace(b"]}\n", b"").translate(None, b",")
     ):
         return None
-    # Numbers stand only in the skeleton's slots (after `:`, `[` or `,`, before `,` or `]`), one in every slot
-    # (only a list may be empty), with no leading zero, and short enough for int64.
-    a = np.frombuffer(data, dtype=np.uint8)
-    edges = np.flatnonzero(
-        np.diff(np.frombuffer(data.translate(_IS_DIGIT), dtype=np.int8), prepend=0, append=0)
-    )
-    first, end = edges[0::2], edges[1::2]  # each run of digits: [first, end)
-    list_commas = len(skeleton) - lines * (len(_EXPOSURE_HEAD) + 3)
-    empty_lists = data.count(b"[]")
-    if len(first) != 2 * lines + list_commas + lines - empty_lists or first[0] == 0:
-        return None
-    width = end - first
-    if (
-        not _BEFORE_NUMBER[a[first - 1]].all()
-        or not _AFTER_NUMBER[a[end]].all()
-        or (width > 18).any()
-        or ((a[first] == 48) & (width > 1)).any()
-    ):
+    role = data.translate(_ROLE)
+    even = np.frombuffer(role, "<u2", count=len(role) // 2)
+    odd = np.frombuffer(role, "<u2", count=(len(role) - 1) // 2, offset=1)
+
+    def pairs(*two: bytes) -> int:  # occurrences of these byte pairs in `role`, at any offset
+        codes = [int.from_bytes(t, "little") for t in two]
+        return sum(int(np.count_nonzero(view == c)) for c in codes for view in (even, odd))
+
+    empty_lists = pairs(b"oc")  # `[]`: the skeleton allows no other `:]`
+    if empty_lists:  # a line's count is then not its skeleton's length: rare, read line by line
         return None
     values = np.fromstring(data.translate(_NOT_DIGIT), dtype=np.int64, sep=" ")
-    if len(values) != len(first):
+    slots = 3 * lines + len(skeleton) - lines * (len(_EXPOSURE_HEAD) + 3)
+    if len(values) != slots or pairs(b"o0", b"b0") != slots or pairs(b"0b", b"0c") != slots:
         return None
-    if empty_lists:
-        per_line = np.diff(np.searchsorted(first, np.flatnonzero(a == 10)), prepend=0)
-    else:  # a skeleton line is the head, a comma between ids, `]}` and the newline
-        breaks = np.flatnonzero(np.frombuffer(skeleton, dtype=np.uint8) == 10)
-        per_line = np.diff(breaks, prepend=-1) - (len(_EXPOSURE_HEAD) + 3) + 3
+    if slots and int(values.max()) >= _POWERS[-1]:  # also what numpy makes of a number past int64
+        return None
+    digits = len(values)
+    for power in _POWERS[:-1]:
+        above = int(np.count_nonzero(values >= power))
+        if not above:
+            break
+        digits += above
+    if digits != len(data) - len(skeleton):  # a leading zero, or a digit outside the values
+        return None
+    if len(skeleton) == first_line * lines:
+        table = values.reshape(lines, width + 3)
+        return table[:, 0].copy(), np.full(lines, width + 1, dtype=np.int64), table[:, 2:].reshape(-1)
+    breaks = np.flatnonzero(np.frombuffer(skeleton, dtype=np.uint8) == 10)
+    per_line = np.diff(breaks, prepend=-1) - (len(_EXPOSURE_HEAD) + 3) + 3
     starts = np.cumsum(per_line) - per_line
     keep = np.ones(len(values), dtype=bool)
     keep[starts] = keep[starts + 1] = False
@@ -344,8 +360,14 @@ def _exposures_by_line(path: Path) -> Exposures:
         updates.append(rec["u"])
         counts.append(len(got))
         ids.extend(got)
-    return Exposures(
-        np.asarray(updates, dtype=np.int64),
-        np.asarray(counts, dtype=np.int64),
-        np.asarray(ids, dtype=np.int64),
-    )
+    try:
+        return Exposures(
+            np.asarray(updates, dtype=np.int64),
+            np.asarray(counts, dtype=np.int64),
+            np.asarray(ids, dtype=np.int64),
+        )
+    except OverflowError:  # JSON's integers have no bound; no update or manifest index comes near 2^63
+        raise IntegrityError(
+            f"{path}: an update or sample index is past 64 bits",
+            hint=f"{path.name} is damaged; restore it from a copy",
+        ) from None

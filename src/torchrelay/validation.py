@@ -32,11 +32,11 @@ from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.costmodel import validation_fits
 from torchrelay.errors import ConfigError, RelayError
-from torchrelay.fsutil import atomic_write_text
 from torchrelay.identity import code_identity, find_code_dir
-from torchrelay.layout import CONTRACT_FILE
+from torchrelay.layout import checkpoint_name
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json, read_json_or_none
 from torchrelay.validation_records import (
@@ -47,7 +47,6 @@ from torchrelay.validation_records import (
     RECORD,
     RECORD_FORMAT,
     RECORD_LIMIT,
-    VALIDATION_DIR,
     ValidationRecord,
     folder,
     read_records,
@@ -196,8 +195,9 @@ def write_pending(run_dir: Path, spec: ValidationSpec, report: ValidationReport,
         "left": {str(k): v for k, v in sorted(report.left.items())},
         "missing": {str(k): v for k, v in sorted(report.missing.items())},
     }
-    (run_dir / VALIDATION_DIR).mkdir(exist_ok=True)
-    atomic_write_text(run_dir / VALIDATION_DIR / PENDING, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    where = RunDir(run_dir).validation_dir
+    where.mkdir(exist_ok=True)
+    atomic_write_text(where / PENDING, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
 def command_for(template: str, values: dict[str, str]) -> str:
@@ -219,7 +219,7 @@ def run_one(
     clock: Callable[[], float] = time.time,
 ) -> ValidationRecord:
     """Run the command on checkpoint-<update> and record how it went (never raises for the command's failure)."""
-    ckpt = run_dir / f"checkpoint-{update}"
+    ckpt = RunDir(run_dir).checkpoint(update)
     out = folder(run_dir, update)
     previous = read_records(run_dir).get(update)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +250,7 @@ def run_one(
         validate_complete(ckpt, hashes=False)  # sizes: the trainer hashed it when it wrote it
         record.inventory_sha256 = sha256_hex(ckpt / INVENTORY)
     except RelayError as exc:
-        record.reason = f"checkpoint-{update} is damaged, not validated: {exc.message}"
+        record.reason = f"{checkpoint_name(update)} is damaged, not validated: {exc.message}"
         return _finish(out, record, clock)
     try:
         return _run_command(ckpt, out, record, spec, values, end_by, should_stop, clock)
@@ -313,7 +313,7 @@ def _run_command(
         validate_complete(ckpt, hashes=False)
     except RelayError as exc:  # the command wrote into the checkpoint: say so on the record and in status
         record.status = "failed"
-        record.reason = f"the command changed checkpoint-{update}: {exc.message}"
+        record.reason = f"the command changed {checkpoint_name(update)}: {exc.message}"
     return _finish(out, record, clock)
 
 
@@ -382,5 +382,5 @@ def _code_of(cwd: Path) -> dict[str, Any]:
 
 
 def _contract_sha(run_dir: Path) -> str | None:
-    doc = read_json_or_none(run_dir / CONTRACT_FILE, what="the training contract", root=run_dir)
+    doc = read_json_or_none(RunDir(run_dir).contract_path, what="the training contract", root=run_dir)
     return str(doc.get("sha256")) if isinstance(doc, dict) else None

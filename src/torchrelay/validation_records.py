@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.errors import ConfigError, RecordError
+from torchrelay.layout import parse_checkpoint_name
+from torchrelay.rundir import RunDir
 from torchrelay.util.records import Optional, check, read_json
 
-VALIDATION_DIR = "validation"
 RECORD = "record.json"
 METRICS = "metrics.json"
 LOG = "output.log"
@@ -109,26 +110,26 @@ def parse_updates(value: Any, source: str = "validate.updates") -> list[int] | N
 
 
 def folder(run_dir: str | os.PathLike[str], update: int) -> Path:
-    return Path(run_dir) / VALIDATION_DIR / f"checkpoint-{update}"
+    return RunDir(run_dir).validation_of(update)
 
 
 def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]:
     """Every recorded validation, by update. A folder without a record holds none (a validation killed mid-way:
     the record is written atomically, last); a record that is there but unreadable, or not a record, is damage:
     one RecordError naming the file and the field."""
-    root = Path(run_dir) / VALIDATION_DIR
+    root = RunDir(run_dir).validation_dir
     out: dict[int, ValidationRecord] = {}
     if not root.is_dir():
         return out
     for child in root.iterdir():
-        if not child.name.startswith("checkpoint-") or not child.name[11:].isdigit():
+        if parse_checkpoint_name(child.name) is None:
             continue
         path = child / RECORD
         if not os.path.lexists(path):
             continue
         data = read_json(path, what="a validation record", root=run_dir, limit=RECORD_LIMIT)
         record = ValidationRecord.from_dict(data, source=str(path))
-        if f"checkpoint-{record.update}" != child.name:
+        if record.update != parse_checkpoint_name(child.name):
             raise RecordError(str(path), f"says update {record.update}, in {child.name}", field="update",
                               hint=f"remove {child} to validate that checkpoint again")  # fmt: skip
         out[record.update] = record
@@ -137,7 +138,7 @@ def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]
 
 def read_pending(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """What the last validation pass left to do (`pending.json`), or None without one."""
-    path = Path(run_dir) / VALIDATION_DIR / PENDING
+    path = RunDir(run_dir).validation_dir / PENDING
     if not os.path.lexists(path):
         return None
     return read_json(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from torchrelay.layout import TRAIN_DIR
+from torchrelay.rundir import RunDir
 from torchrelay.train_records import rank_logs
 from torchrelay.util.jsonl import iter_records
 
@@ -163,7 +163,10 @@ def compare_metrics(
 ) -> LogComparison:
     """Compare train/metrics-rank*.jsonl line by line, timing and ignored keys left out; note where each key parts."""
     result = LogComparison(what="metrics")
-    a_files, b_files = rank_logs(a_dir / TRAIN_DIR, "metrics"), rank_logs(b_dir / TRAIN_DIR, "metrics")
+    a_files, b_files = (
+        rank_logs(RunDir(a_dir).train_dir, "metrics"),
+        rank_logs(RunDir(b_dir).train_dir, "metrics"),
+    )
     for rank in sorted(set(a_files) | set(b_files)):
         a_rows, b_rows = (
             _metrics_by_update(a_files.get(rank), ignore),
@@ -206,7 +209,10 @@ def _ledger_by_update(path: Path | None) -> dict[int, list[tuple[int, list[int]]
 def compare_ledgers(a_dir: Path, b_dir: Path) -> LogComparison:
     """Compare train/exposures-rank*.jsonl: the same manifest indices in the same micro-steps of the same updates."""
     result = LogComparison(what="ledger")
-    a_files, b_files = rank_logs(a_dir / TRAIN_DIR, "exposures"), rank_logs(b_dir / TRAIN_DIR, "exposures")
+    a_files, b_files = (
+        rank_logs(RunDir(a_dir).train_dir, "exposures"),
+        rank_logs(RunDir(b_dir).train_dir, "exposures"),
+    )
     for rank in sorted(set(a_files) | set(b_files)):
         a_rows, b_rows = _ledger_by_update(a_files.get(rank)), _ledger_by_update(b_files.get(rank))
         for update in sorted(set(a_rows) | set(b_rows)):

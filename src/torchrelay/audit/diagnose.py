@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from torchrelay.layout import checkpoint_name
+
 if TYPE_CHECKING:  # only for annotations: keeps `import torchrelay.audit` free of torch for status
     from torchrelay.audit.compare import LogComparison, StreamComparison, TensorComparison
 
@@ -243,7 +245,7 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
         where = f"the runs part at update {first}, after a resume but not at one ({ev.metrics.detail})"
     else:
         top = ev.tensors.differing[0]
-        in_ckpt = f" in checkpoint-{ev.tensors_at}" if ev.tensors_at is not None else ""
+        in_ckpt = f" in {checkpoint_name(ev.tensors_at)}" if ev.tensors_at is not None else ""
         faded = " (equal again in the last checkpoint: the difference faded)" if ev.final_equal else ""
         where = (
             f"the logs agree but {len(ev.tensors.differing)} tensor(s) differ{in_ckpt}, most {top.name} by "

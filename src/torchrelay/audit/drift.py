@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from torchrelay.rundir import RunDir
 from torchrelay.train_records import rank_logs
 from torchrelay.util.jsonl import iter_records
 
@@ -75,7 +76,7 @@ class LedgerDiff:
 def micro_batches_by_update(run_dir: Path) -> dict[int, list[tuple[int, ...]]]:
     """Per update, its micro-batches as sorted tuples of manifest indices, sorted (no rank, no micro-step)."""
     out: dict[int, list[tuple[int, ...]]] = {}
-    for _rank, path in rank_logs(Path(run_dir) / "train", "exposures").items():
+    for _rank, path in rank_logs(RunDir(run_dir).train_dir, "exposures").items():
         for row in iter_records(path):
             if isinstance(row.get("u"), int):
                 out.setdefault(int(row["u"]), []).append(tuple(sorted(int(i) for i in row.get("i") or [])))

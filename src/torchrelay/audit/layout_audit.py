@@ -11,7 +11,8 @@ from typing import Any
 
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
-from torchrelay.layout import CONFIG_FILE
+from torchrelay.layout import checkpoint_name
+from torchrelay.rundir import RunDir
 from torchrelay.util.records import read_json_or_none
 
 _NPROC = ("--nproc_per_node", "--nproc-per-node")
@@ -82,12 +83,12 @@ class LayoutAudit:
         ]
         if self.exact:
             out += [
-                f"checkpoint-{p}: "
+                f"{checkpoint_name(p)}: "
                 + (f"{len(v)} tensor(s) differ, e.g. {', '.join(v[:3])}" if v else "bit for bit")
                 for p, v in sorted(self.bit_differing.items())
             ]
         else:
-            out += [f"checkpoint-{p}: {d.line()}" for p, d in sorted(self.drift.items())]
+            out += [f"{checkpoint_name(p)}: {d.line()}" for p, d in sorted(self.drift.items())]
         if self.ok:
             out.append(
                 "EQUAL: bit for bit on every layout (elastic: exact)"
@@ -134,7 +135,7 @@ def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str,
     share = len({t.name for t in outside})
     judged = len({t.name for d in drift.values() for t in d.judged})
     spread = f"{share} of {judged} parameter tensors outside" + (
-        f", from checkpoint-{first}" if first else ""
+        f", from {checkpoint_name(first)}" if first else ""
     )
     per_rank = sorted({t.name for d in drift.values() for t in d.tensors if "per rank" in t.detail})
     causes = [
@@ -167,7 +168,7 @@ def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str,
 
 def _elastic_exact(run_dir: Path) -> bool:
     """Whether the run was made with `elastic: exact` (config.json)."""
-    cfg = read_json_or_none(run_dir / CONFIG_FILE, what="the run's configuration", root=run_dir)
+    cfg = read_json_or_none(RunDir(run_dir).config_path, what="the run's configuration", root=run_dir)
     return isinstance(cfg, dict) and cfg.get("elastic") == "exact"
 
 
@@ -177,17 +178,21 @@ def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points
     from torchrelay.audit.compare import compare_checkpoints
 
     ledger = compare_ledgers(a, b)
-    reference = a / f"checkpoint-{stops[0]}"
+    reference = RunDir(a).checkpoint(stops[0])
     ref = reference if (reference / "model").is_dir() else None
     compared = [p for p in points if p > stops[0]]
     drift = {
-        p: measure_drift(a / f"checkpoint-{p}", b / f"checkpoint-{p}", p - stops[0], ref) for p in compared
+        p: measure_drift(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p), p - stops[0], ref)
+        for p in compared
     }
     exact = _elastic_exact(a)
     bits = {}
     if exact:
         bits = {
-            p: [d.name for d in compare_checkpoints(a / f"checkpoint-{p}", b / f"checkpoint-{p}").differing]
+            p: [
+                d.name
+                for d in compare_checkpoints(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p)).differing
+            ]
             for p in compared
         }
     audit = LayoutAudit(

@@ -28,6 +28,8 @@ from torchrelay.audit.runner import (
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import ConfigError
 from torchrelay.history import read_history
+from torchrelay.layout import checkpoint_name
+from torchrelay.rundir import RunDir
 from torchrelay.util.hashing import sha256_or_none
 
 TOP_TENSORS = 5
@@ -87,8 +89,6 @@ def _check_vary(run_dir: Path, vary: dict[str, list[Any]]) -> None:
     """Refuse, before the interrupted run, to vary a field the run's contract fixes (its resume would be refused)."""
     if not vary:
         return
-    from torchrelay.rundir import RunDir
-
     cfg = RunDir(run_dir).load_config()
     for key in vary:
         dotted = key if key.startswith("params.") or key in cfg.to_dict() else f"params.{key}"
@@ -113,7 +113,7 @@ def compare_points(
     """The tensors of checkpoint-P of both runs for each P; a missing one is an AuditError naming it."""
     out = {}
     for point in points:
-        ca, cb = a / f"checkpoint-{point}", b / f"checkpoint-{point}"
+        ca, cb = RunDir(a).checkpoint(point), RunDir(b).checkpoint(point)
         missing = [c for c in (ca, cb) if not (c / INVENTORY).is_file()]
         if missing:
             raise AuditError(
@@ -136,7 +136,7 @@ def _difference(a: Path, b: Path, points: Sequence[int], atol: float, ignore: fr
     for point, tensors in compare_points(a, b, points, atol).items():
         if not tensors.equal:
             top = tensors.differing[0]
-            return f"{len(tensors.differing)} tensor(s) differ in checkpoint-{point}, most {top.name} by {top.max_abs:.3g}"
+            return f"{len(tensors.differing)} tensor(s) differ in {checkpoint_name(point)}, most {top.name} by {top.max_abs:.3g}"
     return None
 
 

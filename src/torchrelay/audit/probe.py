@@ -59,7 +59,10 @@ def _digest(obj: Any, h: Any) -> None:
 
 
 def _record(it: Any, batch: Any) -> None:
-    batches = getattr(it, "_index_sampler", None)
+    # torch is loaded by now: the batch came from it
+    from torchrelay.checkpoint.torch_compat import index_sampler
+
+    batches = index_sampler(it)
     if type(batches).__module__.startswith("torchrelay."):
         return  # torchrelay's own loader: the exposure ledger already records it
     sampler = getattr(batches, "sampler", batches)
@@ -86,11 +89,11 @@ def install() -> None:
         return
     import importlib
 
-    import torch.utils.data.dataloader as dl
+    from torchrelay.checkpoint.torch_compat import DataLoaderIter  # torch: only once the probe is on
 
     relay_run = importlib.import_module("torchrelay.run")  # already in sys.modules when the hook calls us
 
-    original_next = dl._BaseDataLoaderIter.__next__
+    original_next = DataLoaderIter.__next__
     original_step = relay_run.Step.__init__
     original_track = relay_run.Run.track
 
@@ -113,7 +116,7 @@ def install() -> None:
                 _record_streams(update)
         original_step(self, update, *args, **kwargs)
 
-    dl._BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
+    DataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
     relay_run.Step.__init__ = step_init
     relay_run.Run.track = track
     _state["installed"] = True

@@ -16,7 +16,9 @@ from typing import Any
 from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import RelayError
+from torchrelay.layout import checkpoint_name
 from torchrelay.proctree import end_tree
+from torchrelay.rundir import RunDir
 
 # How long a timed-out launch has to end on SIGTERM (ranks stop at their next boundary) before it is killed.
 KILL_GRACE_S = 15.0
@@ -125,7 +127,7 @@ class RunLaunches:
     segments: list[SegmentLaunch] = field(default_factory=list)
 
     def checkpoint(self, update: int) -> Path:
-        return self.run_dir / f"checkpoint-{update}"
+        return RunDir(self.run_dir).checkpoint(update)
 
 
 def overrides_for(segment: int, vary: Mapping[str, Sequence[Any]], base: Mapping[str, Any]) -> dict[str, Any]:
@@ -213,7 +215,7 @@ def run_segments(
             )
         if not (result.checkpoint(stop) / INVENTORY).is_file():
             raise AuditError(
-                f"{name} run, segment {index + 1}: no complete checkpoint-{stop} in {run_dir} after the stop",
+                f"{name} run, segment {index + 1}: no complete {checkpoint_name(stop)} in {run_dir} after the stop",
                 hint="the script must save and stop at the update boundary the request names",
             )
     return result

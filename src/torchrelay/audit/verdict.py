@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from torchrelay.layout import checkpoint_label
 from torchrelay.numerics import describe as describe_numerics
 from torchrelay.numerics import fingerprint
 from torchrelay.util.hashing import sha256_json
@@ -120,13 +121,13 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         "tensors",
         _mark(verdict.tensors_equal),
         f"{verdict.tensors_compared} compared, {verdict.tensors_differing} differ"
-        + (f" in checkpoint-{verdict.tensors_first_update}" if verdict.tensors_first_update else "")
+        + (f" in {checkpoint_label(verdict.tensors_first_update)}" if verdict.tensors_first_update else "")
         + (f" (atol {verdict.atol:g})" if verdict.atol else " (bit for bit)"),
     )
     for point in verdict.checkpoints:
         after = f"first after the stop at {point['after_stop']}" if point["after_stop"] else "the last"
         table.add_row(
-            f"  checkpoint-{point['update']}",
+            f"  {checkpoint_label(point['update'])}",
             _mark(not point["differing"]),
             f"{after}: {point['compared']} tensors"
             + (f", {point['differing']} differ, most {point['top']}" if point["differing"] else ""),

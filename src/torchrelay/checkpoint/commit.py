@@ -23,8 +23,9 @@ from torchrelay.checkpoint.inventory import inventory_entries, list_files, write
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
-from torchrelay.fsutil import fsync_dir
+from torchrelay.layout import checkpoint_name
 from torchrelay.util import collective
+from torchrelay.util.durable import fsync_dir
 
 TMP_PREFIX = ".tmp-checkpoint-"
 DELETING_PREFIX = ".deleting-checkpoint-"
@@ -64,7 +65,7 @@ def commit_checkpoint(
     started = time.perf_counter() if started is None else started
     hook = kill_points.save_hook(update, rank)  # a crash test's, when one armed this save (kill_points.py)
     peers = collective.ranks(group)
-    name = f"saving checkpoint-{update}"
+    name = f"saving {checkpoint_name(update)}"
     tmp_box: list[Path] = []
 
     def translate(exc: BaseException) -> BaseException:
@@ -93,7 +94,7 @@ def commit_checkpoint(
         else:
             mine = [{"path": rel, "sha256": sha, "size": size} for rel, (sha, size) in written.items()]
         gathered = peers.all_gather(name, lambda: mine)
-        final = run_dir / f"checkpoint-{update}"
+        final = run_dir / checkpoint_name(update)
         if rank == 0:
             entries = _complete_entries(tmp, [e for part in gathered for e in part])
             seconds = time.perf_counter() - started

@@ -26,12 +26,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
-from torchrelay.checkpoint.torch_compat import (
-    PythonUnpickler,
-    StorageInfo,
-)
+from torchrelay.checkpoint.torch_compat import METADATA_PICKLE_NAMES, PythonUnpickler, StorageInfo
 from torchrelay.errors import UnsafeInput
-from torchrelay.fsutil import read_bounded
+from torchrelay.util.records import read_bounded
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -40,11 +37,7 @@ _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
     ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
     ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint._extension", "StreamTransformExtension"),
-    ("torch._utils", "_get_layout"),
-    ("torch.serialization", "_get_layout"),
+    *METADATA_PICKLE_NAMES,  # the private ones (torch_compat.py)
     ("torch", "Size"),
     ("pathlib", "PosixPath"),
     ("collections", "OrderedDict"),

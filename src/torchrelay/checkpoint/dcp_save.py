@@ -85,15 +85,15 @@ class PlannedSave:
 def _set_up(writer: HashingWriter, ranks: _Ranks) -> None:
     if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
         writer.set_up_storage_writer(ranks.coordinator, rank=ranks.rank, use_collectives=True)
-    else:  # older torch
+    else:  # torch 2.8: set_up_storage_writer(is_coordinator) alone
         writer.set_up_storage_writer(ranks.coordinator)
 
 
-def plan(doc: dict[str, Any], group: Any = None) -> PlannedSave:
+def plan(doc: dict[str, Any], group: Any = None, *, planner: DefaultSavePlanner | None = None) -> PlannedSave:
     """Plan the save of `doc` (this rank's DCP document) with the other ranks of `group` (every rank calls it);
     reads only the tensors' shapes, dtypes and placements, so it may run while their values are still copied in."""
     ranks = _Ranks(group)
-    planner = DefaultSavePlanner()
+    planner = planner or DefaultSavePlanner()
     writer = HashingWriter(Path("."), {})  # plans only: prepare_global_plan names each rank's files
     _set_up(writer, ranks)
     metadata: list[Metadata] = []

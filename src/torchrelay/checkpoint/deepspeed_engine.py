@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from torchrelay.errors import CheckpointError, ConfigError, UnsafeInput
-from torchrelay.fsutil import fsync_file
 from torchrelay.util.dotted import flatten
+from torchrelay.util.durable import fsync_file
 from torchrelay.util.hashing import sha256_many
 
 DS_DIR = "deepspeed"  # checkpoint-N/deepspeed/<DS_TAG>/ holds what engine.save_checkpoint writes

@@ -15,7 +15,10 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.errors import RelayError
-from torchrelay.fsutil import fsync_dir, kill_point, read_bounded
+from torchrelay.kill_points import kill_point
+from torchrelay.layout import CHECKPOINT_GLOB, parse_checkpoint_name
+from torchrelay.util.durable import fsync_dir
+from torchrelay.util.records import read_bounded
 
 HANDED_OFF = "HANDED_OFF.json"
 PACKING = "packing"
@@ -60,8 +63,8 @@ def write_marker(ckpt: Path, record: dict[str, Any], *, step: str) -> None:
 def clean_temporaries(run_dir: Path) -> list[str]:
     """Remove the temporaries of a record write that was killed; they are ours, and a leftover is no refusal."""
     removed = []
-    for ckpt in run_dir.glob("checkpoint-*"):
-        if not ckpt.is_dir() or ckpt.is_symlink():
+    for ckpt in run_dir.glob(CHECKPOINT_GLOB):
+        if parse_checkpoint_name(ckpt.name) is None or not ckpt.is_dir() or ckpt.is_symlink():
             continue
         for child in ckpt.iterdir():
             if child.name.startswith(TMP_PREFIX) and child.is_file() and not child.is_symlink():

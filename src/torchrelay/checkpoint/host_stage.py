@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from torchrelay.checkpoint.torch_compat import dtensor_like, dtensor_local
+
 # Nice value of the background threads (Linux: per thread). The loop keeps its core when cores are short.
 BACKGROUND_NICE = 10
 
@@ -172,10 +174,7 @@ class HostStage:
             self._reserving.join()
             self._reserving = None
         if _is_dtensor(t):
-            from torch.distributed.tensor import DTensor
-
-            local = self.copy(key, t._local_tensor)  # type: ignore[attr-defined]
-            return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]
+            return dtensor_like(self.copy(key, dtensor_local(t)), t)
         src = t.detach()
         buf = self._buffer(key, src)
         locked = self._locked.get(key)
@@ -217,7 +216,7 @@ class HostStage:
 def shapes_of(prefix: str, obj: Any, out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
     """{key: (shape, dtype, pinned)} of the tensors `HostStage.copy_tree(prefix, obj)` would copy."""
     if isinstance(obj, torch.Tensor):
-        local = obj._local_tensor if _is_dtensor(obj) else obj  # type: ignore[attr-defined]
+        local = dtensor_local(obj) if _is_dtensor(obj) else obj
         out[prefix] = (
             tuple(local.shape),
             local.dtype,

@@ -14,9 +14,9 @@ from typing import Any
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
-from torchrelay.fsutil import read_json
 from torchrelay.layout import PREPARE_RECORD  # tolerated in a checkpoint
 from torchrelay.util.hashing import sha256_many
+from torchrelay.util.records import read_json
 from torchrelay.util.safepath import check_relative
 
 INVENTORY = "COMPLETE.json"

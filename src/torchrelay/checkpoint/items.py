@@ -11,36 +11,24 @@ from typing import IO, Any
 
 import torch
 
-from torchrelay.checkpoint.torch_compat import StorageInfo, storage_offset_in_file, zip_reader
+from torchrelay.checkpoint.torch_compat import StorageInfo, tensor_layout, zip_reader
 from torchrelay.errors import CheckpointError, UnsafeInput
 
 
 def _parse_item(view: memoryview, offset: int, length: int, path: Path, fqn: str) -> torch.Tensor:
     """The tensor DCP stored at bytes [offset, offset + length) of a verified file (a torch.save archive).
 
-    torch.load(weights_only=True) onto the meta device parses the archive's records and its pickle, without
-    copying the data: it says where the tensor's bytes lie, and the tensor returned is a view of them in `view`
-    (one copy less than torch.load to CPU, the largest cost of a load). An archive that asks for byte swapping,
-    or a torch that does not say where a storage lies, is loaded by torch.load to CPU instead."""
+    torch.load(weights_only=True) without the data (torch_compat.tensor_layout) parses the archive's records and its
+    pickle: it says where the tensor's bytes lie, and the tensor returned is a view of them in `view` (one copy
+    less than torch.load to CPU, the largest cost of a load). An archive that asks for byte swapping, or one whose
+    storage's place is not known, is loaded by torch.load to CPU instead."""
     stream = io.BufferedReader(_Memory(view[offset : offset + length]), buffer_size=1 << 16)
     try:
         if sys.byteorder == "little" and _little_endian(stream):
             stream.seek(0)
-            meta = torch.load(stream, map_location="meta", weights_only=True)
-            start = storage_offset_in_file(meta.untyped_storage()) if isinstance(meta, torch.Tensor) else None
-            if isinstance(start, int):
-                nbytes = meta.untyped_storage().nbytes()
-                if start < 0 or start + nbytes > length:
-                    raise CheckpointError(f"bytes {start}..{start + nbytes} lie outside the item's {length}")
-                flat = (
-                    torch.frombuffer(
-                        view, dtype=meta.dtype, count=nbytes // meta.element_size(), offset=offset + start
-                    )
-                    if nbytes >= meta.element_size()
-                    else torch.empty(0, dtype=meta.dtype)
-                )
-                # the storage is exactly the item's bytes: as_strided refuses sizes or strides that leave it
-                return flat.as_strided(meta.size(), meta.stride(), meta.storage_offset())
+            layout, start = tensor_layout(stream)
+            if isinstance(layout, torch.Tensor) and isinstance(start, int):
+                return _in_place(view, offset, length, start, layout)
     except Exception as exc:  # noqa: BLE001 - weights_only refuses any payload that is not plain tensors
         raise _not_plain(path, fqn, exc) from exc
     stream.seek(0)
@@ -48,6 +36,31 @@ def _parse_item(view: memoryview, offset: int, length: int, path: Path, fqn: str
     if not isinstance(part, torch.Tensor):
         raise UnsafeInput(f"{path}: the bytes of {fqn!r} hold a {type(part).__name__}, not a tensor")
     return part
+
+
+def _in_place(view: memoryview, offset: int, length: int, start: int, layout: torch.Tensor) -> torch.Tensor:
+    """`layout`'s tensor over its storage's bytes at `start` of the item [offset, offset + length) of `view`: only
+    the elements it reaches (the storage's own size is not trusted: torch 2.8's skip_data load makes it element-size times too large)."""
+    if layout.numel() == 0:
+        return torch.empty(0, dtype=layout.dtype).as_strided(
+            layout.size(), layout.stride(), layout.storage_offset()
+        )
+    reach = (
+        int(layout.storage_offset()) + sum((n - 1) * s for n, s in zip(layout.size(), layout.stride())) + 1
+    )
+    nbytes = reach * layout.element_size()
+    if start < 0 or start + nbytes > length:
+        raise CheckpointError(f"bytes {start}..{start + nbytes} lie outside the item's {length}")
+    flat = torch.frombuffer(view, dtype=layout.dtype, count=reach, offset=offset + start)
+    return flat.as_strided(layout.size(), layout.stride(), layout.storage_offset())
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+    """The part [offsets, offsets + sizes) of `tensor`, a view (what DCP's own reader narrows a stored chunk to)."""
+    for dim, (start, length) in enumerate(zip(offsets, sizes)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
 
 
 def _load_item(stream: IO[bytes], path: Path, fqn: str) -> Any:

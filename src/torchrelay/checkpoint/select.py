@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.errors import IntegrityError, UnsafeInput
-
-_NAME = re.compile(r"^checkpoint-(\d+)$")
+from torchrelay.layout import parse_checkpoint_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,19 +29,19 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
     if not root.is_dir():
         return out
     for child in root.iterdir():
-        m = _NAME.match(child.name)
-        if not m or not child.is_dir():
+        update = parse_checkpoint_name(child.name)
+        if update is None or not child.is_dir():
             continue
         try:
             doc = read_inventory(child)
-            ok = doc.get("update") == int(m.group(1))
+            ok = doc.get("update") == update
             reason = "" if ok else f"{INVENTORY} names update {doc.get('update')}"
             size = sum(int(f.get("size", 0)) for f in doc["files"]) if ok else 0
         except (IntegrityError, UnsafeInput) as exc:  # damaged, or no regular file: never chosen
             ok, reason, size = False, exc.message, 0
         except OSError as exc:  # a folder or an unreadable file where COMPLETE.json belongs
             ok, reason, size = False, f"{child / INVENTORY}: {exc.strerror or exc}", 0
-        out.append(CheckpointInfo(int(m.group(1)), child, ok, reason, size, (child / HANDED_OFF).exists()))
+        out.append(CheckpointInfo(update, child, ok, reason, size, (child / HANDED_OFF).exists()))
     return sorted(out, key=lambda c: c.update)
 
 

@@ -27,11 +27,8 @@ from torch.futures import Future
 from torchrelay.checkpoint.dcp_metadata import read_metadata
 from torchrelay.checkpoint.host_stage import _Locked
 from torchrelay.checkpoint.inventory import INVENTORY, safe_relpath
-from torchrelay.checkpoint.items import _parse_item, _refuse_transforms
-from torchrelay.checkpoint.torch_compat import (
-    StorageInfo,
-    narrow_tensor_by_index,
-)
+from torchrelay.checkpoint.items import _narrow, _parse_item, _refuse_transforms
+from torchrelay.checkpoint.torch_compat import StorageInfo
 from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput
 from torchrelay.util.hashing import default_jobs
 
@@ -427,7 +424,7 @@ class _Load:
         info = self.storage[req.storage_index]
         _refuse_transforms(info, f.path, req.storage_index.fqn)
         tensor = _parse_item(f.view, info.offset, info.length, f.path, req.storage_index.fqn)
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        tensor = _narrow(tensor, req.storage_offsets, req.lengths)
         with self._plan:
             target = self.planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():

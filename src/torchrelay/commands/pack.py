@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
+from torchrelay.rundir import Bundle
 from torchrelay.util import bars, schema
-from torchrelay.util.records import read_json_or_none
 
 
 def _checkpoint(text: str) -> int | None:
@@ -43,10 +44,9 @@ def run(args: argparse.Namespace) -> int:
         f"packed update {result.update} into {result.bundle}: {result.files} files, {result.bytes / 1e9:.3f} GB "
         f"({result.linked} hardlinked) in {result.seconds:.2f} s ({rate:.2f} GB/s)"
     )
-    info = read_json_or_none(result.bundle / "bundle.json", what="the bundle's lineage record") or {}
-    contract = info.get("contract_sha256")
+    contract = Bundle(result.bundle).info_or_empty().get("contract_sha256")
     print(f"contract {contract} (the training prints it as TRAINING_CONTRACT)")
-    print(f"bundle lineage {result.lineage}; {ckpt}/HANDED_OFF.json now refuses a second continuation here")
+    print(f"bundle lineage {result.lineage}; {ckpt / HANDED_OFF} now refuses a second continuation here")
     print(f"BUNDLE_DIGEST sha256:{result.digest}")
     print(
         "  (the SHA-256 of SHA256SUMS; give it to whoever continues the run, who checks it with "
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if result.signed:
         print(
-            f"signed: {result.bundle}/SHA256SUMS.sig (ssh-keygen -Y sign -n torchrelay-bundle with {args.sign})"
+            f"signed: {Bundle(result.bundle).sig_path} (ssh-keygen -Y sign -n torchrelay-bundle with {args.sign})"
         )
     print("PACK_OK")
     return EXIT_FINISHED

@@ -14,6 +14,7 @@ from torchrelay.audit.verdict import shown_for_run
 from torchrelay.controller.attempts import describe_fallback, latest_fallback
 from torchrelay.errors import EXIT_ERROR, ConfigError
 from torchrelay.history import read_history
+from torchrelay.layout import checkpoint_label, checkpoint_name
 from torchrelay.lock import describe, holder
 from torchrelay.numerics import describe as describe_numerics
 from torchrelay.numerics import fingerprint
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         if ck["handed_off"]:
             state += " (handed off)"
         c.add_row(
-            f"checkpoint-{ck['update']}",
+            checkpoint_name(ck["update"]),
             state,
             f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
             ck.get("kept") or "-",
@@ -237,11 +238,11 @@ def _print_validation(console: Console, validation: dict[str, Any]) -> None:
         if r["reason"]:
             result += f": {r['reason']}"
         metrics = ", ".join(f"{k}={_metric(x)}" for k, x in (r["metrics"] or {}).items())
-        v.add_row(f"checkpoint-{r['update']}", result, metrics[:80] or "-", f"{r['seconds']:.1f} s")
+        v.add_row(checkpoint_name(r["update"]), result, metrics[:80] or "-", f"{r['seconds']:.1f} s")
     for update, why in left.items():
-        v.add_row(f"checkpoint-{update}", f"[yellow]left for the next launch[/]: {why}", "-", "-")
+        v.add_row(checkpoint_label(update), f"[yellow]left for the next launch[/]: {why}", "-", "-")
     for update, why in missing.items():
-        v.add_row(f"checkpoint-{update}", f"not available: {why}", "-", "-")
+        v.add_row(checkpoint_label(update), f"not available: {why}", "-", "-")
     console.print(v)
 
 

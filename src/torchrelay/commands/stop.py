@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torchrelay.contract import CONTRACT_FILE, load_contract
+from torchrelay.contract import load_contract
 from torchrelay.errors import ConfigError
+from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 
 
@@ -23,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    exists = (run_dir / CONTRACT_FILE).exists()
+    exists = RunDir(run_dir).contract_path.exists()
     if args.before_start:
         if exists:
             raise ConfigError(f"{run_dir} holds a run already", hint="drop --before-start")

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchrelay.errors import EXIT_BUDGET, EXIT_ERROR, EXIT_FINISHED, ConfigError
+from torchrelay.layout import checkpoint_name
 from torchrelay.validation import ValidationSpec, validate_checkpoints
 from torchrelay.validation_records import KEPT, ValidationRecord, parse_updates
 
@@ -65,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     def show(event: str, update: int, record: ValidationRecord | None) -> None:
         if event == "start":
-            console.print(f"validating checkpoint-{update} ...")
+            console.print(f"validating {checkpoint_name(update)} ...")
         elif record is not None:
-            console.print(f"checkpoint-{update}: {describe(record)}")
+            console.print(f"{checkpoint_name(update)}: {describe(record)}")
 
     deadline = time.time() + args.budget if args.budget is not None else None
     report = validate_checkpoints(args.run_dir, spec, deadline=deadline, on_event=show)
@@ -75,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
     for col in ("checkpoint", "result"):
         table.add_column(col)
     for update in report.done_before:
-        table.add_row(f"checkpoint-{update}", "validated before (use --again to repeat)")
+        table.add_row(checkpoint_name(update), "validated before (use --again to repeat)")
     for record in report.records:
         table.add_row(record.checkpoint, describe(record))
     for update, why in sorted({**report.missing, **report.left}.items()):
         table.add_row(
-            f"checkpoint-{update}", f"left: {why}" if update in report.left else f"not available: {why}"
+            checkpoint_name(update), f"left: {why}" if update in report.left else f"not available: {why}"
         )
     console.print(table)
     if report.failed:

@@ -28,11 +28,11 @@ import yaml
 
 from torchrelay.controller.plan import plan_diff
 from torchrelay.errors import ConfigError, RelayError
-from torchrelay.fsutil import atomic_write_text
+from torchrelay.layout import ATTEMPTS_DIR
 from torchrelay.rundir import RunDir
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.records import read_json, read_yaml
 
-ATTEMPTS_DIR = "attempts"
 FROZEN_PLAN = "plan.frozen.yaml"
 _NAME = re.compile(r"^attempt_(\d+)$")
 STAGES = ("preflight", "smoke", "formal", "validate", "done")
@@ -112,7 +112,7 @@ class Attempts:
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
-        self.final = self.run_dir / ATTEMPTS_DIR
+        self.final = RunDir(self.run_dir).attempts_dir
         self.staging = self.run_dir.parent / f".{self.run_dir.name}.{ATTEMPTS_DIR}"
         self.settle()
         self.root = self.final if RunDir(self.run_dir).exists() or self.final.exists() else self.staging
@@ -196,7 +196,7 @@ def describe_fallback(fallback: dict[str, Any]) -> str:
 def latest_fallback(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """fallback.json of the run's newest attempt that has one: the run was started as a plan's fallback
     (reads only: a status must not settle staged attempts)."""
-    root = Path(run_dir) / ATTEMPTS_DIR
+    root = RunDir(run_dir).attempts_dir
     numbered = [(int(m.group(1)), c) for c in root.glob("attempt_*") if (m := _NAME.match(c.name))]
     for _, folder in sorted(numbered, reverse=True):
         data = Attempt(folder, 0).read_json("fallback.json")

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from torchrelay.layout import checkpoint_name
+
 if TYPE_CHECKING:
     from torchrelay.controller.attempts import Attempt, Outcome
     from torchrelay.controller.preflight import CheckResult
@@ -61,7 +63,7 @@ class LaunchConsole:
         self.console.print(f"preflight {result.name}: {mark} {result.detail}", markup=True)
 
     def complete(self, total: int) -> None:
-        self.console.print(f"the run is complete (checkpoint-{total}): no smoke, no formal run")
+        self.console.print(f"the run is complete ({checkpoint_name(total)}): no smoke, no formal run")
 
     # ------------------------------------------------------------------------------------- smoke and formal run
     def smoke_skipped(self, why: str) -> None:
@@ -90,17 +92,19 @@ class LaunchConsole:
     def validation(self, event: str, update: int, record: ValidationRecord | None) -> None:
         """One checkpoint's validation, as it starts and as it ends."""
         if event == "start":
-            self.console.print(f"validating checkpoint-{update} ...")
+            self.console.print(f"validating {checkpoint_name(update)} ...")
         elif record is not None:
             metrics = ", ".join(f"{k}={v}" for k, v in (record.metrics or {}).items())
             detail = metrics if record.status == "ok" else record.reason
-            self.console.print(f"checkpoint-{update}: {record.status} in {record.seconds:.1f}s: {detail}")
+            self.console.print(
+                f"{checkpoint_name(update)}: {record.status} in {record.seconds:.1f}s: {detail}"
+            )
 
     def validation_failed_to_run(self, exc: Exception) -> None:
         self.console.print(f"[red]validation could not run[/]: {exc}")
 
     def validation_missing(self, update: int, why: str) -> None:
-        self.console.print(f"validation: checkpoint-{update} not available: {why}")
+        self.console.print(f"validation: {checkpoint_name(update)} not available: {why}")
 
     def validation_left(self, left: str, why: str) -> None:
         self.console.print(f"validation left for the next launch: {left} ({why})")

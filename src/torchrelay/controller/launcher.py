@@ -47,6 +47,7 @@ from torchrelay.errors import (
     RelayError,
 )
 from torchrelay.history import read_history, upsert
+from torchrelay.layout import checkpoint_name
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
@@ -133,7 +134,7 @@ class Controller:
         if total is not None and _saved_update(plan.run_path) >= total:
             # Nothing to train: a launch of a complete run only does what is left after training (validation).
             self.show.complete(total)
-            attempt.note(f"the run was complete (checkpoint-{total}) before this attempt")
+            attempt.note(f"the run was complete ({checkpoint_name(total)}) before this attempt")
             outcome.exit_code, outcome.ended, outcome.stage = EXIT_FINISHED, "finished", "done"
             return self._validate(outcome, deadline)
         self._warn_unpreserved(attempt)
@@ -202,7 +203,7 @@ class Controller:
                 f"validation failed for checkpoint(s) {report.failed} (see RUN_DIR/validation/)"
             )
         if report.left:
-            left = ", ".join(f"checkpoint-{u}" for u in sorted(report.left))
+            left = ", ".join(checkpoint_name(u) for u in sorted(report.left))
             why = next(iter(report.left.values()))
             outcome.notes.append(f"validation left for the next launch: {left} ({why})")
             self.show.validation_left(left, why)

@@ -20,6 +20,7 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
 from torchrelay.history import read_history
+from torchrelay.rundir import RunDir
 from torchrelay.train_records import metrics_path
 from torchrelay.util.jsonl import iter_records
 
@@ -50,7 +51,8 @@ def evaluate(
     smoke_dir: Path, launched_at: float, updates: int, returncode: int, tail: list[str]
 ) -> SmokeResult:
     """Judge a finished smoke run from its run directory; raises SmokeFailed naming what went wrong."""
-    rows = list(iter_records(metrics_path(smoke_dir / "train", 0))) if (smoke_dir / "train").exists() else []
+    train = RunDir(smoke_dir).train_dir
+    rows = list(iter_records(metrics_path(train, 0))) if train.exists() else []
     history = read_history(smoke_dir)
     ended = history[-1].get("ended", "crash") if history else "crash"
     output = "\n".join(f"  | {line}" for line in tail[-25:]) or "  (no output)"
@@ -102,5 +104,5 @@ def _finite(value: object) -> bool:
 
 def discard(smoke_dir: Path) -> None:
     """Remove the smoke's checkpoints (the logs and history stay for the record)."""
-    for ckpt in smoke_dir.glob("checkpoint-*"):
+    for ckpt in RunDir(smoke_dir).checkpoint_dirs():
         shutil.rmtree(ckpt, ignore_errors=True)

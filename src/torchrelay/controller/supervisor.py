@@ -262,7 +262,7 @@ def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
             if float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
         ]
         if mine:
-            last = last_logged_update(metrics_path(run_dir / "train", 0))
+            last = last_logged_update(metrics_path(RunDir(run_dir).train_dir, 0))
             ready = last is not None and last >= int(mine[-1].get("first_update") or 1)
         return ready
 

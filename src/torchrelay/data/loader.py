@@ -6,12 +6,14 @@ order because DataLoader returns batches in sampler order whatever worker produc
 `wants_context = True` receives a SampleContext (index, epoch, update, seed) instead of the bare index, so its
 augmentation can depend on the epoch inside the workers (see data/sample.py).
 
-Worker processes are started by a forkserver, not forked from the rank: by the time the loader starts, the
-rank holds gloo's (or NCCL's) native threads, and a fork copies whatever lock one of them holds at that moment
-into a child where nothing will ever release it (a launch hung so, once in about fifteen). The forkserver is a
-fresh process with no threads, with torch imported once, that forks each worker. Workers outlive the stop signals
-that torchrun or Slurm send to a rank's whole process group (the rank stops at its next boundary and ends them),
-end on a SIGTERM from their own rank, and die with their parent.
+Worker processes are forked from the rank only while it has a single thread; otherwise they come from a
+forkserver. A rank of a distributed run holds gloo's (or NCCL's, or CUDA's) native threads by the time the loader
+starts, and a fork copies whatever lock one of them holds at that moment into a child where nothing will ever
+release it (a launch hung so, once in about fifteen). The forkserver is a fresh process with no threads, with torch
+and the script's imports imported once, that forks each worker; it costs one more import of all of them (seconds of
+CPU with transformers), which a fork of a single-threaded process does not (benchmarks/RESULTS.md, "Trainer resume
+with loader workers"). Workers outlive the stop signals that torchrun or Slurm send to a rank's whole process group
+(the rank stops at its next boundary and ends them), end on a SIGTERM from their own rank, and die with their parent.
 """
 
 from __future__ import annotations
@@ -155,6 +157,14 @@ def unpicklable(obj: Any) -> str | None:
     return None
 
 
+def os_threads() -> int | None:
+    """How many threads this process has, native ones included (Linux: /proc), or None where it cannot be told."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
 def main_unguarded() -> str | None:
     """Why worker processes may not import the training script (forkserver and spawn workers do), or None."""
     main = sys.modules.get("__main__")
@@ -199,14 +209,18 @@ class RelayLoader:
         """The dataset asked for SampleContexts (`wants_context = True`) instead of bare indices."""
         return getattr(self.dataset, "wants_context", False) is True
 
-    def context(self) -> tuple[str | None, str | None]:
-        """(start method of the workers, a note when the default had to fall back to fork)."""
+    def context(self, threads: int | None = None) -> tuple[str | None, str | None]:
+        """(start method of the workers, a note when the default had to fall back to fork).
+
+        threads: this process's thread count (default: `os_threads()` now). With one thread, and no start method
+        asked for, the workers are forked: nothing else runs that could hold a lock, and a fork imports nothing.
+        """
         if self.num_workers == 0:
             return None, None
         asked = self.multiprocessing_context
         if asked is not None and asked not in CONTEXTS:
             raise ConfigError(f"run.dataloader(multiprocessing_context={asked!r}): choose one of {CONTEXTS}")
-        if asked == "fork":
+        if asked == "fork" or (asked is None and (os_threads() if threads is None else threads) == 1):
             return "fork", None
         why = main_unguarded()
         if why is None:
@@ -313,13 +327,16 @@ def _mp_context(name: str) -> Any:
     return ctx
 
 
-def start_forkserver(num_workers: int, asked: str | None = None) -> None:
+def start_forkserver(num_workers: int, asked: str | None = None, threads: int | None = None) -> bool:
     """Start the workers' forkserver now, if the loader will want one (workers, the script under a main guard, no
-    other start method asked for): it imports while the rank goes on (builds its model and optimizer, restores its
-    checkpoint), and the first batch no longer waits for it. A loader that then starts its workers another way
-    (an unpicklable dataset) leaves the server unused."""
+    other start method asked for, and more than one thread, so that they will not be forked): it imports while
+    the rank goes on (builds its model and optimizer, restores its checkpoint), and the first batch no longer
+    waits for it. A loader that then starts its workers another way (an unpicklable dataset) leaves the server
+    unused; one that finds more threads than now starts the server itself, later. True when one was started."""
     if num_workers < 1 or asked not in (None, "forkserver") or main_unguarded() is not None:
-        return
+        return False
+    if asked is None and (os_threads() if threads is None else threads) == 1:
+        return False  # a single-threaded rank forks its workers (RelayLoader.context), unless threads appear
     from multiprocessing import forkserver
 
     _mp_context("forkserver")
@@ -330,3 +347,4 @@ def start_forkserver(num_workers: int, asked: str | None = None) -> None:
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return True

@@ -28,8 +28,9 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
-from torchrelay.fsutil import fsync_dir
-from torchrelay.layout import CONTRACT_FILE, LINEAGE_FILE
+from torchrelay.layout import checkpoint_label, parse_checkpoint_name
+from torchrelay.rundir import RunDir
+from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json_or_none
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
@@ -161,13 +162,13 @@ def _some(names: list[str]) -> str:
 def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | None]:
     """(checkpoint directory, the run or bundle directory holding it, if any) for a run, bundle or checkpoint."""
     source = Path(source)
-    if (source / INVENTORY).exists() or source.name.startswith("checkpoint-"):
+    if (source / INVENTORY).exists() or parse_checkpoint_name(source.name) is not None:
         if which is not None:
             raise ConfigError("export --checkpoint N applies to a run directory, not to a checkpoint")
         parent = source.parent
-        holder = parent if (parent / CONTRACT_FILE).exists() else None
+        holder = parent if RunDir(parent).contract_path.exists() else None
         return source, holder
-    if not (source / CONTRACT_FILE).exists():
+    if not RunDir(source).contract_path.exists():
         raise ConfigError(
             f"{source} is neither a run directory, a bundle nor a checkpoint-<N> directory",
             hint="pass RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoint-N",
@@ -181,7 +182,9 @@ def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | No
     match = [c for c in complete if c.update == which]
     if not match:
         have = ", ".join(str(c.update) for c in complete) or "none"
-        raise CheckpointError(f"{source}/checkpoint-{which} is not a complete checkpoint (complete: {have})")
+        raise CheckpointError(
+            f"{source / checkpoint_label(which)} is not a complete checkpoint (complete: {have})"
+        )
     return match[0].path, source
 
 
@@ -202,8 +205,10 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
     if holder is not None:
-        contract = read_json_or_none(holder / CONTRACT_FILE, what="the training contract", root=holder) or {}
-        lineage = read_json_or_none(holder / LINEAGE_FILE, what="the run's lineage", root=holder) or {}
+        contract = (
+            read_json_or_none(RunDir(holder).contract_path, what="the training contract", root=holder) or {}
+        )
+        lineage = read_json_or_none(RunDir(holder).lineage_path, what="the run's lineage", root=holder) or {}
     fields = contract.get("fields", {}) if isinstance(contract, dict) else {}
     return {
         "run_dir": str(holder.resolve()) if holder is not None else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from torchrelay.layout import checkpoint_name
 from torchrelay.numerics import describe
 from torchrelay.util.dotted import flatten
 
@@ -193,7 +194,7 @@ def render_readme(
     )
     w(
         f"- Checkpoints every {config.get('save_every')} updates; training ends at update {total:,} with "
-        f"checkpoint-{total}/."
+        f"{checkpoint_name(total)}/."
     )
     w("- Clean stop at any time: `torchrelay stop $RUN_DIR`; to continue, re-run step 3.")
     w(

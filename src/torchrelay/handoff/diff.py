@@ -11,11 +11,10 @@ from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.config import is_runtime_key
 from torchrelay.contract import CONTRACT_FILE, contract_diff, load_contract
 from torchrelay.errors import ConfigError, IntegrityError
-from torchrelay.layout import CONFIG_FILE, PREPARE_RECORD
+from torchrelay.layout import parse_checkpoint_name
+from torchrelay.rundir import Bundle, RunDir
 from torchrelay.util.dotted import flatten
 from torchrelay.util.records import read_json, read_json_or_none
-
-_CHECKPOINT_PREFIX = "checkpoint-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,23 +60,23 @@ def load_side(path: Path) -> Side:
     checkpoint = None
     checkpoint_contract = None
     root = path
-    if path.name.startswith(_CHECKPOINT_PREFIX) and (path / INVENTORY).exists():
+    if parse_checkpoint_name(path.name) is not None and (path / INVENTORY).exists():
         root, checkpoint = path.parent, path.name
         doc = read_json_or_none(path / INVENTORY, what="checkpoint inventory", root=path)
         checkpoint_contract = doc.get("contract_sha256") if isinstance(doc, dict) else None
-    if not (root / CONTRACT_FILE).is_file():
+    if not RunDir(root).contract_path.is_file():
         raise ConfigError(
             f"{path} is not a run directory, a bundle or a checkpoint (no {CONTRACT_FILE} at {root})",
             hint="pass a run dir, a bundle dir, or a run's checkpoint-N dir",
         )
     contract = load_contract(root)
     try:
-        config = read_json(root / CONFIG_FILE, what="the run's configuration", root=root)
+        config = read_json(RunDir(root).config_path, what="the run's configuration", root=root)
     except OSError as exc:
-        raise IntegrityError(f"{root / CONFIG_FILE} is unreadable: {exc}") from None
-    if (root / "bundle.json").is_file() and (root / "SHA256SUMS").is_file():
+        raise IntegrityError(f"{RunDir(root).config_path} is unreadable: {exc}") from None
+    if Bundle(root).looks_like_one():
         kind = "bundle"
-    elif (root / PREPARE_RECORD).is_file():
+    elif RunDir(root).prepare_record_path.is_file():
         kind = "prepared run"
     else:
         kind = "run"

@@ -27,29 +27,27 @@ from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
-from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, RelayError
-from torchrelay.fsutil import fsync_dir, kill_point, read_bounded, read_json
+from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many
-from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
-from torchrelay.handoff.source import SOURCE_DIR, write_source
+from torchrelay.handoff.signing import bundle_digest, check_key, sign
+from torchrelay.handoff.source import write_source
 from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
-from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LINEAGE_FILE, MANIFEST_REL, TRAIN_DIR
+from torchrelay.kill_points import kill_point
+from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, MANIFEST_REL
 from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import RunDir
+from torchrelay.rundir import Bundle, RunDir
 from torchrelay.train_records import rank_logs, trim_copy
+from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
+from torchrelay.util.records import read_json_or_none
 from torchrelay.util.safepath import walk_files
-from torchrelay.util.sums import SUMS_NAME, SumEntry, format_sums, write_sums
-from torchrelay.validation_records import VALIDATION_DIR
+from torchrelay.util.sums import SumEntry, format_sums, write_sums
 
 BUNDLE_FORMAT = 1
-BUNDLE_INFO = "bundle.json"
-MANIFEST_INFO = "data/manifest_info.json"
-PROGRESS = "data/training_progress.json"
 # Copied verbatim from the run directory when present.
 RUN_FILES = (CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, MANIFEST_REL)
 
@@ -113,7 +111,7 @@ def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) 
         matches = [c for c in infos if c.update == which]
         if not matches:
             have = ", ".join(str(c.update) for c in complete) or "none"
-            raise CheckpointError(f"{run_dir}/checkpoint-{which} does not exist (complete: {have})")
+            raise CheckpointError(f"{RunDir(run_dir).checkpoint(which)} does not exist (complete: {have})")
         chosen = matches[0]
         if not chosen.complete:
             raise CheckpointError(f"{chosen.path} is incomplete ({chosen.reason}); it cannot be packed")
@@ -176,7 +174,7 @@ def _pack(
         sums = format_sums(entries).encode()
         result.digest = bundle_digest(sums)
         if options.sign is not None:
-            (tmp / SIG_NAME).write_bytes(sign(sums, options.sign))
+            Bundle(tmp).sig_path.write_bytes(sign(sums, options.sign))
             result.signed = True
         kill_point("pack:written")
         os.rename(tmp, bundle)  # replaces an empty directory in one step
@@ -199,7 +197,7 @@ def _pack(
     }
     write_marker(ckpt, marker, step="pack:marking")
     kill_point("pack:marked")
-    write_sums(bundle / SUMS_NAME, entries)
+    write_sums(Bundle(bundle).sums_path, entries)
     fsync_dir(bundle)
     kill_point("pack:summed")
     write_marker(ckpt, {**marker, "state": HANDED}, step="pack:finishing")
@@ -209,15 +207,6 @@ def _pack(
 
 def _tmp_prefix(bundle: Path) -> str:
     return f".{bundle.name}.pack-tmp-"
-
-
-def _bundle_info(path: Path) -> dict[str, Any]:
-    """bundle.json of a bundle directory of ours, or {} for anything else."""
-    try:
-        info = json.loads(read_bounded(path / BUNDLE_INFO, 1 << 24, what="the bundle's lineage record"))
-    except (OSError, ValueError, RecursionError, RelayError):
-        return {}
-    return info if isinstance(info, dict) else {}
 
 
 def recover(run_dir: Path, bundle: Path) -> list[str]:
@@ -242,24 +231,26 @@ def recover(run_dir: Path, bundle: Path) -> list[str]:
         recorded.add(str(record.get("lineage")))
         if record.get("state") != PACKING or not isinstance(record.get("bundle"), str):
             continue
-        where = Path(record["bundle"])
-        if _bundle_info(where).get("lineage") != record.get("lineage"):
+        where = Bundle(record["bundle"])
+        if where.info_or_empty().get("lineage") != record.get("lineage"):
             continue  # moved or removed by hand: nothing proves it unusable, so the record stays
-        if (where / SUMS_NAME).exists():
+        if where.sums_path.exists():
             write_marker(ck.path, {**record, "state": HANDED}, step="pack:finishing")
-            notes.append(f"{ck.path.name}: the pack into {where} had finished but for its record; recorded")
+            notes.append(
+                f"{ck.path.name}: the pack into {where.path} had finished but for its record; recorded"
+            )
             continue
         # Record first, then the bundle: a kill between leaves an unusable bundle no record names, removed below.
         (ck.path / HANDED_OFF).unlink()
         fsync_dir(ck.path)
         recorded.discard(str(record.get("lineage")))
-        shutil.rmtree(where, ignore_errors=True)
+        shutil.rmtree(where.path, ignore_errors=True)
         notes.append(
-            f"{ck.path.name}: rolled back an interrupted pack into {where} (it never got SHA256SUMS)"
+            f"{ck.path.name}: rolled back an interrupted pack into {where.path} (it never got SHA256SUMS)"
         )
-    info = _bundle_info(bundle) if bundle.is_dir() else {}
+    info = Bundle(bundle).info_or_empty() if bundle.is_dir() else {}
     ours = info.get("source_run") == str(run_dir.resolve()) and isinstance(info.get("lineage"), str)
-    if ours and info["lineage"] not in recorded and not (bundle / SUMS_NAME).exists():
+    if ours and info["lineage"] not in recorded and not Bundle(bundle).sums_path.exists():
         shutil.rmtree(bundle, ignore_errors=True)
         notes.append(f"removed {bundle}, an interrupted pack of this run (it never got SHA256SUMS)")
     return notes
@@ -280,6 +271,7 @@ def _write_bundle(
     update = int(inventory["update"])
     result = PackResult(bundle=out, lineage=lineage, update=update)
     digests: dict[str, str] = {}
+    written = Bundle(out)
 
     # 1. The checkpoint, hashed while copied and held against its own inventory.
     expected = {f["path"]: f for f in inventory["files"]}
@@ -288,10 +280,10 @@ def _write_bundle(
     # 2. The run's own files, verbatim (the checkpoint's files may be linked; these are always copied).
     run_pairs = [(rd.path / rel, out / rel) for rel in RUN_FILES if (rd.path / rel).is_file()]
     # Validation records travel too: what was validated where, so that a continuation does not repeat it.
-    validation = rd.path / VALIDATION_DIR
+    validation = rd.validation_dir
     if validation.is_dir():
         run_pairs += [
-            (validation / rel, out / VALIDATION_DIR / rel)
+            (validation / rel, written.run.validation_dir / rel)
             for rel in walk_files(validation)
             if (validation / rel).is_file()
             and not (validation / rel).is_symlink()
@@ -321,14 +313,15 @@ def _write_bundle(
         )
 
     # 3. Per-rank logs up to the checkpoint's update (lines past it belong to no bundle).
-    (out / TRAIN_DIR).mkdir(exist_ok=True)
+    train = written.run.train_dir
+    train.mkdir(exist_ok=True)
     for kind in ("metrics", "exposures"):
         for _rank, path in rank_logs(rd.train_dir, kind).items():
-            trim_copy(path, out / TRAIN_DIR / path.name, update)
+            trim_copy(path, train / path.name, update)
     for path in sorted(
         rd.train_dir.glob("ooms-rank*.jsonl")
     ):  # every OOM the run met: counted, never trimmed
-        shutil.copyfile(path, out / TRAIN_DIR / path.name)
+        shutil.copyfile(path, train / path.name)
 
     # 4. Manifest identity, the exact source, progress at the stop, lineage, the README.
     manifest = Manifest.load(rd.manifest_path, cfg.data_root)
@@ -339,22 +332,23 @@ def _write_bundle(
         "data_root": cfg.data_root,
         "samples": len(manifest),
     }
-    _write_json(out / MANIFEST_INFO, manifest_info)
+    _write_json(written.manifest_info_path, manifest_info)
     fields = contract["fields"]
     code = {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}
     code_dir = options.code_dir or recorded_code_dir(rd.path) or _checkout_here()
     source = write_source(
         code,
         code_dir,
-        out / SOURCE_DIR,
+        written.source_dir,
         allow_dirty=options.allow_dirty,
         run_dir=rd.path,
         strict_code=cfg.strict_code,
     )
     result.warnings.extend(source.warnings)
     progress = training_progress(out, update, cfg.total_updates)
-    _write_json(out / PROGRESS, progress)
-    source_lineage = _read_json(rd.path / LINEAGE_FILE)
+    _write_json(written.progress_path, progress)
+    source_lineage = read_json_or_none(rd.lineage_path, what=rd.lineage_path.name)
+    source_lineage = source_lineage if isinstance(source_lineage, dict) else {}
     info = {
         "format": BUNDLE_FORMAT,
         "lineage": lineage,
@@ -371,10 +365,10 @@ def _write_bundle(
         "source": source.to_dict(),
         "warnings": result.warnings,
     }
-    _write_json(out / BUNDLE_INFO, info)
+    _write_json(written.info_path, info)
     history = read_history(rd.path)
     readme = render_readme(info, contract, cfg.to_dict(), manifest_info, progress, history)
-    (out / "README.md").write_text(readme, encoding="utf-8")
+    written.readme_path.write_text(readme, encoding="utf-8")
 
     # 5. SHA256SUMS's entries over everything; files written here (small) are hashed now, the big ones already were.
     entries = []
@@ -424,7 +418,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     losses: dict[int, list[float]] = {}
     objectives: dict[str, dict[int, list[float]]] = {}
     lr = None
-    for _rank, path in rank_logs(bundle_like / TRAIN_DIR, "metrics").items():
+    for _rank, path in rank_logs(RunDir(bundle_like).train_dir, "metrics").items():
         for rec in iter_records(path):
             u = int(rec.get("update", 0))
             if isinstance(rec.get("loss"), (int, float)):
@@ -458,61 +452,6 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
 def _write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object of the run's own, or {} for a file that is missing or no object."""
-    try:
-        data = read_json(path, what=path.name, limit=1 << 24)
-    except (OSError, RelayError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def read_bundle_record(path: Path, what: str) -> dict[str, Any]:
-    """A bundle's JSON object record, or IntegrityError naming the file (missing, unreadable, not an object)."""
-    try:
-        data = read_json(path, what=what, limit=1 << 26)
-    except FileNotFoundError:
-        raise IntegrityError(f"{path} is missing ({what})", hint="is this a torchrelay bundle?") from None
-    if not isinstance(data, dict):
-        raise IntegrityError(f"{path} does not hold a JSON object ({what})", hint="re-download the bundle")
-    return data
-
-
-def _require(path: Path, doc: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> None:
-    value = doc.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, (int,)):
-        raise IntegrityError(
-            f"{path}: {key} is {str(value)[:60]!r}, not {what}", hint="the bundle is damaged or forged"
-        )
-
-
-def read_bundle_info(bundle: Path) -> dict[str, Any]:
-    """bundle.json, checked to hold what `pack` writes in the fields `prepare` relies on, with their types."""
-    path = Path(bundle) / BUNDLE_INFO
-    info = read_bundle_record(path, "the bundle's lineage record")
-    _require(path, info, "lineage", str, "a lineage id")
-    _require(path, info, "parent_lineage", (str, type(None)), "a lineage id or null")
-    _require(path, info, "checkpoint", str, "a checkpoint name")
-    _require(path, info, "source", (dict, type(None)), "an object or null")
-    for key in ("archive", "archive_prefix", "untracked"):
-        _require(path, info.get("source") or {}, key, (str, type(None)), f"source.{key}: a path or null")
-    return info
-
-
-def read_manifest_info(bundle: Path) -> dict[str, Any]:
-    """data/manifest_info.json: the manifest's identity at packing, {sha256, fingerprint, data_root, samples}."""
-    path = Path(bundle) / MANIFEST_INFO
-    info = read_bundle_record(path, "the manifest's identity")
-    for key in ("sha256", "fingerprint", "data_root"):
-        _require(path, info, key, str, "text")
-    _require(path, info, "samples", int, "a count")
-    if info["samples"] < 0:
-        raise IntegrityError(
-            f"{path}: samples is {info['samples']}, not a count", hint="the bundle is damaged"
-        )
-    return info
 
 
 def _who() -> str:

@@ -7,7 +7,6 @@ leaves nothing half-prepared, and a second run on a prepared directory only re-c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,45 +18,35 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.config import RelayConfig
-from torchrelay.contract import load_contract
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.fsutil import atomic_write_bytes, atomic_write_text, fsync_dir, kill_point
-from torchrelay.handoff.copying import copy_many
-from torchrelay.handoff.pack import BUNDLE_INFO, read_bundle_info, read_bundle_record, read_manifest_info
-from torchrelay.handoff.signing import parse_digest
-from torchrelay.handoff.source import SOURCE_DIR, extract_source
-from torchrelay.handoff.verify import VerifyReport, verify_bundle
-from torchrelay.history import new_id, read_history
-from torchrelay.identity import tree_note
-from torchrelay.layout import (
-    CONFIG_FILE,
-    CONTRACT_FILE,
-    HISTORY_FILE,
-    LINEAGE_FILE,
-    MANIFEST_REL,
-    PREPARE_RECORD,
-    SOURCE_MANIFEST,
-    TRAIN_DIR,
+from torchrelay.handoff.assemble import (
+    Hooks,
+    Say,
+    check_files,
+    copy_bundle,
+    copy_source_manifest,
+    numerics_here,
 )
+from torchrelay.handoff.signing import parse_digest
+from torchrelay.handoff.source import extract_source
+from torchrelay.handoff.verify import VerifyReport, verify_bundle
+from torchrelay.history import new_id
+from torchrelay.identity import tree_note
+from torchrelay.kill_points import kill_point
+from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.numerics import compare_here, gather
 from torchrelay.resume_check import ResumeCheck, validate_resume
-from torchrelay.rundir import RunDir
+from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
+from torchrelay.util.durable import atomic_write_bytes, atomic_write_text, fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
-from torchrelay.util.safepath import check_relative, resolve_inside
 
-RECORD = PREPARE_RECORD
 # Keys prepare owns itself: the manifest always lives in the run directory.
 _MANAGED = {
     "manifest": "the manifest is always the run directory's data/manifest.jsonl; set data_root instead"
 }
-# Files that carry on appending or get rewritten in the run dir are never hardlinked to the bundle.
-_NEVER_LINK_PREFIXES = (f"{TRAIN_DIR}/", HISTORY_FILE, CONFIG_FILE, MANIFEST_REL)
-
-Say = Callable[[str], None]
 
 
 class PrepareRefused(IntegrityError):
@@ -126,13 +115,6 @@ class PrepareResult:
     layout_change: dict[str, Any] | None = None  # reshard.change_record, with --world-size / --micro-batch
 
 
-@dataclass(slots=True)
-class _Hooks:
-    say: Say
-    on_bytes: ByteCallback | None
-    on_files: Callable[[int, int], None] | None
-
-
 def allowed_keys(cfg: RelayConfig) -> list[str]:
     """The keys `--set` accepts: the configuration's runtime keys, minus the ones prepare manages."""
     return [k for k in cfg.runtime_keys() if k not in _MANAGED]
@@ -170,12 +152,15 @@ def prepare(
 ) -> PrepareResult:
     """Check everything, then assemble the run directory from the bundle; raise PrepareRefused naming each failure."""
     started = time.perf_counter()
-    hooks = _Hooks(say, on_bytes, on_files)
-    bundle = Path(bundle).resolve()
+    return _prepare(Bundle(Path(bundle).resolve()), options, Hooks(say, on_bytes, on_files), started)
+
+
+def _prepare(bundle: Bundle, options: PrepareOptions, hooks: Hooks, started: float) -> PrepareResult:
     run_dir = Path(options.run_dir).absolute()
-    # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory.
+    # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory. The
+    # configuration is read once, here; it is believed once SHA256SUMS vouched for the bytes it was read from.
     try:
-        early = RelayConfig.from_dict(read_bundle_record(bundle / CONFIG_FILE, "the run's configuration"))
+        early: RelayConfig | None = bundle.config()
     except (RelayError, ValueError):
         early = None  # a damaged file: the verification below names it
     if early is not None:
@@ -183,33 +168,29 @@ def prepare(
     _refuse_unrelated(run_dir)
 
     # Every byte against SHA256SUMS before any file of the bundle is believed.
-    say("verifying the bundle against SHA256SUMS")
+    hooks.say("verifying the bundle against SHA256SUMS")
     report = verify_bundle(
-        bundle,
+        bundle.path,
         jobs=options.jobs,
-        on_bytes=on_bytes,
+        on_bytes=hooks.on_bytes,
         expect=options.expect,
         allowed_signers=options.allowed_signers,
     )
     if not report.ok:
         raise PrepareRefused([f"bundle file {p}" for p in report.problems()])
 
-    info = read_bundle_info(bundle)
-    contract = load_contract(bundle)
-    stored = RelayConfig.from_dict(
-        read_bundle_record(bundle / CONFIG_FILE, "the run's configuration"), source=CONFIG_FILE
-    )
-    new_cfg, changes = apply_sets(stored, options.sets)
+    records = bundle.verified_records(report.sums.digests())
+    new_cfg, changes = apply_sets(records.config, options.sets)
 
-    existing = _existing_state(run_dir, info)
+    existing = _existing_state(run_dir, records.info)
     if existing is not None:
-        return _recheck(run_dir, existing, changes, options, contract, hooks, started)
+        return _recheck(run_dir, existing, changes, options, records.contract, hooks, started)
 
     _remove_stale_temporaries(run_dir.parent, f".{run_dir.name}.prepare-tmp-")
     tmp = run_dir.parent / f".{run_dir.name}.prepare-tmp-{new_id()}"
     tmp.mkdir(parents=True)
     try:
-        result = _prepare_into(tmp, bundle, report, info, contract, stored, new_cfg, changes, options, hooks)
+        result = _prepare_into(tmp, bundle, report, records, new_cfg, changes, options, hooks)
         kill_point("prepare:assembled")
         # One step from nothing to a whole run dir (an empty DIR is replaced): a kill on either side of it
         # leaves no DIR (the next prepare removes the temporary) or a prepared one (the next one re-checks it).
@@ -228,27 +209,27 @@ def prepare(
 
 def _prepare_into(
     tmp: Path,
-    bundle: Path,
+    bundle: Bundle,
     report: VerifyReport,
-    info: dict[str, Any],
-    contract: dict[str, Any],
-    stored: RelayConfig,
+    records: BundleRecords,
     new_cfg: RelayConfig,
     changes: dict[str, list[Any]],
     options: PrepareOptions,
-    hooks: _Hooks,
+    hooks: Hooks,
 ) -> PrepareResult:
+    info, contract, stored = records.info, records.contract, records.config
     fields = contract["fields"]
     failures: list[str] = []
     proofs: list[str] = []
 
     # 1. Data: rebase the manifest into the temporary dir and prove the fingerprint unchanged.
-    (tmp / "data").mkdir()
-    manifest_src = resolve_inside(bundle, MANIFEST_REL, source=str(bundle))
+    into = RunDir(tmp)
+    into.data_dir.mkdir()
+    manifest_src = bundle.file(MANIFEST_REL)
     old_manifest = Manifest.load(manifest_src, stored.data_root)
-    recorded = read_manifest_info(bundle)["fingerprint"]
+    recorded = bundle.manifest_info(report.sums.digests())["fingerprint"]
     fp_old = old_manifest.fingerprint()
-    rebased_path = tmp / MANIFEST_REL
+    rebased_path = into.manifest_path
     if new_cfg.data_root != stored.data_root:
         lines = old_manifest.rebased_lines(new_cfg.data_root)
         rebased_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
@@ -268,7 +249,7 @@ def _prepare_into(
         )
         hooks.say(f"manifest fingerprint unchanged: {fp_new}")
     if options.check_files:
-        failures.extend(_check_files(new_manifest, hooks, proofs))
+        failures.extend(check_files(new_manifest, hooks, proofs))
 
     # 2. External files: each must hash to the identity the contract recorded.
     for name, path in sorted(new_cfg.external_files.items()):
@@ -299,19 +280,12 @@ def _prepare_into(
     from_bundle = (
         False  # the caller's own checkout may be asked for its git identity; the bundle's tree never
     )
-    source = info.get("source") or {}
-    if not isinstance(source, dict):
-        raise IntegrityError(
-            f"{bundle / BUNDLE_INFO}: 'source' is not an object", hint="the bundle is damaged"
-        )
-    if code_dir is None and source.get("archive"):
+    archives, prefix = bundle.source_archives(info) if code_dir is None else ([], "")
+    if archives:
         from_bundle = True
-        archive = resolve_inside(bundle, str(source["archive"]), source=str(bundle / BUNDLE_INFO))
-        prefix = check_relative(str(source.get("archive_prefix")), source="bundle.json source.archive_prefix")
-        code_dir = extract_source(archive, tmp / "source", prefix.as_posix())
-        if source.get("untracked"):  # the program's files git did not track, beside the commit's
-            extra = resolve_inside(bundle, str(source["untracked"]), source=str(bundle / BUNDLE_INFO))
-            extract_source(extra, tmp / "source", prefix.as_posix())
+        code_dir = extract_source(archives[0], into.source_dir, prefix)
+        for extra in archives[1:]:  # the program's files git did not track, beside the commit's
+            extract_source(extra, into.source_dir, prefix)
     if failures:
         raise PrepareRefused(failures)
 
@@ -340,7 +314,7 @@ def _prepare_into(
         except RelayError as exc:
             raise PrepareRefused([f"trainer validation on the {where}: {exc}"]) from None
 
-    check = trainer_validation("bundle", bundle, check_cfg)
+    check = trainer_validation("bundle", bundle.path, check_cfg)
     assert check.config is not None
     layout_change = check.layout_change
     if layout_change is not None:
@@ -350,21 +324,22 @@ def _prepare_into(
             if old != new:
                 changes[key] = [old, new]  # kept over a script's original split (resume_check.keep_prepared)
         new_cfg = new_cfg.replace(micro_batch=check.config.micro_batch, grad_accum=check.config.grad_accum)
-    numerics = _numerics_here(bundle, check.update, new_cfg, proofs)
+    numerics = numerics_here(records.history, check.update, new_cfg, proofs)
 
     # 6. Copy (or link) into the temporary run dir, re-hashing every byte against what was verified.
-    _copy_bundle(bundle, tmp, report, options, hooks)
-    _copy_source_manifest(bundle, tmp, report)
-    (tmp / (MANIFEST_REL + ".orig")).unlink(missing_ok=True)
-    shutil.copyfile(manifest_src, tmp / (MANIFEST_REL + ".orig"))
-    shutil.copyfile(bundle / CONFIG_FILE, tmp / f"{CONFIG_FILE}.orig")
+    copy_bundle(bundle, into, report, link=options.copy_mode == "hardlink", jobs=options.jobs, hooks=hooks)
+    copy_source_manifest(bundle, into, report)
+    orig_manifest = into.path / (MANIFEST_REL + ".orig")
+    orig_manifest.unlink(missing_ok=True)
+    shutil.copyfile(manifest_src, orig_manifest)
+    atomic_write_bytes(into.path / f"{CONFIG_FILE}.orig", records.config_bytes)  # the bytes verified
     final_cfg = new_cfg.replace(manifest=stored.manifest)
-    atomic_write_text(tmp / CONFIG_FILE, json.dumps(final_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(into.config_path, json.dumps(final_cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     lineage = {"lineage": info.get("lineage"), "parent_lineage": info.get("parent_lineage")}
-    atomic_write_text(tmp / LINEAGE_FILE, json.dumps(lineage))
+    atomic_write_text(into.lineage_path, json.dumps(lineage))
 
     # 7. The same validation again on the assembled directory, which is what the launch will see.
-    final = trainer_validation("prepared directory", tmp, final_cfg.replace(manifest=str(tmp / MANIFEST_REL)))
+    final = trainer_validation("prepared directory", tmp, final_cfg.replace(manifest=str(into.manifest_path)))
     code_note = tree_note(final.code_changes, commit=fields.get("code.commit") is not None)
     if code_note:
         hooks.say(f"warning: {code_note}")
@@ -373,7 +348,7 @@ def _prepare_into(
         "format": 1,
         "tool": f"torchrelay {__version__}",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "bundle": str(bundle),
+        "bundle": str(bundle.path),
         "bundle_lineage": info.get("lineage"),
         "parent_lineage": info.get("parent_lineage"),
         "sums_sha256": report.digest,
@@ -390,99 +365,10 @@ def _prepare_into(
         "numerics": numerics,
         "originals": [f"{CONFIG_FILE}.orig", MANIFEST_REL + ".orig"],
     }
-    atomic_write_text(tmp / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(into.prepare_record_path, json.dumps(record, indent=1, sort_keys=True) + "\n")
     return PrepareResult(
         run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir, layout_change=layout_change
     )
-
-
-def _numerics_here(bundle: Path, update: int, cfg: RelayConfig, proofs: list[str]) -> dict[str, Any]:
-    """This machine's numerics identity against the bundle's segments: a difference is warned (one line), never
-    refused here: prepare may run on another machine than the training (a login node); the launch compares again
-    and, with strict_numerics, refuses."""
-    here = gather()
-    found = compare_here(read_history(bundle), here, upto=update)
-    if found is not None and found["segments"]:
-        then = " (strict_numerics: a launch here refuses it)" if cfg.strict_numerics else ""
-        logger.warning(f"[torchrelay] warning: on this machine, {found['line']}{then}")
-    elif found is not None and found["unknown"]:
-        logger.info(f"[torchrelay] {found['line']}")
-    elif found is not None:
-        proofs.append(
-            "numerics: this machine's processor and libraries are the bundle's segments' (the program's "
-            "threads, TF32 and determinism are compared at launch)"
-        )
-    return {"here": here, "change": found}
-
-
-def _copy_bundle(
-    bundle: Path, tmp: Path, report: VerifyReport, options: PrepareOptions, hooks: _Hooks
-) -> None:
-    digests = report.sums.digests()
-    checkpoints = tuple(c + "/" for c in report.checkpoints)
-    wanted = [
-        c.path
-        for c in report.sums.checks
-        if c.path.startswith(checkpoints)
-        or c.path.startswith(("train/", "validation/"))
-        or c.path in (CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE)
-    ]
-    link_ok = options.copy_mode == "hardlink"
-    linkable = [p for p in wanted if link_ok and not p.startswith(_NEVER_LINK_PREFIXES)]
-    rest = [p for p in wanted if p not in set(linkable)]
-    results = copy_many(
-        [(resolve_inside(bundle, p, source=str(bundle)), tmp / p) for p in linkable],
-        link=True,
-        jobs=options.jobs,
-        on_bytes=hooks.on_bytes,
-    )
-    results += copy_many(
-        [(resolve_inside(bundle, p, source=str(bundle)), tmp / p) for p in rest],
-        link=False,
-        jobs=options.jobs,
-        on_bytes=hooks.on_bytes,
-    )
-    for r in results:
-        rel = r.dst.relative_to(tmp).as_posix()
-        if digests.get(rel, ("", -1))[0] != r.sha256:
-            raise IntegrityError(
-                f"{bundle / rel} changed between verification and copy (SHA-256 {r.sha256})",
-                hint="something is writing into the bundle; re-download it and run prepare again",
-            )
-
-
-def _copy_source_manifest(bundle: Path, tmp: Path, report: VerifyReport) -> None:
-    """The bundle's source manifest, at the run dir's top (source/ holds only the tree): it names each file a
-    later edit of the tree changed (identity.code_identity); checked against the verified digest."""
-    rel = f"{SOURCE_DIR}/{SOURCE_MANIFEST}"
-    want = report.sums.digests().get(rel)
-    if want is None:
-        return
-    data = resolve_inside(bundle, rel, source=str(bundle)).read_bytes()
-    if hashlib.sha256(data).hexdigest() != want[0]:
-        raise IntegrityError(
-            f"{bundle / rel} changed between verification and copy",
-            hint="something is writing into the bundle; re-download it and run prepare again",
-        )
-    atomic_write_bytes(tmp / SOURCE_MANIFEST, data)
-
-
-def _check_files(manifest: Manifest, hooks: _Hooks, proofs: list[str]) -> list[str]:
-    paths = list(manifest.paths())
-    missing: list[str] = []
-    for i, path in enumerate(paths, 1):
-        if not os.path.exists(path):
-            missing.append(path)
-        if hooks.on_files is not None and (i % 256 == 0 or i == len(paths)):
-            hooks.on_files(i, len(paths))  # (checked so far, total)
-    if missing:
-        examples = ", ".join(missing[:5])
-        return [
-            f"--check-files: {len(missing)} of {len(paths)} manifest files missing under the new root, e.g. {examples}"
-        ]
-    proofs.append(f"--check-files: all {len(paths)} manifest files exist under {manifest.data_root}")
-    hooks.say(f"all {len(paths)} manifest files exist")
-    return []
 
 
 def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
@@ -495,7 +381,7 @@ def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
 
 def _refuse_unrelated(run_dir: Path) -> None:
     """Refuse at once a non-empty directory that no prepare wrote (the bundle's lineage is compared later)."""
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not (run_dir / RECORD).is_file():
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not RunDir(run_dir).prepare_record_path.is_file():
         shown = sorted(p.name for p in run_dir.iterdir())[:5]
         raise ConfigError(
             f"{run_dir} is not empty ({shown}) and was not prepared from a bundle",
@@ -511,9 +397,9 @@ def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | Non
         raise ConfigError(f"{run_dir} exists and is not a directory", hint="choose another --run-dir")
     if not any(run_dir.iterdir()):
         return None
-    record_path = run_dir / RECORD
+    record_path = RunDir(run_dir).prepare_record_path
     if record_path.is_file():
-        record = read_bundle_record(record_path, "the rebase record")
+        record = read_record(record_path, "the rebase record")
         if record.get("bundle_lineage") == info.get("lineage"):
             return record
         raise ConfigError(
@@ -534,7 +420,7 @@ def _recheck(
     changes: dict[str, list[Any]],
     options: PrepareOptions,
     contract: dict[str, Any],
-    hooks: _Hooks,
+    hooks: Hooks,
     started: float,
 ) -> PrepareResult:
     """A second prepare on the same directory changes nothing; it re-runs the trainer's validation."""
@@ -562,7 +448,7 @@ def _recheck(
     try:
         check = validate_resume(
             run_dir,
-            cfg.replace(manifest=str(run_dir / MANIFEST_REL)),
+            cfg.replace(manifest=str(rd.manifest_path)),
             world_size,
             code_dir,
             code_from_bundle=from_bundle,

@@ -18,10 +18,9 @@ from typing import Any
 
 from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
 from torchrelay.identity import code_identity
-from torchrelay.layout import CONTRACT_FILE, SOURCE_MANIFEST
+from torchrelay.layout import CONTRACT_FILE, SOURCE_DIR, SOURCE_MANIFEST
 from torchrelay.util.safepath import check_relative
 
-SOURCE_DIR = "source"
 _SKIP = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,13 +15,12 @@ from torchrelay.checkpoint.inventory import (
     read_inventory,
 )
 from torchrelay.errors import IntegrityError, UnsafeInput
-from torchrelay.fsutil import read_bounded
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
+from torchrelay.layout import parse_checkpoint_name
+from torchrelay.rundir import Bundle
 from torchrelay.util.hashing import ByteCallback
-from torchrelay.util.safepath import walk_files
+from torchrelay.util.records import read_bounded
 from torchrelay.util.sums import SUMS_LIMIT, SUMS_NAME, SumsReport, check_sums, listed_size, parse_sums
-
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-[0-9]+$")
 
 
 @dataclass(slots=True)
@@ -68,7 +66,7 @@ def verify_bundle(
         raise IntegrityError(
             f"{bundle}: not a directory", hint="pass the bundle directory that holds SHA256SUMS"
         )
-    sums_path = bundle / SUMS_NAME
+    sums_path = Bundle(bundle).sums_path
     raw = _sums_bytes(sums_path)
     digest = bundle_digest(raw)
     if expect is not None and digest != parse_digest(expect):
@@ -79,10 +77,10 @@ def verify_bundle(
     signer = None
     if allowed_signers is not None:
         try:
-            signature = read_bounded(bundle / SIG_NAME, SIG_LIMIT, what="the bundle's signature")
+            signature = read_bounded(Bundle(bundle).sig_path, SIG_LIMIT, what="the bundle's signature")
         except FileNotFoundError:
             raise IntegrityError(
-                f"{bundle / SIG_NAME}: missing; the bundle is not signed",
+                f"{Bundle(bundle).sig_path}: missing; the bundle is not signed",
                 hint="ask its packer for a signed bundle (`torchrelay pack --sign KEY`) or its --expect digest",
             ) from None
         signer = verify_signature(raw, signature, allowed_signers, source=str(sums_path))
@@ -90,9 +88,10 @@ def verify_bundle(
     sums = check_sums(bundle, entries, jobs=jobs, on_bytes=on_bytes, not_listed_ok=(SUMS_NAME, SIG_NAME))
     report = VerifyReport(sums=sums, digest=digest, signer=signer)
     known = sums.digests()
-    for inventory in find_inventories(bundle):
+    # every file was listed and read just now (an unlisted one is a problem of its own): the inventories among them
+    for inventory in [bundle / rel for rel in sorted(known) if rel.rsplit("/", 1)[-1] == INVENTORY]:
         rel_dir = inventory.parent.relative_to(bundle).as_posix()
-        if not _CHECKPOINT_DIR.match(rel_dir):
+        if parse_checkpoint_name(rel_dir) is None:
             # prepare copies checkpoint folders into the run dir; only the top-level checkpoint-N/ are ones
             report.inventory_problems.append(f"{rel_dir}/{INVENTORY}: an inventory outside a checkpoint-N/")
             continue
@@ -121,11 +120,6 @@ def _decode(raw: bytes, path: Path) -> str:
 
 def _sums_text(path: Path) -> str:
     return _decode(_sums_bytes(path), path)
-
-
-def find_inventories(root: Path) -> list[Path]:
-    """Every COMPLETE.json under `root` (symlinks are not followed)."""
-    return [root / rel for rel in walk_files(root) if rel.rsplit("/", 1)[-1] == INVENTORY]
 
 
 def check_inventory(root: Path, ckpt_dir: Path, known: dict[str, tuple[str, int]] | None = None) -> list[str]:

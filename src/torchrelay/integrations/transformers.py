@@ -43,7 +43,7 @@ from torchrelay.integrations.hf_contract import (
     relay_config,
     write_manifest,
 )
-from torchrelay.layout import CONTRACT_FILE, MANIFEST_REL
+from torchrelay.layout import MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest, index_path
 from torchrelay.run import Run, Step
@@ -55,7 +55,7 @@ def _manifest_samples(run_dir: Path, options: RelayOptions, existing: bool) -> i
     script's path may be the old cluster's; prepare rebased the copy and its data_root)."""
     if not existing:
         return len(Manifest.load(options.manifest or "", options.data_root))
-    copy = run_dir / MANIFEST_REL
+    copy = RunDir(run_dir).manifest_path
     return len(Manifest.load(copy, RunDir(run_dir).load_config().data_root, index=index_path(copy)))
 
 
@@ -212,7 +212,7 @@ class RelayTrainerMixin:
         folder = Path(tempfile.mkdtemp(prefix="torchrelay-hf-"))
         try:
             # A new run copies the manifest into itself; a resume reads its own copy, so none is written then.
-            existing = (Path(run_dir) / CONTRACT_FILE).is_file()
+            existing = RunDir(run_dir).contract_path.is_file()
             samples = None
             if options.manifest is not None:
                 manifest: Path | str = options.manifest

@@ -153,7 +153,7 @@ class Manifest:
     def save_index(self, path: str | os.PathLike[str]) -> None:
         """Keep what reading every line found, for the next `load` of the same bytes (atomically; a read-only
         place is no error: the next load reads the lines again)."""
-        from torchrelay.fsutil import atomic_write_bytes
+        from torchrelay.util.durable import atomic_write_bytes
 
         meta = {
             "format": INDEX_FORMAT,

@@ -7,6 +7,7 @@ import datetime as dt
 import html
 from pathlib import Path
 
+from torchrelay.layout import checkpoint_label
 from torchrelay.report.series import RunSeries, Segment
 
 
@@ -24,7 +25,7 @@ def _segment_row(seg: Segment) -> str:
         ", ".join(seg.hosts) or "—",
         "—" if seg.world_size is None else str(seg.world_size),
         f"{seg.first_update}–{seg.last_update if seg.last_update is not None else '…'}",
-        "start" if seg.resumed_from is None else f"checkpoint-{seg.resumed_from}",
+        "start" if seg.resumed_from is None else checkpoint_label(seg.resumed_from),
         seg.ended,
         "—" if seg.exit_code is None else str(seg.exit_code),
         "; ".join(f"{k}: {old} → {new}" for k, (old, new) in _pairs(seg.runtime_changes)) or "—",
@@ -98,7 +99,7 @@ def write_html(
         else '<p class="muted">no history.jsonl: no segments recorded</p>'
     )
     started = _when(min(_starts(series), default=None))
-    checkpoints = ", ".join(f"checkpoint-{n}" for n in series.checkpoints) or "none"
+    checkpoints = ", ".join(checkpoint_label(n) for n in series.checkpoints) or "none"
     figures = "\n".join(_image(title, png) for title, png in images.values())
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -130,7 +131,7 @@ def _validation_table(series: RunSeries) -> str:
     head = ["checkpoint", "status", *names, "seconds", "reason"]
     rows = []
     for p in series.validation:
-        cells = [f"checkpoint-{p.update}", p.status]
+        cells = [checkpoint_label(p.update), p.status]
         cells += [f"{p.metrics[n]:.6g}" if n in p.metrics else "—" for n in names]
         cells += [f"{p.seconds:.1f}", p.reason or "—"]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")

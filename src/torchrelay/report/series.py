@@ -10,9 +10,9 @@ from typing import Any
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
 from torchrelay.history import read_history
-from torchrelay.layout import MANIFEST_REL, TRAIN_DIR
 from torchrelay.numerics import describe
 from torchrelay.reshard import describe_change
+from torchrelay.rundir import RunDir
 from torchrelay.train_records import METRIC_SCHEMA, is_objective, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 
@@ -153,7 +153,7 @@ def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
 
 
 def _manifest_size(run_dir: Path) -> int | None:
-    path = run_dir / MANIFEST_REL
+    path = RunDir(run_dir).manifest_path
     if not path.is_file():
         return None
     with path.open(encoding="utf-8") as handle:
@@ -166,7 +166,7 @@ def read_series(run_dir: str | Path) -> RunSeries:
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "does not exist"
         raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
-    train_dir = root / TRAIN_DIR
+    train_dir = RunDir(root).train_dir
     logs = rank_logs(train_dir, "metrics")
     per_rank = {rank: _by_update(read_records(p, schema=METRIC_SCHEMA)) for rank, p in logs.items()}
     if not per_rank or not any(per_rank.values()):

@@ -269,6 +269,11 @@ class Run:
 
     def close(self, error: BaseException | None = None) -> int:
         """Finish the segment's history record and return the process exit code."""
+        # A failure this rank held for its peers' next exchange (run/loop.py's Feed), when the script left the
+        # loop before any came: raised here, by this rank alone, rather than lost.
+        held = collective.take_deferred()
+        if held is not None and error is None:
+            error = held
         if not self._closed:
             try:
                 self._saver.wait()  # a checkpoint being written is committed before the segment ends
@@ -284,6 +289,8 @@ class Run:
             if isinstance(error, torch.OutOfMemoryError):
                 self._record_oom(error, fatal=True)
             self._end_segment(last)
+        if held is not None and error is held:
+            raise held
         return self.exit_code
 
     def __enter__(self) -> Run:

@@ -18,7 +18,6 @@ from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, write_contract
 from torchrelay.errors import ConfigError
-from torchrelay.fsutil import atomic_write_text
 from torchrelay.history import close_crashed, new_id, read_history, write_history
 from torchrelay.identity import running_files, tree_note
 from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
@@ -32,6 +31,7 @@ from torchrelay.run.saver import last_save_seconds
 from torchrelay.rundir import RunDir
 from torchrelay.stop import REQUEST_FILE
 from torchrelay.train_records import metrics_path, trim_after
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import read_json_or_none
 

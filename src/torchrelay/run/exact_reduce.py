@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchrelay.checkpoint.torch_compat import BatchNormBase, DropoutBase
 from torchrelay.errors import ConfigError
 
 EXACT = "exact"  # the value of config field `elastic` that turns this on
@@ -75,13 +76,13 @@ def check_model(model: torch.nn.Module) -> None:
                 "micro-batch's gradient depends on the world size",
                 hint="use GroupNorm or LayerNorm for elastic: exact, or set elastic: default",
             )
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+        if isinstance(module, BatchNormBase) and module.track_running_stats:
             raise ConfigError(
                 f"elastic: exact: {name} is a BatchNorm that tracks running statistics: each rank updates them "
                 "grad_accum times an update with its own micro-batches, so they depend on the layout",
                 hint=f"give {name} track_running_stats=False, use GroupNorm or LayerNorm, or set elastic: default",
             )
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+        if isinstance(module, DropoutBase) and module.p > 0:
             raise ConfigError(
                 f"elastic: exact: {name} is a Dropout (p={module.p}) drawing from the rank's random stream, which "
                 "a move re-derives: the masks change with the layout",

@@ -27,23 +27,73 @@ from torchrelay.train_records import RankLog
 from torchrelay.util import collective
 
 
+class Feed:
+    """This rank's micro-batches from the loader, and what happens when one cannot be read.
+
+    A sample this rank cannot read (a missing data file) must end every rank with the same error, but its peers
+    are already on their way into the update's own collectives (DDP's gradient all-reduce, FSDP's all-gathers),
+    which the protocol's exchange cannot join. Agreeing on every micro-batch would cost one all-reduce each
+    (1.5-2.6 ms on gloo at load: RESULTS.md); instead the failing rank holds its failure (collective.Ranks.defer)
+    and goes on with the last batch it read standing in, so that it enters every collective its peers enter,
+    logs nothing more, and raises with them in the next exchange, which every rank reaches at the same update:
+    the stop agreement (at most about a second of updates away), a save, or the segment's end. Only the launch's
+    first batch, for which nothing can stand in, is agreed on.
+    """
+
+    __slots__ = ("_it", "_ranks", "_spare")
+
+    def __init__(self, it: Iterator[Any], ranks: collective.Ranks) -> None:
+        self._it = it
+        self._ranks = ranks
+        self._spare: Any = None  # the last batch read: what stands in once a read failed
+
+    @property
+    def failed(self) -> bool:
+        """Whether this rank holds a failure: its batches stand in, its updates are not logged."""
+        return collective.deferred()
+
+    def next(self, update: int) -> tuple[list[int], Any]:
+        """(indices, batch) of this rank's next micro-batch of update `update`."""
+        if self._spare is None:
+            ids, batch = self._ranks.agree("training", lambda: self._read(update))
+        elif self.failed:
+            return [], self._spare
+        else:
+            try:
+                ids, batch = self._read(update)
+            except BaseException as exc:  # noqa: BLE001 - held for the peers (or raised at once: see defer)
+                self._ranks.defer("training", exc)
+                return [], self._spare
+        self._spare = batch
+        return ids, batch
+
+    def close(self) -> None:
+        """Let go of the loader's iterator (its workers stop) and of the batch kept."""
+        self._it, self._spare = iter(()), None
+
+    def _read(self, update: int) -> tuple[list[int], Any]:
+        try:
+            return next(self._it)
+        except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
+            raise _sample_error(exc, update) from exc
+
+
 class Step:
     """One update: its micro-batches and what the loop logs about it."""
 
-    __slots__ = ("update", "_it", "_accum", "_ids", "metrics", "_exact", "_ranks")
+    __slots__ = ("update", "_feed", "_accum", "_ids", "metrics", "_exact")
 
     def __init__(
         self,
         update: int,
-        it: Iterator[Any],
+        it: Iterator[Any] | Feed,
         accum: int,
         exact: ExactReduction | None = None,
         ranks: collective.Ranks | None = None,
     ) -> None:
         self.update = update
-        self._it = it
+        self._feed = it if isinstance(it, Feed) else Feed(it, ranks or collective.ranks())
         self._accum = accum
-        self._ranks = ranks or collective.ranks()
         self._ids: list[list[int]] = []
         self.metrics: dict[str, Any] = {}
         self._exact = exact
@@ -60,9 +110,7 @@ class Step:
         params = exact.params(model) if exact is not None else []  # type: ignore[arg-type]  # it refuses None
         deferred = _sync_deferral(model, never=exact is not None)
         for micro in range(self._accum):
-            # A sample one rank cannot read fails this micro-batch on every rank, before any rank hands its batch
-            # to code that may wait in a collective for the rank that failed (one small all-reduce per batch).
-            ids, batch = self._ranks.agree("training", self._next)
+            ids, batch = self._feed.next(self.update)  # a rank that cannot read one goes on: see Feed
             self._ids.append(ids)
             with deferred(micro == self._accum - 1):
                 yield micro, batch
@@ -70,12 +118,6 @@ class Step:
                 exact.take(params, micro)
         if exact is not None:
             exact.finish(params)
-
-    def _next(self) -> tuple[list[int], Any]:
-        try:
-            return next(self._it)
-        except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
-            raise _sample_error(exc, self.update) from exc
 
     def log(self, **metrics: Any) -> None:
         """Record this rank's metrics for the update (loss, lr, ...); tensors become floats."""
@@ -140,7 +182,7 @@ class Loop:
             self._notes.append(note)
         # Refused here, before the first update, on every rank alike (a layout the canonical sum cannot cover).
         exact = ExactReduction(self._rank, self._world_size, cfg.grad_accum) if cfg.elastic == EXACT else None
-        it = loader.start(batches, cfg.seed, context)
+        it = Feed(loader.start(batches, cfg.seed, context), self._ranks)
         saver = self._saver
         done = self._start
         recent: deque[float] = deque(maxlen=5)
@@ -164,11 +206,12 @@ class Loop:
                 dt = time.perf_counter() - t0
                 recent.append(dt)
                 done += 1
-                self._record(step, dt)
+                if not it.failed:  # a rank that holds a failure logs nothing it did not read
+                    self._record(step, dt)
                 if saver.due(done):
                     saver.save(done)
         finally:
-            del it  # stops loader workers
+            it.close()  # stops loader workers (a Step the script still holds keeps only the Feed)
 
     def _record(self, step: Step, dt: float) -> None:
         rec = {"update": step.update, **step.metrics}

@@ -27,7 +27,9 @@ from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.retention import policy_for
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
+from torchrelay.layout import checkpoint_name
 from torchrelay.run.restore import Tracked
+from torchrelay.rundir import RunDir
 from torchrelay.train_records import RankLog
 from torchrelay.util import collective
 from torchrelay.util.records import read_json_or_none
@@ -132,12 +134,12 @@ class Saver:
             )
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
             self.last = update
-            return self._run_dir / f"checkpoint-{update}"
+            return RunDir(self._run_dir).checkpoint(update)
         group, background = self._group, self._background
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
-        with collective.ranks(group).phase(f"saving checkpoint-{update}"):
+        with collective.ranks(group).phase(f"saving {checkpoint_name(update)}"):
             snap = ckpt_state.capture_state(
                 rank=self._rank,
                 model=tracked.model,
@@ -168,7 +170,7 @@ class Saver:
 
         self._persister.submit(update, persist)
         self.last = update
-        return self._run_dir / f"checkpoint-{update}"
+        return RunDir(self._run_dir).checkpoint(update)
 
     def budget_seconds(self) -> float:
         """What a stop now costs in saving, for the budget policy: the checkpoint in flight to finish, then one

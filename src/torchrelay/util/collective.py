@@ -25,6 +25,10 @@ The policy, once:
 - A peer that died or stopped answering: gloo raises in the waiting ranks at once when a peer's process ends
   (its sockets close), or after TORCHRELAY_COLLECTIVE_TIMEOUT_S when it hangs; the exchange then raises one line saying so (exit 1), or
   the rank's own failure if it had one.
+- A failure where the peers go on without an exchange (a micro-batch that cannot be read, run/loop.py's Feed):
+  the rank holds it (`Ranks.defer`) and keeps entering the collectives its peers enter; the next exchange it
+  enters, the one its peers enter at the same point, carries it, and the error is named by the phase it
+  happened in.
 - With one process there is nothing to agree: the error is raised as it is (an OSError as the PathError or
   DiskFull it means), and nothing is printed here.
 """
@@ -35,7 +39,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -64,6 +68,9 @@ class Failure:
     bug: (
         str | None
     )  # the exception's type when it is not one of the library's own (its traceback stays there)
+    phase: str | None = (
+        None  # a deferred failure's own phase: it names the error whichever exchange carries it
+    )
 
     @classmethod
     def of(cls, exc: BaseException, rank: int, name: str) -> Failure:
@@ -99,6 +106,8 @@ def _plain(exc: BaseException) -> bool:
 def agreed_error(name: str, failures: Sequence[Failure], *, name_rank: bool = True) -> RelayError:
     """The error every rank raises when `failures` (in rank order) happened in phase `name`."""
     first = failures[0]
+    if first.phase is not None:
+        name, name_rank = first.phase, True
     cls_ = getattr(errors_module, first.cls, RelayError)
     if not (isinstance(cls_, type) and issubclass(cls_, RelayError)):
         cls_ = RelayError
@@ -175,6 +184,14 @@ class Ranks:
         """Every rank's `ints` reduced by MAX (at most WIDTH); raises the agreed error when any rank failed."""
         if self.alone:
             return list(ints)
+        held: tuple[Failure, BaseException] | None = getattr(_local, "deferred", None)
+        if held is not None:
+            _local.deferred = None
+            if (
+                failure is None
+            ):  # this rank failed earlier: its peers learn it here, in an exchange they enter
+                self._pending = held[1]
+                return self._fail(name, held[0])
         values = [0] * (WIDTH + 1)
         values[1 : 1 + len(ints)] = list(ints)
         if failure is not None:
@@ -198,7 +215,7 @@ class Ranks:
         failures = sorted((f for f in out if f is not None), key=lambda f: f.rank)
         phase = _current(name)
         err = agreed_error(phase.name, failures, name_rank=phase.name_rank)
-        if phase.hint is not None:
+        if phase.hint is not None and failures[0].phase is None:
             err.hint = phase.hint
         _settle(phase, err)
         if self.rank == 0 and not (failure is not None and failure.bug):
@@ -266,6 +283,16 @@ class Ranks:
                 raise _agreed(original) from None  # its traceback; the others raise `err` already
             raise err from original
         raise AssertionError("an exchange with a failure always raises")  # pragma: no cover
+
+    def defer(self, name: str, exc: BaseException) -> None:
+        """This rank failed in phase `name` where its peers go on without an exchange, inside collectives of the
+        training's own that this rank must still enter (DDP's gradient all-reduce, FSDP's all-gathers): the failure
+        is held, and the next exchange this thread enters carries it, the one its peers enter at the same point
+        (the stop agreement, a save, the segment's end); every rank then raises it, named by `name`. Raised at
+        once when this process is alone (and, like any phase, an interrupt or an agreed error at once)."""
+        failure = self._failure(name, exc)
+        original, self._pending = self._pending, None
+        _local.deferred = (replace(failure, phase=_current(name).name), original)
 
     def agree(self, name: str, fn: Callable[[], T]) -> T:
         """`fn()` on every rank; returns this rank's value once every rank succeeded."""
@@ -398,6 +425,25 @@ def ranks(group: Any = None) -> Ranks:
             )
         _training[:] = [(world, Ranks(made))]  # a default group made anew (after destroy) gets its own
         return _training[0][1]
+
+
+def deferred() -> bool:
+    """Whether this thread holds a failure for its next exchange (Ranks.defer)."""
+    return getattr(_local, "deferred", None) is not None
+
+
+def take_deferred() -> BaseException | None:
+    """The held failure, as this rank alone raises it (no exchange came: the script left the loop first)."""
+    held: tuple[Failure, BaseException] | None = getattr(_local, "deferred", None)
+    _local.deferred = None
+    if held is None:
+        return None
+    failure, original = held
+    if failure.bug is not None:
+        return original
+    err = agreed_error(failure.phase or "training", [failure])
+    err.__cause__ = original
+    return err
 
 
 def agree(name: str, fn: Callable[[], T]) -> T:

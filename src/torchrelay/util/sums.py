@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchrelay.errors import IntegrityError, UnsafeInput
-from torchrelay.fsutil import read_bounded
 from torchrelay.util.hashing import ByteCallback, default_jobs, sha256_file
+from torchrelay.util.records import read_bounded
 from torchrelay.util.safepath import check_relative, ensure_inside, walk_files
 
 SUMS_NAME = "SHA256SUMS"

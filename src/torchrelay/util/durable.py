@@ -1,4 +1,4 @@
-"""Durable file writes (temporary name, fsync, rename, fsync the folder) (bounded reads of files from elsewhere: util/records.py)."""
+"""Durable file writes: a temporary name, fsync, rename, fsync the folder (bounded reads of untrusted files: records.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import os
 from pathlib import Path
 
 from torchrelay.errors import DiskFull
-
-# The crash tests' moments between two steps of pack or prepare (armed explicitly: kill_points.py); the name stays
-# here for the callers that import it with the file operations it sits between.
-from torchrelay.kill_points import kill_point  # noqa: F401
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -56,7 +52,3 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode())
-
-
-# The bounded readers of untrusted files live in util/records.py (one owner); these names stay for their callers.
-from torchrelay.util.records import JSON_LIMIT, parse_json, read_bounded, read_json  # noqa: E402,F401
