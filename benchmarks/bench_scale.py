@@ -42,7 +42,7 @@ SRC = HERE.parent / "src"
 sys.path.insert(0, str(HERE.parent / "tests"))  # the run writer and the measure are shared with the suite
 
 import scale_run  # noqa: E402
-from scale_run import _HWM, _config, cli, make_run, measure, write_manifest  # noqa: E402
+from scale_run import _HWM, _config, cli, lay_out, make_run, measure, write_manifest  # noqa: E402
 
 _OPEN = (
     _HWM
@@ -154,13 +154,7 @@ def measure_big(base: Path, samples: int) -> dict[str, dict[str, Any]]:
     from torchrelay.manifest import Manifest
     from torchrelay.rundir import RunDir
 
-    base.mkdir(parents=True, exist_ok=True)
-    manifest = base / "manifest.jsonl"
-    write_manifest(manifest, samples)
-    code = base / "code"
-    code.mkdir(exist_ok=True)
-    (code / "train.py").write_text("# the synthetic run's script\n")
-    run_dir = base / "run"
+    manifest, code, run_dir = lay_out(base, samples)
     cfg = _config(manifest, 100, 32, 32).to_dict()
     out: dict[str, dict[str, Any]] = {}
     out["big_create"] = measure([sys.executable, "-c", _CREATE, str(run_dir), str(code), json.dumps(cfg)])

@@ -40,6 +40,17 @@ def write_manifest(path: Path, samples: int, root: str = "/data/lingbot") -> Non
             )
 
 
+def lay_out(base: Path, samples: int) -> tuple[Path, Path, Path]:
+    """A synthetic run's manifest of `samples` lines, its one-file code folder and where its run directory goes."""
+    base.mkdir(parents=True, exist_ok=True)
+    manifest = base / "manifest.jsonl"
+    write_manifest(manifest, samples)
+    code = base / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text("# the synthetic run's script\n")
+    return manifest, code, base / "run"
+
+
 def _config(manifest: Path, total: int, micro: int, accum: int) -> Any:
     import torchrelay as tr
 
@@ -74,13 +85,7 @@ def make_run(
     from torchrelay.checkpoint.retention import policy_for
     from torchrelay.history import new_id, read_history, write_history
 
-    base.mkdir(parents=True, exist_ok=True)
-    manifest = base / "manifest.jsonl"
-    write_manifest(manifest, samples)
-    code = base / "code"
-    code.mkdir(exist_ok=True)
-    (code / "train.py").write_text("# the synthetic run's script\n")
-    run_dir = base / "run"
+    manifest, code, run_dir = lay_out(base, samples)
     # Opened at world size 1 with the whole global batch in gradient accumulation; the logs below are those of
     # `ranks` ranks splitting the same global batches (the order does not depend on the world size).
     accum = 1024 // (micro * ranks)
