@@ -39,7 +39,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$CONSTRAIN
     >/dev/null 2>&1 || echo "setup: DeepSpeed's CPU collectives did not compile (or waited 900 s on a stale lock" \
     "in ~/.cache/torch_extensions); tests/test_deepspeed.py will fail" >&2
   # DeepSpeedCPUAdam's op (ZeRO-Offload, the zoo's cpu_adam; tests/test_four_ranks.py), the same way: once, here,
-  # so that no launch of 4 ranks compiles it. Measured clean: 170 s of CPU, 2.1 GB at most, 53 MB kept.
+  # so that no launch of 4 ranks compiles it. Measured clean, idle 2-core VM: 76 s (142 s CPU), 2.1 GB, 53 MB kept.
   echo "setup: compiling DeepSpeed's CPU Adam once (about 3 minutes of CPU)" >&2
   started=$SECONDS
   if DS_ACCELERATOR=cpu timeout 1800 "$VENV/bin/python" -c \
