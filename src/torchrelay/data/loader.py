@@ -165,6 +165,12 @@ def os_threads() -> int | None:
         return None
 
 
+def forks_workers(threads: int | None = None) -> bool:
+    """Whether workers nobody asked a start method for are forked: this process has one thread (`threads`, or
+    counted now), so nothing else runs that could hold a lock, and a fork imports nothing."""
+    return (os_threads() if threads is None else threads) == 1
+
+
 def main_unguarded() -> str | None:
     """Why worker processes may not import the training script (forkserver and spawn workers do), or None."""
     main = sys.modules.get("__main__")
@@ -220,7 +226,7 @@ class RelayLoader:
         asked = self.multiprocessing_context
         if asked is not None and asked not in CONTEXTS:
             raise ConfigError(f"run.dataloader(multiprocessing_context={asked!r}): choose one of {CONTEXTS}")
-        if asked == "fork" or (asked is None and (os_threads() if threads is None else threads) == 1):
+        if asked == "fork" or (asked is None and forks_workers(threads)):
             return "fork", None
         why = main_unguarded()
         if why is None:
@@ -335,7 +341,7 @@ def start_forkserver(num_workers: int, asked: str | None = None, threads: int | 
     unused; one that finds more threads than now starts the server itself, later. True when one was started."""
     if num_workers < 1 or asked not in (None, "forkserver") or main_unguarded() is not None:
         return False
-    if asked is None and (os_threads() if threads is None else threads) == 1:
+    if asked is None and forks_workers(threads):
         return False  # a single-threaded rank forks its workers (RelayLoader.context), unless threads appear
     from multiprocessing import forkserver
 
