@@ -260,13 +260,10 @@ class Bundle:
     def verified_records(self, verified: Digests) -> BundleRecords:
         """The records every use of a bundle needs, once `verify` checked it: each read once, refused unless its
         bytes are the verified ones."""
-        want = _want(verified, CONFIG_FILE)
-        config, data = self.config(), self._config[1] if self._config else b""
-        if hashlib.sha256(data).hexdigest() != want:
-            raise IntegrityError(
-                f"{self.path / CONFIG_FILE} changed between verification and reading",
-                hint="something is writing into the bundle; re-download it and run prepare again",
-            )
+        config = self.config()
+        assert self._config is not None  # config() keeps the object and the bytes it was parsed from
+        data = self._config[1]
+        _check_verified(self.path / CONFIG_FILE, data, _want(verified, CONFIG_FILE))
         info = self.info(verified)
         return BundleRecords(info, load_contract(self.path), config, data, read_history(self.path))
 
@@ -289,15 +286,22 @@ def _read_object(path: Path, what: str, want: str | None) -> tuple[dict[str, Any
         data = read_regular(path, _BUNDLE_RECORD_LIMIT, what=what)
     except FileNotFoundError:
         raise IntegrityError(f"{path} is missing ({what})", hint="is this a torchrelay bundle?") from None
-    if want is not None and hashlib.sha256(data).hexdigest() != want:
-        raise IntegrityError(
-            f"{path} changed between verification and reading",
-            hint="something is writing into the bundle; re-download it and run prepare again",
-        )
+    if want is not None:
+        _check_verified(path, data, want)
     doc = parse_json(data, source=f"{path} ({what})")
     if not isinstance(doc, dict):
         raise IntegrityError(f"{path} does not hold a JSON object ({what})", hint="re-download the bundle")
     return doc, data
+
+
+def _check_verified(path: Path, data: bytes, want: str | None) -> None:
+    """Refuse `data` read from `path` unless its SHA-256 is the one SHA256SUMS vouched for (`want`; None: not
+    listed), so that a bundle written into between the verification and this read is never believed."""
+    if hashlib.sha256(data).hexdigest() != want:
+        raise IntegrityError(
+            f"{path} changed between verification and reading",
+            hint="something is writing into the bundle; re-download it and run prepare again",
+        )
 
 
 def _require(path: Path, doc: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> None:
