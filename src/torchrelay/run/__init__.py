@@ -174,9 +174,8 @@ class Run:
         with collective.phase("run.track"):
             if is_engine(model):  # a DeepSpeed engine: its configuration must be the contract's
                 check_engine(model, optimizer, self.config)
-            if (
-                self.world_size > 2
-            ):  # two terms add alike in any order: only more ranks see DDP's bucket layout
+            # Two terms add alike in any order: only more ranks see DDP's bucket layout (docs/LOOP.md).
+            if self.world_size > 2:
                 settle_ddp_buckets(model)
             self._tracked.register(model, optimizer, statefuls)
             self._restore.state(self._tracked)

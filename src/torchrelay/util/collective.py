@@ -68,9 +68,8 @@ class Failure:
     bug: (
         str | None
     )  # the exception's type when it is not one of the library's own (its traceback stays there)
-    phase: str | None = (
-        None  # a deferred failure's own phase: it names the error whichever exchange carries it
-    )
+    # A deferred failure's own phase: it names the error whichever exchange carries it.
+    phase: str | None = None
 
     @classmethod
     def of(cls, exc: BaseException, rank: int, name: str) -> Failure:
@@ -187,9 +186,8 @@ class Ranks:
         held: tuple[Failure, BaseException] | None = getattr(_local, "deferred", None)
         if held is not None:
             _local.deferred = None
-            if (
-                failure is None
-            ):  # this rank failed earlier: its peers learn it here, in an exchange they enter
+            # This rank failed earlier: its peers learn it here, in an exchange they enter.
+            if failure is None:
                 self._pending = held[1]
                 return self._fail(name, held[0])
         values = [0] * (WIDTH + 1)
