@@ -62,6 +62,15 @@ def _launch(code: Path, run_dir: Path, *extra: str, env: dict[str, str] | None =
     return out.returncode, out.stdout + out.stderr
 
 
+def _workers_started(out: str) -> list[str]:
+    """Each rank's line saying how its loader workers started (run/loop.py), rank by rank."""
+    return sorted(line for line in out.splitlines() if "] LOADER_WORKERS " in line)
+
+
+# A torchrun rank holds gloo's native threads and no other Python thread: its workers are forked, as Trainer's own.
+FORKED = ["[rank 0] LOADER_WORKERS 2 fork", "[rank 1] LOADER_WORKERS 2 fork"]
+
+
 @pytest.fixture(scope="module")
 def code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("trainer-code") / "code"
@@ -174,6 +183,7 @@ def test_trainer_stopped_killed_handed_off_ends_bit_exact(code: Path, baseline: 
     # 2. rank 0 SIGKILLed inside the save of checkpoint-4 (its inventory written, not yet renamed), 2 loader workers
     rc, out = _launch(code, run, "--workers", "2", "--kill-at", "rename:4:0")
     assert rc != 0, out
+    assert _workers_started(out) == FORKED, out
     assert not (run / "checkpoint-4").exists() and list(run.glob(".tmp-checkpoint-4-*")), out
     # 3. SIGTERM late in the schedule (after update 8 of 12): resumes from checkpoint-3, the previous complete one
     proc = subprocess.Popen(
@@ -188,8 +198,10 @@ def test_trainer_stopped_killed_handed_off_ends_bit_exact(code: Path, baseline: 
     wait_for_update(run, 8, proc)
     sigterm(proc)
     proc.wait(timeout=120)
+    said = proc.stdout.read() if proc.stdout else ""
     seg = segments(run)[-1]
-    assert seg["ended"] == "signal", proc.stdout.read() if proc.stdout else ""
+    assert seg["ended"] == "signal", said
+    assert _workers_started(said) == FORKED, said
     assert seg["resumed_from"] == 3 and 8 <= seg["last_update"] < U, seg
     assert [s["ended"] for s in segments(run)] == ["request", "crash", "signal"]
     assert segments(run)[1]["runtime_changes"] == {"num_workers": [0, 2]}  # recorded by the killed launch
@@ -354,6 +366,7 @@ def test_trainer_over_a_manifest_in_length_order_moved_rebased_and_resumed(tmp_p
     moved = next((there / "source").iterdir())
     rc, out = _launch_manifest(moved, there, root, manifest, "--workers", "2")  # the script's old paths
     assert rc == 0, out
+    assert _workers_started(out) == FORKED, out
     assert f"kept data_root={str(new_root)!r} set by prepare" in out, out
     assert segments(there)[-1]["resumed_from"] == 3
     assert json.loads((there / "resume_contract.json").read_text()) == json.loads(

@@ -6,13 +6,19 @@ order because DataLoader returns batches in sampler order whatever worker produc
 `wants_context = True` receives a SampleContext (index, epoch, update, seed) instead of the bare index, so its
 augmentation can depend on the epoch inside the workers (see data/sample.py).
 
-Worker processes are forked from the rank only while it has a single thread; otherwise they come from a
-forkserver. A rank of a distributed run holds gloo's (or NCCL's, or CUDA's) native threads by the time the loader
-starts, and a fork copies whatever lock one of them holds at that moment into a child where nothing will ever
-release it (a launch hung so, once in about fifteen). The forkserver is a fresh process with no threads, with torch
-and the script's imports imported once, that forks each worker; it costs one more import of all of them (seconds of
-CPU with transformers), which a fork of a single-threaded process does not (benchmarks/RESULTS.md, "Trainer resume
-with loader workers"). Workers outlive the stop signals that torchrun or Slurm send to a rank's whole process group
+Worker processes are forked from the rank, as torch's DataLoader does, unless another Python thread is alive when
+they start; then they come from a forkserver. What a fork can break is a lock another thread holds at that moment,
+copied held into a child where nothing will ever release it, and then taken by the child. The native threads a
+rank has by then (gloo's TCP and run loops, NCCL's watchdogs, CUDA's) hold only their own library's locks, which a
+worker never takes (it runs no collective and may not touch CUDA); malloc's and stdio's locks are reset by glibc
+at the fork, OpenMP's pool by torch's fork handler. A Python thread is another matter: stdout's buffer, a queue, a
+module's lock, any native lock inside the call it is in (a checkpoint's write, a hash) may be held, and a worker
+prints, unpickles and runs torch. torchrelay's own threads (persist, reserve, retention, reads) are never alive when
+the workers start (once per segment, before the first update and after the restore has joined its readers);
+tqdm's monitor (Trainer's progress bar) is: its lock is held across the fork, so it is asleep. The forkserver is a
+fresh process with no threads, with torch and the script's imports imported once, that forks each worker; it costs
+one more import of all of them (seconds of CPU with transformers; benchmarks/RESULTS.md, "Trainer resume with
+loader workers"). Workers outlive the stop signals that torchrun or Slurm send to a rank's whole process group
 (the rank stops at its next boundary and ends them), end on a SIGTERM from their own rank, and die with their parent.
 """
 
@@ -157,18 +163,43 @@ def unpicklable(obj: Any) -> str | None:
     return None
 
 
-def os_threads() -> int | None:
-    """How many threads this process has, native ones included (Linux: /proc), or None where it cannot be told."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return None
+def other_python_threads() -> list[str]:
+    """The threads other than this one that run Python code, by name: threading's, and any native thread that is
+    inside Python now (it has a frame); tqdm's monitor is left out, being asleep across a fork (`_monitors_held`)."""
+    me = threading.get_ident()
+    named = {t.ident: t.name for t in threading.enumerate() if t.ident != me and not _is_tqdm_monitor(t)}
+    monitors = {t.ident for t in threading.enumerate() if _is_tqdm_monitor(t)}
+    current_frames = getattr(sys, "_current_frames", dict)
+    for ident in current_frames():
+        if ident != me and ident not in named and ident not in monitors:
+            named[ident] = f"a native thread in Python ({ident})"
+    return sorted(named.values())
 
 
-def forks_workers(threads: int | None = None) -> bool:
-    """Whether workers nobody asked a start method for are forked: this process has one thread (`threads`, or
-    counted now), so nothing else runs that could hold a lock, and a fork imports nothing."""
-    return (os_threads() if threads is None else threads) == 1
+def _is_tqdm_monitor(thread: threading.Thread) -> bool:
+    monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", None)
+    return monitor is not None and isinstance(thread, monitor) and thread.is_alive()
+
+
+@contextlib.contextmanager
+def _monitors_held() -> Iterator[None]:
+    """tqdm's monitor (one a process, started with Trainer's progress bar) sleeps, and does everything else,
+    including writing to the terminal, under its bars' lock: held here, no fork can find the monitor holding any
+    lock a worker might take."""
+    locks = []
+    for thread in threading.enumerate():
+        if _is_tqdm_monitor(thread):
+            locks.append(thread.tqdm_cls.get_lock())  # type: ignore[attr-defined]
+    with contextlib.ExitStack() as stack:
+        for lock in locks:
+            stack.enter_context(lock)
+        yield
+
+
+def forks_workers(others: list[str] | None = None) -> bool:
+    """Whether workers nobody asked a start method for are forked: no other thread of this process runs Python
+    (`others`, the names `other_python_threads` gives, or looked at now), so no lock a worker takes can be held."""
+    return not (other_python_threads() if others is None else others)
 
 
 def main_unguarded() -> str | None:
@@ -215,18 +246,19 @@ class RelayLoader:
         """The dataset asked for SampleContexts (`wants_context = True`) instead of bare indices."""
         return getattr(self.dataset, "wants_context", False) is True
 
-    def context(self, threads: int | None = None) -> tuple[str | None, str | None]:
+    def context(self, others: list[str] | None = None) -> tuple[str | None, str | None]:
         """(start method of the workers, a note when the default had to fall back to fork).
 
-        threads: this process's thread count (default: `os_threads()` now). With one thread, and no start method
-        asked for, the workers are forked: nothing else runs that could hold a lock, and a fork imports nothing.
+        others: the other threads of this process that run Python (default: `other_python_threads()` now). With
+        none, and no start method asked for, the workers are forked, as torch's DataLoader does; with some, a
+        forkserver starts them, so that no lock one of those threads holds is copied into a worker.
         """
         if self.num_workers == 0:
             return None, None
         asked = self.multiprocessing_context
         if asked is not None and asked not in CONTEXTS:
             raise ConfigError(f"run.dataloader(multiprocessing_context={asked!r}): choose one of {CONTEXTS}")
-        if asked == "fork" or (asked is None and forks_workers(threads)):
+        if asked == "fork" or (asked is None and forks_workers(others)):
             return "fork", None
         why = main_unguarded()
         if why is None:
@@ -242,8 +274,16 @@ class RelayLoader:
             )
         return "fork", (
             f"loader workers are forked from the rank, not started by a forkserver: {why}; a fork copies the "
-            "locks the rank's communication threads hold (a rare hang); see docs/LOOP.md, DataLoader workers"
+            "locks that the rank's other Python threads hold (a rare hang); see docs/LOOP.md, DataLoader workers"
         )
+
+    def describe(self, context: str | None) -> str:
+        """The line a rank says before its first update: how many workers, started how, and why a forkserver."""
+        line = f"LOADER_WORKERS {self.num_workers} {context}"
+        others = (
+            other_python_threads() if context == "forkserver" and self.multiprocessing_context is None else []
+        )
+        return line + (f" (other Python threads: {', '.join(others)})" if others else "")
 
     def build(self, batches: RankBatches, seed: int, context: str | None = None) -> DataLoader:
         # An explicit generator keeps DataLoader from drawing its base seed from the global torch RNG,
@@ -286,7 +326,9 @@ class RelayLoader:
                 # mask is set again before the forkserver starts.
                 resource_tracker.ensure_running()
                 signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            return iter(loader)
+                return iter(loader)
+            with _monitors_held():  # iter() forks every worker before it returns
+                return iter(loader)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
@@ -333,16 +375,17 @@ def _mp_context(name: str) -> Any:
     return ctx
 
 
-def start_forkserver(num_workers: int, asked: str | None = None, threads: int | None = None) -> bool:
-    """Start the workers' forkserver now, if the loader will want one (workers, the script under a main guard, no
-    other start method asked for, and more than one thread, so that they will not be forked): it imports while
-    the rank goes on (builds its model and optimizer, restores its checkpoint), and the first batch no longer
-    waits for it. A loader that then starts its workers another way (an unpicklable dataset) leaves the server
-    unused; one that finds more threads than now starts the server itself, later. True when one was started."""
+def start_forkserver(num_workers: int, asked: str | None = None, others: list[str] | None = None) -> bool:
+    """Start the workers' forkserver now, if the loader will want one (workers, the script under a main guard, and
+    a forkserver asked for, or, asked for nothing, other threads running Python now, as `RelayLoader.context`
+    decides): it imports while the rank goes on (builds its model and optimizer, restores its checkpoint), and the
+    first batch no longer waits for it. A loader that then starts its workers another way (the threads ended, an
+    unpicklable dataset) leaves the server unused; one that finds threads that were not there yet starts the
+    server itself, later. True when one was started."""
     if num_workers < 1 or asked not in (None, "forkserver") or main_unguarded() is not None:
         return False
-    if asked is None and forks_workers(threads):
-        return False  # a single-threaded rank forks its workers (RelayLoader.context), unless threads appear
+    if asked is None and forks_workers(others):
+        return False  # the workers will be forked (RelayLoader.context), unless Python threads appear
     from multiprocessing import forkserver
 
     _mp_context("forkserver")

@@ -124,6 +124,9 @@ class RelayCallback(TrainerCallback):
         return step if step is not None and step.update == update else None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Trainer's other callbacks have started their threads by now (a reporter's writer; tqdm's monitor is
+        # harmless): if the workers will want a forkserver for them, it imports while the checkpoint restores.
+        start_forkserver(int(args.dataloader_num_workers), args.dataloader_multiprocessing_context)
         self._trainer.relay_track()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -182,8 +185,9 @@ class RelayTrainerMixin:
         # TORCHRELAY_RUN_DIR), the script's own --output-dir must not be left behind as an empty folder.
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
-            # The loader workers' forkserver imports what the script imports (transformers: seconds of CPU) while
-            # Trainer and the run set up and restore, instead of when the first batch is asked for.
+            # Workers are forked unless a forkserver is asked for or another Python thread runs (data/loader.py);
+            # a forkserver imports what the script imports (transformers: seconds of CPU) while Trainer and the
+            # run set up and restore, instead of when the first batch is asked for.
             start_forkserver(
                 int(training_args.dataloader_num_workers), training_args.dataloader_multiprocessing_context
             )

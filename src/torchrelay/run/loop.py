@@ -177,6 +177,8 @@ class Loop:
             cfg.grad_accum,
         )
         context, note = loader.context()
+        if context is not None:
+            logger.info(f"[rank {self._rank}] {loader.describe(context)}")
         if note and self._rank == 0:
             logger.warning(f"[torchrelay] {note}")
             self._notes.append(note)

@@ -1,0 +1,97 @@
+"""How a rank's loader workers start (data/loader.py): forked beside gloo's native threads, as torch's DataLoader
+does, and from a forkserver while another thread runs Python; tqdm's monitor (Trainer's progress bar) asleep
+across the fork. What a worker itself reports decides: its parent (the rank when forked, the server otherwise) and
+whether tqdm's lock was held when it was forked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from helpers import PYTHON, clean_env
+
+CHILD = """
+import json, os, sys, threading
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from torchrelay.data import loader as relay_loader
+from torchrelay.data.loader import RankBatches, RelayLoader
+from torchrelay.data.order import GlobalOrder
+
+
+class Parent(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        # a forked worker's copy of tqdm's lock is still held by the thread that forked it (the same ident)
+        held = tqdm.get_lock().locks[-1]._is_owned() if hasattr(tqdm, "_lock") else False
+        return torch.tensor([os.getppid(), int(held)])
+
+
+def start():
+    loader = RelayLoader(Parent(), None, 2)
+    context, _ = loader.context()
+    batches = RankBatches(GlobalOrder(num_samples=16, seed=1, global_batch=4), 0, 4, 0, 1, 4, 1)
+    rows = [b for _, b in loader.start(batches, seed=1, context=context)]
+    parents = sorted({int(r[0]) for b in rows for r in b})
+    held = sorted({bool(r[1]) for b in rows for r in b})
+    line = loader.describe(context) if hasattr(loader, "describe") else None
+    return {"context": context, "line": line, "parents": parents, "held": held}
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+    dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(1))
+    out = {"pid": os.getpid(), "os_threads": len(os.listdir("/proc/self/task"))}
+    out["native"] = start()
+    bar = tqdm(total=4, disable=True)  # Trainer's progress bar: tqdm's monitor thread starts with it
+    out["monitor"] = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    out["tqdm"] = start()
+    done = threading.Event()
+    writer = threading.Thread(target=done.wait, name="writer")  # a reporter's thread, a persist in flight
+    writer.start()
+    out["others"] = getattr(relay_loader, "other_python_threads", list)()
+    out["python"] = start()
+    done.set()
+    writer.join()
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def test_workers_fork_beside_native_threads_and_not_beside_a_python_thread(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    proc = subprocess.run(
+        [PYTHON, str(script), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    pid = out["pid"]
+    assert out["os_threads"] > 1  # gloo's TCP and run loops, two groups' worth
+    # gloo's threads alone: forked, both workers children of this process
+    assert out["native"] == {
+        "context": "fork",
+        "line": "LOADER_WORKERS 2 fork",
+        "parents": [pid],
+        "held": [False],
+    }
+    # tqdm's monitor: still forked, with its lock held across the fork (the monitor asleep)
+    assert out["monitor"] == ["tqdm_monitor"]
+    assert out["tqdm"]["context"] == "fork" and out["tqdm"]["parents"] == [pid]
+    assert out["tqdm"]["held"] == [True]
+    # another thread running Python: a forkserver started them, the line says why
+    assert out["others"] == ["writer"]
+    python = out["python"]
+    assert python["context"] == "forkserver" and len(python["parents"]) == 1 and python["parents"] != [pid]
+    assert python["line"] == "LOADER_WORKERS 2 forkserver (other Python threads: writer)"
+    assert "DeprecationWarning" not in proc.stderr, proc.stderr
