@@ -3,6 +3,7 @@
 
     python benchmarks/bench_trainer_resume.py --samples 2000000 --at 1000,20000,100000 --repeats 2
     python benchmarks/bench_trainer_resume.py --workers 2,8 --repeats 5 [--sides relay,hf,relay-forkserver] [--src S]
+    python benchmarks/bench_trainer_resume.py --workers 2,8 --repeats 3 --nproc 2
 
 --workers: loader workers instead, with benchmarks/trainer_resume_script.py (a script that imports transformers at
 its top, as users' do): time from the script's start to the end of its first update after a resume from
@@ -10,7 +11,9 @@ checkpoint-1, RelayTrainer against Trainer's resume_from_checkpoint, the same wo
 start method (both fork here: one process, one thread); `relay-forkserver` is RelayTrainer with the forkserver a
 rank with other threads (gloo's, CUDA's) gets. Each repetition runs the sides back to back, in alternating order;
 the summary gives the medians of the paired ratios and differences (ratios are taken pair by pair). --src runs another torchrelay source tree
-(e.g. a checkout before a change).
+(e.g. a checkout before a change). --nproc 2: every launch (the checkpoint's and each side's resume) is `torchrun
+--standalone --nproc_per_node=2` on gloo, as a distributed run's ranks are (gloo's native threads alive when the
+workers start); the times are the slowest rank's, each from its own process's start.
 
 Each measurement is a fresh process (as a relaunch is): from building the trainer to the start of the first update
 after the checkpoint (its batches fetched), imports excluded. Both sides resume from a checkpoint made after one real
@@ -214,16 +217,24 @@ def _script(
     resume: bool,
     src: Path | None,
     context: str | None = None,
+    nproc: int = 1,
 ) -> dict[str, Any]:
-    cmd = [sys.executable, str(code / SCRIPT.name), "--out", str(out), "--workers", str(workers)]
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [*(torchrun if nproc > 1 else [sys.executable]), str(code / SCRIPT.name)]
+    cmd += ["--out", str(out), "--workers", str(workers)]
     cmd += ["--relay"] * relay + ["--resume"] * resume + ["--context", context] * (context is not None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(src), timeout=3600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
+    if len(lines) < nproc or proc.returncode != 0:
         raise SystemExit(
             f"{cmd} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
-    return dict(json.loads(lines[-1].removeprefix("RESULT ")))
+    ranks = [dict(json.loads(ln.removeprefix("RESULT "))) for ln in lines]
+    row = max(ranks, key=lambda r: r["first_update_done"])  # the slowest rank: the others wait for it
+    starts = sorted({ln.split("] ", 1)[1] for ln in proc.stdout.splitlines() if "] LOADER_WORKERS " in ln})
+    if starts:
+        row["workers_started"] = starts
+    return row
 
 
 SIDES = {  # name: (RelayTrainer?, multiprocessing context asked for)
@@ -234,7 +245,12 @@ SIDES = {  # name: (RelayTrainer?, multiprocessing context asked for)
 
 
 def worker_costs(
-    counts: list[int], repeats: int, src: Path | None, sides: list[str], keep: Path | None = None
+    counts: list[int],
+    repeats: int,
+    src: Path | None,
+    sides: list[str],
+    keep: Path | None = None,
+    nproc: int = 1,
 ) -> list[dict[str, Any]]:
     """Seconds from the script's start to its first update done after a resume, per worker count and side: the
     sides of one repetition back to back, in an order that alternates (whoever goes first meets another load).
@@ -254,18 +270,23 @@ def worker_costs(
         made = {True: base / "relay", False: base / "hf"}
         made[True].mkdir()
         write_request(made[True], at_update=1, reason="benchmark")
-        _script(code, made[True], 0, True, False, src)
-        _script(code, made[False], 0, False, False, src)
+        _script(code, made[True], 0, True, False, src, nproc=nproc)
+        _script(code, made[False], 0, False, False, src, nproc=nproc)
         for rep in range(repeats):
             for workers in counts:
-                row: dict[str, Any] = {"workers": workers, "rep": rep, "load": os.getloadavg()[0]}
+                row: dict[str, Any] = {
+                    "workers": workers,
+                    "nproc": nproc,
+                    "rep": rep,
+                    "load": os.getloadavg()[0],
+                }
                 for side in sides if rep % 2 == 0 else sides[::-1]:
                     relay, context = SIDES[side]
                     run = base / f"{side}-{workers}-{rep}"
                     shutil.copytree(made[relay], run)
                     if relay:
                         write_request(run, at_update=2, reason="benchmark")
-                    row[side] = _script(code, run, workers, relay, True, src, context)
+                    row[side] = _script(code, run, workers, relay, True, src, context, nproc)
                     assert row[side]["global_step"] == 2, row
                     shutil.rmtree(run, ignore_errors=True)
                 row["load_after"] = os.getloadavg()[0]
@@ -276,7 +297,8 @@ def worker_costs(
                     f"{workers} workers, load {row['load']:.1f}: "
                     + "   ".join(
                         f"{side} {row[side]['first_update_done']:6.2f}s "
-                        f"(train() {row[side]['first_update_done'] - row[side]['train']:5.2f}s)"
+                        f"(train() {row[side]['first_update_done'] - row[side]['train']:5.2f}s"
+                        f"{', ' + ' '.join(row[side]['workers_started']) if 'workers_started' in row[side] else ''})"
                         for side in sides
                     ),
                     flush=True,
@@ -309,8 +331,8 @@ def summary(rows: list[dict[str, Any]], sides: list[str]) -> list[str]:
                     f"{statistics.median(a - b for a, b in pairs):+.2f}s"
                 )
             lines.append(
-                f"{workers} workers, {len(mine)} pairs, load {load:.1f}, {side} vs Trainer: "
-                + "; ".join(parts)
+                f"{workers} workers, {mine[0].get('nproc', 1)} rank(s), {len(mine)} pairs, load {load:.1f}, "
+                f"{side} vs Trainer: " + "; ".join(parts)
             )
     return lines
 
@@ -330,6 +352,9 @@ def main() -> None:
     parser.add_argument(
         "--sides", default="relay,hf", help=f"--workers: which of {', '.join(SIDES)} (hf is the peer)"
     )
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="--workers: ranks a launch has (>1: torchrun, gloo)"
+    )
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.out, args.samples, int(args.at))
@@ -337,7 +362,7 @@ def main() -> None:
     if args.workers:
         sides = args.sides.split(",")
         rows = worker_costs(
-            [int(x) for x in args.workers.split(",")], args.repeats, args.src, sides, args.json
+            [int(x) for x in args.workers.split(",")], args.repeats, args.src, sides, args.json, args.nproc
         )
         for line in summary(rows, sides):
             print(line)
