@@ -212,8 +212,8 @@ class Run:
         """A loader over `dataset[i]` (i = manifest index) in the run's exact order; workers from the config.
 
         A dataset with `wants_context = True` gets `dataset[ctx]`, a SampleContext (index, epoch, update, seed).
-        Workers start from a forkserver when the script has a main guard and the dataset pickles, else by fork
-        (`multiprocessing_context` chooses: "forkserver", "spawn" or "fork"); they survive the stop signals.
+        Workers are forked, or started by a forkserver while another thread runs Python (data/loader.py;
+        `multiprocessing_context` chooses: "forkserver", "spawn" or "fork"); they survive the stop signals.
         """
         return RelayLoader(
             dataset,
