@@ -1,6 +1,6 @@
 """How a rank's loader workers start (data/loader.py): forked beside gloo's native threads, as torch's DataLoader
 does, and from a forkserver while another thread runs Python; tqdm's monitor (Trainer's progress bar) asleep
-across the fork. What a worker itself reports decides: its parent (the rank when forked, the server otherwise) and
+across the fork, another DataLoader's queue feeder let be. What a worker itself reports decides: its parent (the rank when forked, the server otherwise) and
 whether tqdm's lock was held when it was forked."""
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ if __name__ == "__main__":
     out = {"pid": os.getpid(), "os_threads": len(os.listdir("/proc/self/task"))}
     out["native"] = start()
     bar = tqdm(total=4, disable=True)  # Trainer's progress bar: tqdm's monitor thread starts with it
-    out["monitor"] = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    # a DataLoader of the script's own, its workers kept: its index queue's feeder thread stays
+    own = iter(torch.utils.data.DataLoader(list(range(8)), num_workers=1, persistent_workers=True))
+    next(own)
+    out["monitor"] = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
     out["tqdm"] = start()
     done = threading.Event()
     writer = threading.Thread(target=done.wait, name="writer")  # a reporter's thread, a persist in flight
@@ -85,8 +88,8 @@ def test_workers_fork_beside_native_threads_and_not_beside_a_python_thread(tmp_p
         "parents": [pid],
         "held": [False],
     }
-    # tqdm's monitor: still forked, with its lock held across the fork (the monitor asleep)
-    assert out["monitor"] == ["tqdm_monitor"]
+    # tqdm's monitor and a queue's feeder: still forked, tqdm's lock held across the fork (the monitor asleep)
+    assert out["monitor"] == ["QueueFeederThread", "tqdm_monitor"]
     assert out["tqdm"]["context"] == "fork" and out["tqdm"]["parents"] == [pid]
     assert out["tqdm"]["held"] == [True]
     # another thread running Python: a forkserver started them, the line says why

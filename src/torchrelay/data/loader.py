@@ -15,7 +15,8 @@ at the fork, OpenMP's pool by torch's fork handler. A Python thread is another m
 module's lock, any native lock inside the call it is in (a checkpoint's write, a hash) may be held, and a worker
 prints, unpickles and runs torch. torchrelay's own threads (persist, reserve, retention, reads) are never alive when
 the workers start (once per segment, before the first update and after the restore has joined its readers);
-tqdm's monitor (Trainer's progress bar) is: its lock is held across the fork, so it is asleep. The forkserver is a
+tqdm's monitor (Trainer's progress bar) may be: its lock is held across the fork, so it is asleep; and so may a
+queue feeder of another DataLoader, which takes only its own queue's locks. The forkserver is a
 fresh process with no threads, with torch and the script's imports imported once, that forks each worker; it costs
 one more import of all of them (seconds of CPU with transformers; benchmarks/RESULTS.md, "Trainer resume with
 loader workers"). Workers outlive the stop signals that torchrun or Slurm send to a rank's whole process group
@@ -165,15 +166,23 @@ def unpicklable(obj: Any) -> str | None:
 
 def other_python_threads() -> list[str]:
     """The threads other than this one that run Python code, by name: threading's, and any native thread that is
-    inside Python now (it has a frame); tqdm's monitor is left out, being asleep across a fork (`_monitors_held`)."""
+    inside Python now (it has a frame). Two kinds are left out. tqdm's monitor is asleep across a fork
+    (`_monitors_held`). A multiprocessing queue's feeder (another DataLoader's, alive a while after it ends, or
+    for good with persistent workers) takes only its own queue's locks, and a worker never uses that queue."""
     me = threading.get_ident()
-    named = {t.ident: t.name for t in threading.enumerate() if t.ident != me and not _is_tqdm_monitor(t)}
-    monitors = {t.ident for t in threading.enumerate() if _is_tqdm_monitor(t)}
+    harmless = {t.ident for t in threading.enumerate() if _is_tqdm_monitor(t) or _is_queue_feeder(t)}
+    named = {t.ident: t.name for t in threading.enumerate() if t.ident not in harmless | {me}}
     current_frames = getattr(sys, "_current_frames", dict)
     for ident in current_frames():
-        if ident != me and ident not in named and ident not in monitors:
+        if ident not in named and ident not in harmless | {me}:
             named[ident] = f"a native thread in Python ({ident})"
     return sorted(named.values())
+
+
+def _is_queue_feeder(thread: threading.Thread) -> bool:
+    from multiprocessing import queues
+
+    return getattr(thread, "_target", None) is queues.Queue._feed
 
 
 def _is_tqdm_monitor(thread: threading.Thread) -> bool:
