@@ -182,7 +182,10 @@ def other_python_threads() -> list[str]:
 def _is_queue_feeder(thread: threading.Thread) -> bool:
     from multiprocessing import queues
 
-    return getattr(thread, "_target", None) is queues.Queue._feed
+    feed = getattr(
+        queues.Queue, "_feed", None
+    )  # the feeder's target, while it runs (CPython's multiprocessing)
+    return feed is not None and getattr(thread, "_target", None) is feed
 
 
 def _is_tqdm_monitor(thread: threading.Thread) -> bool:
