@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -224,12 +225,13 @@ def _script(
     cmd += ["--out", str(out), "--workers", str(workers)]
     cmd += ["--relay"] * relay + ["--resume"] * resume + ["--context", context] * (context is not None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(src), timeout=3600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    # the ranks share one pipe: a line of one may run into another's
+    lines = re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)
     if len(lines) < nproc or proc.returncode != 0:
         raise SystemExit(
             f"{cmd} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
-    ranks = [dict(json.loads(ln.removeprefix("RESULT "))) for ln in lines]
+    ranks = [dict(json.loads(ln)) for ln in lines]
     row = max(ranks, key=lambda r: r["first_update_done"])  # the slowest rank: the others wait for it
     starts = sorted({ln.split("] ", 1)[1] for ln in proc.stdout.splitlines() if "] LOADER_WORKERS " in ln})
     if starts:
