@@ -74,7 +74,10 @@ class Saver:
         self._reserved = False
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
-        self._group = dist.new_group(backend="gloo") if world_size > 1 and self._background else None
+        made = dist.new_group(backend="gloo") if world_size > 1 and self._background else None
+        # held through a Ranks, as every group of torchrelay's own, so that the exit handler can let go of it
+        # (util/collective.py: release_groups)
+        self._peers = collective.Ranks(made) if made is not None else None
 
     def due(self, done: int) -> bool:
         """Whether the update just done saves: every `save_every`, or one that retention keeps (not the last:
@@ -135,7 +138,7 @@ class Saver:
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
             self.last = update
             return RunDir(self._run_dir).checkpoint(update)
-        group, background = self._group, self._background
+        group, background = (self._peers.group if self._peers else None), self._background
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
