@@ -119,14 +119,14 @@ def launch(variant: str, base: Path, args: argparse.Namespace, rec: Recorder) ->
             now = time.perf_counter()
             # Counting the objects a full collection walked held the GIL too: taken off the update it fell in.
             counted, rec.counting_s = rec.counting_s, 0.0
-            if (
-                prev is not None
-            ):  # the previous update, from its start to this one's: `due` and `save` included
+            saved = saver.last != last_saved
+            last_saved = saver.last
+            # the previous update, from its start to this one's: `due` and `save` included
+            if prev is not None:
                 times.append(now - prev[0] - counted)
-                kinds.append("save" if saver.last != last_saved else prev[1])
-                last_saved = saver.last
+                kinds.append("save" if saved else prev[1])
             persisting = saver.persisting
-            if persisting and (prev is None or not prev[1]):
+            if saved:  # a persist has just started
                 t0 = time.perf_counter()
                 walks.append(len(gc.get_objects()))  # generations 0-2, what gc.freeze() leaves out excluded
                 rec.counting_s += time.perf_counter() - t0
@@ -194,9 +194,14 @@ def summarize(variant: str, got: dict[str, Any]) -> dict[str, Any]:
         "pause_s_during_persist": {
             g: round(sum(e["s"] for e in events if e["gen"] == g and e["persist"]), 4) for g in (0, 1, 2)
         },
-        "full_during_persist": [(e["update"], round(e["s"], 4), e["walked"], e["thread"]) for e in full_p],
+        # (update, seconds, objects walked, of which collected, thread)
+        "full_during_persist": [
+            (e["update"], round(e["s"], 4), e["walked"], e["collected"], e["thread"]) for e in full_p
+        ],
         "full_outside_persist": [
-            (e["update"], round(e["s"], 4), e["walked"], e["thread"]) for e in full if not e["persist"]
+            (e["update"], round(e["s"], 4), e["walked"], e["collected"], e["thread"])
+            for e in full
+            if not e["persist"]
         ],
         "by_thread_during_persist": by_thread,
         "collected_after_close": got["collected_after_close"],
