@@ -39,7 +39,10 @@ from torchrelay.util.records import read_json_or_none
 # model, the optimizer's state) is moved out of the garbage collector's reach (gc.freeze) until the Saver closes
 # (gc.unfreeze). A full collection stops every thread, the training thread included, for as long as it walks the
 # heap: hundreds of thousands of objects that never die (issue 22: 0.14-0.19 s on the H200 host, on the persist's
-# threads as on the training thread). Frozen, a full collection walks only what was made since: a few thousand.
+# threads as on the training thread). Frozen, a full collection walks only what was made since: on the CPU VM, in a
+# real loop with transformers imported, 10,063-10,337 objects instead of 370,245-370,524, and it stopped the loop for
+# 0.07-0.10 s instead of 0.82-1.53 s (benchmarks/bench_persist_gc.py; RESULTS.md, issue 22 goal 3). Disabling the
+# collector during a persist instead only moved the whole walk to the training thread's first collection after it.
 # Young garbage is collected first (a cheap generation-1 collection), so that only cycles already older than two
 # collections stay held until the close. Left alone when the collector is off or the process froze objects itself.
 FREEZE_GC = True
