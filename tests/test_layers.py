@@ -110,3 +110,18 @@ def test_no_test_imports_from_benchmarks() -> None:
             )
             found += [f"{path.name}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] in benches]
     assert not found, found
+
+
+def test_the_light_verbs_import_no_torch() -> None:
+    """`status`, `stop` and `ledger` read files: the import of torch would be most of their time (5 CPU s at load, of
+    a LingBot-sized ledger's 6; benchmarks/RESULTS.md)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom torchrelay.cli import build_parser\n"
+        "for verb in ('status', 'stop', 'ledger'):\n    build_parser(verb)\n"
+        "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

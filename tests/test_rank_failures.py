@@ -11,6 +11,7 @@ others wait for it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -92,3 +93,21 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_line(tmp_path: Path, wor
         slowest["ranks that said they lost their peers"] = lost
     assert slowest["final (exit)"] < 30, slowest
     print(f"\n{world} ranks, seconds until the last rank raised (exited): {slowest}")
+
+
+def test_no_process_group_outlives_the_scripts_destroy_into_finalization(tmp_path: Path) -> None:
+    root, manifest = _data(tmp_path)
+    config = write_config(
+        tmp_path / "config.yaml", manifest, root, micro_batch=1, grad_accum=2, total_updates=4, save_every=2
+    )
+    out = run_tree(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.5"]
+        + [str(Path(__file__).with_name("dist_exit.py")), str(tmp_path), str(config)],
+        timeout=300,
+        env=clean_env(),
+    )
+    output = out.stdout + out.stderr
+    assert out.returncode == 0, output[-3000:]
+    left = sorted(re.findall(r"GROUPS_LEFT (\d [^G\n]*\d)", output))  # the ranks' lines may interleave
+    # the protocol's group and the background save's, on each rank; no Python object holds the default group
+    assert left == [f"{r} 0 of 2, the default held by 0" for r in (0, 1)], output[-3000:]

@@ -140,6 +140,39 @@ def test_a_damaged_ledger_across_epochs_names_the_update_and_the_repeat(
     assert rep.problems[1].startswith("epoch 7: 8 repeated exposure(s), e.g. ['ep")
 
 
+def test_a_swap_and_a_repeat_inside_one_update_are_each_named(scale_run: Path, tmp_path: Path) -> None:
+    """The two damages that leave every update's count right: a good epoch's shortcut (every exposure a distinct
+    sample in its own update) must not take them for good ones."""
+    run = tmp_path / "run"
+    shutil.copytree(scale_run, run, ignore=shutil.ignore_patterns("checkpoint-*"))
+    log = run / "train" / "exposures-rank1.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    recs = {(r["u"], r["m"]): (k, r) for k, r in ((k, json.loads(line)) for k, line in enumerate(lines))}
+    (k400, r400), (k1500, r1500), (k1501, r1501) = recs[400, 0], recs[1500, 0], recs[1501, 0]
+    twice = r400["i"][0]
+    r400["i"][1] = twice  # epoch 2: a sample logged twice in its own update, one never
+    a, b = r1500["i"][0], r1501["i"][0]
+    r1500["i"][0], r1501["i"][0] = b, a  # epoch 7: two samples swapped across updates
+    for k, r in ((k400, r400), (k1500, r1500), (k1501, r1501)):
+        lines[k] = json.dumps(r, separators=(",", ":")) + "\n"
+    log.write_text("".join(lines))
+    rep = prove(run)
+    assert (rep.ok, rep.exposures, rep.repeats, rep.skipped, rep.distinct) == (
+        False,
+        UPDATES * BATCH,
+        1,
+        3,
+        SAMPLES,
+    )
+    name = "ep{:09d}".format
+    assert rep.problems == [
+        f"update 400: 1 expected sample(s) missing, 1 unexpected (e.g. {[name(twice)]})",
+        f"update 1500: 1 expected sample(s) missing, 1 unexpected (e.g. {[name(b)]})",
+        f"update 1501: 1 expected sample(s) missing, 1 unexpected (e.g. {[name(a)]})",
+        f"epoch 2: 1 repeated exposure(s), e.g. {[name(twice)]}",
+    ]
+
+
 def test_trimming_cuts_the_tail_past_the_checkpoint(scale_run: Path, tmp_path: Path) -> None:
     train = tmp_path / "train"
     shutil.copytree(scale_run / "train", train)

@@ -124,16 +124,26 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerRepo
         parts = [log.span(first, stop) for log in logs]
         updates = np.concatenate([log.updates[part] for log, part in zip(logs, parts, strict=True)])
         ids = np.concatenate([log.ids[part] for log, part in zip(logs, parts, strict=True)])
-        got += np.bincount(updates, minlength=last + 1)
+        per_update = np.bincount(updates, minlength=last + 1)
+        got += per_update
         inside = (ids >= 0) & (ids < n)
         stray_counts: Counter[int] = Counter()
         if not inside.all():
             stray_counts.update(ids[~inside].tolist())
             updates, ids = updates[inside], ids[inside]
+        logged = np.zeros(n, dtype=bool)
+        logged[ids] = True
+        in_place = due[ids] == updates - first  # logged in the update the order puts it in
+        if not stray_counts and np.count_nonzero(logged) == len(ids) and in_place.all():
+            # A good epoch: each exposure a distinct sample in its own update, so each one a match. The per-sample
+            # counts and matches below are needed only otherwise (0.53 of 1.26 CPU s at LingBot size, RESULTS.md).
+            matched += per_update
+            seen |= logged
+            continue
         counts = np.bincount(ids, minlength=n)
-        right = np.zeros(n, dtype=bool)  # logged in the update the order puts it in
-        right[ids[due[ids] == updates - first]] = True
-        del updates, ids, inside
+        right = np.zeros(n, dtype=bool)
+        right[ids[in_place]] = True
+        del updates, ids, inside, logged, in_place
         matched += np.bincount(first + due[right], minlength=last + 1)[: last + 1]
         seen |= counts > 0
         strays.update(stray_counts)

@@ -7,7 +7,6 @@ import json
 import os
 import platform
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,8 @@ def fingerprint_differences(reference: Mapping[str, Any], other: Mapping[str, An
 
 def versions(pins: list[str]) -> dict[str, str]:
     """python, torch, torchrelay, and each pinned package's installed version; a pin not met is refused."""
+    from importlib import metadata  # here: a tenth of the import of `torchrelay ledger`, which never pins
+
     import torch
 
     out = {

@@ -35,8 +35,11 @@ The policy, once:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -170,6 +173,9 @@ class Ranks:
 
     def __init__(self, group: Any) -> None:
         self.group = group
+        if group is not None:
+            _holding.add(self)
+            _release_at_exit()
         on = dist.is_available() and dist.is_initialized()
         self.size = dist.get_world_size(group) if on else 1
         self.alone = self.size == 1
@@ -401,10 +407,49 @@ class Ranks:
             stack.pop()
 
 
-_training: list[
-    tuple[Any, Ranks]
-] = []  # (the default group it was made for, the protocol over its own group)
+# (a weak reference to the default group it was made for, or None before one exists; the protocol over its own
+# group). Weak: a script's destroy_process_group() must free the default group then, not at the interpreter's end.
+_training: list[tuple[weakref.ref[Any] | None, Ranks]] = []
 _training_lock = threading.Lock()
+# Every Ranks holding a group of torchrelay's own (the protocol's, the background save's).
+_holding: weakref.WeakSet[Ranks] = weakref.WeakSet()
+_registered = False
+
+
+class _Released:
+    """What a Ranks holds after the exit handler let go of its group: a collective given it fails at once."""
+
+    def __repr__(self) -> str:
+        return "<a process group released at exit>"
+
+
+def _release_at_exit() -> None:
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(release_groups)
+
+
+def release_groups() -> None:
+    """Let go of every process group torchrelay holds, while the interpreter is alive (an exit handler).
+
+    A group dies when its last reference does; dying, a gloo group joins its worker threads, one of which may
+    still hold the last collective's work, whose tensors were made in Python: letting go of them takes the GIL.
+    During the interpreter's finalization a thread that takes the GIL is ended by an unwind C++ cannot pass
+    (`terminate called without an active exception`: SIGABRT, and the exit code a stop promised is lost). So the
+    groups torchrelay made die here (the script's destroy_process_group() unregistered them, or they stay
+    registered and die with the script's own), and the garbage that holds them (a Run in a reference cycle) is
+    collected here rather than in the finalization."""
+    with _training_lock:
+        _training.clear()
+    for peers in list(_holding):
+        peers.group = _Released()
+    _holding.clear()
+    gc.collect()
+
+
+def _same_world(key: weakref.ref[Any] | None, world: Any) -> bool:
+    return world is None if key is None else world is not None and key() is world
 
 
 def ranks(group: Any = None) -> Ranks:
@@ -414,14 +459,15 @@ def ranks(group: Any = None) -> Ranks:
         return Ranks(group)
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     with _training_lock:
-        if _training and _training[0][0] is world:
+        if _training and _same_world(_training[0][0], world):
             return _training[0][1]
         made = None
         if world is not None and dist.get_world_size() > 1:
             made = dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=envvars.COLLECTIVE_TIMEOUT_S.get())
             )
-        _training[:] = [(world, Ranks(made))]  # a default group made anew (after destroy) gets its own
+        key = weakref.ref(world) if world is not None else None
+        _training[:] = [(key, Ranks(made))]  # a default group made anew (after destroy) gets its own
         return _training[0][1]
 
 

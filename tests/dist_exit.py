@@ -1,0 +1,81 @@
+"""Run under torchrun (2 ranks, gloo) by test_rank_failures.py: when a script that trained a run (a background
+save included) destroys its process groups and ends, no process group is left for the interpreter's finalization.
+
+Why: a gloo worker thread may still hold the last collective's work, whose tensors were made in Python; when it
+lets go of them it takes the GIL, and during finalization a thread that takes the GIL is ended in a way C++
+cannot unwind (`terminate called without an active exception`, SIGABRT: the exit code a stop promised is lost).
+A group that dies while the interpreter is alive joins its workers first. So every group the script's
+`destroy_process_group()` unregistered, the default one and the ones torchrelay made, must be gone by the time the
+last exit handler runs, and torchrelay must not hold the default one (DDP's C++ reducer may: torch's own):
+`dist_exit.py BASE CONFIG` prints `GROUPS_LEFT <rank> <n> of <m>, the default held by <k>` from the first handler
+the script registered (the last to run).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+
+import torchrelay as tr
+
+refs: list[weakref.ref[Any]] = []
+
+
+def report() -> None:
+    # No collection here: what is alive now meets the finalization. The default group may be (DDP's C++ reducer
+    # keeps it, without torchrelay too); no Python object may hold it.
+    groups = [r() for r in refs]
+    ours = sum(g is not None for g in groups[1:])
+    holders = sum(h is not groups for h in gc.get_referrers(groups[0])) if groups[0] is not None else 0
+    print(f"GROUPS_LEFT {RANK} {ours} of {len(groups) - 1}, the default held by {holders}", flush=True)
+
+
+class Files(torch.utils.data.Dataset):
+    def __init__(self, records: Any) -> None:
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with open(self.records[i]["path"], "rb") as f:
+            return torch.tensor(list(f.read(8)), dtype=torch.float32)
+
+
+def train(run_dir: Path, cfg: tr.RelayConfig) -> int:
+    with tr.Run.open(run_dir, cfg) as run:
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        run.track(model=model, optimizer=opt)
+        for step in run.steps(run.dataloader(Files(run.manifest.records))):
+            for _, batch in step.micro_batches(model):
+                model(batch).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return run.exit_code
+
+
+RANK = -1
+if __name__ == "__main__":
+    atexit.register(report)  # before torchrelay registers anything: it runs last
+    base, config = Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    RANK = dist.get_rank()
+    code = train(base / "run", tr.RelayConfig.from_dict(yaml.safe_load(config.read_text())))
+    world = dist.group.WORLD
+    refs.append(weakref.ref(world))
+    refs.extend(weakref.ref(g) for g in dist.distributed_c10d._world.pg_map if g is not world)
+    del world
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(code)
