@@ -58,6 +58,9 @@ def _launches(args: Any) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: starts heavy real processes (no rank): in the full suite only")
+    config.addinivalue_line(
+        "markers", "xdist_group(name): the tests pytest-xdist runs on one worker, in order"
+    )
     if not config.getoption("--fast"):
         return
     real = subprocess.Popen.__init__
@@ -77,7 +80,16 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.multiprocessing.spawn = refuse_spawn  # type: ignore[assignment]
 
 
+# Under pytest-xdist (`-n 2 --dist loadgroup`) a group runs on one worker, in order. One group per test file, so a
+# module's fixtures (a shared launch, a run several tests read) are made once, not once per worker; the `slurm`
+# tests share one Slurm cluster and its job queue, so they form one group whatever file they are in. tryfirst:
+# xdist reads the groups in its own hook of this name. Without xdist the marker does nothing.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "slurm" if item.get_closest_marker("slurm") else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(group))
     if not config.getoption("--fast"):
         return
     for item in items:
