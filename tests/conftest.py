@@ -57,6 +57,15 @@ def _launches(args: Any) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Tests that keep an audit's verdicts out of the real ~/.cache point XDG_CACHE_HOME at a temporary directory, and
+    # torch looks for compiled extensions under it too: the ranks of such a test (the zoo's cpu_adam member) would
+    # compile DeepSpeed's CPU Adam again, from scratch (76 s on an idle 2-core VM), instead of loading the op
+    # scripts/env.sh built. Pinned here, before any test changes XDG_CACHE_HOME, to where the build went (torch's
+    # own answer, its per-Python and accelerator folder included: the name "" is the folder itself).
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.normpath(_get_build_directory("", verbose=False))
     config.addinivalue_line("markers", "full: starts heavy real processes (no rank): in the full suite only")
     config.addinivalue_line(
         "markers", "xdist_group(name): the tests pytest-xdist runs on one worker, in order"
