@@ -44,6 +44,12 @@ def baseline(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", "demo.py")
 
 
+# `pytest -n 2 --dist loadfile` (pytest-xdist) keeps each file's tests, and so its module fixtures' launches and
+# Slurm's jobs, on one worker. It is not the suite's default: on a loaded 2-core machine (load 14, 2026-12-02) two
+# of test_controller's timing tests failed under `-n 2` (the memory guard's 60 s kill, the budget's deadline), and
+# --dist loadgroup groups nothing on pytest 9.2 (pytest-xdist#1386): its tests go out one by one, as with `load`.
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fast", action="store_true", help="skip every test at its first torchrun launch")
 
@@ -57,7 +63,19 @@ def _launches(args: Any) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Tests that keep an audit's verdicts out of the real ~/.cache point XDG_CACHE_HOME at a temporary directory, and
+    # torch looks for compiled extensions under it too: the ranks of such a test (the zoo's cpu_adam member) would
+    # compile DeepSpeed's CPU Adam again, from scratch (76 s on an idle 2-core VM), instead of loading the op
+    # scripts/env.sh built. Pinned here, before any test changes XDG_CACHE_HOME, to where the build went (torch's
+    # own answer, its per-Python and accelerator folder included: the name "" is the folder itself).
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.normpath(_get_build_directory("", verbose=False))
     config.addinivalue_line("markers", "full: starts heavy real processes (no rank): in the full suite only")
+    config.addinivalue_line(
+        "markers", "xdist_group(name): the tests pytest-xdist runs on one worker, in order"
+    )
     if not config.getoption("--fast"):
         return
     real = subprocess.Popen.__init__

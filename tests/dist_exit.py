@@ -6,15 +6,14 @@ lets go of them it takes the GIL, and during finalization a thread that takes th
 cannot unwind (`terminate called without an active exception`, SIGABRT: the exit code a stop promised is lost).
 A group that dies while the interpreter is alive joins its workers first. So every group the script's
 `destroy_process_group()` unregistered, the default one and the ones torchrelay made, must be gone by the time the
-last exit handler runs, and torchrelay must not hold the default one (DDP's C++ reducer may: torch's own):
-`dist_exit.py BASE CONFIG` prints `GROUPS_LEFT <rank> <n> of <m>, the default held by <k>` from the first handler
-the script registered (the last to run).
+last exit handler runs, and torchrelay must not hold the default one past the destroy: `dist_exit.py BASE CONFIG`
+prints `DEFAULT_HELD <rank> False|True` after the destroy and `GROUPS_LEFT <rank> <n> of <m>` (torchrelay's
+groups still alive) from the first exit handler the script registered (the last to run).
 """
 
 from __future__ import annotations
 
 import atexit
-import gc
 import sys
 import weakref
 from pathlib import Path
@@ -26,17 +25,15 @@ import yaml
 from torch import nn
 
 import torchrelay as tr
+from torchrelay.util import collective
 
 refs: list[weakref.ref[Any]] = []
 
 
 def report() -> None:
-    # No collection here: what is alive now meets the finalization. The default group may be (DDP's C++ reducer
-    # keeps it, without torchrelay too); no Python object may hold it.
-    groups = [r() for r in refs]
-    ours = sum(g is not None for g in groups[1:])
-    holders = sum(h is not groups for h in gc.get_referrers(groups[0])) if groups[0] is not None else 0
-    print(f"GROUPS_LEFT {RANK} {ours} of {len(groups) - 1}, the default held by {holders}", flush=True)
+    # No collection here: what is alive now meets the finalization.
+    ours = sum(r() is not None for r in refs)
+    print(f"GROUPS_LEFT {RANK} {ours} of {len(refs)}", flush=True)
 
 
 class Files(torch.utils.data.Dataset):
@@ -73,9 +70,12 @@ if __name__ == "__main__":
     RANK = dist.get_rank()
     code = train(base / "run", tr.RelayConfig.from_dict(yaml.safe_load(config.read_text())))
     world = dist.group.WORLD
-    refs.append(weakref.ref(world))
     refs.extend(weakref.ref(g) for g in dist.distributed_c10d._world.pg_map if g is not world)
-    del world
     dist.barrier()
     dist.destroy_process_group()
+    # the default group is the script's: its destroy frees it unless another object holds it (DDP's may: torch's
+    # own); torchrelay's table of protocols must not
+    held = any(x is world for entry in collective._training for x in entry)
+    print(f"DEFAULT_HELD {RANK} {held}", flush=True)
+    del world
     sys.exit(code)

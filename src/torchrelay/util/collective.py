@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -438,14 +437,14 @@ def release_groups() -> None:
     During the interpreter's finalization a thread that takes the GIL is ended by an unwind C++ cannot pass
     (`terminate called without an active exception`: SIGABRT, and the exit code a stop promised is lost). So the
     groups torchrelay made die here (the script's destroy_process_group() unregistered them, or they stay
-    registered and die with the script's own), and the garbage that holds them (a Run in a reference cycle) is
-    collected here rather than in the finalization."""
+    registered and die with the script's own): every Ranks holding one lets go of it, reachable or not (a Run in
+    a reference cycle), with no collection of the heap (it would hold a rank's exit up for as long as the heap
+    takes to walk, and torchrun ends the ranks still running once one has ended with a code other than 0)."""
     with _training_lock:
         _training.clear()
     for peers in list(_holding):
         peers.group = _Released()
     _holding.clear()
-    gc.collect()
 
 
 def _same_world(key: weakref.ref[Any] | None, world: Any) -> bool:
