@@ -5,8 +5,9 @@
    --at-update 20 --before-start`): it saves a complete checkpoint there and stops (exit code 4);
 3. launch it again with 2 loader workers and a time budget too short for the rest: it resumes, and stops while a
    checkpoint still fits (exit code 3). The budget counts from torchrun's start, so it is this machine's start-up
-   (measured on the first launch) plus a few seconds of training; the updates are paced to >= 0.25 s
-   (`params.min_update_s`, a runtime param: slower, never different) so the budget lands mid-run on any machine;
+   (measured on the first launch) plus a few seconds of training; the updates are paced (`params.min_update_s`, a
+   runtime param: slower, never different) so that the rest would take 1.5x the whole budget, and the budget lands
+   mid-run on any machine, however fast its start-up;
 4. launch it a third time: it resumes and finishes;
 5. train the same run uninterrupted and compare every model and optimizer tensor bit for bit;
 6. show `torchrelay status`, `torchrelay ledger` and `torchrelay report`.
@@ -109,7 +110,10 @@ def main() -> int:
         f"3. second launch: 2 loader workers, a {budget:g} s budget (start-up {startup:.1f} s); "
         "stops while a checkpoint still fits"
     )
-    paced = ("num_workers=2", "params.min_update_s=0.25")
+    # Paced by the budget, not by a fixed time: a launch that starts faster than the first one (loader workers
+    # forked, a warm page cache) must still meet its deadline before the schedule's end.
+    pace = max(0.25, round(1.5 * budget / (args.updates - args.stop_at), 2))
+    paced = ("num_workers=2", f"params.min_update_s={pace}")
     launch(run, out / "logs" / "launch-2.log", env={"TORCHRELAY_BUDGET_S": str(budget)}, sets=paced)
     con.rule("4. third launch: resumes from the newest complete checkpoint and finishes")
     rc = launch(run, out / "logs" / "launch-3.log", sets=("params.min_update_s=0",))
