@@ -19,6 +19,9 @@ NOT_TORCH = {
     "_fingerprint": "datasets.Dataset's hash (integrations/hf_contract.py)",
     "_tracked": "torchrelay's Run (audit/probe.py)",
     "_torchrelay_probe_n": "torchrelay's own count on an iterator (audit/probe.py)",
+    "_current_frames": "CPython's sys: which native threads run Python now (data/loader.py)",
+    "_feed": "multiprocessing.queues.Queue's feeder, the target of its thread (data/loader.py)",
+    "_target": "threading.Thread's target (data/loader.py: is this thread a queue's feeder)",
 }
 _PRIVATE = re.compile(r"^_(?!_)")  # _name, not __dunder__
 
