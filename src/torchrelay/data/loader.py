@@ -169,12 +169,12 @@ def other_python_threads() -> list[str]:
     inside Python now (it has a frame). Two kinds are left out. tqdm's monitor is asleep across a fork
     (`_monitors_held`). A multiprocessing queue's feeder (another DataLoader's, alive a while after it ends, or
     for good with persistent workers) takes only its own queue's locks, and a worker never uses that queue."""
-    me = threading.get_ident()
-    harmless = {t.ident for t in threading.enumerate() if _is_tqdm_monitor(t) or _is_queue_feeder(t)}
-    named = {t.ident: t.name for t in threading.enumerate() if t.ident not in harmless | {me}}
+    threads = threading.enumerate()
+    skip = {threading.get_ident()} | {t.ident for t in threads if _is_tqdm_monitor(t) or _is_queue_feeder(t)}
+    named = {t.ident: t.name for t in threads if t.ident not in skip}
     current_frames = getattr(sys, "_current_frames", dict)
     for ident in current_frames():
-        if ident not in named and ident not in harmless | {me}:
+        if ident not in named and ident not in skip:
             named[ident] = f"a native thread in Python ({ident})"
     return sorted(named.values())
 

@@ -16,8 +16,6 @@ import gc
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from torchrelay import envvars
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
@@ -88,10 +86,7 @@ class Saver:
         self._froze: bool | None = None  # None until the first update: whether this Saver froze the heap
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
-        made = dist.new_group(backend="gloo") if world_size > 1 and self._background else None
-        # held through a Ranks, as every group of torchrelay's own, so that the exit handler can let go of it
-        # (util/collective.py: release_groups)
-        self._peers = collective.Ranks(made) if made is not None else None
+        self._peers = collective.own_group() if world_size > 1 and self._background else None
 
     def due(self, done: int) -> bool:
         """Whether the update just done saves: every `save_every`, or one that retention keeps (not the last:

@@ -172,9 +172,6 @@ class Ranks:
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        if group is not None:
-            _holding.add(self)
-            _release_at_exit()
         on = dist.is_available() and dist.is_initialized()
         self.size = dist.get_world_size(group) if on else 1
         self.alone = self.size == 1
@@ -410,7 +407,7 @@ class Ranks:
 # group). Weak: a script's destroy_process_group() must free the default group then, not at the interpreter's end.
 _training: list[tuple[weakref.ref[Any] | None, Ranks]] = []
 _training_lock = threading.Lock()
-# Every Ranks holding a group of torchrelay's own (the protocol's, the background save's).
+# The protocol over each group torchrelay made (own_group: the training thread's, the background save's).
 _holding: weakref.WeakSet[Ranks] = weakref.WeakSet()
 _registered = False
 
@@ -422,11 +419,16 @@ class _Released:
         return "<a process group released at exit>"
 
 
-def _release_at_exit() -> None:
+def own_group(**kwargs: Any) -> Ranks:
+    """A gloo group of torchrelay's own (every rank makes it at the same point), as the protocol over it; the one
+    maker of such groups, so that the exit handler knows each of them (release_groups)."""
     global _registered
+    peers = Ranks(dist.new_group(backend="gloo", **kwargs))
+    _holding.add(peers)
     if not _registered:
         _registered = True
         atexit.register(release_groups)
+    return peers
 
 
 def release_groups() -> None:
@@ -460,13 +462,12 @@ def ranks(group: Any = None) -> Ranks:
     with _training_lock:
         if _training and _same_world(_training[0][0], world):
             return _training[0][1]
-        made = None
         if world is not None and dist.get_world_size() > 1:
-            made = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=envvars.COLLECTIVE_TIMEOUT_S.get())
-            )
+            peers = own_group(timeout=timedelta(seconds=envvars.COLLECTIVE_TIMEOUT_S.get()))
+        else:
+            peers = Ranks(None)
         key = weakref.ref(world) if world is not None else None
-        _training[:] = [(key, Ranks(made))]  # a default group made anew (after destroy) gets its own
+        _training[:] = [(key, peers)]  # a default group made anew (after destroy) gets its own
         return _training[0][1]
 
 
