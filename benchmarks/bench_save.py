@@ -29,6 +29,7 @@ copy into the tensors, summed over the threads that do them).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import hashlib
@@ -469,7 +470,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
             for save in r["saves"]
         ],
         "gc_in_slow": r.get("gc_in_slow"),
-        "gen2": r.get("gen2_collections"),
+        "gen2": r.get("gen2_detail"),
+        "tracked_after": r.get("gc_tracked_after"),
         "first_due_s": r.get("first_due_s"),
     }
 
@@ -503,12 +505,24 @@ class Launch:
             tuple[float, float, int, str]
         ] = []  # (start, end, generation, thread) of collections
         self._gc_open: dict[int, float] = {}
+        # full collections: (seconds, thread, objects collected, objects frozen at the time): what a long one walked
+        self.gen2_info: list[tuple[float, str, int, int]] = []
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         ident = threading.get_ident()
         if phase == "start":
             self._gc_open[ident] = time.perf_counter()
         elif ident in self._gc_open:
+            if int(info.get("generation", -1)) == 2:
+                began = self._gc_open[ident]
+                self.gen2_info.append(
+                    (
+                        round(time.perf_counter() - began, 4),
+                        threading.current_thread().name,
+                        int(info.get("collected", -1)),
+                        gc.get_freeze_count(),
+                    )
+                )
             self.gc_events.append(
                 (
                     self._gc_open.pop(ident),
@@ -603,7 +617,10 @@ class Launch:
             ]
             gc_in_slow.append({"update": i + 1, "x": round(r, 3), "kind": self.kind[i], "gc": hits})
         gen2 = [(round(e - b, 4), name) for b, e, g, name in self.gc_events if g == 2]
+        tracked = collections.Counter(type(o).__name__ for o in gc.get_objects())  # the unfrozen ones
         return {
+            "gen2_detail": self.gen2_info,
+            "gc_tracked_after": {"frozen": gc.get_freeze_count(), "top": tracked.most_common(8)},
             "gc_in_slow": gc_in_slow,
             "first_due_s": self.first_due_s,
             "gen2_collections": gen2,
