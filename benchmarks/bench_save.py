@@ -128,6 +128,11 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=150, help="updates between them (more than a persist)")
     ap.add_argument("--old-launch", action="store_true", help="and a launch with cudaHostAlloc'd buffers")
     ap.add_argument(
+        "--peers-after",
+        action="store_true",
+        help="the peers after torchrelay's launch, so that none of their objects or buffers is in its process yet",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="no sync save (nor the check that its bytes are the same)"
     )
     ap.add_argument(
@@ -276,38 +281,44 @@ def main() -> None:
     # ---- peers
     peers: dict[str, float] = {}
     loads: dict[str, float] = {}
-    p = base / "peer.pt"
 
-    def torch_save() -> None:
-        with open(p, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+    def run_peers() -> None:
+        """DCP and torch_checkpointing on the same state (before the launch, or after it: --peers-after)."""
+        p = base / "peer.pt"
 
-    if "torch.save" not in args.skip:
-        peers["torch.save + fsync"] = timed(torch_save, dev)
-        p.unlink()
-    dcp_dir = base / "dcp"
-    if "dcp" not in args.skip:
-        peers["DCP save"] = timed(lambda: dcp.save(state, checkpoint_id=str(dcp_dir)), dev)
-        drop_cache(dcp_dir)
-        loads["DCP load, cold"] = timed(lambda: dcp.load(state, checkpoint_id=str(dcp_dir)), dev)
-        shutil.rmtree(dcp_dir)
-    gloo = dist.new_group(backend="gloo")
-    for i in (1, 2) if "dcp-async" not in args.skip else ():
-        target = base / f"dcp-async-{i}"
-        sync(dev)
-        t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=str(target), process_group=gloo)
-        blocked = time.perf_counter() - t0
-        fut.result()
-        done = time.perf_counter() - t0
-        peers[f"DCP async_save #{i}: caller blocked"] = blocked
-        peers[f"DCP async_save #{i}: until done"] = done
-        shutil.rmtree(target)
+        def torch_save() -> None:
+            with open(p, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
 
-    if "torch_checkpointing" not in args.skip:
-        torch_checkpointing_peer(state, base, dev, peers, loads)
+        if "torch.save" not in args.skip:
+            peers["torch.save + fsync"] = timed(torch_save, dev)
+            p.unlink()
+        dcp_dir = base / "dcp"
+        if "dcp" not in args.skip:
+            peers["DCP save"] = timed(lambda: dcp.save(state, checkpoint_id=str(dcp_dir)), dev)
+            drop_cache(dcp_dir)
+            loads["DCP load, cold"] = timed(lambda: dcp.load(state, checkpoint_id=str(dcp_dir)), dev)
+            shutil.rmtree(dcp_dir)
+        gloo = dist.new_group(backend="gloo")
+        for i in (1, 2) if "dcp-async" not in args.skip else ():
+            target = base / f"dcp-async-{i}"
+            sync(dev)
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, checkpoint_id=str(target), process_group=gloo)
+            blocked = time.perf_counter() - t0
+            fut.result()
+            done = time.perf_counter() - t0
+            peers[f"DCP async_save #{i}: caller blocked"] = blocked
+            peers[f"DCP async_save #{i}: until done"] = done
+            shutil.rmtree(target)
+
+        if "torch_checkpointing" not in args.skip:
+            torch_checkpointing_peer(state, base, dev, peers, loads)
+
+    if not args.peers_after:
+        run_peers()
 
     # ---- torchrelay
     relay: dict[str, float] = {}
@@ -352,6 +363,8 @@ def main() -> None:
     launch.run(args.saves)
     out["launch"] = launch.report(floor_copy, disk_n)
     print(f"[bench] launch (defaults): {json.dumps(summary(out['launch']))}", flush=True)
+    if args.peers_after:  # in a process whose launch ran first, on memory no peer had touched
+        run_peers()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     # The same state saved both ways (no update between): the tensor files and the RNG are the same bytes.
