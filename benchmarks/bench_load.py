@@ -62,9 +62,16 @@ KNOBS = (
     "PER_FILE_READER",
     "LARGEST_FIRST",
     "FADVISE",
+    "HUGE_PAGES",
 )
 # The load as issue 22's second round left it: the 16 threads share the chunks of the first 3 files, within 4 GiB.
-SHARED_CHUNKS = {"PER_FILE_READER": False, "LOAD_BUFFER": 4 << 30, "LARGEST_FIRST": False, "FADVISE": False}
+SHARED_CHUNKS = {
+    "PER_FILE_READER": False,
+    "LOAD_BUFFER": 4 << 30,
+    "LARGEST_FIRST": False,
+    "FADVISE": False,
+    "HUGE_PAGES": False,
+}
 # Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
 # before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. "shared-chunks" is
 # the default before issue 22 goal 4; "default" is each file read front to back by a thread of its own (as the
@@ -77,6 +84,7 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "per-file-4GiB": {"LOAD_BUFFER": 4 << 30},  # the fallback when memory is short: 4 files at once
     "per-file-plan-order": {"LARGEST_FIRST": False},
     "per-file-no-fadvise": {"FADVISE": False},
+    "per-file-huge-pages": {"HUGE_PAGES": True},
     "per-file-8-hash": {"HASH_THREADS": 8},
     "per-file-readers-hash": {"HASH_THREADS": 0},  # each file's reading thread hashes it as it goes
     "per-file-8-streams": {"READ_STREAMS": 8},  # 8 files at once: the next 8 read while the first are copied

@@ -8,6 +8,7 @@ copied into their targets, on threads of their own while the next files are read
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -113,6 +114,11 @@ REUSE_SLABS = True
 # its parse thread, waited for before its room goes back. Measured on the H200 host: the copies' thread time 1.2 s
 # against 9 s, the load no shorter (9.7-9.8 s against 9.7-11.4 s): the copies were never its tail. So it is off.
 PIN_SLABS = False
+# True: each pageable slab is an anonymous mapping advised MADV_HUGEPAGE (Linux, transparent huge pages in
+# "madvise" mode): the reads fault in 2 MiB pages, not 4 KiB ones, into memory that is touched for the first
+# time (the floor reads into one reused 16 MiB buffer, whose pages stay mapped). Measured on the 2-core VM
+# (RESULTS.md, issue 22 goal 4): slower in each of 3 rounds (29-37 s against 24-25 s), so off.
+HUGE_PAGES = False
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
 _ALIGN = 4096
@@ -157,6 +163,10 @@ class _Slab:
             if locked.register():
                 self.locked = locked
             self.data = locked.tensor[:size]
+        elif HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+            self.mapping = mmap.mmap(-1, size)
+            self.mapping.madvise(mmap.MADV_HUGEPAGE)
+            self.data = torch.frombuffer(self.mapping, dtype=torch.uint8)  # holds the mapping alive
         else:
             self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
         self.view = self.data.numpy().data.cast("B")
