@@ -181,6 +181,13 @@ def main() -> None:
     variants.update(parse_variant(v) for v in args.variant)
     defaults = {k: getattr(verified_read, k) for k in KNOBS}
 
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29517"),
+    ):
+        os.environ.setdefault(key, value)  # run without torchrun: one rank
     dist.init_process_group(args.backend)
     dev = args.device
     if dev == "cuda":
