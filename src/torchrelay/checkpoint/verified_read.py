@@ -1,8 +1,9 @@
 """The verified reader of a DCP checkpoint: every file hashed as its bytes arrive and parsed only once it matched.
 
-Each file is read whole by many reads in flight (a few files at once) into host memory allocated once per load
-and reused, hashed in order, checked against its inventory entry, and only then are its items parsed and
-copied into their targets, on threads of their own while the next files are read.
+Each file is read whole, front to back by a thread of its own (as many files at once as the threads and a share
+of the node's available memory allow), into host memory allocated once per load and reused, hashed in order from
+that memory, checked against its inventory entry, and only then are its items parsed from that same memory and
+copied into their targets, on threads of their own while the next files are read. No byte is read twice.
 """
 
 from __future__ import annotations
@@ -210,11 +211,12 @@ class _File:
 
 
 class _Load:
-    """Reads, verifies, parses and copies the files of one rank's load, holding at most LOAD_BUFFER of them.
+    """Reads, verifies, parses and copies the files of one rank's load, holding at most load_budget() of them.
 
-    Files are taken in the plan's order as room in the slabs allows; READ_STREAMS threads read them in chunks,
-    spread over the first few files not yet fully asked for (FILES_AT_ONCE); each file is hashed in order by
-    whichever reading thread completes the chunk that extends the hashed prefix, so that no byte is read twice.
+    Files are taken largest first (LARGEST_FIRST) as room in the slabs allows; READ_STREAMS threads read them in
+    chunks, each thread a whole file front to back (PER_FILE_READER), or spread over the first few files not yet
+    fully asked for (FILES_AT_ONCE); each file is hashed in order from memory by a hash thread (HASH_THREADS) as
+    the chunks extending its hashed prefix arrive, so that no byte is read twice.
     Only once its size and SHA-256 match is a file's items parsed (`torch.load(weights_only=True)` onto meta), on
     PARSE_THREADS threads, and copied into the targets; its room in the slab is reused once they are all in."""
 
