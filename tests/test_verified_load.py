@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
-from torchrelay.errors import IntegrityError
+from torchrelay.errors import ConfigError, IntegrityError
 
 
 def _saved(tmp_path: Path, files: int) -> tuple[Path, dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
@@ -172,6 +174,9 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     and reused by the next files (each page touched once, not once per file); every value loads. Without reuse
     (REUSE_SLABS off) each file has a buffer of its own, as before."""
     monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setattr(
+        verified_read, "HUGE_PAGES", False
+    )  # the slabs from torch.empty, which the spy counts
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)  # the files the plan reads (a file of empty tensors is not read)
     assert len(read) >= 6
@@ -260,3 +265,145 @@ def test_a_damaged_file_among_many_is_refused_before_any_of_its_items_is_parsed(
     target, _ = _load(model, state, expected)
     assert {p.name for p in parsed} == read
     assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_the_buffer_is_a_share_of_the_memory_available_over_the_ranks_of_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LOAD_BUFFER 0: MEMORY_SHARE of MemAvailable, split between the LOCAL_WORLD_SIZE ranks that load at once;
+    a LOAD_BUFFER set wins; a LOCAL_WORLD_SIZE that is not a count is refused naming it."""
+    available = verified_read._mem_available()
+    assert available is not None and available > 0  # Linux: /proc/meminfo has it
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 0)
+    monkeypatch.setattr(verified_read, "MEMORY_SHARE", 0.5)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    one = verified_read.load_budget()
+    assert abs(one - available // 2) < available // 20  # MemAvailable moves a little between the two reads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    eight = verified_read.load_budget()
+    assert abs(eight - available // 16) < available // 20
+    assert eight < one
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 12345)
+    assert verified_read.load_budget() == 12345
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE='two'"):
+        verified_read.load_budget()
+
+
+def _reads_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
+    """Every read of the load as (thread, file, offset), in the order issued."""
+    seen: list[tuple[str, str, int]] = []
+    real = os.preadv
+    names: dict[int, str] = {}
+    real_open = os.open
+
+    def opened(path: Any, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, *args, **kwargs)
+        names[fd] = Path(path).name
+        return fd
+
+    def spy(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        seen.append((threading.current_thread().name, names.get(fd, "?"), offset))
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "preadv", spy)
+    return seen
+
+
+def test_each_file_is_read_front_to_back_by_one_thread_largest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PER_FILE_READER: as the cold-read floor, every file is read by a single thread in increasing offsets (one
+    stream the kernel's readahead can follow), the largest files taken first, and every value loads verified."""
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 3)
+    model, state, expected = _saved(tmp_path, files=8)
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 1 << 30)
+    seen = _reads_seen(monkeypatch)
+    target, verified = _load(model, state, expected)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    assert len(verified) >= 6
+    by_file: dict[str, list[tuple[str, int]]] = {}
+    for thread, name, offset in seen:
+        by_file.setdefault(name, []).append((thread, offset))
+    assert set(by_file) == verified
+    for name, reads in by_file.items():
+        assert len({t for t, _ in reads}) == 1, name  # one thread for the whole file
+        offsets = [o for _, o in reads]
+        assert offsets == sorted(offsets) and offsets[0] == 0, name  # front to back
+    first = [name for _, name, _ in seen]
+    started = sorted(by_file, key=first.index)
+    sizes = [expected[n][1] for n in started]
+    assert sizes[0] == max(sizes)  # the largest file is the first one taken
+
+
+def test_short_of_memory_the_files_are_read_fewer_at_once_and_still_all_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer that holds one file at a time (memory short): the reading threads take files one after another,
+    never two held at once, and a damaged file is still refused before it is parsed."""
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    model, state, expected = _saved(tmp_path, files=4)
+    _, read = _load(model, state, expected)
+    largest = max(expected[name][1] for name in read)
+    monkeypatch.setattr(verified_read, "_SLAB", largest)
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", largest)  # room for one file
+    seen = _reads_seen(monkeypatch)
+    target, verified = _load(model, state, expected)
+    assert verified == read and all(torch.equal(target[k], v) for k, v in state.items())
+    span: dict[str, tuple[int, int]] = {}
+    for i, (_, name, _) in enumerate(seen):
+        span[name] = (span.get(name, (i, i))[0], i)
+    for i in range(len(seen)):  # the files being read at any moment fit in the buffer together
+        held = sum(expected[n][1] for n, (a, b) in span.items() if a <= i <= b)
+        assert held <= largest, (i, held, largest)
+    victim = model / sorted(read)[-1]
+    good = victim.read_bytes()
+    victim.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(IntegrityError, match="does not match its SHA-256"):
+        _load(model, state, expected)
+    victim.write_bytes(good)
+
+
+def test_bytes_changed_on_disk_during_the_load_are_caught_or_never_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file's thread reads it once into memory, which is hashed and then parsed: a change on disk after its
+    first read is caught by the hash, and a change after its last read reaches nothing (never read again)."""
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 2)
+    model, state, expected = _saved(tmp_path, files=1)
+    (name,) = expected
+    shard = model / name
+    good = shard.read_bytes()
+    assert len(good) > 4 * 1024
+    real = os.preadv
+
+    def change_last_byte() -> None:  # in place, as another writer would: the size stays
+        with open(shard, "r+b") as f:
+            f.seek(len(good) - 1)
+            f.write(bytes([good[-1] ^ 1]))
+
+    def change_after_first_read(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        n = real(fd, buffers, offset, *args)
+        if offset == 0:
+            change_last_byte()
+        return n
+
+    monkeypatch.setattr(os, "preadv", change_after_first_read)
+    with pytest.raises(IntegrityError, match="does not match its SHA-256"):
+        _load(model, state, expected)
+    shard.write_bytes(good)
+    monkeypatch.setattr(os, "preadv", real)
+    real_verified = verified_read._Load._verified
+
+    def change_once_read(self: Any, f: Any) -> None:
+        change_last_byte()  # every byte of it in memory and hashed: the disk no longer matters
+        real_verified(self, f)
+
+    monkeypatch.setattr(verified_read._Load, "_verified", change_once_read)
+    target, verified = _load(model, state, expected)
+    assert verified == {name} and all(torch.equal(target[k], v) for k, v in state.items())

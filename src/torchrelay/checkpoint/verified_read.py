@@ -1,13 +1,15 @@
 """The verified reader of a DCP checkpoint: every file hashed as its bytes arrive and parsed only once it matched.
 
-Each file is read whole by many reads in flight (a few files at once) into host memory allocated once per load
-and reused, hashed in order, checked against its inventory entry, and only then are its items parsed and
-copied into their targets, on threads of their own while the next files are read.
+Each file is read whole, front to back by a thread of its own (as many files at once as the threads and a share
+of the node's available memory allow), into host memory allocated once per load and reused, hashed in order from
+that memory, checked against its inventory entry, and only then are its items parsed from that same memory and
+copied into their targets, on threads of their own while the next files are read. No byte is read twice.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -29,7 +31,7 @@ from torchrelay.checkpoint.host_stage import _Locked
 from torchrelay.checkpoint.inventory import INVENTORY, safe_relpath
 from torchrelay.checkpoint.items import _narrow, _parse_item, _refuse_transforms
 from torchrelay.checkpoint.torch_compat import StorageInfo
-from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput
+from torchrelay.errors import CheckpointError, ConfigError, IntegrityError, UnsafeInput
 from torchrelay.util.hashing import default_jobs
 
 
@@ -74,8 +76,20 @@ READ_STREAMS = 16
 _CHUNK = 16 << 20
 _DAMAGED = "the file is damaged; restore it, or remove the checkpoint to resume from an older one"
 # Per rank, host memory for bytes read but not yet copied into their tensors (a file larger than that is read
-# alone): every rank of a node loads at once. 4 GiB hold 4 of a 14.5 GB state's 16 files.
-LOAD_BUFFER = 4 << 30
+# alone). 0: MEMORY_SHARE of the node's MemAvailable at the start of the load, divided by LOCAL_WORLD_SIZE (every
+# rank of a node loads at once); a fixed 4 GiB held only 4 of a 14.5 GB state's 16 files on a 128 GiB host.
+LOAD_BUFFER = 0
+MEMORY_SHARE = 0.5
+_FALLBACK_BUFFER = 4 << 30  # where /proc/meminfo is not there to read
+# True: each reading thread takes a whole file and reads it front to back, one read in flight, as the cold-read
+# floor does (bench_save.cold_read): the kernel's readahead of each file sees one sequential stream. The files
+# read at once are then as many as the threads and the buffer allow, and FILES_AT_ONCE is not used. False: the
+# threads share the chunks of the first FILES_AT_ONCE files (issue 22's first rounds).
+PER_FILE_READER = True
+# True: the largest files are started first (the tail is the last file's read, hash and copy: a short one).
+LARGEST_FIRST = True
+# True: POSIX_FADV_SEQUENTIAL on each file as it is opened (a larger readahead window on Linux).
+FADVISE = True
 # Threads that parse verified files and copy their items into the tensors: a copy runs at memory or bus speed, so
 # a few keep up with the disk.
 PARSE_THREADS = 4
@@ -101,9 +115,42 @@ REUSE_SLABS = True
 # its parse thread, waited for before its room goes back. Measured on the H200 host: the copies' thread time 1.2 s
 # against 9 s, the load no shorter (9.7-9.8 s against 9.7-11.4 s): the copies were never its tail. So it is off.
 PIN_SLABS = False
+# True: each pageable slab is an anonymous mapping advised MADV_HUGEPAGE (Linux, transparent huge pages in
+# "madvise" mode): the reads fault in 2 MiB pages, not 4 KiB ones, into memory that is touched for the first
+# time (the floor reads into one reused 16 MiB buffer, whose pages stay mapped). Measured on the 2-core VM
+# (RESULTS.md, issue 22 goal 4): slower in each of 3 rounds (29-37 s against 24-25 s), so off.
+HUGE_PAGES = False
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
 _ALIGN = 4096
+
+
+def load_budget() -> int:
+    """The bytes of host memory this rank's load may hold at once: LOAD_BUFFER when set, else MEMORY_SHARE of
+    MemAvailable over the node's ranks (LOCAL_WORLD_SIZE, 1 outside torchrun)."""
+    if LOAD_BUFFER > 0:
+        return LOAD_BUFFER
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip() or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={text!r}: not a positive integer; unset it or give the number of ranks on this node"
+        )
+    available = _mem_available()
+    if available is None:
+        return _FALLBACK_BUFFER
+    return max(1, int(available * MEMORY_SHARE) // int(text))
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class _Slab:
@@ -117,6 +164,10 @@ class _Slab:
             if locked.register():
                 self.locked = locked
             self.data = locked.tensor[:size]
+        elif HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+            self.mapping = mmap.mmap(-1, size)
+            self.mapping.madvise(mmap.MADV_HUGEPAGE)
+            self.data = torch.frombuffer(self.mapping, dtype=torch.uint8)  # holds the mapping alive
         else:
             self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
         self.view = self.data.numpy().data.cast("B")
@@ -160,11 +211,12 @@ class _File:
 
 
 class _Load:
-    """Reads, verifies, parses and copies the files of one rank's load, holding at most LOAD_BUFFER of them.
+    """Reads, verifies, parses and copies the files of one rank's load, holding at most load_budget() of them.
 
-    Files are taken in the plan's order as room in the slabs allows; READ_STREAMS threads read them in chunks,
-    spread over the first few files not yet fully asked for (FILES_AT_ONCE); each file is hashed in order by
-    whichever reading thread completes the chunk that extends the hashed prefix, so that no byte is read twice.
+    Files are taken largest first (LARGEST_FIRST) as room in the slabs allows; READ_STREAMS threads read them in
+    chunks, each thread a whole file front to back (PER_FILE_READER), or spread over the first few files not yet
+    fully asked for (FILES_AT_ONCE); each file is hashed in order from memory by a hash thread (HASH_THREADS) as
+    the chunks extending its hashed prefix arrive, so that no byte is read twice.
     Only once its size and SHA-256 match is a file's items parsed (`torch.load(weights_only=True)` onto meta), on
     PARSE_THREADS threads, and copied into the targets; its room in the slab is reused once they are all in."""
 
@@ -188,6 +240,7 @@ class _Load:
         self._turn = 0  # chunks handed out
         self._at_once = max(1, FILES_AT_ONCE)  # files read at the same time (run() lowers it to the room)
         self._slab_size = 0
+        self._budget = _FALLBACK_BUFFER  # run() sets it
         self._finished = 0
         self._error: BaseException | None = None
         self._plan = threading.Lock()  # the planner is not known to be thread-safe
@@ -215,9 +268,12 @@ class _Load:
             files = [self._describe(rel, items) for rel, items in self.per_file.items()]
             largest = max((f.size for f in files), default=0)
             total = sum(f.size for f in files)
-            self._slab_size = max(largest, min(total, LOAD_BUFFER, _SLAB))
-            room = max(1, LOAD_BUFFER // max(1, largest))  # files of the largest size the buffer holds
+            self._budget = load_budget()
+            self._slab_size = max(largest, min(total, self._budget, _SLAB))
+            room = max(1, self._budget // max(1, largest))  # files of the largest size the buffer holds
             self._at_once = max(1, min(FILES_AT_ONCE, room - 1))
+            if LARGEST_FIRST:
+                files.sort(key=lambda g: -g.size)  # stable: the plan's order among equal sizes
             for f in files:
                 if not self._admit(f):
                     break
@@ -276,7 +332,7 @@ class _Load:
                         if view is not None:
                             f.slab, f.view = slab, view
                             break
-                    if f.slab is not None or not self._allocated or self._allocated + size <= LOAD_BUFFER:
+                    if f.slab is not None or not self._allocated or self._allocated + size <= self._budget:
                         break
                     self._cond.wait()
                 if f.slab is None:
@@ -297,6 +353,8 @@ class _Load:
                     f.slab, f.view = slab, view
         self._opened.append(f)
         f.fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if FADVISE and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return True
 
     def _release(self, f: _File) -> None:
@@ -311,8 +369,32 @@ class _Load:
         self._cond.notify_all()
 
     def _reader(self) -> None:
-        while (job := self._next()) is not None:
-            self._guard(self._read, *job)
+        if not PER_FILE_READER:
+            while (job := self._next()) is not None:
+                self._guard(self._read, *job)
+            return
+        while (f := self._take()) is not None:
+            for k in range(f.chunks):
+                if self._error is not None:
+                    return
+                self._guard(self._read, f, k)
+
+    def _take(self) -> _File | None:
+        """A whole file for this reading thread to read front to back: the first admitted that no thread has
+        taken; None once every file is taken, or after a failure."""
+        with self._cond:
+            t0 = time.perf_counter()
+            while True:
+                if self._error is not None:
+                    return None
+                if self._reading:
+                    f = self._reading.pop(0)
+                    f.issued = f.chunks
+                    self.timings["read_idle"] += time.perf_counter() - t0
+                    return f
+                if self._admitted_all:
+                    return None
+                self._cond.wait()
 
     def _next(self) -> tuple[_File, int] | None:
         """The next chunk to read: of the first files not fully asked for (`_at_once`), the one served longest
