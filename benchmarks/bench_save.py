@@ -338,9 +338,13 @@ def main() -> None:
     out["launches"] = {}
     for spec in args.launch:  # each a fresh Run: its buffers reserved again, its own knobs
         name, n_saves, knobs = parse_launch(spec)
-        before = {k: getattr(LAUNCH_KNOBS[k], k) for k in knobs}
+        env = {k: v for k, v in knobs.items() if k.startswith("TORCHRELAY_")}
+        env_before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        before = {k: getattr(LAUNCH_KNOBS[k], k) for k in knobs if k not in env}
         for k, v in knobs.items():
-            setattr(LAUNCH_KNOBS[k], k, v)
+            if k not in env:
+                setattr(LAUNCH_KNOBS[k], k, v)
         try:
             run_v = tr.Run.open(base / f"run-{name}", cfg, code_dir=base / "code")
             run_v.track(model=ddp, optimizer=opt)
@@ -353,6 +357,11 @@ def main() -> None:
         finally:
             for k, v in before.items():
                 setattr(LAUNCH_KNOBS[k], k, v)
+            for k, was in env_before.items():
+                if was is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = was
         shutil.rmtree(base / f"run-{name}", ignore_errors=True)
         print(f"[bench] launch {name}: {json.dumps(summary(out['launches'][name]))}", flush=True)
         if args.json:
@@ -457,11 +466,17 @@ LAUNCH_KNOBS: dict[str, Any] = {
 
 
 def parse_launch(spec: str) -> tuple[str, int, dict[str, Any]]:
-    """NAME:SAVES[:KNOB=VALUE,...] (VALUE an integer; 0/1 for the booleans)."""
+    """NAME:SAVES[:KNOB=VALUE,...] (VALUE an integer; 0/1 for the booleans; a TORCHRELAY_* knob is an environment
+    variable set for that launch alone)."""
     name, saves, *rest = spec.split(":")
     knobs: dict[str, Any] = {}
     for part in filter(None, (rest[0] if rest else "").split(",")):
         key, _, value = part.partition("=")
+        if key.startswith(
+            "TORCHRELAY_"
+        ):  # an environment variable for this launch (e.g. TORCHRELAY_PERSIST_WRITER)
+            knobs[key] = value
+            continue
         if key not in LAUNCH_KNOBS:
             raise SystemExit(f"--launch {spec!r}: {key!r} is not one of {', '.join(LAUNCH_KNOBS)}")
         current = getattr(LAUNCH_KNOBS[key], key)
