@@ -149,6 +149,8 @@ def test_padded_lines_take_the_fixed_path_and_read_as_the_line_reader_reads_them
         '{"u": 7,"m": 0,"i":[  1, 2 ]}\n',
         '{"u": 7,"m": 0,"i":[  1,  2] }\n',
         ' {"u": 7,"m": 0,"i":[  1, 2]}\n',
+        '7{"u": 7,"m": 0,"i":[  1,  2]}\n',
+        '{"u": 7,"m": 0,"i":[1 2,  2]}\n',
         '{"u": 7,"m": 0,"i" :[  1, 2]}\n',
         '{"u": 7,"m": 0,"i":[  1,   22]}\n',  # ids of two widths
         '{"u": 7,"m": 0,"i":[  1,  2],"x":1}\n',
@@ -171,11 +173,15 @@ def test_any_other_padded_line_reaches_the_line_reader(tmp_path: Path, bad: str)
 def test_a_line_of_the_same_length_and_another_layout_reaches_the_line_reader(tmp_path: Path) -> None:
     # The same length as its neighbours, so inside their table: the comparison of the fixed columns finds it.
     lines = _padded(tmp_path)
-    moved = lines[3].replace('"m": ', '"m":', 1).replace('"u":', '"u": ', 1)  # a space moved from m to u
-    assert len(moved) == len(lines[3]) and moved != lines[3]
-    block = "".join([*lines[:5], moved, *lines[5:]])
-    assert _parse_fixed_block(block.encode()) is None
-    _same(_write(tmp_path / "moved.jsonl", [block]))
+    for moved in (
+        lines[3].replace('"m": ', '"m":', 1).replace('"u":', '"u": ', 1),  # a space moved from m to u
+        lines[3].replace('"i"', '"j"', 1),  # only a byte outside the numbers differs
+        lines[3].replace('"m"', "'m'", 1),
+    ):
+        assert len(moved) == len(lines[3]) and moved != lines[3]
+        block = "".join([*lines[:5], moved, *lines[5:]])
+        assert _parse_fixed_block(block.encode()) is None
+        _same(_write(tmp_path / "moved.jsonl", [block]))
 
 
 def test_a_log_begun_compact_is_continued_compact_and_a_new_one_padded(tmp_path: Path) -> None:

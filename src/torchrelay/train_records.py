@@ -402,8 +402,9 @@ def _parse_fixed_run(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def _layout(line: bytes) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], tuple[int, int, int]] | None:
     """The columns of one padded line: (every column outside the numbers, the update's (start, width), the
-    micro-batch's, the ids' (start, width, count)), else None. The ids share one width (the writer's), and a width
-    is at most 18 digits, so that every value is below int64's bound."""
+    micro-batch's, the ids' (start, width, count)), else None; a width is at most 18 digits, so that every value is
+    below int64's bound. The ids are read at the first one's width: a comma elsewhere falls in a number's field,
+    which `_fixed_numbers` refuses."""
     skeleton = line.translate(None, b" " + _DIGITS)
     count = len(skeleton) - len(_EXPOSURE_HEAD) - 2  # the list's commas, and one
     if count < 1 or skeleton != _EXPOSURE_HEAD + b"," * (count - 1) + b"]}\n":
@@ -414,8 +415,6 @@ def _layout(line: bytes) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], 
     numbers = [4, 9, *range(15, 15 + count)]  # after `"u":`, `"m":`, `[` and each comma of the list
     widths = gaps[numbers]
     if fixed[0] or np.delete(gaps, numbers).any() or widths.min() < 1 or widths.max() > 18:
-        return None
-    if (widths[2:] != widths[2]).any():
         return None
     start = fixed[numbers] + 1
     return (
