@@ -427,23 +427,27 @@ def _layout(line: bytes) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], 
 
 def _fixed_numbers(fields: np.ndarray) -> np.ndarray | None:
     """The values of a (lines, numbers, width) array of right-aligned numbers, or None unless each is spaces then
-    one or more digits without a leading zero (what json.loads reads as that integer, and nothing else)."""
-    space = fields == _PAD
-    digit = (fields - 48) < 10  # uint8: every byte below '0' wraps past 10
-    if not (space | digit).all() or not digit[..., -1].all():
-        return None
-    if fields.shape[-1] > 1:
-        zero = fields[..., :-1] == 48
-        if (
-            (digit[..., :-1] & space[..., 1:]).any()
-            or zero[..., 0].any()
-            or (zero[..., 1:] & space[..., :-2]).any()
-        ):
+    one or more digits without a leading zero (what json.loads reads as that integer, and nothing else).
+
+    Read column by column of a transposed copy: each step is then a contiguous pass over one byte of every number
+    (the same checks over the (..., width) view took twice the time, their inner loops a few bytes long)."""
+    width = fields.shape[-1]
+    value: np.ndarray | None = None
+    digit_before = space_before = None
+    for k, column in enumerate(np.moveaxis(fields, -1, 0).copy()):
+        space = column == _PAD
+        digit = (column - 48) < 10  # uint8: every byte below '0' wraps past 10
+        if not (space | digit).all() or (k == width - 1 and not digit.all()):
             return None
-    value = (fields[..., 0] & 15).astype(np.int64)  # a space (32) & 15 is 0, a digit's is its value
-    for k in range(1, fields.shape[-1]):
-        value *= 10
-        value += fields[..., k] & 15
+        if digit_before is not None and (digit_before & space).any():  # a space after a digit
+            return None
+        if k < width - 1:  # a zero that starts a number of two digits or more
+            zero = column == 48
+            if (zero if space_before is None else zero & space_before).any():
+                return None
+        digit_before, space_before = digit, space
+        ones = column & 15  # a space (32) & 15 is 0, a digit's is its value
+        value = ones.astype(np.int64) if value is None else value * 10 + ones
     return value
 
 
