@@ -84,6 +84,7 @@ def make_run(
     from torchrelay.checkpoint.commit import commit_checkpoint
     from torchrelay.checkpoint.retention import policy_for
     from torchrelay.history import new_id, read_history, write_history
+    from torchrelay.train_records import exposure_line, exposure_widths
 
     manifest, code, run_dir = lay_out(base, samples)
     # Opened at world size 1 with the whole global batch in gradient accumulation; the logs below are those of
@@ -95,6 +96,11 @@ def make_run(
     first_segment = run.segment.to_dict()
     run.close()
     train = run_dir / "train"
+    widths = exposure_widths(cfg.total_updates, accum, samples)
+
+    def line(u: int, k: int, ids: list[int]) -> str:  # ExposureLog's lines (padded)
+        return exposure_line(u, k, ids, widths)
+
     step_s = 0.5
     t0 = time.time() - updates * step_s
     for r in range(ranks):
@@ -113,12 +119,7 @@ def make_run(
                 }
                 m.write(json.dumps(rec, separators=(",", ":")) + "\n")
                 ids = order.global_batch_indices(u - 1).reshape(accum, ranks, micro)[:, r, :]
-                e.write(
-                    "".join(
-                        f'{{"u":{u},"m":{k},"i":[{",".join(map(str, ids[k].tolist()))}]}}\n'
-                        for k in range(accum)
-                    )
-                )
+                e.write("".join(line(u, k, ids[k].tolist()) for k in range(accum)))
     model = torch.nn.Linear(4, 4)
     contract_sha = json.loads((run_dir / "resume_contract.json").read_text())["sha256"]
     for u in checkpoints:

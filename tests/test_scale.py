@@ -127,8 +127,11 @@ def test_a_damaged_ledger_across_epochs_names_the_update_and_the_repeat(
     log = run / "train" / "exposures-rank2.jsonl"
     lines = log.read_text().splitlines(keepends=True)
     # update 1500 lies in epoch 7 (195 updates an epoch): its micro-step 0 logged twice, micro-step 1 lost
-    at = next(i for i, line in enumerate(lines) if line.startswith('{"u":1500,"m":0,'))
-    assert lines[at + 1].startswith('{"u":1500,"m":1,')
+    at = next(i for i, line in enumerate(lines) if line.startswith('{"u":') and json.loads(line)["u"] == 1500)
+    assert [(json.loads(lines[k])["u"], json.loads(lines[k])["m"]) for k in (at, at + 1)] == [
+        (1500, 0),
+        (1500, 1),
+    ]
     first_id = json.loads(lines[at])["i"][0]
     lines[at + 1] = lines[at]
     log.write_text("".join(lines))

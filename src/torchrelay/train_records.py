@@ -95,6 +95,59 @@ class RankLog:
             self._f.close()
 
 
+class ExposureLog(RankLog):
+    """A rank's exposure log: one line per micro-batch, `{"u":U,"m":M,"i":[I,...]}`, each number right-aligned in
+    a field as wide as the largest it can be (`exposure_widths`), so that every line of a segment has the same
+    length and the ledger reads a block of them as a table of fixed columns (`_parse_fixed_block`): 20 M exposures
+    in about a CPU second instead of several. JSON allows the spaces, so every JSON reader reads the lines as before.
+
+    A log begun by an older version (compact lines, no space anywhere) is continued compact, so that a run resumed
+    across versions holds the lines the old version would have written; a padded line always holds a space (the
+    micro-batch field is one wider than its largest value), which is how the two are told apart."""
+
+    def __init__(self, path: Path, widths: tuple[int, int, int]) -> None:
+        self._line = _padded_line(widths) if _continues_padded(path) else None
+        super().__init__(path)
+
+    def write_exposure(self, update: int, micro: int, ids: list[int]) -> None:
+        if self._line is None:
+            self.write({"u": update, "m": micro, "i": ids})
+        else:
+            self._f.write(self._line(update, micro, ids))
+
+
+def exposure_widths(total_updates: int, grad_accum: int, samples: int) -> tuple[int, int, int]:
+    """The fields' widths of a run's exposure lines: update, micro-batch (one more: the space that marks a padded
+    log), sample index; each the digits of its largest value."""
+    return len(str(total_updates)), len(str(max(grad_accum - 1, 0))) + 1, len(str(max(samples - 1, 0)))
+
+
+def exposure_line(update: int, micro: int, ids: list[int], widths: tuple[int, int, int]) -> str:
+    """One padded exposure line, as ExposureLog writes it into a new log."""
+    return _padded_line(widths)(update, micro, ids)
+
+
+def _padded_line(widths: tuple[int, int, int]) -> Any:
+    wu, wm, wi = widths
+    head, one = '{"u":%' + str(wu) + 'd,"m":%' + str(wm) + 'd,"i":[', f"%{wi}d"
+
+    def line(update: int, micro: int, ids: list[int]) -> str:
+        return head % (update, micro) + ",".join(map(one.__mod__, ids)) + "]}\n"
+
+    return line
+
+
+def _continues_padded(path: Path) -> bool:
+    """Whether a log opened for appending continues padded: a new or empty one does; an existing one does if its
+    first line holds a space (the writer's compact JSON never does)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except FileNotFoundError:
+        return True
+    return not head.strip() or b" " in head.split(b"\n", 1)[0]
+
+
 def _update_of(line: str) -> int | None:
     try:
         rec = json.loads(line)
@@ -269,7 +322,7 @@ def read_exposures(path: Path) -> Exposures:
                 continue
             data = b"".join([*rest, block[:cut]])
             rest, held = ([block[cut:]], len(block) - cut) if cut < len(block) else ([], 0)
-            parsed = _parse_exposure_block(data)
+            parsed = _parse_block(data)
             if parsed is None:
                 return _exposures_by_line(path)
             lines += len(parsed[0])
@@ -289,6 +342,113 @@ def _line_too_long(path: Path | None, which: str) -> IntegrityError:
         f"{path}: {which} is longer than {LINE_LIMIT:,} bytes",
         hint=f"{path.name if path else 'the log'} is damaged; restore it from a copy",
     )
+
+
+def _parse_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A block of whole lines as arrays by the first reading that accepts it, else None (the line reader's)."""
+    first = data[: data.find(b"\n")]
+    if b" " in first:  # padded lines (ExposureLog); a compact line never holds a space
+        return _parse_fixed_block(data)
+    return _parse_exposure_block(data)
+
+
+# A block of padded lines is made of runs of equal lines, one a segment (a resize or a longer schedule changes the
+# length); a block of many runs is not what the writer wrote.
+_MAX_RUNS = 16
+_PAD = 32
+
+
+def _parse_fixed_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(updates, counts, ids) of whole lines that each are runs of lines of one length and one layout, else None.
+
+    Each run is a table of fixed columns (lines, line length): its first line gives the layout (`_layout`), every
+    other column of the table must hold the first line's byte (one comparison) and every number's field spaces
+    then digits, with no leading zero (`_fixed_numbers`). A line that passes is JSON with exactly these values."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    lengths = np.diff(ends, prepend=-1)
+    bounds = [0, *(np.flatnonzero(lengths[1:] != lengths[:-1]) + 1).tolist(), len(ends)]
+    if len(bounds) - 1 > _MAX_RUNS:
+        return None
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        start = int(ends[a - 1]) + 1 if a else 0
+        table = buf[start : int(ends[b - 1]) + 1].reshape(b - a, int(lengths[a]))
+        got = _parse_fixed_run(table)
+        if got is None:
+            return None
+        parts.append(got)
+    return parts[0] if len(parts) == 1 else tuple(np.concatenate([p[k] for p in parts]) for k in range(3))  # type: ignore[return-value]
+
+
+def _parse_fixed_run(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(updates, counts, ids) of a table of lines of one length, if every line has the first line's layout."""
+    layout = _layout(table[0].tobytes())
+    if layout is None:
+        return None
+    fixed, (us, uw), (ms, mw), (ids_at, iw, count) = layout
+    if not (table[:, fixed] == table[0, fixed]).all():
+        return None
+    lines = len(table)
+    updates = _fixed_numbers(table[:, us : us + uw].reshape(lines, 1, uw))
+    micro = _fixed_numbers(table[:, ms : ms + mw].reshape(lines, 1, mw))
+    ids = _fixed_numbers(
+        table[:, ids_at : ids_at + count * (iw + 1)].reshape(lines, count, iw + 1)[:, :, :iw]
+    )
+    if updates is None or micro is None or ids is None:
+        return None
+    return updates[:, 0], np.full(lines, count, dtype=np.int64), ids.reshape(-1)
+
+
+def _layout(line: bytes) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], tuple[int, int, int]] | None:
+    """The columns of one padded line: (every column outside the numbers, the update's (start, width), the
+    micro-batch's, the ids' (start, width, count)), else None; a width is at most 18 digits, so that every value is
+    below int64's bound. The ids are read at the first one's width: a comma elsewhere falls in a number's field,
+    which `_fixed_numbers` refuses."""
+    skeleton = line.translate(None, b" " + _DIGITS)
+    count = len(skeleton) - len(_EXPOSURE_HEAD) - 2  # the list's commas, and one
+    if count < 1 or skeleton != _EXPOSURE_HEAD + b"," * (count - 1) + b"]}\n":
+        return None
+    row = np.frombuffer(line, dtype=np.uint8)
+    fixed = np.flatnonzero((row != _PAD) & ((row < 48) | (row > 57)))
+    gaps = np.diff(fixed) - 1  # the number of padded digits after each skeleton byte
+    numbers = [4, 9, *range(15, 15 + count)]  # after `"u":`, `"m":`, `[` and each comma of the list
+    widths = gaps[numbers]
+    if fixed[0] or np.delete(gaps, numbers).any() or widths.min() < 1 or widths.max() > 18:
+        return None
+    start = fixed[numbers] + 1
+    return (
+        fixed,
+        (int(start[0]), int(widths[0])),
+        (int(start[1]), int(widths[1])),
+        (int(start[2]), int(widths[2]), count),
+    )
+
+
+def _fixed_numbers(fields: np.ndarray) -> np.ndarray | None:
+    """The values of a (lines, numbers, width) array of right-aligned numbers, or None unless each is spaces then
+    one or more digits without a leading zero (what json.loads reads as that integer, and nothing else).
+
+    Read column by column of a transposed copy: each step is then a contiguous pass over one byte of every number
+    (the same checks over the (..., width) view took twice the time, their inner loops a few bytes long)."""
+    width = fields.shape[-1]
+    value: np.ndarray | None = None
+    digit_before = space_before = None
+    for k, column in enumerate(np.moveaxis(fields, -1, 0).copy()):
+        space = column == _PAD
+        digit = (column - 48) < 10  # uint8: every byte below '0' wraps past 10
+        if not (space | digit).all() or (k == width - 1 and not digit.all()):
+            return None
+        if digit_before is not None and (digit_before & space).any():  # a space after a digit
+            return None
+        if k < width - 1:  # a zero that starts a number of two digits or more
+            zero = column == 48
+            if (zero if space_before is None else zero & space_before).any():
+                return None
+        digit_before, space_before = digit, space
+        ones = column & 15  # a space (32) & 15 is 0, a digit's is its value
+        value = ones.astype(np.int64) if value is None else value * 10 + ones
+    return value
 
 
 def _parse_exposure_block(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

@@ -23,7 +23,7 @@ from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.exact_reduce import EXACT, ExactReduction
 from torchrelay.run.restore import Restore
 from torchrelay.run.saver import Saver
-from torchrelay.train_records import RankLog
+from torchrelay.train_records import ExposureLog, RankLog
 from torchrelay.util import collective
 
 
@@ -137,7 +137,7 @@ class Loop:
         world_size: int,
         start_update: int,
         global_batch: int,
-        logs: tuple[RankLog, RankLog],
+        logs: tuple[RankLog, ExposureLog],
         restore: Restore,
         saver: Saver,
         agreement: StopAgreement,
@@ -222,7 +222,7 @@ class Loop:
         rec["time"] = round(time.time(), 3)
         self._metrics_log.write(rec)
         for micro, ids in enumerate(step._ids):
-            self._exposures_log.write({"u": step.update, "m": micro, "i": ids})
+            self._exposures_log.write_exposure(step.update, micro, ids)
         # Lines past the newest checkpoint are trimmed on resume anyway, so flushing about twice a second
         # (and durably before every save) loses nothing a resume needs and keeps syscalls out of the loop.
         now = time.perf_counter()

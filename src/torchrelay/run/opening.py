@@ -31,7 +31,7 @@ from torchrelay.numerics import gather
 from torchrelay.run.directory import Start, create_run, last_segment, read_lineage, reopen_run
 from torchrelay.rundir import RunDir
 from torchrelay.stop import Deadline, deadline_from_env, job_start
-from torchrelay.train_records import RankLog, exposures_path, metrics_path
+from torchrelay.train_records import ExposureLog, RankLog, exposure_widths, exposures_path, metrics_path
 from torchrelay.util import collective
 
 
@@ -67,7 +67,7 @@ class Opened:
     global_batch: int
     order: GlobalOrder
     metrics_log: RankLog
-    exposures_log: RankLog
+    exposures_log: ExposureLog
 
 
 class SegmentOpener:
@@ -202,7 +202,10 @@ class SegmentOpener:
             global_batch=global_batch,
             order=order,
             metrics_log=RankLog(metrics_path(self.dir.train_dir, self.rank)),
-            exposures_log=RankLog(exposures_path(self.dir.train_dir, self.rank)),
+            exposures_log=ExposureLog(
+                exposures_path(self.dir.train_dir, self.rank),
+                exposure_widths(config.total_updates, config.grad_accum, len(manifest)),
+            ),
         )
 
     def _manifest_path(self, cfg: RelayConfig) -> Path:
