@@ -72,6 +72,7 @@ def _write(job: dict[str, Any], maps: dict[int, mmap.mmap]) -> tuple[list[Any], 
     digests: dict[str, tuple[str, int]] = {}
     writer = HashingWriter(Path(job["directory"]), digests, background=True)
     set_up_writer(writer, job["coordinator"], job["rank"])
+    writer.files = job["files"]
     writer.fs.mkdir(writer.path)
     hold = job["hold"]
     while hold and not os.path.exists(hold):  # tests only (WriterProcess.hold)

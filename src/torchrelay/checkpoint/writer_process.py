@@ -37,6 +37,7 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.checkpoint.host_stage import HostStage, SharedMap
+from torchrelay.checkpoint.persist import file_count
 from torchrelay.errors import CheckpointError, ConfigError
 
 CHILD_MODULE = "torchrelay.checkpoint.writer_child"
@@ -171,6 +172,7 @@ class WriterProcess:
         job = {
             "directory": str(directory),
             "plan": plan,
+            "files": file_count(plan),  # counted here: the split is the parent's (FILE_BYTES as it has it)
             "items": items,
             "rank": rank,
             "coordinator": coordinator,
