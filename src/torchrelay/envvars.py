@@ -137,6 +137,11 @@ COLLECTIVE_TIMEOUT_S = Var(
 PERSIST_STREAMS = Var(
     "TORCHRELAY_PERSIST_STREAMS", "int", None, "files a rank writes at once in the background (default 8)"
 )
+PERSIST_WRITER = Var(
+    "TORCHRELAY_PERSIST_WRITER", "str", "process", "what writes an async save's files: `process` (a writer "
+    "process per rank, so the training process's interpreter is left to the loop) or `thread` (a thread of the "
+    "training process, as before issue 22 goal 3); without memfd or a process, the thread, with one logged line",
+)  # fmt: skip
 # --- the controller (`torchrelay launch`) and the command line ------------------------------------------------
 MEM_SOFT_GIB = Var(
     "TORCHRELAY_MEM_SOFT_GIB", "float", None, "the memory guard's soft limit in GiB (wins over the plan)"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -28,6 +28,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from torchrelay.checkpoint.persist import Digests, HashingWriter
 from torchrelay.util import collective
+
+if (
+    TYPE_CHECKING
+):  # writer_process imports host_stage and persist, never this module; only its type is named here
+    from torchrelay.checkpoint.writer_process import WriterProcess
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,13 +68,31 @@ class PlannedSave:
     def __init__(self, planner: DefaultSavePlanner, plan: SavePlan, metadata: Metadata | None, ranks: _Ranks):
         self._planner, self._plan, self._metadata, self._ranks = planner, plan, metadata, ranks
 
-    def write(self, directory: Path, digests: Digests, *, background: bool = False) -> None:
+    def write(
+        self,
+        directory: Path,
+        digests: Digests,
+        *,
+        background: bool = False,
+        process: WriterProcess | None = None,
+    ) -> None:
         """Write this rank's files into `directory` (each hashed into `digests` as written, fsynced); the
-        coordinator then writes `.metadata`. `background`: on the persist thread (see HashingWriter)."""
+        coordinator then writes `.metadata`. `background`: on the persist thread (see HashingWriter); `process`:
+        this rank's files by that writer process instead (writer_process.py), the same bytes."""
         writer = HashingWriter(directory, digests, background=background)
         _set_up(writer, self._ranks)
 
         def write_local() -> list[Any]:
+            if process is not None:
+                ranks = self._ranks
+                return process.write(
+                    directory,
+                    self._planner,
+                    self._plan,
+                    digests,
+                    rank=ranks.rank,
+                    coordinator=ranks.coordinator,
+                )
             writer.fs.mkdir(writer.path)
             writes = writer.write_data(self._plan, self._planner)
             writes.wait()
@@ -83,10 +106,15 @@ class PlannedSave:
 
 
 def _set_up(writer: HashingWriter, ranks: _Ranks) -> None:
+    set_up_writer(writer, ranks.coordinator, ranks.rank)
+
+
+def set_up_writer(writer: HashingWriter, coordinator: bool, rank: int) -> None:
+    """DCP's set-up of a rank's storage writer (here, or in the writer process: writer_child.py)."""
     if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
-        writer.set_up_storage_writer(ranks.coordinator, rank=ranks.rank, use_collectives=True)
+        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
     else:  # torch 2.8: set_up_storage_writer(is_coordinator) alone
-        writer.set_up_storage_writer(ranks.coordinator)
+        writer.set_up_storage_writer(coordinator)
 
 
 def plan(doc: dict[str, Any], group: Any = None, *, planner: DefaultSavePlanner | None = None) -> PlannedSave:
@@ -111,4 +139,4 @@ def plan(doc: dict[str, Any], group: Any = None, *, planner: DefaultSavePlanner 
     return PlannedSave(planner, planner.finish_plan(central), metadata[0] if metadata else None, ranks)
 
 
-__all__ = ["PlannedSave", "plan"]
+__all__ = ["PlannedSave", "plan", "set_up_writer"]

@@ -71,16 +71,25 @@ def touch(tensor: torch.Tensor) -> None:
 
 
 class _Locked:
-    """One buffer's own anonymous mapping, page-locked by registration with CUDA until `release`."""
+    """One buffer's own mapping, page-locked by registration with CUDA until `release`. `shared`: a memfd's
+    (MAP_SHARED), which the writer process maps too (writer_process.py); else anonymous and private."""
 
-    def __init__(self, nbytes: int) -> None:
-        # exactly the tensor's bytes: a larger storage would make DCP's writer clone the buffer before writing it
-        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    def __init__(self, nbytes: int, *, shared: bool = False) -> None:
         self.size = -(-nbytes // _PAGE) * _PAGE  # what is page-locked: the mapping's last page in full
-        with contextlib.suppress(AttributeError, OSError):  # huge pages: fewer faults, a faster registration
-            self.map.madvise(mmap.MADV_HUGEPAGE)
+        self.fd: int | None = None
+        if shared:
+            self.fd = os.memfd_create("torchrelay-host", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.size)
+            # exactly the tensor's bytes, as below; shmem rarely has huge pages (THP off for it by default)
+            self.map = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
+        else:
+            # exactly the tensor's bytes: a larger storage would make DCP's writer clone the buffer first
+            self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            with contextlib.suppress(
+                AttributeError, OSError
+            ):  # huge pages: fewer faults, a faster registration
+                self.map.madvise(mmap.MADV_HUGEPAGE)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-        touch(self.tensor)
         self.registered = False
 
     def register(self) -> bool:
@@ -98,14 +107,64 @@ class _Locked:
             self.registered = False
             with contextlib.suppress(RuntimeError):
                 torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        if self.fd is not None:  # the mapping itself lives on while a tensor over it does
+            os.close(self.fd)
+            self.fd = None
+
+
+# Buffers under PIN_MIN_BYTES of a shared stage are cut from slabs of this size (one memfd each, one registration),
+# not a memfd each: a state has hundreds of small tensors (biases, norms), and each mapping costs the writer a
+# descriptor. Each buffer keeps a storage of exactly its own bytes (DCP's writer would clone a larger one).
+SLAB_BYTES = 16 << 20
+_ALIGN = 64
+
+
+class _Slabs:
+    """Small buffers cut from shared slabs, each slab page-locked (when a CUDA tensor's buffer is in it)."""
+
+    def __init__(self) -> None:
+        self.slabs: list[_Locked] = []
+        self._used = SLAB_BYTES  # no slab yet
+
+    def take(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
+        """A flat uint8 tensor of `nbytes` in a slab, and whether it is page-locked."""
+        if self._used + nbytes > SLAB_BYTES:
+            slab = _Locked(SLAB_BYTES, shared=True)
+            touch(slab.tensor)
+            self.slabs.append(slab)
+            self._used = 0
+        slab = self.slabs[-1]
+        if pinned and not slab.registered:
+            slab.register()
+        buf = torch.frombuffer(slab.map, dtype=torch.uint8, count=nbytes, offset=self._used)
+        self._used += -(-nbytes // _ALIGN) * _ALIGN
+        return buf, slab.registered
+
+    def release(self) -> None:
+        for slab in self.slabs:
+            slab.release()
+        self.slabs.clear()
+        self._used = SLAB_BYTES
+
+
+class SharedMap:
+    """One shared mapping a stage's buffers live in, as the writer process maps it: `fd` (a memfd) of `size`
+    bytes, at address `base` in this process."""
+
+    def __init__(self, key: int, fd: int, size: int, base: int) -> None:
+        self.key, self.fd, self.size, self.base = key, fd, size, base
 
 
 class HostStage:
-    """Host copies of a state's tensors in buffers allocated once and reused by every save."""
+    """Host copies of a state's tensors in buffers allocated once and reused by every save. `shared`: every
+    buffer lives in a memfd mapping (`shared_maps`) that a writer process can map too."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
+        self.shared = shared
+        self._slabs = _Slabs()
         self._bufs: dict[str, torch.Tensor] = {}
         self._locked: dict[str, _Locked] = {}
+        self._small: dict[str, bool] = {}  # shared buffers cut from a slab: whether page-locked
         self._lock = threading.Lock()
         self._reserving: threading.Thread | None = None
         self._hurry = threading.Event()  # a save is waiting: no more pauses between registrations
@@ -120,13 +179,31 @@ class HostStage:
         """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         locked: _Locked | None = None
-        if pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
+        small: bool | None = None
+        if self.shared and nbytes == 0:  # no bytes to share (the writer is sent the empty tensor itself)
+            buf = torch.empty(shape, dtype=dtype)
+        elif self.shared and nbytes < PIN_MIN_BYTES:
+            with self._lock:
+                flat, small = self._slabs.take(nbytes, pinned)
+            buf = flat.view(dtype).view(shape)
+        elif self.shared:
+            locked = _Locked(nbytes, shared=True)
+            touch(locked.tensor)
+            if pinned:
+                t0 = time.perf_counter()
+                if not locked.register():
+                    self.unlocked += 1
+                if pace and not self._hurry.is_set():
+                    self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+            buf = locked.tensor.view(dtype).view(shape)
+        elif pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
             t0 = time.perf_counter()
             buf = torch.empty(shape, dtype=dtype, pin_memory=True)
             if pace and not self._hurry.is_set():
                 self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
         elif pinned:
             locked = _Locked(nbytes)
+            touch(locked.tensor)
             t0 = time.perf_counter()
             if not locked.register():
                 self.unlocked += 1
@@ -141,8 +218,11 @@ class HostStage:
             old = self._locked.pop(key, None)
             if old is not None:
                 old.release()
+            self._small.pop(key, None)
             if locked is not None:
                 self._locked[key] = locked
+            if small is not None:
+                self._small[key] = small
             self._bufs[key] = buf
             self.allocated_bytes += nbytes
 
@@ -178,11 +258,20 @@ class HostStage:
         src = t.detach()
         buf = self._buffer(key, src)
         locked = self._locked.get(key)
-        buf.copy_(
-            src,
-            non_blocking=self._pinned(src) and (locked.registered if locked else buf.is_pinned()),
-        )
+        if locked is not None:
+            page_locked = locked.registered
+        else:
+            page_locked = self._small[key] if key in self._small else buf.is_pinned()
+        buf.copy_(src, non_blocking=self._pinned(src) and page_locked)
         return buf
+
+    def shared_maps(self) -> list[SharedMap]:
+        """Every mapping this (shared) stage's buffers live in."""
+        with self._lock:
+            owners = [*self._locked.values(), *self._slabs.slabs]
+            return [
+                SharedMap(id(m), m.fd, len(m.map), m.tensor.data_ptr()) for m in owners if m.fd is not None
+            ]
 
     def copy_tree(self, prefix: str, obj: Any) -> Any:
         """`obj` (nested dicts of tensors) with every tensor replaced by its host copy."""
@@ -209,6 +298,8 @@ class HostStage:
             for locked in self._locked.values():
                 locked.release()
             self._locked.clear()
+            self._slabs.release()
+            self._small.clear()
             self._bufs.clear()
             self.allocated_bytes = 0
 
@@ -227,4 +318,4 @@ def shapes_of(prefix: str, obj: Any, out: dict[str, tuple[tuple[int, ...], torch
             shapes_of(f"{prefix}/{k}", v, out)
 
 
-__all__ = ["BACKGROUND_NICE", "HostStage", "lower_priority", "shapes_of", "touch"]
+__all__ = ["BACKGROUND_NICE", "HostStage", "SharedMap", "lower_priority", "shapes_of", "touch"]

@@ -207,12 +207,17 @@ class HashingWriter(dcp.FileSystemWriter):
     def __init__(self, path: Path, digests: Digests, *, background: bool = False) -> None:
         super().__init__(str(path), sync_files=True)
         self.fs = _HashingFileSystem(digests, background)
+        self.files: int | None = None  # set: this many files (the writer process is told the parent's count)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        # the final plan: what this rank writes once DCP has given each replicated tensor to one rank
-        sizes = [_item_bytes(item) for item in plan.items if item.tensor_data is not None]
-        self.thread_count = min(MAX_FILES, max(1, math.ceil(sum(sizes) / FILE_BYTES)), max(1, len(sizes)))
+        self.thread_count = self.files or file_count(plan)
         return super().write_data(plan, planner)
+
+
+def file_count(plan: Any) -> int:
+    """How many files a rank's final plan (once DCP has given each replicated tensor to one rank) is split into."""
+    sizes = [_item_bytes(item) for item in plan.items if item.tensor_data is not None]
+    return min(MAX_FILES, max(1, math.ceil(sum(sizes) / FILE_BYTES)), max(1, len(sizes)))
 
 
 def _item_bytes(item: Any) -> int:
@@ -312,6 +317,7 @@ __all__ = [
     "HostStage",
     "Persister",
     "canonical_safetensors",
+    "file_count",
     "shapes_of",
     "write_bytes",
 ]

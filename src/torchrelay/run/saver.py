@@ -24,9 +24,11 @@ from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.retention import policy_for
+from torchrelay.checkpoint.writer_process import PROCESS, WriterProcess, can_share, writer_mode
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.layout import checkpoint_name
+from torchrelay.log import logger
 from torchrelay.run.restore import Tracked
 from torchrelay.rundir import RunDir
 from torchrelay.train_records import RankLog
@@ -80,7 +82,13 @@ class Saver:
         self.last = saved if saved is not None else -1  # the newest update with a checkpoint (resumed from)
         self.estimate = estimate  # seconds a save takes, for the budget policy: the slowest so far
         self._background = config.async_save
-        self._stage = HostStage()
+        # An async save's DCP files are written by a writer process of this rank's own (writer_process.py): its
+        # host buffers are then shared mappings the writer maps too. The thread path stays for the inline save,
+        # DeepSpeed engines (which write their own files), TORCHRELAY_PERSIST_WRITER=thread, and where memfd or
+        # the process cannot be had.
+        self._use_process = self._background and writer_mode() == PROCESS and can_share()
+        self._stage = HostStage(shared=self._use_process)
+        self._writer: WriterProcess | None = None
         self._persister = Persister(background=self._background)
         self._reserved = False
         self._froze: bool | None = None  # None until the first update: whether this Saver froze the heap
@@ -102,8 +110,29 @@ class Saver:
             self._reserved = True
             tracked = self._tracked
             ckpt_state.reserve(self._stage, tracked.model, tracked.optimizer, self._rank)
+            self._start_writer()
         cfg = self._config
         return (done % cfg.save_every == 0 or self._retention.saves_at(done)) and done < cfg.total_updates
+
+    def _start_writer(self) -> None:
+        """Start (or, after one died, start again) this rank's writer process; on the training thread, whose
+        end is the writer's parent-death signal (a persist thread's would kill it after each save)."""
+        if not self._use_process or is_engine(self._tracked.model):
+            return
+        if self._writer is not None and self._writer.alive:
+            return
+        if self._writer is not None:
+            self._writer.close()
+            logger.warning(
+                f"[torchrelay] rank {self._rank}: the checkpoint writer process ended; starting another"
+            )
+        try:
+            self._writer = WriterProcess(self._stage)
+        except OSError as exc:
+            self._use_process = False
+            self._writer = None
+            logger.warning(f"[torchrelay] rank {self._rank}: no checkpoint writer process ({exc}); saves write "
+                           "their files from a thread of this process")  # fmt: skip
 
     def unsaved(self, done: int) -> bool:
         """Whether a stop after update `done` must save it. Update 0 needs no checkpoint: starting again from
@@ -154,6 +183,9 @@ class Saver:
             self.last = update
             return RunDir(self._run_dir).checkpoint(update)
         group, background = (self._peers.group if self._peers else None), self._background
+        if background:
+            self._start_writer()
+        process = self._writer
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
@@ -175,7 +207,7 @@ class Saver:
                 self._run_dir,
                 update,
                 lambda tmp, hook: ckpt_state.write_snapshot(
-                    snap, tmp, kill_hook=hook, group=group, background=background
+                    snap, tmp, kill_hook=hook, group=group, background=background, process=process
                 ),
                 rank=self._rank,
                 world_size=self._world_size,
@@ -212,6 +244,9 @@ class Saver:
         try:
             self.wait()
         finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
             self._stage.release()  # page-locked memory goes back once nothing reads it
             if self._froze:
                 self._froze = False

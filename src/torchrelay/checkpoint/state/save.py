@@ -30,6 +30,7 @@ from torchrelay.checkpoint.state.records import (
     safetensors_save,
 )
 from torchrelay.checkpoint.state.trees import to_tree
+from torchrelay.checkpoint.writer_process import WriterProcess
 
 
 @dataclass
@@ -147,14 +148,16 @@ def write_snapshot(
     kill_hook: Any = None,
     group: Any = None,
     background: bool = False,
+    process: WriterProcess | None = None,
 ) -> dict[str, tuple[str, int]]:
     """Write a snapshot into `directory` (every rank, with the others: DCP plans across `group`), every file
     fsynced; returns {relative path: (SHA-256, size)} of the files this rank wrote, hashed as they were written.
-    `background`: called on the persist thread, beside the training loop."""
+    `background`: called on the persist thread, beside the training loop; `process`: the DCP files written by
+    that writer process (the snapshot's tensors in its stage's shared buffers), the same bytes."""
     written: dict[str, tuple[str, int]] = {}
     planned = snap.plan(group)  # made during the stall already, unless saved in one go (save_state)
     if planned is not None:
-        planned.write(directory / MODEL_DIR, written, background=background)
+        planned.write(directory / MODEL_DIR, written, background=background, process=process)
     if kill_hook:
         kill_hook("shards")
     (directory / "rng").mkdir(exist_ok=True)

@@ -1,0 +1,109 @@
+"""The writer process (writer_process.py): `python -m torchrelay.checkpoint.writer_child <socket fd> <parent pid>`.
+
+It maps the parent's shared host buffers, runs the DCP write jobs the parent sends on them with the same writer
+as the persist thread's (`HashingWriter`), answers each with DCP's write results and the files' digests, and ends
+when its parent does: the parent-death signal, or EOF on the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import mmap
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchrelay.checkpoint.dcp_save import set_up_writer
+from torchrelay.checkpoint.host_stage import BACKGROUND_NICE
+from torchrelay.checkpoint.persist import HashingWriter
+from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when its parent ends (Linux), and end now if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent ended before the signal was asked for
+        sys.exit(0)
+
+
+class _Resolved:
+    """The planner the writer's DCP code asks for each item's data: the items the parent resolved."""
+
+    def __init__(self, items: list[tuple[Any, tuple[Any, ...]]], maps: dict[int, mmap.mmap]) -> None:
+        self._data = {index: _rebuild(spec, maps) for index, spec in items}
+
+    def resolve_data(self, item: Any) -> Any:
+        return self._data[item.index]
+
+
+def _rebuild(spec: tuple[Any, ...], maps: dict[int, mmap.mmap]) -> Any:
+    """The parent's tensor (its storage of the same bytes, the same view of it) or BytesIO, over our mappings."""
+    kind = spec[0]
+    if kind == "bytes":
+        return io.BytesIO(spec[1])
+    if kind == "tensor":
+        return spec[1]
+    _, key, offset, nbytes, dtype, storage_offset, shape, stride = spec
+    flat = torch.frombuffer(maps[key], dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).as_strided(shape, stride, storage_offset)
+
+
+def _update_maps(sock: socket.socket, maps: dict[int, mmap.mmap], keep: list[int], new: list[Any]) -> None:
+    for key in set(maps) - set(keep):
+        del maps[key]  # closed once nothing views it
+    fds = recv_fds(sock, len(new))
+    for (key, size), fd in zip(new, fds, strict=True):
+        maps[key] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        os.close(fd)
+
+
+def _write(job: dict[str, Any], maps: dict[int, mmap.mmap]) -> tuple[list[Any], dict[str, tuple[str, int]]]:
+    digests: dict[str, tuple[str, int]] = {}
+    writer = HashingWriter(Path(job["directory"]), digests, background=True)
+    set_up_writer(writer, job["coordinator"], job["rank"])
+    writer.files = job["files"]
+    writer.fs.mkdir(writer.path)
+    hold = job["hold"]
+    while hold and not os.path.exists(hold):  # tests only (WriterProcess.hold)
+        time.sleep(0.01)
+    writes = writer.write_data(job["plan"], _Resolved(job["items"], maps))
+    writes.wait()
+    return list(writes.value()), digests
+
+
+def main(argv: list[str]) -> int:
+    """Serve the parent's jobs until it closes the socket or ends."""
+    fd, parent = int(argv[0]), int(argv[1])
+    _die_with(parent)
+    with contextlib.suppress(OSError):  # the writer threads DCP starts inherit it
+        os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), BACKGROUND_NICE))
+    sock = socket.socket(fileno=fd)
+    maps: dict[int, mmap.mmap] = {}
+    while True:
+        msg = recv_msg(sock)
+        if msg is None:
+            return 0
+        if msg[0] == "maps":
+            _update_maps(sock, maps, msg[1], msg[2])
+            continue
+        try:
+            results, digests = _write(msg[1], maps)
+        except Exception as exc:  # noqa: BLE001 - one line to the parent, which raises it as a CheckpointError
+            send_msg(sock, ("error", f"{type(exc).__name__}: {exc}"))
+        else:
+            send_msg(sock, ("done", results, digests))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

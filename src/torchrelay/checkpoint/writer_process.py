@@ -1,0 +1,216 @@
+"""A writer process per rank: the persist's DCP files written by a process of their own, so that the training
+process's interpreter runs nothing of the write while a checkpoint persists.
+
+A persist thread shares the training thread's GIL: torch.save's pickling of every item, its ~40 small writes per
+tensor and DCP's writer loop each hold it for a slice, and the loop's next kernel launch waits for the slice to end
+(issue 22: updates during a persist took up to 1.23-2.07x the median on the H200 host, 1.98-3.30x on the CPU VM,
+with garbage collections already out of the way). torch_checkpointing and DCP's process-based async save move the
+write to another process for the same reason.
+
+How it works: the host buffers a save copies into live in memfd mappings (host_stage.py, `HostStage(shared=True)`),
+which the writer maps too (their descriptors are passed over a unix socket). For each job the persist thread
+resolves every item of the rank's final DCP plan to where its bytes are (mapping, offset, dtype, shape, stride) or,
+for a non-tensor item, to the bytes DCP's planner made of it; the writer rebuilds the same tensors over its
+mappings and runs the same `HashingWriter` on the same plan, so the files and their digests are those the thread
+would have written (tests/test_writer_process.py compares them). It answers with DCP's write results and the
+digests; the commit protocol (the coordinator's .metadata, the inventory, the rename) stays with the parent.
+
+The writer is started once per Saver, from the training thread (the parent-death signal fires when the thread that
+started a child ends), and dies with its parent: PR_SET_PDEATHSIG, and EOF on its socket. A writer that dies during
+a job makes the job raise one `CheckpointError` (carried to every rank by the failure protocol); the checkpoint
+being written is never committed, so the last complete one stays the newest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from torchrelay import envvars
+from torchrelay.checkpoint.host_stage import HostStage, SharedMap
+from torchrelay.checkpoint.persist import file_count
+from torchrelay.errors import CheckpointError, ConfigError
+
+CHILD_MODULE = "torchrelay.checkpoint.writer_child"
+_HEADER = struct.Struct("<Q")
+_FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253 descriptors a message (Linux's SCM_MAX_FD)
+PROCESS, THREAD = "process", "thread"
+
+
+def writer_mode() -> str:
+    """How a background persist writes its files: TORCHRELAY_PERSIST_WRITER (`process`, the default, or `thread`)."""
+    mode = envvars.PERSIST_WRITER.get()
+    if mode not in (PROCESS, THREAD):
+        name = envvars.PERSIST_WRITER.name
+        raise ConfigError(
+            f"{name}={mode!r} is not {PROCESS} or {THREAD}", hint=f"{name}: {envvars.PERSIST_WRITER.doc}"
+        )
+    return str(mode)
+
+
+def can_share() -> bool:
+    """Whether this system gives shared host buffers (Linux's memfd_create)."""
+    return hasattr(os, "memfd_create")
+
+
+# --- messages: a length, then a pickle (between a process and the child it started, never read from disk) ------
+
+
+def send_msg(sock: socket.socket, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> Any:
+    """The next message, or None once the other end has closed (or died)."""
+    head = _recv_exact(sock, _HEADER.size)
+    if head is None:
+        return None
+    data = _recv_exact(sock, _HEADER.unpack(head)[0])
+    return None if data is None else pickle.loads(data)  # noqa: S301 - our own child's (or parent's) message
+
+
+def send_fds(sock: socket.socket, fds: list[int]) -> None:
+    for i in range(0, len(fds), _FDS_PER_MESSAGE):
+        chunk = fds[i : i + _FDS_PER_MESSAGE]
+        socket.send_fds(sock, [b"F"], chunk)
+
+
+def recv_fds(sock: socket.socket, count: int) -> list[int]:
+    fds: list[int] = []
+    while len(fds) < count:
+        _, got, _, _ = socket.recv_fds(sock, 1, min(_FDS_PER_MESSAGE, count - len(fds)))
+        if not got:
+            raise EOFError("the parent closed the socket while sending descriptors")
+        fds.extend(got)
+    return fds
+
+
+# --- the parent's side -------------------------------------------------------------------------------------
+
+
+def describe(data: Any, maps: list[SharedMap]) -> tuple[Any, ...]:
+    """Where one resolved DCP item's bytes are, for the writer: a view of a shared mapping, else the item itself
+    (a non-tensor item's bytes; a tensor outside the mappings, pickled whole: storage and view as they are)."""
+    if isinstance(data, io.BytesIO):
+        return ("bytes", data.getvalue())
+    t = data.detach()
+    storage = t.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if t.device.type == "cpu" and nbytes:
+        for m in maps:
+            if m.base <= ptr and ptr + nbytes <= m.base + m.size:
+                return ("view", m.key, ptr - m.base, nbytes, t.dtype, t.storage_offset(), t.shape, t.stride())
+    return ("tensor", t.cpu())
+
+
+class WriterProcess:
+    """One rank's writer process (see the module's docstring); `write` runs one DCP write job in it."""
+
+    def __init__(self, stage: HostStage) -> None:
+        self._stage = stage
+        self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        src = str(Path(__file__).resolve().parents[2])  # the directory torchrelay is imported from
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        env["CUDA_VISIBLE_DEVICES"] = ""  # it writes host memory only: no CUDA context, no device memory
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, str(child.fileno()), str(os.getpid())],
+                pass_fds=(child.fileno(),),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        self._mapped: set[int] = set()  # keys of the mappings the writer holds
+        self.hold: Path | None = None  # tests only: the writer waits for this file before it writes a byte
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def _sync_maps(self) -> None:
+        maps = self._stage.shared_maps()
+        new = [m for m in maps if m.key not in self._mapped]
+        send_msg(self._sock, ("maps", [m.key for m in maps], [(m.key, m.size) for m in new]))
+        send_fds(self._sock, [m.fd for m in new])
+        self._mapped = {m.key for m in maps}
+
+    def write(
+        self, directory: Path, planner: Any, plan: Any, digests: dict[str, tuple[str, int]], *, rank: int,
+        coordinator: bool,
+    ) -> list[Any]:  # fmt: skip
+        """Write this rank's DCP files of `plan` into `directory` in the writer; DCP's write results, and each
+        file's digest added to `digests`. Raises CheckpointError (one line) if the writer fails or dies."""
+        maps = self._stage.shared_maps()
+        items = [(item.index, describe(planner.resolve_data(item), maps)) for item in plan.items]
+        job = {
+            "directory": str(directory),
+            "plan": plan,
+            "files": file_count(plan),  # counted here: the split is the parent's (FILE_BYTES as it has it)
+            "items": items,
+            "rank": rank,
+            "coordinator": coordinator,
+            "hold": str(self.hold) if self.hold else None,
+        }
+        try:
+            self._sync_maps()
+            send_msg(self._sock, ("job", job))
+            reply = recv_msg(self._sock)
+        except OSError:
+            reply = None
+        if reply is None:
+            raise CheckpointError(
+                f"{self._death()} while writing {directory}; the last complete checkpoint stays"
+            )
+        if reply[0] != "done":
+            raise CheckpointError(f"the checkpoint writer process failed writing {directory}: {reply[1]}")
+        digests.update(reply[2])
+        return list(reply[1])
+
+    def _death(self) -> str:
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            code = self._proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        return f"the checkpoint writer process (pid {self._proc.pid}) died ({how})"
+
+    def close(self) -> None:
+        """End the writer (EOF on its socket) and reap it; it finishes no job, since none is in flight then."""
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+__all__ = ["PROCESS", "THREAD", "WriterProcess", "can_share", "describe", "writer_mode"]
