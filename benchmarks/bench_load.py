@@ -72,6 +72,7 @@ SHARED_CHUNKS = {
     "FADVISE": False,
     "HUGE_PAGES": False,
 }
+PER_FILE = {"PER_FILE_READER": True, "LOAD_BUFFER": 0, "LARGEST_FIRST": True, "FADVISE": True}
 # Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
 # before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. "shared-chunks" is
 # the default before issue 22 goal 4; "default" is each file read front to back by a thread of its own (as the
@@ -80,15 +81,28 @@ SHARED_CHUNKS = {
 BUILT_IN: dict[str, dict[str, Any]] = {
     "before": {**SHARED_CHUNKS, "FILES_AT_ONCE": 1, "REUSE_SLABS": False},
     "shared-chunks": SHARED_CHUNKS,  # reused slabs, 3 files at once, 4 GiB
-    "default": {},  # a thread per file, front to back, the budget from MemAvailable
-    "per-file-4GiB": {"LOAD_BUFFER": 4 << 30},  # the fallback when memory is short: 4 files at once
-    "per-file-plan-order": {"LARGEST_FIRST": False},
-    "per-file-no-fadvise": {"FADVISE": False},
-    "per-file-huge-pages": {"HUGE_PAGES": True},
-    "per-file-8-hash": {"HASH_THREADS": 8},
-    "per-file-readers-hash": {"HASH_THREADS": 0},  # each file's reading thread hashes it as it goes
-    "per-file-8-streams": {"READ_STREAMS": 8},  # 8 files at once: the next 8 read while the first are copied
-    "per-file-16-parse": {"PARSE_THREADS": 16},  # the copies of files that end together, spread wider
+    "default": {},  # the module's defaults (shared chunks since the H200 host measured both)
+    "per-file": PER_FILE,  # a thread per file, front to back, the budget from MemAvailable
+    "per-file-4GiB": {
+        **PER_FILE,
+        "LOAD_BUFFER": 4 << 30,
+    },  # the fallback when memory is short: 4 files at once
+    "per-file-plan-order": {**PER_FILE, "LARGEST_FIRST": False},
+    "per-file-no-fadvise": {**PER_FILE, "FADVISE": False},
+    "per-file-huge-pages": {**PER_FILE, "HUGE_PAGES": True},
+    "per-file-8-hash": {**PER_FILE, "HASH_THREADS": 8},
+    "per-file-readers-hash": {
+        **PER_FILE,
+        "HASH_THREADS": 0,
+    },  # each file's reading thread hashes it as it goes
+    "per-file-8-streams": {
+        **PER_FILE,
+        "READ_STREAMS": 8,
+    },  # 8 files at once: the next 8 read while the first are copied
+    "per-file-16-parse": {
+        **PER_FILE,
+        "PARSE_THREADS": 16,
+    },  # the copies of files that end together, spread wider
     "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
 }
 

@@ -456,6 +456,7 @@ def main() -> None:
 LAUNCH_KNOBS: dict[str, Any] = {
     "PIN_PACE": host_stage,
     "TOUCH_WITHOUT_GIL": host_stage,
+    "TOUCH_THREADS": host_stage,
     "PIN_BY_REGISTER": host_stage,
     "PIN_MIN_BYTES": host_stage,
     "DROP_AFTER_FSYNC": persist,

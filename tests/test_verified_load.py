@@ -317,6 +317,8 @@ def test_each_file_is_read_front_to_back_by_one_thread_largest_first(
 ) -> None:
     """PER_FILE_READER: as the cold-read floor, every file is read by a single thread in increasing offsets (one
     stream the kernel's readahead can follow), the largest files taken first, and every value loads verified."""
+    monkeypatch.setattr(verified_read, "PER_FILE_READER", True)  # a setting (the default shares chunks)
+    monkeypatch.setattr(verified_read, "LARGEST_FIRST", True)
     monkeypatch.setattr(verified_read, "_CHUNK", 1024)
     monkeypatch.setattr(verified_read, "READ_STREAMS", 3)
     model, state, expected = _saved(tmp_path, files=8)

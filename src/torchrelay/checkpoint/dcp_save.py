@@ -67,6 +67,15 @@ class PlannedSave:
 
     def __init__(self, planner: DefaultSavePlanner, plan: SavePlan, metadata: Metadata | None, ranks: _Ranks):
         self._planner, self._plan, self._metadata, self._ranks = planner, plan, metadata, ranks
+        self._prepared: tuple[WriterProcess, bytes | None] | None = None
+
+    def prepare(self, process: WriterProcess) -> None:
+        """Make `process`'s job of this plan now (WriterProcess.prepare: on the training thread, in the stall)."""
+        ranks = self._ranks
+        self._prepared = (
+            process,
+            process.prepare(self._planner, self._plan, rank=ranks.rank, coordinator=ranks.coordinator),
+        )
 
     def write(
         self,
@@ -85,6 +94,7 @@ class PlannedSave:
         def write_local() -> list[Any]:
             if process is not None:
                 ranks = self._ranks
+                prepared = self._prepared[1] if self._prepared and self._prepared[0] is process else None
                 return process.write(
                     directory,
                     self._planner,
@@ -92,6 +102,7 @@ class PlannedSave:
                     digests,
                     rank=ranks.rank,
                     coordinator=ranks.coordinator,
+                    prepared=prepared,
                 )
             writer.fs.mkdir(writer.path)
             writes = writer.write_data(self._plan, self._planner)

@@ -70,6 +70,36 @@ def touch(tensor: torch.Tensor) -> None:
         view[::_PAGE] = bytes(len(range(0, len(view), _PAGE)))
 
 
+# Threads that fault in a shared buffer's pages together (each a contiguous share of it). A memfd's pages are small
+# (shmem has no huge pages unless the administrator allows them), and on the H200 host one thread faulted them in at
+# 1.6 GB/s against 4.9 GB/s for the huge-paged private mappings: 14.5 GB of shared buffers were then not ready before
+# a first save 16.6 s into the launch (it finished them in its stall: 2.79 s, 10.6x the copy). The faults release
+# the GIL (a torch fill), and the threads run at the background's priority.
+TOUCH_THREADS = 4
+_touch_pool: Any = None
+_touch_pool_lock = threading.Lock()
+
+
+def touch_shared(tensor: torch.Tensor) -> None:
+    """`touch`, by TOUCH_THREADS threads at once, each a page-aligned share of the buffer."""
+    global _touch_pool
+    threads = max(1, TOUCH_THREADS)
+    pages = -(-tensor.numel() // _PAGE)
+    if threads == 1 or pages < 2 * threads:
+        touch(tensor)
+        return
+    with _touch_pool_lock:
+        if _touch_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _touch_pool = ThreadPoolExecutor(threads, "torchrelay-touch", initializer=lower_priority)
+        pool = _touch_pool
+    share = -(-pages // threads) * _PAGE
+    parts = [tensor[i : i + share] for i in range(0, tensor.numel(), share)]
+    for done in [pool.submit(touch, part) for part in parts]:
+        done.result()
+
+
 class _Locked:
     """One buffer's own mapping, page-locked by registration with CUDA until `release`. `shared`: a memfd's
     (MAP_SHARED), which the writer process maps too (writer_process.py); else anonymous and private."""
@@ -188,7 +218,7 @@ class HostStage:
             buf = flat.view(dtype).view(shape)
         elif self.shared:
             locked = _Locked(nbytes, shared=True)
-            touch(locked.tensor)
+            touch_shared(locked.tensor)
             if pinned:
                 t0 = time.perf_counter()
                 if not locked.register():

@@ -78,18 +78,22 @@ _DAMAGED = "the file is damaged; restore it, or remove the checkpoint to resume 
 # Per rank, host memory for bytes read but not yet copied into their tensors (a file larger than that is read
 # alone). 0: MEMORY_SHARE of the node's MemAvailable at the start of the load, divided by LOCAL_WORLD_SIZE (every
 # rank of a node loads at once); a fixed 4 GiB held only 4 of a 14.5 GB state's 16 files on a 128 GiB host.
-LOAD_BUFFER = 0
+LOAD_BUFFER = 4 << 30
 MEMORY_SHARE = 0.5
 _FALLBACK_BUFFER = 4 << 30  # where /proc/meminfo is not there to read
 # True: each reading thread takes a whole file and reads it front to back, one read in flight, as the cold-read
 # floor does (bench_save.cold_read): the kernel's readahead of each file sees one sequential stream. The files
 # read at once are then as many as the threads and the buffer allow, and FILES_AT_ONCE is not used. False: the
-# threads share the chunks of the first FILES_AT_ONCE files (issue 22's first rounds).
-PER_FILE_READER = True
+# threads share the chunks of the first FILES_AT_ONCE files (issue 22's first rounds). Measured on the H200 host
+# (2026-12-02, 14.5 GB in 16 files, benchmarks/bench_load.py, one call): shared chunks 0.89 of the cold read, a
+# thread per file 0.86 (MemAvailable's budget, largest first, SEQUENTIAL), 0.77 with 8 at once: the shared
+# chunks stay the default (with the 4 GiB buffer, the plan's order and no fadvise, as measured); the per-file
+# reader is kept as a setting (bench_load.py's `per-file` variant) for disks that prefer it.
+PER_FILE_READER = False
 # True: the largest files are started first (the tail is the last file's read, hash and copy: a short one).
-LARGEST_FIRST = True
+LARGEST_FIRST = False
 # True: POSIX_FADV_SEQUENTIAL on each file as it is opened (a larger readahead window on Linux).
-FADVISE = True
+FADVISE = False
 # Threads that parse verified files and copy their items into the tensors: a copy runs at memory or bus speed, so
 # a few keep up with the disk.
 PARSE_THREADS = 4

@@ -12,6 +12,7 @@ import ctypes
 import io
 import mmap
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -70,6 +71,7 @@ def _update_maps(sock: socket.socket, maps: dict[int, mmap.mmap], keep: list[int
 
 def _write(job: dict[str, Any], maps: dict[int, mmap.mmap]) -> tuple[list[Any], dict[str, tuple[str, int]]]:
     digests: dict[str, tuple[str, int]] = {}
+    job = {**job, **pickle.loads(job["payload"])}  # noqa: S301 - the parent's own job (WriterProcess.prepare)
     writer = HashingWriter(Path(job["directory"]), digests, background=True)
     set_up_writer(writer, job["coordinator"], job["rank"])
     writer.files = job["files"]

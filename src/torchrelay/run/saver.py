@@ -199,7 +199,9 @@ class Saver:
                 stage=self._stage,
                 group=group,
             )
-            snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
+            planned = snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
+            if planned is not None and process is not None:
+                planned.prepare(process)  # and the writer's job of it: the persist thread only sends it
             self._stage.synchronize()
 
         def persist() -> None:
