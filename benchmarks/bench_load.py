@@ -103,7 +103,7 @@ BUILT_IN: dict[str, dict[str, Any]] = {
         **PER_FILE,
         "PARSE_THREADS": 16,
     },  # the copies of files that end together, spread wider
-    "parse-16": {"PARSE_THREADS": 16},  # shared chunks, the copies spread wider
+    "parse-4": {"PARSE_THREADS": 4},  # the default before 2026-12-02 (16 since: RESULTS.md)
     "at-once-8": {"FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},  # shared chunks of 8 files at once
     "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
 }
