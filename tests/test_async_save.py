@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +340,19 @@ def test_the_training_thread_plans_and_the_persist_thread_only_writes(
     job (every item resolved to its buffer's address) is made in the stall too: nothing of DCP's runs beside the
     loop in the training process (the update after each stall took 1.10-1.20x while the persist thread made it)."""
     monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", writer)
+    if (
+        writer == "process"
+    ):  # every save waits for the writer to have started (a save before writes from a thread)
+        from torchrelay.checkpoint.writer_process import WriterProcess
+
+        started = WriterProcess.ready
+
+        def ready(self: WriterProcess) -> bool:
+            while not started(self) and self.alive:
+                time.sleep(0.01)
+            return started(self)
+
+        monkeypatch.setattr(WriterProcess, "ready", ready)
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     planned_on: list[str] = []

@@ -106,8 +106,9 @@ def _config(example: dict[str, Path]) -> RelayConfig:
 
 
 def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
-    example: dict[str, Path], tmp_path: Path
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")  # `auto` keeps the thread on a small host
     run_dir, release = tmp_path / "run", tmp_path / "release"
     killed: list[int] = []
 
@@ -115,7 +116,9 @@ def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
         writer = run._saver._writer  # started after the first update
         if update == 3:
             assert writer is not None and writer.alive
-            run._saver.wait()  # checkpoint-2 committed, by the writer process
+            run._saver.wait()  # checkpoint-2 committed (by the persist thread if the writer was still starting)
+            while not writer.ready():  # checkpoint-4 goes to the writer once it has started
+                time.sleep(0.01)
             writer.hold = release  # checkpoint-4's writer waits for this file before it writes a byte
         if update == 5:
             assert writer is not None
@@ -189,3 +192,24 @@ def test_a_parent_killed_mid_save_takes_its_writer_with_it(tmp_path: Path) -> No
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail(f"the writer process {pid} outlived its parent")
+
+
+def test_auto_gives_a_writer_process_only_to_ranks_with_cores_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`auto` (the default): a writer process where each local rank has PROCESS_MIN_CORES cores; explicit choices
+    hold whatever the host; anything else is refused naming the variable."""
+    from torchrelay.checkpoint import writer_process
+    from torchrelay.errors import ConfigError
+
+    monkeypatch.delenv("TORCHRELAY_PERSIST_WRITER", raising=False)
+    monkeypatch.setattr(writer_process.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert writer_process.writer_mode() == "process"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 cores a rank
+    assert writer_process.writer_mode() == "thread"
+    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")
+    assert writer_process.writer_mode() == "process"
+    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "proces")
+    with pytest.raises(ConfigError, match="TORCHRELAY_PERSIST_WRITER='proces'"):
+        writer_process.writer_mode()

@@ -138,9 +138,11 @@ PERSIST_STREAMS = Var(
     "TORCHRELAY_PERSIST_STREAMS", "int", None, "files a rank writes at once in the background (default 8)"
 )
 PERSIST_WRITER = Var(
-    "TORCHRELAY_PERSIST_WRITER", "str", "process", "what writes an async save's files: `process` (a writer "
-    "process per rank, so the training process's interpreter is left to the loop) or `thread` (a thread of the "
-    "training process, as before issue 22 goal 3); without memfd or a process, the thread, with one logged line",
+    "TORCHRELAY_PERSIST_WRITER", "str", "auto", "what writes an async save's files: `process` (a writer "
+    "process per rank, so the training process's interpreter is left to the loop), `thread` (a thread of the "
+    "training process, as before issue 22 goal 3) or `auto`: the process where the rank has at least 4 cores to "
+    "itself (its start-up, an import of torch, would take a core from the ranks of a smaller host); without memfd "
+    "or a process, the thread, with one logged line",
 )  # fmt: skip
 # --- the controller (`torchrelay launch`) and the command line ------------------------------------------------
 MEM_SOFT_GIB = Var(

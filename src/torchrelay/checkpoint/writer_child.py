@@ -91,6 +91,7 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):  # the writer threads DCP starts inherit it
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), BACKGROUND_NICE))
     sock = socket.socket(fileno=fd)
+    send_msg(sock, ("ready",))  # its imports are done: the parent may send it jobs (WriterProcess.ready)
     maps: dict[int, mmap.mmap] = {}
     while True:
         msg = recv_msg(sock)

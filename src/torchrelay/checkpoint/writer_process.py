@@ -27,6 +27,7 @@ import contextlib
 import io
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -43,18 +44,37 @@ from torchrelay.errors import CheckpointError, ConfigError
 CHILD_MODULE = "torchrelay.checkpoint.writer_child"
 _HEADER = struct.Struct("<Q")
 _FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253 descriptors a message (Linux's SCM_MAX_FD)
-PROCESS, THREAD = "process", "thread"
+PROCESS, THREAD, AUTO = "process", "thread", "auto"
+
+
+# `auto` gives a rank a writer process only with this many cores per local rank: the writer's start-up (an import
+# of torch, 1.5-3 s of CPU) and its writers then run beside the loop without taking its core. On the 2-core CPU VM
+# two ranks and their two writers starting at once made a 20 s budget stop late (tests/test_controller.py).
+PROCESS_MIN_CORES = 4
 
 
 def writer_mode() -> str:
-    """How a background persist writes its files: TORCHRELAY_PERSIST_WRITER (`process`, the default, or `thread`)."""
+    """How a background persist writes its files: TORCHRELAY_PERSIST_WRITER (`process`, `thread`, or `auto`, the
+    default: the process where each local rank has PROCESS_MIN_CORES cores)."""
     mode = envvars.PERSIST_WRITER.get()
-    if mode not in (PROCESS, THREAD):
+    if mode not in (PROCESS, THREAD, AUTO):
         name = envvars.PERSIST_WRITER.name
         raise ConfigError(
-            f"{name}={mode!r} is not {PROCESS} or {THREAD}", hint=f"{name}: {envvars.PERSIST_WRITER.doc}"
+            f"{name}={mode!r} is not {PROCESS}, {THREAD} or {AUTO}",
+            hint=f"{name}: {envvars.PERSIST_WRITER.doc}",
         )
+    if mode == AUTO:
+        return PROCESS if _cores_per_local_rank() >= PROCESS_MIN_CORES else THREAD
     return str(mode)
+
+
+def _cores_per_local_rank() -> float:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return cores / (int(local) if local.isdigit() and int(local) > 0 else 1)
 
 
 def can_share() -> bool:
@@ -144,6 +164,7 @@ class WriterProcess:
         finally:
             child.close()
         self._mapped: set[int] = set()  # keys of the mappings the writer holds
+        self._ready = False  # the writer said it has imported what it writes with (its first message)
         self.hold: Path | None = None  # tests only: the writer waits for this file before it writes a byte
 
     @property
@@ -153,6 +174,15 @@ class WriterProcess:
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    def ready(self) -> bool:
+        """Whether the writer has started (its imports done: seconds of CPU on a small host), without waiting. A
+        save before that writes from the persist thread instead (the same bytes): it must not wait for the writer's
+        start-up, which a budget or a stop request did not plan for. Called on the training thread, and only until
+        it is true: no job has used the socket before."""
+        if not self._ready and select.select([self._sock], [], [], 0)[0]:
+            self._ready = recv_msg(self._sock) == ("ready",)
+        return self._ready
 
     def _sync_maps(self) -> None:
         maps = self._stage.shared_maps()
@@ -207,9 +237,11 @@ class WriterProcess:
             "payload": prepared,
         }
         try:
+            if not self._ready:  # a job sent before the writer said it started: its word comes first
+                self._ready = recv_msg(self._sock) == ("ready",)
             self._sync_maps()
             send_msg(self._sock, ("job", job))
-            reply = recv_msg(self._sock)
+            reply = recv_msg(self._sock) if self._ready else None
         except OSError:
             reply = None
         if reply is None:

@@ -185,7 +185,8 @@ class Saver:
         group, background = (self._peers.group if self._peers else None), self._background
         if background:
             self._start_writer()
-        process = self._writer
+        # a writer still starting (it imports torch) is not waited for: this save writes from the persist thread
+        process = self._writer if self._writer is not None and self._writer.ready() else None
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
