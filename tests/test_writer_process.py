@@ -213,3 +213,23 @@ def test_auto_gives_a_writer_process_only_to_ranks_with_cores_to_spare(
     monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "proces")
     with pytest.raises(ConfigError, match="TORCHRELAY_PERSIST_WRITER='proces'"):
         writer_process.writer_mode()
+
+
+def test_a_stop_signal_to_the_group_leaves_the_writer_to_write_the_last_save(tmp_path: Path) -> None:
+    """SIGTERM and SIGINT reach every process of the group at a signal stop; the writer must outlive them to write
+    the stop's checkpoint (it ends with its parent). It failed the suite's signal stop before it ignored them."""
+    stage = HostStage(shared=True)
+    writer = WriterProcess(stage)
+    try:
+        for _ in range(1000):
+            if writer.ready():
+                break
+            time.sleep(0.01)
+        os.kill(writer.pid, signal.SIGTERM)
+        os.kill(writer.pid, signal.SIGINT)
+        time.sleep(0.3)
+        assert writer.alive
+        _save(tmp_path / "after-signals", stage, writer)
+    finally:
+        writer.close()
+        stage.release()

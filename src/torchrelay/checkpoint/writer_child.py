@@ -88,6 +88,12 @@ def main(argv: list[str]) -> int:
     """Serve the parent's jobs until it closes the socket or ends."""
     fd, parent = int(argv[0]), int(argv[1])
     _die_with(parent)
+    # A stop by signal (SIGTERM from Slurm or torchrun, SIGINT from a terminal) reaches the whole process group:
+    # the parent saves once more on its way out, and its writer must live to write that checkpoint. It ends with
+    # its parent instead (the parent-death signal, EOF). Found in the suite: a writer ended by the SIGTERM of a
+    # signal stop failed that stop's save.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     with contextlib.suppress(OSError):  # the writer threads DCP starts inherit it
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), BACKGROUND_NICE))
     sock = socket.socket(fileno=fd)
