@@ -198,9 +198,13 @@ class WriterProcess:
         interpreter time for 432 tensors, which at a persist's start held the GIL the loop's next update needed
         (that update took 1.10-1.20x on the H200 host). None when an item lies outside the shared mappings: its
         bytes are read at the write, once the copies have landed."""
+        return self._job(planner, plan, rank=rank, coordinator=coordinator, outside=False)
+
+    def _job(self, planner: Any, plan: Any, *, rank: int, coordinator: bool, outside: bool) -> bytes | None:
+        """The pickled job; None if an item lies outside the mappings and `outside` is false."""
         maps = self._stage.shared_maps()
         items = [(item.index, describe(planner.resolve_data(item), maps)) for item in plan.items]
-        if any(spec[0] == "tensor" for _, spec in items):
+        if not outside and any(spec[0] == "tensor" for _, spec in items):
             return None
         job = {
             "plan": plan,
@@ -218,19 +222,10 @@ class WriterProcess:
         """Write this rank's DCP files of `plan` into `directory` in the writer; DCP's write results, and each
         file's digest added to `digests`. `prepared`: this plan's job from `prepare`. Raises CheckpointError (one
         line) if the writer fails or dies."""
-        if prepared is None:
-            prepared = self.prepare(planner, plan, rank=rank, coordinator=coordinator)
-        if prepared is None:  # an item outside the mappings: sent whole, read now that the copies have landed
-            maps = self._stage.shared_maps()
-            items = [(item.index, describe(planner.resolve_data(item), maps)) for item in plan.items]
-            body = {
-                "plan": plan,
-                "files": file_count(plan),
-                "items": items,
-                "rank": rank,
-                "coordinator": coordinator,
-            }
-            prepared = pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
+        if (
+            prepared is None
+        ):  # items outside the mappings are sent whole, read now that the copies have landed
+            prepared = self._job(planner, plan, rank=rank, coordinator=coordinator, outside=True)
         job = {
             "directory": str(directory),
             "hold": str(self.hold) if self.hold else None,
