@@ -88,6 +88,12 @@ class RankLog:
         if durable:
             os.fsync(self._f.fileno())
 
+    def sync_later(self) -> int:
+        """Hand every line written so far to the OS and return a descriptor of its own for the file, which the
+        caller fsyncs (from any thread: the log may be written or closed meanwhile) and closes."""
+        self._f.flush()
+        return os.dup(self._f.fileno())
+
     def close(self) -> None:
         if not self._f.closed:
             self._f.flush()
