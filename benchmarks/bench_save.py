@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
 from torchrelay.checkpoint import host_stage, persist
+from torchrelay.run import saver
 
 GB = 1e9
 
@@ -463,6 +464,7 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "KICK_BYTES": persist,
     "PERSIST_STREAMS": persist,
     "BACKGROUND_NICE": host_stage,
+    "SYNC_LOGS_IN_STALL": saver,
 }
 
 
@@ -516,6 +518,65 @@ def _meminfo() -> dict[str, float]:
     return got
 
 
+_PHASES: dict[str, float] | None = None  # the save in progress: seconds on the training thread, by phase
+
+
+def _phase(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed_call(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if _PHASES is not None:
+                _PHASES[name] = _PHASES.get(name, 0.0) + time.perf_counter() - t
+
+    return timed_call
+
+
+@contextlib.contextmanager
+def stall_phases() -> Any:
+    """Time each part of a save's stall on the training thread (the functions the Saver calls, wrapped for the
+    launch's length): the state dict, the copies issued, the RNG, DCP's plan, the writer's job, the wait for the
+    copies to land, the logs."""
+    from torchrelay import rng
+    from torchrelay.checkpoint import dcp_save
+    from torchrelay.checkpoint.state import save as state_save
+    from torchrelay.train_records import RankLog
+
+    host = host_stage.HostStage
+    patches: list[tuple[Any, str, Any, Any]] = [
+        (
+            state_save,
+            "get_state_dict",
+            state_save.get_state_dict,
+            _phase("state_dict", state_save.get_state_dict),
+        ),
+        (host, "copy_tree", host.copy_tree, _phase("copies_issued", host.copy_tree)),
+        (rng, "capture", rng.capture, _phase("rng", rng.capture)),
+        (state_save.Snapshot, "plan", state_save.Snapshot.plan, _phase("plan", state_save.Snapshot.plan)),
+        (
+            dcp_save.PlannedSave,
+            "prepare",
+            dcp_save.PlannedSave.prepare,
+            _phase("job", dcp_save.PlannedSave.prepare),
+        ),
+        (
+            host,
+            "synchronize",
+            host.__dict__["synchronize"],
+            staticmethod(_phase("copies_land", host.synchronize)),
+        ),
+        (RankLog, "sync_later", RankLog.sync_later, _phase("logs", RankLog.sync_later)),
+    ]
+    for owner, attr, _, new in patches:
+        setattr(owner, attr, new)
+    try:
+        yield
+    finally:
+        for owner, attr, old, _ in patches:
+            setattr(owner, attr, old)
+
+
 class Launch:
     """A training loop as torchrelay's runs it: update, `due`, `save` when due; every update timed (end to end,
     the save included in the update that holds it), and each save's stall and time until committed."""
@@ -564,7 +625,8 @@ class Launch:
     def run(self, saves: int, after: int = 20) -> None:
         gc.callbacks.append(self._on_gc)
         try:
-            self._run(saves, after)
+            with stall_phases():
+                self._run(saves, after)
         finally:
             gc.callbacks.remove(self._on_gc)
 
@@ -582,9 +644,13 @@ class Launch:
                 self.first_due_s = time.perf_counter() - t_due  # the reservation's start, on this thread
             if due:
                 info = {"update": self.done, "at": len(self.times), **_meminfo()}
+                global _PHASES
+                _PHASES = {}
                 t0 = time.perf_counter()
                 self.saver.save(self.done)
                 info["stall_s"], info["t0"] = time.perf_counter() - t0, t0
+                info["phases_ms"] = {k: round(v * 1e3, 2) for k, v in _PHASES.items()}
+                _PHASES = None
                 self.saves.append(info)
                 kind = "save"
             now = time.perf_counter()
@@ -628,6 +694,7 @@ class Launch:
                     "max_during_persist": max(during, default=float("nan")),
                     "over_1_1x_during_persist": sum(r > 1.1 for r in during),
                     "around": [round(r, 3) for r in ratios[max(0, i - 2) : i + 12]],
+                    "phases_ms": s.get("phases_ms"),
                     "cached_gb": s.get("Cached"),
                     "dirty_gb": s.get("Dirty"),
                     "writeback_gb": s.get("Writeback"),

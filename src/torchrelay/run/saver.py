@@ -47,6 +47,9 @@ from torchrelay.util.records import read_json_or_none
 # Young garbage is collected first (a cheap generation-1 collection), so that only cycles already older than two
 # collections stay held until the close. Left alone when the collector is off or the process froze objects itself.
 FREEZE_GC = True
+# True: the logs are fsynced in the save's stall, before the loop goes on (as before issue 22's fourth round; the
+# benchmark compares the two). False: their fsync runs first in the persist, still before the commit.
+SYNC_LOGS_IN_STALL = False
 
 
 class Saver:
@@ -209,6 +212,9 @@ class Saver:
         # on: each log's lines go to the OS here, and its fsync (a journal commit, 5-15 ms on a virtio disk) runs
         # first in the persist, not in the loop's stall.
         unsynced = [log.sync_later() for log in self._logs]
+        if SYNC_LOGS_IN_STALL:
+            _sync_logs(unsynced)
+            unsynced = []
 
         def persist() -> None:
             _sync_logs(unsynced)
