@@ -45,7 +45,10 @@ from torchrelay.util.records import read_json_or_none
 # 0.07-0.10 s instead of 0.82-1.53 s (benchmarks/bench_persist_gc.py; RESULTS.md, issue 22 goal 3). Disabling the
 # collector during a persist instead only moved the whole walk to the training thread's first collection after it.
 # Young garbage is collected first (a cheap generation-1 collection), so that only cycles already older than two
-# collections stay held until the close. Left alone when the collector is off or the process froze objects itself.
+# collections stay held until the close. Left alone when the collector is off. A process that froze objects itself
+# is frozen further, and nothing is unfrozen at the close (a thaw would take the process's own objects too): on the
+# H200 host's Python something had frozen 375 objects before the run, the heap then stayed in reach, and a full
+# collection of 0.18 s on the persist thread made an update 2.88x the median (RESULTS.md, issue 22 fourth round).
 FREEZE_GC = True
 # True: the logs are fsynced in the save's stall, before the loop goes on (as before issue 22's fourth round; the
 # benchmark compares the two). False: their fsync runs first in the persist, still before the commit.
@@ -96,6 +99,7 @@ class Saver:
         self._persister = Persister(background=self._background)
         self._reserved = False
         self._froze: bool | None = None  # None until the first update: whether this Saver froze the heap
+        self._thaw = False  # whether closing unfreezes it: nothing was frozen before
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
         self._peers = collective.own_group() if world_size > 1 and self._background else None
@@ -106,8 +110,9 @@ class Saver:
         state from its first step on) it also starts allocating the host buffers saves copy into, on a thread,
         and freezes the collector's heap (FREEZE_GC)."""
         if self._froze is None:
-            self._froze = FREEZE_GC and gc.isenabled() and gc.get_freeze_count() == 0
+            self._froze = FREEZE_GC and gc.isenabled()
             if self._froze:
+                self._thaw = gc.get_freeze_count() == 0  # the close gives back only what the process left
                 gc.collect(1)
                 gc.freeze()  # O(1): the generations' lists are moved to the permanent one, nothing is walked
         if not self._reserved and self._background:
@@ -263,9 +268,9 @@ class Saver:
                 self._writer.close()
                 self._writer = None
             self._stage.release()  # page-locked memory goes back once nothing reads it
-            if self._froze:
-                self._froze = False
+            if self._froze and self._thaw:
                 gc.unfreeze()  # what became garbage meanwhile is collectable again, as the process left it
+            self._froze = False
             wait_deletions()
 
 
