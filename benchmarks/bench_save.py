@@ -503,6 +503,7 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
         "gc_in_slow": r.get("gc_in_slow"),
         "gen2": r.get("gen2_detail"),
         "tracked_after": r.get("gc_tracked_after"),
+        "frozen_at_start": r.get("frozen_at_start"),
         "first_due_s": r.get("first_due_s"),
     }
 
@@ -623,6 +624,8 @@ class Launch:
             )
 
     def run(self, saves: int, after: int = 20) -> None:
+        # objects the process froze before the launch (not the Saver)
+        self.frozen_at_start = gc.get_freeze_count()
         gc.callbacks.append(self._on_gc)
         try:
             with stall_phases():
@@ -717,6 +720,7 @@ class Launch:
         return {
             "gen2_detail": self.gen2_info,
             "gc_tracked_after": {"frozen": gc.get_freeze_count(), "top": tracked.most_common(8)},
+            "frozen_at_start": getattr(self, "frozen_at_start", None),
             "gc_in_slow": gc_in_slow,
             "first_due_s": self.first_due_s,
             "gen2_collections": gen2,
