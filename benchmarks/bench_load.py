@@ -52,6 +52,7 @@ from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
 
 KNOBS = (
     "READ_STREAMS",
+    "_CHUNK",
     "LOAD_BUFFER",
     "MEMORY_SHARE",
     "PARSE_THREADS",
@@ -105,6 +106,9 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     },  # the copies of files that end together, spread wider
     "parse-4": {"PARSE_THREADS": 4},  # the default before 2026-12-02 (16 since: RESULTS.md)
     "at-once-8": {"FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},  # shared chunks of 8 files at once
+    "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
+    "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
+    "hash-8": {"HASH_THREADS": 8},
     "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
 }
 
