@@ -53,6 +53,7 @@ from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
 KNOBS = (
     "READ_STREAMS",
     "_CHUNK",
+    "FILL_FIRST",
     "LOAD_BUFFER",
     "MEMORY_SHARE",
     "PARSE_THREADS",
@@ -106,6 +107,7 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     },  # the copies of files that end together, spread wider
     "parse-4": {"PARSE_THREADS": 4},  # the default before 2026-12-02 (16 since: RESULTS.md)
     "at-once-8": {"FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},  # shared chunks of 8 files at once
+    "fill-first": {"FILL_FIRST": True},  # every reader on the earliest file: files end one after another
     "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
     "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
     "hash-8": {"HASH_THREADS": 8},
@@ -337,8 +339,8 @@ def main() -> None:
             else ""
         ),
         "| variant | s | vs cold read (goal >= 0.95) | vs DCP load | equal | load wall | read | read idle | "
-        "hash | parse | copy | alloc |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "hash | parse | copy | alloc | first read at | reads done at | copies done at | load ends at |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
         if "error" in r:
@@ -346,7 +348,11 @@ def main() -> None:
             continue
         vs_dcp = f"{r['s'] / dcp_s:.2f}x" if dcp_s else ""
         cols = " | ".join(
-            f"{r.get(k, 0.0):.2f}" for k in ("wall", "read", "read_idle", "hash", "parse", "copy", "alloc")
+            f"{r.get(k, 0.0):.2f}"
+            for k in (
+                *("wall", "read", "read_idle", "hash", "parse", "copy", "alloc"),
+                *("at_first_read", "at_reads_done", "at_copies_done", "at_end"),
+            )
         )
         lines.append(f"| {label} | {r['s']:.3f} | {floor / r['s']:.2f} | {vs_dcp} | {r['equal']} | {cols} |")
     print("\n".join(lines), flush=True)

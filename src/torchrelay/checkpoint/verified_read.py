@@ -64,7 +64,8 @@ class SafeReader(dcp.FileSystemReader):
             load.run()
         finally:
             self.verified |= load.verified
-            self.timings = dict(load.timings)
+            self.timings = dict(load.timings) | {f"at_{k}": v for k, v in load.timeline.items()}
+            self.timings["at_end"] = time.perf_counter() - load._began
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -111,6 +112,9 @@ HASH_THREADS = 4
 # of the largest: files read together end together, and the next one must have its room already, else the disk
 # idles while they are parsed and copied. 1 = the earliest file's chunks first.
 FILES_AT_ONCE = 4
+# True: each chunk handed out is the earliest file's next (files then end one after another, each copied while the
+# next is read); False: the files read together share the reads evenly, and end together.
+FILL_FIRST = False
 # Host memory is taken in slabs that stay for the whole load and hold the next files once theirs are done: a
 # page is faulted in once, not for every file. False: a buffer of its own for each file. The slabs are pageable
 # also for GPU targets: page-locked ones with asynchronous copies were measured on the H200 host (RESULTS.md) and
@@ -239,6 +243,9 @@ class _Load:
         self.per_file = per_file
         self.verified: set[str] = set()
         self.timings = dict.fromkeys(("read", "hash", "parse", "copy", "alloc", "read_idle"), 0.0)
+        # when (seconds after run() began) the first read began, the last read ended, the last item was copied
+        self.timeline = {"first_read": float("inf"), "reads_done": 0.0, "copies_done": 0.0}
+        self._began = time.perf_counter()
         self._cond = threading.Condition()
         self._slabs: list[_Slab] = []
         self._allocated = 0  # bytes of the slabs, those being allocated included
@@ -257,6 +264,7 @@ class _Load:
         self._opened: list[_File] = []
 
     def run(self) -> None:
+        self._began = time.perf_counter()
         self._parse = ThreadPoolExecutor(
             max(1, min(PARSE_THREADS, default_jobs())), thread_name_prefix="torchrelay-parse"
         )
@@ -412,7 +420,11 @@ class _Load:
                 if self._error is not None:
                     return None
                 if self._reading:
-                    f = min(self._reading[: self._at_once], key=lambda g: g.served)
+                    f = (
+                        self._reading[0]
+                        if FILL_FIRST
+                        else min(self._reading[: self._at_once], key=lambda g: g.served)
+                    )
                     k = f.issued
                     f.issued += 1
                     f.served = self._turn
@@ -455,7 +467,12 @@ class _Load:
                     hint=_DAMAGED,
                 )
             got += n
-        self._count("read", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        with self._cond:
+            self.timings["read"] += t1 - t0
+            line = self.timeline
+            line["first_read"] = min(line["first_read"], t0 - self._began)
+            line["reads_done"] = max(line["reads_done"], t1 - self._began)
         with f.lock:
             f.arrived[k] = True
             if f.hashing:
@@ -540,6 +557,7 @@ class _Load:
         with self._cond:
             self.timings["parse"] += t1 - t0
             self.timings["copy"] += t2 - t1
+            self.timeline["copies_done"] = max(self.timeline["copies_done"], t2 - self._began)
             f.left -= 1
             if not f.left:  # every item in its target: the file's room goes back
                 self._release(f)
