@@ -504,6 +504,7 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
         "gen2": r.get("gen2_detail"),
         "tracked_after": r.get("gc_tracked_after"),
         "frozen_at_start": r.get("frozen_at_start"),
+        "first_dues": r.get("first_dues"),
         "first_due_s": r.get("first_due_s"),
     }
 
@@ -568,6 +569,14 @@ def stall_phases() -> Any:
             staticmethod(_phase("copies_land", host.synchronize)),
         ),
         (RankLog, "sync_later", RankLog.sync_later, _phase("logs", RankLog.sync_later)),
+        (saver.ckpt_state, "reserve", saver.ckpt_state.reserve, _phase("reserve", saver.ckpt_state.reserve)),
+        (
+            saver.Saver,
+            "_start_writer",
+            saver.Saver._start_writer,
+            _phase("writer_start", saver.Saver._start_writer),
+        ),
+        (gc, "collect", gc.collect, _phase("gc_collect", gc.collect)),
     ]
     for owner, attr, _, new in patches:
         setattr(owner, attr, new)
@@ -592,6 +601,7 @@ class Launch:
         self.reserve_ready_update: int | None = None
         self.ends: list[float] = []  # when each update ended (perf_counter)
         self.first_due_s = 0.0
+        self.first_dues: list[dict[str, float]] = []  # the first 4 updates' due(): seconds, and ms by part
         self.gc_events: list[
             tuple[float, float, int, str]
         ] = []  # (start, end, generation, thread) of collections
@@ -641,13 +651,25 @@ class Launch:
             self.update()
             self.done += 1
             kind = "persist" if self.saver.persisting else ""
+            global _PHASES
+            if self.done <= 4:
+                _PHASES = {}
             t_due = time.perf_counter()
             due = len(self.saves) < target and self.saver.due(self.done)
             if self.done == 1:
                 self.first_due_s = time.perf_counter() - t_due  # the reservation's start, on this thread
+            if (
+                self.done <= 4
+            ):  # what the first updates' due() did on this thread (freeze, reservation, writer)
+                self.first_dues.append(
+                    {
+                        "s": round(time.perf_counter() - t_due, 4),
+                        **{k: round(v * 1e3, 2) for k, v in _PHASES.items()},
+                    }
+                )
+                _PHASES = None
             if due:
                 info = {"update": self.done, "at": len(self.times), **_meminfo()}
-                global _PHASES
                 _PHASES = {}
                 t0 = time.perf_counter()
                 self.saver.save(self.done)
@@ -721,6 +743,7 @@ class Launch:
             "gen2_detail": self.gen2_info,
             "gc_tracked_after": {"frozen": gc.get_freeze_count(), "top": tracked.most_common(8)},
             "frozen_at_start": getattr(self, "frozen_at_start", None),
+            "first_dues": self.first_dues,
             "gc_in_slow": gc_in_slow,
             "first_due_s": self.first_due_s,
             "gen2_collections": gen2,
