@@ -20,7 +20,8 @@ from pathlib import Path
 
 from torchrelay import ledger_proof
 from torchrelay.checkpoint.inventory import INVENTORY
-from torchrelay.errors import RelayError, one_line
+from torchrelay.errors import CheckpointError, RelayError, one_line
+from torchrelay.kill_points import kill_point
 from torchrelay.layout import TRAIN_DIR
 from torchrelay.ledger import order_and_contract, prove_prefix
 from torchrelay.rundir import RunDir
@@ -31,11 +32,12 @@ LOWEST_PRIORITY = 19
 
 def prove_checkpoint(run_dir: str | os.PathLike[str], update: int) -> Path | None:
     """Write checkpoint-<update>/LEDGER_PROOF.json if every update up to `update` logged exactly its samples;
-    return its path, or None (nothing written) when the prefix is not exact or cannot be read the fast way."""
+    return its path, or None (nothing written) when the prefix is not exact or cannot be read the fast way. A
+    checkpoint that is not there (any more) is a CheckpointError."""
     root = Path(run_dir)
     ckpt = RunDir(root).checkpoint(update)
     if not (ckpt / INVENTORY).is_file():
-        return None
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint (removed by retention?)")
     order, manifest, contract_sha = order_and_contract(root)
     ident = ledger_proof.identity(order, contract_sha)
     paths = rank_logs(root / TRAIN_DIR, "exposures")
@@ -58,6 +60,9 @@ def prove_checkpoint(run_dir: str | os.PathLike[str], update: int) -> Path | Non
     seen = prove_prefix(order, manifest, update, regions, start)
     if seen is None:
         return None
+    kill_point(
+        "ledger-prover:proven"
+    )  # a crash test's: killed with the proof made, before a byte of it is written
     return ledger_proof.write_proof(ckpt, ident, update, proven, seen)
 
 
