@@ -114,13 +114,15 @@ def test_no_test_imports_from_benchmarks() -> None:
 
 def test_the_light_verbs_import_no_torch() -> None:
     """`status`, `stop` and `ledger` read files: the import of torch would be most of their time (5 CPU s at load, of
-    a LingBot-sized ledger's 6; benchmarks/RESULTS.md)."""
+    a LingBot-sized ledger's 6; benchmarks/RESULTS.md). So does the ledger's background prover, which runs beside
+    the training on its node."""
     import subprocess
     import sys
 
     code = (
         "import sys\nfrom torchrelay.cli import build_parser\n"
         "for verb in ('status', 'stop', 'ledger'):\n    build_parser(verb)\n"
+        "import torchrelay.ledger_prover\n"
         "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,10 @@
-"""The exposure ledger: proof from the per-rank logs that every sample was seen exactly once, in order."""
+"""The exposure ledger: proof from the per-rank logs that every sample was seen exactly once, in order.
+
+`prove` reads every exposure (`full=True`), or, by default, starts from the newest checkpoint's LEDGER_PROOF.json
+whose prefixes the logs still hold (ledger_proof.py; written after a commit by ledger_prover.py) and reads only the
+tail after it. The report is the same either way: a proof exists only for a prefix in which every update is exact,
+and a tail that is not exact, or not readable the fast way, sends the ledger back to the whole proof, which words
+every problem as it always has."""
 
 from __future__ import annotations
 

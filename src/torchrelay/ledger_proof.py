@@ -281,6 +281,8 @@ class ProofSpawner:
             if threshold < 0:
                 return
             total = sum(p.stat().st_size for p in rank_logs(self._run_dir / TRAIN_DIR, "exposures").values())
+            if total <= threshold:  # a small run: nothing to read, nothing to start
+                return
             if self._base is None:
                 self._base = proven_bytes(self._run_dir)
             if total - self._base <= threshold:
