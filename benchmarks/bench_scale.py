@@ -16,6 +16,8 @@ Measured (each in its own process, peak RSS of that process; `import torchrelay`
 - open_rank:   what every other rank does: the manifest from the index, given rank 0's digest, and the order
 - status:      `torchrelay status RUN`
 - ledger:      `torchrelay ledger RUN` (proves every exposure exactly once)
+- prover_<N>, ledger_full, ledger_proven: after the open, each checkpoint proven in turn by the background prover's
+               command (`python -m torchrelay.ledger_prover RUN N`), then `ledger --full` and `ledger` (from the proof)
 - big_create, big_open, big_open_rank: the same for a manifest of `--big-samples` samples (10 M)
 `--only create` measures only the big manifest: its pass alone (`Manifest.load`, numpy only; with `--one-process`
 also without reader processes), creating a run from it, reopening it and a rank, each with the reader processes'
@@ -149,6 +151,23 @@ def measure_run(base: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def measure_proven(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """`ledger` once the checkpoints are proven (the provers rank 0 starts after a commit, run here in turn, oldest
+    first: each from the one before), against `ledger --full` on the same (trimmed) logs."""
+    from torchrelay.layout import parse_checkpoint_name
+    from torchrelay.rundir import RunDir
+
+    out: dict[str, dict[str, Any]] = {}
+    for ckpt in RunDir(run_dir).checkpoint_dirs():
+        update = str(parse_checkpoint_name(ckpt.name))
+        out[f"prover_{update}"] = measure(
+            [sys.executable, "-m", "torchrelay.ledger_prover", str(run_dir), update]
+        )
+    out["ledger_full"] = measure(cli("ledger", "--full", str(run_dir)))
+    out["ledger_proven"] = measure(cli("ledger", str(run_dir)))
+    return out
+
+
 def measure_big(base: Path, samples: int) -> dict[str, dict[str, Any]]:
     """A run created from a `samples`-sample manifest (every line read), reopened (index), another rank."""
     from torchrelay.manifest import Manifest
@@ -279,6 +298,7 @@ def main() -> None:
         results["exposures"] = args.updates * 1024
         results["trimmed_from"] = last_save
         results.update(measure_run(base / "lingbot", run_dir))
+        results.update(measure_proven(run_dir))  # after `open`, which trimmed the logs to the checkpoint
         if args.big_samples:
             results.update(measure_big(base / "big", args.big_samples))
         results["rusage_self_peak_rss_mib"] = round(

@@ -15,7 +15,7 @@ LAYERS = [
     ("layout", 1), ("rundir", 1), ("config", 1), ("contract", 1), ("identity", 1), ("manifest", 1),
     ("history", 1), ("train_records", 1), ("lock", 1), ("checkpoint", 1), ("rng", 1), ("lr_shape", 1), ("reshard", 1),
     ("validation_records", 1), ("numerics", 1),
-    ("data", 2), ("stop", 2), ("resume_check", 2), ("run", 2), ("ledger", 2), ("summary", 2), ("costmodel", 2),
+    ("data", 2), ("stop", 2), ("resume_check", 2), ("run", 2), ("ledger", 2), ("ledger_proof", 2), ("ledger_prover", 2), ("summary", 2), ("costmodel", 2),
     ("handoff", 3), ("slurm", 3), ("audit", 3), ("report", 3), ("export", 3), ("integrations", 3),
     ("controller", 4), ("validation", 4),
     ("cli", 5), ("commands", 5), ("__main__", 5),
@@ -114,13 +114,15 @@ def test_no_test_imports_from_benchmarks() -> None:
 
 def test_the_light_verbs_import_no_torch() -> None:
     """`status`, `stop` and `ledger` read files: the import of torch would be most of their time (5 CPU s at load, of
-    a LingBot-sized ledger's 6; benchmarks/RESULTS.md)."""
+    a LingBot-sized ledger's 6; benchmarks/RESULTS.md). So does the ledger's background prover, which runs beside
+    the training on its node."""
     import subprocess
     import sys
 
     code = (
         "import sys\nfrom torchrelay.cli import build_parser\n"
         "for verb in ('status', 'stop', 'ledger'):\n    build_parser(verb)\n"
+        "import torchrelay.ledger_prover\n"
         "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -137,6 +137,12 @@ COLLECTIVE_TIMEOUT_S = Var(
 PERSIST_STREAMS = Var(
     "TORCHRELAY_PERSIST_STREAMS", "int", None, "files a rank writes at once in the background (default 8)"
 )
+LEDGER_PROOF_BYTES = Var(
+    "TORCHRELAY_LEDGER_PROOF_BYTES", "int", 16 << 20, "after a checkpoint's commit, rank 0 starts the ledger's "
+    "background prover (a low-priority process that proves the exposure logs up to that checkpoint, so that "
+    "`torchrelay ledger` reads only their tail) when the logs grew by more than this many bytes since the last one "
+    "started; 0: at every checkpoint, a negative value: never",
+)  # fmt: skip
 PERSIST_WRITER = Var(
     "TORCHRELAY_PERSIST_WRITER", "str", "auto", "what writes an async save's files: `process` (a writer "
     "process per rank, so the training process's interpreter is left to the loop), `thread` (a thread of the "

@@ -21,6 +21,8 @@ REQUEST_STOP = "REQUEST_STOP"  # a stop asked by touching this file (stop.py rea
 SOURCE_DIR = "source"  # the run's exact code: a bundle's archives, a prepared run's extracted tree
 SOURCE_MANIFEST = "source_manifest.sha256"  # beside a bundle's (and a prepared run's) source tree
 PREPARE_RECORD = "REBASE_RECORD.json"  # written by `prepare` (handoff/prepare.py owns its format)
+# Written into a committed checkpoint by the ledger's background prover (ledger_proof.py owns its format).
+LEDGER_PROOF = "LEDGER_PROOF.json"
 
 # --- a bundle: a run directory's files (above) at its top, and these ------------------------------------------
 BUNDLE_INFO = "bundle.json"  # the bundle's lineage record

@@ -1,4 +1,10 @@
-"""The exposure ledger: proof from the per-rank logs that every sample was seen exactly once, in order."""
+"""The exposure ledger: proof from the per-rank logs that every sample was seen exactly once, in order.
+
+`prove` reads every exposure (`full=True`), or, by default, starts from the newest checkpoint's LEDGER_PROOF.json
+whose prefixes the logs still hold (ledger_proof.py; written after a commit by ledger_prover.py) and reads only the
+tail after it. The report is the same either way: a proof exists only for a prefix in which every update is exact,
+and a tail that is not exact, or not readable the fast way, sends the ledger back to the whole proof, which words
+every problem as it always has."""
 
 from __future__ import annotations
 
@@ -10,12 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from torchrelay import ledger_proof
 from torchrelay.contract import load_contract
 from torchrelay.data.order import GlobalOrder
+from torchrelay.errors import RelayError
 from torchrelay.layout import TRAIN_DIR
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
-from torchrelay.train_records import rank_logs, read_exposures
+from torchrelay.train_records import Exposures, rank_logs, read_exposures, read_exposures_from
 
 
 @dataclass(slots=True)
@@ -41,9 +49,16 @@ class LedgerReport:
 
 def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
     """The run's global order, rebuilt from its stored config and contract."""
+    order, manifest, _ = order_and_contract(run_dir)
+    return order, manifest
+
+
+def order_and_contract(run_dir: Path) -> tuple[GlobalOrder, Manifest, str]:
+    """The run's global order, its manifest and its contract's SHA-256 (what a proof is valid for)."""
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    fields = load_contract(run_dir)["fields"]
+    contract = load_contract(run_dir)
+    fields = contract["fields"]
     manifest = Manifest.load(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path)
     order = GlobalOrder(
         num_samples=len(manifest),
@@ -53,7 +68,7 @@ def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
         lengths=manifest.lengths() if cfg.sampler == "length_bucketed" else None,
         bucket_size=cfg.bucket_size,
     )
-    return order, manifest
+    return order, manifest, str(contract["sha256"])
 
 
 @dataclass(slots=True)
@@ -67,7 +82,10 @@ class _RankLog:
 
     @classmethod
     def read(cls, rank: int, path: Path) -> _RankLog:
-        got = read_exposures(path)
+        return cls.of(rank, read_exposures(path))
+
+    @classmethod
+    def of(cls, rank: int, got: Exposures) -> _RankLog:
         last = int(got.updates.max()) if len(got.updates) else None
         in_order = not len(got.updates) or bool((np.diff(got.updates) >= 0).all())  # a line's, before repeat
         updates, ids = _narrow(got.updates), _narrow(got.ids)  # half the memory: both fit 32 bits
@@ -92,36 +110,108 @@ def _narrow(values: np.ndarray) -> np.ndarray:
     return values.astype(np.int32) if fits else values
 
 
-def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerReport:
+def prove(run_dir: str | os.PathLike[str], max_problems: int = 10, *, full: bool = False) -> LedgerReport:
     """Compare what the ranks logged with the global order, update by update.
 
     Streams: per-sample counters in numpy, one epoch at a time, never a Python object per exposure; 20 M exposures
-    take seconds and a few hundred MB.
+    take seconds and a few hundred MB. Unless `full`, the newest checkpoint's proof that the logs still match
+    (ledger_proof.py) stands for the prefix it covers, and only the tail is read; the report is then the one the
+    whole proof gives (any tail that is not clean, or not readable the fast way, is proven in full).
     """
     root = Path(run_dir)
-    order, manifest = order_for(root)
-    logs = [_RankLog.read(rank, path) for rank, path in rank_logs(root / TRAIN_DIR, "exposures").items()]
+    order, manifest, contract_sha = order_and_contract(root)
+    paths = rank_logs(root / TRAIN_DIR, "exposures")
+    if not full:
+        rep = _from_proof(root, order, manifest, contract_sha, paths)
+        if rep is not None:
+            return rep
+    logs = [_RankLog.read(rank, path) for rank, path in paths.items()]
+    return _tally(logs, order, manifest, max_problems)[0]
+
+
+def _from_proof(
+    root: Path, order: GlobalOrder, manifest: Manifest, contract_sha: str, paths: dict[int, Path]
+) -> LedgerReport | None:
+    """The report from the newest matching proof and the logs' tails, when every tail is clean; else None."""
+    by_name = {path.name: path for path in paths.values()}
+    proof = ledger_proof.newest(root, ledger_proof.identity(order, contract_sha), by_name)
+    if proof is None:
+        return None
+    logs = []
+    for rank, path in paths.items():
+        start = proof.logs.get(path.name, (0, ""))[0]
+        try:
+            got = read_exposures_from(path, start)
+        except (OSError, RelayError):
+            return None
+        if got is None or (len(got.updates) and int(got.updates.min()) <= proof.update):
+            return None  # a line the fast readers refuse, or one of a proven update after the prefix: damage
+        logs.append(_RankLog.of(rank, got))
+    rep, _ = _tally(logs, order, manifest, 0, _Start(proof.update, proof.seen))
+    return rep if rep.ok else None
+
+
+def prove_prefix(
+    order: GlobalOrder,
+    manifest: Manifest,
+    update: int,
+    regions: dict[int, Exposures],
+    start: ledger_proof.Proof | None,
+) -> np.ndarray | None:
+    """The samples seen by update `update`, if every update up to it logged exactly its samples, given each rank's
+    exposures after `start` (a proof, or None: from the first update) up to `update`; else None."""
+    first = start.update if start is not None else 0
+    logs = []
+    for rank, got in regions.items():
+        if len(got.updates) and (int(got.updates.min()) <= first or int(got.updates.max()) > update):
+            return None
+        logs.append(_RankLog.of(rank, got))
+    rep, seen = _tally(logs, order, manifest, 0, _Start(start.update, start.seen) if start else None)
+    return seen if rep.ok and rep.updates == update else None
+
+
+@dataclass(slots=True)
+class _Start:
+    """A proven prefix: every update up to `update` exact, these samples seen."""
+
+    update: int
+    seen: np.ndarray
+
+
+def _tally(
+    logs: list[_RankLog],
+    order: GlobalOrder,
+    manifest: Manifest,
+    max_problems: int,
+    start: _Start | None = None,
+) -> tuple[LedgerReport, np.ndarray]:
+    """The report of `logs` (with `start`, the exposures after a proven prefix), and the samples seen."""
+    n, batch, per_epoch = order.num_samples, order.global_batch, order.updates_per_epoch
     rep = LedgerReport()
-    lasts = [log.last for log in logs if log.last is not None]
+    lasts = [log.last for log in logs if log.last is not None] + ([start.update] if start else [])
+    seen = np.zeros(n, dtype=bool) if start is None else start.seen.copy()
     if not lasts:
         rep.remaining_in_epoch = order.updates_per_epoch * order.global_batch
-        return rep
+        return rep, seen
     last = max(lasts)
     rep.updates = last
-    n, batch, per_epoch = order.num_samples, order.global_batch, order.updates_per_epoch
     got = np.zeros(last + 1, dtype=np.int64)  # exposures logged per update
     matched = np.zeros(last + 1, dtype=np.int64)  # distinct expected samples among them
-    seen = np.zeros(n, dtype=bool)
+    if start is not None:
+        got[1 : start.update + 1] = matched[1 : start.update + 1] = batch
     strays: set[int] = set()  # indices outside the manifest: never expected
     repeats_by_epoch: dict[int, tuple[int, np.ndarray | None, Counter[int]]] = {}
     # Each sample's update within the epoch (-1: not drawn), in 32 bits: compared without a division.
     due = np.empty(n, dtype=np.int32)
     due_in_order = np.repeat(np.arange(per_epoch, dtype=np.int32), batch)
-    for epoch in range(order.epoch_of(last - 1) + 1 if last >= 1 else 0):
+    first_epoch = order.epoch_of(start.update) if start is not None else 0
+    for epoch in range(first_epoch, order.epoch_of(last - 1) + 1 if last >= 1 else 0):
         first, stop = epoch * per_epoch + 1, min((epoch + 1) * per_epoch, last) + 1
+        parts = [log.span(first, stop) for log in logs]
+        if not any(part.stop > part.start for part in parts):
+            continue  # nothing logged in this epoch: nothing to count (each update's count says what is missing)
         due.fill(-1)
         due[order.epoch_order(epoch)] = due_in_order
-        parts = [log.span(first, stop) for log in logs]
         updates = np.concatenate([log.updates[part] for log, part in zip(logs, parts, strict=True)])
         ids = np.concatenate([log.ids[part] for log, part in zip(logs, parts, strict=True)])
         per_update = np.bincount(updates, minlength=last + 1)
@@ -178,7 +268,7 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10) -> LedgerRepo
     done_in_epoch = last - rep.epoch * order.updates_per_epoch
     rep.remaining_in_epoch = (order.updates_per_epoch - done_in_epoch) * order.global_batch
     rep.epoch_fraction = last / order.updates_per_epoch
-    return rep
+    return rep, seen
 
 
 def _name(manifest: Manifest, i: int) -> str:

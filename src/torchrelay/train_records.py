@@ -343,6 +343,51 @@ _EXPOSURE_BLOCK = 1 << 23
 EXPOSURE_SCHEMA = Schema({"u": int, "i": [int]})
 
 
+def parse_exposure_lines(data: bytes) -> Exposures | None:
+    """The exposure lines of `data`, whole lines only, read as read_exposures reads a block; None where a line is
+    not one the fast readers accept (the caller then reads the whole file with read_exposures)."""
+    parts = []
+    pos = 0
+    while pos < len(data):
+        end = data.rfind(b"\n", pos, pos + _EXPOSURE_BLOCK) + 1
+        if end <= pos:  # a line longer than a block
+            end = data.find(b"\n", pos) + 1
+            if not end or end - pos > LINE_LIMIT:
+                return None
+        parsed = _parse_block(data[pos:end])
+        if parsed is None:
+            return None
+        parts.append(parsed)
+        pos = end
+    if not parts:
+        return Exposures(*(np.zeros(0, np.int64),) * 3)
+    return Exposures(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+
+
+def read_exposures_from(path: Path, start: int) -> Exposures | None:
+    """The exposure lines of `path` from byte `start` (a line's start) on, a torn last line left out as
+    read_exposures leaves it; None wherever read_exposures might read them otherwise (a line the fast readers do
+    not accept, a torn line that is not text), so that a caller falls back to the whole file."""
+    fd, _ = open_regular(path, what=path.name)
+    with os.fdopen(fd, "rb") as f:
+        f.seek(start)
+        data = f.read()
+    cut = data.rfind(b"\n") + 1
+    torn = data[cut:]
+    if len(torn) > LINE_LIMIT or not torn.isascii():
+        return None
+    return parse_exposure_lines(data[:cut])
+
+
+def end_of_update(path: Path, update: int) -> int:
+    """The offset just past the last whole line of `path` of an update <= `update` (0 if there is none), read
+    backwards from the end: a log holds its lines in update order, so what lies past it is the few updates a loop
+    logged since."""
+    fd, _ = open_regular(path, what=path.name)
+    with os.fdopen(fd, "rb") as f:
+        return _start_of_tail(f, update)
+
+
 def _line_too_long(path: Path | None, which: str) -> IntegrityError:
     return IntegrityError(
         f"{path}: {which} is longer than {LINE_LIMIT:,} bytes",

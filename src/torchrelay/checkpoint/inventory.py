@@ -14,7 +14,8 @@ from typing import Any
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
-from torchrelay.layout import PREPARE_RECORD  # tolerated in a checkpoint
+from torchrelay.layout import LEDGER_PROOF, PREPARE_RECORD  # tolerated in a checkpoint
+from torchrelay.util.durable import temp_prefix
 from torchrelay.util.hashing import sha256_many
 from torchrelay.util.records import read_json
 from torchrelay.util.safepath import check_relative
@@ -129,13 +130,15 @@ MISSING, SIZE, SHA256, UNEXPECTED = "MISSING", "SIZE", "SHA256", "UNEXPECTED"
 def beside_inventory(rel: str) -> bool:
     """Whether `rel` may stand in a checkpoint without being listed: the inventory itself and what tools write
     after the commit (the fork guard, its reclaimed copies and a killed write's temporary, prepare's record,
-    kept originals `*.orig`). The one rule the trainer's resume and a bundle's verify both apply."""
+    the ledger's proof and a killed prover's temporary, kept originals `*.orig`). The one rule the trainer's resume
+    and a bundle's verify both apply."""
     if rel.endswith(".orig"):
         return True
     if "/" in rel:
         return False
     return (
-        rel in (INVENTORY, HANDED_OFF, PREPARE_RECORD)
+        rel in (INVENTORY, HANDED_OFF, PREPARE_RECORD, LEDGER_PROOF)
+        or rel.startswith(temp_prefix(LEDGER_PROOF))
         or (rel.startswith(RECLAIMED_PREFIX) and rel.endswith(".json"))
         or rel.startswith(MARKER_TMP_PREFIX)  # a killed pack's half-written record: removed at the next open
     )

@@ -1,4 +1,4 @@
-"""`torchrelay ledger RUN_DIR [--json]`: exit 1 on any repeat, gap or out-of-order exposure."""
+"""`torchrelay ledger RUN_DIR [--json] [--full]`: exit 1 on any repeat, gap or out-of-order exposure."""
 
 from __future__ import annotations
 
@@ -13,10 +13,15 @@ from torchrelay.ledger import prove
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="read every exposure, ignoring the checkpoints' proofs of the logs' prefixes (the report is the same)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    rep = prove(args.run_dir)
+    rep = prove(args.run_dir, full=args.full)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=1))
         return 0 if rep.ok else 1

@@ -35,12 +35,12 @@ from torchrelay.handoff.source import write_source
 from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
 from torchrelay.kill_points import kill_point
-from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, MANIFEST_REL
+from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LEDGER_PROOF, MANIFEST_REL
 from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import Bundle, RunDir
 from torchrelay.train_records import rank_logs, trim_copy
-from torchrelay.util.durable import fsync_dir
+from torchrelay.util.durable import fsync_dir, temp_prefix
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import read_json_or_none
@@ -275,7 +275,8 @@ def _write_bundle(
 
     # 1. The checkpoint, hashed while copied and held against its own inventory.
     expected = {f["path"]: f for f in inventory["files"]}
-    names = [rel for rel in walk_files(ckpt) if rel != HANDED_OFF and not rel.startswith(MARKER_TMP_PREFIX)]
+    skipped = (MARKER_TMP_PREFIX, temp_prefix(LEDGER_PROOF))  # what killed writers left: no part of a bundle
+    names = [rel for rel in walk_files(ckpt) if rel != HANDED_OFF and not rel.startswith(skipped)]
     pairs = [(ckpt / rel, out / ckpt.name / rel) for rel in names]
     # 2. The run's own files, verbatim (the checkpoint's files may be linked; these are always copied).
     run_pairs = [(rd.path / rel, out / rel) for rel in RUN_FILES if (rd.path / rel).is_file()]

@@ -29,6 +29,7 @@ from torchrelay.checkpoint.writer_process import PROCESS, WriterProcess, can_sha
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.layout import checkpoint_name
+from torchrelay.ledger_proof import ProofSpawner
 from torchrelay.log import logger
 from torchrelay.run.restore import Tracked
 from torchrelay.rundir import RunDir
@@ -104,6 +105,8 @@ class Saver:
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
         self._peers = collective.own_group() if world_size > 1 and self._background else None
+        # Rank 0 starts the ledger's background prover after a commit (ledger_proof.py): a process, never work here.
+        self._proofs = ProofSpawner(run_dir) if rank == 0 else None
 
     def due(self, done: int) -> bool:
         """Whether the update just done saves: every `save_every`, or one that retention keeps (not the last:
@@ -194,6 +197,7 @@ class Saver:
                 started=started,
             )
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
+            self._committed(update)
             self.last = update
             return RunDir(self._run_dir).checkpoint(update)
         group, background = (self._peers.group if self._peers else None), self._background
@@ -242,10 +246,16 @@ class Saver:
                 started=started,
             )
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
+            self._committed(update)
 
         self._persister.submit(update, persist)
         self.last = update
         return RunDir(self._run_dir).checkpoint(update)
+
+    def _committed(self, update: int) -> None:
+        """After checkpoint-<update> is committed (on the thread that committed it): the ledger's prover, maybe."""
+        if self._proofs is not None:
+            self._proofs.committed(update)
 
     def budget_seconds(self) -> float:
         """What a stop now costs in saving, for the budget policy: the checkpoint in flight to finish, then one
