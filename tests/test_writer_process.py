@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,14 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _save(directory: Path, stage: HostStage, process: WriterProcess | None) -> dict[str, tuple[str, int]]:
+def _save(
+    directory: Path,
+    stage: HostStage,
+    process: WriterProcess | None,
+    make: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]] = _model,
+) -> dict[str, tuple[str, int]]:
     """One rank's part of a checkpoint, captured into `stage` and written on a thread, as the Saver does."""
-    model, opt = _model()
+    model, opt = make()
     snap = ckpt_state.capture_state(
         rank=0, model=model, optimizer=opt, statefuls={}, loop={"update": 1}, stage=stage
     )
@@ -105,12 +112,12 @@ def _config(example: dict[str, Path]) -> RelayConfig:
     )
 
 
-def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
-    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")  # `auto` keeps the thread on a small host
-    run_dir, release = tmp_path / "run", tmp_path / "release"
-    killed: list[int] = []
+def _train_until_the_writer_fails(
+    example: dict[str, Path], run_dir: Path, release: Path, act: Callable[[int], None]
+) -> tuple[str, int]:
+    """Train 6 updates, saving every 2, with checkpoint-4's writer inside its job (held) when `act(pid)` is done to
+    it; the one line the run raises, and the writer's pid."""
+    acted: list[int] = []
 
     def hook(run: Run, update: int) -> None:
         writer = run._saver._writer  # started after the first update
@@ -126,8 +133,8 @@ def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
                 run_dir.glob(".tmp-checkpoint-4-*/model")
             ):  # the writer is inside checkpoint-4's job
                 time.sleep(0.01)
-            os.kill(writer.pid, signal.SIGKILL)
-            killed.append(writer.pid)
+            act(writer.pid)
+            acted.append(writer.pid)
             release.touch()
 
     cfg = _config(example)
@@ -142,10 +149,50 @@ def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
             opt.zero_grad()
             hook(run, step.update)
     message = str(err.value)
-    assert killed and "\n" not in message, message
-    assert f"writer process (pid {killed[0]}) died (signal SIGKILL)" in message, message
+    assert acted and "\n" not in message, message
     assert not (run_dir / checkpoint_name(4)).exists()
+    assert not list(run_dir.glob(".tmp-checkpoint-*"))
     validate_complete(run_dir / checkpoint_name(2))
+    return message, acted[0]
+
+
+def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")  # `auto` keeps the thread on a small host
+    message, pid = _train_until_the_writer_fails(
+        example, tmp_path / "run", tmp_path / "release", lambda pid: os.kill(pid, signal.SIGKILL)
+    )
+    assert f"writer process (pid {pid}) died (signal SIGKILL)" in message, message
+
+
+def test_a_writer_stopped_mid_save_is_killed_at_the_deadline_and_the_last_checkpoint_stays(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that hangs without dying (SIGSTOP: as a write stuck on a dead file system) made the persist wait
+    forever. Past TORCHRELAY_PERSIST_STALL_S without progress the writer is killed and the save fails."""
+    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", "2")
+    stopped: list[int] = []
+
+    def stop(pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    # Without a deadline the run would wait for ever: the stopped writer is let go after 60 s, so that the old
+    # code fails this test (checkpoint-4 committed, nothing raised) instead of hanging the suite.
+    watchdog = threading.Timer(60, lambda: [os.kill(pid, signal.SIGCONT) for pid in stopped])
+    watchdog.start()
+    started = time.monotonic()
+    try:
+        message, pid = _train_until_the_writer_fails(example, tmp_path / "run", tmp_path / "release", stop)
+    finally:
+        watchdog.cancel()
+    assert f"writer process (pid {pid}) made no progress for 2 s while writing " in message, message
+    assert "TORCHRELAY_PERSIST_STALL_S" in message, message
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+        os.kill(pid, 0)
+    assert time.monotonic() - started < 50
 
 
 _PARENT = """
@@ -233,3 +280,69 @@ def test_a_stop_signal_to_the_group_leaves_the_writer_to_write_the_last_save(tmp
     finally:
         writer.close()
         stage.release()
+
+
+def test_a_writer_no_save_used_ends_quietly_with_its_parent(capfd: pytest.CaptureFixture[str]) -> None:
+    """A run that ends before any save used its writer leaves the writer's `ready` unread: the kernel resets the
+    socket, and the writer printed a traceback at every such end (found under torchrun: a rank whose saves all
+    went to the thread while its writer started). It ends quietly, with status 0."""
+    stage = HostStage(shared=True)
+    writer = WriterProcess(stage)
+    try:
+        select.select([writer._sock], [], [], 60)  # its `ready` has arrived; nobody reads it
+        writer.close()
+        assert writer._proc.returncode == 0
+    finally:
+        writer.close()
+        stage.release()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def _large() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """About 200 MB of model and optimizer state: a write of seconds on the 2-core VM."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 2048)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_writer_slowed_but_progressing_is_never_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline runs from the writer's last progress, never from the job's start: a writer stopped for 1 s of
+    every 1.3 s (a disk that gives it a slice at a time) writes for longer than the deadline in all, progresses
+    in every slice, and is left to finish. A deadline on the whole job (or without the writer's heartbeat)
+    killed it."""
+    stall = 2.0
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", str(stall))
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STREAMS", "1")  # one file at a time: the longest write
+    stage = HostStage(shared=True)
+    writer = WriterProcess(stage)
+    done = threading.Event()
+
+    def slow_disk() -> None:
+        while not done.wait(0.3):
+            os.kill(writer.pid, signal.SIGSTOP)
+            time.sleep(1.0)
+            os.kill(writer.pid, signal.SIGCONT)
+
+    try:
+        while not writer.ready():
+            time.sleep(0.01)
+        cycle = threading.Thread(target=slow_disk)
+        cycle.start()
+        started = time.monotonic()
+        try:
+            digests = _save(tmp_path / "slow", stage, writer, _large)
+        finally:
+            done.set()
+            cycle.join()
+        took = time.monotonic() - started
+        assert writer.alive
+    finally:
+        writer.close()
+        stage.release()
+    assert took > stall, f"the write took {took:.1f} s: shorter than the deadline, it proves nothing"
+    assert sum(size for path, (_, size) in digests.items() if path.endswith(".distcp")) > 150 << 20
