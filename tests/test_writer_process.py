@@ -1,12 +1,14 @@
 """The writer process (checkpoint/writer_process.py): an async save's DCP files written by a process of the rank's
 own, from host buffers it shares with the training process. The same bytes as the persist thread's; a writer
-killed mid-save is one CheckpointError and the last complete checkpoint stays; a parent killed takes its writer
-with it. Real processes, real files."""
+killed mid-save, or stopped past TORCHRELAY_PERSIST_STALL_S, is one CheckpointError and the last complete
+checkpoint stays; a slow writer that progresses is left alone; a parent killed takes its writer with it. Real
+processes, real files; one test under torchrun (2 ranks, gloo), one rank's writer killed."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import select
 import signal
 import subprocess
@@ -21,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from helpers import assert_same_final_state, assert_same_logs, launch, segments
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.host_stage import HostStage
@@ -28,6 +31,7 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.writer_process import WriterProcess
 from torchrelay.errors import CheckpointError
 from torchrelay.layout import checkpoint_name
+from torchrelay.ledger import prove
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -346,3 +350,45 @@ def test_a_writer_slowed_but_progressing_is_never_killed(
         stage.release()
     assert took > stall, f"the write took {took:.1f} s: shorter than the deadline, it proves nothing"
     assert sum(size for path, (_, size) in digests.items() if path.endswith(".distcp")) > 150 << 20
+
+
+def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """Two ranks, the writer process forced, rank 1's writer SIGKILLed inside checkpoint-8's write (kill point
+    writer:8:1: its files written, before it answers). Every rank ends, long before the collective timeout, with
+    the one line (said once) and exit 1; no rank's traceback; checkpoint-8 never committed; checkpoint-4 complete;
+    the resume from it ends bit for bit as the uninterrupted baseline."""
+    run = tmp_path / "run"
+    env = {"TORCHRELAY_PERSIST_WRITER": "process"}
+    out = launch(
+        example["code"],
+        run,
+        config=example["config"],
+        sets={"save_every": 4},
+        env=env,
+        args=("--kill-at", "writer:8:1"),
+        timeout=200,  # under the collective timeout (300 s): a rank waiting for a dead peer would run past it
+    )
+    output = out.stdout + out.stderr
+    said = [line for line in output.splitlines() if line.startswith("torchrelay: ")]
+    assert len(said) == 1, output[-3000:]
+    assert re.fullmatch(
+        r"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) died "
+        r"\(signal SIGKILL\) while writing \S+/\.tmp-checkpoint-8-\S+/model; the last complete checkpoint stays",
+        said[0],
+    ), said
+    assert out.returncode == 1 and output.count("exitcode  : 1") == 2, output[-3000:]
+    frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
+    assert all("site-packages" in f or "bin/torchrun" in f for f in frames), frames  # torchrun's own only
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp-checkpoint-")]
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-4"]
+    validate_complete(run / checkpoint_name(4))
+    assert (segments(run)[-1]["ended"], segments(run)[-1]["exit_code"]) == ("error", 1)
+
+    out = launch(example["code"], run, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert segments(run)[-1]["resumed_from"] == 4
+    assert assert_same_final_state(baseline, run, 16) > 10
+    assert_same_logs(baseline, run)
+    assert prove(run).ok
