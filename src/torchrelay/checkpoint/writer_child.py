@@ -21,12 +21,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# A stop by signal (SIGTERM from Slurm or torchrun, which signals each rank's whole process group; SIGINT from a
+# terminal) reaches the writer too: the parent saves once more on its way out, and its writer must live to write
+# that checkpoint. It ends with its parent instead (the parent-death signal, EOF). Ignored before the imports
+# below (torch's: seconds of CPU on a small host): a stop during them killed a writer just started, and the stop's
+# save waited for another's start-up (20-24 s of a 2-rank signal stop on the idle 2-core VM, past torchrun's 30 s
+# grace on a loaded one). Found in the suite: a writer ended by the SIGTERM of a signal stop failed that stop's save.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+if __name__ == "__main__":
+    for _sig in STOP_SIGNALS:
+        signal.signal(_sig, signal.SIG_IGN)
 
-from torchrelay.checkpoint.dcp_save import set_up_writer
-from torchrelay.checkpoint.host_stage import BACKGROUND_NICE
-from torchrelay.checkpoint.persist import HashingWriter
-from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg
+import torch  # noqa: E402 - after the signals are ignored (above)
+
+from torchrelay.checkpoint.dcp_save import set_up_writer  # noqa: E402
+from torchrelay.checkpoint.host_stage import BACKGROUND_NICE  # noqa: E402
+from torchrelay.checkpoint.persist import HashingWriter  # noqa: E402
+from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1
 
@@ -123,16 +134,15 @@ def main(argv: list[str]) -> int:
     """Serve the parent's jobs until it closes the socket or ends."""
     fd, parent = int(argv[0]), int(argv[1])
     _die_with(parent)
-    # A stop by signal (SIGTERM from Slurm or torchrun, SIGINT from a terminal) reaches the whole process group:
-    # the parent saves once more on its way out, and its writer must live to write that checkpoint. It ends with
-    # its parent instead (the parent-death signal, EOF). Found in the suite: a writer ended by the SIGTERM of a
-    # signal stop failed that stop's save.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:  # ignored already when run as the writer (above); main() alone ignores them too
         signal.signal(sig, signal.SIG_IGN)
     with contextlib.suppress(OSError):  # the writer threads DCP starts inherit it
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), BACKGROUND_NICE))
     sock = socket.socket(fileno=fd)
-    send_msg(sock, ("ready",))  # its imports are done: the parent may send it jobs (WriterProcess.ready)
+    try:
+        send_msg(sock, ("ready",))  # its imports are done: the parent may send it jobs (WriterProcess.ready)
+    except OSError:  # the parent closed the socket while it started: it has ended, or is ending
+        return 0
     maps: dict[int, mmap.mmap] = {}
     while True:
         try:

@@ -301,9 +301,17 @@ class WriterProcess:
         return f"the checkpoint writer process (pid {self._proc.pid}) died ({how})"
 
     def close(self) -> None:
-        """End the writer (EOF on its socket) and reap it; it finishes no job, since none is in flight then."""
+        """End the writer (EOF on its socket) and reap it; it finishes no job, since none is in flight then. A
+        writer still starting is killed at once: it holds nothing yet, and it reads its socket only once its
+        imports are done (a 2-rank signal stop on the loaded 2-core VM waited 10 s here for them, then killed it)."""
+        try:
+            started = self.ready()
+        except (OSError, ValueError):  # closed already
+            started = True
         with contextlib.suppress(OSError):
             self._sock.close()
+        if not started:
+            self._proc.kill()
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
