@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -236,12 +235,12 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
     lock = threading.Lock()
     real_init, real_fileno = persist._HashingStream.__init__, persist._HashingStream.fileno
 
-    def init(self: Any, f: Any, on_close: Any, on_written: Any = None) -> None:
+    def init(self: Any, f: Any, on_close: Any, on_written: Any = None, on_bytes: Any = None) -> None:
         with lock:
             writing.add(id(self))
             peak[0] = max(peak[0], len(writing))
             nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        real_init(self, f, on_close, on_written)
+        real_init(self, f, on_close, on_written, on_bytes)
 
     def fileno(self: Any) -> int:  # DCP asks for it to fsync the file, once it is written
         if id(self) in writing:
@@ -347,10 +346,8 @@ def test_the_training_thread_plans_and_the_persist_thread_only_writes(
 
         started = WriterProcess.ready
 
-        def ready(self: WriterProcess) -> bool:
-            while not started(self) and self.alive:
-                time.sleep(0.01)
-            return started(self)
+        def ready(self: WriterProcess, *, wait: bool = False) -> bool:
+            return started(self, wait=True)
 
         monkeypatch.setattr(WriterProcess, "ready", ready)
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner

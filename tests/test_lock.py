@@ -148,3 +148,26 @@ def test_second_controller_is_refused_before_it_records_an_attempt(
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+
+
+def test_a_pack_before_the_first_checkpoint_is_refused_as_in_use(
+    example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run training its first save: `pack` said "no complete checkpoint to pack" (exit 1), since it looked
+    for a checkpoint before it took the lock (found under the process writer, whose first save committed after
+    update 3); it is refused as in use, naming the holder (exit 2)."""
+    from torchrelay import RelayConfig, Run
+
+    cfg = RelayConfig(
+        seed=3,
+        micro_batch=2,
+        total_updates=4,
+        manifest=str(example["manifest"]),
+        data_root=str(example["root"]),
+    )
+    run_dir = tmp_path / "run"
+    with Run.open(run_dir, cfg, code_dir=example["code"]) as run:
+        assert main(["pack", str(run_dir), str(tmp_path / "bundle")]) == 2
+        assert f"is in use by a writer: pid {os.getpid()}" in capsys.readouterr().err
+        run.exit_code = 0
+    assert not (tmp_path / "bundle").exists()

@@ -1,17 +1,21 @@
 """The writer process (checkpoint/writer_process.py): an async save's DCP files written by a process of the rank's
 own, from host buffers it shares with the training process. The same bytes as the persist thread's; a writer
-killed mid-save is one CheckpointError and the last complete checkpoint stays; a parent killed takes its writer
-with it. Real processes, real files."""
+killed mid-save, or stopped past TORCHRELAY_PERSIST_STALL_S, is one CheckpointError and the last complete
+checkpoint stays; a slow writer that progresses is left alone; a parent killed takes its writer with it. Real
+processes, real files; one test under torchrun (2 ranks, gloo), one rank's writer killed."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from helpers import assert_same_final_state, assert_same_logs, launch, segments
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.host_stage import HostStage
@@ -26,6 +31,7 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.writer_process import WriterProcess
 from torchrelay.errors import CheckpointError
 from torchrelay.layout import checkpoint_name
+from torchrelay.ledger import prove
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -41,9 +47,14 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _save(directory: Path, stage: HostStage, process: WriterProcess | None) -> dict[str, tuple[str, int]]:
+def _save(
+    directory: Path,
+    stage: HostStage,
+    process: WriterProcess | None,
+    make: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]] = _model,
+) -> dict[str, tuple[str, int]]:
     """One rank's part of a checkpoint, captured into `stage` and written on a thread, as the Saver does."""
-    model, opt = _model()
+    model, opt = make()
     snap = ckpt_state.capture_state(
         rank=0, model=model, optimizer=opt, statefuls={}, loop={"update": 1}, stage=stage
     )
@@ -105,12 +116,12 @@ def _config(example: dict[str, Path]) -> RelayConfig:
     )
 
 
-def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
-    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")  # `auto` keeps the thread on a small host
-    run_dir, release = tmp_path / "run", tmp_path / "release"
-    killed: list[int] = []
+def _train_until_the_writer_fails(
+    example: dict[str, Path], run_dir: Path, release: Path, act: Callable[[int], None]
+) -> tuple[str, int]:
+    """Train 6 updates, saving every 2, with checkpoint-4's writer inside its job (held) when `act(pid)` is done to
+    it; the one line the run raises, and the writer's pid."""
+    acted: list[int] = []
 
     def hook(run: Run, update: int) -> None:
         writer = run._saver._writer  # started after the first update
@@ -126,8 +137,8 @@ def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
                 run_dir.glob(".tmp-checkpoint-4-*/model")
             ):  # the writer is inside checkpoint-4's job
                 time.sleep(0.01)
-            os.kill(writer.pid, signal.SIGKILL)
-            killed.append(writer.pid)
+            act(writer.pid)
+            acted.append(writer.pid)
             release.touch()
 
     cfg = _config(example)
@@ -142,10 +153,50 @@ def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
             opt.zero_grad()
             hook(run, step.update)
     message = str(err.value)
-    assert killed and "\n" not in message, message
-    assert f"writer process (pid {killed[0]}) died (signal SIGKILL)" in message, message
+    assert acted and "\n" not in message, message
     assert not (run_dir / checkpoint_name(4)).exists()
+    assert not list(run_dir.glob(".tmp-checkpoint-*"))
     validate_complete(run_dir / checkpoint_name(2))
+    return message, acted[0]
+
+
+def test_a_writer_killed_mid_save_is_one_error_and_the_last_checkpoint_stays(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")  # `auto` keeps the thread on a small host
+    message, pid = _train_until_the_writer_fails(
+        example, tmp_path / "run", tmp_path / "release", lambda pid: os.kill(pid, signal.SIGKILL)
+    )
+    assert f"writer process (pid {pid}) died (signal SIGKILL)" in message, message
+
+
+def test_a_writer_stopped_mid_save_is_killed_at_the_deadline_and_the_last_checkpoint_stays(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that hangs without dying (SIGSTOP: as a write stuck on a dead file system) made the persist wait
+    forever. Past TORCHRELAY_PERSIST_STALL_S without progress the writer is killed and the save fails."""
+    monkeypatch.setenv("TORCHRELAY_PERSIST_WRITER", "process")
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", "2")
+    stopped: list[int] = []
+
+    def stop(pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    # Without a deadline the run would wait for ever: the stopped writer is let go after 60 s, so that the old
+    # code fails this test (checkpoint-4 committed, nothing raised) instead of hanging the suite.
+    watchdog = threading.Timer(60, lambda: [os.kill(pid, signal.SIGCONT) for pid in stopped])
+    watchdog.start()
+    started = time.monotonic()
+    try:
+        message, pid = _train_until_the_writer_fails(example, tmp_path / "run", tmp_path / "release", stop)
+    finally:
+        watchdog.cancel()
+    assert f"writer process (pid {pid}) made no progress for 2 s while writing " in message, message
+    assert "TORCHRELAY_PERSIST_STALL_S" in message, message
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+        os.kill(pid, 0)
+    assert time.monotonic() - started < 50
 
 
 _PARENT = """
@@ -229,6 +280,168 @@ def test_a_stop_signal_to_the_group_leaves_the_writer_to_write_the_last_save(tmp
         os.kill(writer.pid, signal.SIGINT)
         time.sleep(0.3)
         assert writer.alive
+        _save(tmp_path / "after-signals", stage, writer)
+    finally:
+        writer.close()
+        stage.release()
+
+
+def test_a_writer_no_save_used_ends_quietly_with_its_parent(capfd: pytest.CaptureFixture[str]) -> None:
+    """A run that ends before any save used its writer leaves the writer's `ready` unread: the kernel resets the
+    socket, and the writer printed a traceback at every such end (found under torchrun: a rank whose saves all
+    went to the thread while its writer started). It ends quietly, with status 0."""
+    stage = HostStage(shared=True)
+    writer = WriterProcess(stage)
+    try:
+        select.select([writer._sock], [], [], 60)  # its `ready` has arrived; nobody reads it
+        writer._sock.close()  # as the parent's end closes it, with no WriterProcess.close
+        assert writer._proc.wait(timeout=60) == 0
+    finally:
+        writer.close()
+        stage.release()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_writer_closed_while_it_starts_ends_at_once(capfd: pytest.CaptureFixture[str]) -> None:
+    """A run that ends while its writer still imports torch (a signal stop soon after the first update) waited
+    for the imports in WriterProcess.close: 10 s of a 2-rank stop on the loaded 2-core VM. The writer holds
+    nothing yet: the close ends it at once, in a fraction of the time a writer takes to start."""
+    stage = HostStage(shared=True)
+    try:
+        closed = WriterProcess(stage)
+        started = time.monotonic()
+        closed.close()
+        closing = time.monotonic() - started
+        assert not closed.alive
+        other = WriterProcess(stage)
+        started = time.monotonic()
+        while not other.ready():
+            time.sleep(0.01)
+        starting = time.monotonic() - started
+        other.close()
+    finally:
+        stage.release()
+    assert closing < starting / 2, (closing, starting)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def _large() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """About 200 MB of model and optimizer state: a write of seconds on the 2-core VM."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 2048)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_writer_slowed_but_progressing_is_never_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline runs from the writer's last progress, never from the job's start: a writer stopped for 1 s of
+    every 1.3 s (a disk that gives it a slice at a time) writes for longer than the deadline in all, progresses
+    in every slice, and is left to finish. A deadline on the whole job (or without the writer's heartbeat)
+    killed it."""
+    stall = 2.0
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", str(stall))
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STREAMS", "1")  # one file at a time: the longest write
+    stage = HostStage(shared=True)
+    writer = WriterProcess(stage)
+    done = threading.Event()
+
+    def slow_disk() -> None:
+        while not done.wait(0.3):
+            os.kill(writer.pid, signal.SIGSTOP)
+            time.sleep(1.0)
+            os.kill(writer.pid, signal.SIGCONT)
+
+    try:
+        while not writer.ready():
+            time.sleep(0.01)
+        cycle = threading.Thread(target=slow_disk)
+        cycle.start()
+        started = time.monotonic()
+        try:
+            digests = _save(tmp_path / "slow", stage, writer, _large)
+        finally:
+            done.set()
+            cycle.join()
+        took = time.monotonic() - started
+        assert writer.alive
+    finally:
+        writer.close()
+        stage.release()
+    assert took > stall, f"the write took {took:.1f} s: shorter than the deadline, it proves nothing"
+    assert sum(size for path, (_, size) in digests.items() if path.endswith(".distcp")) > 150 << 20
+
+
+def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """Two ranks, the writer process forced, rank 1's writer SIGKILLed inside checkpoint-8's write (kill point
+    writer:8:1: its files written, before it answers). Every rank ends, long before the collective timeout, with
+    the one line (said once) and exit 1; no rank's traceback; checkpoint-8 never committed; checkpoint-4 complete;
+    the resume from it ends bit for bit as the uninterrupted baseline."""
+    run = tmp_path / "run"
+    env = {"TORCHRELAY_PERSIST_WRITER": "process"}
+    out = launch(
+        example["code"],
+        run,
+        config=example["config"],
+        sets={"save_every": 4},
+        env=env,
+        args=("--kill-at", "writer:8:1"),
+        timeout=200,  # under the collective timeout (300 s): a rank waiting for a dead peer would run past it
+    )
+    output = out.stdout + out.stderr
+    said = [line for line in output.splitlines() if line.startswith("torchrelay: ")]
+    assert len(said) == 1, output[-3000:]
+    assert re.fullmatch(
+        r"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) died "
+        r"\(signal SIGKILL\) while writing \S+/\.tmp-checkpoint-8-\S+/model; the last complete checkpoint stays",
+        said[0],
+    ), said
+    assert out.returncode == 1 and output.count("exitcode  : 1") == 2, output[-3000:]
+    frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
+    assert all("site-packages" in f or "bin/torchrun" in f for f in frames), frames  # torchrun's own only
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp-checkpoint-")]
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-4"]
+    validate_complete(run / checkpoint_name(4))
+    assert (segments(run)[-1]["ended"], segments(run)[-1]["exit_code"]) == ("error", 1)
+
+    out = launch(example["code"], run, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert segments(run)[-1]["resumed_from"] == 4
+    assert assert_same_final_state(baseline, run, 16) > 10
+    assert_same_logs(baseline, run)
+    assert prove(run).ok
+
+
+def _ignores(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` ignores `sig` now (Linux: its SigIgn mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_a_stop_signal_during_the_writers_start_up_leaves_it_to_start(tmp_path: Path) -> None:
+    """torchrun's SIGTERM reaches the rank's whole group, a writer still importing torch included: it died, and
+    the stop's save started another and waited for its start-up (20-24 s of a 2-rank signal stop). It ignores the
+    stop signals from before its imports, starts, and writes."""
+    stage = HostStage(shared=True)
+    writer = WriterProcess(stage)
+    try:
+        give_up = time.monotonic() + 60
+        while not _ignores(writer.pid, signal.SIGTERM):
+            assert writer.alive and time.monotonic() < give_up, "the writer never ignored SIGTERM"
+            time.sleep(0.001)
+        assert not writer.ready(), "the writer had started before the signals: this proves nothing"
+        os.kill(writer.pid, signal.SIGTERM)
+        os.kill(writer.pid, signal.SIGINT)
+        while not writer.ready():
+            assert writer.alive, "a stop signal during its start-up killed the writer"
+            time.sleep(0.01)
         _save(tmp_path / "after-signals", stage, writer)
     finally:
         writer.close()

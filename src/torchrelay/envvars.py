@@ -150,6 +150,12 @@ PERSIST_WRITER = Var(
     "itself (its start-up, an import of torch, would take a core from the ranks of a smaller host); without memfd "
     "or a process, the thread, with one logged line",
 )  # fmt: skip
+PERSIST_STALL_S = Var(
+    "TORCHRELAY_PERSIST_STALL_S", "float", 300.0, "how long a rank's checkpoint writer process may go without "
+    "progress (bytes handed to the kernel, a file fsynced, the kernel's writeback during an fsync) before it counts "
+    "as stuck: it is killed and the save fails on every rank, the last complete checkpoint kept. A slow disk that "
+    "progresses never trips it; the default, the collective timeout's, lets a stalled network file system recover",
+)  # fmt: skip
 # --- the controller (`torchrelay launch`) and the command line ------------------------------------------------
 MEM_SOFT_GIB = Var(
     "TORCHRELAY_MEM_SOFT_GIB", "float", None, "the memory guard's soft limit in GiB (wins over the plan)"

@@ -14,18 +14,24 @@ import signal
 from collections.abc import Callable
 
 SAVE_PHASES = ("shards", "inventory", "rename")  # inside checkpoint/commit.py's protocol, in this order
+# `writer:<update>:<rank>`: not this process but its checkpoint writer process (checkpoint/writer_process.py) dies,
+# by its own SIGKILL, inside that save's write: once its files are written, before it answers.
+WRITER = "writer"
 
 _armed: str | None = None  # one moment per process: a crash test kills once
 
 
 def arm(spec: str | None) -> None:
     """Kill this process at `spec` (None disarms): `<phase>:<update>:<rank>` of a save, a phase of SAVE_PHASES,
-    or a step of pack or prepare (`pack:marked`, `prepare:renamed`)."""
+    `writer:<update>:<rank>` (that save's writer process, see WRITER), or a step of pack or prepare
+    (`pack:marked`, `prepare:renamed`)."""
     global _armed
     if spec is not None and spec.count(":") == 2:
         phase, update, rank = spec.split(":")
-        if phase not in SAVE_PHASES or not update.isdigit() or not rank.isdigit():
-            raise ValueError(f"kill point {spec!r}: expected <{'|'.join(SAVE_PHASES)}>:<update>:<rank>")
+        if phase not in (*SAVE_PHASES, WRITER) or not update.isdigit() or not rank.isdigit():
+            raise ValueError(
+                f"kill point {spec!r}: expected <{'|'.join((*SAVE_PHASES, WRITER))}>:<update>:<rank>"
+            )
     _armed = spec or None
 
 
@@ -49,7 +55,7 @@ def save_hook(update: int, rank: int) -> Callable[[str], None] | None:
     if _armed is None or _armed.count(":") != 2:  # none, or a step of pack or prepare
         return None
     phase, at_update, at_rank = _armed.split(":")
-    if int(at_update) != update or int(at_rank) != rank:
+    if phase == WRITER or int(at_update) != update or int(at_rank) != rank:
         return None
 
     def hook(current: str) -> None:
@@ -57,3 +63,8 @@ def save_hook(update: int, rank: int) -> Callable[[str], None] | None:
             _kill()
 
     return hook
+
+
+def writer_killed(update: int, rank: int) -> bool:
+    """Whether the writer process of the save of `update` on `rank` is to SIGKILL itself inside its job (WRITER)."""
+    return _armed == f"{WRITER}:{update}:{rank}"

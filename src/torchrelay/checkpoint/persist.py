@@ -61,6 +61,10 @@ DROP_AFTER_FSYNC = False
 # Writes smaller than this are gathered (torch.save's zip headers, pickles, padding) and hashed and written together.
 _SMALL = 256 << 10
 _BATCH = 1 << 20
+# A large write (torch.save hands over a tensor's storage whole) goes to the kernel in pieces of this size, each
+# counted as progress as it lands (_HashingFileSystem.progress): a slow disk is then seen to progress every piece,
+# not once per tensor. The digest and the bytes are the same.
+_PIECE = 16 << 20
 
 Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
 
@@ -71,14 +75,19 @@ Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
 class _HashingStream(io.RawIOBase):
     """A write-only file that feeds every byte to SHA-256 on its way to disk; files are written front to back.
     Small writes are gathered and passed on together: fewer trips through the GIL per tensor.
-    `on_written`: called once every byte is written, when the writer asks for the descriptor to fsync it."""
+    `on_written`: called once every byte is written, when the writer asks for the descriptor to fsync it;
+    `on_bytes`: called with each piece's size once the kernel has it."""
 
     def __init__(
-        self, f: Any, on_close: Callable[[str, int], None], on_written: Callable[[], None] | None = None
+        self,
+        f: Any,
+        on_close: Callable[[str, int], None],
+        on_written: Callable[[], None] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self._f, self._h, self._n, self._on_close = f, hashlib.sha256(), 0, on_close
-        self._on_written = on_written
+        self._on_written, self._on_bytes = on_written, on_bytes
         self._pending = bytearray()
         self._kicked = 0  # bytes handed to the kernel's writeback so far (KICK_BYTES)
         self.synced = False  # the writer asked for the descriptor (to fsync it): every byte is written
@@ -99,11 +108,17 @@ class _HashingStream(io.RawIOBase):
         self._n += n
         return n
 
-    def _pass_on(self, view: memoryview | bytearray) -> None:
-        self._h.update(view)  # releases the GIL for large buffers, as the write below does
-        self._f.write(view)
-        if KICK_BYTES and self._n + len(view) - self._kicked >= KICK_BYTES:
-            self._kick(self._n + len(view))
+    def _pass_on(self, data: memoryview | bytearray) -> None:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            piece = view[done : done + _PIECE]
+            self._h.update(piece)  # releases the GIL for large buffers, as the write below does
+            self._f.write(piece)
+            done += len(piece)
+            if KICK_BYTES and self._n + done - self._kicked >= KICK_BYTES:
+                self._kick(self._n + done)
+            if self._on_bytes is not None:
+                self._on_bytes(len(piece))
 
     def _kick(self, upto: int) -> None:
         """Start writing back what this file holds so far (Linux: DONTNEED begins the writeback of dirty pages
@@ -152,6 +167,14 @@ class _HashingFileSystem(FileSystem):
         self.sink = sink
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(persist_streams()) if background else None  # None: inline
+        # What a watcher reads to tell a write that progresses from one that is stuck (the writer process's
+        # heartbeat, writer_child.py): bytes handed to the kernel plus files fsynced, and the fsyncs in flight.
+        self.progress = 0
+        self.syncing = 0
+
+    def _moved(self, n: int) -> None:
+        with self._lock:
+            self.progress += n
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -178,13 +201,27 @@ class _HashingFileSystem(FileSystem):
             if held is not None:
                 held.release()
 
+        syncing = False
+
+        def written() -> None:  # every byte written: the writer fsyncs the file next
+            nonlocal syncing
+            free()
+            if not syncing:
+                syncing = True
+                with self._lock:
+                    self.syncing += 1
+
         try:
             with open(path, "wb") as f:
-                stream = _HashingStream(f, done, free)
+                stream = _HashingStream(f, done, written, self._moved)
                 try:
                     yield stream
                 finally:
                     stream.close()
+                    if syncing:
+                        with self._lock:
+                            self.syncing -= 1
+                            self.progress += 1
                 if DROP_AFTER_FSYNC and stream.synced:
                     with contextlib.suppress(AttributeError, OSError):  # best effort: only the cache's size
                         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -206,8 +243,15 @@ class HashingWriter(dcp.FileSystemWriter):
 
     def __init__(self, path: Path, digests: Digests, *, background: bool = False) -> None:
         super().__init__(str(path), sync_files=True)
-        self.fs = _HashingFileSystem(digests, background)
+        self._hashing = _HashingFileSystem(digests, background)
+        self.fs = self._hashing
         self.files: int | None = None  # set: this many files (the writer process is told the parent's count)
+
+    def progress(self) -> tuple[int, bool]:
+        """How far the write is (bytes handed to the kernel plus files fsynced: it only grows), and whether an
+        fsync is in flight now; for a watcher telling a slow write from a stuck one (writer_child.py)."""
+        fs = self._hashing
+        return fs.progress, fs.syncing > 0
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.thread_count = self.files or file_count(plan)

@@ -16,16 +16,28 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# A stop by signal (SIGTERM from Slurm or torchrun, which signals each rank's whole process group; SIGINT from a
+# terminal) reaches the writer too: the parent saves once more on its way out, and its writer must live to write
+# that checkpoint. It ends with its parent instead (the parent-death signal, EOF). Ignored before the imports
+# below (torch's: seconds of CPU on a small host): a stop during them killed a writer just started, and the stop's
+# save waited for another's start-up (20-24 s of a 2-rank signal stop on the idle 2-core VM, past torchrun's 30 s
+# grace on a loaded one). Found in the suite: a writer ended by the SIGTERM of a signal stop failed that stop's save.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+if __name__ == "__main__":
+    for _sig in STOP_SIGNALS:
+        signal.signal(_sig, signal.SIG_IGN)
 
-from torchrelay.checkpoint.dcp_save import set_up_writer
-from torchrelay.checkpoint.host_stage import BACKGROUND_NICE
-from torchrelay.checkpoint.persist import HashingWriter
-from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg
+import torch  # noqa: E402 - after the signals are ignored (above)
+
+from torchrelay.checkpoint.dcp_save import set_up_writer  # noqa: E402
+from torchrelay.checkpoint.host_stage import BACKGROUND_NICE  # noqa: E402
+from torchrelay.checkpoint.persist import HashingWriter  # noqa: E402
+from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1
 
@@ -69,18 +81,52 @@ def _update_maps(sock: socket.socket, maps: dict[int, mmap.mmap], keep: list[int
         os.close(fd)
 
 
-def _write(job: dict[str, Any], maps: dict[int, mmap.mmap]) -> tuple[list[Any], dict[str, tuple[str, int]]]:
+def _writeback() -> int | None:
+    """The kernel's dirty and under-writeback memory, in kB (Linux), or None: it moves while an fsync progresses."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f if b":" in line)
+        return int(fields[b"Dirty"].split()[0]) + int(fields[b"Writeback"].split()[0])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _heartbeat(sock: socket.socket, writer: HashingWriter, every: float, done: threading.Event) -> None:
+    """Tell the parent, every `every` seconds, whether the write moved since it was last told: bytes handed to the
+    kernel, files fsynced, or, while an fsync is in flight, the kernel's writeback (a slow disk's one fsync can
+    take longer than the parent's deadline). Silent while nothing moves: the parent's deadline then runs."""
+    told: tuple[int, int | None] = (writer.progress()[0], None)
+    while not done.wait(every):
+        written, syncing = writer.progress()
+        now = (written, _writeback() if syncing else None)
+        if now != told:
+            send_msg(sock, ("progress",))
+            told = now
+
+
+def _write(
+    sock: socket.socket, job: dict[str, Any], maps: dict[int, mmap.mmap]
+) -> tuple[list[Any], dict[str, tuple[str, int]]]:
     digests: dict[str, tuple[str, int]] = {}
     job = {**job, **pickle.loads(job["payload"])}  # noqa: S301 - the parent's own job (WriterProcess.prepare)
     writer = HashingWriter(Path(job["directory"]), digests, background=True)
     set_up_writer(writer, job["coordinator"], job["rank"])
     writer.files = job["files"]
-    writer.fs.mkdir(writer.path)
-    hold = job["hold"]
-    while hold and not os.path.exists(hold):  # tests only (WriterProcess.hold)
-        time.sleep(0.01)
-    writes = writer.write_data(job["plan"], _Resolved(job["items"], maps))
-    writes.wait()
+    done = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(sock, writer, job["beat"], done), daemon=True)
+    beat.start()
+    try:
+        writer.fs.mkdir(writer.path)
+        hold = job["hold"]
+        while hold and not os.path.exists(hold):  # tests only (WriterProcess.hold)
+            time.sleep(0.01)
+        writes = writer.write_data(job["plan"], _Resolved(job["items"], maps))
+        writes.wait()
+    finally:
+        done.set()
+        beat.join()  # its last word is sent before the answer: one sender on the socket at a time
+    if job["die"]:  # crash tests only (kill_points.WRITER): dead with its files written, before it answers
+        os.kill(os.getpid(), signal.SIGKILL)
     return list(writes.value()), digests
 
 
@@ -88,26 +134,30 @@ def main(argv: list[str]) -> int:
     """Serve the parent's jobs until it closes the socket or ends."""
     fd, parent = int(argv[0]), int(argv[1])
     _die_with(parent)
-    # A stop by signal (SIGTERM from Slurm or torchrun, SIGINT from a terminal) reaches the whole process group:
-    # the parent saves once more on its way out, and its writer must live to write that checkpoint. It ends with
-    # its parent instead (the parent-death signal, EOF). Found in the suite: a writer ended by the SIGTERM of a
-    # signal stop failed that stop's save.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:  # ignored already when run as the writer (above); main() alone ignores them too
         signal.signal(sig, signal.SIG_IGN)
     with contextlib.suppress(OSError):  # the writer threads DCP starts inherit it
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), BACKGROUND_NICE))
     sock = socket.socket(fileno=fd)
-    send_msg(sock, ("ready",))  # its imports are done: the parent may send it jobs (WriterProcess.ready)
+    try:
+        send_msg(sock, ("ready",))  # its imports are done: the parent may send it jobs (WriterProcess.ready)
+    except OSError:  # the parent closed the socket while it started: it has ended, or is ending
+        return 0
     maps: dict[int, mmap.mmap] = {}
     while True:
-        msg = recv_msg(sock)
+        try:
+            msg = recv_msg(sock)
+        except ConnectionResetError:
+            # The parent ended with a message of ours unread (its `ready`, when no save used this writer): the
+            # kernel resets the socket instead of closing it. The parent's end all the same, said by the parent.
+            return 0
         if msg is None:
             return 0
         if msg[0] == "maps":
             _update_maps(sock, maps, msg[1], msg[2])
             continue
         try:
-            results, digests = _write(msg[1], maps)
+            results, digests = _write(sock, msg[1], maps)
         except Exception as exc:  # noqa: BLE001 - one line to the parent, which raises it as a CheckpointError
             send_msg(sock, ("error", f"{type(exc).__name__}: {exc}"))
         else:

@@ -77,6 +77,24 @@ def _cores_per_local_rank() -> float:
     return cores / (int(local) if local.isdigit() and int(local) > 0 else 1)
 
 
+def stall_seconds() -> float:
+    """How long a writer may go without progress before it counts as stuck (TORCHRELAY_PERSIST_STALL_S)."""
+    stall = float(envvars.PERSIST_STALL_S.get())
+    if not (stall > 0 and stall < float("inf")):
+        name = envvars.PERSIST_STALL_S.name
+        raise ConfigError(
+            f"{name}={stall:g} is not a positive number of seconds",
+            hint=f"{name}: {envvars.PERSIST_STALL_S.doc}",
+        )
+    return stall
+
+
+def _beat(stall: float) -> float:
+    """How often the writer says whether it progressed: often enough that a deadline never runs out between two
+    words of a writer that progresses, rarely enough to cost nothing (a message a second at most)."""
+    return min(1.0, stall / 8)
+
+
 def can_share() -> bool:
     """Whether this system gives shared host buffers (Linux's memfd_create)."""
     return hasattr(os, "memfd_create")
@@ -166,6 +184,8 @@ class WriterProcess:
         self._mapped: set[int] = set()  # keys of the mappings the writer holds
         self._ready = False  # the writer said it has imported what it writes with (its first message)
         self.hold: Path | None = None  # tests only: the writer waits for this file before it writes a byte
+        # crash tests only (kill_points.WRITER): the next job's writer SIGKILLs itself once its files are written
+        self.die = False
 
     @property
     def pid(self) -> int:
@@ -175,12 +195,12 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def ready(self) -> bool:
-        """Whether the writer has started (its imports done: seconds of CPU on a small host), without waiting. A
-        save before that writes from the persist thread instead (the same bytes): it must not wait for the writer's
-        start-up, which a budget or a stop request did not plan for. Called on the training thread, and only until
-        it is true: no job has used the socket before."""
-        if not self._ready and select.select([self._sock], [], [], 0)[0]:
+    def ready(self, *, wait: bool = False) -> bool:
+        """Whether the writer has started (its imports done: seconds of CPU on a small host), without waiting
+        unless `wait` (crash tests). A save before that writes from the persist thread instead (the same bytes): it
+        must not wait for the writer's start-up, which a budget or a stop request did not plan for. Called on the
+        training thread, and only until it is true: no job has used the socket before."""
+        if not self._ready and select.select([self._sock], [], [], None if wait else 0)[0]:
             self._ready = recv_msg(self._sock) == ("ready",)
         return self._ready
 
@@ -226,19 +246,32 @@ class WriterProcess:
             prepared is None
         ):  # items outside the mappings are sent whole, read now that the copies have landed
             prepared = self._job(planner, plan, rank=rank, coordinator=coordinator, outside=True)
+        stall = stall_seconds()
         job = {
             "directory": str(directory),
             "hold": str(self.hold) if self.hold else None,
+            "die": self.die,
+            "beat": _beat(stall),
             "payload": prepared,
         }
+        # Every step with the writer, the job's sending included, waits at most `stall` seconds for the next sign of
+        # progress (its heartbeat: writer_child.py); past it the writer is stuck and is killed.
+        self._sock.settimeout(stall)
         try:
             if not self._ready:  # a job sent before the writer said it started: its word comes first
                 self._ready = recv_msg(self._sock) == ("ready",)
             self._sync_maps()
             send_msg(self._sock, ("job", job))
             reply = recv_msg(self._sock) if self._ready else None
+            while reply is not None and reply[0] == "progress":
+                reply = recv_msg(self._sock)
+        except TimeoutError:
+            raise CheckpointError(self._stalled(directory, stall)) from None
         except OSError:
             reply = None
+        finally:
+            with contextlib.suppress(OSError):
+                self._sock.settimeout(None)
         if reply is None:
             raise CheckpointError(
                 f"{self._death()} while writing {directory}; the last complete checkpoint stays"
@@ -247,6 +280,16 @@ class WriterProcess:
             raise CheckpointError(f"the checkpoint writer process failed writing {directory}: {reply[1]}")
         digests.update(reply[2])
         return list(reply[1])
+
+    def _stalled(self, directory: Path, stall: float) -> str:
+        """Kill a writer that made no progress for `stall` seconds (SIGKILL ends a stopped process too); the line."""
+        self._proc.kill()
+        self._proc.wait()
+        return (
+            f"the checkpoint writer process (pid {self._proc.pid}) made no progress for {stall:g} s while writing "
+            f"{directory} and was killed ({envvars.PERSIST_STALL_S.name} sets the wait); the last complete "
+            "checkpoint stays"
+        )
 
     def _death(self) -> str:
         try:
@@ -258,9 +301,17 @@ class WriterProcess:
         return f"the checkpoint writer process (pid {self._proc.pid}) died ({how})"
 
     def close(self) -> None:
-        """End the writer (EOF on its socket) and reap it; it finishes no job, since none is in flight then."""
+        """End the writer (EOF on its socket) and reap it; it finishes no job, since none is in flight then. A
+        writer still starting is killed at once: it holds nothing yet, and it reads its socket only once its
+        imports are done (a 2-rank signal stop on the loaded 2-core VM waited 10 s here for them, then killed it)."""
+        try:
+            started = self.ready()
+        except (OSError, ValueError):  # closed already
+            started = True
         with contextlib.suppress(OSError):
             self._sock.close()
+        if not started:
+            self._proc.kill()
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
+from torchrelay.lock import RunLock
 from torchrelay.rundir import Bundle
 from torchrelay.util import bars, schema
 
@@ -31,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     load_contract(
         args.run_dir
     )  # a path that holds no run is refused as such, before any checkpoint is looked for
+    # A run still training is refused as such (RunBusy, exit 2) before any checkpoint is looked for: until its
+    # first save committed, the look refused it as "no complete checkpoint" (exit 1). pack() takes the lock again.
+    RunLock(args.run_dir, "train").acquire().release()
     ckpt = checkpoint_to_pack(args.run_dir, options.checkpoint, guard=False)  # pack() itself guards
     total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     with bars.byte_bar(f"pack {ckpt.name}", total) as advance:

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from torchrelay import envvars
+from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import is_engine
@@ -203,8 +203,12 @@ class Saver:
         group, background = (self._peers.group if self._peers else None), self._background
         if background:
             self._start_writer()
-        # a writer still starting (it imports torch) is not waited for: this save writes from the persist thread
-        process = self._writer if self._writer is not None and self._writer.ready() else None
+        # a writer still starting (it imports torch) is not waited for: this save writes from the persist thread;
+        # but a crash test's kill of this save's writer (kill_points.WRITER) must land in the writer
+        die = kill_points.writer_killed(update, self._rank)
+        process = self._writer if self._writer is not None and self._writer.ready(wait=die) else None
+        if process is not None:
+            process.die = die
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
