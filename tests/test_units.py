@@ -298,3 +298,21 @@ def test_kill_points_are_armed_in_the_process_never_by_the_environment() -> None
             kill_points.arm("write:8:1")
     finally:
         kill_points.arm(None)
+
+
+def test_the_heap_is_frozen_at_exit_once_after_the_handlers_registered_later() -> None:
+    # A fresh interpreter: the handler is the process's own. The probe, registered first, runs last (atexit is last in,
+    # first out) and sees what freeze_at_exit's one handler did; a second call registers nothing more.
+    import subprocess
+    import sys
+
+    probe = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print(gc.get_freeze_count() > 0))\n"
+        "from torchrelay.util.finalize import freeze_at_exit\n"
+        "before = atexit._ncallbacks()\n"
+        "freeze_at_exit(); freeze_at_exit()\n"
+        "print(atexit._ncallbacks() - before, gc.get_freeze_count())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "0", "True"], out.stdout + out.stderr

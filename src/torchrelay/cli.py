@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from torchrelay import __version__, envvars
 from torchrelay.errors import EXIT_ERROR, RelayError, from_exception
 from torchrelay.log import configure
+from torchrelay.util.finalize import freeze_at_exit
 
 # verb -> module under torchrelay.commands exposing `add_arguments(parser)` and `run(args) -> int`
 VERBS: dict[str, str] = {
@@ -91,4 +92,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> None:
+    freeze_at_exit()  # a verb that imported torch (verify, export, pack) ends without collecting its heap
     sys.exit(main())

@@ -43,6 +43,7 @@ from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
 from torchrelay.train_records import record_oom
 from torchrelay.util import collective
+from torchrelay.util.finalize import freeze_at_exit
 from torchrelay.util.jsonl import iter_records
 
 
@@ -71,6 +72,7 @@ class Run:
         history.jsonl as a segment that ended `refused` (exit 2), unless another writer holds the run.
         """
         install_excepthook()  # an uncaught refusal: one message and its exit code, not a traceback per rank
+        freeze_at_exit()  # a rank ends in under a second, not 3-4 s of collecting torch's heap (util/finalize.py)
         ensure_voice()  # the library logs; a script that configured no logging still sees its lines
         run_opening()
         self = object.__new__(cls)
