@@ -300,7 +300,8 @@ def spawn(run_dir: Path, update: int) -> subprocess.Popen[bytes]:
     """Start the prover of checkpoint-<update>, detached from the caller's output; a thread of the caller reaps it
     when it ends (it may outlive the caller: nothing waits for it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    src = str(Path(__file__).resolve().parents[1])  # where this torchrelay is imported from, as the writer does
+    # the directory this torchrelay is imported from, on its PYTHONPATH (as the writer process gets it)
+    src = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(
         [sys.executable, "-m", PROVER_MODULE, str(run_dir), str(update)],
