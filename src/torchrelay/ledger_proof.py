@@ -39,6 +39,7 @@ from torchrelay.log import logger
 from torchrelay.rundir import RunDir
 from torchrelay.train_records import rank_logs
 from torchrelay.util.durable import atomic_write_bytes
+from torchrelay.util.records import read_bounded, read_json_or_none
 from torchrelay.util.safepath import open_regular
 
 PROOF_FORMAT = 1
@@ -77,9 +78,7 @@ def identity(order: GlobalOrder, contract_sha256: str) -> dict[str, Any]:
 
 def checkpoint_digest(ckpt: Path) -> str:
     """The SHA-256 of a checkpoint's COMPLETE.json: a proof names the one checkpoint it was written into."""
-    fd, _ = open_regular(ckpt / INVENTORY, what=INVENTORY, root=ckpt)
-    with os.fdopen(fd, "rb") as f:
-        return hashlib.sha256(f.read(_MAX_BYTES)).hexdigest()
+    return hashlib.sha256(read_bounded(ckpt / INVENTORY, _MAX_BYTES, what=INVENTORY, root=ckpt)).hexdigest()
 
 
 def write_proof(
@@ -115,12 +114,7 @@ def read_proof(ckpt: Path, ident: dict[str, Any], logs: dict[str, Path]) -> Proo
     try:
         if update is None or ckpt.is_symlink():
             return None
-        fd, size = open_regular(ckpt / LEDGER_PROOF, what=LEDGER_PROOF, root=ckpt)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(_MAX_BYTES + 1) if size <= _MAX_BYTES else b""
-        if not data or len(data) > _MAX_BYTES:
-            return None
-        doc = json.loads(data)
+        doc = read_json_or_none(ckpt / LEDGER_PROOF, what=LEDGER_PROOF, root=ckpt, limit=_MAX_BYTES)
         if not isinstance(doc, dict) or set(doc) != {
             "format", "kind", "update", "checkpoint_sha256", "order", "logs", "seen", "sha256",
         }:  # fmt: skip
@@ -253,13 +247,11 @@ def proven_bytes(run_dir: Path) -> int:
     """The bytes of log the newest proof file names (0 when there is none): where the spawner counts growth from.
     Not checked: it only decides when the next prover starts."""
     for ckpt in reversed(RunDir(run_dir).checkpoint_dirs()):
+        doc: Any = read_json_or_none(ckpt / LEDGER_PROOF, what=LEDGER_PROOF, root=ckpt, limit=_MAX_BYTES)
         try:
-            fd, size = open_regular(ckpt / LEDGER_PROOF, what=LEDGER_PROOF, root=ckpt)
-            with os.fdopen(fd, "rb") as f:
-                doc: Any = json.loads(f.read(_MAX_BYTES)) if size <= _MAX_BYTES else {}
             total: int = sum(int(e["bytes"]) for e in doc["logs"].values())
             return total
-        except (OSError, ValueError, RelayError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError):
             continue
     return 0
 

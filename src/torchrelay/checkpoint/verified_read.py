@@ -33,6 +33,7 @@ from torchrelay.checkpoint.items import _narrow, _parse_item, _refuse_transforms
 from torchrelay.checkpoint.torch_compat import StorageInfo
 from torchrelay.errors import CheckpointError, ConfigError, IntegrityError, UnsafeInput
 from torchrelay.util.hashing import default_jobs
+from torchrelay.util.meminfo import meminfo_kib
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -154,14 +155,8 @@ def load_budget() -> int:
 
 def _mem_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes, or None where there is none (not Linux)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    got = meminfo_kib("MemAvailable")
+    return None if got is None else got["MemAvailable"] * 1024
 
 
 class _Slab:

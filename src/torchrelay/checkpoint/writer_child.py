@@ -38,6 +38,7 @@ from torchrelay.checkpoint.dcp_save import set_up_writer  # noqa: E402
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE  # noqa: E402
 from torchrelay.checkpoint.persist import HashingWriter  # noqa: E402
 from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
+from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1
 
@@ -82,13 +83,9 @@ def _update_maps(sock: socket.socket, maps: dict[int, mmap.mmap], keep: list[int
 
 
 def _writeback() -> int | None:
-    """The kernel's dirty and under-writeback memory, in kB (Linux), or None: it moves while an fsync progresses."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            fields = dict(line.split(b":", 1) for line in f if b":" in line)
-        return int(fields[b"Dirty"].split()[0]) + int(fields[b"Writeback"].split()[0])
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
+    """The kernel's dirty and under-writeback memory, in KiB (Linux), or None: it moves while an fsync progresses."""
+    got = meminfo_kib("Dirty", "Writeback")
+    return None if got is None else got["Dirty"] + got["Writeback"]
 
 
 def _heartbeat(sock: socket.socket, writer: HashingWriter, every: float, done: threading.Event) -> None:
