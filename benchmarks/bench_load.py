@@ -108,6 +108,10 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "parse-4": {"PARSE_THREADS": 4},  # the default before 2026-12-02 (16 since: RESULTS.md)
     "at-once-8": {"FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},  # shared chunks of 8 files at once
     "fill-first": {"FILL_FIRST": True},  # every reader on the earliest file: files end one after another
+    # the files' SHA-256 states ignored (USE_PARTS off): each file hashed in order and used once all of it matched,
+    # as before the parts (the default checks each part and copies each item once its parts matched)
+    "whole-files": {"USE_PARTS": False},
+    "fill-first-whole-files": {"FILL_FIRST": True, "USE_PARTS": False},
     "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
     "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
     "hash-8": {"HASH_THREADS": 8},

@@ -144,6 +144,12 @@ def main() -> None:
         f"({', '.join(LAUNCH_KNOBS)}), e.g. 'before:6:TOUCH_WITHOUT_GIL=0,DROP_AFTER_FSYNC=0' (repeatable)",
     )
     ap.add_argument(
+        "--plain-probe",
+        type=float,
+        default=0.0,
+        help="before the main launch: the loop alone after this many seconds idle (update 1's own cost)",
+    )
+    ap.add_argument(
         "--skip",
         type=lambda text: set(filter(None, text.split(","))),
         default=set(),
@@ -367,8 +373,13 @@ def main() -> None:
         print(f"[bench] launch {name}: {json.dumps(summary(out['launches'][name]))}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.plain_probe:  # the loop alone after an idle as long as a launch's open: what update 1 costs by itself
+        out["plain_probe"] = plain_probe(update, dev, args.plain_probe)
+        print(f"[bench] plain loop after {args.plain_probe:g} s idle: {json.dumps(out['plain_probe'])}", flush=True)
+    t_open = time.perf_counter()
     run_a = tr.Run.open(base / "run-async", cfg, code_dir=base / "code")
     run_a.track(model=ddp, optimizer=opt)
+    out["launch_open_s"] = round(time.perf_counter() - t_open, 3)
     launch = Launch(run_a, update, dev)
     launch.run(args.saves)
     out["launch"] = launch.report(floor_copy, disk_n)
@@ -466,6 +477,26 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "BACKGROUND_NICE": host_stage,
     "SYNC_LOGS_IN_STALL": saver,
 }
+
+
+def plain_probe(update: Callable[[], float], dev: str, idle: float, n: int = 60) -> dict[str, Any]:
+    """The loop with no checkpointing after `idle` seconds of an idle GPU (a launch's Run.open leaves it idle
+    that long): each of the first updates as a ratio to the median of `n`."""
+    sync(dev)
+    time.sleep(idle)
+    times = []
+    last = time.perf_counter()
+    for _ in range(n):
+        update()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    med = statistics.median(times)
+    return {
+        "median_ms": round(med * 1e3, 2),
+        "first_updates": [round(t / med, 3) for t in times[:4]],
+        "over_1_1x": [i + 1 for i, t in enumerate(times) if t > 1.1 * med],
+    }
 
 
 def parse_launch(spec: str) -> tuple[str, int, dict[str, Any]]:

@@ -283,7 +283,7 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
     for name in names:
         data = (b / name).read_bytes()
         assert data == (a / name).read_bytes()
-        assert written[b][str(b / name)] == (hashlib.sha256(data).hexdigest(), len(data))
+        assert written[b][str(b / name)][:2] == (hashlib.sha256(data).hexdigest(), len(data))
 
 
 def test_the_split_save_writes_the_files_dcp_save_writes(
@@ -321,7 +321,7 @@ def test_the_split_save_writes_the_files_dcp_save_writes(
         else:
             assert (one / name).read_bytes() == (two / name).read_bytes(), name
     assert {Path(p).name for p in d2} == set(names)
-    for path, (sha, size) in d2.items():
+    for path, (sha, size, *_states) in d2.items():
         data = Path(path).read_bytes()
         assert (hashlib.sha256(data).hexdigest(), len(data)) == (sha, size), path
     back = {k: torch.empty_like(v) for k, v in doc["model"].items()}

@@ -99,7 +99,7 @@ def test_the_writer_process_writes_the_bytes_the_persist_thread_writes(tmp_path:
             str(p.relative_to(tmp_path / name)) for p in (tmp_path / name).rglob("*") if p.is_file()
         )
         assert files == sorted([*by_thread, "model/.metadata"])
-    for rel, (sha, size) in by_thread.items():
+    for rel, (sha, size, *_states) in by_thread.items():
         data = (tmp_path / "process" / rel).read_bytes()
         assert data == (tmp_path / "thread" / rel).read_bytes(), rel
         assert (hashlib.sha256(data).hexdigest(), len(data)) == (sha, size), rel
@@ -372,7 +372,7 @@ def test_a_writer_slowed_but_progressing_is_never_killed(
         writer.close()
         stage.release()
     assert took > stall, f"the write took {took:.1f} s: shorter than the deadline, it proves nothing"
-    assert sum(size for path, (_, size) in digests.items() if path.endswith(".distcp")) > 150 << 20
+    assert sum(size for path, (_, size, *_states) in digests.items() if path.endswith(".distcp")) > 150 << 20
 
 
 def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(

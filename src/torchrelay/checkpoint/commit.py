@@ -19,7 +19,7 @@ from typing import Any
 
 from torchrelay import kill_points
 from torchrelay.checkpoint.handed_off import clean_temporaries
-from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
+from torchrelay.checkpoint.inventory import inventory_entries, inventory_entry, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
@@ -92,7 +92,7 @@ def commit_checkpoint(
             files = list_files(tmp)
             mine: Any = inventory_entries(tmp, (rel for i, rel in enumerate(files) if i % world_size == rank))
         else:
-            mine = [{"path": rel, "sha256": sha, "size": size} for rel, (sha, size) in written.items()]
+            mine = [inventory_entry(rel, *digest) for rel, digest in written.items()]
         gathered = peers.all_gather(name, lambda: mine)
         final = run_dir / checkpoint_name(update)
         if rank == 0:

@@ -40,11 +40,12 @@ def load(
     directory: Path,
     *,
     no_dist: bool = False,
-    expected: dict[str, tuple[str, int]] | None = None,
+    expected: dict[str, tuple[Any, ...]] | None = None,
     stats: dict[str, float] | None = None,
 ) -> set[str]:
     """Fill `state`'s tensors in place from `directory`. With `expected` ({name: (SHA-256, size)} of the files
-    in `directory`), each file read is verified as it is read; returns the names of the files verified.
+    in `directory`, or (SHA-256, size, (part size, states)) for a file whose inventory entry lists its SHA-256
+    states: util/sha256_parts.py), each file read is verified as it is read; returns the names of the files verified.
     `stats`, if given, receives the seconds each phase took, summed over its threads (read, hash, parse, copy)."""
     read_metadata(directory)  # refuse a tampered file before DCP opens anything
     reader = SafeReader(str(directory), expected)

@@ -19,6 +19,7 @@ from torchrelay.util.durable import temp_prefix
 from torchrelay.util.hashing import sha256_many
 from torchrelay.util.records import read_json
 from torchrelay.util.safepath import check_relative
+from torchrelay.util.sha256_parts import MIN_PART_BYTES, part_count
 
 INVENTORY = "COMPLETE.json"
 INVENTORY_FORMAT = 1
@@ -43,6 +44,24 @@ def inventory_entries(root: Path, rels: Iterable[str]) -> list[dict[str, Any]]:
     rels = list(rels)
     digests = sha256_many([root / rel for rel in rels])
     return [{"path": rel, "size": digests[root / rel][1], "sha256": digests[root / rel][0]} for rel in rels]
+
+
+def inventory_entry(
+    rel: str, sha256: str, size: int, parts: tuple[int, tuple[str, ...]] | None = None
+) -> dict[str, Any]:
+    """One file's inventory entry; `parts`: (part size, its SHA-256 state at every part boundary), listed as
+    {"parts": {"bytes": part size, "states": [...]}} so that a reader can verify the file in parts at once
+    (util/sha256_parts.py)."""
+    entry: dict[str, Any] = {"path": rel, "sha256": sha256, "size": size}
+    if parts is not None:
+        entry["parts"] = {"bytes": parts[0], "states": list(parts[1])}
+    return entry
+
+
+def part_states(entry: dict[str, Any]) -> tuple[int, list[str]] | None:
+    """(part size, states) of an entry read by read_inventory, None where it lists none."""
+    parts = entry.get("parts")
+    return None if parts is None else (parts["bytes"], parts["states"])
 
 
 def write_inventory(root: Path, entries: Iterable[dict[str, Any]], **info: Any) -> Path:
@@ -111,7 +130,30 @@ def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
                 f"{path}: files[{i}] needs a path, a size >= 0 and a SHA-256, got {str(item)[:120]}",
                 hint="the checkpoint is damaged",
             )
+        if "parts" in item:
+            _check_parts(path, i, item["parts"], size)
     return doc
+
+
+def _check_parts(path: Path, i: int, parts: object, size: int) -> None:
+    """An entry's part states as inventory_entry writes them: a part size (a multiple of 64 bytes, at least
+    MIN_PART_BYTES) and one 64-digit hex state per boundary inside the file."""
+    step = parts.get("bytes") if isinstance(parts, dict) else None
+    states = parts.get("states") if isinstance(parts, dict) else None
+    if (
+        not isinstance(step, int)
+        or isinstance(step, bool)
+        or step < MIN_PART_BYTES
+        or step % 64
+        or not isinstance(states, list)
+        or len(states) != part_count(size, step) - 1
+        or not all(isinstance(h, str) and _HEX64.match(h) for h in states)
+    ):
+        raise IntegrityError(
+            f"{path}: files[{i}].parts needs a part size (a multiple of 64 bytes, at least {MIN_PART_BYTES}) and "
+            f"one 64-digit hex state per part boundary, got {str(parts)[:120]}",
+            hint="the checkpoint is damaged",
+        )
 
 
 @dataclass(frozen=True, slots=True)

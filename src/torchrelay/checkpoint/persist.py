@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchrelay import envvars
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority, shapes_of
+from torchrelay.util.sha256_parts import PartHasher
 
 # Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
 FILE_BYTES = 256 << 20
@@ -66,7 +67,10 @@ _BATCH = 1 << 20
 # not once per tensor. The digest and the bytes are the same.
 _PIECE = 16 << 20
 
-Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
+# absolute path -> (hex SHA-256, size), or (hex SHA-256, size, (part size, states)) for a file of several parts
+# hashed as it was written where libcrypto's SHA-256 state can be recorded (util/sha256_parts.py: a reader
+# verifies such a file in parts)
+Digests = dict[str, tuple[Any, ...]]
 
 
 # --- hashing while writing ---------------------------------------------------------------------------
@@ -75,18 +79,22 @@ Digests = dict[str, tuple[str, int]]  # absolute path -> (hex SHA-256, size)
 class _HashingStream(io.RawIOBase):
     """A write-only file that feeds every byte to SHA-256 on its way to disk; files are written front to back.
     Small writes are gathered and passed on together: fewer trips through the GIL per tensor.
+    The SHA-256's state is recorded every PART_BYTES (util/sha256_parts.py), so that a reader can verify the file in
+    parts at once; `on_close(digest, size, (part size, states))`, the last None for a file of one part or where
+    the states cannot be recorded.
     `on_written`: called once every byte is written, when the writer asks for the descriptor to fsync it;
     `on_bytes`: called with each piece's size once the kernel has it."""
 
     def __init__(
         self,
         f: Any,
-        on_close: Callable[[str, int], None],
+        on_close: Callable[[str, int, tuple[int, tuple[str, ...]] | None], None],
         on_written: Callable[[], None] | None = None,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
-        self._f, self._h, self._n, self._on_close = f, hashlib.sha256(), 0, on_close
+        self._h = PartHasher()
+        self._f, self._n, self._on_close = f, 0, on_close
         self._on_written, self._on_bytes = on_written, on_bytes
         self._pending = bytearray()
         self._kicked = 0  # bytes handed to the kernel's writeback so far (KICK_BYTES)
@@ -151,7 +159,10 @@ class _HashingStream(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             self.flush()
-            self._on_close(self._h.hexdigest(), self._n)
+            states = (
+                self._h.states
+            )  # only for a file of several parts: one part is verified as a whole file is
+            self._on_close(self._h.hexdigest(), self._n, (self._h.part, tuple(states)) if states else None)
         super().close()
 
 
@@ -184,9 +195,9 @@ class _HashingFileSystem(FileSystem):
             return
         key = str(path)
 
-        def done(digest: str, size: int) -> None:
+        def done(digest: str, size: int, parts: tuple[int, tuple[str, ...]] | None) -> None:
             with self._lock:
-                self.sink[key] = (digest, size)
+                self.sink[key] = (digest, size) if parts is None else (digest, size, parts)
 
         slot = self._slots
         if slot is not None:

@@ -32,6 +32,7 @@ from torchrelay.checkpoint.inventory import INVENTORY, safe_relpath
 from torchrelay.checkpoint.items import _narrow, _parse_item, _refuse_transforms
 from torchrelay.checkpoint.torch_compat import StorageInfo
 from torchrelay.errors import CheckpointError, ConfigError, IntegrityError, UnsafeInput
+from torchrelay.util import sha256_parts
 from torchrelay.util.hashing import default_jobs
 from torchrelay.util.meminfo import meminfo_kib
 
@@ -41,9 +42,11 @@ class SafeReader(dcp.FileSystemReader):
     `_Load`: each file read whole by many threads at once (a few files at a time) into host memory allocated once
     per load and reused, hashed in order as its bytes arrive and checked against `expected` ({file name in the DCP
     directory: (SHA-256, size)}) before a byte of it is parsed, then its items parsed and copied into their
-    targets on threads of their own while the next files are read."""
+    targets on threads of their own while the next files are read. A file whose entry carries its SHA-256 states
+    ((SHA-256, size, (part size, states))) is verified in parts, each on any hash thread, and each item is parsed
+    and copied as soon as every part holding its bytes matched (USE_PARTS)."""
 
-    def __init__(self, path: str, expected: dict[str, tuple[str, int]] | None = None) -> None:
+    def __init__(self, path: str, expected: dict[str, tuple[Any, ...]] | None = None) -> None:
         super().__init__(path)
         self.expected = expected
         self.verified: set[str] = set()  # names of the files read and checked
@@ -116,6 +119,13 @@ FILES_AT_ONCE = 4
 # True: each chunk handed out is the earliest file's next (files then end one after another, each copied while the
 # next is read); False: the files read together share the reads evenly, and end together.
 FILL_FIRST = False
+# True: a file whose inventory entry lists its SHA-256 state at every part boundary (util/sha256_parts.py, written
+# by the persist) is hashed in parts, several at once, each part from the state before it, and each item is parsed
+# and copied once the parts holding its bytes matched, while the rest of the file is still read. A file is then
+# used as it arrives, not once all of it is hashed: the load's tail is one part's hash and one item's copy, where
+# it was the last files' hash and copies (0.3-0.4 s of 7.7 s on the H200 host, RESULTS.md, issue 22 round four).
+# The proof is the same: the chain of parts, each checked, ends in the file's SHA-256. False: each file in order.
+USE_PARTS = True
 # Host memory is taken in slabs that stay for the whole load and hold the next files once theirs are done: a
 # page is faulted in once, not for every file. False: a buffer of its own for each file. The slabs are pageable
 # also for GPU targets: page-locked ones with asynchronous copies were measured on the H200 host (RESULTS.md) and
@@ -195,7 +205,15 @@ class _Slab:
 class _File:
     """One file of the load: its bytes in memory, how much of them has arrived and been hashed."""
 
-    def __init__(self, rel: str, path: Path, size: int, digest: str | None, items: list[ReadItem]) -> None:
+    def __init__(
+        self,
+        rel: str,
+        path: Path,
+        size: int,
+        digest: str | None,
+        items: list[ReadItem],
+        parts: tuple[int, list[str]] | None = None,
+    ) -> None:
         self.rel, self.path, self.size, self.digest, self.items = rel, path, size, digest, items
         self.chunks = -(-size // _CHUNK)
         self.issued = 0  # chunks handed to a reading thread
@@ -208,7 +226,17 @@ class _File:
         self.fd = -1
         self.slab: _Slab | None = None
         self.view = memoryview(b"")
-        self.left = len(items)  # items not yet in their targets
+        # items not yet in their targets, and one more for the file's verification: its room goes back at 0
+        self.left = len(items) + 1
+        # verified in parts (util/sha256_parts.py): the part size and states, which parts are hashed and matched
+        self.part, self.states = parts if parts is not None else (0, [])
+        self.nparts = sha256_parts.part_count(size, self.part) if self.part else 0
+        self.part_started = [False] * self.nparts
+        self.part_ok = [False] * self.nparts
+        self.prefix = 0  # parts matched from the start: the items within them can be used
+        self.pending: list[
+            ReadItem
+        ] = []  # items waiting for their parts, by where their bytes end (_Load sorts)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -320,13 +348,24 @@ class _Load:
 
     def _describe(self, rel: str, items: list[ReadItem]) -> _File:
         path = safe_relpath(self.root, rel, self.root / ".metadata")
+        parts: tuple[int, list[str]] | None = None
+        more: list[Any] = []
         if self.expected is None:
             digest, size = None, os.stat(path).st_size
         elif rel in self.expected:
-            digest, size = self.expected[rel]
+            digest, size, *more = self.expected[rel]
+            if more and USE_PARTS and sha256_parts.available():
+                parts = more[0]
         else:
             raise UnsafeInput(f"{path}: not listed in the checkpoint's inventory; refusing to read it")
-        return _File(rel, path, size, digest, items)
+        f = _File(rel, path, size, digest, items, parts)
+        if f.nparts:  # each item waits for the parts that hold its bytes, the earliest to end first
+            f.pending = sorted(items, key=self._end)
+        return f
+
+    def _end(self, req: ReadItem) -> int:
+        info = self.storage[req.storage_index]
+        return int(info.offset) + int(info.length)
 
     def _admit(self, f: _File) -> bool:
         """Room for the file's bytes in a slab (a new one while the budget allows, or once enough of the files
@@ -468,6 +507,9 @@ class _Load:
             line = self.timeline
             line["first_read"] = min(line["first_read"], t0 - self._began)
             line["reads_done"] = max(line["reads_done"], t1 - self._began)
+        if f.nparts:
+            self._arrived_in_parts(f, k)
+            return
         with f.lock:
             f.arrived[k] = True
             if f.hashing:
@@ -477,6 +519,54 @@ class _Load:
             self._hasher.submit(self._guard, self._hash, f)
         else:
             self._hash(f)
+
+    def _arrived_in_parts(self, f: _File, k: int) -> None:
+        """Chunk k is in: hash each part it completes (on a hash thread, or this one without them)."""
+        first = k * _CHUNK // f.part
+        last = (min((k + 1) * _CHUNK, f.size) - 1) // f.part
+        ready = []
+        with f.lock:
+            f.arrived[k] = True
+            for p in range(first, last + 1):
+                lo = p * f.part // _CHUNK
+                hi = -(-min((p + 1) * f.part, f.size) // _CHUNK)
+                if not f.part_started[p] and all(f.arrived[lo:hi]):
+                    f.part_started[p] = True
+                    ready.append(p)
+        for p in ready:
+            if self._hasher is not None:
+                self._hasher.submit(self._guard, self._hash_part, f, p)
+            else:
+                self._hash_part(f, p)
+
+    def _hash_part(self, f: _File, p: int) -> None:
+        """Check part p against the states around it (the last one: the file's SHA-256), then hand the items
+        that now lie in matched parts to the parse threads; verify the file once every part matched."""
+        t0 = time.perf_counter()
+        lo, hi = p * f.part, min((p + 1) * f.part, f.size)
+        assert f.digest is not None  # parts come from an inventory entry, with its SHA-256
+        ok = sha256_parts.check_part(f.view[lo:hi], p, f.part, f.states, f.digest)
+        self._count("hash", time.perf_counter() - t0)
+        if not ok:
+            raise IntegrityError(
+                f"{f.path} does not match its SHA-256 in {INVENTORY} (part {p}: bytes {lo}-{hi})",
+                hint=_DAMAGED,
+            )
+        with f.lock:
+            f.part_ok[p] = True
+            before = f.prefix
+            while f.prefix < f.nparts and f.part_ok[f.prefix]:
+                f.prefix += 1
+            complete = before < f.nparts == f.prefix
+            upto = f.size if complete else f.prefix * f.part
+            n = 0
+            while n < len(f.pending) and self._end(f.pending[n]) <= upto:
+                n += 1
+            ready, f.pending = f.pending[:n], f.pending[n:]
+        for req in ready:
+            self._parse.submit(self._guard, self._item, f, req)
+        if complete:
+            self._verified(f, by_parts=True)
 
     def _hash(self, f: _File) -> None:
         """Hash the file's arrived prefix (the caller set f.hashing); verify it once all of it is hashed."""
@@ -498,8 +588,9 @@ class _Load:
         if complete:
             self._verified(f)
 
-    def _verified(self, f: _File) -> None:
-        """All bytes in: check the size and digest, then hand the items to the parse threads."""
+    def _verified(self, f: _File, by_parts: bool = False) -> None:
+        """All bytes in: check the size and digest (`by_parts`: every part matched already), then hand the items
+        to the parse threads (those not handed out part by part)."""
         if os.pread(f.fd, 1, f.size):
             raise IntegrityError(
                 f"{f.path} has more than {f.size} bytes, the inventory says {f.size}",
@@ -507,18 +598,25 @@ class _Load:
             )
         f.close()
         if f.digest is not None:
-            if f.sha.hexdigest() != f.digest:
+            if not by_parts and f.sha.hexdigest() != f.digest:
                 raise IntegrityError(
                     f"{f.path} does not match its SHA-256 in {INVENTORY}",
                     hint=_DAMAGED,
                 )
             with self._cond:
                 self.verified.add(f.rel)
-        if not f.items:
-            with self._cond:
-                self._release(f)
-        for req in f.items:
+        with f.lock:
+            items, f.pending = (f.pending if by_parts else f.items), []
+        for req in items:
             self._parse.submit(self._guard, self._item, f, req)
+        self._done_with(f)
+
+    def _done_with(self, f: _File) -> None:
+        """One of the file's items is in its target, or the file is verified: at the last, its room goes back."""
+        with self._cond:
+            f.left -= 1
+            if not f.left:
+                self._release(f)
 
     def _item(self, f: _File, req: ReadItem) -> None:
         t0 = time.perf_counter()
@@ -553,6 +651,4 @@ class _Load:
             self.timings["parse"] += t1 - t0
             self.timings["copy"] += t2 - t1
             self.timeline["copies_done"] = max(self.timeline["copies_done"], t2 - self._began)
-            f.left -= 1
-            if not f.left:  # every item in its target: the file's room goes back
-                self._release(f)
+        self._done_with(f)

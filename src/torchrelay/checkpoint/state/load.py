@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_io, ranks
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
-from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
+from torchrelay.checkpoint.inventory import INVENTORY, part_states, read_inventory, safe_relpath
 from torchrelay.checkpoint.state.document import (
     STATE_DICT_OPTIONS,
     dcp_document,
@@ -74,9 +74,14 @@ def _load_state(
     resharded: bool,
 ) -> dict[str, Any]:
     inventory: dict[str, tuple[str, int]] = {}
+    parts: dict[
+        str, tuple[int, list[str]]
+    ] = {}  # the part states of files that list them (inventory.part_states)
     phase = f"loading {ckpt_dir.name}"
     if verify:
-        inventory = {e["path"]: (e["sha256"], e["size"]) for e in read_inventory(ckpt_dir)["files"]}
+        entries = read_inventory(ckpt_dir)["files"]
+        inventory = {e["path"]: (e["sha256"], e["size"]) for e in entries}
+        parts = {e["path"]: p for e in entries if (p := part_states(e)) is not None}
         _verify_share(peers, ckpt_dir, [p for p in inventory if not p.endswith(".distcp")], inventory, rank)
     read_by_me: set[str] = set()
     doc = read_trainer_state(ckpt_dir)
@@ -96,7 +101,11 @@ def _load_state(
         otensors, _ = split_optimizer(osd) if optimizer is not None else ({}, None)
         target, has_own = dcp_document(msd, otensors, per_rank, source)
         prefix = f"{MODEL_DIR}/"
-        expected = {k.removeprefix(prefix): v for k, v in inventory.items() if k.startswith(prefix)}
+        expected: dict[str, tuple[Any, ...]] = {
+            k.removeprefix(prefix): v + ((parts[k],) if k in parts else ())
+            for k, v in inventory.items()
+            if k.startswith(prefix)
+        }
         peers.exchange(phase)
         read_by_me = {
             prefix + n for n in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None)
