@@ -373,9 +373,14 @@ def main() -> None:
         print(f"[bench] launch {name}: {json.dumps(summary(out['launches'][name]))}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
-    if args.plain_probe:  # the loop alone after an idle as long as a launch's open: what update 1 costs by itself
+    if (
+        args.plain_probe
+    ):  # the loop alone after an idle as long as a launch's open: what update 1 costs by itself
         out["plain_probe"] = plain_probe(update, dev, args.plain_probe)
-        print(f"[bench] plain loop after {args.plain_probe:g} s idle: {json.dumps(out['plain_probe'])}", flush=True)
+        print(
+            f"[bench] plain loop after {args.plain_probe:g} s idle: {json.dumps(out['plain_probe'])}",
+            flush=True,
+        )
     t_open = time.perf_counter()
     run_a = tr.Run.open(base / "run-async", cfg, code_dir=base / "code")
     run_a.track(model=ddp, optimizer=opt)
