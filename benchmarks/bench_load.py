@@ -112,6 +112,7 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     # as before the parts (the default checks each part and copies each item once its parts matched)
     "whole-files": {"USE_PARTS": False},
     "fill-first-whole-files": {"FILL_FIRST": True, "USE_PARTS": False},
+    "free-before-return": {"FREE_LATER": False},  # the slabs unmapped before the reader returns, as before
     "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
     "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
     "hash-8": {"HASH_THREADS": 8},
@@ -343,8 +344,9 @@ def main() -> None:
             else ""
         ),
         "| variant | s | vs cold read (goal >= 0.95) | vs DCP load | equal | load wall | read | read idle | "
-        "hash | parse | copy | alloc | first read at | reads done at | copies done at | load ends at |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "hash | parse | copy | alloc | first read at | reads done at | copies done at | load ends at | "
+        "metadata check | DCP plan | DCP after reads |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
         if "error" in r:
@@ -356,6 +358,7 @@ def main() -> None:
             for k in (
                 *("wall", "read", "read_idle", "hash", "parse", "copy", "alloc"),
                 *("at_first_read", "at_reads_done", "at_copies_done", "at_end"),
+                *("span_check", "span_plan", "span_after_reads"),
             )
         )
         lines.append(f"| {label} | {r['s']:.3f} | {floor / r['s']:.2f} | {vs_dcp} | {r['equal']} | {cols} |")

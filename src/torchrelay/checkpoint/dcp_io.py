@@ -8,6 +8,7 @@ read with torch.load(weights_only=True).
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,9 @@ def load(
     in `directory`, or (SHA-256, size, (part size, states)) for a file whose inventory entry lists its SHA-256
     states: util/sha256_parts.py), each file read is verified as it is read; returns the names of the files verified.
     `stats`, if given, receives the seconds each phase took, summed over its threads (read, hash, parse, copy)."""
+    began = time.perf_counter()
     read_metadata(directory)  # refuse a tampered file before DCP opens anything
+    checked = time.perf_counter()
     reader = SafeReader(str(directory), expected)
     try:
         dcp.load(state, storage_reader=reader, no_dist=no_dist)
@@ -60,7 +63,14 @@ def load(
         raise
     finally:
         if stats is not None:
+            # where the wall time went around the reads: the metadata's check, DCP's planning (the metadata read
+            # again by the reader included), the reads, DCP's finish after them
+            ended = time.perf_counter()
             stats.update(reader.timings)
+            stats["span_check"] = checked - began
+            if reader.read_began:
+                stats["span_plan"] = reader.read_began - checked
+                stats["span_after_reads"] = ended - reader.read_ended
     return reader.verified
 
 

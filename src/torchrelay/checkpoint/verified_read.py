@@ -52,6 +52,7 @@ class SafeReader(dcp.FileSystemReader):
         self.verified: set[str] = set()  # names of the files read and checked
         # of the last read_data: seconds of each phase, summed over threads
         self.timings: dict[str, float] = {}
+        self.read_began = self.read_ended = 0.0  # perf_counter() when the last read_data began and ended
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = read_metadata(Path(self.path))
@@ -63,13 +64,15 @@ class SafeReader(dcp.FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}  # in the plan's order, as DCP's own reader groups them
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        self.read_began = time.perf_counter()
         load = _Load(Path(self.path), per_file, self.storage_data, planner, self.expected)
         try:
             load.run()
         finally:
             self.verified |= load.verified
             self.timings = dict(load.timings) | {f"at_{k}": v for k, v in load.timeline.items()}
-            self.timings["at_end"] = time.perf_counter() - load._began
+            self.read_ended = time.perf_counter()
+            self.timings["at_end"] = self.read_ended - load._began
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -142,6 +145,9 @@ PIN_SLABS = False
 # time (the floor reads into one reused 16 MiB buffer, whose pages stay mapped). Measured on the 2-core VM
 # (RESULTS.md, issue 22 goal 4): slower in each of 3 rounds (29-37 s against 24-25 s), so off.
 HUGE_PAGES = False
+# True: the slabs are given back (unmapped) on a thread of their own once the load is done, not before it returns:
+# on the H200 host the 0.2 s between the last copy and the reader's return (14.5 GB, RESULTS.md issue 22).
+FREE_LATER = True
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
 _ALIGN = 4096
@@ -339,10 +345,14 @@ class _Load:
             for f in self._opened:
                 f.close()
                 f.slab, f.view = None, memoryview(b"")
-            for slab in self._slabs:
+            slabs, self._slabs = self._slabs, []
+            for slab in slabs:
                 if slab.locked is not None:  # every copy from it was waited for
                     slab.locked.release()
-            self._slabs.clear()
+            if FREE_LATER and slabs:  # the last references, dropped on a thread: the unmapping off the load
+                threading.Thread(target=slabs.clear, name="torchrelay-free-slabs", daemon=True).start()
+            else:
+                slabs.clear()
         if self._error is not None:
             raise self._error
 
