@@ -557,6 +557,51 @@ def _meminfo() -> dict[str, float]:
 
 
 _PHASES: dict[str, float] | None = None  # the save in progress: seconds on the training thread, by phase
+# (name, began, ended) of the persist's steps run on threads other than the training thread (persist_marks)
+_MARKS: list[tuple[str, float, float]] = []
+
+
+def _mark(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if threading.current_thread() is not threading.main_thread():
+                _MARKS.append((name, t, time.perf_counter()))
+
+    return marked
+
+
+@contextlib.contextmanager
+def persist_marks() -> Any:
+    """Record when each step of a persist ran on its thread (the write, the small files, the inventory, the
+    renames' fsyncs, retention, the logs' fsync): a slow update names the steps it overlapped."""
+    from torchrelay.checkpoint import commit, dcp_save, writer_process
+    from torchrelay.checkpoint.state import save as state_save
+
+    steps = [
+        (saver, "_sync_logs", "logs_fsync"),
+        (dcp_save.PlannedSave, "write", "dcp_write"),
+        (writer_process.WriterProcess, "write", "writer_wait"),
+        (state_save, "write_bytes", "small_file"),
+        (commit, "_complete_entries", "entries"),
+        (commit, "write_inventory", "inventory"),
+        (commit, "fsync_dir", "fsync_dir"),
+        (commit, "_retain", "retain"),
+        (saver.Saver, "_committed", "committed_hook"),
+    ]
+    kept = []
+    for owner, attr, name in steps:
+        old = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        new = _mark(name, getattr(owner, attr))
+        setattr(owner, attr, staticmethod(new) if isinstance(old, staticmethod) else new)
+        kept.append((owner, attr, old))
+    try:
+        yield
+    finally:
+        for owner, attr, old in kept:
+            setattr(owner, attr, old)
 
 
 def _phase(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -658,9 +703,10 @@ class Launch:
     def run(self, saves: int, after: int = 20) -> None:
         # objects the process froze before the launch (not the Saver)
         self.frozen_at_start = gc.get_freeze_count()
+        _MARKS.clear()
         gc.callbacks.append(self._on_gc)
         try:
-            with stall_phases():
+            with stall_phases(), persist_marks():
                 self._run(saves, after)
         finally:
             gc.callbacks.remove(self._on_gc)
@@ -758,7 +804,14 @@ class Launch:
                 for b, e, g, name in self.gc_events
                 if b < end and e > start and e - b > 0.002
             ]
-            gc_in_slow.append({"update": i + 1, "x": round(r, 3), "kind": self.kind[i], "gc": hits})
+            steps = [
+                (name, round(min(e, end) - max(b, start), 4))
+                for name, b, e in _MARKS
+                if b < end and e > start
+            ]
+            gc_in_slow.append(
+                {"update": i + 1, "x": round(r, 3), "kind": self.kind[i], "gc": hits, "persist_steps": steps}
+            )
         gen2 = [(round(e - b, 4), name) for b, e, g, name in self.gc_events if g == 2]
         tracked = collections.Counter(type(o).__name__ for o in gc.get_objects())  # the unfrozen ones
         return {

@@ -49,9 +49,9 @@ def load(
     states: util/sha256_parts.py), each file read is verified as it is read; returns the names of the files verified.
     `stats`, if given, receives the seconds each phase took, summed over its threads (read, hash, parse, copy)."""
     began = time.perf_counter()
-    read_metadata(directory)  # refuse a tampered file before DCP opens anything
+    metadata = read_metadata(directory)  # refuse a tampered file before DCP opens anything
     checked = time.perf_counter()
-    reader = SafeReader(str(directory), expected)
+    reader = SafeReader(str(directory), expected, metadata)  # which DCP then plans with: it is parsed once
     try:
         dcp.load(state, storage_reader=reader, no_dist=no_dist)
     except CheckpointException as exc:  # a file failed its check on some rank: DCP raises it on every rank

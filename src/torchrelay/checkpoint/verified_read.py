@@ -46,16 +46,19 @@ class SafeReader(dcp.FileSystemReader):
     ((SHA-256, size, (part size, states))) is verified in parts, each on any hash thread, and each item is parsed
     and copied as soon as every part holding its bytes matched (USE_PARTS)."""
 
-    def __init__(self, path: str, expected: dict[str, tuple[Any, ...]] | None = None) -> None:
+    def __init__(
+        self, path: str, expected: dict[str, tuple[Any, ...]] | None = None, metadata: Metadata | None = None
+    ) -> None:
         super().__init__(path)
         self.expected = expected
+        self._metadata = metadata  # already read (and checked) by the caller: not parsed a second time
         self.verified: set[str] = set()  # names of the files read and checked
         # of the last read_data: seconds of each phase, summed over threads
         self.timings: dict[str, float] = {}
         self.read_began = self.read_ended = 0.0  # perf_counter() when the last read_data began and ended
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_metadata(Path(self.path))
+        md, self._metadata = self._metadata or read_metadata(Path(self.path)), None
         md.storage_meta = md.storage_meta or dcp.metadata.StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md

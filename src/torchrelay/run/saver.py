@@ -101,7 +101,11 @@ class Saver:
         self._reserved = False
         self._dues = 0  # calls of due() so far
         self._froze: bool | None = None  # None until the first update: whether this Saver froze the heap
-        self._thaw = False  # whether closing unfreezes it: nothing was frozen before
+        # Whether closing unfreezes it: nothing was frozen before. Asked here, not at the first update:
+        # gc.get_freeze_count() walks the whole permanent generation (CPython keeps no count), and on the H200
+        # host, in a process whose earlier Run had frozen 278,838 objects, it made the first update's due() 23 ms
+        # (1.29x the median; RESULTS.md, issue 22 round five).
+        self._thaw = gc.get_freeze_count() == 0
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
         self._peers = collective.own_group() if world_size > 1 and self._background else None
@@ -119,7 +123,6 @@ class Saver:
         if self._froze is None:
             self._froze = FREEZE_GC and gc.isenabled()
             if self._froze:
-                self._thaw = gc.get_freeze_count() == 0  # the close gives back only what the process left
                 gc.collect(1)
                 gc.freeze()  # O(1): the generations' lists are moved to the permanent one, nothing is walked
         elif not self._reserved and self._background:
