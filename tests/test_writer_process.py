@@ -375,32 +375,35 @@ def test_a_writer_slowed_but_progressing_is_never_killed(
     assert sum(size for path, (_, size) in digests.items() if path.endswith(".distcp")) > 150 << 20
 
 
-def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(
-    example: dict[str, Path], baseline: Path, tmp_path: Path
-) -> None:
-    """Two ranks, the writer process forced, rank 1's writer SIGKILLed inside checkpoint-8's write (kill point
-    writer:8:1: its files written, before it answers). Every rank ends, long before the collective timeout, with
-    the one line (said once) and exit 1; no rank's traceback; checkpoint-8 never committed; checkpoint-4 complete;
-    the resume from it ends bit for bit as the uninterrupted baseline."""
-    run = tmp_path / "run"
-    env = {"TORCHRELAY_PERSIST_WRITER": "process"}
+def _one_ranks_write_fails_under_torchrun(
+    example: dict[str, Path],
+    baseline: Path,
+    run: Path,
+    env: dict[str, str],
+    kill_at: str,
+    line: str,
+    writer: str = "process",
+) -> float:
+    """Two ranks, the `writer` forced (TORCHRELAY_PERSIST_WRITER), rank 1's write of checkpoint-8 made to fail
+    (`kill_at`). Every rank
+    ends, long before the collective timeout, with the one line (said once, matching `line`) and exit 1; no rank's
+    traceback; checkpoint-8 never committed; checkpoint-4 complete; the resume from it ends bit for bit as the
+    uninterrupted baseline. Returns how long the failed launch took."""
+    started = time.monotonic()
     out = launch(
         example["code"],
         run,
         config=example["config"],
         sets={"save_every": 4},
-        env=env,
-        args=("--kill-at", "writer:8:1"),
+        env={"TORCHRELAY_PERSIST_WRITER": writer, **env},
+        args=("--kill-at", kill_at),
         timeout=200,  # under the collective timeout (300 s): a rank waiting for a dead peer would run past it
     )
+    took = time.monotonic() - started
     output = out.stdout + out.stderr
     said = [line for line in output.splitlines() if line.startswith("torchrelay: ")]
     assert len(said) == 1, output[-3000:]
-    assert re.fullmatch(
-        r"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) died "
-        r"\(signal SIGKILL\) while writing \S+/\.tmp-checkpoint-8-\S+/model; the last complete checkpoint stays",
-        said[0],
-    ), said
+    assert re.fullmatch(line, said[0]), said
     assert out.returncode == 1 and output.count("exitcode  : 1") == 2, output[-3000:]
     frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
     assert all("site-packages" in f or "bin/torchrun" in f for f in frames), frames  # torchrun's own only
@@ -409,12 +412,76 @@ def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resu
     validate_complete(run / checkpoint_name(4))
     assert (segments(run)[-1]["ended"], segments(run)[-1]["exit_code"]) == ("error", 1)
 
-    out = launch(example["code"], run, env=env)
+    out = launch(example["code"], run, env={"TORCHRELAY_PERSIST_WRITER": writer})
     assert out.returncode == 0, out.stdout + out.stderr
     assert segments(run)[-1]["resumed_from"] == 4
     assert assert_same_final_state(baseline, run, 16) > 10
     assert_same_logs(baseline, run)
     assert prove(run).ok
+    return took
+
+
+def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """Rank 1's writer SIGKILLed inside checkpoint-8's write (kill point writer:8:1: its files written, before it
+    answers): every rank ends with the one line naming it, and the run resumes exactly."""
+    _one_ranks_write_fails_under_torchrun(
+        example,
+        baseline,
+        tmp_path / "run",
+        {},
+        "writer:8:1",
+        r"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) died "
+        r"\(signal SIGKILL\) while writing \S+/\.tmp-checkpoint-8-\S+/model; the last complete checkpoint stays",
+    )
+
+
+def test_one_ranks_writer_stopped_under_torchrun_ends_every_rank_at_the_deadline_and_the_run_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """Rank 1's writer stopped without dying inside checkpoint-8's write (kill point stall:8:1: it SIGSTOPs itself
+    once its first piece has reached the kernel, as a write stuck on a dead file system), with a deadline of 3 s.
+    Rank 1 kills it once it made no progress for 3 s, and every rank ends with the one line naming the writer and
+    the variable that sets the wait, exit 1, well before the collective timeout; the run resumes exactly. Without
+    the deadline rank 1 waited for its writer for ever, and rank 0 for rank 1: the launch ran into its 200 s."""
+    stall = 3
+    took = _one_ranks_write_fails_under_torchrun(
+        example,
+        baseline,
+        tmp_path / "run",
+        {"TORCHRELAY_PERSIST_STALL_S": str(stall)},
+        "stall:8:1",
+        rf"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) made no "
+        rf"progress for {stall} s while writing \S+/\.tmp-checkpoint-8-\S+/model and was killed "
+        r"\(TORCHRELAY_PERSIST_STALL_S sets the wait\); the last complete checkpoint stays",
+    )
+    print(f"STALLED_LAUNCH_S {took:.1f}")
+
+
+def test_one_ranks_persist_thread_stuck_under_torchrun_ends_every_rank_at_the_deadline_and_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """The thread writer (TORCHRELAY_PERSIST_WRITER=thread): rank 1's persist thread blocked for good inside
+    checkpoint-8's write (kill point stall:8:1, once its first piece has reached the kernel), a deadline of 3 s.
+    A thread cannot be killed: rank 1's training thread, waiting for it at the next save, gives up 3 s after its
+    last progress and joins the save's exchange its peer's persist thread waits in, with the one line saying so;
+    every rank ends, exit 1, and the run resumes exactly. Before, rank 1 waited for the thread for ever (join
+    without a deadline), and rank 0's persist thread for rank 1 (its group keeps torch's 30 min timeout): the
+    launch ran into its 200 s."""
+    stall = 3
+    took = _one_ranks_write_fails_under_torchrun(
+        example,
+        baseline,
+        tmp_path / "run",
+        {"TORCHRELAY_PERSIST_STALL_S": str(stall)},
+        "stall:8:1",
+        rf"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint persist thread made no progress for "
+        rf"{stall} s while writing \S+/\.tmp-checkpoint-8-\S+/model \(TORCHRELAY_PERSIST_STALL_S sets the wait\); "
+        r"a thread cannot be killed, so this process ends; the last complete checkpoint stays",
+        writer="thread",
+    )
+    print(f"STUCK_THREAD_LAUNCH_S {took:.1f}")
 
 
 def _ignores(pid: int, sig: signal.Signals) -> bool:
