@@ -1,8 +1,9 @@
 """The writer process (checkpoint/writer_process.py): an async save's DCP files written by a process of the rank's
 own, from host buffers it shares with the training process. The same bytes as the persist thread's; a writer
 killed mid-save, or stopped past TORCHRELAY_PERSIST_STALL_S, is one CheckpointError and the last complete
-checkpoint stays; a slow writer that progresses is left alone; a parent killed takes its writer with it. Real
-processes, real files; one test under torchrun (2 ranks, gloo), one rank's writer killed."""
+checkpoint stays; a slow writer that progresses is left alone; a parent killed takes its writer with it. The
+thread writer's persist thread has the same deadline (Persister.wait). Real processes, real files; under torchrun
+(2 ranks, gloo), one rank's writer killed, one rank's writer stopped, one rank's persist thread stuck."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.writer_process import WriterProcess
 from torchrelay.errors import CheckpointError
 from torchrelay.layout import checkpoint_name
@@ -373,6 +375,90 @@ def test_a_writer_slowed_but_progressing_is_never_killed(
         stage.release()
     assert took > stall, f"the write took {took:.1f} s: shorter than the deadline, it proves nothing"
     assert sum(size for path, (_, size) in digests.items() if path.endswith(".distcp")) > 150 << 20
+
+
+def _submit(
+    persister: Persister,
+    directory: Path,
+    stage: HostStage,
+    make: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+) -> None:
+    """One rank's part of a checkpoint captured into `stage`, its write handed to `persister`'s thread (no writer
+    process: the thread writer), as the Saver does."""
+    model, opt = make()
+    snap = ckpt_state.capture_state(
+        rank=0, model=model, optimizer=opt, statefuls={}, loop={"update": 1}, stage=stage
+    )
+    snap.plan()
+    stage.synchronize()
+    directory.mkdir()
+    persister.submit(1, lambda: ckpt_state.write_snapshot(snap, directory, background=True))
+
+
+def test_a_persist_thread_stuck_in_a_write_fails_at_the_deadline_and_is_left_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread writer: a persist thread that stops inside a write (its first piece landed, then nothing, as a
+    write to a dead network file system) made the training thread's wait join it for ever. Past
+    TORCHRELAY_PERSIST_STALL_S without progress the wait raises the one line saying a thread cannot be killed,
+    once; the thread is left behind (`stuck`), later waits return at once. The stuck write is let go after 60 s,
+    so that the old code fails this test (the wait returns, nothing raised) instead of hanging the suite."""
+    stall = 1.5
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", str(stall))
+    stage, persister, release = HostStage(), Persister(), threading.Event()
+    persister.on_piece = release.wait  # every piece's writer waits: the first one stops the write
+    watchdog = threading.Timer(60, release.set)
+    watchdog.start()
+    try:
+        _submit(persister, tmp_path / "ckpt", stage, _model)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as err:
+            persister.wait()
+        took = time.monotonic() - started
+        message = str(err.value)
+        assert message == (
+            f"the checkpoint persist thread made no progress for {stall:g} s while writing {tmp_path / 'ckpt/model'} "
+            "(TORCHRELAY_PERSIST_STALL_S sets the wait); a thread cannot be killed, so this process ends; the last "
+            "complete checkpoint stays"
+        ), message
+        assert persister.stuck and persister.in_flight
+        assert stall <= took < stall + 10, took
+        started = time.monotonic()
+        persister.wait()  # said once: the process is ending, nothing waits for the thread any more
+        assert time.monotonic() - started < 0.5
+    finally:
+        watchdog.cancel()
+        release.set()
+        if persister._thread is not None:
+            persister._thread.join(60)
+        stage.release()
+
+
+def test_a_persist_thread_slowed_but_progressing_is_never_given_up_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread writer's deadline runs from the write's last progress, never from the job's start nor from the
+    wait's: a write whose every 16 MiB piece takes 0.4 s more (a slow disk) writes for longer than the deadline in
+    all, progresses every piece, and is waited for to the end. A deadline counted from the wait's start gave up
+    on it (checked by making it so)."""
+    stall = 1.5
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", str(stall))
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STREAMS", "1")  # one file at a time: the longest write
+    stage, persister = HostStage(), Persister()
+    persister.on_piece = lambda: time.sleep(0.4)
+    try:
+        started = time.monotonic()
+        _submit(persister, tmp_path / "slow", stage, _large)
+        persister.wait()
+        took = time.monotonic() - started
+    finally:
+        stage.release()
+    assert not persister.stuck
+    assert took > 2 * stall, (
+        f"the write took {took:.1f} s: not much longer than the deadline, it proves nothing"
+    )
+    validate = [p for p in (tmp_path / "slow" / "model").iterdir() if p.suffix == ".distcp"]
+    assert sum(p.stat().st_size for p in validate) > 150 << 20
 
 
 def _one_ranks_write_fails_under_torchrun(

@@ -176,16 +176,15 @@ class _HashingFileSystem(FileSystem):
         self.moved_at = (
             time.monotonic()
         )  # when `progress` last grew (the persist thread's deadline, Persister)
-        # Crash tests only (kill_points.STALL): called once, on the writing thread, after the first piece lands.
-        self.stuck: Callable[[], None] | None = None
+        # Tests only (kill_points.STALL, a slow disk): called on the writing thread after each piece lands.
+        self.on_piece: Callable[[], None] | None = None
 
     def _moved(self, n: int) -> None:
         with self._lock:
             self.progress += n
             self.moved_at = time.monotonic()
-            stuck, self.stuck = self.stuck, None
-        if stuck is not None:
-            stuck()
+        if self.on_piece is not None:
+            self.on_piece()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -265,18 +264,18 @@ class HashingWriter(dcp.FileSystemWriter):
         fs = self._hashing
         return fs.progress, fs.syncing > 0
 
-    def stuck(self, hook: Callable[[], None]) -> None:
-        """Crash tests only (kill_points.STALL): run `hook` on the writing thread once the first piece of this
-        write has reached the kernel (to stop the write there)."""
-        self._hashing.stuck = hook
+    def on_piece(self, hook: Callable[[], None]) -> None:
+        """Tests only (kill_points.STALL, a slow disk): run `hook` on the writing thread each time a piece of this
+        write has reached the kernel (to stop or slow the write there)."""
+        self._hashing.on_piece = hook
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.thread_count = self.files or file_count(plan)
         watch: _Watch | None = getattr(_persisting, "watch", None)  # on a Persister's thread: its deadline
         if watch is None or self._hashing._slots is None:
             return super().write_data(plan, planner)
-        if watch.stall:  # crash tests only (kill_points.STALL): this write blocks for good inside a write
-            self.stuck(_block)
+        if watch.on_piece is not None:  # tests only (Persister.on_piece)
+            self.on_piece(watch.on_piece)
         watch.writing = (self._hashing, Path(self.path))
         try:
             return super().write_data(plan, planner)
@@ -343,11 +342,11 @@ _persisting = threading.local()  # on a Persister's thread: `watch`, what its tr
 
 class _Watch:
     """What the training thread reads of its persist thread's DCP write (the persist's bulk) while it waits for
-    it: the write in flight (its file system's progress counters) or None, and the crash tests' STALL."""
+    it: the write in flight (its file system's progress counters) or None; and the tests' hook on its pieces."""
 
-    def __init__(self, stall: bool) -> None:
+    def __init__(self, on_piece: Callable[[], None] | None) -> None:
         self.writing: tuple[_HashingFileSystem, Path] | None = None
-        self.stall = stall
+        self.on_piece = on_piece
 
 
 def _block() -> None:
@@ -376,6 +375,9 @@ class Persister:
         # Tests only: a background job waits until this file exists before it writes anything, so that a test can
         # observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
         self.hold: Path | None = None
+        # Tests only: called on the writing thread after each piece of a background job's DCP write lands (a slow
+        # disk); the crash tests' kill point STALL blocks there for good instead.
+        self.on_piece: Callable[[], None] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -393,7 +395,8 @@ class Persister:
             return
 
         hold = self.hold
-        watch = self._watch = _Watch(stall=kill_points.write_fault(update, rank) == kill_points.STALL)
+        stall = kill_points.write_fault(update, rank) == kill_points.STALL
+        watch = self._watch = _Watch(_block if stall else self.on_piece)
 
         def run() -> None:
             lower_priority()

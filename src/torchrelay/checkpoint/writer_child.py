@@ -104,7 +104,7 @@ def _write(
     writer.files = job["files"]
     # crash tests only (kill_points.STALL): stopped inside a write, left to the parent's deadline
     if job["stall"]:
-        writer.stuck(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+        writer.on_piece(lambda: os.kill(os.getpid(), signal.SIGSTOP))
     done = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(sock, writer, job["beat"], done), daemon=True)
     beat.start()
