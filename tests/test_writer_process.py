@@ -377,6 +377,22 @@ def test_a_writer_slowed_but_progressing_is_never_killed(
     assert sum(size for path, (_, size) in digests.items() if path.endswith(".distcp")) > 150 << 20
 
 
+def test_a_bad_stall_deadline_is_refused_at_the_open(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TORCHRELAY_PERSIST_STALL_S is read only once a write stops progressing (the writer process's at each job,
+    the thread's never before it had a deadline): a bad value is refused when the run opens, before anything is
+    touched, not hours later in the middle of a save."""
+    from torchrelay.errors import ConfigError
+
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", "0")
+    with pytest.raises(
+        ConfigError, match=r"^TORCHRELAY_PERSIST_STALL_S=0 is not a positive number of seconds"
+    ):
+        Run.open(tmp_path / "run", _config(example), code_dir=example["code"])
+    assert not (tmp_path / "run").exists()
+
+
 def _submit(
     persister: Persister,
     directory: Path,

@@ -173,9 +173,8 @@ class _HashingFileSystem(FileSystem):
         # heartbeat, writer_child.py): bytes handed to the kernel plus files fsynced, and the fsyncs in flight.
         self.progress = 0
         self.syncing = 0
-        self.moved_at = (
-            time.monotonic()
-        )  # when `progress` last grew (the persist thread's deadline, Persister)
+        # when `progress` last grew: the persist thread's deadline (Persister.wait)
+        self.moved_at = time.monotonic()
         # Tests only (kill_points.STALL, a slow disk): called on the writing thread after each piece lands.
         self.on_piece: Callable[[], None] | None = None
 
@@ -436,14 +435,11 @@ class Persister:
 
     def _join(self, thread: threading.Thread) -> None:
         stall: float | None = None
-        seen: tuple[_HashingFileSystem, int | None, float] | None = (
-            None  # an fsync's writeback, when last moved
-        )
+        # an fsync's writeback as last seen, and when it last moved
+        seen: tuple[_HashingFileSystem, int | None, float] | None = None
         while thread.is_alive():
             writing = self._watch.writing if self._watch is not None else None
-            if (
-                writing is None
-            ):  # not writing: committing, or in an exchange with the peers (their own timeout)
+            if writing is None:  # committing, or in an exchange with the peers (the group's own timeout)
                 thread.join(1.0)
                 continue
             fs, directory = writing
@@ -464,10 +460,10 @@ class Persister:
                 )
                 err.stalled = self.update  # type: ignore[attr-defined]
                 raise err
-            thread.join(min(_beat(stall), stall - (now - last)))
+            thread.join(min(beat_seconds(stall), stall - (now - last)))
 
 
-def _beat(stall: float) -> float:
+def beat_seconds(stall: float) -> float:
     """How often a deadline's watcher looks: often enough that it ends within a fraction of the deadline past
     it, rarely enough to cost nothing (once a second at most)."""
     return min(1.0, stall / 8)
@@ -480,6 +476,7 @@ __all__ = [
     "Persister",
     "canonical_safetensors",
     "file_count",
+    "beat_seconds",
     "shapes_of",
     "stall_seconds",
     "write_bytes",

@@ -38,7 +38,7 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.checkpoint.host_stage import HostStage, SharedMap
-from torchrelay.checkpoint.persist import _beat, file_count, stall_seconds
+from torchrelay.checkpoint.persist import beat_seconds, file_count, stall_seconds
 from torchrelay.errors import CheckpointError, ConfigError
 
 CHILD_MODULE = "torchrelay.checkpoint.writer_child"
@@ -236,7 +236,7 @@ class WriterProcess:
             "hold": str(self.hold) if self.hold else None,
             "die": self.die,
             "stall": self.stall,
-            "beat": _beat(stall),
+            "beat": beat_seconds(stall),
             "payload": prepared,
         }
         # Every step with the writer, the job's sending included, waits at most `stall` seconds for the next sign of
