@@ -113,7 +113,9 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "whole-files": {"USE_PARTS": False},
     "fill-first-whole-files": {"FILL_FIRST": True, "USE_PARTS": False},
     "free-before-return": {"FREE_LATER": False},
-    "huge-pages": {"HUGE_PAGES": True},  # slabs of 2 MiB pages: fewer faults as the reads land  # the slabs unmapped before the reader returns, as before
+    "huge-pages": {
+        "HUGE_PAGES": True
+    },  # slabs of 2 MiB pages: fewer faults as the reads land  # the slabs unmapped before the reader returns, as before
     "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
     "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
     "hash-8": {"HASH_THREADS": 8},

@@ -296,6 +296,13 @@ def test_kill_points_are_armed_in_the_process_never_by_the_environment() -> None
         assert kill_points.save_hook(8, 1) is not None and kill_points.save_hook(4, 1) is None
         with pytest.raises(ValueError, match="expected <shards|inventory|rename>"):
             kill_points.arm("write:8:1")
+        kill_points.arm(
+            "stall:8:1"
+        )  # inside that save's write (its writer process or persist thread): no phase
+        assert kill_points.write_fault(8, 1) == "stall" and kill_points.save_hook(8, 1) is None
+        assert kill_points.write_fault(8, 0) is None and kill_points.write_fault(4, 1) is None
+        kill_points.arm("writer:8:1")
+        assert kill_points.write_fault(8, 1) == "writer"
     finally:
         kill_points.arm(None)
 

@@ -1,8 +1,9 @@
 """The writer process (checkpoint/writer_process.py): an async save's DCP files written by a process of the rank's
 own, from host buffers it shares with the training process. The same bytes as the persist thread's; a writer
 killed mid-save, or stopped past TORCHRELAY_PERSIST_STALL_S, is one CheckpointError and the last complete
-checkpoint stays; a slow writer that progresses is left alone; a parent killed takes its writer with it. Real
-processes, real files; one test under torchrun (2 ranks, gloo), one rank's writer killed."""
+checkpoint stays; a slow writer that progresses is left alone; a parent killed takes its writer with it. The
+thread writer's persist thread has the same deadline (Persister.wait). Real processes, real files; under torchrun
+(2 ranks, gloo), one rank's writer killed, one rank's writer stopped, one rank's persist thread stuck."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.writer_process import WriterProcess
 from torchrelay.errors import CheckpointError
 from torchrelay.layout import checkpoint_name
@@ -375,32 +377,135 @@ def test_a_writer_slowed_but_progressing_is_never_killed(
     assert sum(size for path, (_, size, *_states) in digests.items() if path.endswith(".distcp")) > 150 << 20
 
 
-def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(
-    example: dict[str, Path], baseline: Path, tmp_path: Path
+def test_a_bad_stall_deadline_is_refused_at_the_open(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two ranks, the writer process forced, rank 1's writer SIGKILLed inside checkpoint-8's write (kill point
-    writer:8:1: its files written, before it answers). Every rank ends, long before the collective timeout, with
-    the one line (said once) and exit 1; no rank's traceback; checkpoint-8 never committed; checkpoint-4 complete;
-    the resume from it ends bit for bit as the uninterrupted baseline."""
-    run = tmp_path / "run"
-    env = {"TORCHRELAY_PERSIST_WRITER": "process"}
+    """TORCHRELAY_PERSIST_STALL_S is read only once a write stops progressing (the writer process's at each job,
+    the thread's never before it had a deadline): a bad value is refused when the run opens, before anything is
+    touched, not hours later in the middle of a save."""
+    from torchrelay.errors import ConfigError
+
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", "0")
+    with pytest.raises(
+        ConfigError, match=r"^TORCHRELAY_PERSIST_STALL_S=0 is not a positive number of seconds"
+    ):
+        Run.open(tmp_path / "run", _config(example), code_dir=example["code"])
+    assert not (tmp_path / "run").exists()
+
+
+def _submit(
+    persister: Persister,
+    directory: Path,
+    stage: HostStage,
+    make: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+) -> None:
+    """One rank's part of a checkpoint captured into `stage`, its write handed to `persister`'s thread (no writer
+    process: the thread writer), as the Saver does."""
+    model, opt = make()
+    snap = ckpt_state.capture_state(
+        rank=0, model=model, optimizer=opt, statefuls={}, loop={"update": 1}, stage=stage
+    )
+    snap.plan()
+    stage.synchronize()
+    directory.mkdir()
+    persister.submit(1, lambda: ckpt_state.write_snapshot(snap, directory, background=True))
+
+
+def test_a_persist_thread_stuck_in_a_write_fails_at_the_deadline_and_is_left_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread writer: a persist thread that stops inside a write (its first piece landed, then nothing, as a
+    write to a dead network file system) made the training thread's wait join it for ever. Past
+    TORCHRELAY_PERSIST_STALL_S without progress the wait raises the one line saying a thread cannot be killed,
+    once; the thread is left behind (`stuck`), later waits return at once. The stuck write is let go after 60 s,
+    so that the old code fails this test (the wait returns, nothing raised) instead of hanging the suite."""
+    stall = 1.5
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", str(stall))
+    stage, persister, release = HostStage(), Persister(), threading.Event()
+    persister.on_piece = release.wait  # every piece's writer waits: the first one stops the write
+    watchdog = threading.Timer(60, release.set)
+    watchdog.start()
+    try:
+        _submit(persister, tmp_path / "ckpt", stage, _model)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as err:
+            persister.wait()
+        took = time.monotonic() - started
+        message = str(err.value)
+        assert message == (
+            f"the checkpoint persist thread made no progress for {stall:g} s while writing {tmp_path / 'ckpt/model'} "
+            "(TORCHRELAY_PERSIST_STALL_S sets the wait); a thread cannot be killed, so this process ends; the last "
+            "complete checkpoint stays"
+        ), message
+        assert persister.stuck and persister.in_flight
+        assert stall <= took < stall + 10, took
+        started = time.monotonic()
+        persister.wait()  # said once: the process is ending, nothing waits for the thread any more
+        assert time.monotonic() - started < 0.5
+    finally:
+        watchdog.cancel()
+        release.set()
+        if persister._thread is not None:
+            persister._thread.join(60)
+        stage.release()
+
+
+def test_a_persist_thread_slowed_but_progressing_is_never_given_up_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread writer's deadline runs from the write's last progress, never from the job's start nor from the
+    wait's: a write whose every 16 MiB piece takes 0.4 s more (a slow disk) writes for longer than the deadline in
+    all, progresses every piece, and is waited for to the end. A deadline counted from the wait's start gave up
+    on it (checked by making it so)."""
+    stall = 1.5
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STALL_S", str(stall))
+    monkeypatch.setenv("TORCHRELAY_PERSIST_STREAMS", "1")  # one file at a time: the longest write
+    stage, persister = HostStage(), Persister()
+    persister.on_piece = lambda: time.sleep(0.4)
+    try:
+        started = time.monotonic()
+        _submit(persister, tmp_path / "slow", stage, _large)
+        persister.wait()
+        took = time.monotonic() - started
+    finally:
+        stage.release()
+    assert not persister.stuck
+    assert took > 2 * stall, (
+        f"the write took {took:.1f} s: not much longer than the deadline, it proves nothing"
+    )
+    validate = [p for p in (tmp_path / "slow" / "model").iterdir() if p.suffix == ".distcp"]
+    assert sum(p.stat().st_size for p in validate) > 150 << 20
+
+
+def _one_ranks_write_fails_under_torchrun(
+    example: dict[str, Path],
+    baseline: Path,
+    run: Path,
+    env: dict[str, str],
+    kill_at: str,
+    line: str,
+    writer: str = "process",
+) -> float:
+    """Two ranks, the `writer` forced (TORCHRELAY_PERSIST_WRITER), rank 1's write of checkpoint-8 made to fail
+    (`kill_at`). Every rank
+    ends, long before the collective timeout, with the one line (said once, matching `line`) and exit 1; no rank's
+    traceback; checkpoint-8 never committed; checkpoint-4 complete; the resume from it ends bit for bit as the
+    uninterrupted baseline. Returns how long the failed launch took."""
+    started = time.monotonic()
     out = launch(
         example["code"],
         run,
         config=example["config"],
         sets={"save_every": 4},
-        env=env,
-        args=("--kill-at", "writer:8:1"),
+        env={"TORCHRELAY_PERSIST_WRITER": writer, **env},
+        args=("--kill-at", kill_at),
         timeout=200,  # under the collective timeout (300 s): a rank waiting for a dead peer would run past it
     )
+    took = time.monotonic() - started
     output = out.stdout + out.stderr
     said = [line for line in output.splitlines() if line.startswith("torchrelay: ")]
     assert len(said) == 1, output[-3000:]
-    assert re.fullmatch(
-        r"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) died "
-        r"\(signal SIGKILL\) while writing \S+/\.tmp-checkpoint-8-\S+/model; the last complete checkpoint stays",
-        said[0],
-    ), said
+    assert re.fullmatch(line, said[0]), said
     assert out.returncode == 1 and output.count("exitcode  : 1") == 2, output[-3000:]
     frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
     assert all("site-packages" in f or "bin/torchrun" in f for f in frames), frames  # torchrun's own only
@@ -409,12 +514,76 @@ def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resu
     validate_complete(run / checkpoint_name(4))
     assert (segments(run)[-1]["ended"], segments(run)[-1]["exit_code"]) == ("error", 1)
 
-    out = launch(example["code"], run, env=env)
+    out = launch(example["code"], run, env={"TORCHRELAY_PERSIST_WRITER": writer})
     assert out.returncode == 0, out.stdout + out.stderr
     assert segments(run)[-1]["resumed_from"] == 4
     assert assert_same_final_state(baseline, run, 16) > 10
     assert_same_logs(baseline, run)
     assert prove(run).ok
+    return took
+
+
+def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """Rank 1's writer SIGKILLed inside checkpoint-8's write (kill point writer:8:1: its files written, before it
+    answers): every rank ends with the one line naming it, and the run resumes exactly."""
+    _one_ranks_write_fails_under_torchrun(
+        example,
+        baseline,
+        tmp_path / "run",
+        {},
+        "writer:8:1",
+        r"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) died "
+        r"\(signal SIGKILL\) while writing \S+/\.tmp-checkpoint-8-\S+/model; the last complete checkpoint stays",
+    )
+
+
+def test_one_ranks_writer_stopped_under_torchrun_ends_every_rank_at_the_deadline_and_the_run_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """Rank 1's writer stopped without dying inside checkpoint-8's write (kill point stall:8:1: it SIGSTOPs itself
+    once its first piece has reached the kernel, as a write stuck on a dead file system), with a deadline of 3 s.
+    Rank 1 kills it once it made no progress for 3 s, and every rank ends with the one line naming the writer and
+    the variable that sets the wait, exit 1, well before the collective timeout; the run resumes exactly. Without
+    the deadline rank 1 waited for its writer for ever, and rank 0 for rank 1: the launch ran into its 200 s."""
+    stall = 3
+    took = _one_ranks_write_fails_under_torchrun(
+        example,
+        baseline,
+        tmp_path / "run",
+        {"TORCHRELAY_PERSIST_STALL_S": str(stall)},
+        "stall:8:1",
+        rf"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint writer process \(pid \d+\) made no "
+        rf"progress for {stall} s while writing \S+/\.tmp-checkpoint-8-\S+/model and was killed "
+        r"\(TORCHRELAY_PERSIST_STALL_S sets the wait\); the last complete checkpoint stays",
+    )
+    print(f"STALLED_LAUNCH_S {took:.1f}")
+
+
+def test_one_ranks_persist_thread_stuck_under_torchrun_ends_every_rank_at_the_deadline_and_resumes_exactly(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """The thread writer (TORCHRELAY_PERSIST_WRITER=thread): rank 1's persist thread blocked for good inside
+    checkpoint-8's write (kill point stall:8:1, once its first piece has reached the kernel), a deadline of 3 s.
+    A thread cannot be killed: rank 1's training thread, waiting for it at the next save, gives up 3 s after its
+    last progress and joins the save's exchange its peer's persist thread waits in, with the one line saying so;
+    every rank ends, exit 1, and the run resumes exactly. Before, rank 1 waited for the thread for ever (join
+    without a deadline), and rank 0's persist thread for rank 1 (its group keeps torch's 30 min timeout): the
+    launch ran into its 200 s."""
+    stall = 3
+    took = _one_ranks_write_fails_under_torchrun(
+        example,
+        baseline,
+        tmp_path / "run",
+        {"TORCHRELAY_PERSIST_STALL_S": str(stall)},
+        "stall:8:1",
+        rf"torchrelay: saving checkpoint-8 failed on rank 1: the checkpoint persist thread made no progress for "
+        rf"{stall} s while writing \S+/\.tmp-checkpoint-8-\S+/model \(TORCHRELAY_PERSIST_STALL_S sets the wait\); "
+        r"a thread cannot be killed, so this process ends; the last complete checkpoint stays",
+        writer="thread",
+    )
+    print(f"STUCK_THREAD_LAUNCH_S {took:.1f}")
 
 
 def _ignores(pid: int, sig: signal.Signals) -> bool:

@@ -151,9 +151,10 @@ PERSIST_WRITER = Var(
     "or a process, the thread, with one logged line",
 )  # fmt: skip
 PERSIST_STALL_S = Var(
-    "TORCHRELAY_PERSIST_STALL_S", "float", 300.0, "how long a rank's checkpoint writer process may go without "
-    "progress (bytes handed to the kernel, a file fsynced, the kernel's writeback during an fsync) before it counts "
-    "as stuck: it is killed and the save fails on every rank, the last complete checkpoint kept. A slow disk that "
+    "TORCHRELAY_PERSIST_STALL_S", "float", 300.0, "how long a rank's checkpoint write may go without progress "
+    "(bytes handed to the kernel, a file fsynced, the kernel's writeback during an fsync) before it counts as "
+    "stuck: a writer process is killed, a persist thread (which cannot be killed) is left and its process ends; "
+    "either way the save fails on every rank, exit 1, the last complete checkpoint kept. A slow disk that "
     "progresses never trips it; the default, the collective timeout's, lets a stalled network file system recover",
 )  # fmt: skip
 # --- the controller (`torchrelay launch`) and the command line ------------------------------------------------

@@ -17,20 +17,27 @@ SAVE_PHASES = ("shards", "inventory", "rename")  # inside checkpoint/commit.py's
 # `writer:<update>:<rank>`: not this process but its checkpoint writer process (checkpoint/writer_process.py) dies,
 # by its own SIGKILL, inside that save's write: once its files are written, before it answers.
 WRITER = "writer"
+# `stall:<update>:<rank>`: that save's write stops making progress without dying, inside a write (once its first
+# piece has reached the kernel), as a write stuck on a dead network file system: its writer process SIGSTOPs
+# itself, or, written from the persist thread, the writing thread blocks for good; either is left to the deadline
+# (TORCHRELAY_PERSIST_STALL_S: checkpoint/writer_process.py, checkpoint/persist.py's Persister.wait).
+STALL = "stall"
+FAULTS = (WRITER, STALL)  # inside the write of a save, not of this process's own phases
 
 _armed: str | None = None  # one moment per process: a crash test kills once
 
 
 def arm(spec: str | None) -> None:
     """Kill this process at `spec` (None disarms): `<phase>:<update>:<rank>` of a save, a phase of SAVE_PHASES,
-    `writer:<update>:<rank>` (that save's writer process, see WRITER), or a step of pack or prepare
+    `writer:<update>:<rank>` (that save's writer process, see WRITER), `stall:<update>:<rank>` (that save's write
+    stops, see STALL), or a step of pack or prepare
     (`pack:marked`, `prepare:renamed`)."""
     global _armed
     if spec is not None and spec.count(":") == 2:
         phase, update, rank = spec.split(":")
-        if phase not in (*SAVE_PHASES, WRITER) or not update.isdigit() or not rank.isdigit():
+        if phase not in (*SAVE_PHASES, *FAULTS) or not update.isdigit() or not rank.isdigit():
             raise ValueError(
-                f"kill point {spec!r}: expected <{'|'.join((*SAVE_PHASES, WRITER))}>:<update>:<rank>"
+                f"kill point {spec!r}: expected <{'|'.join((*SAVE_PHASES, *FAULTS))}>:<update>:<rank>"
             )
     _armed = spec or None
 
@@ -55,7 +62,7 @@ def save_hook(update: int, rank: int) -> Callable[[str], None] | None:
     if _armed is None or _armed.count(":") != 2:  # none, or a step of pack or prepare
         return None
     phase, at_update, at_rank = _armed.split(":")
-    if phase == WRITER or int(at_update) != update or int(at_rank) != rank:
+    if phase in FAULTS or int(at_update) != update or int(at_rank) != rank:
         return None
 
     def hook(current: str) -> None:
@@ -65,6 +72,10 @@ def save_hook(update: int, rank: int) -> Callable[[str], None] | None:
     return hook
 
 
-def writer_killed(update: int, rank: int) -> bool:
-    """Whether the writer process of the save of `update` on `rank` is to SIGKILL itself inside its job (WRITER)."""
-    return _armed == f"{WRITER}:{update}:{rank}"
+def write_fault(update: int, rank: int) -> str | None:
+    """What the write of the save of `update` on `rank` is to suffer: WRITER (its writer process SIGKILLs itself
+    inside its job), STALL (it stops inside a write), or None."""
+    for fault in FAULTS:
+        if _armed == f"{fault}:{update}:{rank}":
+            return fault
+    return None

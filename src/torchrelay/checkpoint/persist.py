@@ -40,8 +40,10 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from torchrelay import envvars
+from torchrelay import envvars, kill_points
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority, shapes_of
+from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.util.meminfo import meminfo_kib
 from torchrelay.util.sha256_parts import PartHasher
 
 # Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
@@ -182,10 +184,17 @@ class _HashingFileSystem(FileSystem):
         # heartbeat, writer_child.py): bytes handed to the kernel plus files fsynced, and the fsyncs in flight.
         self.progress = 0
         self.syncing = 0
+        # when `progress` last grew: the persist thread's deadline (Persister.wait)
+        self.moved_at = time.monotonic()
+        # Tests only (kill_points.STALL, a slow disk): called on the writing thread after each piece lands.
+        self.on_piece: Callable[[], None] | None = None
 
     def _moved(self, n: int) -> None:
         with self._lock:
             self.progress += n
+            self.moved_at = time.monotonic()
+        if self.on_piece is not None:
+            self.on_piece()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -233,6 +242,7 @@ class _HashingFileSystem(FileSystem):
                         with self._lock:
                             self.syncing -= 1
                             self.progress += 1
+                            self.moved_at = time.monotonic()
                 if DROP_AFTER_FSYNC and stream.synced:
                     with contextlib.suppress(AttributeError, OSError):  # best effort: only the cache's size
                         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -264,9 +274,23 @@ class HashingWriter(dcp.FileSystemWriter):
         fs = self._hashing
         return fs.progress, fs.syncing > 0
 
+    def on_piece(self, hook: Callable[[], None]) -> None:
+        """Tests only (kill_points.STALL, a slow disk): run `hook` on the writing thread each time a piece of this
+        write has reached the kernel (to stop or slow the write there)."""
+        self._hashing.on_piece = hook
+
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.thread_count = self.files or file_count(plan)
-        return super().write_data(plan, planner)
+        watch: _Watch | None = getattr(_persisting, "watch", None)  # on a Persister's thread: its deadline
+        if watch is None or self._hashing._slots is None:
+            return super().write_data(plan, planner)
+        if watch.on_piece is not None:  # tests only (Persister.on_piece)
+            self.on_piece(watch.on_piece)
+        watch.writing = (self._hashing, Path(self.path))
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            watch.writing = None
 
 
 def file_count(plan: Any) -> int:
@@ -302,6 +326,45 @@ def write_bytes(path: Path, data: bytes | memoryview, digests: Digests) -> None:
     digests[str(path)] = (hashlib.sha256(data).hexdigest(), len(data))
 
 
+# --- the deadline of a write that makes no progress ------------------------------------------------------
+
+
+def stall_seconds() -> float:
+    """How long a write may go without progress before it counts as stuck (TORCHRELAY_PERSIST_STALL_S)."""
+    stall = float(envvars.PERSIST_STALL_S.get())
+    if not (stall > 0 and stall < float("inf")):
+        name = envvars.PERSIST_STALL_S.name
+        raise ConfigError(
+            f"{name}={stall:g} is not a positive number of seconds",
+            hint=f"{name}: {envvars.PERSIST_STALL_S.doc}",
+        )
+    return stall
+
+
+def writeback_kib() -> int | None:
+    """The kernel's dirty and under-writeback memory, in KiB (Linux), or None: it moves while an fsync progresses."""
+    got = meminfo_kib("Dirty", "Writeback")
+    return None if got is None else got["Dirty"] + got["Writeback"]
+
+
+_persisting = threading.local()  # on a Persister's thread: `watch`, what its training thread reads
+
+
+class _Watch:
+    """What the training thread reads of its persist thread's DCP write (the persist's bulk) while it waits for
+    it: the write in flight (its file system's progress counters) or None; and the tests' hook on its pieces."""
+
+    def __init__(self, on_piece: Callable[[], None] | None) -> None:
+        self.writing: tuple[_HashingFileSystem, Path] | None = None
+        self.on_piece = on_piece
+
+
+def _block() -> None:
+    """Crash tests only (kill_points.STALL): the writing thread stops here for good, as one in a write to a dead
+    network file system; only the end of its process ends it."""
+    threading.Event().wait()
+
+
 # --- the background job ----------------------------------------------------------------------------------
 
 
@@ -315,16 +378,23 @@ class Persister:
         self.started_at: float | None = None
         self.update: int | None = None
         self.persisting = threading.Event()  # set while a job runs (tests observe it)
+        self._watch: _Watch | None = None  # the job in flight's write, as its thread shows it
+        # The job's thread made no progress past the deadline: it is left behind (a thread cannot be killed) and
+        # holds what it wrote from (the host buffers must outlive it); the process is to end.
+        self.stuck = False
         # Tests only: a background job waits until this file exists before it writes anything, so that a test can
         # observe the loop going on, or a stop arriving, while a checkpoint is in flight (without timing).
         self.hold: Path | None = None
+        # Tests only: called on the writing thread after each piece of a background job's DCP write lands (a slow
+        # disk); the crash tests' kill point STALL blocks there for good instead.
+        self.on_piece: Callable[[], None] | None = None
 
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, update: int, job: Callable[[], None]) -> None:
-        """Run `job` (write and commit checkpoint-<update>); the previous job must have been waited for."""
+    def submit(self, update: int, job: Callable[[], None], *, rank: int = 0) -> None:
+        """Run `job` (write and commit checkpoint-<update> of `rank`); the previous job must have been waited for."""
         assert not self.in_flight, "wait() before the next submit()"
         self.update, self.started_at = update, time.perf_counter()
         if not self.background:
@@ -335,9 +405,12 @@ class Persister:
             return
 
         hold = self.hold
+        stall = kill_points.write_fault(update, rank) == kill_points.STALL
+        watch = self._watch = _Watch(_block if stall else self.on_piece)
 
         def run() -> None:
             lower_priority()
+            _persisting.watch = watch
             self.persisting.set()
             try:
                 while hold and not os.path.exists(hold):
@@ -356,14 +429,55 @@ class Persister:
         return time.perf_counter() - self.started_at if self.in_flight and self.started_at else 0.0
 
     def wait(self) -> None:
-        """Block until the job in flight has committed; raise what it raised (once)."""
+        """Block until the job in flight has committed; raise what it raised (once). While its DCP write is in
+        flight it waits at most TORCHRELAY_PERSIST_STALL_S past the write's last progress, as the writer process's
+        parent does (writer_process.py): bytes handed to the kernel, files fsynced, and during an fsync the
+        kernel's writeback. Past it, CheckpointError (its `stalled` attribute: the update), once; the thread is
+        left behind (`stuck`) and later waits return at once."""
+        if self.stuck:
+            return
         if self._thread is not None:
-            self._thread.join()
+            self._join(self._thread)
             self._thread = None
             self.update = self.started_at = None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+    def _join(self, thread: threading.Thread) -> None:
+        stall: float | None = None
+        # an fsync's writeback as last seen, and when it last moved
+        seen: tuple[_HashingFileSystem, int | None, float] | None = None
+        while thread.is_alive():
+            writing = self._watch.writing if self._watch is not None else None
+            if writing is None:  # committing, or in an exchange with the peers (the group's own timeout)
+                thread.join(1.0)
+                continue
+            fs, directory = writing
+            stall = stall or stall_seconds()
+            now = time.monotonic()
+            last = fs.moved_at
+            if fs.syncing:  # an fsync in flight progresses as the kernel's writeback moves
+                kib = writeback_kib()
+                if seen is None or seen[0] is not fs or seen[1] != kib:
+                    seen = (fs, kib, now)  # first seen now: it counts from here (what came before is unknown)
+                last = max(last, seen[2])
+            if now - last >= stall:
+                self.stuck = True
+                err = CheckpointError(
+                    f"the checkpoint persist thread made no progress for {stall:g} s while writing {directory} "
+                    f"({envvars.PERSIST_STALL_S.name} sets the wait); a thread cannot be killed, so this process "
+                    "ends; the last complete checkpoint stays"
+                )
+                err.stalled = self.update  # type: ignore[attr-defined]
+                raise err
+            thread.join(min(beat_seconds(stall), stall - (now - last)))
+
+
+def beat_seconds(stall: float) -> float:
+    """How often a deadline's watcher looks: often enough that it ends within a fraction of the deadline past
+    it, rarely enough to cost nothing (once a second at most)."""
+    return min(1.0, stall / 8)
 
 
 __all__ = [
@@ -373,6 +487,8 @@ __all__ = [
     "Persister",
     "canonical_safetensors",
     "file_count",
+    "beat_seconds",
     "shapes_of",
+    "stall_seconds",
     "write_bytes",
 ]

@@ -36,9 +36,8 @@ import torch  # noqa: E402 - after the signals are ignored (above)
 
 from torchrelay.checkpoint.dcp_save import set_up_writer  # noqa: E402
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE  # noqa: E402
-from torchrelay.checkpoint.persist import HashingWriter  # noqa: E402
+from torchrelay.checkpoint.persist import HashingWriter, writeback_kib  # noqa: E402
 from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
-from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1
 
@@ -82,12 +81,6 @@ def _update_maps(sock: socket.socket, maps: dict[int, mmap.mmap], keep: list[int
         os.close(fd)
 
 
-def _writeback() -> int | None:
-    """The kernel's dirty and under-writeback memory, in KiB (Linux), or None: it moves while an fsync progresses."""
-    got = meminfo_kib("Dirty", "Writeback")
-    return None if got is None else got["Dirty"] + got["Writeback"]
-
-
 def _heartbeat(sock: socket.socket, writer: HashingWriter, every: float, done: threading.Event) -> None:
     """Tell the parent, every `every` seconds, whether the write moved since it was last told: bytes handed to the
     kernel, files fsynced, or, while an fsync is in flight, the kernel's writeback (a slow disk's one fsync can
@@ -95,7 +88,7 @@ def _heartbeat(sock: socket.socket, writer: HashingWriter, every: float, done: t
     told: tuple[int, int | None] = (writer.progress()[0], None)
     while not done.wait(every):
         written, syncing = writer.progress()
-        now = (written, _writeback() if syncing else None)
+        now = (written, writeback_kib() if syncing else None)
         if now != told:
             send_msg(sock, ("progress",))
             told = now
@@ -109,6 +102,9 @@ def _write(
     writer = HashingWriter(Path(job["directory"]), digests, background=True)
     set_up_writer(writer, job["coordinator"], job["rank"])
     writer.files = job["files"]
+    # crash tests only (kill_points.STALL): stopped inside a write, left to the parent's deadline
+    if job["stall"]:
+        writer.on_piece(lambda: os.kill(os.getpid(), signal.SIGSTOP))
     done = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(sock, writer, job["beat"], done), daemon=True)
     beat.start()

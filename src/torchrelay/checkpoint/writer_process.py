@@ -38,7 +38,7 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.checkpoint.host_stage import HostStage, SharedMap
-from torchrelay.checkpoint.persist import file_count
+from torchrelay.checkpoint.persist import beat_seconds, file_count, stall_seconds
 from torchrelay.errors import CheckpointError, ConfigError
 
 CHILD_MODULE = "torchrelay.checkpoint.writer_child"
@@ -75,24 +75,6 @@ def _cores_per_local_rank() -> float:
         cores = os.cpu_count() or 1
     local = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return cores / (int(local) if local.isdigit() and int(local) > 0 else 1)
-
-
-def stall_seconds() -> float:
-    """How long a writer may go without progress before it counts as stuck (TORCHRELAY_PERSIST_STALL_S)."""
-    stall = float(envvars.PERSIST_STALL_S.get())
-    if not (stall > 0 and stall < float("inf")):
-        name = envvars.PERSIST_STALL_S.name
-        raise ConfigError(
-            f"{name}={stall:g} is not a positive number of seconds",
-            hint=f"{name}: {envvars.PERSIST_STALL_S.doc}",
-        )
-    return stall
-
-
-def _beat(stall: float) -> float:
-    """How often the writer says whether it progressed: often enough that a deadline never runs out between two
-    words of a writer that progresses, rarely enough to cost nothing (a message a second at most)."""
-    return min(1.0, stall / 8)
 
 
 def can_share() -> bool:
@@ -186,6 +168,8 @@ class WriterProcess:
         self.hold: Path | None = None  # tests only: the writer waits for this file before it writes a byte
         # crash tests only (kill_points.WRITER): the next job's writer SIGKILLs itself once its files are written
         self.die = False
+        # crash tests only (kill_points.STALL): the next job's writer SIGSTOPs itself once its first piece is written
+        self.stall = False
 
     @property
     def pid(self) -> int:
@@ -251,7 +235,8 @@ class WriterProcess:
             "directory": str(directory),
             "hold": str(self.hold) if self.hold else None,
             "die": self.die,
-            "beat": _beat(stall),
+            "stall": self.stall,
+            "beat": beat_seconds(stall),
             "payload": prepared,
         }
         # Every step with the writer, the job's sending included, waits at most `stall` seconds for the next sign of

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import __version__, envvars
+from torchrelay.checkpoint.persist import stall_seconds
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.ended import Ended
@@ -103,6 +104,10 @@ class SegmentOpener:
             raise self._everywhere(exc) from None
         try:  # fixed once for the job (see job_start); a bad value refuses here, before anything is touched
             deadline = deadline_from_env(os.environ, job_start())
+        except ConfigError as exc:
+            raise self._everywhere(exc) from None
+        try:  # read when a checkpoint write stops progressing: a bad value refuses here, not then
+            stall_seconds()
         except ConfigError as exc:
             raise self._everywhere(exc) from None
 

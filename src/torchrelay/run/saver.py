@@ -28,6 +28,7 @@ from torchrelay.checkpoint.retention import policy_for
 from torchrelay.checkpoint.writer_process import PROCESS, WriterProcess, can_share, writer_mode
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
+from torchrelay.errors import CheckpointError
 from torchrelay.layout import checkpoint_name
 from torchrelay.ledger_proof import ProofSpawner
 from torchrelay.log import logger
@@ -162,7 +163,7 @@ class Saver:
     def save(self, update: int) -> Path:
         """checkpoint-<update>: logs made durable, the state copied into host buffers, then the commit protocol
         across ranks and retention, on the persist thread (`async_save`) or before returning."""
-        self._persister.wait()  # the buffers are reused: a save due while one persists waits for it
+        self._wait_persist()  # the buffers are reused: a save due while one persists waits for it
         started = time.perf_counter()
         loop = {
             "update": update,
@@ -207,11 +208,13 @@ class Saver:
         if background:
             self._start_writer()
         # a writer still starting (it imports torch) is not waited for: this save writes from the persist thread;
-        # but a crash test's kill of this save's writer (kill_points.WRITER) must land in the writer
-        die = kill_points.writer_killed(update, self._rank)
-        process = self._writer if self._writer is not None and self._writer.ready(wait=die) else None
+        # but a crash test's kill or stop of this save's writer (kill_points.WRITER, STALL) must land in the writer
+        fault = kill_points.write_fault(update, self._rank)
+        process = (
+            self._writer if self._writer is not None and self._writer.ready(wait=fault is not None) else None
+        )
         if process is not None:
-            process.die = die
+            process.die, process.stall = fault == kill_points.WRITER, fault == kill_points.STALL
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
@@ -255,7 +258,7 @@ class Saver:
             self.estimate = max(self.estimate, seconds) if self.estimate else seconds
             self._committed(update)
 
-        self._persister.submit(update, persist)
+        self._persister.submit(update, persist, rank=self._rank)
         self.last = update
         return RunDir(self._run_dir).checkpoint(update)
 
@@ -278,7 +281,20 @@ class Saver:
     def wait(self) -> None:
         """Return once every save so far is committed (a stop calls it before it records the segment's end);
         raise what the background persist raised."""
-        self._persister.wait()
+        self._wait_persist()
+
+    def _wait_persist(self) -> None:
+        """The persister's wait; a persist thread stuck past its deadline (Persister.wait) fails its save on every
+        rank: its peers' persist threads wait for it in the save's exchanges (over the persist's group, which the
+        stuck thread will never use again), and this thread joins them there with the failure."""
+        try:
+            self._persister.wait()
+        except CheckpointError as err:
+            update = getattr(err, "stalled", None)
+            if update is None or self._peers is None:
+                raise
+            with self._peers.phase(f"saving {checkpoint_name(update)}", end=False):
+                raise
 
     def close(self) -> None:
         """Wait for what is pending and for the deletions retention started (closing the Run calls it, on any
@@ -289,7 +305,8 @@ class Saver:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
-            self._stage.release()  # page-locked memory goes back once nothing reads it
+            if not self._persister.stuck:  # a persist thread left stuck may still read them: the process ends
+                self._stage.release()  # page-locked memory goes back once nothing reads it
             if self._froze and self._thaw:
                 gc.unfreeze()  # what became garbage meanwhile is collectable again, as the process left it
             self._froze = False
