@@ -19,7 +19,12 @@ import torch.distributed.checkpoint as dcp
 
 from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.commit import commit_checkpoint
-from torchrelay.checkpoint.inventory import inventory_entry, read_inventory, write_inventory
+from torchrelay.checkpoint.inventory import (
+    inventory_entry,
+    read_inventory,
+    validate_complete,
+    write_inventory,
+)
 from torchrelay.checkpoint.persist import HashingWriter
 from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.state import load_state, save_state
@@ -251,3 +256,24 @@ def test_without_libcrypto_the_persist_lists_no_states_and_the_resume_hashes_who
     ckpt, model, opt = _checkpoint(tmp_path)
     assert not any("parts" in e for e in read_inventory(ckpt)["files"])
     load_state(ckpt, rank=0, model=model, optimizer=opt, statefuls={}, verify=True)
+
+
+def test_the_inventory_check_verifies_files_in_parts_and_catches_a_forged_state_over_good_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate_complete (the deep status, export, the resume's check) checks a file listing states part by part,
+    many parts at once: a state that lies fails there too, not only in the resume."""
+    monkeypatch.setattr(sha256_parts, "PART_BYTES", MIB)
+    ckpt, _model, _opt = _checkpoint(tmp_path)
+    seen: list[int] = []
+    real = sha256_parts.check_part
+    monkeypatch.setattr(sha256_parts, "check_part", lambda d, i, *a: seen.append(i) or real(d, i, *a))
+    validate_complete(ckpt)
+    listed = [e for e in read_inventory(ckpt)["files"] if "parts" in e]
+    assert len(seen) == sum(len(e["parts"]["states"]) + 1 for e in listed)
+    doc = json.loads((ckpt / "COMPLETE.json").read_text())
+    i = next(i for i, e in enumerate(doc["files"]) if "parts" in e)
+    doc["files"][i]["parts"]["states"][0] = hashlib.sha256(b"lie").hexdigest()
+    (ckpt / "COMPLETE.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match=rf"{doc['files'][i]['path']} does not match its SHA-256"):
+        validate_complete(ckpt)

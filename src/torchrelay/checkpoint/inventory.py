@@ -15,8 +15,9 @@ from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.layout import LEDGER_PROOF, PREPARE_RECORD  # tolerated in a checkpoint
+from torchrelay.util import sha256_parts
 from torchrelay.util.durable import temp_prefix
-from torchrelay.util.hashing import sha256_many
+from torchrelay.util.hashing import default_jobs, sha256_many
 from torchrelay.util.records import read_json
 from torchrelay.util.safepath import check_relative
 from torchrelay.util.sha256_parts import MIN_PART_BYTES, part_count
@@ -214,9 +215,30 @@ def check_files(
             problems.append(FileProblem(rel, SIZE, size, item["size"]))
         elif hashes:
             to_hash.append((full, item))
-    digests = sha256_many(full for full, _ in to_hash if full.relative_to(root).as_posix() not in known)
+    # A file whose entry lists its SHA-256 states is checked in parts, many at once (the same proof: the parts'
+    # chain ends in its SHA-256); a forged state then fails here as it would fail the resume.
+    in_parts = (
+        [
+            (full, item)
+            for full, item in to_hash
+            if "parts" in item and full.relative_to(root).as_posix() not in known
+        ]
+        if sha256_parts.available()
+        else []
+    )
+    by_parts = sha256_parts.check_files(
+        [(f, e["size"], e["parts"]["bytes"], e["parts"]["states"], e["sha256"]) for f, e in in_parts],
+        default_jobs(),
+    )
+    digests = sha256_many(
+        full for full, _ in to_hash if full.relative_to(root).as_posix() not in known and full not in by_parts
+    )
     for full, item in to_hash:
         rel = full.relative_to(root).as_posix()
+        if full in by_parts:
+            if not by_parts[full]:
+                problems.append(FileProblem(rel, SHA256))
+            continue
         digest = known[rel][0] if rel in known else digests[full][0]
         if digest.lower() != item["sha256"].lower():
             problems.append(FileProblem(rel, SHA256))
