@@ -481,6 +481,8 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "PERSIST_STREAMS": persist,
     "BACKGROUND_NICE": host_stage,
     "SYNC_LOGS_IN_STALL": saver,
+    "SWITCH_INTERVAL_US": persist,
+    "SPILL_TO_DEVICE": host_stage,
 }
 
 
@@ -577,12 +579,16 @@ def _mark(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def persist_marks() -> Any:
     """Record when each step of a persist ran on its thread (the write, the small files, the inventory, the
     renames' fsyncs, retention, the logs' fsync): a slow update names the steps it overlapped."""
+    from torch.distributed.checkpoint import filesystem as dcp_filesystem
+
     from torchrelay.checkpoint import commit, dcp_save, writer_process
     from torchrelay.checkpoint.state import save as state_save
 
     steps = [
         (saver, "_sync_logs", "logs_fsync"),
+        (host_stage.HostStage, "finish_deferred", "finish_deferred"),
         (dcp_save.PlannedSave, "write", "dcp_write"),
+        (dcp_filesystem._FileSystemWriter, "finish", "dcp_metadata"),
         (writer_process.WriterProcess, "write", "writer_wait"),
         (state_save, "write_bytes", "small_file"),
         (commit, "_complete_entries", "entries"),
@@ -742,6 +748,8 @@ class Launch:
                 t0 = time.perf_counter()
                 self.saver.save(self.done)
                 info["stall_s"], info["t0"] = time.perf_counter() - t0, t0
+                # copies left to the persist (host_stage.SPILL_TO_DEVICE): buffers not obtained by this save
+                info["deferred"] = self.saver._stage.deferred
                 info["phases_ms"] = {k: round(v * 1e3, 2) for k, v in _PHASES.items()}
                 _PHASES = None
                 self.saves.append(info)
@@ -753,7 +761,9 @@ class Launch:
             last = now
             stage = self.saver._stage
             if self.reserve_ready_update is None and (
-                stage._reserving is None or not stage._reserving.is_alive()
+                (stage._reserving is None and not stage._pending and not stage.deferred)
+                if self.saves
+                else (stage._reserving is None or not stage._reserving.is_alive())
             ):
                 self.reserve_ready_update = self.done
             pending = [s for s in self.saves if s["update"] not in self.committed]

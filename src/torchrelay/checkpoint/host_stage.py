@@ -45,6 +45,15 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 # update over 1.1x, ready after 8 s for 14.5 GB (not within 12.4 s on a fresh VM, whose never-touched memory faults
 # in slower). A save asked for before that finishes the rest without pauses, in its stall.
 PIN_PACE = 10
+# A save asked for before the reservation is done: the tensors whose buffers are not obtained yet are copied on the
+# device into spare device memory (a clone: device-to-device, a few ms for gigabytes), and the persist thread obtains
+# their buffers (touched and registered, paced as the reservation is) and copies the clones into them, off the loop,
+# before it writes (`finish_deferred`). Without it, the save's stall obtained the rest itself: on a fresh H200 host
+# the first save at update 200 (16.5 s in) stalled 1.95x the copy (RESULTS.md, issue 22 round five). Only when the
+# device has the room, past SPILL_HEADROOM of its memory left free (the loop's own peak is already held by torch's
+# allocator, so the clones take memory the loop does not use); else, and off CUDA, the stall obtains them as before.
+SPILL_TO_DEVICE = True
+SPILL_HEADROOM = 0.05
 # Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
 # calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
 # the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
@@ -198,6 +207,17 @@ class HostStage:
         self._lock = threading.Lock()
         self._reserving: threading.Thread | None = None
         self._hurry = threading.Event()  # a save is waiting: no more pauses between registrations
+        self._stop = threading.Event()  # a save is waiting: the reservation ends after its current buffer
+        self._shapes: dict[
+            str, tuple[tuple[int, ...], torch.dtype, bool]
+        ] = {}  # what `reserve` was asked for
+        self._pending: set[str] = (
+            set()
+        )  # keys the reservation left (a save came first): obtained at their copy
+        self._spill_room: bool | None = None  # whether the device has room for the clones (asked once)
+        self._deferred: dict[
+            str, torch.Tensor
+        ] = {}  # key: its tensor's clone on the device (`finish_deferred`)
         self.allocated_bytes = 0
         self.unlocked = 0  # buffers of CUDA tensors CUDA would not page-lock (their copies are synchronous)
 
@@ -205,8 +225,22 @@ class HostStage:
     def _pinned(t: torch.Tensor) -> bool:
         return t.device.type == "cuda" and torch.cuda.is_available()
 
-    def _new(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, pace: bool) -> None:
-        """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it."""
+    def _pause(self, seconds: float) -> None:
+        """PIN_PACE's pause after a registration of `seconds`, cut short when a save waits."""
+        if not self._hurry.is_set():
+            self._hurry.wait((PIN_PACE - 1) * seconds)
+
+    def _new(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pinned: bool,
+        pace: bool,
+        defer: bool = False,
+    ) -> None:
+        """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it. `defer`: a large
+        buffer's mapping only, untouched and pageable (`finish_deferred` touches and registers it)."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         locked: _Locked | None = None
         small: bool | None = None
@@ -218,27 +252,29 @@ class HostStage:
             buf = flat.view(dtype).view(shape)
         elif self.shared:
             locked = _Locked(nbytes, shared=True)
-            touch_shared(locked.tensor)
-            if pinned:
+            if not defer:
+                touch_shared(locked.tensor)
+            if pinned and not defer:
                 t0 = time.perf_counter()
                 if not locked.register():
                     self.unlocked += 1
-                if pace and not self._hurry.is_set():
-                    self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+                if pace:
+                    self._pause(time.perf_counter() - t0)
             buf = locked.tensor.view(dtype).view(shape)
         elif pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
             t0 = time.perf_counter()
             buf = torch.empty(shape, dtype=dtype, pin_memory=True)
-            if pace and not self._hurry.is_set():
-                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+            if pace:
+                self._pause(time.perf_counter() - t0)
         elif pinned:
             locked = _Locked(nbytes)
-            touch(locked.tensor)
-            t0 = time.perf_counter()
-            if not locked.register():
-                self.unlocked += 1
-            if pace and not self._hurry.is_set():
-                self._hurry.wait((PIN_PACE - 1) * (time.perf_counter() - t0))
+            if not defer:
+                touch(locked.tensor)
+                t0 = time.perf_counter()
+                if not locked.register():
+                    self.unlocked += 1
+                if pace:
+                    self._pause(time.perf_counter() - t0)
             buf = locked.tensor[:nbytes].view(dtype).view(shape)
         else:
             buf = torch.empty(shape, dtype=dtype)
@@ -267,9 +303,14 @@ class HostStage:
         """Allocate the buffers of `shapes` ({key: (shape, dtype, pinned)}) on a background thread, paced so
         that no update of the loop waits for it; `copy` waits for what is left."""
 
+        self._shapes = dict(shapes)
+        self._stop.clear()
+
         def allocate() -> None:
             lower_priority()
             for key, (shape, dtype, pinned) in shapes.items():
+                if self._stop.is_set():
+                    return
                 buf = self._bufs.get(key)
                 if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
                     self._new(key, tuple(shape), dtype, pinned, pace=True)
@@ -277,15 +318,101 @@ class HostStage:
         self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
         self._reserving.start()
 
+    def _end_reservation(self) -> None:
+        """A save is here: the reservation thread ends after the buffer it is on (SPILL_TO_DEVICE: the rest is
+        left to the save's copies, `_pending`), or obtains the rest without pauses."""
+        if self._reserving is None:
+            return
+        if SPILL_TO_DEVICE and torch.cuda.is_available() and any(p for _, _, p in self._shapes.values()):
+            self._stop.set()  # else (nothing could be cloned on a device) the reservation finishes it all
+        self._hurry.set()
+        self._reserving.join()
+        self._reserving = None
+        self._hurry.clear()  # `finish_deferred` pauses as the reservation did
+        with self._lock:
+            self._pending = {
+                k
+                for k, (shape, dtype, _) in self._shapes.items()
+                if (b := self._bufs.get(k)) is None or tuple(b.shape) != tuple(shape) or b.dtype != dtype
+            }
+
+    def _room_for(self, device: torch.device) -> bool:
+        """Whether the device holds the clones of every pending CUDA tensor with SPILL_HEADROOM of it left free."""
+        need = 0
+        for key in self._pending:
+            shape, dtype, pinned = self._shapes[key]
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if pinned and nbytes >= PIN_MIN_BYTES:
+                need += nbytes
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+        except RuntimeError:
+            return False
+        return need + SPILL_HEADROOM * total <= free
+
+    def _spill(self, key: str, src: torch.Tensor) -> torch.Tensor | None:
+        """A pending key's copy left to the persist (see SPILL_TO_DEVICE): its buffer's mapping and a clone of
+        `src` on the device; None where that cannot be had (the copy then obtains its buffer now)."""
+        self._pending.discard(key)
+        nbytes = src.numel() * src.element_size()
+        if not (SPILL_TO_DEVICE and self._pinned(src)) or nbytes < PIN_MIN_BYTES:
+            return None
+        if self._spill_room is None:
+            self._spill_room = self._room_for(src.device)
+        if not self._spill_room:
+            return None
+        try:
+            clone = src.clone()
+        except torch.cuda.OutOfMemoryError:
+            self._spill_room = False
+            return None
+        self._new(key, tuple(src.shape), src.dtype, True, pace=False, defer=True)
+        self._deferred[key] = clone
+        return self._bufs[key]
+
+    @property
+    def deferred(self) -> int:
+        """How many copies wait for `finish_deferred`."""
+        return len(self._deferred)
+
+    def finish_deferred(self) -> None:
+        """Obtain the buffers a save left to the persist (touched, then registered with PIN_PACE's pauses, as the
+        reservation does) and copy each tensor's clone into its own, on a stream of this thread's; then drop the
+        clones. On the persist thread, before a byte is written; once the copies have landed."""
+        deferred = dict(self._deferred)  # `deferred` stays counted until every copy landed
+        if not deferred:
+            return
+        device = next(iter(deferred.values())).device
+        stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(stream):
+            for key, clone in deferred.items():
+                locked = self._locked[key]
+                if locked.fd is not None:
+                    touch_shared(locked.tensor)
+                else:
+                    touch(locked.tensor)
+                t0 = time.perf_counter()
+                if not locked.register():
+                    self.unlocked += 1
+                self._pause(time.perf_counter() - t0)
+                self._bufs[key].copy_(clone, non_blocking=locked.registered)
+            stream.synchronize()
+        self._deferred.clear()  # the clones' memory goes back to torch's allocator once every copy from it is done
+        deferred.clear()
+
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it)."""
-        if self._reserving is not None:
-            self._hurry.set()
-            self._reserving.join()
-            self._reserving = None
+        """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it). A key
+        the reservation did not reach yet may be left to the persist (SPILL_TO_DEVICE): the buffer returned then
+        holds its values only after `finish_deferred`."""
+        self._end_reservation()
         if _is_dtensor(t):
             return dtensor_like(self.copy(key, dtensor_local(t)), t)
         src = t.detach()
+        if key in self._pending:
+            spare = self._spill(key, src)
+            if spare is not None:
+                return spare
+        self._deferred.pop(key, None)  # a clone a failed persist left is not this save's
         buf = self._buffer(key, src)
         locked = self._locked.get(key)
         if locked is not None:
@@ -320,10 +447,9 @@ class HostStage:
     def release(self) -> None:
         """Unlock and drop every buffer (once nothing reads them: after the last persist); a later copy
         allocates again."""
-        if self._reserving is not None:
-            self._hurry.set()
-            self._reserving.join()
-            self._reserving = None
+        self._end_reservation()
+        self._deferred.clear()
+        self._pending.clear()
         with self._lock:
             for locked in self._locked.values():
                 locked.release()

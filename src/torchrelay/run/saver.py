@@ -16,6 +16,7 @@ import gc
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import state as ckpt_state
@@ -240,14 +241,20 @@ class Saver:
             _sync_logs(unsynced)
             unsynced = []
 
+        def write(tmp: Path, hook: Any) -> Any:
+            # copies a save before the buffers were all obtained left to the persist (host_stage.SPILL_TO_DEVICE):
+            # inside the commit protocol, whose failures reach every rank
+            self._stage.finish_deferred()
+            return ckpt_state.write_snapshot(
+                snap, tmp, kill_hook=hook, group=group, background=background, process=process
+            )
+
         def persist() -> None:
             _sync_logs(unsynced)
             _, seconds = commit_checkpoint(
                 self._run_dir,
                 update,
-                lambda tmp, hook: ckpt_state.write_snapshot(
-                    snap, tmp, kill_hook=hook, group=group, background=background, process=process
-                ),
+                write,
                 rank=self._rank,
                 world_size=self._world_size,
                 info=info,

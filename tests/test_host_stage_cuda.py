@@ -1,0 +1,126 @@
+"""The host buffers of CUDA tensors (checkpoint/host_stage.py), where a GPU is: a save that comes before the
+reservation obtained every buffer leaves the rest to the persist (clones on the device, SPILL_TO_DEVICE), and what
+the persist then writes is the state at the save, not the state after it. Skipped without CUDA (the CPU VM); run
+on the GPU machine (`PYTHONPATH=src python -m pytest tests/test_host_stage_cuda.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchrelay.checkpoint import host_stage
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _live(n: int = 24, numel: int = 1 << 20) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    live = {f"w{i}": torch.randn(numel, device="cuda", generator=gen) for i in range(n)}
+    live["bias"] = torch.randn(300, device="cuda", generator=gen)  # under PIN_MIN_BYTES: never deferred
+    live["t"] = torch.randn(64, 4096, device="cuda", generator=gen).t()  # not contiguous
+    return live
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_a_save_before_the_buffers_copies_the_state_at_the_save(shared: bool) -> None:
+    """The reservation is paced (PIN_PACE), so a copy right after it starts finds most buffers missing: those are
+    cloned on the device, the live tensors then change (the loop goes on), and `finish_deferred` still puts the
+    values of the save's moment into page-locked buffers."""
+    live = _live()
+    want = {k: v.cpu() for k, v in live.items()}
+    stage = host_stage.HostStage(shared=shared)
+    shapes: dict[str, Any] = {}
+    host_stage.shapes_of("s", live, shapes)
+    stage.reserve(shapes)
+    copies = stage.copy_tree("s", live)
+    stage.synchronize()
+    deferred = stage.deferred
+    assert deferred > 0, "the reservation obtained every buffer before the save: nothing was deferred"
+    for v in live.values():
+        v.add_(1.0)  # the next update
+    torch.cuda.synchronize()
+    stage.finish_deferred()
+    assert stage.deferred == 0
+    for k in want:
+        assert torch.equal(copies[k], want[k]), k
+    locked = [stage._locked[f"s/{k}"] for k in live if f"s/{k}" in stage._locked]
+    assert locked and all(lk.registered for lk in locked)
+    # the next save copies into the same buffers, with nothing deferred
+    again = stage.copy_tree("s", live)
+    stage.synchronize()
+    assert stage.deferred == 0
+    for k in want:
+        assert again[k].data_ptr() == copies[k].data_ptr() and torch.equal(again[k], want[k] + 1.0), k
+    stage.release()
+
+
+def test_without_room_on_the_device_the_stall_obtains_the_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPILL_HEADROOM of the whole device: no clone fits, and the copies are exact, nothing left to the persist."""
+    monkeypatch.setattr(host_stage, "SPILL_HEADROOM", 1.0)
+    live = _live(8)
+    stage = host_stage.HostStage(shared=True)
+    shapes: dict[str, Any] = {}
+    host_stage.shapes_of("s", live, shapes)
+    stage.reserve(shapes)
+    copies = stage.copy_tree("s", live)
+    stage.synchronize()
+    assert stage.deferred == 0
+    assert all(torch.equal(copies[k], live[k].cpu()) for k in live)
+    stage.release()
+
+
+def test_a_loop_saving_before_its_buffers_resumes_exactly(tmp_path: Path) -> None:
+    """A real Run on the GPU: the first save at update 2 (the reservation started after update 2's due()),
+    the model trained on; a resume from that checkpoint holds the state of update 2, bit for bit."""
+    import os
+
+    import torch.distributed as dist
+
+    import torchrelay as tr
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29611")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        manifest = tmp_path / "manifest.jsonl"
+        manifest.write_text("".join(f'{{"id": "{i}"}}\n' for i in range(64)))
+        cfg = tr.RelayConfig(
+            seed=0, micro_batch=1, total_updates=50, save_every=3, manifest=str(manifest), keep=2
+        )
+
+        def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)]).cuda()
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        model, opt = build()
+        run = tr.Run.open(tmp_path / "run", cfg, code_dir=tmp_path)
+        run.track(model=model, optimizer=opt)
+        saver = run._saver
+        at_save: dict[str, torch.Tensor] = {}
+        deferred = 0
+        for done in range(1, 6):
+            opt.zero_grad()
+            model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+            opt.step()
+            if saver.due(done):
+                saver.save(done)
+                deferred = saver._stage.deferred
+                at_save = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        saver.wait()
+        assert deferred > 0, "the buffers were all obtained by update 3: nothing deferred"
+        run._end_segment(5)
+        saver.close()
+        model2, opt2 = build()
+        run2 = tr.Run.open(tmp_path / "run", cfg, code_dir=tmp_path)
+        run2.track(model=model2, optimizer=opt2)
+        assert run2.start_update == 3
+        got = {k: v.detach().cpu() for k, v in model2.state_dict().items()}
+        assert got.keys() == at_save.keys() and all(torch.equal(got[k], at_save[k]) for k in got)
+        run2._end_segment(3)
+        run2._saver.close()
+    finally:
+        dist.destroy_process_group()
