@@ -760,11 +760,7 @@ class Launch:
             self.kind.append(kind)
             last = now
             stage = self.saver._stage
-            if self.reserve_ready_update is None and (
-                (stage._reserving is None and not stage._pending and not stage.deferred)
-                if self.saves
-                else (stage._reserving is None or not stage._reserving.is_alive())
-            ):
+            if self.reserve_ready_update is None and self.saver._reserved and stage.ready:
                 self.reserve_ready_update = self.done
             pending = [s for s in self.saves if s["update"] not in self.committed]
             if pending and not self.saver.persisting:
@@ -781,7 +777,8 @@ class Launch:
         plain = [(i, r) for i, (r, k) in enumerate(zip(ratios, self.kind, strict=True)) if k != "save"]
         saves = []
         ends = [s["at"] for s in self.saves[1:]] + [len(ratios)]
-        for s, end in zip(self.saves, ends, strict=True):
+        t0s = [s["t0"] for s in self.saves[1:]] + [float("inf")]
+        for s, end, nxt in zip(self.saves, ends, t0s, strict=True):
             i = s["at"]
             during = [ratios[j] for j in range(i + 1, end) if self.kind[j] == "persist"]
             done_s = self.committed.get(s["update"], float("nan"))
@@ -798,6 +795,14 @@ class Launch:
                     "over_1_1x_during_persist": sum(r > 1.1 for r in during),
                     "around": [round(r, 3) for r in ratios[max(0, i - 2) : i + 12]],
                     "phases_ms": s.get("phases_ms"),
+                    "deferred": s.get("deferred"),
+                    # the persist's copies of them into their buffers, once obtained (HostStage.finish_deferred)
+                    "finish_deferred_s": round(
+                        sum(
+                            e - b for name, b, e in _MARKS if name == "finish_deferred" and s["t0"] <= b < nxt
+                        ),
+                        4,
+                    ),
                     "cached_gb": s.get("Cached"),
                     "dirty_gb": s.get("Dirty"),
                     "writeback_gb": s.get("Writeback"),
@@ -841,6 +846,7 @@ class Launch:
             "lost_s": lost,
             "lost_vs_saves_x_copy": lost / (len(self.saves) * floor_copy) if self.saves else float("nan"),
             "saves": saves,
+            "ratios": [round(r, 3) for r in ratios],  # every update, x the median
         }
 
 

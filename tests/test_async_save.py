@@ -134,9 +134,9 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     nice: list[int] = []
 
     class Watched(host_stage.HostStage):
-        def _new(self, key: str, *args: Any, **kwargs: Any) -> None:
+        def _make(self, *args: Any, **kwargs: Any) -> Any:
             nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            super()._new(key, *args, **kwargs)
+            return super()._make(*args, **kwargs)
 
     stage = Watched()
     live = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int64), "s": torch.tensor(2.5)}

@@ -194,6 +194,16 @@ class SharedMap:
         self.key, self.fd, self.size, self.base = key, fd, size, base
 
 
+Spec = tuple[tuple[int, ...], torch.dtype, bool]  # a buffer's kind: shape, dtype, page-locked
+
+
+class _Entry:
+    """One obtained buffer: the tensor, its own mapping (if any), whether a slab's is page-locked (if cut from one)."""
+
+    def __init__(self, buf: torch.Tensor, locked: _Locked | None, small: bool | None, nbytes: int) -> None:
+        self.buf, self.locked, self.small, self.nbytes = buf, locked, small, nbytes
+
+
 class HostStage:
     """Host copies of a state's tensors in buffers allocated once and reused by every save. `shared`: every
     buffer lives in a memfd mapping (`shared_maps`) that a writer process can map too."""
@@ -208,13 +218,12 @@ class HostStage:
         self._reserving: threading.Thread | None = None
         self._hurry = threading.Event()  # a save is waiting: no more pauses between registrations
         self._stop = threading.Event()  # a save is waiting: the reservation ends after its current buffer
-        self._shapes: dict[
-            str, tuple[tuple[int, ...], torch.dtype, bool]
-        ] = {}  # what `reserve` was asked for
-        self._pending: set[str] = (
-            set()
-        )  # keys the reservation left (a save came first): obtained at their copy
-        self._spill_room: bool | None = None  # whether the device has room for the clones (asked once)
+        # Buffers the reservation obtained, by (shape, dtype, pinned), not yet given to a key: a copy takes one of
+        # its tensor's kind. Kinds, not names: the names a save copies under (DCP's, a rank's own tensors under
+        # per_rank) are known only at the save, and asking DCP for them cost the loop 6-11 ms (RESULTS.md).
+        self._pool: dict[Spec, list[_Entry]] = {}
+        self._todo: list[Spec] = []  # what the reservation has still to obtain (a save may cut it short)
+        self._room: int | None = None  # device bytes the clones of this save may still take (SPILL_TO_DEVICE)
         self._deferred: dict[
             str, torch.Tensor
         ] = {}  # key: its tensor's clone on the device (`finish_deferred`)
@@ -230,17 +239,10 @@ class HostStage:
         if not self._hurry.is_set():
             self._hurry.wait((PIN_PACE - 1) * seconds)
 
-    def _new(
-        self,
-        key: str,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        pinned: bool,
-        pace: bool,
-        defer: bool = False,
-    ) -> None:
-        """Allocate, touch and (for a CUDA tensor) page-lock key's buffer, then publish it. `defer`: a large
-        buffer's mapping only, untouched and pageable (`finish_deferred` touches and registers it)."""
+    def _make(self, spec: Spec, pace: bool, defer: bool = False) -> _Entry:
+        """Allocate, touch and (for a CUDA tensor) page-lock one buffer of `spec`. `defer`: a large buffer's
+        mapping only, untouched and pageable (`finish_deferred` touches and registers it)."""
+        shape, dtype, pinned = spec
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         locked: _Locked | None = None
         small: bool | None = None
@@ -250,125 +252,125 @@ class HostStage:
             with self._lock:
                 flat, small = self._slabs.take(nbytes, pinned)
             buf = flat.view(dtype).view(shape)
-        elif self.shared:
-            locked = _Locked(nbytes, shared=True)
+        elif self.shared or (pinned and PIN_BY_REGISTER and nbytes >= PIN_MIN_BYTES):
+            locked = _Locked(nbytes, shared=self.shared)
             if not defer:
-                touch_shared(locked.tensor)
+                (touch_shared if self.shared else touch)(locked.tensor)
             if pinned and not defer:
                 t0 = time.perf_counter()
                 if not locked.register():
                     self.unlocked += 1
                 if pace:
                     self._pause(time.perf_counter() - t0)
-            buf = locked.tensor.view(dtype).view(shape)
-        elif pinned and (not PIN_BY_REGISTER or nbytes < PIN_MIN_BYTES):
+            buf = locked.tensor[:nbytes].view(dtype).view(shape)
+        elif pinned:
             t0 = time.perf_counter()
             buf = torch.empty(shape, dtype=dtype, pin_memory=True)
             if pace:
                 self._pause(time.perf_counter() - t0)
-        elif pinned:
-            locked = _Locked(nbytes)
-            if not defer:
-                touch(locked.tensor)
-                t0 = time.perf_counter()
-                if not locked.register():
-                    self.unlocked += 1
-                if pace:
-                    self._pause(time.perf_counter() - t0)
-            buf = locked.tensor[:nbytes].view(dtype).view(shape)
         else:
             buf = torch.empty(shape, dtype=dtype)
             # the first touch of each page (a fault per page) happens here, not in the copy
             buf.view(-1).view(torch.uint8)[::_PAGE].fill_(0)
+        return _Entry(buf, locked, small, nbytes)
+
+    def _publish(self, key: str, entry: _Entry, *, counted: bool = False) -> torch.Tensor:
+        """Make `entry` key's buffer (the one it had is given back); its bytes are counted unless `counted`."""
         with self._lock:
             old = self._locked.pop(key, None)
             if old is not None:
                 old.release()
             self._small.pop(key, None)
-            if locked is not None:
-                self._locked[key] = locked
-            if small is not None:
-                self._small[key] = small
-            self._bufs[key] = buf
-            self.allocated_bytes += nbytes
+            if entry.locked is not None:
+                self._locked[key] = entry.locked
+            if entry.small is not None:
+                self._small[key] = entry.small
+            self._bufs[key] = entry.buf
+            if not counted:
+                self.allocated_bytes += entry.nbytes
+        return entry.buf
 
-    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor | None:
+        """key's buffer for `t`: its own, else one of the pool's of t's kind, else None."""
         buf = self._bufs.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            self._new(key, tuple(t.shape), t.dtype, self._pinned(t), pace=False)
-            buf = self._bufs[key]
-        return buf
+        if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+            return buf
+        spec = (tuple(t.shape), t.dtype, self._pinned(t))
+        with self._lock:
+            free = self._pool.get(spec)
+            entry = free.pop() if free else None
+        return None if entry is None else self._publish(key, entry, counted=True)
 
-    def reserve(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
-        """Allocate the buffers of `shapes` ({key: (shape, dtype, pinned)}) on a background thread, paced so
-        that no update of the loop waits for it; `copy` waits for what is left."""
-
-        self._shapes = dict(shapes)
+    def reserve(self, specs: Any) -> None:
+        """Allocate buffers for tensors of `specs` ((shape, dtype, pinned) each, or {key: spec}) on a background
+        thread, paced so that no update of the loop waits for it; a copy takes one of its tensor's kind."""
+        todo = [
+            (tuple(shape), dtype, bool(pinned))
+            for shape, dtype, pinned in (specs.values() if isinstance(specs, dict) else specs)
+        ]
+        self._todo = list(todo)
         self._stop.clear()
+        self._hurry.clear()
 
         def allocate() -> None:
             lower_priority()
-            for key, (shape, dtype, pinned) in shapes.items():
+            for spec in todo:
                 if self._stop.is_set():
                     return
-                buf = self._bufs.get(key)
-                if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
-                    self._new(key, tuple(shape), dtype, pinned, pace=True)
+                entry = self._make(spec, pace=True)
+                with self._lock:
+                    self._pool.setdefault(spec, []).append(entry)
+                    self.allocated_bytes += entry.nbytes
+                    self._todo.remove(spec)
 
         self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
         self._reserving.start()
 
+    @property
+    def ready(self) -> bool:
+        """Whether no buffer is being obtained: the reservation ended (or never began), nothing deferred."""
+        thread = self._reserving
+        return (thread is None or not thread.is_alive()) and not self._deferred
+
     def _end_reservation(self) -> None:
-        """A save is here: the reservation thread ends after the buffer it is on (SPILL_TO_DEVICE: the rest is
-        left to the save's copies, `_pending`), or obtains the rest without pauses."""
+        """A save is here: the reservation thread ends after the buffer it is on where its copies could be left
+        to the persist (SPILL_TO_DEVICE: CUDA tensors), else it obtains the rest without pauses."""
         if self._reserving is None:
             return
-        if SPILL_TO_DEVICE and torch.cuda.is_available() and any(p for _, _, p in self._shapes.values()):
-            self._stop.set()  # else (nothing could be cloned on a device) the reservation finishes it all
+        if SPILL_TO_DEVICE and torch.cuda.is_available() and any(p for _, _, p in self._todo):
+            self._stop.set()
         self._hurry.set()
         self._reserving.join()
         self._reserving = None
         self._hurry.clear()  # `finish_deferred` pauses as the reservation did
-        with self._lock:
-            self._pending = {
-                k
-                for k, (shape, dtype, _) in self._shapes.items()
-                if (b := self._bufs.get(k)) is None or tuple(b.shape) != tuple(shape) or b.dtype != dtype
-            }
-
-    def _room_for(self, device: torch.device) -> bool:
-        """Whether the device holds the clones of every pending CUDA tensor with SPILL_HEADROOM of it left free."""
-        need = 0
-        for key in self._pending:
-            shape, dtype, pinned = self._shapes[key]
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if pinned and nbytes >= PIN_MIN_BYTES:
-                need += nbytes
-        try:
-            free, total = torch.cuda.mem_get_info(device)
-        except RuntimeError:
-            return False
-        return need + SPILL_HEADROOM * total <= free
+        self._room = None  # asked again at this save's first clone
 
     def _spill(self, key: str, src: torch.Tensor) -> torch.Tensor | None:
-        """A pending key's copy left to the persist (see SPILL_TO_DEVICE): its buffer's mapping and a clone of
-        `src` on the device; None where that cannot be had (the copy then obtains its buffer now)."""
-        self._pending.discard(key)
+        """key's copy left to the persist (see SPILL_TO_DEVICE): its buffer's mapping and a clone of `src` on
+        the device; None where that cannot be had (the copy then obtains its buffer now)."""
         nbytes = src.numel() * src.element_size()
-        if not (SPILL_TO_DEVICE and self._pinned(src)) or nbytes < PIN_MIN_BYTES:
+        if (
+            not (SPILL_TO_DEVICE and self._pinned(src) and (self.shared or PIN_BY_REGISTER))
+            or nbytes < PIN_MIN_BYTES
+        ):
             return None
-        if self._spill_room is None:
-            self._spill_room = self._room_for(src.device)
-        if not self._spill_room:
+        if self._room is None:
+            try:
+                free, total = torch.cuda.mem_get_info(src.device)
+            except RuntimeError:
+                free, total = 0, 1
+            self._room = int(free - SPILL_HEADROOM * total)
+        if nbytes > self._room:
             return None
         try:
             clone = src.clone()
         except torch.cuda.OutOfMemoryError:
-            self._spill_room = False
+            self._room = 0
             return None
-        self._new(key, tuple(src.shape), src.dtype, True, pace=False, defer=True)
+        self._room -= nbytes
+        buf = self._publish(key, self._make((tuple(src.shape), src.dtype, True), pace=False, defer=True))
         self._deferred[key] = clone
-        return self._bufs[key]
+        return buf
 
     @property
     def deferred(self) -> int:
@@ -387,10 +389,7 @@ class HostStage:
         with torch.cuda.stream(stream):
             for key, clone in deferred.items():
                 locked = self._locked[key]
-                if locked.fd is not None:
-                    touch_shared(locked.tensor)
-                else:
-                    touch(locked.tensor)
+                (touch_shared if locked.fd is not None else touch)(locked.tensor)
                 t0 = time.perf_counter()
                 if not locked.register():
                     self.unlocked += 1
@@ -401,19 +400,21 @@ class HostStage:
         deferred.clear()
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it). A key
-        the reservation did not reach yet may be left to the persist (SPILL_TO_DEVICE): the buffer returned then
-        holds its values only after `finish_deferred`."""
+        """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it). A tensor
+        with no buffer yet may be left to the persist (SPILL_TO_DEVICE): the buffer returned then holds its values
+        only after `finish_deferred`."""
         self._end_reservation()
         if _is_dtensor(t):
             return dtensor_like(self.copy(key, dtensor_local(t)), t)
         src = t.detach()
-        if key in self._pending:
+        self._deferred.pop(key, None)  # a clone a failed persist left is not this save's
+        buf = self._buffer(key, src)
+        if buf is None:
             spare = self._spill(key, src)
             if spare is not None:
                 return spare
-        self._deferred.pop(key, None)  # a clone a failed persist left is not this save's
-        buf = self._buffer(key, src)
+            pinned = self._pinned(src)
+            buf = self._publish(key, self._make((tuple(src.shape), src.dtype, pinned), pace=False))
         locked = self._locked.get(key)
         if locked is not None:
             page_locked = locked.registered
@@ -449,11 +450,16 @@ class HostStage:
         allocates again."""
         self._end_reservation()
         self._deferred.clear()
-        self._pending.clear()
         with self._lock:
             for locked in self._locked.values():
                 locked.release()
             self._locked.clear()
+            for entries in self._pool.values():
+                for entry in entries:
+                    if entry.locked is not None:
+                        entry.locked.release()
+            self._pool.clear()
+            self._todo = []
             self._slabs.release()
             self._small.clear()
             self._bufs.clear()

@@ -130,15 +130,20 @@ def capture_state(
 def reserve(
     stage: HostStage, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, rank: int
 ) -> None:
-    """Start allocating the host buffers a save of this model and optimizer will copy into (background)."""
+    """Start allocating the host buffers a save of this model and optimizer will copy into (background): one for
+    each tensor of the model's state dict and of the optimizer's state, by kind (shape, dtype, device), never by
+    DCP's name (get_state_dict took 4-7 ms of the loop's update on the H200 host, its document 4 more)."""
     if model is None or ds_engine.is_engine(model):  # an engine writes its own files (save_state)
         return
-    msd, osd = get_state_dict(model, optimizer or [], options=STATE_DICT_OPTIONS)
-    otensors = split_optimizer(osd)[0] if optimizer is not None else {}
-    doc, _ = dcp_document(msd, otensors, {"model": [], "optim": [], "statefuls": []}, rank)
-    shapes: dict[str, Any] = {}
-    shapes_of("dcp", doc, shapes)
-    stage.reserve(shapes)
+    tensors = [t for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            if isinstance(per_param, dict):
+                tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
+    specs: dict[str, Any] = {}
+    for i, t in enumerate(tensors):
+        shapes_of(str(i), t, specs)  # a DTensor's local shard
+    stage.reserve(list(specs.values()))
 
 
 def write_snapshot(
