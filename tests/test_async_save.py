@@ -155,6 +155,36 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     assert locked.tensor.untyped_storage().size() == 3 * 4096 + 12 and locked.size == 4 * 4096
 
 
+def test_buffers_are_reserved_by_kind_and_taken_under_any_name() -> None:
+    """The reservation knows only the tensors' kinds (shape, dtype, device): a save's copies under whatever names
+    DCP gives them (a rank's own tensors under per_rank/<r>) take a reserved buffer of their kind, none is obtained
+    in the stall; a kind that was not reserved is obtained at its copy, and exact."""
+    made: list[str] = []
+
+    class Watched(host_stage.HostStage):
+        def _make(self, *args: Any, **kwargs: Any) -> Any:
+            made.append(threading.current_thread().name)
+            return super()._make(*args, **kwargs)
+
+    stage = Watched()
+    live = [torch.randn(64, 32), torch.randn(64, 32), torch.arange(7, dtype=torch.int64)]
+    stage.reserve([(tuple(t.shape), t.dtype, False) for t in live])
+    assert stage._reserving is not None
+    stage._reserving.join()
+    assert stage.ready and made == ["torchrelay-reserve"] * 3
+    copies = {f"dcp/per_rank/1/x{i}": stage.copy(f"dcp/per_rank/1/x{i}", t) for i, t in enumerate(live)}
+    assert made == ["torchrelay-reserve"] * 3, "a copy obtained a buffer the reservation had"
+    assert all(torch.equal(c, t) for c, t in zip(copies.values(), live, strict=True))
+    assert len({c.data_ptr() for c in copies.values()}) == 3
+    other = stage.copy("dcp/new", torch.ones(5, dtype=torch.float64))
+    assert made[-1] == threading.current_thread().name and bool((other == 1).all())
+    again = stage.copy("dcp/per_rank/1/x0", live[0] * 2)
+    assert again.data_ptr() == copies["dcp/per_rank/1/x0"].data_ptr() and torch.equal(again, live[0] * 2)
+    assert stage.allocated_bytes == 2 * 64 * 32 * 4 + 7 * 8 + 5 * 8
+    stage.release()
+    assert stage.allocated_bytes == 0 and not stage._pool and not stage._bufs
+
+
 def test_a_resume_verifies_each_file_as_it_reads_it(example: dict[str, Path], tmp_path: Path) -> None:
     """Run.open checks names and sizes; run.track hashes every file while loading it and refuses a flipped byte,
     naming the file, before the loop starts (a damaged small file too)."""
