@@ -144,6 +144,12 @@ def main() -> None:
         f"({', '.join(LAUNCH_KNOBS)}), e.g. 'before:6:TOUCH_WITHOUT_GIL=0,DROP_AFTER_FSYNC=0' (repeatable)",
     )
     ap.add_argument(
+        "--first-probe",
+        type=float,
+        default=0.0,
+        help="before the first launch: the loop alone after this many seconds idle (after the floors)",
+    )
+    ap.add_argument(
         "--plain-probe",
         type=float,
         default=0.0,
@@ -342,6 +348,9 @@ def main() -> None:
     # began after the buffers existed, and missed the 6-8 s the second update of a launch waited for them).
     from torchrelay.checkpoint.commit import wait_deletions
 
+    if args.first_probe:  # the loop alone right after the floors (a GPU idle that long): update 1's own cost
+        out["first_probe"] = plain_probe(update, dev, args.first_probe)
+        print(f"[bench] plain loop before the launches: {json.dumps(out['first_probe'])}", flush=True)
     out["launches"] = {}
     for spec in args.launch:  # each a fresh Run: its buffers reserved again, its own knobs
         name, n_saves, knobs = parse_launch(spec)
