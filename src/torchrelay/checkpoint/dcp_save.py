@@ -74,8 +74,18 @@ class PlannedSave:
         ranks = self._ranks
         self._prepared = (
             process,
-            process.prepare(self._planner, self._plan, rank=ranks.rank, coordinator=ranks.coordinator),
+            process.prepare(
+                self._planner,
+                self._plan,
+                rank=ranks.rank,
+                coordinator=ranks.coordinator,
+                metadata=self._alone_md(),
+            ),
         )
+
+    def _alone_md(self) -> Metadata | None:
+        """The metadata a writer process finishes itself: with one rank its results are all the metadata needs."""
+        return self._metadata if self._ranks.alone and self._ranks.coordinator else None
 
     def write(
         self,
@@ -103,6 +113,7 @@ class PlannedSave:
                     rank=ranks.rank,
                     coordinator=ranks.coordinator,
                     prepared=prepared,
+                    metadata=self._alone_md(),
                 )
             writer.fs.mkdir(writer.path)
             writes = writer.write_data(self._plan, self._planner)
@@ -111,6 +122,8 @@ class PlannedSave:
 
         def finish(results: list[list[Any]]) -> None:
             assert self._metadata is not None  # the coordinator's, from the global plan
+            if process is not None and process.finished:
+                return  # the writer process wrote `.metadata` (one rank: WriterProcess.write)
             writer.finish(metadata=self._metadata, results=results)
 
         self._ranks.all_reduce("the write", write_local, finish)

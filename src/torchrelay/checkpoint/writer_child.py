@@ -96,7 +96,7 @@ def _heartbeat(sock: socket.socket, writer: HashingWriter, every: float, done: t
 
 def _write(
     sock: socket.socket, job: dict[str, Any], maps: dict[int, mmap.mmap]
-) -> tuple[list[Any], dict[str, tuple[str, int]]]:
+) -> tuple[list[Any], dict[str, tuple[str, int]], bool]:
     digests: dict[str, tuple[str, int]] = {}
     job = {**job, **pickle.loads(job["payload"])}  # noqa: S301 - the parent's own job (WriterProcess.prepare)
     writer = HashingWriter(Path(job["directory"]), digests, background=True)
@@ -115,12 +115,16 @@ def _write(
             time.sleep(0.01)
         writes = writer.write_data(job["plan"], _Resolved(job["items"], maps))
         writes.wait()
+        if (
+            job.get("metadata") is not None
+        ):  # one rank: its results are the save's, and `.metadata` is written here
+            writer.finish(metadata=job["metadata"], results=[list(writes.value())])
     finally:
         done.set()
         beat.join()  # its last word is sent before the answer: one sender on the socket at a time
     if job["die"]:  # crash tests only (kill_points.WRITER): dead with its files written, before it answers
         os.kill(os.getpid(), signal.SIGKILL)
-    return list(writes.value()), digests
+    return list(writes.value()), digests, job.get("metadata") is not None
 
 
 def main(argv: list[str]) -> int:
@@ -150,11 +154,11 @@ def main(argv: list[str]) -> int:
             _update_maps(sock, maps, msg[1], msg[2])
             continue
         try:
-            results, digests = _write(sock, msg[1], maps)
+            results, digests, finished = _write(sock, msg[1], maps)
         except Exception as exc:  # noqa: BLE001 - one line to the parent, which raises it as a CheckpointError
             send_msg(sock, ("error", f"{type(exc).__name__}: {exc}"))
         else:
-            send_msg(sock, ("done", results, digests))
+            send_msg(sock, ("done", results, digests, finished))
 
 
 if __name__ == "__main__":

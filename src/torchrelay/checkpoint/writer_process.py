@@ -170,6 +170,7 @@ class WriterProcess:
         self.die = False
         # crash tests only (kill_points.STALL): the next job's writer SIGSTOPs itself once its first piece is written
         self.stall = False
+        self.finished = False  # the last job's writer wrote the save's `.metadata` (see `write`)
 
     @property
     def pid(self) -> int:
@@ -195,16 +196,21 @@ class WriterProcess:
         send_fds(self._sock, [m.fd for m in new])
         self._mapped = {m.key for m in maps}
 
-    def prepare(self, planner: Any, plan: Any, *, rank: int, coordinator: bool) -> bytes | None:
+    def prepare(
+        self, planner: Any, plan: Any, *, rank: int, coordinator: bool, metadata: Any = None
+    ) -> bytes | None:
         """The job of `plan` as the writer will read it (every item resolved to where its bytes are), pickled: made
         on the training thread during the save's stall, while the copies into the buffers are in flight (it reads
         the buffers' addresses, never their bytes), so that the persist thread only sends it. About 10-40 ms of
         interpreter time for 432 tensors, which at a persist's start held the GIL the loop's next update needed
         (that update took 1.10-1.20x on the H200 host). None when an item lies outside the shared mappings: its
-        bytes are read at the write, once the copies have landed."""
-        return self._job(planner, plan, rank=rank, coordinator=coordinator, outside=False)
+        bytes are read at the write, once the copies have landed. `metadata`: the save's DCP metadata when this
+        rank's results are all it needs (one rank): the writer then writes `.metadata` itself (see `write`)."""
+        return self._job(planner, plan, rank=rank, coordinator=coordinator, outside=False, metadata=metadata)
 
-    def _job(self, planner: Any, plan: Any, *, rank: int, coordinator: bool, outside: bool) -> bytes | None:
+    def _job(
+        self, planner: Any, plan: Any, *, rank: int, coordinator: bool, outside: bool, metadata: Any = None
+    ) -> bytes | None:
         """The pickled job; None if an item lies outside the mappings and `outside` is false."""
         maps = self._stage.shared_maps()
         items = [(item.index, describe(planner.resolve_data(item), maps)) for item in plan.items]
@@ -216,20 +222,27 @@ class WriterProcess:
             "items": items,
             "rank": rank,
             "coordinator": coordinator,
+            "metadata": metadata,
         }
         return pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
 
     def write(
         self, directory: Path, planner: Any, plan: Any, digests: dict[str, tuple[str, int]], *, rank: int,
-        coordinator: bool, prepared: bytes | None = None,
+        coordinator: bool, prepared: bytes | None = None, metadata: Any = None,
     ) -> list[Any]:  # fmt: skip
         """Write this rank's DCP files of `plan` into `directory` in the writer; DCP's write results, and each
-        file's digest added to `digests`. `prepared`: this plan's job from `prepare`. Raises CheckpointError (one
-        line) if the writer fails or dies."""
+        file's digest added to `digests`. `prepared`: this plan's job from `prepare`. A job that carries the
+        save's metadata (`prepare`'s, or `metadata` here) has the writer write `.metadata` too, from its own
+        results (`finished` is then true): the metadata's pickle and fsync are then not the persist thread's
+        (DCP's finish held the GIL for 10.6 ms there, and an update of the loop took 1.10x: RESULTS.md, issue 22
+        round six). Raises CheckpointError (one line) if the writer fails or dies."""
+        self.finished = False
         if (
             prepared is None
         ):  # items outside the mappings are sent whole, read now that the copies have landed
-            prepared = self._job(planner, plan, rank=rank, coordinator=coordinator, outside=True)
+            prepared = self._job(
+                planner, plan, rank=rank, coordinator=coordinator, outside=True, metadata=metadata
+            )
         stall = stall_seconds()
         job = {
             "directory": str(directory),
@@ -264,6 +277,7 @@ class WriterProcess:
         if reply[0] != "done":
             raise CheckpointError(f"the checkpoint writer process failed writing {directory}: {reply[1]}")
         digests.update(reply[2])
+        self.finished = bool(reply[3])
         return list(reply[1])
 
     def _stalled(self, directory: Path, stall: float) -> str:
