@@ -185,6 +185,30 @@ def test_buffers_are_reserved_by_kind_and_taken_under_any_name() -> None:
     assert stage.allocated_bytes == 0 and not stage._pool and not stage._bufs
 
 
+def test_the_reservation_takes_every_optimizer_of_a_list() -> None:
+    """`track(optimizer=[...])` (the zoo's Muon + AdamW, found by its composed run): the reservation covers each
+    optimizer's state, nested containers too, and a save's copies then need no buffer of their own."""
+    from torchrelay.checkpoint import state as ckpt_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    first = torch.optim.AdamW(model[0].parameters())
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 8)).sum().backward()
+    first.step()
+    second.step()
+    second.state[model[1].weight]["nested"] = [torch.zeros(6), {"deep": torch.ones(2, 2)}]
+    stage = host_stage.HostStage()
+    ckpt_state.reserve(stage, model, [first, second], rank=0)
+    assert stage._reserving is not None
+    stage._reserving.join()
+    kinds = {spec: len(entries) for spec, entries in stage._pool.items()}
+    # the model's 4 tensors; AdamW: exp_avg, exp_avg_sq (and step) for 2 params; SGD: momentum for 2 params + 2 nested
+    assert sum(kinds.values()) == 4 + 2 * 3 + 2 + 2, kinds
+    assert kinds[((6,), torch.float32, False)] == 1 and kinds[((2, 2), torch.float32, False)] == 1
+    stage.release()
+
+
 def test_a_resume_verifies_each_file_as_it_reads_it(example: dict[str, Path], tmp_path: Path) -> None:
     """Run.open checks names and sizes; run.track hashes every file while loading it and refuses a flipped byte,
     naming the file, before the loop starts (a damaged small file too)."""

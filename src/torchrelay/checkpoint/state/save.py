@@ -127,23 +127,34 @@ def capture_state(
     return snap
 
 
-def reserve(
-    stage: HostStage, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, rank: int
-) -> None:
-    """Start allocating the host buffers a save of this model and optimizer will copy into (background): one for
-    each tensor of the model's state dict and of the optimizer's state, by kind (shape, dtype, device), never by
-    DCP's name (get_state_dict took 4-7 ms of the loop's update on the H200 host, its document 4 more)."""
+def reserve(stage: HostStage, model: torch.nn.Module | None, optimizer: Any, rank: int) -> None:
+    """Start allocating the host buffers a save of this model and optimizer (one, or several: a list) will copy
+    into (background): one for each tensor of the model's state dict and of each optimizer's state, by kind (shape,
+    dtype, device), never by DCP's name (get_state_dict took 4-7 ms of the loop's update on the H200 host, its
+    document 4 more). A tensor it did not foresee gets its buffer at the save."""
     if model is None or ds_engine.is_engine(model):  # an engine writes its own files (save_state)
         return
     tensors = [t for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            if isinstance(per_param, dict):
-                tensors += [t for t in per_param.values() if isinstance(t, torch.Tensor)]
+    optimizers = [] if optimizer is None else [optimizer] if hasattr(optimizer, "state") else list(optimizer)
+    for opt in optimizers:
+        for per_param in getattr(opt, "state", {}).values():
+            _tensors_in(per_param, tensors)
     specs: dict[str, Any] = {}
     for i, t in enumerate(tensors):
         shapes_of(str(i), t, specs)  # a DTensor's local shard
     stage.reserve(list(specs.values()))
+
+
+def _tensors_in(obj: Any, out: list[torch.Tensor]) -> None:
+    """Every tensor in `obj` (an optimizer's state for one parameter: tensors in dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors_in(v, out)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _tensors_in(v, out)
 
 
 def write_snapshot(
