@@ -490,7 +490,6 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "PERSIST_STREAMS": persist,
     "BACKGROUND_NICE": host_stage,
     "SYNC_LOGS_IN_STALL": saver,
-    "SWITCH_INTERVAL_US": persist,
     "SPILL_TO_DEVICE": host_stage,
 }
 

@@ -140,9 +140,7 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
 
     stage = Watched()
     live = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int64), "s": torch.tensor(2.5)}
-    shapes: dict[str, Any] = {}
-    host_stage.shapes_of("t", live, shapes)
-    stage.reserve(shapes)
+    stage.reserve(host_stage.specs_of(live))
     copies = stage.copy_tree("t", live)
     assert all(torch.equal(copies[k], live[k]) and copies[k] is not live[k] for k in live)
     assert nice == [max(os.getpriority(os.PRIO_PROCESS, 0), persist.BACKGROUND_NICE)] * 3, nice

@@ -24,6 +24,15 @@ def _live(n: int = 24, numel: int = 1 << 20) -> dict[str, torch.Tensor]:
     return live
 
 
+def _saved_at_once(live: dict[str, torch.Tensor], shared: bool) -> tuple[host_stage.HostStage, Any]:
+    """A stage whose reservation has just begun, and a save's copies of `live` into it, landed."""
+    stage = host_stage.HostStage(shared=shared)
+    stage.reserve(host_stage.specs_of(live))
+    copies = stage.copy_tree("s", live)
+    stage.synchronize()
+    return stage, copies
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
 def test_a_save_before_the_buffers_copies_the_state_at_the_save(shared: bool) -> None:
     """The reservation is paced (PIN_PACE), so a copy right after it starts finds most buffers missing: those are
@@ -31,12 +40,7 @@ def test_a_save_before_the_buffers_copies_the_state_at_the_save(shared: bool) ->
     values of the save's moment into page-locked buffers."""
     live = _live()
     want = {k: v.cpu() for k, v in live.items()}
-    stage = host_stage.HostStage(shared=shared)
-    shapes: dict[str, Any] = {}
-    host_stage.shapes_of("s", live, shapes)
-    stage.reserve(shapes)
-    copies = stage.copy_tree("s", live)
-    stage.synchronize()
+    stage, copies = _saved_at_once(live, shared)
     deferred = stage.deferred
     assert deferred > 0, "the reservation obtained every buffer before the save: nothing was deferred"
     for v in live.values():
@@ -61,12 +65,7 @@ def test_without_room_on_the_device_the_stall_obtains_the_buffers(monkeypatch: p
     """SPILL_HEADROOM of the whole device: no clone fits, and the copies are exact, nothing left to the persist."""
     monkeypatch.setattr(host_stage, "SPILL_HEADROOM", 1.0)
     live = _live(8)
-    stage = host_stage.HostStage(shared=True)
-    shapes: dict[str, Any] = {}
-    host_stage.shapes_of("s", live, shapes)
-    stage.reserve(shapes)
-    copies = stage.copy_tree("s", live)
-    stage.synchronize()
+    stage, copies = _saved_at_once(live, shared=True)
     assert stage.deferred == 0
     assert all(torch.equal(copies[k], live[k].cpu()) for k in live)
     stage.release()

@@ -222,11 +222,12 @@ class HostStage:
         # its tensor's kind. Kinds, not names: the names a save copies under (DCP's, a rank's own tensors under
         # per_rank) are known only at the save, and asking DCP for them cost the loop 6-11 ms (RESULTS.md).
         self._pool: dict[Spec, list[_Entry]] = {}
-        self._todo: list[Spec] = []  # what the reservation has still to obtain (a save may cut it short)
+        self._could_spill = (
+            False  # the reservation holds CUDA tensors: a save may cut it short (SPILL_TO_DEVICE)
+        )
         self._room: int | None = None  # device bytes the clones of this save may still take (SPILL_TO_DEVICE)
-        self._deferred: dict[
-            str, torch.Tensor
-        ] = {}  # key: its tensor's clone on the device (`finish_deferred`)
+        # key: its tensor's clone on the device, until `finish_deferred` copies it into key's buffer
+        self._deferred: dict[str, torch.Tensor] = {}
         self.allocated_bytes = 0
         self.unlocked = 0  # buffers of CUDA tensors CUDA would not page-lock (their copies are synchronous)
 
@@ -238,6 +239,15 @@ class HostStage:
         """PIN_PACE's pause after a registration of `seconds`, cut short when a save waits."""
         if not self._hurry.is_set():
             self._hurry.wait((PIN_PACE - 1) * seconds)
+
+    def _lock_pages(self, locked: _Locked, pace: bool) -> None:
+        """Fault in a buffer's own mapping, then page-lock it (PIN_PACE's pause after, when `pace`)."""
+        (touch_shared if locked.fd is not None else touch)(locked.tensor)
+        t0 = time.perf_counter()
+        if not locked.register():
+            self.unlocked += 1
+        if pace:
+            self._pause(time.perf_counter() - t0)
 
     def _make(self, spec: Spec, pace: bool, defer: bool = False) -> _Entry:
         """Allocate, touch and (for a CUDA tensor) page-lock one buffer of `spec`. `defer`: a large buffer's
@@ -254,14 +264,10 @@ class HostStage:
             buf = flat.view(dtype).view(shape)
         elif self.shared or (pinned and PIN_BY_REGISTER and nbytes >= PIN_MIN_BYTES):
             locked = _Locked(nbytes, shared=self.shared)
-            if not defer:
-                (touch_shared if self.shared else touch)(locked.tensor)
             if pinned and not defer:
-                t0 = time.perf_counter()
-                if not locked.register():
-                    self.unlocked += 1
-                if pace:
-                    self._pause(time.perf_counter() - t0)
+                self._lock_pages(locked, pace)
+            elif not defer:  # a shared buffer of a CPU tensor: faulted in, never page-locked
+                touch_shared(locked.tensor)
             buf = locked.tensor[:nbytes].view(dtype).view(shape)
         elif pinned:
             t0 = time.perf_counter()
@@ -301,27 +307,22 @@ class HostStage:
             entry = free.pop() if free else None
         return None if entry is None else self._publish(key, entry, counted=True)
 
-    def reserve(self, specs: Any) -> None:
-        """Allocate buffers for tensors of `specs` ((shape, dtype, pinned) each, or {key: spec}) on a background
-        thread, paced so that no update of the loop waits for it; a copy takes one of its tensor's kind."""
-        todo = [
-            (tuple(shape), dtype, bool(pinned))
-            for shape, dtype, pinned in (specs.values() if isinstance(specs, dict) else specs)
-        ]
-        self._todo = list(todo)
+    def reserve(self, specs: list[Spec]) -> None:
+        """Allocate buffers for tensors of `specs` (`specs_of`) on a background thread, paced so that no update of
+        the loop waits for it; a copy takes one of its tensor's kind."""
+        self._could_spill = any(pinned for _, _, pinned in specs)
         self._stop.clear()
         self._hurry.clear()
 
         def allocate() -> None:
             lower_priority()
-            for spec in todo:
+            for spec in specs:
                 if self._stop.is_set():
                     return
                 entry = self._make(spec, pace=True)
                 with self._lock:
                     self._pool.setdefault(spec, []).append(entry)
                     self.allocated_bytes += entry.nbytes
-                    self._todo.remove(spec)
 
         self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
         self._reserving.start()
@@ -337,7 +338,7 @@ class HostStage:
         to the persist (SPILL_TO_DEVICE: CUDA tensors), else it obtains the rest without pauses."""
         if self._reserving is None:
             return
-        if SPILL_TO_DEVICE and torch.cuda.is_available() and any(p for _, _, p in self._todo):
+        if SPILL_TO_DEVICE and self._could_spill and torch.cuda.is_available():
             self._stop.set()
         self._hurry.set()
         self._reserving.join()
@@ -389,11 +390,7 @@ class HostStage:
         with torch.cuda.stream(stream):
             for key, clone in deferred.items():
                 locked = self._locked[key]
-                (touch_shared if locked.fd is not None else touch)(locked.tensor)
-                t0 = time.perf_counter()
-                if not locked.register():
-                    self.unlocked += 1
-                self._pause(time.perf_counter() - t0)
+                self._lock_pages(locked, pace=True)
                 self._bufs[key].copy_(clone, non_blocking=locked.registered)
             stream.synchronize()
         self._deferred.clear()  # the clones' memory goes back to torch's allocator once every copy from it is done
@@ -459,25 +456,23 @@ class HostStage:
                     if entry.locked is not None:
                         entry.locked.release()
             self._pool.clear()
-            self._todo = []
             self._slabs.release()
             self._small.clear()
             self._bufs.clear()
             self.allocated_bytes = 0
 
 
-def shapes_of(prefix: str, obj: Any, out: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
-    """{key: (shape, dtype, pinned)} of the tensors `HostStage.copy_tree(prefix, obj)` would copy."""
+def specs_of(obj: Any) -> list[Spec]:
+    """The kind (shape, dtype, pinned) of every tensor in `obj` (nested dicts, lists and tuples; a DTensor's local
+    shard), for `HostStage.reserve`."""
     if isinstance(obj, torch.Tensor):
         local = dtensor_local(obj) if _is_dtensor(obj) else obj
-        out[prefix] = (
-            tuple(local.shape),
-            local.dtype,
-            local.device.type == "cuda" and torch.cuda.is_available(),
-        )
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            shapes_of(f"{prefix}/{k}", v, out)
+        return [(tuple(local.shape), local.dtype, local.device.type == "cuda" and torch.cuda.is_available())]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, list | tuple):
+        return [spec for v in obj for spec in specs_of(v)]
+    return []
 
 
-__all__ = ["BACKGROUND_NICE", "HostStage", "SharedMap", "lower_priority", "shapes_of", "touch"]
+__all__ = ["BACKGROUND_NICE", "HostStage", "SharedMap", "lower_priority", "specs_of", "touch"]

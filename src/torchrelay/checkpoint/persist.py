@@ -30,7 +30,6 @@ import io
 import json
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchrelay import envvars, kill_points
-from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority, shapes_of
+from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.util.meminfo import meminfo_kib
 from torchrelay.util.sha256_parts import PartHasher
@@ -360,22 +359,6 @@ class _Watch:
         self.on_piece = on_piece
 
 
-# Microseconds: while a background persist runs, the interpreter's switch interval (sys.setswitchinterval) is this,
-# and as it was after. A thread holding the GIL in Python code gives it up to a waiting thread after at most the
-# interval (5 ms by default): the persist thread's Python (the commit's tail: the inventory's entries, DCP's
-# metadata) then holds up the loop's next kernel launch for at most this long. 0: left alone.
-SWITCH_INTERVAL_US = 0
-
-
-def _switch_faster() -> float | None:
-    """Set SWITCH_INTERVAL_US (when set and shorter than the interval now); the interval it replaced, or None."""
-    if SWITCH_INTERVAL_US <= 0 or sys.getswitchinterval() <= SWITCH_INTERVAL_US / 1e6:
-        return None
-    was = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_US / 1e6)
-    return was
-
-
 def _block() -> None:
     """Crash tests only (kill_points.STALL): the writing thread stops here for good, as one in a write to a dead
     network file system; only the end of its process ends it."""
@@ -429,7 +412,6 @@ class Persister:
             lower_priority()
             _persisting.watch = watch
             self.persisting.set()
-            switched = _switch_faster()
             try:
                 while hold and not os.path.exists(hold):
                     time.sleep(0.01)
@@ -437,8 +419,6 @@ class Persister:
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
                 self._error = exc
             finally:
-                if switched is not None and sys.getswitchinterval() == SWITCH_INTERVAL_US / 1e6:
-                    sys.setswitchinterval(switched)  # as it was, unless someone else changed it since
                 self.persisting.clear()
 
         self._thread = threading.Thread(target=run, name=f"torchrelay-persist-{update}", daemon=True)
@@ -508,7 +488,6 @@ __all__ = [
     "canonical_safetensors",
     "file_count",
     "beat_seconds",
-    "shapes_of",
     "stall_seconds",
     "write_bytes",
 ]

@@ -99,6 +99,7 @@ def _write(
 ) -> tuple[list[Any], dict[str, tuple[str, int]], bool]:
     digests: dict[str, tuple[str, int]] = {}
     job = {**job, **pickle.loads(job["payload"])}  # noqa: S301 - the parent's own job (WriterProcess.prepare)
+    finishes = job.get("metadata") is not None
     writer = HashingWriter(Path(job["directory"]), digests, background=True)
     set_up_writer(writer, job["coordinator"], job["rank"])
     writer.files = job["files"]
@@ -115,16 +116,14 @@ def _write(
             time.sleep(0.01)
         writes = writer.write_data(job["plan"], _Resolved(job["items"], maps))
         writes.wait()
-        if (
-            job.get("metadata") is not None
-        ):  # one rank: its results are the save's, and `.metadata` is written here
+        if finishes:  # one rank: its results are the save's, and `.metadata` is written here
             writer.finish(metadata=job["metadata"], results=[list(writes.value())])
     finally:
         done.set()
         beat.join()  # its last word is sent before the answer: one sender on the socket at a time
     if job["die"]:  # crash tests only (kill_points.WRITER): dead with its files written, before it answers
         os.kill(os.getpid(), signal.SIGKILL)
-    return list(writes.value()), digests, job.get("metadata") is not None
+    return list(writes.value()), digests, finishes
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_save, ranks
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
-from torchrelay.checkpoint.host_stage import HostStage, shapes_of
+from torchrelay.checkpoint.host_stage import HostStage, specs_of
 from torchrelay.checkpoint.persist import write_bytes
 from torchrelay.checkpoint.state.document import STATE_DICT_OPTIONS, dcp_document, split_optimizer
 from torchrelay.checkpoint.state.records import (
@@ -134,27 +134,10 @@ def reserve(stage: HostStage, model: torch.nn.Module | None, optimizer: Any, ran
     document 4 more). A tensor it did not foresee gets its buffer at the save."""
     if model is None or ds_engine.is_engine(model):  # an engine writes its own files (save_state)
         return
-    tensors = [t for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
     optimizers = [] if optimizer is None else [optimizer] if hasattr(optimizer, "state") else list(optimizer)
-    for opt in optimizers:
-        for per_param in getattr(opt, "state", {}).values():
-            _tensors_in(per_param, tensors)
-    specs: dict[str, Any] = {}
-    for i, t in enumerate(tensors):
-        shapes_of(str(i), t, specs)  # a DTensor's local shard
-    stage.reserve(list(specs.values()))
-
-
-def _tensors_in(obj: Any, out: list[torch.Tensor]) -> None:
-    """Every tensor in `obj` (an optimizer's state for one parameter: tensors in dicts, lists and tuples)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors_in(v, out)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _tensors_in(v, out)
+    stage.reserve(
+        specs_of([model.state_dict(keep_vars=True), *(getattr(o, "state", {}) for o in optimizers)])
+    )
 
 
 def write_snapshot(
