@@ -295,8 +295,17 @@ def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, 
     )
     assert validation_fits(0.0, 1060.0, 1000.0, 1.0).go and validation_fits(0.0, None, 1000.0, 1.0).go
     assert not validation_fits(0.0, 1000.5, 1000.0, 1.0).go
+    # what a pass SIGKILLed while writing left (the temporaries of pending.json and of a record) goes with the
+    # next pass; a file of the user's beside them stays
+    v = kept_run / "validation"
+    planted = [v / ".pending.json.tmp-424242", v / "checkpoint-10" / ".record.json.tmp-424242"]
+    for p in planted:
+        p.write_text("{")
+    (v / "checkpoint-10" / "notes.txt").write_text("mine")
     spec = ValidationSpec(command=VALIDATE, updates=[10, 25], again=True, estimate_s=600.0)
     report = validate_checkpoints(kept_run, spec, deadline=time.time() + 0.5, margin_s=1.0)
+    assert not [p for p in planted if os.path.lexists(p)]
+    assert (v / "checkpoint-10" / "notes.txt").read_text() == "mine"
     assert report.records == [] and sorted(report.left) == [10, 25] and "s left <" in report.left[10]
     assert read_pending(kept_run)["left"].keys() == {"10", "25"}
 

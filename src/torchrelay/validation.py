@@ -50,6 +50,7 @@ from torchrelay.validation_records import (
     ValidationRecord,
     folder,
     read_records,
+    remove_stale_temps,
 )
 
 if TYPE_CHECKING:  # the export pulls in torch; status and plans read validation records without it
@@ -164,6 +165,7 @@ def validate_checkpoints(
     if not rd.exists():
         raise ConfigError(f"{rd.path} holds no torchrelay run", hint="validate a run directory")
     with RunLock(rd.path, "train").acquire(wait_s=envvars.LOCK_WAIT_S.get()):
+        remove_stale_temps(rd.path)  # a pass killed while writing a record or pending.json
         sel = select(rd.path, spec.updates, again=spec.again)
         report = ValidationReport(done_before=sel.done, missing=dict(sel.missing))
         for i, update in enumerate(sel.todo):

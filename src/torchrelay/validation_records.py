@@ -14,6 +14,7 @@ from typing import Any
 from torchrelay.errors import ConfigError, RecordError
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.rundir import RunDir
+from torchrelay.util.durable import temp_prefix
 from torchrelay.util.records import Optional, check, read_json
 
 RECORD = "record.json"
@@ -134,6 +135,21 @@ def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]
                               hint=f"remove {child} to validate that checkpoint again")  # fmt: skip
         out[record.update] = record
     return dict(sorted(out.items()))
+
+
+def remove_stale_temps(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Remove what a validation pass killed mid-write left: the temporaries of `pending.json` and of each
+    checkpoint's `record.json` (hold the run's lock: no other pass is writing them)."""
+    root = RunDir(run_dir).validation_dir
+    if not root.is_dir() or root.is_symlink():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(temp_prefix(PENDING))]
+    for child in root.iterdir():
+        if parse_checkpoint_name(child.name) is not None and child.is_dir() and not child.is_symlink():
+            found += [p for p in child.iterdir() if p.name.startswith(temp_prefix(RECORD))]
+    for p in found:
+        p.unlink(missing_ok=True)
+    return found
 
 
 def read_pending(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
