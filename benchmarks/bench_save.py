@@ -547,6 +547,7 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
             for save in r["saves"]
         ],
         "gc_in_slow": r.get("gc_in_slow"),
+        "reserve_steps": r.get("reserve_steps"),
         "gen2": r.get("gen2_detail"),
         "tracked_after": r.get("gc_tracked_after"),
         "frozen_at_start": r.get("frozen_at_start"),
@@ -604,6 +605,9 @@ def persist_marks() -> Any:
         (commit, "fsync_dir", "fsync_dir"),
         (commit, "_retain", "retain"),
         (saver.Saver, "_committed", "committed_hook"),
+        # the reservation's own work on its thread: a page fault pass, a registration (cudaHostRegister)
+        (host_stage, "touch", "reserve_touch"),
+        (host_stage._Locked, "register", "reserve_register"),
     ]
     kept = []
     for owner, attr, name in steps:
@@ -835,6 +839,13 @@ class Launch:
             gc_in_slow.append(
                 {"update": i + 1, "x": round(r, 3), "kind": self.kind[i], "gc": hits, "persist_steps": steps}
             )
+        reserve = {}  # the reservation's steps: how many, their total and longest seconds, the longest's update
+        for step in ("reserve_touch", "reserve_register"):
+            spans = [(e - b, b) for name, b, e in _MARKS if name == step]
+            if spans:
+                longest, began = max(spans)
+                at = next((i + 1 for i, end in enumerate(self.ends) if end > began), None)
+                reserve[step] = [len(spans), round(sum(d for d, _ in spans), 3), round(longest, 4), at]
         gen2 = [(round(e - b, 4), name) for b, e, g, name in self.gc_events if g == 2]
         tracked = collections.Counter(type(o).__name__ for o in gc.get_objects())  # the unfrozen ones
         return {
@@ -843,6 +854,7 @@ class Launch:
             "frozen_at_start": getattr(self, "frozen_at_start", None),
             "first_dues": self.first_dues,
             "gc_in_slow": gc_in_slow,
+            "reserve_steps": reserve,
             "first_due_s": self.first_due_s,
             "gen2_collections": gen2,
             "update_median_s": med,
@@ -1086,6 +1098,8 @@ def table(out: dict[str, Any], nbytes: int) -> None:
             f"{r['first_updates']} x median; buffers ready after update {r['reserve_ready_update']}; not saving: "
             f"max {r['max_not_saving']:.2f}x, over 1.1x {r['over_1_1x_not_saving']}; lost {r['lost_s']:.3f} s = "
             f"{r['lost_vs_saves_x_copy']:.2f} x (saves x the copy floor)",
+            f"reservation steps [count, total s, longest s, its update]: {r.get('reserve_steps')}; slow updates "
+            f"and what overlapped them (first 12): {(r.get('gc_in_slow') or [])[:12]}",
             "| save at | stall s | vs copy | committed s | vs write floor | updates in persist | max | > 1.1x | "
             "cached / dirty / writeback GB at start | updates around (x median, from 2 before) |",
             "|---|---|---|---|---|---|---|---|---|---|",
