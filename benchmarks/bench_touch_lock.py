@@ -19,7 +19,9 @@ thread maps 1 MiB, writes it and unmaps it every millisecond while the backgroun
     PYTHONPATH=src python3 benchmarks/bench_touch_lock.py --gb 14 --json /tmp/touch.json
 
 Reported: the main thread's map/write/unmap latency (median, p99, max, how many over 2 and 10 ms) and the
-background's seconds (touch or fallocate, registration).
+background's seconds (touch or fallocate, registration). `--pieces K` registers each buffer in K parts and copies
+into them (on the H200 host such copies failed with a CUDA error: a buffer must be one registration). The figures:
+benchmarks/RESULTS.md, issue 22 seventh round.
 """
 
 from __future__ import annotations

@@ -58,7 +58,10 @@ SPILL_HEADROOM = 0.05
 # calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
 # the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
 PIN_MIN_BYTES = 1 << 20
-# False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two).
+# False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two). Measured and
+# left (benchmarks/bench_touch_lock.py, RESULTS.md seventh round): a memfd's pages allocated by fallocate instead of
+# touched make the registration map them under the mmap lock (the training thread's own mmap calls held 28-40 ms a
+# buffer, against 3 ms touched), and a buffer registered in pieces cannot be copied into.
 PIN_BY_REGISTER = True
 _PAGE = mmap.PAGESIZE
 
