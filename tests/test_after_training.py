@@ -302,10 +302,11 @@ def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, 
     for p in planted:
         p.write_text("{")
     (v / "checkpoint-10" / "notes.txt").write_text("mine")
+    (v / ".pending.json.tmp-7").mkdir()  # a folder of that name is no killed pass's: it stays
     spec = ValidationSpec(command=VALIDATE, updates=[10, 25], again=True, estimate_s=600.0)
     report = validate_checkpoints(kept_run, spec, deadline=time.time() + 0.5, margin_s=1.0)
     assert not [p for p in planted if os.path.lexists(p)]
-    assert (v / "checkpoint-10" / "notes.txt").read_text() == "mine"
+    assert (v / "checkpoint-10" / "notes.txt").read_text() == "mine" and (v / ".pending.json.tmp-7").is_dir()
     assert report.records == [] and sorted(report.left) == [10, 25] and "s left <" in report.left[10]
     assert read_pending(kept_run)["left"].keys() == {"10", "25"}
 

@@ -120,10 +120,13 @@ def test_the_next_open_removes_half_written_files_of_a_killed_writer(
     for rel in debris:
         (run_dir / rel).write_text("{half")
     (run_dir / ".REQUEST_STOP.tmp-7").write_text("")  # another writer's (torchrelay stop): not ours to remove
+    odd = run_dir / ".config.json.tmp-99"  # a folder of a temporary's name is no killed writer's: it stays
+    odd.mkdir()
+    (odd / "kept").write_text("mine")
     with Run.open(run_dir, None, code_dir=example["code"]):
         pass
     assert not [rel for rel in debris if (run_dir / rel).exists()]
-    assert (run_dir / ".REQUEST_STOP.tmp-7").exists()
+    assert (run_dir / ".REQUEST_STOP.tmp-7").exists() and (odd / "kept").read_text() == "mine"
 
 
 def test_pack_prepare_validate_export_sigkilled_while_writing_then_run_again(

@@ -39,7 +39,7 @@ from torchrelay.layout import (
     parse_checkpoint_name,
 )
 from torchrelay.manifest import INDEX_NAME
-from torchrelay.util.durable import temp_prefix
+from torchrelay.util.durable import remove_temps, temp_prefix
 from torchrelay.util.records import parse_json, read_json, read_json_or_none
 from torchrelay.util.safepath import check_relative, read_regular, resolve_inside
 
@@ -122,14 +122,13 @@ class RunDir:
         """Remove what a writer killed mid-write left: atomic-write temporaries, a log's trim (hold the lock)."""
         temps = tuple(temp_prefix(n) for n in WRITER_FILES)
         found = [self.path / n for n in os.listdir(self.path) if n.startswith(temps)]
-        if self.train_dir.is_dir():
+        # (a folder that is a link is left alone: what it points to is not the run's to clean)
+        if self.train_dir.is_dir() and not self.train_dir.is_symlink():
             found += [p for p in self.train_dir.iterdir() if p.name.endswith(".jsonl.trim")]
         data = self.data_dir
-        if data.is_dir():
+        if data.is_dir() and not data.is_symlink():
             found += [p for p in data.iterdir() if p.name.startswith(temp_prefix(INDEX_NAME))]
-        for p in found:
-            p.unlink(missing_ok=True)
-        return [str(p.relative_to(self.path)) for p in found]
+        return [str(p.relative_to(self.path)) for p in remove_temps(found)]
 
     def checkpoints(self) -> list[CheckpointInfo]:
         return list_checkpoints(self.path)

@@ -14,7 +14,7 @@ from typing import Any
 from torchrelay.errors import ConfigError, RecordError
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.rundir import RunDir
-from torchrelay.util.durable import temp_prefix
+from torchrelay.util.durable import remove_temps, temp_prefix
 from torchrelay.util.records import Optional, check, read_json
 
 RECORD = "record.json"
@@ -147,9 +147,7 @@ def remove_stale_temps(run_dir: str | os.PathLike[str]) -> list[Path]:
     for child in root.iterdir():
         if parse_checkpoint_name(child.name) is not None and child.is_dir() and not child.is_symlink():
             found += [p for p in child.iterdir() if p.name.startswith(temp_prefix(RECORD))]
-    for p in found:
-        p.unlink(missing_ok=True)
-    return found
+    return remove_temps(found)
 
 
 def read_pending(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -30,6 +30,17 @@ def temp_prefix(name: str) -> str:
     return f".{name}.tmp-"
 
 
+def remove_temps(paths: list[Path]) -> list[Path]:
+    """Unlink the atomic-write temporaries among `paths` that a killed writer left (a file, or a link in its place);
+    a directory of that name is no writer's and stays. Returns what was removed."""
+    gone = []
+    for p in paths:
+        if p.is_symlink() or p.is_file():
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
     """Replace `path` with `data` so a reader sees the old or the new file, never a part."""
     path = Path(path)
