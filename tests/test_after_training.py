@@ -39,7 +39,7 @@ from torchrelay.contract import build_contract
 from torchrelay.controller.attempts import Attempts
 from torchrelay.controller.plan import Plan, load_plan
 from torchrelay.costmodel import validation_fits
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, UnsafeInput
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.manifest import Manifest
 from torchrelay.report import render
@@ -332,6 +332,33 @@ def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, 
     slow = run_one(fresh, 25, ValidationSpec(command="sleep 30", timeout_s=0.5))
     assert slow.status == "failed" and slow.reason == "took longer than timeout_s=0.5s; killed"
     assert slow.attempt == silent.attempt + 1
+
+
+def test_validation_never_writes_through_a_link_out_of_the_run(
+    kept_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`validation/`, or one checkpoint's folder in it, replaced by a link to a folder outside the run: the pass
+    refuses (UnsafeInput, the refused exit code) and writes nothing there; a link inside the run is followed."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    copy = tmp_path / "run"
+    shutil.copytree(kept_run, copy)
+    shutil.rmtree(copy / "validation")
+    (copy / "validation").symlink_to(outside)
+    spec = ValidationSpec(command=VALIDATE, updates=[25], again=True)
+    with pytest.raises(UnsafeInput, match="validation"):
+        validate_checkpoints(copy, spec)
+    (copy / "validation").unlink()
+    (copy / "validation").mkdir()
+    (copy / "validation" / "checkpoint-25").symlink_to(outside)
+    with pytest.raises(UnsafeInput, match="checkpoint-25"):
+        validate_checkpoints(copy, spec)
+    assert list(outside.iterdir()) == []
+    (copy / "validation" / "checkpoint-25").unlink()
+    (copy / "inside").mkdir()
+    (copy / "validation" / "checkpoint-25").symlink_to(copy / "inside")
+    report = validate_checkpoints(copy, spec)
+    assert [r.status for r in report.records] == ["ok"] and (copy / "inside" / "record.json").is_file()
 
 
 def test_validation_records_travel_in_a_bundle(

@@ -39,6 +39,7 @@ from torchrelay.rundir import RunDir
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json, read_json_or_none
+from torchrelay.util.safepath import ensure_inside
 from torchrelay.validation_records import (
     KEPT,
     LOG,
@@ -165,6 +166,8 @@ def validate_checkpoints(
     if not rd.exists():
         raise ConfigError(f"{rd.path} holds no torchrelay run", hint="validate a run directory")
     with RunLock(rd.path, "train").acquire(wait_s=envvars.LOCK_WAIT_S.get()):
+        # records are read only from inside the run (read_json's root): none is written through a link out of it
+        ensure_inside(rd.path, rd.validation_dir, source="validation", hint=_LINK_HINT)
         remove_stale_temps(rd.path)  # a pass killed while writing a record or pending.json
         sel = select(rd.path, spec.updates, again=spec.again)
         report = ValidationReport(done_before=sel.done, missing=dict(sel.missing))
@@ -186,6 +189,9 @@ def validate_checkpoints(
             on_event("end", update, record)
         write_pending(rd.path, spec, report, clock())
     return report
+
+
+_LINK_HINT = "replace the link with a folder (or remove it): validation records live inside the run directory"
 
 
 def write_pending(run_dir: Path, spec: ValidationSpec, report: ValidationReport, now: float) -> None:
@@ -223,6 +229,7 @@ def run_one(
     """Run the command on checkpoint-<update> and record how it went (never raises for the command's failure)."""
     ckpt = RunDir(run_dir).checkpoint(update)
     out = folder(run_dir, update)
+    ensure_inside(run_dir, out, source="validation", hint=_LINK_HINT)
     previous = read_records(run_dir).get(update)
     out.mkdir(parents=True, exist_ok=True)
     for name in (METRICS, LOG):

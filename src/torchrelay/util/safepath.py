@@ -55,14 +55,18 @@ def resolve_inside(root: Path, rel: str, *, source: str) -> Path:
     return path
 
 
-def ensure_inside(root: Path, path: Path, *, source: str, shown: str | None = None) -> None:
+_OUTSIDE_HINT = "a bundle must not contain symlinks that point outside it; the bundle is damaged or forged"
+
+
+def ensure_inside(
+    root: Path, path: Path, *, source: str, shown: str | None = None, hint: str = _OUTSIDE_HINT
+) -> None:
     """Raise UnsafeInput if `path` (which may not exist yet) resolves outside `root`."""
     real_root = Path(os.path.realpath(root))
     real = Path(os.path.realpath(path))
     if real != real_root and not real.is_relative_to(real_root):
         raise UnsafeInput(
-            f"{source}: {shown or path} leads through a symlink to {real}, outside {root}",
-            hint="a bundle must not contain symlinks that point outside it; the bundle is damaged or forged",
+            f"{source}: {shown or path} leads through a symlink to {real}, outside {root}", hint=hint
         )
 
 
