@@ -357,8 +357,11 @@ def test_validation_never_writes_through_a_link_out_of_the_run(
     (copy / "validation" / "checkpoint-25").unlink()
     (copy / "inside").mkdir()
     (copy / "validation" / "checkpoint-25").symlink_to(copy / "inside")
+    (outside / "mine").write_text("kept")
+    (copy / "inside" / "weights").symlink_to(outside)  # where a pass's export goes: a link there is removed
     report = validate_checkpoints(copy, spec)
     assert [r.status for r in report.records] == ["ok"] and (copy / "inside" / "record.json").is_file()
+    assert not os.path.lexists(copy / "inside" / "weights") and os.listdir(outside) == ["mine"]
 
 
 def test_validation_records_travel_in_a_bundle(

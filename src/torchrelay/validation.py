@@ -217,6 +217,15 @@ def command_for(template: str, values: dict[str, str]) -> str:
     return out
 
 
+def _remove_weights(out: Path) -> None:
+    """Remove the export a pass left in `out` (a link there is removed itself: what it points to is not ours)."""
+    path = out / WEIGHTS
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def run_one(
     run_dir: Path,
     update: int,
@@ -234,7 +243,7 @@ def run_one(
     out.mkdir(parents=True, exist_ok=True)
     for name in (METRICS, LOG):
         (out / name).unlink(missing_ok=True)  # a result of an earlier attempt must not pass for this one's
-    shutil.rmtree(out / WEIGHTS, ignore_errors=True)  # left by a killed controller
+    _remove_weights(out)  # left by a killed controller
     values = {
         "checkpoint": str(ckpt),
         "metrics": str(out / METRICS),
@@ -264,7 +273,7 @@ def run_one(
     try:
         return _run_command(ckpt, out, record, spec, values, end_by, should_stop, clock)
     finally:
-        shutil.rmtree(out / WEIGHTS, ignore_errors=True)  # an export of the checkpoint: as large as the model
+        _remove_weights(out)  # an export of the checkpoint: as large as the model
 
 
 def _run_command(
