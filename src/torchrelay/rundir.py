@@ -41,7 +41,7 @@ from torchrelay.layout import (
 from torchrelay.manifest import INDEX_NAME
 from torchrelay.util.durable import remove_temps, temp_prefix
 from torchrelay.util.records import parse_json, read_json, read_json_or_none
-from torchrelay.util.safepath import check_relative, read_regular, resolve_inside
+from torchrelay.util.safepath import check_relative, is_inside, read_regular, resolve_inside
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
 # leaves its temporary behind, for the next writer to remove.
@@ -122,11 +122,11 @@ class RunDir:
         """Remove what a writer killed mid-write left: atomic-write temporaries, a log's trim (hold the lock)."""
         temps = tuple(temp_prefix(n) for n in WRITER_FILES)
         found = [self.path / n for n in os.listdir(self.path) if n.startswith(temps)]
-        # (a folder that is a link is left alone: what it points to is not the run's to clean)
-        if self.train_dir.is_dir() and not self.train_dir.is_symlink():
+        # (a folder linked out of the run is left alone: what it points to is not the run's to clean)
+        if self.train_dir.is_dir() and is_inside(self.path, self.train_dir):
             found += [p for p in self.train_dir.iterdir() if p.name.endswith(".jsonl.trim")]
         data = self.data_dir
-        if data.is_dir() and not data.is_symlink():
+        if data.is_dir() and is_inside(self.path, data):
             found += [p for p in data.iterdir() if p.name.startswith(temp_prefix(INDEX_NAME))]
         return [str(p.relative_to(self.path)) for p in remove_temps(found)]
 

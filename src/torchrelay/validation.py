@@ -150,6 +150,9 @@ def estimate_seconds(run_dir: Path, fallback: float) -> float:
     return max(measured) if measured else fallback
 
 
+_LINK_HINT = "replace the link with a folder (or remove it): validation records live inside the run directory"
+
+
 def validate_checkpoints(
     run_dir: str | os.PathLike[str],
     spec: ValidationSpec,
@@ -189,9 +192,6 @@ def validate_checkpoints(
             on_event("end", update, record)
         write_pending(rd.path, spec, report, clock())
     return report
-
-
-_LINK_HINT = "replace the link with a folder (or remove it): validation records live inside the run directory"
 
 
 def write_pending(run_dir: Path, spec: ValidationSpec, report: ValidationReport, now: float) -> None:

@@ -16,6 +16,7 @@ from torchrelay.layout import parse_checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.durable import remove_temps, temp_prefix
 from torchrelay.util.records import Optional, check, read_json
+from torchrelay.util.safepath import is_inside
 
 RECORD = "record.json"
 METRICS = "metrics.json"
@@ -140,12 +141,15 @@ def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]
 def remove_stale_temps(run_dir: str | os.PathLike[str]) -> list[Path]:
     """Remove what a validation pass killed mid-write left: the temporaries of `pending.json` and of each
     checkpoint's `record.json` (hold the run's lock: no other pass is writing them)."""
-    root = RunDir(run_dir).validation_dir
-    if not root.is_dir() or root.is_symlink():
+    run = Path(run_dir)
+    root = RunDir(run).validation_dir
+    if not root.is_dir() or not is_inside(run, root):  # the folders the pass writes in, and no other
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(temp_prefix(PENDING))]
+    found = []
     for child in root.iterdir():
-        if parse_checkpoint_name(child.name) is not None and child.is_dir() and not child.is_symlink():
+        if child.name.startswith(temp_prefix(PENDING)):
+            found.append(child)
+        elif parse_checkpoint_name(child.name) is not None and child.is_dir() and is_inside(run, child):
             found += [p for p in child.iterdir() if p.name.startswith(temp_prefix(RECORD))]
     return remove_temps(found)
 

@@ -55,6 +55,13 @@ def resolve_inside(root: Path, rel: str, *, source: str) -> Path:
     return path
 
 
+def is_inside(root: Path, path: Path) -> bool:
+    """Whether `path` (which may not exist yet), every link on the way followed, resolves inside `root`."""
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(path))
+    return real == real_root or real.is_relative_to(real_root)
+
+
 _OUTSIDE_HINT = "a bundle must not contain symlinks that point outside it; the bundle is damaged or forged"
 
 
@@ -62,9 +69,8 @@ def ensure_inside(
     root: Path, path: Path, *, source: str, shown: str | None = None, hint: str = _OUTSIDE_HINT
 ) -> None:
     """Raise UnsafeInput if `path` (which may not exist yet) resolves outside `root`."""
-    real_root = Path(os.path.realpath(root))
-    real = Path(os.path.realpath(path))
-    if real != real_root and not real.is_relative_to(real_root):
+    if not is_inside(root, path):
+        real = Path(os.path.realpath(path))
         raise UnsafeInput(
             f"{source}: {shown or path} leads through a symlink to {real}, outside {root}", hint=hint
         )
