@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ KNOBS = (
     "LARGEST_FIRST",
     "FADVISE",
     "HUGE_PAGES",
+    "USE_PARTS",
+    "FREE_LATER",
+    "DIRECT_IO",
 )
 # The load as issue 22's second round left it: the 16 threads share the chunks of the first 3 files, within 4 GiB.
 SHARED_CHUNKS = {
@@ -120,7 +124,41 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
     "hash-8": {"HASH_THREADS": 8},
     "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
+    # O_DIRECT reads into page-aligned slabs: no page-cache copy, nothing left in the page cache (chunks found in
+    # it when a file is opened are read from it)
+    "direct": {"DIRECT_IO": True},
+    "direct-at-once-8": {"DIRECT_IO": True, "FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},
+    "direct-per-file": {**PER_FILE, "DIRECT_IO": True},
+    "direct-chunk-64": {"DIRECT_IO": True, "_CHUNK": 64 << 20},
 }
+
+
+def cold_read_direct(files: list[Path], streams: int, chunk: int = 16 << 20) -> float:
+    """The floor of a load that bypasses the page cache: every file read once by O_DIRECT, `streams` at a time,
+    one thread each, into a reused page-aligned buffer of `chunk` bytes (the last block of a file read whole)."""
+    import mmap
+
+    for f in files:
+        drop_cache(f)
+
+    def one(paths: list[Path]) -> None:
+        buf = mmap.mmap(-1, chunk)
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            try:
+                offset = 0
+                while n := os.preadv(fd, [buf], offset):
+                    offset += n
+            finally:
+                os.close(fd)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(files[k::streams],)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
 
 
 def parse_value(text: str) -> Any:
@@ -197,6 +235,12 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="name:KNOB=VALUE,... (repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of cold resumes, the variants alternating")
     ap.add_argument("--file-bytes", type=int, default=0, help="persist.FILE_BYTES for the save (0: default)")
+    ap.add_argument(
+        "--warm", default="", help="comma-separated variants resumed once each with the files in the page cache"
+    )
+    ap.add_argument(
+        "--direct-floor", action="store_true", help="the O_DIRECT cold read too, beside each cold read (Linux)"
+    )
     args = ap.parse_args()
 
     variants = dict(BUILT_IN)
@@ -312,12 +356,26 @@ def main() -> None:
         row = resume({}, cold=False)  # imports, streams, the CUDA context of each thread: not counted
         print(f"[load] warm-up resume (warm, default): {row['s']:.3f} s, equal {row['equal']}", flush=True)
         out["warm_default"] = row
+        for name in filter(None, (n.strip() for n in args.warm.split(","))):
+            knobs = variants.get(name, BUILT_IN.get(name))
+            if knobs is None:
+                raise SystemExit(f"--warm {name!r}: not a variant; built in: {list(BUILT_IN)}")
+            for f in files:
+                f.read_bytes()  # in the page cache, as after a save on this host
+            row = resume(knobs, cold=False)
+            print(f"[load] {name} (warm): {row['s']:.3f} s, equal {row['equal']}", flush=True)
+            rows.append((f"{name} (warm)", {"knobs": knobs, **row}))
         for i in range(args.repeat):  # the variants alternate: a drift of the disk falls on all of them
             # the floor again in each round, beside its variants: this disk's rate moved by up to a fifth within
             # one call (2026-12-02), more than the variants differ
             round_floor = cold_read(files, args.streams)
             out.setdefault("round_floors_s", []).append(round_floor)
             print(f"[load] round {i + 1}: cold read {round_floor:.3f} s", flush=True)
+            direct_floor = None
+            if args.direct_floor:
+                direct_floor = cold_read_direct(files, args.streams)
+                out.setdefault("round_direct_floors_s", []).append(direct_floor)
+                print(f"[load] round {i + 1}: cold read by O_DIRECT {direct_floor:.3f} s", flush=True)
             for name, knobs in variants.items():
                 label = name if args.repeat == 1 else f"{name} #{i + 1}"
                 try:
@@ -327,9 +385,12 @@ def main() -> None:
                     print(f"[load] {label}: FAILED {row['error']}", flush=True)
                 else:
                     row["round_floor_s"] = round_floor
+                    row["round_direct_floor_s"] = direct_floor
+                    also = f", {direct_floor / row['s']:.2f} of its O_DIRECT one" if direct_floor else ""
                     print(
                         f"[load] {label}: {row['s']:.3f} s, {floor / row['s']:.2f} of cold read, "
-                        f"{round_floor / row['s']:.2f} of its round's, equal {row['equal']}",
+                        f"{round_floor / row['s']:.2f} of its round's{also}, equal {row['equal']}, "
+                        f"{row.get('bytes_direct', 0) / GB:.2f} GB by O_DIRECT",
                         flush=True,
                     )
                 rows.append((label, {"knobs": knobs, **row}))
@@ -352,10 +413,11 @@ def main() -> None:
             if tc_s
             else ""
         ),
-        "| variant | s | vs cold read (goal >= 0.95) | vs its round's cold read | vs DCP load | equal | load wall | read | read idle | "
+        "| variant | s | vs cold read (goal >= 0.95) | vs its round's cold read | vs its round's O_DIRECT read | "
+        "vs DCP load | equal | load wall | read | read idle | "
         "hash | parse | copy | alloc | first read at | reads done at | copies done at | load ends at | "
         "metadata check | DCP plan | DCP after reads |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows:
         if "error" in r:
@@ -371,8 +433,10 @@ def main() -> None:
             )
         )
         vs_round = f"{r['round_floor_s'] / r['s']:.2f}" if "round_floor_s" in r else ""
+        vs_direct = f"{r['round_direct_floor_s'] / r['s']:.2f}" if r.get("round_direct_floor_s") else ""
         lines.append(
-            f"| {label} | {r['s']:.3f} | {floor / r['s']:.2f} | {vs_round} | {vs_dcp} | {r['equal']} | {cols} |"
+            f"| {label} | {r['s']:.3f} | {floor / r['s']:.2f} | {vs_round} | {vs_direct} | {vs_dcp} | "
+            f"{r['equal']} | {cols} |"
         )
     print("\n".join(lines), flush=True)
     if args.json:

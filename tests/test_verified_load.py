@@ -4,6 +4,8 @@ file's bytes into their tensors. No process group: these are the library's own f
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
@@ -199,12 +202,12 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
         assert verified == read
         assert all(torch.equal(target[k], v) for k, v in state.items())
         # three slabs at most for all the files (fewer if a file was done before the next one came)
-        assert 1 <= len(buffers) <= 3 and set(buffers) == {largest}, buffers
+        assert 1 <= len(buffers) <= 3 and set(buffers) == {verified_read._aligned(largest)}, buffers
     monkeypatch.setattr(verified_read, "REUSE_SLABS", False)
     buffers.clear()
     target, _ = _load(model, state, expected)
     assert all(torch.equal(target[k], v) for k, v in state.items())
-    assert sorted(buffers) == sorted(expected[name][1] for name in read)
+    assert sorted(buffers) == sorted(verified_read._aligned(expected[name][1]) for name in read)
 
 
 def test_reads_spread_over_the_first_files_at_once() -> None:
@@ -409,3 +412,145 @@ def test_bytes_changed_on_disk_during_the_load_are_caught_or_never_parsed(
     monkeypatch.setattr(verified_read._Load, "_verified", change_once_read)
     target, verified = _load(model, state, expected)
     assert verified == {name} and all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def _uncached(files: list[Path]) -> None:
+    """Every page of the files written out and dropped from the page cache: the next read is the disk's."""
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _load_stats(
+    model: Path, state: dict[str, torch.Tensor], expected: Any
+) -> tuple[dict[str, torch.Tensor], set[str], dict[str, float]]:
+    target = {
+        k: torch.full_like(v, 7) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in state.items()
+    }
+    stats: dict[str, float] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        verified = dcp_io.load(target, model, no_dist=True, expected=expected, stats=stats)
+    return target, verified, stats
+
+
+direct_io = pytest.mark.skipif(
+    not (hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")), reason="O_DIRECT and RWF_NOWAIT: Linux"
+)
+
+
+@direct_io
+def test_direct_reads_take_cold_bytes_from_the_disk_and_warm_ones_from_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DIRECT_IO: a file not in the page cache is read by O_DIRECT, whole blocks into page-aligned slabs (its
+    size is no multiple of a block: the last block is read whole into the room after it, which no other file
+    holds); a file in the page cache is taken from it. Every value equal, every file verified, either way."""
+    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
+    monkeypatch.setattr(verified_read, "_CHUNK", 8192)  # many chunks a file, read by many threads at once
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    model, state, expected = _saved(tmp_path, files=3)
+    files = sorted(model.glob("*.distcp"))
+    assert any(p.stat().st_size % 4096 for p in files)
+    total = sum(p.stat().st_size for p in files)
+    probe = os.open(files[0], os.O_RDONLY | os.O_DIRECT)  # this filesystem takes O_DIRECT (ext4, xfs, tmpfs)
+    os.close(probe)
+    for budget in (1, 1 << 30):  # one file at a time (slabs reused), all at once (files side by side in a slab)
+        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
+        _uncached(files)
+        target, verified, stats = _load_stats(model, state, expected)
+        assert verified == set(expected)
+        assert all(target[k].dtype == v.dtype and torch.equal(target[k], v) for k, v in state.items())
+        assert stats["bytes_direct"] == total, budget  # every byte from the disk
+        for p in files:
+            p.read_bytes()  # now in the page cache
+        target, verified, stats = _load_stats(model, state, expected)
+        assert verified == set(expected) and all(torch.equal(target[k], v) for k, v in state.items())
+        assert stats["bytes_direct"] == 0, budget
+
+
+@direct_io
+@pytest.mark.parametrize("uncached", [True, False], ids=["from-disk", "from-page-cache"])
+def test_a_damaged_file_read_by_o_direct_is_never_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uncached: bool
+) -> None:
+    """The damages of test_a_damaged_file_is_never_parsed, read by O_DIRECT from the disk and from the page
+    cache: a byte cut or added at the end is found though the reads are whole blocks past it (a block-sized file
+    cut to a block less included), a byte changed fails the hash; no byte of the file is parsed."""
+    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
+    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
+    model, state, expected = _saved(tmp_path, files=1)
+    (name,) = expected
+    shard = model / name
+    good = shard.read_bytes()
+    parsed: list[object] = []
+    real_load = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        parsed.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    mid = len(good) // 2
+    blocks = len(good) // 4096 * 4096
+    damaged = {
+        "changed": (good[:mid] + bytes([good[mid] ^ 1]) + good[mid + 1 :], "does not match its SHA-256"),
+        "cut": (good[:-1], f"has {len(good) - 1} bytes, the inventory says {len(good)}"),
+        "cut to whole blocks": (good[:blocks], f"has {blocks} bytes, the inventory says {len(good)}"),
+        "added": (good + b"\0", f"has more than {len(good)} bytes"),
+        "a block added": (good + b"\0" * 4096, f"has more than {len(good)} bytes"),
+    }
+    for how, (data, message) in damaged.items():
+        shard.write_bytes(data)
+        if uncached:
+            _uncached([shard])
+        with pytest.raises(IntegrityError, match=message) as info:
+            _load(model, state, expected)
+        assert str(shard) in str(info.value), how
+        assert parsed == [], how
+    shard.write_bytes(good)
+    _uncached([shard])
+    target, verified, stats = _load_stats(model, state, expected)
+    assert parsed and verified == {name} and all(torch.equal(target[k], v) for k, v in state.items())
+    assert stats["bytes_direct"] == len(good)
+
+
+@direct_io
+def test_o_direct_refused_by_a_read_goes_on_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that opens with O_DIRECT and refuses its reads (EINVAL: a block larger than 4 KiB, a network
+    filesystem): the load goes on through the page cache and every file is verified; any other error is the
+    load's."""
+    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
+    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
+    model, state, expected = _saved(tmp_path, files=2)
+    files = sorted(model.glob("*.distcp"))
+    real = os.preadv
+    refused: list[int] = []
+
+    def refuse_direct(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    _uncached(files)
+    target, verified, stats = _load_stats(model, state, expected)
+    assert refused and verified == set(expected) and stats["bytes_direct"] == 0
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+    def fail_direct(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", fail_direct)
+    _uncached(files)
+    with pytest.raises(CheckpointException, match="Input/output error"):  # DCP's, as any other failure
+        _load(model, state, expected)

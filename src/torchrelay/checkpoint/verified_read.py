@@ -8,6 +8,8 @@ copied into their targets, on threads of their own while the next files are read
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import mmap
 import os
@@ -151,6 +153,13 @@ HUGE_PAGES = False
 # True: the slabs are given back (unmapped) on a thread of their own once the load is done, not before it returns:
 # on the H200 host the 0.2 s between the last copy and the reader's return (14.5 GB, RESULTS.md issue 22).
 FREE_LATER = True
+# True: each file's chunks are read with O_DIRECT (Linux) into page-aligned slabs, straight from the disk into the
+# load's memory: no page-cache copy on the reading threads and 14.5 GB of a state not left in the page cache. A
+# chunk already in the page cache (a save just written, a second resume) is taken from it first (a buffered read
+# with RWF_NOWAIT, which never waits on the disk), so a warm load is not sent to the disk. Where O_DIRECT is refused
+# (tmpfs, some network filesystems: EINVAL at open or at a read) the file is read as before. The proof is the same:
+# every byte hashed from the load's memory.
+DIRECT_IO = False
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
 _ALIGN = 4096
@@ -189,9 +198,10 @@ class _Slab:
             if locked.register():
                 self.locked = locked
             self.data = locked.tensor[:size]
-        elif HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
-            self.mapping = mmap.mmap(-1, size)
-            self.mapping.madvise(mmap.MADV_HUGEPAGE)
+        elif (HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE")) or DIRECT_IO:
+            self.mapping = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT's reads need
+            if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+                self.mapping.madvise(mmap.MADV_HUGEPAGE)
             self.data = torch.frombuffer(self.mapping, dtype=torch.uint8)  # holds the mapping alive
         else:
             self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
@@ -200,15 +210,54 @@ class _Slab:
         self.files = 0  # files holding bytes of it
 
     def place(self, size: int) -> memoryview | None:
-        """Room for `size` bytes after those handed out, or None."""
+        """Room for `size` bytes, rounded up to _ALIGN (an O_DIRECT read of a file's last chunk is whole blocks),
+        after those handed out, at an _ALIGN boundary; None where there is none."""
         if not self.files:
             self.top = 0
         start = -(-self.top // _ALIGN) * _ALIGN
-        if start + size > self.size:
+        room = _aligned(size)
+        if start + room > self.size:
             return None
-        self.top = start + size
+        self.top = start + room
         self.files += 1
-        return self.view[start : start + size]
+        return self.view[start : start + room]
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+_LIBC: Any = None
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's byte per page: its lowest bit says it is resident
+
+
+def _resident(fd: int, size: int) -> bytes | None:
+    """Which pages of the open file are in the page cache (mincore over a read-only shared mapping of it: nothing
+    is read, no readahead is started), a byte per page whose lowest bit says it; None where it cannot be asked.
+    (A buffered read with RWF_NOWAIT would say it too, but starts the readahead of what is not there.)"""
+    global _LIBC
+    try:
+        if _LIBC is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            libc.mmap.argtypes += [ctypes.c_long]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+            _LIBC = libc
+        libc = _LIBC
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    except (AttributeError, OSError):  # no libc by that name, no mincore (not Linux)
+        return None
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+        if libc.mincore(addr, size, vec) != 0:
+            return None
+        return vec.raw
+    finally:
+        libc.munmap(addr, size)
 
 
 class _File:
@@ -234,7 +283,11 @@ class _File:
         self.lock = threading.Lock()
         self.fd = -1
         self.slab: _Slab | None = None
-        self.view = memoryview(b"")
+        self.view = memoryview(b"")  # the file's bytes in its slab
+        self.room = memoryview(b"")  # the same, to the next _ALIGN boundary (O_DIRECT reads whole blocks)
+        self.direct = -1  # an O_DIRECT descriptor of it (DIRECT_IO), or -1
+        self.use_direct = False  # chunks are read by it (False once a read of it was refused: the page cache)
+        self.resident: bytes | None = None  # of each page, in the page cache when the file was opened (_resident)
         # items not yet in their targets, and one more for the file's verification: its room goes back at 0
         self.left = len(items) + 1
         # verified in parts (util/sha256_parts.py): the part size and states, which parts are hashed and matched
@@ -251,6 +304,9 @@ class _File:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.direct >= 0:
+            os.close(self.direct)
+            self.direct = -1
 
 
 class _Load:
@@ -275,6 +331,7 @@ class _Load:
         self.per_file = per_file
         self.verified: set[str] = set()
         self.timings = dict.fromkeys(("read", "hash", "parse", "copy", "alloc", "read_idle"), 0.0)
+        self.timings["bytes_direct"] = 0  # read by O_DIRECT (DIRECT_IO), not from the page cache
         # when (seconds after run() began) the first read began, the last read ended, the last item was copied
         self.timeline = {"first_read": float("inf"), "reads_done": 0.0, "copies_done": 0.0}
         self._began = time.perf_counter()
@@ -316,7 +373,7 @@ class _Load:
             largest = max((f.size for f in files), default=0)
             total = sum(f.size for f in files)
             self._budget = load_budget()
-            self._slab_size = max(largest, min(total, self._budget, _SLAB))
+            self._slab_size = _aligned(max(largest, min(total, self._budget, _SLAB)))
             room = max(1, self._budget // max(1, largest))  # files of the largest size the buffer holds
             self._at_once = max(1, min(FILES_AT_ONCE, room - 1))
             if LARGEST_FIRST:
@@ -347,7 +404,7 @@ class _Load:
             self._parse.shutdown(wait=True, cancel_futures=True)
             for f in self._opened:
                 f.close()
-                f.slab, f.view = None, memoryview(b"")
+                f.slab, f.view, f.room = None, memoryview(b""), memoryview(b"")
             slabs, self._slabs = self._slabs, []
             for slab in slabs:
                 if slab.locked is not None:  # every copy from it was waited for
@@ -384,7 +441,7 @@ class _Load:
         """Room for the file's bytes in a slab (a new one while the budget allows, or once enough of the files
         held are done), and the file opened; False after a failure."""
         if f.size:
-            size = self._slab_size if REUSE_SLABS else f.size
+            size = self._slab_size if REUSE_SLABS else _aligned(f.size)
             with self._cond:
                 while True:
                     if self._error is not None:
@@ -392,7 +449,7 @@ class _Load:
                     for slab in self._slabs:
                         view = slab.place(f.size)
                         if view is not None:
-                            f.slab, f.view = slab, view
+                            f.slab, f.room, f.view = slab, view, view[: f.size]
                             break
                     if f.slab is not None or not self._allocated or self._allocated + size <= self._budget:
                         break
@@ -412,16 +469,28 @@ class _Load:
                     self._slabs.append(slab)
                     view = slab.place(f.size)
                     assert view is not None  # a new slab holds any file whole
-                    f.slab, f.view = slab, view
+                    f.slab, f.room, f.view = slab, view, view[: f.size]
         self._opened.append(f)
         f.fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if DIRECT_IO and f.size and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT"):
+            try:  # the same file: opened by path again, then checked to be the one already open
+                f.direct = os.open(f.path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            except OSError:  # O_DIRECT refused here (EINVAL): through the page cache
+                f.direct = -1
+            else:
+                a, b = os.fstat(f.fd), os.fstat(f.direct)
+                if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                    f.close()
+                    raise UnsafeInput(f"{f.path} was replaced while it was opened; refusing to read it")
+                f.use_direct = True
+                f.resident = _resident(f.fd, f.size)
         if FADVISE and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return True
 
     def _release(self, f: _File) -> None:
         """The file is done: its room in the slab goes back (the slab itself, without reuse). Under _cond."""
-        slab, f.slab, f.view = f.slab, None, memoryview(b"")
+        slab, f.slab, f.view, f.room = f.slab, None, memoryview(b""), memoryview(b"")
         if slab is not None:
             slab.files -= 1
             if not slab.files and not REUSE_SLABS:
@@ -505,18 +574,16 @@ class _Load:
         t0 = time.perf_counter()
         start = k * _CHUNK
         want = min(_CHUNK, f.size - start)
-        got = 0
+        got = direct = self._read_direct(f, start, want) if f.use_direct else 0
         while got < want:
             n = os.preadv(f.fd, [f.view[start + got : start + want]], start + got)
             if not n:
-                raise IntegrityError(
-                    f"{f.path} has {start + got} bytes, the inventory says {f.size}",
-                    hint=_DAMAGED,
-                )
+                raise self._short(f, start + got)
             got += n
         t1 = time.perf_counter()
         with self._cond:
             self.timings["read"] += t1 - t0
+            self.timings["bytes_direct"] += direct
             line = self.timeline
             line["first_read"] = min(line["first_read"], t0 - self._began)
             line["reads_done"] = max(line["reads_done"], t1 - self._began)
@@ -532,6 +599,37 @@ class _Load:
             self._hasher.submit(self._guard, self._hash, f)
         else:
             self._hash(f)
+
+    def _short(self, f: _File, at: int) -> IntegrityError:
+        return IntegrityError(f"{f.path} has {at} bytes, the inventory says {f.size}", hint=_DAMAGED)
+
+    def _read_direct(self, f: _File, start: int, want: int) -> int:
+        """Bytes [start, start + want) of the file into its room by O_DIRECT, in whole blocks (the last block of
+        the file whole, into the room after it); how many arrived. 0 for a chunk whose pages were all in the page
+        cache when the file was opened, or one not in whole blocks: the caller reads the rest through the page
+        cache (after EINVAL, every chunk of the file from then on)."""
+        if start % _ALIGN or (want % _ALIGN and start + want != f.size):
+            return 0  # a chunk not in whole blocks (a small _CHUNK): its last block is another chunk's
+        if f.resident is not None:
+            pages = f.resident[start // mmap.PAGESIZE : -(-(start + want) // mmap.PAGESIZE)]
+            if not pages.translate(_LOW_BIT).count(0):
+                return 0  # every page of it in the page cache: read from there
+        got = 0
+        end = start + _aligned(want)  # within the room: a file's last block is read whole
+        while got < want:
+            try:
+                n = os.preadv(f.direct, [f.room[start + got : end]], start + got)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                f.use_direct = False  # this filesystem's blocks are larger, or it refuses: the page cache
+                return got
+            if not n:
+                raise self._short(f, start + got)
+            got += n
+            if n % _ALIGN and got < want:  # a read that ends within a block ended at the end of the file
+                raise self._short(f, start + got)
+        return min(got, want)
 
     def _arrived_in_parts(self, f: _File, k: int) -> None:
         """Chunk k is in: hash each part it completes (on a hash thread, or this one without them)."""
