@@ -236,10 +236,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of cold resumes, the variants alternating")
     ap.add_argument("--file-bytes", type=int, default=0, help="persist.FILE_BYTES for the save (0: default)")
     ap.add_argument(
-        "--warm", default="", help="comma-separated variants resumed once each with the files in the page cache"
+        "--warm",
+        default="",
+        help="comma-separated variants resumed once each with the files in the page cache",
     )
     ap.add_argument(
-        "--direct-floor", action="store_true", help="the O_DIRECT cold read too, beside each cold read (Linux)"
+        "--direct-floor",
+        action="store_true",
+        help="the O_DIRECT cold read too, beside each cold read (Linux)",
     )
     args = ap.parse_args()
 

@@ -150,6 +150,12 @@ def main() -> None:
         help="before the first launch: the loop alone after this many seconds idle (after the floors)",
     )
     ap.add_argument(
+        "--plain-updates",
+        type=int,
+        default=60,
+        help="updates of --first-probe's plain loop (its mean is the floor of each launch's lost time)",
+    )
+    ap.add_argument(
         "--plain-probe",
         type=float,
         default=0.0,
@@ -348,8 +354,10 @@ def main() -> None:
     # began after the buffers existed, and missed the 6-8 s the second update of a launch waited for them).
     from torchrelay.checkpoint.commit import wait_deletions
 
+    plain_mean = None
     if args.first_probe:  # the loop alone right after the floors (a GPU idle that long): update 1's own cost
-        out["first_probe"] = plain_probe(update, dev, args.first_probe)
+        out["first_probe"] = plain_probe(update, dev, args.first_probe, args.plain_updates)
+        plain_mean = out["first_probe"]["mean_ms"] / 1e3
         print(f"[bench] plain loop before the launches: {json.dumps(out['first_probe'])}", flush=True)
     out["launches"] = {}
     for spec in args.launch:  # each a fresh Run: its buffers reserved again, its own knobs
@@ -366,7 +374,7 @@ def main() -> None:
             run_v.track(model=ddp, optimizer=opt)
             var = Launch(run_v, update, dev)
             var.run(n_saves)
-            out["launches"][name] = {"knobs": knobs, **var.report(floor_copy, disk_n)}
+            out["launches"][name] = {"knobs": knobs, **var.report(floor_copy, disk_n, plain_mean)}
             run_v._end_segment(var.done)
             run_v._saver.close()
             wait_deletions()
@@ -396,7 +404,7 @@ def main() -> None:
     out["launch_open_s"] = round(time.perf_counter() - t_open, 3)
     launch = Launch(run_a, update, dev)
     launch.run(args.saves)
-    out["launch"] = launch.report(floor_copy, disk_n)
+    out["launch"] = launch.report(floor_copy, disk_n, plain_mean)
     print(f"[bench] launch (defaults): {json.dumps(summary(out['launch']))}", flush=True)
     if args.peers_after:  # in a process whose launch ran first, on memory no peer had touched
         run_peers()
@@ -496,7 +504,8 @@ LAUNCH_KNOBS: dict[str, Any] = {
 
 def plain_probe(update: Callable[[], float], dev: str, idle: float, n: int = 60) -> dict[str, Any]:
     """The loop with no checkpointing after `idle` seconds of an idle GPU (a launch's Run.open leaves it idle
-    that long): each of the first updates as a ratio to the median of `n`."""
+    that long): each of the first updates as a ratio to the median of `n`, and the mean update (the floor of a
+    launch's time: what the loop takes without checkpointing, its own jitter included)."""
     sync(dev)
     time.sleep(idle)
     times = []
@@ -509,6 +518,9 @@ def plain_probe(update: Callable[[], float], dev: str, idle: float, n: int = 60)
     med = statistics.median(times)
     return {
         "median_ms": round(med * 1e3, 2),
+        "mean_ms": round(statistics.fmean(times) * 1e3, 3),
+        "updates": n,
+        "jitter_vs_median": round(statistics.fmean(times) / med, 4),
         "first_updates": [round(t / med, 3) for t in times[:4]],
         "over_1_1x": [i + 1 for i, t in enumerate(times) if t > 1.1 * med],
     }
@@ -542,6 +554,9 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
         "over_1_1x_not_saving": r["over_1_1x_not_saving"][:30],
         "lost_s": round(r["lost_s"], 3),
         "lost_vs_saves_x_copy": round(r["lost_vs_saves_x_copy"], 2),
+        "lost_vs_plain_x_copy": None
+        if r.get("lost_vs_plain_x_copy") is None
+        else round(r["lost_vs_plain_x_copy"], 2),
         "saves": [
             {k: (round(v, 3) if isinstance(v, float) else v) for k, v in save.items() if k not in ("around",)}
             for save in r["saves"]
@@ -783,7 +798,9 @@ class Launch:
                 extra -= 1
         sync(self.dev)
 
-    def report(self, floor_copy: float, floor_write: float) -> dict[str, Any]:
+    def report(
+        self, floor_copy: float, floor_write: float, plain_mean: float | None = None
+    ) -> dict[str, Any]:
         med = statistics.median(t for t, k in zip(self.times, self.kind, strict=True) if k != "save")
         ratios = [t / med for t in self.times]
         plain = [(i, r) for i, (r, k) in enumerate(zip(ratios, self.kind, strict=True)) if k != "save"]
@@ -865,6 +882,12 @@ class Launch:
             "over_1_1x_not_saving": [(i + 1, round(r, 3)) for i, r in plain if r > 1.1],
             "lost_s": lost,
             "lost_vs_saves_x_copy": lost / (len(self.saves) * floor_copy) if self.saves else float("nan"),
+            # against the plain loop's mean update measured in the same call (its own jitter and update 1 in it):
+            # what the loop took beyond what it takes without checkpointing
+            "lost_vs_plain_s": None if plain_mean is None else sum(self.times) - len(self.times) * plain_mean,
+            "lost_vs_plain_x_copy": None
+            if plain_mean is None or not self.saves
+            else (sum(self.times) - len(self.times) * plain_mean) / (len(self.saves) * floor_copy),
             "saves": saves,
             "ratios": [round(r, 3) for r in ratios],  # every update, x the median
         }

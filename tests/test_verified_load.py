@@ -459,7 +459,10 @@ def test_direct_reads_take_cold_bytes_from_the_disk_and_warm_ones_from_the_page_
     total = sum(p.stat().st_size for p in files)
     probe = os.open(files[0], os.O_RDONLY | os.O_DIRECT)  # this filesystem takes O_DIRECT (ext4, xfs, tmpfs)
     os.close(probe)
-    for budget in (1, 1 << 30):  # one file at a time (slabs reused), all at once (files side by side in a slab)
+    for budget in (
+        1,
+        1 << 30,
+    ):  # one file at a time (slabs reused), all at once (files side by side in a slab)
         monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
         _uncached(files)
         target, verified, stats = _load_stats(model, state, expected)

@@ -287,7 +287,9 @@ class _File:
         self.room = memoryview(b"")  # the same, to the next _ALIGN boundary (O_DIRECT reads whole blocks)
         self.direct = -1  # an O_DIRECT descriptor of it (DIRECT_IO), or -1
         self.use_direct = False  # chunks are read by it (False once a read of it was refused: the page cache)
-        self.resident: bytes | None = None  # of each page, in the page cache when the file was opened (_resident)
+        self.resident: bytes | None = (
+            None  # of each page, in the page cache when the file was opened (_resident)
+        )
         # items not yet in their targets, and one more for the file's verification: its room goes back at 0
         self.left = len(items) + 1
         # verified in parts (util/sha256_parts.py): the part size and states, which parts are hashed and matched
