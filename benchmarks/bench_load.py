@@ -69,6 +69,7 @@ KNOBS = (
     "USE_PARTS",
     "FREE_LATER",
     "DIRECT_IO",
+    "PREFAULT",
 )
 # The load as issue 22's second round left it: the 16 threads share the chunks of the first 3 files, within 4 GiB.
 SHARED_CHUNKS = {
@@ -127,6 +128,9 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     # O_DIRECT reads into page-aligned slabs: no page-cache copy, nothing left in the page cache (chunks found in
     # it when a file is opened are read from it)
     "direct": {"DIRECT_IO": True},
+    # each new slab's pages faulted in by a thread from its end while the reads fill it from the front
+    "prefault": {"PREFAULT": True},
+    "prefault-per-file": {**PER_FILE, "PREFAULT": True},
     "direct-at-once-8": {"DIRECT_IO": True, "FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},
     "direct-per-file": {**PER_FILE, "DIRECT_IO": True},
     "direct-chunk-64": {"DIRECT_IO": True, "_CHUNK": 64 << 20},
@@ -244,6 +248,11 @@ def main() -> None:
         "--direct-floor",
         action="store_true",
         help="the O_DIRECT cold read too, beside each cold read (Linux)",
+    )
+    ap.add_argument(
+        "--bracket",
+        action="store_true",
+        help="the cold read again at the end of each round: each variant also against the mean of its round's two",
     )
     args = ap.parse_args()
 
@@ -380,7 +389,10 @@ def main() -> None:
                 direct_floor = cold_read_direct(files, args.streams)
                 out.setdefault("round_direct_floors_s", []).append(direct_floor)
                 print(f"[load] round {i + 1}: cold read by O_DIRECT {direct_floor:.3f} s", flush=True)
-            for name, knobs in variants.items():
+            order = list(variants.items())
+            if i % 2:  # every other round in reverse: a drift within a round falls on each variant alike
+                order.reverse()
+            for name, knobs in order:
                 label = name if args.repeat == 1 else f"{name} #{i + 1}"
                 try:
                     row = resume(knobs, cold=True)
@@ -398,6 +410,20 @@ def main() -> None:
                         flush=True,
                     )
                 rows.append((label, {"knobs": knobs, **row}))
+            if args.bracket:  # the disk's drift within the round: the floor after its variants too
+                end_floor = cold_read(files, args.streams)
+                out.setdefault("round_end_floors_s", []).append(end_floor)
+                mean = (round_floor + end_floor) / 2
+                print(
+                    f"[load] round {i + 1}: cold read again {end_floor:.3f} s (mean {mean:.3f})", flush=True
+                )
+                for label, row in rows:
+                    if row.get("round_floor_s") == round_floor and "s" in row:
+                        row["round_mean_floor_s"] = mean
+                        print(
+                            f"[load]   {label}: {mean / row['s']:.2f} of the round's mean cold read",
+                            flush=True,
+                        )
     finally:
         dcp_io.load = plain_load  # type: ignore[assignment]
         for key, value in defaults.items():

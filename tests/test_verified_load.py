@@ -557,3 +557,24 @@ def test_o_direct_refused_by_a_read_goes_on_through_the_page_cache(
     _uncached(files)
     with pytest.raises(CheckpointException, match="Input/output error"):  # DCP's, as any other failure
         _load(model, state, expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="madvise(MADV_POPULATE_WRITE): Linux")
+def test_slabs_prefaulted_ahead_of_the_reads_hold_exactly_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PREFAULT: a thread faults in each slab's pages from its end while the reads fill it from the front (the
+    same pages at once, slabs reused by later files): no byte a read put there is changed, every file verified
+    and every value equal, in one slab or many, from torch.empty's memory and from page-aligned mappings."""
+    monkeypatch.setattr(verified_read, "PREFAULT", True)
+    monkeypatch.setattr(verified_read, "_PREFAULT_STEP", 4096)  # a page a step: many steps among the reads
+    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    model, state, expected = _saved(tmp_path, files=4)
+    for budget, direct in ((1, False), (1 << 30, False), (1, True)):
+        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
+        monkeypatch.setattr(verified_read, "DIRECT_IO", direct)
+        target, verified, stats = _load_stats(model, state, expected)
+        assert verified == set(expected), budget
+        assert all(target[k].dtype == v.dtype and torch.equal(target[k], v) for k, v in state.items())
+        assert stats["prefault"] > 0, budget  # this kernel has MADV_POPULATE_WRITE (5.14+)

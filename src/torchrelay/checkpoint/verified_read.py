@@ -160,6 +160,15 @@ FREE_LATER = True
 # (tmpfs, some network filesystems: EINVAL at open or at a read) the file is read as before. The proof is the same:
 # every byte hashed from the load's memory.
 DIRECT_IO = False
+# True: each new slab's pages are faulted in ahead of the reads by a thread of the load (madvise
+# MADV_POPULATE_WRITE, Linux 5.14+: page tables filled, no byte of the memory written), from its end backwards in
+# _PREFAULT_STEP pieces while the reads fill it from the front, the slabs taken in turn. A read into a page touched
+# for the first time faults it in on the reading thread, between its reads: on the H200 host a thread per file
+# into fresh memory read at 0.80-0.95 of the same reads into a reused buffer (bench_read_patterns.py,
+# RESULTS.md). Where the kernel refuses it (EINVAL), nothing is prefaulted.
+PREFAULT = False
+_PREFAULT_STEP = 64 << 20
+_MADV_POPULATE_WRITE = 23
 # The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
 _SLAB = 256 << 20
 _ALIGN = 4096
@@ -231,21 +240,27 @@ _LIBC: Any = None
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's byte per page: its lowest bit says it is resident
 
 
+def _libc() -> Any:
+    """libc's mmap, munmap, mincore and madvise through ctypes (each call releases the GIL)."""
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        libc.mmap.argtypes += [ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _LIBC = libc
+    return _LIBC
+
+
 def _resident(fd: int, size: int) -> bytes | None:
     """Which pages of the open file are in the page cache (mincore over a read-only shared mapping of it: nothing
     is read, no readahead is started), a byte per page whose lowest bit says it; None where it cannot be asked.
     (A buffered read with RWF_NOWAIT would say it too, but starts the readahead of what is not there.)"""
-    global _LIBC
     try:
-        if _LIBC is None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            libc.mmap.argtypes += [ctypes.c_long]
-            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-            _LIBC = libc
-        libc = _LIBC
+        libc = _libc()
         addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     except (AttributeError, OSError):  # no libc by that name, no mincore (not Linux)
         return None
@@ -332,7 +347,7 @@ class _Load:
         self.root, self.storage, self.planner, self.expected = root, storage, planner, expected
         self.per_file = per_file
         self.verified: set[str] = set()
-        self.timings = dict.fromkeys(("read", "hash", "parse", "copy", "alloc", "read_idle"), 0.0)
+        self.timings = dict.fromkeys(("read", "hash", "parse", "copy", "alloc", "read_idle", "prefault"), 0.0)
         self.timings["bytes_direct"] = 0  # read by O_DIRECT (DIRECT_IO), not from the page cache
         # when (seconds after run() began) the first read began, the last read ended, the last item was copied
         self.timeline = {"first_read": float("inf"), "reads_done": 0.0, "copies_done": 0.0}
@@ -353,6 +368,8 @@ class _Load:
         self._pinned = PIN_SLABS and torch.cuda.is_available() and torch.cuda.is_initialized()
         self._streams = threading.local()  # each parse thread's CUDA stream for copies from page-locked slabs
         self._opened: list[_File] = []
+        self._prefault: list[list[int]] = []  # [address, bytes not yet prefaulted] of each slab, in turn
+        self._loaded = False  # run() is ending: the prefaulting thread stops
 
     def run(self) -> None:
         self._began = time.perf_counter()
@@ -370,6 +387,10 @@ class _Load:
         ]
         for thread in readers:
             thread.start()
+        prefault = None
+        if PREFAULT and not self._pinned:
+            prefault = threading.Thread(target=self._prefaulter, name="torchrelay-prefault", daemon=True)
+            prefault.start()
         try:
             files = [self._describe(rel, items) for rel, items in self.per_file.items()]
             largest = max((f.size for f in files), default=0)
@@ -401,6 +422,11 @@ class _Load:
                 self._cond.notify_all()
             for thread in readers:
                 thread.join()
+            if prefault is not None:  # before a slab is freed: it advises their memory
+                with self._cond:
+                    self._loaded = True
+                    self._cond.notify_all()
+                prefault.join()
             if self._hasher is not None:
                 self._hasher.shutdown(wait=True, cancel_futures=True)
             self._parse.shutdown(wait=True, cancel_futures=True)
@@ -417,6 +443,33 @@ class _Load:
                 slabs.clear()
         if self._error is not None:
             raise self._error
+
+    def _prefaulter(self) -> None:
+        """PREFAULT: fault in the slabs' pages, each from its end backwards, a step of each in turn, until every
+        slab is done and no more are coming, or the load ends (its reads fill the slabs from the front)."""
+        try:
+            libc = _libc()
+        except (AttributeError, OSError):
+            return
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._loaded or self._error is not None or bool(self._prefault))
+                if self._loaded or self._error is not None:
+                    return
+                jobs = list(self._prefault)
+            for job in jobs:
+                addr, left = job
+                step = min(left, _PREFAULT_STEP)
+                t0 = time.perf_counter()
+                ok = libc.madvise(addr + left - step, step, _MADV_POPULATE_WRITE) == 0
+                self._count("prefault", time.perf_counter() - t0)
+                if not ok:  # not this kernel's (EINVAL before Linux 5.14): the reads fault the pages in
+                    return
+                job[1] -= step
+                if self._loaded:
+                    return
+            with self._cond:
+                self._prefault = [job for job in self._prefault if job[1] > 0]
 
     def _describe(self, rel: str, items: list[ReadItem]) -> _File:
         path = safe_relpath(self.root, rel, self.root / ".metadata")
@@ -469,6 +522,13 @@ class _Load:
                 self._count("alloc", time.perf_counter() - t0)
                 with self._cond:
                     self._slabs.append(slab)
+                    if PREFAULT and slab.locked is None:
+                        addr = slab.data.data_ptr()
+                        start = -(-addr // mmap.PAGESIZE) * mmap.PAGESIZE  # torch.empty's: 64-byte aligned
+                        length = (addr + slab.size - start) // mmap.PAGESIZE * mmap.PAGESIZE
+                        if length > 0:
+                            self._prefault.append([start, length])
+                            self._cond.notify_all()
                     view = slab.place(f.size)
                     assert view is not None  # a new slab holds any file whole
                     f.slab, f.room, f.view = slab, view, view[: f.size]
