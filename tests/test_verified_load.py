@@ -177,9 +177,6 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     and reused by the next files (each page touched once, not once per file); every value loads. Without reuse
     (REUSE_SLABS off) each file has a buffer of its own, as before."""
     monkeypatch.setattr(verified_read, "_CHUNK", 1024)
-    monkeypatch.setattr(
-        verified_read, "HUGE_PAGES", False
-    )  # the slabs from torch.empty, which the spy counts
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)  # the files the plan reads (a file of empty tensors is not read)
     assert len(read) >= 6
@@ -187,14 +184,13 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
     monkeypatch.setattr(verified_read, "LOAD_BUFFER", 3 * largest + 1)  # room for three: two read at once
     buffers: list[int] = []
-    real_empty = torch.empty
 
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("dtype") is torch.uint8 and args and isinstance(args[0], int) and args[0] > 0:
-            buffers.append(args[0])
-        return real_empty(*args, **kwargs)
+    class Counted(verified_read._Slab):
+        def __init__(self, size: int, pinned: bool = False) -> None:
+            buffers.append(size)
+            super().__init__(size, pinned)
 
-    monkeypatch.setattr(torch, "empty", spy)
+    monkeypatch.setattr(verified_read, "_Slab", Counted)
     for files_at_once in (1, 3):
         monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
         buffers.clear()

@@ -27,6 +27,7 @@ from torchrelay.checkpoint.inventory import safe_relpath
 from torchrelay.checkpoint.items import _load_item, _refuse_transforms, _Seekable
 from torchrelay.checkpoint.verified_read import SafeReader
 from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput
+from torchrelay.util.gcpause import no_collections
 
 __all__ = ["SafeReader", "load", "read_metadata", "read_tensor", "save"]
 
@@ -53,7 +54,8 @@ def load(
     checked = time.perf_counter()
     reader = SafeReader(str(directory), expected, metadata)  # which DCP then plans with: it is parsed once
     try:
-        dcp.load(state, storage_reader=reader, no_dist=no_dist)
+        with no_collections():  # the plan's and the reads' objects: no walk of the whole heap among them
+            dcp.load(state, storage_reader=reader, no_dist=no_dist)
     except CheckpointException as exc:  # a file failed its check on some rank: DCP raises it on every rank
         if not no_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise  # the caller's phase makes it one error, naming the rank (util/collective.py)

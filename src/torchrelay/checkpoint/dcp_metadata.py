@@ -9,7 +9,6 @@ inventory. Tensor shards are read with torch.load(weights_only=True).
 
 from __future__ import annotations
 
-import gc
 import io
 import pickle
 from pathlib import Path
@@ -29,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory, safe_relpath
 from torchrelay.checkpoint.torch_compat import METADATA_PICKLE_NAMES, PythonUnpickler, StorageInfo
 from torchrelay.errors import UnsafeInput
+from torchrelay.util.gcpause import no_collections
 from torchrelay.util.records import read_bounded
 
 _ALLOWED = {
@@ -106,19 +106,15 @@ def read_metadata(ckpt_model_dir: Path) -> Metadata:
     of the checkpoint's inventory (COMPLETE.json) and each read must lie inside it."""
     path = ckpt_model_dir / ".metadata"
     data = read_bounded(path, METADATA_LIMIT, what="DCP metadata")
-    collecting = gc.isenabled()
-    gc.disable()  # its tens of thousands of new objects set off full collections of the whole heap (0.1 s each)
     try:
-        md = _SafeUnpickler(data, path).load()
+        with no_collections():  # its tens of thousands of new objects set off collections of the whole heap
+            md = _SafeUnpickler(data, path).load()
     except UnsafeInput:
         raise
     except Exception as exc:  # noqa: BLE001 - any malformed pickle is an unreadable checkpoint
         raise UnsafeInput(
             f"{path}: unreadable DCP metadata ({type(exc).__name__}: {str(exc)[:200]})"
         ) from exc
-    finally:
-        if collecting:
-            gc.enable()
     _check_types(md, path)
     _check_storage(md, ckpt_model_dir, path)
     return md
@@ -200,7 +196,9 @@ def _check_storage(md: Metadata, model_dir: Path, path: Path) -> None:
     for index, info in md.storage_data.items():
         rel = info.relative_path
         if rel not in resolved:
-            safe_relpath(model_dir, rel, path)  # absolute, '..', a symlink on the way: refused naming the path
+            safe_relpath(
+                model_dir, rel, path
+            )  # absolute, '..', a symlink on the way: refused naming the path
             resolved.add(rel)
         inner = f"{model_dir.name}/{rel}"
         if inner not in listed:

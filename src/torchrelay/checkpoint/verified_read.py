@@ -8,6 +8,7 @@ copied into their targets, on threads of their own while the next files are read
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -202,21 +203,35 @@ class _Slab:
     def __init__(self, size: int, pinned: bool = False) -> None:
         self.size = size
         self.locked: _Locked | None = None
+        self.mapping: mmap.mmap | None = None
         if pinned:
             locked = _Locked(size)
             if locked.register():
                 self.locked = locked
             self.data = locked.tensor[:size]
-        elif (HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE")) or DIRECT_IO:
-            self.mapping = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT's reads need
+        elif hasattr(mmap, "MAP_PRIVATE"):
+            # a private anonymous mapping of its own: page-aligned (as O_DIRECT's reads need), and unmapped by
+            # `free` without the interpreter's lock (a torch.empty buffer is freed holding it: the thread returning
+            # from the load waited 10-60 ms for the thread freeing the slabs)
+            self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
             if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
                 self.mapping.madvise(mmap.MADV_HUGEPAGE)
-            self.data = torch.frombuffer(self.mapping, dtype=torch.uint8)  # holds the mapping alive
+            self.data = torch.frombuffer(self.mapping, dtype=torch.uint8)  # not zero-filled: read over before use
         else:
-            self.data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: read over before use
+            self.data = torch.empty(size, dtype=torch.uint8)
         self.view = self.data.numpy().data.cast("B")
         self.top = 0  # bytes handed out
         self.files = 0  # files holding bytes of it
+
+    def free(self) -> None:
+        """Give the memory back (the load is done with it): a mapping is unmapped at once, unless a view of it is
+        still held somewhere, whose last reference then frees it."""
+        with contextlib.suppress(BufferError):
+            self.view.release()
+        del self.data
+        if self.mapping is not None:
+            with contextlib.suppress(BufferError):
+                self.mapping.close()
 
     def place(self, size: int) -> memoryview | None:
         """Room for `size` bytes, rounded up to _ALIGN (an O_DIRECT read of a file's last chunk is whole blocks),
@@ -230,6 +245,12 @@ class _Slab:
         self.top = start + room
         self.files += 1
         return self.view[start : start + room]
+
+
+def _free(slabs: list[_Slab]) -> None:
+    for slab in slabs:
+        slab.free()
+    slabs.clear()
 
 
 def _aligned(size: int) -> int:
@@ -414,6 +435,7 @@ class _Load:
                 self._admitted_all = True
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._error is not None or self._finished == len(self.per_file))
+            self.timeline["finished"] = time.perf_counter() - self._began
         except BaseException as exc:
             self._fail(exc)
         finally:
@@ -437,10 +459,12 @@ class _Load:
             for slab in slabs:
                 if slab.locked is not None:  # every copy from it was waited for
                     slab.locked.release()
-            if FREE_LATER and slabs:  # the last references, dropped on a thread: the unmapping off the load
-                threading.Thread(target=slabs.clear, name="torchrelay-free-slabs", daemon=True).start()
+            self.timeline["joined"] = time.perf_counter() - self._began
+            if FREE_LATER and slabs:  # the memory given back on a thread: the unmapping off the load
+                threading.Thread(target=_free, args=(slabs,), name="torchrelay-free-slabs", daemon=True).start()
             else:
-                slabs.clear()
+                _free(slabs)
+            self.timeline["freed"] = time.perf_counter() - self._began
         if self._error is not None:
             raise self._error
 
