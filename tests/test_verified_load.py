@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
-from torchrelay.errors import ConfigError, IntegrityError
+from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
 
 
 def _saved(tmp_path: Path, files: int) -> tuple[Path, dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
@@ -574,3 +575,65 @@ def test_slabs_prefaulted_ahead_of_the_reads_hold_exactly_the_files(
         assert verified == set(expected), budget
         assert all(target[k].dtype == v.dtype and torch.equal(target[k], v) for k, v in state.items())
         assert stats["prefault"] > 0, budget  # this kernel has MADV_POPULATE_WRITE (5.14+)
+
+
+def test_a_slab_gives_its_pages_back_when_freed_unless_a_view_of_it_is_still_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slab's pages go back when the load frees it (dropped by MADV_DONTNEED in pieces, without the
+    interpreter's lock, then the mapping unmapped); a tensor still viewing it (a traceback's frame) keeps every byte
+    of it as it was, and nothing is dropped."""
+    monkeypatch.setattr(verified_read, "_FREE_STEP", 256 << 10)
+    libc = verified_read._libc()
+    dropped: list[tuple[int, int]] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(libc, name)
+
+        def madvise(self, addr: int, size: int, advice: int) -> int:
+            if advice == verified_read._MADV_DONTNEED:
+                dropped.append((addr, size))
+            return int(libc.madvise(addr, size, advice))
+
+    monkeypatch.setattr(verified_read, "_LIBC", Spy())
+    slab = verified_read._Slab(1 << 20)
+    assert slab.mapping is not None and slab.base % 4096 == 0
+    gone = weakref.ref(slab.mapping)
+    slab.data.fill_(5)
+    slab.free()
+    assert gone() is None  # unmapped
+    assert dropped == [(slab.base + k * (256 << 10), 256 << 10) for k in range(4)]
+    dropped.clear()
+    held = verified_read._Slab(1 << 20)
+    view = held.data[4096:8192]
+    held.data.fill_(3)
+    held.free()  # a view is out: nothing is dropped
+    assert not dropped and int(view.sum()) == 3 * 4096 and int(view.min()) == 3
+
+
+@direct_io
+def test_a_file_replaced_between_its_two_opens_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DIRECT_IO opens each file twice (through the page cache, and by O_DIRECT): a file put in its place between
+    the two (a rename over it) is refused, naming it, before a byte of either is read."""
+    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
+    model, state, expected = _saved(tmp_path, files=1)
+    (name,) = expected
+    shard = model / name
+    real_open = os.open
+    swapped: list[int] = []
+
+    def swap_before_the_direct_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT and not swapped:
+            other = shard.with_name("planted")
+            other.write_bytes(shard.read_bytes())  # the same bytes, another file
+            os.replace(other, shard)
+            swapped.append(1)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swap_before_the_direct_open)
+    with pytest.raises(UnsafeInput, match="was replaced while it was opened") as info:
+        _load(model, state, expected)
+    assert str(shard) in str(info.value) and swapped
