@@ -147,10 +147,12 @@ REUSE_SLABS = True
 # its parse thread, waited for before its room goes back. Measured on the H200 host: the copies' thread time 1.2 s
 # against 9 s, the load no shorter (9.7-9.8 s against 9.7-11.4 s): the copies were never its tail. So it is off.
 PIN_SLABS = False
-# True: each pageable slab is an anonymous mapping advised MADV_HUGEPAGE (Linux, transparent huge pages in
-# "madvise" mode): the reads fault in 2 MiB pages, not 4 KiB ones, into memory that is touched for the first
+# True: each pageable slab (a private anonymous mapping) is advised MADV_HUGEPAGE (Linux, transparent huge pages
+# in "madvise" mode): the reads fault in 2 MiB pages, not 4 KiB ones, into memory that is touched for the first
 # time (the floor reads into one reused 16 MiB buffer, whose pages stay mapped). Measured on the 2-core VM
-# (RESULTS.md, issue 22 goal 4): slower in each of 3 rounds (29-37 s against 24-25 s), so off.
+# (RESULTS.md, issue 22 goal 4): slower in each of 3 rounds (29-37 s against 24-25 s); on the H200 host
+# (2026-12-04, private mappings: the earlier rounds' slabs were shared ones, which that host gives no huge pages)
+# 0.98, 0.88, 0.91, 0.94 of the rounds' cold read against 0.99, 0.85, 1.01, 1.00 without. Off.
 HUGE_PAGES = False
 # True: the slabs are given back (unmapped) on a thread of their own once the load is done, not before it returns:
 # on the H200 host the 0.2 s between the last copy and the reader's return (14.5 GB, RESULTS.md issue 22).
@@ -160,14 +162,20 @@ FREE_LATER = True
 # chunk already in the page cache (a save just written, a second resume) is taken from it first (a buffered read
 # with RWF_NOWAIT, which never waits on the disk), so a warm load is not sent to the disk. Where O_DIRECT is refused
 # (tmpfs, some network filesystems: EINVAL at open or at a read) the file is read as before. The proof is the same:
-# every byte hashed from the load's memory.
+# every byte hashed from the load's memory. Measured on the H200 host (2026-12-04, 14.5 GB in 16 files,
+# RESULTS.md issue 22 eighth round): that disk serves O_DIRECT slower than buffered reads (a thread per file at
+# 0.74-0.79 of the buffered cold read with 16 MiB requests, 0.52-0.62 with 4 MiB: bench_read_patterns.py), and the
+# load with it 0.81-0.87 of its round's buffered cold read against 0.79-0.92 without: off. A setting for disks
+# that prefer it (NVMe, where the page-cache copy is the limit).
 DIRECT_IO = False
 # True: each new slab's pages are faulted in ahead of the reads by a thread of the load (madvise
 # MADV_POPULATE_WRITE, Linux 5.14+: page tables filled, no byte of the memory written), from its end backwards in
 # _PREFAULT_STEP pieces while the reads fill it from the front, the slabs taken in turn. A read into a page touched
 # for the first time faults it in on the reading thread, between its reads: on the H200 host a thread per file
 # into fresh memory read at 0.80-0.95 of the same reads into a reused buffer (bench_read_patterns.py,
-# RESULTS.md). Where the kernel refuses it (EINVAL), nothing is prefaulted.
+# RESULTS.md). Where the kernel refuses it (EINVAL), nothing is prefaulted. Measured on the H200 host (2026-12-04,
+# four rounds, each against the mean of the cold reads before and after it): 0.89, 0.97, 0.94, 0.94 of it with,
+# 0.83, 1.07, 0.94, 0.95 without (the slabs hold 4 GiB of the 14.5 GB: the rest lands in pages already there). Off.
 PREFAULT = False
 _PREFAULT_STEP = 64 << 20
 _MADV_POPULATE_WRITE = 23
