@@ -547,3 +547,54 @@ def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Pat
         print(f"{verb}: refused a {LEDGER_LINE >> 20} MB line, growing by {grown >> 20} MB")
         assert grown < LEDGER_LINE / 4, f"{verb}: grew {grown >> 20} MB for a {LEDGER_LINE >> 20} MB line"
         target.write_bytes((FIXTURE / "run" / "train" / target.name).read_bytes())
+
+
+# --- the hostile round of the read-only verbs: each case below was a traceback, a wrong code or a write ----------
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    """`torchrelay ARGV` in-process, bounded: (exit code, stdout, stderr); an exception out of main fails."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = _bounded(lambda: main(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def _one_line(code: int, err: str, name: str, want: int = EXIT_REFUSED) -> None:
+    assert code == want, (code, err[-1000:])
+    assert "Traceback" not in err and name in err and len(err.strip().splitlines()) <= 2, err[-1000:]
+
+
+def _padded(run: Path) -> Path:
+    """Rank 0's exposure log of the fixture written padded, as the writer of today writes it (ids 4 wide)."""
+    log = run / "train" / "exposures-rank0.jsonl"
+    lines = []
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        lines.append(
+            f'{{"u":{rec["u"]},"m":{rec["m"]},"i":[' + ",".join(f"{i:4d}" for i in rec["i"]) + "]}\n"
+        )
+    log.write_text("".join(lines))
+    return log
+
+
+def test_a_padded_exposure_line_wider_than_its_layout_is_read_line_by_line(tmp_path: Path) -> None:
+    """`{"u":2,"m":0,"i":[99999,   1,   2,   3]}` among padded lines: the fixed-column reader took the first id's
+    width for every id and laid the columns past the line's end (numpy `cannot reshape`, a traceback out of
+    `ledger` and `status --ledger`); now the line is read as JSON, and the ledger says what is wrong (exit 1)."""
+    from torchrelay.train_records import read_exposures
+
+    run = make_run(tmp_path)
+    log = _padded(run)
+    assert read_exposures(log).ids.size == 16 * 4  # the padded log itself reads as before
+    lines = log.read_text().splitlines(keepends=True)
+    lines[2] = '{"u":2,"m":0,"i":[99999,   1,   2,   3]}\n'
+    log.write_text("".join(lines))
+    got = read_exposures(log)
+    assert got.ids[8:12].tolist() == [99999, 1, 2, 3] and got.updates.tolist()[2] == 2
+    for argv in (["ledger", str(run)], ["ledger", "--full", str(run)], ["status", "--ledger", str(run)]):
+        code, out, err = _cli(argv)
+        assert "Traceback" not in out + err, (argv, err[-2000:])
+        assert code == (1 if argv[0] == "ledger" else 0), (argv, code, err[-1000:])
+        if argv[0] == "ledger":
+            assert "#99999" in out and "LEDGER_FAIL" in out, out

@@ -468,6 +468,10 @@ def _layout(line: bytes) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], 
     if fixed[0] or np.delete(gaps, numbers).any() or widths.min() < 1 or widths.max() > 18:
         return None
     start = fixed[numbers] + 1
+    # The ids at the first one's width, each with its comma (the last one's `]`), must end where the line's
+    # `]}` does: a first id wider than the others would lay the columns past the line's end.
+    if int(start[2]) + count * (int(widths[2]) + 1) != len(line) - 2:
+        return None
     return (
         fixed,
         (int(start[0]), int(widths[0])),
