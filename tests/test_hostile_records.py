@@ -598,3 +598,16 @@ def test_a_padded_exposure_line_wider_than_its_layout_is_read_line_by_line(tmp_p
         assert code == (1 if argv[0] == "ledger" else 0), (argv, code, err[-1000:])
         if argv[0] == "ledger":
             assert "#99999" in out and "LEDGER_FAIL" in out, out
+
+
+def test_report_refuses_an_exposure_that_is_no_integer_in_one_line(tmp_path: Path) -> None:
+    """A NaN (or a string, a float) among a line's sample ids: `report` read the log without its schema and
+    raised `ValueError: cannot convert float NaN to integer`; now one line naming the file and the field."""
+    run = make_run(tmp_path)
+    log = run / "train" / "exposures-rank0.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    for bad in ('{"u":2,"m":0,"i":[NaN,1]}\n', '{"u":2,"m":0,"i":["7",1]}\n', '{"u":2,"m":0,"i":[1.5]}\n'):
+        log.write_text("".join([*lines[:2], bad, *lines[3:]]))
+        code, _, err = _cli(["report", str(run), "--out", str(tmp_path / "report")])
+        _one_line(code, err, "exposures-rank0.jsonl")
+        assert "field 'i'" in err, err

@@ -13,7 +13,7 @@ from torchrelay.history import read_history
 from torchrelay.numerics import describe
 from torchrelay.reshard import describe_change
 from torchrelay.rundir import RunDir
-from torchrelay.train_records import METRIC_SCHEMA, is_objective, rank_logs
+from torchrelay.train_records import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 
 
@@ -136,10 +136,9 @@ def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
     # Cumulative distinct manifest indices and total exposures after each update, over all ranks.
     per_update: dict[int, list[int]] = {}
     for path in rank_logs(train_dir, "exposures").values():
-        for row in iter_records(path):
-            update, indices = row.get("u"), row.get("i")
-            if isinstance(update, int) and isinstance(indices, list):
-                per_update.setdefault(update, []).extend(int(i) for i in indices)
+        # checked as the ledger checks them: an update and a list of integers, or one line naming the field
+        for row in iter_records(path, schema=EXPOSURE_SCHEMA):
+            per_update.setdefault(row["u"], []).extend(row["i"])
     seen: set[int] = set()
     updates, distinct, total = [], [], []
     count = 0
