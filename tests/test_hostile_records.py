@@ -611,3 +611,26 @@ def test_report_refuses_an_exposure_that_is_no_integer_in_one_line(tmp_path: Pat
         code, _, err = _cli(["report", str(run), "--out", str(tmp_path / "report")])
         _one_line(code, err, "exposures-rank0.jsonl")
         assert "field 'i'" in err, err
+
+
+def test_report_reads_the_manifest_the_guarded_way(tmp_path: Path) -> None:
+    """`report` counted the manifest's samples through a plain open: it followed a link out of the run, and a
+    byte that is not UTF-8 was `not UTF-8 text (...)` naming no file. Now the manifest is opened as every file of
+    a run is (a link or a pipe refused naming it) and its lines counted on their bytes."""
+    run = make_run(tmp_path)
+    manifest = run / "data" / "manifest.jsonl"
+    valid = manifest.read_bytes()
+    report = ["report", str(run), "--out", str(tmp_path / "report")]
+    manifest.write_bytes(valid + b'{"id": "\xff\xfe"}\n')
+    code, _, err = _cli(report)
+    assert code == 0 and "Traceback" not in err, err  # a count of lines needs no decoding
+    samples = valid.count(b"\n") + 1
+    assert f"of {samples} distinct samples" in (tmp_path / "report" / "report.html").read_text()
+    plant(manifest, _symlink_out(tmp_path))  # a link to a copy outside the run
+    code, _, err = _cli(report)
+    _one_line(code, err, "manifest.jsonl")
+    assert "symbolic link" in err, err
+    manifest.unlink()
+    os.mkfifo(manifest)
+    code, _, err = _cli(report)  # never blocks on the pipe
+    _one_line(code, err, "manifest.jsonl")

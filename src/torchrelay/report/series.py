@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from torchrelay.reshard import describe_change
 from torchrelay.rundir import RunDir
 from torchrelay.train_records import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
+from torchrelay.util.safepath import open_regular
 
 
 class ReportError(RelayError):
@@ -152,11 +154,22 @@ def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
 
 
 def _manifest_size(run_dir: Path) -> int | None:
+    """The manifest's samples (its non-blank lines), counted on its bytes; None without a manifest. Opened as
+    every file of a run directory is (no link, no pipe or device, nothing out of the run): a plain open read a
+    symlink out of the run and raised a bare UnicodeDecodeError, naming no file, on a byte that was not UTF-8."""
     path = RunDir(run_dir).manifest_path
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    with path.open(encoding="utf-8") as handle:
-        return sum(1 for line in handle if line.strip())
+    fd, _ = open_regular(path, what="the data manifest", root=run_dir)
+    count, started = 0, False  # started: the line read so far holds a byte that is not blank
+    with os.fdopen(fd, "rb") as handle:
+        while block := handle.read(1 << 22):
+            *whole, rest = block.split(b"\n")
+            for line in whole:
+                count += started or bool(line.strip())
+                started = False
+            started = started or bool(rest.strip())
+    return count + started
 
 
 def read_series(run_dir: str | Path) -> RunSeries:
