@@ -4,10 +4,12 @@ message and exit 2: no traceback, no NotADirectoryError (issue 9, defect 7)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from helpers import REPO
 from torchrelay.cli import main
 
 GARBAGE = bytes(range(0x80, 0x100)) * 3  # not UTF-8 from its first byte, not JSON, not a pickle
@@ -104,3 +106,18 @@ def test_version_and_quiet(
     assert len(set(codes.values())) == 1 and codes[()] != 0
     said_records = [r for r in caplog.records if r.name == "torchrelay" and r.getMessage() == said]
     assert len(said_records) == 2 and all(getattr(r, "rank", None) == 0 for r in said_records)
+
+
+def test_report_refuses_a_report_folder_that_is_a_file_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`report RUN_DIR` with a file where RUN_DIR/report (its folder) belongs: a wrong path, exit 2 as every
+    other verb's (it was a ReportError, exit 1)."""
+    run = tmp_path / "run"
+    shutil.copytree(REPO / "tests" / "fixtures" / "legacy-v0.1.0" / "run", run, symlinks=True)
+    (run / "report").write_bytes(GARBAGE)
+    code = main(["report", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, (code, err)
+    assert err.startswith(f"torchrelay report: error: {run / 'report'}: cannot create"), err
+    assert (run / "report").read_bytes() == GARBAGE

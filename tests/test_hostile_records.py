@@ -634,3 +634,33 @@ def test_report_reads_the_manifest_the_guarded_way(tmp_path: Path) -> None:
     os.mkfifo(manifest)
     code, _, err = _cli(report)  # never blocks on the pipe
     _one_line(code, err, "manifest.jsonl")
+
+
+def test_report_never_writes_through_a_link_in_the_run(tmp_path: Path) -> None:
+    """`report RUN_DIR` writes RUN_DIR/report/. A `report` linked out of the run, or a link planted at one of its
+    files (`overview.png -> /somewhere/else`), made it write outside the run (savefig and write_text opened the
+    link). Now a linked report folder is refused, and each file is replaced by a rename, never written through."""
+    run = make_run(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "report").symlink_to(elsewhere)
+    code, _, err = _cli(["report", str(run)])
+    _one_line(code, err, "report")
+    assert not any(elsewhere.iterdir()), list(elsewhere.iterdir())
+    (run / "report").unlink()
+    (run / "report").mkdir()
+    victim = elsewhere / "victim"
+    victim.write_text("VICTIM")
+    for name in ("overview.png", "loss.png", "report.html"):
+        (run / "report" / name).symlink_to(victim)
+    (run / "report" / f".report.html.tmp-{os.getpid()}").symlink_to(elsewhere / "by-the-temporary")
+    code, out, err = _cli(["report", str(run)])
+    # the temporary's link refuses the page (its own name) rather than write through it
+    assert victim.read_text() == "VICTIM" and not (elsewhere / "by-the-temporary").exists()
+    assert code in (0, EXIT_REFUSED) and "Traceback" not in err, err
+    (run / "report" / f".report.html.tmp-{os.getpid()}").unlink()
+    code, out, err = _cli(["report", str(run)])
+    assert code == 0, err
+    assert victim.read_text() == "VICTIM"
+    for name in ("overview.png", "loss.png", "report.html"):
+        assert not (run / "report" / name).is_symlink() and (run / "report" / name).stat().st_size > 100

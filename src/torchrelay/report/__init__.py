@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchrelay.errors import PathError, UnsafeInput
 from torchrelay.report.series import ReportError, RunSeries, read_series
+from torchrelay.util.safepath import is_inside
 
 __all__ = ["ReportError", "ReportResult", "RunSeries", "read_series", "render"]
 
@@ -38,12 +42,19 @@ def render(
 
     series = read_series(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    if out_dir is None and (out.is_symlink() or not is_inside(Path(run_dir), out)):
+        # the run directory's own folder, not one a link in it leads to (the user's --out may be a link of theirs)
+        raise UnsafeInput(
+            f"{out} is a symbolic link (to {os.path.realpath(out)}); refusing to write the report through it",
+            hint="remove the link, or pass --out DIR",
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ReportError(
+        error = PathError if exc.errno != errno.ENOSPC else ReportError
+        raise error(
             f"{out}: cannot create the report directory ({exc.strerror})",
-            hint="pass --out DIR somewhere writable",
+            hint="pass --out DIR somewhere writable (a directory, or a path that does not exist yet)",
         ) from exc
     overview = draw_overview(series, out / "overview.png")
     panels = panels_for(series)

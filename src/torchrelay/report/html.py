@@ -9,6 +9,7 @@ from pathlib import Path
 
 from torchrelay.layout import checkpoint_label
 from torchrelay.report.series import RunSeries, Segment
+from torchrelay.util.durable import atomic_write_text
 
 
 def _when(stamp: object) -> str:
@@ -120,7 +121,7 @@ def write_html(
 {figures}
 </body></html>
 """
-    path.write_text(page, encoding="utf-8")
+    atomic_write_text(path, page)  # a link planted at `path` is replaced, never written through
     return path
 
 

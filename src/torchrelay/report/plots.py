@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from torchrelay.report.series import RunSeries  # noqa: E402
+from torchrelay.util.durable import atomic_write_bytes  # noqa: E402
 
 SEGMENT_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#E45756", "#72B7B2", "#9D755D", "#EECA3B"]
 DPI = 110
@@ -224,11 +226,19 @@ def _legend_inches(series: RunSeries) -> float:
     return 0.22 * math.ceil(entries / 2) + 0.1 if entries else 0.0
 
 
+def _save(fig: Any, path: Path) -> None:
+    """The figure's PNG in place of `path`, by an atomic rename: a link planted there is replaced, never
+    written through (savefig opened the path and wrote wherever it led)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=DPI, format="png")
+    atomic_write_bytes(path, buf.getbuffer())
+
+
 def _finish(fig: Any, series: RunSeries, path: Path) -> Path:
     handles = _legend_handles(series)
     if handles:
         fig.legend(handles=handles, loc="lower center", ncol=min(2, len(handles)), fontsize=8, frameon=False)
-    fig.savefig(path, dpi=DPI)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -287,6 +297,6 @@ def draw_validation(series: RunSeries, path: Path, max_metrics: int = 6) -> Path
     axes[-1, 0].set_xlabel("update (checkpoint)")
     fig.suptitle(f"{series.run_dir.name}: validation of {len(series.validation)} checkpoint(s)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    _save(fig, path)
     plt.close(fig)
     return path

@@ -46,13 +46,16 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -
     path = Path(path)
     tmp = path.with_name(f"{temp_prefix(path.name)}{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        # never through a link planted at the temporary's name (it would write wherever the link points)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(tmp, flags, 0o666), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if not tmp.is_symlink():  # a planted link is not this writer's to remove
+            tmp.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
             raise DiskFull(
                 f"no space left to write {path}", hint="free disk space; nothing was replaced"
