@@ -664,3 +664,17 @@ def test_report_never_writes_through_a_link_in_the_run(tmp_path: Path) -> None:
     assert victim.read_text() == "VICTIM"
     for name in ("overview.png", "loss.png", "report.html"):
         assert not (run / "report" / name).is_symlink() and (run / "report" / name).stat().st_size > 100
+
+
+def test_diff_refuses_a_configuration_that_is_no_object_in_one_line(tmp_path: Path) -> None:
+    """`config.json` holding `[]`, a number or null: diff flattened it (`'list' object has no attribute
+    'items'`, a traceback) on either side; now one line naming the file."""
+    run = make_run(tmp_path)
+    other = tmp_path / "other"
+    shutil.copytree(run, other, symlinks=True)
+    for doc in (b"[]", b"5", b"null", b'"x"'):
+        (run / "config.json").write_bytes(doc)
+        for argv in (["diff", str(run), str(other)], ["diff", str(other), str(run)]):
+            code, _, err = _cli(argv)
+            _one_line(code, err, "config.json")
+            assert "not an object" in err, err

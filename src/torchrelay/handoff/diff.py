@@ -14,7 +14,7 @@ from torchrelay.errors import ConfigError, IntegrityError
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.rundir import Bundle, RunDir
 from torchrelay.util.dotted import flatten
-from torchrelay.util.records import read_json, read_json_or_none
+from torchrelay.util.records import Schema, read_json, read_json_or_none
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,10 @@ def load_side(path: Path) -> Side:
         )
     contract = load_contract(root)
     try:
-        config = read_json(RunDir(root).config_path, what="the run's configuration", root=root)
+        # an object, or one line naming the file (flatten took a list or a number apart with an AttributeError)
+        config = read_json(
+            RunDir(root).config_path, what="the run's configuration", root=root, schema=Schema({})
+        )
     except OSError as exc:
         raise IntegrityError(f"{RunDir(root).config_path} is unreadable: {exc}") from None
     if Bundle(root).looks_like_one():
