@@ -678,3 +678,40 @@ def test_diff_refuses_a_configuration_that_is_no_object_in_one_line(tmp_path: Pa
             code, _, err = _cli(argv)
             _one_line(code, err, "config.json")
             assert "not an object" in err, err
+
+
+def test_status_and_ledger_show_recorded_text_as_text(tmp_path: Path) -> None:
+    """rich read `[...]` in what a run's files hold as markup: a `[/]` in a segment's note, job or host, a
+    validation record's status, a checkpoint's inventory, a pending update, the run directory's own path or a
+    manifest id the ledger names was `rich.errors.MarkupError` (a traceback), any other tag restyled the table."""
+    base = tmp_path / "a["
+    base.mkdir()
+    run = make_run(base)
+    run = run.rename(base / "run]")  # the path `.../a[/run]`
+    history = run / "history.jsonl"
+    seg = json.loads(history.read_text())
+    seg.update(notes=["[/]"], job="[/x]", hosts=["[/]"], ended="[/]", segment="[/]")
+    history.write_text(json.dumps(seg) + "\n")
+    record = run / "validation" / CKPT / "record.json"
+    rec = json.loads(record.read_text())
+    rec.update(status="[/]", reason="[/x]", metrics={"[/]": "[/]"})
+    record.write_text(json.dumps(rec))
+    (run / "validation" / "pending.json").write_text(
+        json.dumps({"left": {"[/]": "[/]"}, "missing": {"[/x]": "[/]"}})
+    )
+    inventory = run / "checkpoint-4" / "COMPLETE.json"
+    inventory.write_text(json.dumps({**json.loads(inventory.read_text()), "update": "[/]"}))
+    code, out, err = _cli(["status", str(run)])
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    assert "[/x]" in out and "a[/run]" in out.replace("\n", ""), out
+    # the ledger names the ids of a repeated sample: the manifest's id of one of them is `[/]`
+    log = run / "train" / "exposures-rank0.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    first = json.loads(lines[0])["i"][0]
+    log.write_text("".join([*lines[:2], lines[0].replace('"u":1', '"u":2'), *lines[3:]]))
+    manifest = run / "data" / "manifest.jsonl"
+    rows = manifest.read_text().splitlines(keepends=True)
+    rows[first] = json.dumps({**json.loads(rows[first]), "id": "[/]"}) + "\n"
+    manifest.write_text("".join(rows))
+    code, out, err = _cli(["ledger", str(run)])
+    assert code == 1 and "Traceback" not in err and "[/]" in out, (code, out[-2000:], err[-2000:])

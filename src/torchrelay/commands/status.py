@@ -86,13 +86,13 @@ def _updates(seg: dict[str, object]) -> str:
 def _state(s: dict[str, object]) -> str:
     trained, launched = s["trained_by"], s["launched_by"]
     if isinstance(trained, dict):
-        text = f"[green]training[/] ({describe(trained, command=False)})"
+        text = f"[green]training[/] ({escape(describe(trained, command=False))})"
     elif s["ended_unrecorded"]:
         text = "[red]not running[/]: the last segment ended unrecorded (killed or crashed); the next launch resumes"
     else:
         text = "not running"
     if isinstance(launched, dict):
-        text += f"; controller {describe(launched, command=False)}"
+        text += f"; controller {escape(describe(launched, command=False))}"
     return text
 
 
@@ -106,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(s, indent=1, sort_keys=True))
         return 0
     console = Console()
-    t = Table(title=f"torchrelay status — {s['run_dir']}", show_header=False)
+    # Every string below that a file of the run (or its path) holds is escaped: rich reads `[...]` as markup, and a
+    # `[/]` in a note, a host or a path was a MarkupError traceback (and any other tag restyled the table).
+    t = Table(title=f"torchrelay status — {escape(str(s['run_dir']))}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     t.add_row("state", _state(s))
@@ -150,22 +152,22 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("numerics", _numerics(s["segments"]))
     if s.get("audit"):
         a = s["audit"]
-        t.add_row("last audit", f"{a.get('verdict', a)}")
+        t.add_row("last audit", escape(f"{a.get('verdict', a)}"))
     if s.get("fallback"):
-        t.add_row("launched as", describe_fallback(s["fallback"]))
+        t.add_row("launched as", escape(describe_fallback(s["fallback"])))
     console.print(t)
     c = Table(title="checkpoints")
     for col in ("update", "state", "size", "kept because"):
         c.add_column(col)
     for ck in s["checkpoints"]:
-        state = "complete" if ck["complete"] else f"[red]incomplete[/]: {ck['reason']}"
+        state = "complete" if ck["complete"] else f"[red]incomplete[/]: {escape(str(ck['reason']))}"
         if ck["handed_off"]:
             state += " (handed off)"
         c.add_row(
             checkpoint_name(ck["update"]),
             state,
             f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
-            ck.get("kept") or "-",
+            escape(str(ck.get("kept") or "-")),
         )
     console.print(c)
     _print_validation(console, s["validation"])
@@ -179,21 +181,22 @@ def run(args: argparse.Namespace) -> int:
             notes = f"OOMs: {oom.get('caught', 0)} caught, {oom.get('fatal', 0)} fatal; " + notes
         if seg.get("runtime_changes"):
             notes = f"runtime: {seg['runtime_changes']} " + notes
+        notes = escape(notes[:80])
         g.add_row(
             str(i),
-            seg["segment"] or "-",
-            seg["job"] or "-",
-            ",".join(seg["hosts"] or []),
-            _world(seg),
+            escape(str(seg["segment"] or "-")),
+            escape(str(seg["job"] or "-")),
+            escape(",".join(str(h) for h in seg["hosts"] or [])),
+            escape(_world(seg)),
             _updates(seg),
-            seg["ended"] or "-",
+            escape(str(seg["ended"] or "-")),
             fingerprint(seg["numerics"]) if isinstance(seg.get("numerics"), dict) else "-",
-            notes[:80],
+            notes,
         )
     console.print(g)
     for i, seg in enumerate(s["segments"], 1):
         if seg.get("layout_change"):
-            console.print(f"segment #{i}: {describe_change(seg['layout_change'])}")
+            console.print(f"segment #{i}: {escape(describe_change(seg['layout_change']))}")
         change = seg.get("numerics_change")
         if isinstance(change, dict):
             console.print(
@@ -233,16 +236,21 @@ def _print_validation(console: Console, validation: dict[str, Any]) -> None:
         v.add_column(col)
     for r in records:
         result = {"ok": "[green]ok[/]", "failed": "[red]failed[/]"}.get(
-            r["status"], f"[yellow]{r['status']}[/]"
+            r["status"], f"[yellow]{escape(r['status'])}[/]"
         )
         if r["reason"]:
-            result += f": {r['reason']}"
+            result += f": {escape(r['reason'])}"
         metrics = ", ".join(f"{k}={_metric(x)}" for k, x in (r["metrics"] or {}).items())
-        v.add_row(checkpoint_name(r["update"]), result, metrics[:80] or "-", f"{r['seconds']:.1f} s")
+        v.add_row(checkpoint_name(r["update"]), result, escape(metrics[:80]) or "-", f"{r['seconds']:.1f} s")
     for update, why in left.items():
-        v.add_row(checkpoint_label(update), f"[yellow]left for the next launch[/]: {why}", "-", "-")
+        v.add_row(
+            escape(checkpoint_label(update)),
+            f"[yellow]left for the next launch[/]: {escape(str(why))}",
+            "-",
+            "-",
+        )
     for update, why in missing.items():
-        v.add_row(checkpoint_label(update), f"not available: {why}", "-", "-")
+        v.add_row(escape(checkpoint_label(update)), f"not available: {escape(str(why))}", "-", "-")
     console.print(v)
 
 
