@@ -715,3 +715,19 @@ def test_status_and_ledger_show_recorded_text_as_text(tmp_path: Path) -> None:
     manifest.write_text("".join(rows))
     code, out, err = _cli(["ledger", str(run)])
     assert code == 1 and "Traceback" not in err and "[/]" in out, (code, out[-2000:], err[-2000:])
+
+
+def test_status_last_exit_never_reads_a_recorded_code_as_another(tmp_path: Path) -> None:
+    """`status --last-exit` exited with the recorded code as it was: 256 became 0 (finished, to a batch script),
+    300 became 44; now a code past 255 is refused naming the field, and a negative one (a signal, as the
+    controller records a killed segment) is exit 1, a crash."""
+    run = make_run(tmp_path)
+    history = run / "history.jsonl"
+    seg = json.loads(history.read_text())
+    for code_, want in ((256, EXIT_REFUSED), (300, EXIT_REFUSED), (10**20, EXIT_REFUSED), (-9, 1), (4, 4)):
+        history.write_text(json.dumps({**seg, "exit_code": code_}) + "\n")
+        code, out, err = _cli(["status", "--last-exit", str(run)])
+        assert code == want, (code_, code, out, err)
+        if want == EXIT_REFUSED:
+            _one_line(code, err, "history.jsonl")
+            assert "exit_code" in err, err

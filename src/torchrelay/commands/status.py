@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -12,9 +13,9 @@ from rich.table import Table
 
 from torchrelay.audit.verdict import shown_for_run
 from torchrelay.controller.attempts import describe_fallback, latest_fallback
-from torchrelay.errors import EXIT_ERROR, ConfigError
+from torchrelay.errors import EXIT_ERROR, ConfigError, RecordError
 from torchrelay.history import read_history
-from torchrelay.layout import checkpoint_label, checkpoint_name
+from torchrelay.layout import HISTORY_FILE, checkpoint_label, checkpoint_name
 from torchrelay.lock import describe, holder
 from torchrelay.numerics import describe as describe_numerics
 from torchrelay.numerics import fingerprint
@@ -64,6 +65,16 @@ def _last_exit(run_dir: str) -> int:
             f"segment {last.get('segment')}: {'running' if running else 'ended unrecorded (killed or crashed)'}"
         )
         return EXIT_ERROR
+    if code < 0:  # killed by signal -code, as the controller records a segment it found killed: a crash
+        print(f"segment {last.get('segment')}: ended {last.get('ended')} (killed by signal {-code}; exit 1)")
+        return EXIT_ERROR
+    if code > 255:  # no process exits so: sys.exit would take it modulo 256 (256 read as 0, finished)
+        raise RecordError(
+            str(Path(run_dir) / HISTORY_FILE),
+            f"the last segment's exit code {code} is no process's exit code (0 to 255)",
+            field="exit_code",
+            hint="the file is damaged or not what it should be; restore it from a copy",
+        )
     if last.get("ended") == "refused":  # no update ran: say why instead
         why = next(iter(last.get("notes") or []), "")
         print(
