@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -731,3 +732,19 @@ def test_status_last_exit_never_reads_a_recorded_code_as_another(tmp_path: Path)
         if want == EXIT_REFUSED:
             _one_line(code, err, "history.jsonl")
             assert "exit_code" in err, err
+
+
+def test_status_json_is_json_for_a_diverged_run(tmp_path: Path) -> None:
+    """A NaN loss (a diverged run) or an infinite metric made `status --json` print `NaN`, which no strict JSON
+    parser (jq, JSON.parse) reads; now such a number is null."""
+    run = make_run(tmp_path)
+    for rank in (0, 1):
+        log = run / "train" / f"metrics-rank{rank}.jsonl"
+        rows = [{**json.loads(line), "loss": math.nan} for line in log.read_text().splitlines()]
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = run / "validation" / CKPT / "record.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "metrics": {"loss": math.inf}}))
+    code, out, err = _cli(["status", "--json", str(run)])
+    assert code == 0, err
+    doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"status --json printed {name}"))
+    assert doc["loss_mean"] is None and doc["validation"]["records"][0]["metrics"] == {"loss": None}

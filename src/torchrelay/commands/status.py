@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,17 @@ def _last_exit(run_dir: str) -> int:
     return int(code)
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float in it replaced by None (JSON has no such number)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _updates(seg: dict[str, object]) -> str:
     first, last = seg.get("first_update"), seg.get("last_update")
     if isinstance(first, int) and isinstance(last, int) and last < first:
@@ -114,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     s["audit"] = shown_for_run(args.run_dir)  # the summary is the run's; the verdict is the audit's
     s["fallback"] = latest_fallback(args.run_dir)  # started by `launch` as a plan's fallback
     if args.json:
-        print(json.dumps(s, indent=1, sort_keys=True))
+        # JSON as every parser reads it: a NaN or infinite loss (a diverged run) or metric is null, not `NaN`
+        print(json.dumps(_finite(s), indent=1, sort_keys=True, allow_nan=False))
         return 0
     console = Console()
     # Every string below that a file of the run (or its path) holds is escaped: rich reads `[...]` as markup, and a
