@@ -748,3 +748,19 @@ def test_status_json_is_json_for_a_diverged_run(tmp_path: Path) -> None:
     assert code == 0, err
     doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"status --json printed {name}"))
     assert doc["loss_mean"] is None and doc["validation"]["records"][0]["metrics"] == {"loss": None}
+
+
+def test_a_manifest_that_is_no_file_is_not_said_missing(tmp_path: Path) -> None:
+    """The ledger said `data manifest ... does not exist` of a manifest that is a pipe or a folder."""
+    run = make_run(tmp_path)
+    manifest = run / "data" / "manifest.jsonl"
+    manifest.unlink()
+    os.mkfifo(manifest)
+    code, _, err = _cli(["ledger", str(run)])
+    _one_line(code, err, "manifest.jsonl")
+    assert "not a regular file" in err and "does not exist" not in err, err
+    manifest.unlink()
+    manifest.mkdir()
+    code, _, err = _cli(["ledger", str(run)])
+    _one_line(code, err, "manifest.jsonl")
+    assert "is a directory" in err, err

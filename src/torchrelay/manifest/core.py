@@ -141,7 +141,16 @@ class Manifest:
         """
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"data manifest {p} does not exist", hint="check the config field 'manifest'")
+            if not os.path.lexists(p) or (p.is_symlink() and not p.exists()):
+                raise ConfigError(
+                    f"data manifest {p} does not exist", hint="check the config field 'manifest'"
+                )
+            # a folder, a pipe or a device: there, but no file of lines (it was said not to exist)
+            kind = "a directory" if p.is_dir() else "not a regular file (a pipe or a device)"
+            raise ConfigError(
+                f"data manifest {p} is {kind}",
+                hint="a manifest is a JSON Lines file; check the config field 'manifest'",
+            )
         if index is not None:
             found = _read_index(Path(index), p, data_root, sha256)
             if found is not None:
