@@ -492,3 +492,24 @@ def test_only_top_level_checkpoints_are_checkpoints(packed: Packed, tmp_path: Pa
     with pytest.raises(RelayError):
         prepare(bundle, PrepareOptions(run_dir=tmp_path / "run"), say=lambda s: None)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("length", [5_000_000, 300])
+def test_a_path_longer_than_a_path_can_be_is_refused_in_one_short_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], length: int
+) -> None:
+    """A SHA256SUMS line naming a path of 5 million characters (or one name of 300 bytes): verify tried to open
+    it, and its ENAMETOOLONG message repeated the whole path (5 MB on one line) and named neither SHA256SUMS nor
+    its line; now the line is refused, shortened, naming the file and the line."""
+    from helpers import REPO
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(REPO / "tests" / "fixtures" / "legacy-v0.1.0" / "bundle", bundle, symlinks=True)
+    lines = (bundle / SUMS_NAME).read_text().count("\n")
+    with open(bundle / SUMS_NAME, "a") as f:
+        f.write(f"{'0' * 64}  {'x' * length}\n")
+    with pytest.raises(UnsafeInput, match="longer than a path can be"):
+        verify_bundle(bundle)
+    assert main(["verify", str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert f"{SUMS_NAME}:{lines + 1}: path 'xxx" in err and len(err) < 1000, err[:300]

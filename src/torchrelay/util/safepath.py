@@ -12,6 +12,8 @@ from torchrelay.errors import IntegrityError, UnsafeInput
 
 # Characters that `sha256sum` would escape and that no file torchrelay writes ever contains.
 _FORBIDDEN_CHARS = ("\x00", "\n", "\r", "\\")
+PATH_LIMIT = 4096  # PATH_MAX: no longer path opens
+NAME_LIMIT = 255  # NAME_MAX: bytes of one name
 
 
 def check_relative(rel: str, *, source: str) -> PurePosixPath:
@@ -24,6 +26,15 @@ def check_relative(rel: str, *, source: str) -> PurePosixPath:
                 f"{source}: path {rel!r} contains a control character or backslash",
                 hint="torchrelay never writes such names; the bundle is damaged or forged",
             )
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in rel.split("/"))
+    if len(rel) > PATH_LIMIT or longest > NAME_LIMIT:
+        # what no filesystem holds (PATH_MAX, NAME_MAX): refused here, shortened, instead of an ENAMETOOLONG
+        # whose message repeated the whole path (megabytes of it) and named neither the file nor the line
+        what = f"{len(rel):,} characters" if len(rel) > PATH_LIMIT else f"a name of {longest:,} bytes"
+        raise UnsafeInput(
+            f"{source}: path {rel[:60]!r}... ({what}) is longer than a path can be",
+            hint="torchrelay never writes such names; the bundle is damaged or forged",
+        )
     posix = PurePosixPath(rel)
     if posix.is_absolute() or (len(rel) >= 2 and rel[1] == ":"):
         raise UnsafeInput(
