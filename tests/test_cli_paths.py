@@ -121,3 +121,15 @@ def test_report_refuses_a_report_folder_that_is_a_file_with_exit_2(
     assert code == 2 and "Traceback" not in err, (code, err)
     assert err.startswith(f"torchrelay report: error: {run / 'report'}: cannot create"), err
     assert (run / "report").read_bytes() == GARBAGE
+
+
+def test_a_link_that_loops_on_the_way_is_said_to_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run directory that is a link to itself: every open inside it fails with ELOOP, which the opener called
+    `RUN/config.json ... is a symbolic link; refusing to follow it` (it is not: the folder loops)."""
+    loop = _paths(tmp_path)["loop"]
+    for argv in (["status", str(loop)], ["ledger", str(loop)], ["verify", str(loop)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "a symbolic link on the way to it loops" in err and "refusing to follow" not in err, err

@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.errors import IntegrityError, PathError, UnsafeInput
 
 # Characters that `sha256sum` would escape and that no file torchrelay writes ever contains.
 _FORBIDDEN_CHARS = ("\x00", "\n", "\r", "\\")
@@ -124,6 +124,12 @@ def open_regular(
     except FileNotFoundError:
         raise
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not os.path.islink(path):
+            # ELOOP from a folder on the way (a link that loops), not from O_NOFOLLOW on the last part
+            raise PathError(
+                f"{path} ({what}): a symbolic link on the way to it loops",
+                hint="a symbolic link loops: fix or remove it",
+            ) from None
         if exc.errno == errno.ELOOP:
             raise UnsafeInput(
                 f"{path} ({what}) is a symbolic link; refusing to follow it",
