@@ -227,7 +227,9 @@ class _Slab:
             self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
             if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
                 self.mapping.madvise(mmap.MADV_HUGEPAGE)
-            self.data = torch.frombuffer(self.mapping, dtype=torch.uint8)  # not zero-filled: read over before use
+            self.data = torch.frombuffer(
+                self.mapping, dtype=torch.uint8
+            )  # not zero-filled: read over before use
             self.base = self.data.data_ptr()
         else:
             self.data = torch.empty(size, dtype=torch.uint8)
@@ -480,7 +482,9 @@ class _Load:
                     slab.locked.release()
             self.timeline["joined"] = time.perf_counter() - self._began
             if FREE_LATER and slabs:  # the memory given back on a thread: the unmapping off the load
-                threading.Thread(target=_free, args=(slabs,), name="torchrelay-free-slabs", daemon=True).start()
+                threading.Thread(
+                    target=_free, args=(slabs,), name="torchrelay-free-slabs", daemon=True
+                ).start()
             else:
                 _free(slabs)
             self.timeline["freed"] = time.perf_counter() - self._began
