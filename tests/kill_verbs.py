@@ -30,6 +30,7 @@ from typing import Any
 from torchrelay.proctree import Tree
 
 VERBS = ("pack", "prepare", "validate", "export")
+ATTEMPTS = 3  # moments tried for each kill until one lands while the command is still writing
 # The validation command: a little work, then its metrics (what a user's eval script does, cheaply).
 METRICS_CMD = (
     f'{sys.executable} -c "import json, sys, time; time.sleep(0.3); '
@@ -229,12 +230,13 @@ class VerbCampaign:
             ),
         }
 
-    def _one(self, verb: _Verb, k: int, *, kill: bool) -> tuple[float, VerbKill]:
-        """Start the command, kill it a random moment into its writing (kill=False: let it finish and time the
-        writing); returns (seconds it wrote for, the kill)."""
+    def _one(self, verb: _Verb, k: int, *, kill: bool, within: float = 1.0) -> tuple[float, VerbKill]:
+        """Start the command, kill it a random moment into its writing, within `within` of how long the
+        reference wrote for (kill=False: let it finish and time the writing); returns (seconds it wrote for, the
+        kill)."""
         (self.out / f"{verb.name}-{k}").mkdir(parents=True, exist_ok=True)
         cmd = verb.command(k)
-        delay = self.rng.uniform(0.0, self.writing_s.get(verb.name, 0.0)) if kill else 0.0
+        delay = self.rng.uniform(0.0, within * self.writing_s.get(verb.name, 0.0)) if kill else 0.0
         record = VerbKill(verb.name, k, round(delay, 4))
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
         started_writing = written = None
@@ -264,20 +266,27 @@ class VerbCampaign:
             # the uninterrupted command, once: how long it writes (kill -1 is that reference run)
             self.writing_s[name], _ = self._one(verb, -1, kill=False)
             for k in range(kills_per_verb):
-                _, record = self._one(verb, k, kill=True)
-                record.left = _temporaries(*verb.folders(k))
-                done = _run(verb.command(k))
+                # A kill that came after the command had ended (a busy machine runs the reference slower or
+                # this one faster) tests nothing of a kill: another moment, earlier, on a fresh copy (index k +
+                # 1000 a), up to ATTEMPTS times; the last attempt is judged either way.
+                for attempt in range(ATTEMPTS):
+                    index = k + 1000 * attempt
+                    _, record = self._one(verb, index, kill=True, within=0.6**attempt)
+                    if record.killed_while_writing:
+                        break
+                record.left = _temporaries(*verb.folders(index))
+                done = _run(verb.command(index))
                 record.next_rc = done.returncode
                 lines = (done.stdout + done.stderr).strip().splitlines()
                 record.next_line = lines[-1][-200:] if lines else ""
-                record.problem = verb.judge(k, done)
+                record.problem = verb.judge(index, done)
                 record.output_ok = not record.problem
-                record.leftovers = _temporaries(*verb.folders(k))
+                record.leftovers = _temporaries(*verb.folders(index))
                 if record.leftovers and not record.problem:
                     record.problem = f"temporaries left after the next command: {record.leftovers}"
                 self.kills.append(record)
                 self.log(
-                    f"{name} kill {k}: {record.delay_s:.3f} s into its writing "
+                    f"{name} kill {index}: {record.delay_s:.3f} s into its writing "
                     f"({'running' if record.killed_while_writing else 'had ended'}), left {len(record.left)}, "
                     f"next exit {record.next_rc}, {'ok' if not record.problem else record.problem}"
                 )
