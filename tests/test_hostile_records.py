@@ -764,3 +764,40 @@ def test_a_manifest_that_is_no_file_is_not_said_missing(tmp_path: Path) -> None:
     code, _, err = _cli(["ledger", str(run)])
     _one_line(code, err, "manifest.jsonl")
     assert "is a directory" in err, err
+
+
+def test_the_run_s_copy_of_its_manifest_is_never_followed_out_of_the_run(tmp_path: Path) -> None:
+    """`ledger` and `status --ledger` read data/manifest.jsonl through Manifest.load, which followed a link there
+    to wherever it led (every other file of a run is opened refusing that). Now the run's copy is opened the guarded
+    way: a link out of the run or a pipe is refused in one line naming it; a link that stays inside is followed."""
+    run = make_run(tmp_path)
+    manifest = run / "data" / "manifest.jsonl"
+    valid = manifest.read_bytes()
+    verbs = (["ledger", str(run)], ["status", "--ledger", str(run)])
+    for argv in verbs:
+        assert _cli(argv)[0] == 0, argv
+    plant(manifest, _symlink_out(tmp_path))  # a link to a copy of the same bytes outside the run
+    outside = tmp_path / "outside-manifest.jsonl"
+    before = outside.stat()
+    for argv in verbs:
+        code, _, err = _cli(argv)
+        _one_line(code, err, "manifest.jsonl")
+        assert "outside" in err and str(run) in err, err
+    after = outside.stat()
+    assert outside.read_bytes() == valid and (after.st_mtime_ns, after.st_size) == (
+        before.st_mtime_ns,
+        before.st_size,
+    )
+    manifest.unlink()
+    inside = run / "data" / "manifest-copy.jsonl"
+    inside.write_bytes(valid)
+    manifest.symlink_to(inside)  # a link that stays in the run is the run's own file
+    for argv in verbs:
+        code, out, err = _cli(argv)
+        assert code == 0 and "Traceback" not in err, (argv, err[-1000:])
+    manifest.unlink()
+    os.mkfifo(manifest)
+    for argv in verbs:
+        code, _, err = _cli(argv)  # never blocks on the pipe
+        _one_line(code, err, "manifest.jsonl")
+        assert "not a regular file" in err, err
