@@ -764,3 +764,77 @@ def test_a_manifest_that_is_no_file_is_not_said_missing(tmp_path: Path) -> None:
     code, _, err = _cli(["ledger", str(run)])
     _one_line(code, err, "manifest.jsonl")
     assert "is a directory" in err, err
+
+
+def test_the_run_s_copy_of_its_manifest_is_never_followed_out_of_the_run(tmp_path: Path) -> None:
+    """`ledger` and `status --ledger` read data/manifest.jsonl through Manifest.load, which followed a link there
+    to wherever it led (every other file of a run is opened refusing that). Now the run's copy is opened the guarded
+    way: a link out of the run or a pipe is refused in one line naming it; a link that stays inside is followed."""
+    run = make_run(tmp_path)
+    manifest = run / "data" / "manifest.jsonl"
+    valid = manifest.read_bytes()
+    verbs = (["ledger", str(run)], ["status", "--ledger", str(run)])
+    for argv in verbs:
+        assert _cli(argv)[0] == 0, argv
+    plant(manifest, _symlink_out(tmp_path))  # a link to a copy of the same bytes outside the run
+    outside = tmp_path / "outside-manifest.jsonl"
+    before = outside.stat()
+    for argv in verbs:
+        code, _, err = _cli(argv)
+        _one_line(code, err, "manifest.jsonl")
+        assert "outside" in err and str(run) in err, err
+    after = outside.stat()
+    assert outside.read_bytes() == valid and (after.st_mtime_ns, after.st_size) == (
+        before.st_mtime_ns,
+        before.st_size,
+    )
+    manifest.unlink()
+    inside = run / "data" / "manifest-copy.jsonl"
+    inside.write_bytes(valid)
+    manifest.symlink_to(inside)  # a link that stays in the run is the run's own file
+    for argv in verbs:
+        code, out, err = _cli(argv)
+        assert code == 0 and "Traceback" not in err, (argv, err[-1000:])
+    manifest.unlink()
+    os.mkfifo(manifest)
+    for argv in verbs:
+        code, _, err = _cli(argv)  # never blocks on the pipe
+        _one_line(code, err, "manifest.jsonl")
+        assert "not a regular file" in err, err
+
+
+def test_status_shows_control_characters_of_a_record_as_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`status` printed a segment's note, job and host as the history held them: an ESC (`\\x1b]0;pwned\\x07`
+    retitles the terminal, `\\x1b[2J` clears it) went to whoever ran it (rich drops a BEL but passes an ESC). Now
+    every control character of recorded text is shown as repr shows it; `--json` is JSON, which escapes them."""
+    monkeypatch.setenv("COLUMNS", "400")  # one cell on one line: the shown text is looked for whole
+    run = make_run(tmp_path)
+    history = run / "history.jsonl"
+    seg = json.loads(history.read_text())
+    title, clear = "\x1b]0;pwned\x07", "\x1b[2J"
+    seg.update(notes=[f"note {title}{clear}"], hosts=[f"host{clear}{title}"], job=f"job{title}")
+    history.write_text(json.dumps(seg) + "\n")
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out, repr(out)
+    for text in (
+        "note \\x1b]0;pwned\\x07\\x1b[2J",
+        "host\\x1b[2J\\x1b]0;pwned\\x07",
+        "job\\x1b]0;pwned\\x07",
+    ):
+        assert text in out, (text, out)
+    # `--last-exit` prints the segment's end and, for a refused one, its first note, with `print`
+    history.write_text(json.dumps({**seg, "ended": f"refused{clear}", "exit_code": 2}) + "\n")
+    main(["status", "--last-exit", str(run)])
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "ended refused\\x1b[2J" in out, repr(out)
+    history.write_text(json.dumps({**seg, "ended": "refused", "exit_code": 2}) + "\n")
+    main(["status", "--last-exit", str(run)])
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "note \\x1b]0;pwned" in out, repr(out)
+    assert main(["status", "--json", str(run)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["segments"][0]["notes"] == [f"note {title}{clear}"]

@@ -59,7 +59,7 @@ def order_and_contract(run_dir: Path) -> tuple[GlobalOrder, Manifest, str]:
     cfg = rd.load_config()
     contract = load_contract(run_dir)
     fields = contract["fields"]
-    manifest = Manifest.load(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path)
+    manifest = Manifest.load(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path, root=rd.path)
     order = GlobalOrder(
         num_samples=len(manifest),
         seed=cfg.seed,

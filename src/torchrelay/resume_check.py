@@ -131,7 +131,11 @@ def validate_resume(
     if (new.micro_batch, new.grad_accum) != (cfg.micro_batch, cfg.grad_accum):
         cfg = cfg.replace(micro_batch=new.micro_batch, grad_accum=new.grad_accum)
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
-    manifest = Manifest.load(manifest_path, cfg.data_root, index=rd.manifest_index_path)
+    # the run's own copy (relative to the run, or the absolute path of it that prepare passes) stays in the run
+    own = not Path(cfg.manifest).is_absolute() or manifest_path == rd.manifest_path
+    manifest = Manifest.load(
+        manifest_path, cfg.data_root, index=rd.manifest_index_path, root=rd.path if own else None
+    )
     contract = build_contract(
         cfg,
         world_size,

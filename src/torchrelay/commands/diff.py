@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from torchrelay.handoff.diff import diff, format_report
+from torchrelay.util.shown import visible
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,5 +27,6 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1, default=str))
     else:
-        print("\n".join(format_report(report)))
+        # the fields' names and values are the configuration files' (or a bundle's): an ESC in one is shown as text
+        print("\n".join(visible(line) for line in format_report(report)))
     return 0 if report.same_contract else 1

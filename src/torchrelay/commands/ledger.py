@@ -6,9 +6,9 @@ import argparse
 import json
 
 from rich.console import Console
-from rich.markup import escape
 
 from torchrelay.ledger import prove
+from torchrelay.util.shown import shown
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     )
     con.print(f"prefix of order {'yes' if rep.prefix_ok else 'NO'}")
     for problem in rep.problems:
-        con.print(f"[red]  {escape(problem)}[/]")  # names manifest ids: `[/]` in one is no markup
+        con.print(f"[red]  {shown(problem)}[/]")  # names manifest ids: `[/]` or an ESC in one is text
     con.print(
         "[green]LEDGER_OK: every sample exactly once, in the run's order[/]"
         if rep.ok

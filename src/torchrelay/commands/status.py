@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from torchrelay.audit.verdict import shown_for_run
@@ -22,6 +21,7 @@ from torchrelay.numerics import describe as describe_numerics
 from torchrelay.numerics import fingerprint
 from torchrelay.reshard import describe_change
 from torchrelay.summary import summarize
+from torchrelay.util.shown import shown, visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,11 +63,15 @@ def _last_exit(run_dir: str) -> int:
     if code is None:  # still running, or killed before it could record its end
         running = holder(run_dir, "train") is not None
         print(
-            f"segment {last.get('segment')}: {'running' if running else 'ended unrecorded (killed or crashed)'}"
+            f"segment {visible(last.get('segment'))}: "
+            f"{'running' if running else 'ended unrecorded (killed or crashed)'}"
         )
         return EXIT_ERROR
     if code < 0:  # killed by signal -code, as the controller records a segment it found killed: a crash
-        print(f"segment {last.get('segment')}: ended {last.get('ended')} (killed by signal {-code}; exit 1)")
+        print(
+            f"segment {visible(last.get('segment'))}: ended {visible(last.get('ended'))} "
+            f"(killed by signal {-code}; exit 1)"
+        )
         return EXIT_ERROR
     if code > 255:  # no process exits so: sys.exit would take it modulo 256 (256 read as 0, finished)
         raise RecordError(
@@ -79,11 +83,13 @@ def _last_exit(run_dir: str) -> int:
     if last.get("ended") == "refused":  # no update ran: say why instead
         why = next(iter(last.get("notes") or []), "")
         print(
-            f"segment {last.get('segment')}: refused (exit {code}): {str(why).splitlines()[0] if why else '-'}"
+            f"segment {visible(last.get('segment'))}: refused (exit {code}): "
+            f"{visible(str(why).splitlines()[0]) if why else '-'}"
         )
         return int(code)
     print(
-        f"segment {last.get('segment')}: ended {last.get('ended')} at update {last.get('last_update')} (exit {code})"
+        f"segment {visible(last.get('segment'))}: ended {visible(last.get('ended'))} "
+        f"at update {visible(last.get('last_update'))} (exit {code})"
     )
     return int(code)
 
@@ -109,13 +115,13 @@ def _updates(seg: dict[str, object]) -> str:
 def _state(s: dict[str, object]) -> str:
     trained, launched = s["trained_by"], s["launched_by"]
     if isinstance(trained, dict):
-        text = f"[green]training[/] ({escape(describe(trained, command=False))})"
+        text = f"[green]training[/] ({shown(describe(trained, command=False))})"
     elif s["ended_unrecorded"]:
         text = "[red]not running[/]: the last segment ended unrecorded (killed or crashed); the next launch resumes"
     else:
         text = "not running"
     if isinstance(launched, dict):
-        text += f"; controller {escape(describe(launched, command=False))}"
+        text += f"; controller {shown(describe(launched, command=False))}"
     return text
 
 
@@ -130,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_finite(s), indent=1, sort_keys=True, allow_nan=False))
         return 0
     console = Console()
-    # Every string below that a file of the run (or its path) holds is escaped: rich reads `[...]` as markup, and a
-    # `[/]` in a note, a host or a path was a MarkupError traceback (and any other tag restyled the table).
-    t = Table(title=f"torchrelay status — {escape(str(s['run_dir']))}", show_header=False)
+    # Every string below that a file of the run (or its path) holds is `shown`: rich reads `[...]` as markup (a `[/]`
+    # in a note, a host or a path was a MarkupError traceback, any other tag restyled the table), and an ESC or other
+    # control character in it went to the terminal as it was (a crafted history.jsonl retitled or cleared it).
+    t = Table(title=f"torchrelay status — {shown(str(s['run_dir']))}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     t.add_row("state", _state(s))
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("LR", _fmt(s["lr"], ".4g"))
     t.add_row(f"loss (mean of last {s['loss_window']})", _fmt(s["loss_mean"], ".4f"))
     if s.get("objective_means"):
-        names = " / ".join(s["objective_means"])
+        names = shown(" / ".join(s["objective_means"]))  # the metric lines' own names
         values = " / ".join(_fmt(v, ".4g") for v in s["objective_means"].values())
         t.add_row(f"{names} (same updates)", values)
     ooms = s.get("cuda_ooms") or {}
@@ -176,22 +183,22 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("numerics", _numerics(s["segments"]))
     if s.get("audit"):
         a = s["audit"]
-        t.add_row("last audit", escape(f"{a.get('verdict', a)}"))
+        t.add_row("last audit", shown(f"{a.get('verdict', a)}"))
     if s.get("fallback"):
-        t.add_row("launched as", escape(describe_fallback(s["fallback"])))
+        t.add_row("launched as", shown(describe_fallback(s["fallback"])))
     console.print(t)
     c = Table(title="checkpoints")
     for col in ("update", "state", "size", "kept because"):
         c.add_column(col)
     for ck in s["checkpoints"]:
-        state = "complete" if ck["complete"] else f"[red]incomplete[/]: {escape(str(ck['reason']))}"
+        state = "complete" if ck["complete"] else f"[red]incomplete[/]: {shown(str(ck['reason']))}"
         if ck["handed_off"]:
             state += " (handed off)"
         c.add_row(
             checkpoint_name(ck["update"]),
             state,
             f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
-            escape(str(ck.get("kept") or "-")),
+            shown(str(ck.get("kept") or "-")),
         )
     console.print(c)
     _print_validation(console, s["validation"])
@@ -205,27 +212,25 @@ def run(args: argparse.Namespace) -> int:
             notes = f"OOMs: {oom.get('caught', 0)} caught, {oom.get('fatal', 0)} fatal; " + notes
         if seg.get("runtime_changes"):
             notes = f"runtime: {seg['runtime_changes']} " + notes
-        notes = escape(notes[:80])
+        notes = shown(notes[:80])
         g.add_row(
             str(i),
-            escape(str(seg["segment"] or "-")),
-            escape(str(seg["job"] or "-")),
-            escape(",".join(str(h) for h in seg["hosts"] or [])),
-            escape(_world(seg)),
+            shown(str(seg["segment"] or "-")),
+            shown(str(seg["job"] or "-")),
+            shown(",".join(str(h) for h in seg["hosts"] or [])),
+            shown(_world(seg)),
             _updates(seg),
-            escape(str(seg["ended"] or "-")),
+            shown(str(seg["ended"] or "-")),
             fingerprint(seg["numerics"]) if isinstance(seg.get("numerics"), dict) else "-",
             notes,
         )
     console.print(g)
     for i, seg in enumerate(s["segments"], 1):
         if seg.get("layout_change"):
-            console.print(f"segment #{i}: {escape(describe_change(seg['layout_change']))}")
+            console.print(f"segment #{i}: {shown(describe_change(seg['layout_change']))}")
         change = seg.get("numerics_change")
         if isinstance(change, dict):
-            console.print(
-                f"segment #{i}: numerics changed: {escape(str(change.get('line')))}", soft_wrap=True
-            )
+            console.print(f"segment #{i}: numerics changed: {shown(str(change.get('line')))}", soft_wrap=True)
     return 0
 
 
@@ -240,7 +245,7 @@ def _numerics(segments: list[dict[str, Any]]) -> str:
         if kinds > 1
         else ""
     )
-    return escape(describe_numerics(recorded[-1])) + more
+    return shown(describe_numerics(recorded[-1])) + more
 
 
 def _world(seg: dict[str, Any]) -> str:
@@ -260,21 +265,21 @@ def _print_validation(console: Console, validation: dict[str, Any]) -> None:
         v.add_column(col)
     for r in records:
         result = {"ok": "[green]ok[/]", "failed": "[red]failed[/]"}.get(
-            r["status"], f"[yellow]{escape(r['status'])}[/]"
+            r["status"], f"[yellow]{shown(r['status'])}[/]"
         )
         if r["reason"]:
-            result += f": {escape(r['reason'])}"
+            result += f": {shown(r['reason'])}"
         metrics = ", ".join(f"{k}={_metric(x)}" for k, x in (r["metrics"] or {}).items())
-        v.add_row(checkpoint_name(r["update"]), result, escape(metrics[:80]) or "-", f"{r['seconds']:.1f} s")
+        v.add_row(checkpoint_name(r["update"]), result, shown(metrics[:80]) or "-", f"{r['seconds']:.1f} s")
     for update, why in left.items():
         v.add_row(
-            escape(checkpoint_label(update)),
-            f"[yellow]left for the next launch[/]: {escape(str(why))}",
+            shown(checkpoint_label(update)),
+            f"[yellow]left for the next launch[/]: {shown(str(why))}",
             "-",
             "-",
         )
     for update, why in missing.items():
-        v.add_row(escape(checkpoint_label(update)), f"not available: {escape(str(why))}", "-", "-")
+        v.add_row(shown(checkpoint_label(update)), f"not available: {shown(str(why))}", "-", "-")
     console.print(v)
 
 

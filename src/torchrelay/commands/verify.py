@@ -8,6 +8,7 @@ from pathlib import Path
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff.verify import bundle_bytes, verify_bundle
 from torchrelay.util import bars
+from torchrelay.util.shown import visible
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         )
     sums = report.sums
     for line in report.problems():
-        print(line)
+        print(visible(line))  # names the bundle's files (and SHA256SUMS's): an ESC in a name is shown as text
     if not args.quiet:
         rate = sums.total_bytes / sums.seconds / 1e9 if sums.seconds > 0 else 0.0
         print(
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"BUNDLE_DIGEST sha256:{report.digest}{' (= --expect)' if args.expect else ''}")
     if report.signer is not None:
-        print(f"signed by {report.signer} (SHA256SUMS.sig, {args.allowed_signers})")
+        print(f"signed by {visible(report.signer)} (SHA256SUMS.sig, {args.allowed_signers})")
     if report.ok:
         print("VERIFY_OK")
         return EXIT_FINISHED

@@ -325,7 +325,7 @@ def _write_bundle(
         shutil.copyfile(path, train / path.name)
 
     # 4. Manifest identity, the exact source, progress at the stop, lineage, the README.
-    manifest = Manifest.load(rd.manifest_path, cfg.data_root)
+    manifest = Manifest.load(rd.manifest_path, cfg.data_root, root=rd.path)
     manifest_info = {
         "path": MANIFEST_REL,
         "sha256": manifest.sha256(),

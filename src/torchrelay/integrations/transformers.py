@@ -56,7 +56,8 @@ def _manifest_samples(run_dir: Path, options: RelayOptions, existing: bool) -> i
     if not existing:
         return len(Manifest.load(options.manifest or "", options.data_root))
     copy = RunDir(run_dir).manifest_path
-    return len(Manifest.load(copy, RunDir(run_dir).load_config().data_root, index=index_path(copy)))
+    cfg = RunDir(run_dir).load_config()
+    return len(Manifest.load(copy, cfg.data_root, index=index_path(copy), root=run_dir))
 
 
 class _UpdateBatches:

@@ -14,6 +14,7 @@ import numpy as np
 
 from torchrelay.errors import ConfigError, DiskFull
 from torchrelay.util.hashing import sha256_file
+from torchrelay.util.safepath import ensure_inside, open_regular
 
 ROOT_TOKEN = "${DATA_ROOT}"
 FINGERPRINT_VERSION = "fingerprint_v1"
@@ -131,15 +132,21 @@ class Manifest:
         index: str | os.PathLike[str] | None = None,
         sha256: str | None = None,
         readers: int | None = None,
+        root: str | os.PathLike[str] | None = None,
     ) -> Manifest:
         """Read a JSONL manifest; every line needs a unique string `id`.
 
         index: a saved index (see `save_index`) used instead of reading every line when it was made from the same
         bytes (SHA-256) and data root; sha256: the file's digest as another rank of this launch computed it, so
         that this one does not hash the file again; readers: the processes that read every line when that is
-        needed (None: one per core this process may use, at most 16, for a file of 32 MB or more; 1: none).
+        needed (None: one per core this process may use, at most 16, for a file of 32 MB or more; 1: none);
+        root: the run directory whose own copy (data/manifest.jsonl) this is. Its copy is opened as every file of a
+        run is (`safepath.open_regular`): a link that leads out of the run, a pipe or a device is refused naming
+        it (a link inside the run is followed). None for the user's own manifest, whose link is theirs.
         """
         p = Path(path)
+        if root is not None:
+            _check_run_copy(p, Path(root), None if index is None else Path(index))
         if not p.is_file():
             if not os.path.lexists(p) or (p.is_symlink() and not p.exists()):
                 raise ConfigError(
@@ -230,6 +237,23 @@ class Manifest:
     def check_files(self) -> list[str]:
         """Paths under the data root that do not exist."""
         return [p for p in self.paths() if not os.path.exists(p)]
+
+
+def _check_run_copy(path: Path, root: Path, index: Path | None) -> None:
+    """Refuse a run's copy of its manifest (and its saved index) that leads out of the run, or that is a pipe or a
+    device, before a byte is read: a plain open followed a link planted at data/manifest.jsonl to wherever it led.
+    A missing file or a folder is left to `Manifest.load` to word."""
+    hint = "a run directory holds its files, never links out of it; replace the link with the file itself"
+    files = [(path, "the run's copy of the data manifest")]
+    if index is not None and os.path.lexists(index):  # no index: the lines are read
+        files.append((index, "the run's index of its manifest"))
+    for p, what in files:
+        ensure_inside(root, p, source=what, hint=hint)
+        try:
+            fd, _ = open_regular(os.path.realpath(p) if os.path.islink(p) else p, what=what, root=root)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        os.close(fd)
 
 
 def _iter_strings(obj: Any) -> Iterator[str]:

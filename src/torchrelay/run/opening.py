@@ -180,6 +180,7 @@ class SegmentOpener:
                 index=self.dir.manifest_index_path,
                 sha256=settled.manifest_sha256,
                 readers=1,
+                root=self._manifest_root(config),
             )
         )
         self._rank0_manifest = None
@@ -216,6 +217,11 @@ class SegmentOpener:
     def _manifest_path(self, cfg: RelayConfig) -> Path:
         p = Path(cfg.manifest)
         return p if p.is_absolute() else self.dir.path / p
+
+    def _manifest_root(self, cfg: RelayConfig) -> Path | None:
+        """The run directory when the manifest read is the run's own copy (it stays inside), else None."""
+        own = not Path(cfg.manifest).is_absolute() or Path(cfg.manifest) == self.dir.manifest_path
+        return self.dir.path if own else None
 
     def open_directory(self, config: RelayConfig | None, overrides: dict[str, Any]) -> Settled:
         """Rank 0: create a new run, or reopen it (check the contract, choose the checkpoint to resume)."""
