@@ -133,3 +133,16 @@ def test_a_link_that_loops_on_the_way_is_said_to_loop(
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "a symbolic link on the way to it loops" in err and "refusing to follow" not in err, err
+
+
+def test_an_error_naming_a_path_with_control_characters_shows_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refusal names the path or value it refuses, which a run's files or a caller's argument may fill with an
+    ESC: the one-line error shows it as `\\x1b`, never sends it to the terminal (the hint stays its own line)."""
+    for verb in ("status", "ledger", "verify"):
+        rc = main([verb, str(tmp_path / "run\x1b]0;pwned\x07\x1b[2J")])
+        err = capsys.readouterr().err
+        assert rc == 2, (verb, err)
+        assert "\x1b" not in err and "\x07" not in err, (verb, err)
+        assert "run\\x1b]0;pwned\\x07\\x1b[2J" in err, (verb, err)

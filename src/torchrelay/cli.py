@@ -13,6 +13,7 @@ from torchrelay import __version__, envvars
 from torchrelay.errors import EXIT_ERROR, RelayError, from_exception
 from torchrelay.log import configure
 from torchrelay.util.finalize import freeze_at_exit
+from torchrelay.util.shown import visible
 
 # verb -> module under torchrelay.commands exposing `add_arguments(parser)` and `run(args) -> int`
 VERBS: dict[str, str] = {
@@ -87,7 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if envvars.TRACEBACK.get():
             raise
         err = from_exception(exc)
-        print(f"torchrelay {args.verb}: error: {err}", file=sys.stderr)
+        # a message names paths and values a run's files hold: their control characters are shown, not sent
+        text = "\n".join(visible(line) for line in str(err).split("\n"))
+        print(f"torchrelay {args.verb}: error: {text}", file=sys.stderr)
         return err.exit_code
 
 
