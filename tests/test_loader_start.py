@@ -98,3 +98,26 @@ def test_workers_fork_beside_native_threads_and_not_beside_a_python_thread(tmp_p
     assert python["context"] == "forkserver" and len(python["parents"]) == 1 and python["parents"] != [pid]
     assert python["line"] == "LOADER_WORKERS 2 forkserver (other Python threads: writer)"
     assert "DeprecationWarning" not in proc.stderr, proc.stderr
+
+
+def test_the_line_names_the_threads_the_choice_saw_and_a_thread_leaving_is_none() -> None:
+    """The rank's LOADER_WORKERS line names the threads `context` saw when it chose a forkserver, not those of a
+    later look (a loader's own queue feeders, leaving once its queues closed, were named: the suite saw
+    `other Python threads: QueueFeederThread, writer`); a thread whose target has returned runs no Python of its
+    own any more."""
+    import threading
+
+    from torchrelay.data import loader as relay_loader
+
+    loader = relay_loader.RelayLoader(list(range(4)), None, 2)
+    loader.context(others=["writer"])
+    assert loader.describe("forkserver") == "LOADER_WORKERS 2 forkserver (other Python threads: writer)"
+    assert loader.describe("fork") == "LOADER_WORKERS 2 fork"
+    done = threading.Event()
+    t = threading.Thread(target=done.wait, name="reporter")
+    assert not relay_loader._target_returned(t)
+    t.start()
+    assert not relay_loader._target_returned(t) and "reporter" in relay_loader.other_python_threads()
+    done.set()
+    t.join()
+    assert relay_loader._target_returned(t)

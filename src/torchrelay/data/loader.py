@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -170,13 +170,21 @@ def other_python_threads() -> list[str]:
     (`_monitors_held`). A multiprocessing queue's feeder (another DataLoader's, alive a while after it ends, or
     for good with persistent workers) takes only its own queue's locks, and a worker never uses that queue."""
     threads = threading.enumerate()
-    skip = {threading.get_ident()} | {t.ident for t in threads if _is_tqdm_monitor(t) or _is_queue_feeder(t)}
+    skip = {threading.get_ident()} | {
+        t.ident for t in threads if _is_tqdm_monitor(t) or _is_queue_feeder(t) or _target_returned(t)
+    }
     named = {t.ident: t.name for t in threads if t.ident not in skip}
     current_frames = getattr(sys, "_current_frames", dict)
     for ident in current_frames():
         if ident not in named and ident not in skip:
             named[ident] = f"a native thread in Python ({ident})"
     return sorted(named.values())
+
+
+def _target_returned(thread: threading.Thread) -> bool:
+    """The thread's target has returned (Thread.run drops it then) and the thread is only leaving: a loader's own
+    queue feeders, once its queues close, are listed a moment longer without their target."""
+    return not hasattr(thread, "_target")
 
 
 def _is_queue_feeder(thread: threading.Thread) -> bool:
@@ -252,6 +260,8 @@ class RelayLoader:
     prefetch_factor: int | None = None
     persistent_workers: bool = False
     multiprocessing_context: str | None = None  # None: forkserver when it can run, else fork (see `context`)
+    # the other Python threads `context` saw when it last chose (describe() names them)
+    _seen: list[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def wants_context(self) -> bool:
@@ -267,6 +277,9 @@ class RelayLoader:
         """
         if self.num_workers == 0:
             return None, None
+        if others is None:
+            others = other_python_threads()
+        self._seen = others  # what describe() names as the reason for a forkserver
         asked = self.multiprocessing_context
         if asked is not None and asked not in CONTEXTS:
             raise ConfigError(f"run.dataloader(multiprocessing_context={asked!r}): choose one of {CONTEXTS}")
@@ -290,11 +303,12 @@ class RelayLoader:
         )
 
     def describe(self, context: str | None) -> str:
-        """The line a rank says before its first update: how many workers, started how, and why a forkserver."""
+        """The line a rank says before its first update: how many workers, started how, and why a forkserver (the
+        threads `context` saw when it chose: a look later sees the threads of that moment, not of the choice)."""
         line = f"LOADER_WORKERS {self.num_workers} {context}"
-        others = (
-            other_python_threads() if context == "forkserver" and self.multiprocessing_context is None else []
-        )
+        others = []
+        if context == "forkserver" and self.multiprocessing_context is None:
+            others = self._seen if self._seen is not None else other_python_threads()
         return line + (f" (other Python threads: {', '.join(others)})" if others else "")
 
     def build(self, batches: RankBatches, seed: int, context: str | None = None) -> DataLoader:
