@@ -26,7 +26,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -135,34 +134,6 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "direct-per-file": {**PER_FILE, "DIRECT_IO": True},
     "direct-chunk-64": {"DIRECT_IO": True, "_CHUNK": 64 << 20},
 }
-
-
-def cold_read_direct(files: list[Path], streams: int, chunk: int = 16 << 20) -> float:
-    """The floor of a load that bypasses the page cache: every file read once by O_DIRECT, `streams` at a time,
-    one thread each, into a reused page-aligned buffer of `chunk` bytes (the last block of a file read whole)."""
-    import mmap
-
-    for f in files:
-        drop_cache(f)
-
-    def one(paths: list[Path]) -> None:
-        buf = mmap.mmap(-1, chunk)
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
-            try:
-                offset = 0
-                while n := os.preadv(fd, [buf], offset):
-                    offset += n
-            finally:
-                os.close(fd)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(files[k::streams],)) for k in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
 
 
 def parse_value(text: str) -> Any:
@@ -386,7 +357,7 @@ def main() -> None:
             print(f"[load] round {i + 1}: cold read {round_floor:.3f} s", flush=True)
             direct_floor = None
             if args.direct_floor:
-                direct_floor = cold_read_direct(files, args.streams)
+                direct_floor = cold_read(files, args.streams, direct=True)
                 out.setdefault("round_direct_floors_s", []).append(direct_floor)
                 print(f"[load] round {i + 1}: cold read by O_DIRECT {direct_floor:.3f} s", flush=True)
             order = list(variants.items())

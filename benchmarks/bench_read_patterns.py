@@ -1,8 +1,8 @@
 """How this host's disk serves the read patterns a load can take, each a cold read of the same files (pages dropped
 before each), alternating over rounds: the cold-read floor (a thread per file, reused 16 MiB buffer) against
 the verified reader's patterns (16 threads sharing the chunks of a few files at once; reads into memory touched
-for the first time; O_DIRECT in several request sizes). No torch: the files are written here (random bytes) or
-given with --files.
+for the first time; O_DIRECT in several request sizes). No torch: the files are written here (random bytes,
+benchlib.write_files).
 
     python3 benchmarks/bench_read_patterns.py --dir /root --gb 14.5 --count 16 --rounds 3
 """
@@ -20,17 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-MiB = 1 << 20
-
-
-def drop(files: list[Path]) -> None:
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+from benchlib import MiB, drop_cache, write_files
 
 
 def per_file(files: list[Path], streams: int, chunk: int, direct: bool, fresh: bool) -> None:
@@ -125,18 +115,9 @@ def main() -> None:
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="read-patterns-", dir=args.dir))
     size = int(args.gb * (1 << 30) / args.count) // 4096 * 4096 + 123  # no multiple of a block
-    files = []
     t0 = time.perf_counter()
-    block = os.urandom(64 * MiB)
-    for i in range(args.count):
-        p = base / f"f{i:02d}.bin"
-        with open(p, "wb") as fh:
-            left = size
-            while left:
-                left -= fh.write(block[: min(left, len(block))])
-            fh.flush()
-            os.fsync(fh.fileno())
-        files.append(p)
+    files = write_files(base, size * args.count, args.count)
+    drop_cache(base)  # written out (fsync) before the first pattern
     total = size * args.count
     print(
         f"[read] {args.count} files of {size / (1 << 30):.3f} GiB written in {time.perf_counter() - t0:.1f} s"
@@ -146,7 +127,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in patterns}
     for r in range(args.rounds):
         for name, fn in patterns.items():
-            drop(files)
+            drop_cache(base)
             t = time.perf_counter()
             fn(files)
             dt = time.perf_counter() - t

@@ -35,6 +35,7 @@ import gc
 import hashlib
 import inspect
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from benchlib import drop_cache
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
@@ -62,17 +64,6 @@ GB = 1e9
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def drop_cache(root: Path) -> None:
-    """Cold-ish: ask the kernel to drop the (clean, fsynced) pages of every file under root."""
-    for path in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:
@@ -933,17 +924,24 @@ def torch_checkpointing_peer(
     shutil.rmtree(first)
 
 
-def cold_read(files: list[Path], streams: int) -> float:
-    """The floor of a load: every file read once, `streams` at a time, one thread each, after the pages dropped."""
+def cold_read(files: list[Path], streams: int, direct: bool = False) -> float:
+    """The floor of a load: every file read once, `streams` at a time, one thread each, in 16 MiB reads into a
+    reused buffer, after the pages dropped. `direct`: by O_DIRECT (Linux), past the page cache, into a
+    page-aligned buffer (a file's last block read whole)."""
     for f in files:
         drop_cache(f)
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
 
     def one(paths: list[Path]) -> None:
-        buf = bytearray(16 << 20)
+        buf = mmap.mmap(-1, 16 << 20) if direct else bytearray(16 << 20)
         for p in paths:
-            with open(p, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
+            fd = os.open(p, flags)
+            try:
+                offset = 0
+                while n := os.preadv(fd, [buf], offset):
+                    offset += n
+            finally:
+                os.close(fd)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(files[k::streams],)) for k in range(streams)]

@@ -61,6 +61,18 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
+def drop_cache(root: Path) -> None:
+    """Cold-ish: ask the kernel to drop the (clean, fsynced) pages of every file under root (or of root, a file);
+    no root needed, unlike `drop_caches`."""
+    for path in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def drop_caches() -> bool:
     """Drop the page cache (root only); True when it worked."""
     try:

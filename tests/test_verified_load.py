@@ -56,16 +56,38 @@ def _saved(tmp_path: Path, files: int) -> tuple[Path, dict[str, torch.Tensor], d
     return model, state, expected
 
 
-def _load(
+def _load_stats(
     model: Path, state: dict[str, torch.Tensor], expected: Any
-) -> tuple[dict[str, torch.Tensor], set[str]]:
+) -> tuple[dict[str, torch.Tensor], set[str], dict[str, float]]:
+    """`state`'s tensors loaded into fresh targets (7s, or False), the files verified, the load's timings."""
     target = {
         k: torch.full_like(v, 7) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in state.items()
     }
+    stats: dict[str, float] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        verified = dcp_io.load(target, model, no_dist=True, expected=expected)
+        verified = dcp_io.load(target, model, no_dist=True, expected=expected, stats=stats)
+    return target, verified, stats
+
+
+def _load(
+    model: Path, state: dict[str, torch.Tensor], expected: Any
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    target, verified, _ = _load_stats(model, state, expected)
     return target, verified
+
+
+def _parses(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What torch.load is called on from now on (a damaged file's bytes must never be among them)."""
+    parsed: list[object] = []
+    real_load = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        parsed.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    return parsed
 
 
 def test_files_read_in_many_chunks_at_once_load_every_value_and_are_each_verified(
@@ -95,14 +117,7 @@ def test_a_damaged_file_is_never_parsed(tmp_path: Path, monkeypatch: pytest.Monk
     (name,) = expected
     shard = model / name
     good = shard.read_bytes()
-    parsed: list[object] = []
-    real_load = torch.load
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        parsed.append(args[0])
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", spy)
+    parsed = _parses(monkeypatch)
     damaged = {
         "changed": (good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1 :]),
         "cut": good[:-1],
@@ -422,19 +437,6 @@ def _uncached(files: list[Path]) -> None:
             os.close(fd)
 
 
-def _load_stats(
-    model: Path, state: dict[str, torch.Tensor], expected: Any
-) -> tuple[dict[str, torch.Tensor], set[str], dict[str, float]]:
-    target = {
-        k: torch.full_like(v, 7) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in state.items()
-    }
-    stats: dict[str, float] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        verified = dcp_io.load(target, model, no_dist=True, expected=expected, stats=stats)
-    return target, verified, stats
-
-
 direct_io = pytest.mark.skipif(
     not (hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")), reason="O_DIRECT and RWF_NOWAIT: Linux"
 )
@@ -487,14 +489,7 @@ def test_a_damaged_file_read_by_o_direct_is_never_parsed(
     (name,) = expected
     shard = model / name
     good = shard.read_bytes()
-    parsed: list[object] = []
-    real_load = torch.load
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        parsed.append(args[0])
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", spy)
+    parsed = _parses(monkeypatch)
     mid = len(good) // 2
     blocks = len(good) // 4096 * 4096
     damaged = {
