@@ -209,15 +209,17 @@ def main() -> None:
     floor_copy = min(timed(copy_all, dev) for _ in range(2))
     views = [memoryview(h.view(-1).view(torch.uint8).numpy()) for h in host]
 
-    def write_streams(n: int, sources: list[memoryview] | None = None) -> float:
+    def write_streams(n: int, sources: list[memoryview] | None = None, over: bool = False) -> float:
+        """`n` files written at once, each fsynced; `over`: written over the files of the last call (no
+        truncation: the blocks a retired checkpoint's spare files hold, checkpoint/recycle.py)."""
         folder = base / f"floor-{n}"
-        folder.mkdir()
+        folder.mkdir(exist_ok=over)
         parts: list[list[memoryview]] = [[] for _ in range(n)]
         for v in sorted(views if sources is None else sources, key=len, reverse=True):
             parts[min(range(n), key=lambda k: sum(len(p) for p in parts[k]))].append(v)
 
         def one(k: int) -> None:
-            with open(folder / f"part-{k}", "wb") as f:
+            with open(folder / f"part-{k}", "r+b" if over else "wb") as f:
                 for v in parts[k]:
                     f.write(v)
                 f.flush()
@@ -233,6 +235,8 @@ def main() -> None:
 
     disk_1 = write_streams(1)
     disk_n = write_streams(args.files)
+    disk_over = write_streams(args.files, over=True)  # the floor of a save written over spare files
+    out["disk_overwrite_streams_s"] = disk_over
     floor_write = min(disk_1, disk_n)
     shutil.rmtree(base / "floor-1")
     drop_cache(base / f"floor-{args.files}")
@@ -287,6 +291,7 @@ def main() -> None:
     }
     for k, v in floors.items():
         print(f"[bench] floor {k}: {v:.3f} s, {nbytes / v / GB:.2f} GB/s", flush=True)
+    print(f"[bench] floor disk write+fsync over the same files: {disk_over:.3f} s", flush=True)
 
     # ---- peers
     peers: dict[str, float] = {}
@@ -365,7 +370,7 @@ def main() -> None:
             run_v.track(model=ddp, optimizer=opt)
             var = Launch(run_v, update, dev)
             var.run(n_saves)
-            out["launches"][name] = {"knobs": knobs, **var.report(floor_copy, disk_n, plain_mean)}
+            out["launches"][name] = {"knobs": knobs, **var.report(floor_copy, disk_n, plain_mean, disk_over)}
             run_v._end_segment(var.done)
             run_v._saver.close()
             wait_deletions()
@@ -395,7 +400,7 @@ def main() -> None:
     out["launch_open_s"] = round(time.perf_counter() - t_open, 3)
     launch = Launch(run_a, update, dev)
     launch.run(args.saves)
-    out["launch"] = launch.report(floor_copy, disk_n, plain_mean)
+    out["launch"] = launch.report(floor_copy, disk_n, plain_mean, disk_over)
     print(f"[bench] launch (defaults): {json.dumps(summary(out['launch']))}", flush=True)
     if args.peers_after:  # in a process whose launch ran first, on memory no peer had touched
         run_peers()
@@ -445,11 +450,16 @@ def main() -> None:
     # the disk's floor again, after every save: a virtual disk's sustained rate may be below its burst rate
     again = [t.detach().cpu() for t in tensors]
     disk_after = write_streams(args.files, [memoryview(h.view(-1).view(torch.uint8).numpy()) for h in again])
+    out["disk_overwrite_streams_after_s"] = write_streams(
+        args.files, [memoryview(h.view(-1).view(torch.uint8).numpy()) for h in again], over=True
+    )
     shutil.rmtree(base / f"floor-{args.files}")
     del again
     out["disk_write_streams_after_s"] = disk_after
     print(
-        f"[bench] floor after the launches: write+fsync {args.files} streams {disk_after:.3f} s", flush=True
+        f"[bench] floor after the launches: write+fsync {args.files} streams {disk_after:.3f} s, over the same "
+        f"files {out['disk_overwrite_streams_after_s']:.3f} s",
+        flush=True,
     )
     # resume in this process, cold: Run.open verifies the inventory, run.track loads through DCP
     drop_cache(a_ckpt)
@@ -790,7 +800,11 @@ class Launch:
         sync(self.dev)
 
     def report(
-        self, floor_copy: float, floor_write: float, plain_mean: float | None = None
+        self,
+        floor_copy: float,
+        floor_write: float,
+        plain_mean: float | None = None,
+        floor_over: float | None = None,
     ) -> dict[str, Any]:
         med = statistics.median(t for t, k in zip(self.times, self.kind, strict=True) if k != "save")
         ratios = [t / med for t in self.times]
@@ -810,6 +824,8 @@ class Launch:
                     "held_update_ratio": ratios[i],
                     "committed_s": done_s,
                     "persist_vs_write_floor": floor_write / done_s,
+                    # against the same write over existing files (a save over a retired checkpoint's spare)
+                    "persist_vs_overwrite_floor": floor_over / done_s if floor_over else None,
                     "updates_during_persist": len(during),
                     "max_during_persist": max(during, default=float("nan")),
                     "over_1_1x_during_persist": sum(r > 1.1 for r in during),
@@ -1121,14 +1137,16 @@ def table(out: dict[str, Any], nbytes: int) -> None:
             f"{r['lost_vs_saves_x_copy']:.2f} x (saves x the copy floor)",
             f"reservation steps [count, total s, longest s, its update]: {r.get('reserve_steps')}; slow updates "
             f"and what overlapped them (first 12): {(r.get('gc_in_slow') or [])[:12]}",
-            "| save at | stall s | vs copy | committed s | vs write floor | updates in persist | max | > 1.1x | "
+            "| save at | stall s | vs copy | committed s | vs write floor | vs overwrite floor | updates in persist "
+            "| max | > 1.1x | "
             "cached / dirty / writeback GB at start | updates around (x median, from 2 before) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for v in r["saves"]:
             lines.append(
                 f"| {v['update']} | {v['stall_s']:.3f} | {v['stall_vs_copy']:.2f}x | {v['committed_s']:.3f} | "
-                f"{v['persist_vs_write_floor']:.2f} | {v['updates_during_persist']} | "
+                f"{v['persist_vs_write_floor']:.2f} | {v.get('persist_vs_overwrite_floor') or float('nan'):.2f} | "
+                f"{v['updates_during_persist']} | "
                 f"{v['max_during_persist']:.2f}x | {v['over_1_1x_during_persist']} | "
                 f"{v['cached_gb'] or 0:.1f} / {v['dirty_gb'] or 0:.2f} / {v['writeback_gb'] or 0:.2f} | "
                 f"{v['around']} |"

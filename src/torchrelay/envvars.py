@@ -150,6 +150,11 @@ PERSIST_WRITER = Var(
     "itself (its start-up, an import of torch, would take a core from the ranks of a smaller host); without memfd "
     "or a process, the thread, with one logged line",
 )  # fmt: skip
+RECYCLE = Var(
+    "TORCHRELAY_RECYCLE", "flag", True, "keep the newest checkpoint retention retires as the run's spare, whose "
+    "tensor files the next save writes over instead of allocating new ones (0: delete it; the spare is removed "
+    "when the segment ends either way)",
+)  # fmt: skip
 PERSIST_STALL_S = Var(
     "TORCHRELAY_PERSIST_STALL_S", "float", 300.0, "how long a rank's checkpoint write may go without progress "
     "(bytes handed to the kernel, a file fsynced, the kernel's writeback during an fsync) before it counts as "

@@ -35,6 +35,10 @@ README_FILE = "README.md"
 # --- a checkpoint's directory name: `checkpoint-<update>`, the update in decimal without leading zeros ---------
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_GLOB = f"{CHECKPOINT_PREFIX}*"  # a candidate only: parse_checkpoint_name decides
+# a save's folder until its rename; a retired one until deleted; the run's one spare (checkpoint/recycle.py)
+TMP_CHECKPOINT_PREFIX = ".tmp-checkpoint-"
+DELETING_CHECKPOINT_PREFIX = ".deleting-checkpoint-"
+SPARE_CHECKPOINT = ".spare-checkpoint"
 _DIGITS = frozenset("0123456789")
 _MAX_DIGITS = 18  # far past any run's updates, and short of int()'s refusal of a long string
 

@@ -18,25 +18,32 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import kill_points
+from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, inventory_entry, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
-from torchrelay.layout import checkpoint_name
+from torchrelay.layout import (
+    DELETING_CHECKPOINT_PREFIX,
+    SPARE_CHECKPOINT,
+    TMP_CHECKPOINT_PREFIX,
+    checkpoint_name,
+)
 from torchrelay.util import collective
 from torchrelay.util.durable import fsync_dir
 
-TMP_PREFIX = ".tmp-checkpoint-"
-DELETING_PREFIX = ".deleting-checkpoint-"
+TMP_PREFIX = TMP_CHECKPOINT_PREFIX
+DELETING_PREFIX = DELETING_CHECKPOINT_PREFIX
 
 
 def clean_stale(run_dir: Path) -> list[str]:
     """Remove temporaries a crashed save, delete or pack left behind (rank 0, at start, before any check)."""
     removed = clean_temporaries(run_dir)  # of a hand-off record a killed pack was writing
     for child in run_dir.iterdir():
-        if child.name.startswith((TMP_PREFIX, DELETING_PREFIX)) and child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
+        spare = child.name == SPARE_CHECKPOINT  # a segment that ended without its close (recycle.py)
+        if (spare or child.name.startswith((TMP_PREFIX, DELETING_PREFIX))) and child.is_dir():
+            _delete([child])  # a link of such a name goes itself, never what it points to
             removed.append(child.name)
     return removed
 
@@ -171,9 +178,13 @@ def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
     """Delete the complete checkpoints the policy does not preserve; never the newest, never an incomplete or
     handed-off one (the fork guard's marker must stay where `pack` put it)."""
     complete = {c.update: c for c in list_checkpoints(run_dir) if c.complete and not c.handed_off}
-    for update in decide(retention, complete).deleted:
+    deleted = decide(retention, complete).deleted
+    for update in deleted:
         doomed = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
         os.rename(complete[update].path, doomed)
+    if deleted and recycle.enabled():  # the newest retired one's files are written over by the next save
+        newest = run_dir / f"{DELETING_PREFIX}{deleted[-1]}-{os.getpid()}"
+        recycle.keep_as_spare(run_dir, newest, f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}")
     fsync_dir(run_dir)  # from here no reader sees them: what is left is freeing the space
     doomed_dirs = [c for c in run_dir.iterdir() if c.name.startswith(DELETING_PREFIX)]
     if doomed_dirs:
@@ -193,7 +204,19 @@ _DELETERS_LOCK = threading.Lock()
 
 def _delete(paths: list[Path]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_symlink():  # a link planted where a spare was: removed itself, never what it points to
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def drop_spare(run_dir: Path) -> None:
+    """Delete the run's spare (rank 0, at a segment's end): a run at rest holds what retention keeps, no more."""
+    spare = recycle.spare_path(run_dir)
+    if spare.is_dir() and not spare.is_symlink():
+        doomed = run_dir / f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}"
+        os.rename(spare, doomed)
+        _delete([doomed])
 
 
 def wait_deletions() -> None:

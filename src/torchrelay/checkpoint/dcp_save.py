@@ -94,11 +94,13 @@ class PlannedSave:
         *,
         background: bool = False,
         process: WriterProcess | None = None,
+        spare: Path | None = None,
     ) -> None:
         """Write this rank's files into `directory` (each hashed into `digests` as written, fsynced); the
         coordinator then writes `.metadata`. `background`: on the persist thread (see HashingWriter); `process`:
-        this rank's files by that writer process instead (writer_process.py), the same bytes."""
-        writer = HashingWriter(directory, digests, background=background)
+        this rank's files by that writer process instead (writer_process.py), the same bytes; `spare`: a folder of
+        spare files written over instead of new ones (recycle.py)."""
+        writer = HashingWriter(directory, digests, background=background, spare=spare)
         _set_up(writer, self._ranks)
 
         def write_local() -> list[Any]:
@@ -114,6 +116,7 @@ class PlannedSave:
                     coordinator=ranks.coordinator,
                     prepared=prepared,
                     metadata=self._alone_md(),
+                    spare=spare,
                 )
             writer.fs.mkdir(writer.path)
             writes = writer.write_data(self._plan, self._planner)

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchrelay import envvars, kill_points
+from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.util.meminfo import meminfo_kib
@@ -93,8 +94,10 @@ class _HashingStream(io.RawIOBase):
         on_close: Callable[[str, int, tuple[int, tuple[str, ...]] | None], None],
         on_written: Callable[[], None] | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        cut: bool = False,
     ) -> None:
         super().__init__()
+        self._cut = cut  # a spare file written over (recycle.py): cut to the bytes written before its fsync
         self._h = PartHasher()
         self._f, self._n, self._on_close = f, 0, on_close
         self._on_written, self._on_bytes = on_written, on_bytes
@@ -149,6 +152,7 @@ class _HashingStream(io.RawIOBase):
 
     def fileno(self) -> int:
         self.flush()  # a caller that fsyncs the descriptor means every byte written so far
+        self._cut_to_length()
         self.synced = True
         if self._on_written is not None:
             self._on_written()
@@ -158,9 +162,15 @@ class _HashingStream(io.RawIOBase):
         self._drain()
         self._f.flush()
 
+    def _cut_to_length(self) -> None:
+        if self._cut:
+            os.ftruncate(self._f.fileno(), self._n)  # a longer spare's tail is not this file's
+            self._cut = False
+
     def close(self) -> None:
         if not self.closed:
             self.flush()
+            self._cut_to_length()
             states = (
                 self._h.states
             )  # only for a file of several parts: one part is verified as a whole file is
@@ -175,9 +185,10 @@ def persist_streams() -> int:
 
 
 class _HashingFileSystem(FileSystem):
-    def __init__(self, sink: Digests, background: bool) -> None:
+    def __init__(self, sink: Digests, background: bool, spare: Path | None = None) -> None:
         super().__init__()
         self.sink = sink
+        self.spare = spare  # a folder of spare files to write over (recycle.py), or None
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(persist_streams()) if background else None  # None: inline
         # What a watcher reads to tell a write that progresses from one that is stuck (the writer process's
@@ -232,8 +243,9 @@ class _HashingFileSystem(FileSystem):
                     self.syncing += 1
 
         try:
-            with open(path, "wb") as f:
-                stream = _HashingStream(f, done, written, self._moved)
+            reused = None if self.spare is None else recycle.take(self.spare / Path(path).name, Path(path))
+            with reused if reused is not None else open(path, "wb") as f:
+                stream = _HashingStream(f, done, written, self._moved, cut=reused is not None)
                 try:
                     yield stream
                 finally:
@@ -260,11 +272,14 @@ class HashingWriter(dcp.FileSystemWriter):
     """FileSystemWriter (fsynced files) that records each file's SHA-256 and size in `digests` as it writes it,
     and splits a rank's tensors over several files (a function of the tensors alone, never of the machine).
     `background`: it runs beside the training loop (lower priority, at most `persist_streams()` files at once);
-    never set it for a write on the training thread, whose priority it would lower for good."""
+    never set it for a write on the training thread, whose priority it would lower for good. `spare`: a folder
+    whose files of the same names are written over instead of new ones (recycle.py)."""
 
-    def __init__(self, path: Path, digests: Digests, *, background: bool = False) -> None:
+    def __init__(
+        self, path: Path, digests: Digests, *, background: bool = False, spare: Path | None = None
+    ) -> None:
         super().__init__(str(path), sync_files=True)
-        self._hashing = _HashingFileSystem(digests, background)
+        self._hashing = _HashingFileSystem(digests, background, spare)
         self.fs = self._hashing
         self.files: int | None = None  # set: this many files (the writer process is told the parent's count)
 

@@ -100,7 +100,8 @@ def _write(
     digests: dict[str, tuple[str, int]] = {}
     job = {**job, **pickle.loads(job["payload"])}  # noqa: S301 - the parent's own job (WriterProcess.prepare)
     finishes = job.get("metadata") is not None
-    writer = HashingWriter(Path(job["directory"]), digests, background=True)
+    spare = None if job["spare"] is None else Path(job["spare"])
+    writer = HashingWriter(Path(job["directory"]), digests, background=True, spare=spare)
     set_up_writer(writer, job["coordinator"], job["rank"])
     writer.files = job["files"]
     # crash tests only (kill_points.STALL): stopped inside a write, left to the parent's deadline

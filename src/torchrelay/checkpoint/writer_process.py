@@ -228,14 +228,15 @@ class WriterProcess:
 
     def write(
         self, directory: Path, planner: Any, plan: Any, digests: dict[str, tuple[str, int]], *, rank: int,
-        coordinator: bool, prepared: bytes | None = None, metadata: Any = None,
+        coordinator: bool, prepared: bytes | None = None, metadata: Any = None, spare: Path | None = None,
     ) -> list[Any]:  # fmt: skip
         """Write this rank's DCP files of `plan` into `directory` in the writer; DCP's write results, and each
         file's digest added to `digests`. `prepared`: this plan's job from `prepare`. A job that carries the
         save's metadata (`prepare`'s, or `metadata` here) has the writer write `.metadata` too, from its own
         results (`finished` is then true): the metadata's pickle and fsync are then not the persist thread's
         (DCP's finish held the GIL for 10.6 ms there, and an update of the loop took 1.10x: RESULTS.md, issue 22
-        round six). Raises CheckpointError (one line) if the writer fails or dies."""
+        round six). `spare`: a folder of spare files to write over (recycle.py). Raises CheckpointError (one line)
+        if the writer fails or dies."""
         self.finished = False
         if (
             prepared is None
@@ -246,6 +247,7 @@ class WriterProcess:
         stall = stall_seconds()
         job = {
             "directory": str(directory),
+            "spare": None if spare is None else str(spare),
             "hold": str(self.hold) if self.hold else None,
             "die": self.die,
             "stall": self.stall,

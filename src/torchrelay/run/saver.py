@@ -20,7 +20,7 @@ from typing import Any
 
 from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import state as ckpt_state
-from torchrelay.checkpoint.commit import commit_checkpoint, wait_deletions
+from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import is_engine
 from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
@@ -317,6 +317,8 @@ class Saver:
             if self._froze and self._thaw:
                 gc.unfreeze()  # what became garbage meanwhile is collectable again, as the process left it
             self._froze = False
+            if self._rank == 0 and not self._persister.stuck:  # a stuck persist may still be writing into it
+                drop_spare(self._run_dir)
             wait_deletions()
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from torchrelay import rng
-from torchrelay.checkpoint import dcp_save, ranks
+from torchrelay.checkpoint import dcp_save, ranks, recycle
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
 from torchrelay.checkpoint.host_stage import HostStage, specs_of
 from torchrelay.checkpoint.persist import write_bytes
@@ -156,7 +156,8 @@ def write_snapshot(
     written: dict[str, tuple[str, int]] = {}
     planned = snap.plan(group)  # made during the stall already, unless saved in one go (save_state)
     if planned is not None:
-        planned.write(directory / MODEL_DIR, written, background=background, process=process)
+        spare = recycle.spare_of(directory, MODEL_DIR)  # a retired checkpoint's files, written over
+        planned.write(directory / MODEL_DIR, written, background=background, process=process, spare=spare)
     if kill_hook:
         kill_hook("shards")
     (directory / "rng").mkdir(exist_ok=True)
