@@ -150,6 +150,10 @@ PERSIST_WRITER = Var(
     "itself (its start-up, an import of torch, would take a core from the ranks of a smaller host); without memfd "
     "or a process, the thread, with one logged line",
 )  # fmt: skip
+PERSIST_KICK_BYTES = Var(
+    "TORCHRELAY_PERSIST_KICK_BYTES", "int", None, "every this many bytes a persist's file has its writeback "
+    "started (default 64 MiB; 0: left to the kernel until the file's fsync)",
+)  # fmt: skip
 RECYCLE = Var(
     "TORCHRELAY_RECYCLE", "flag", True, "keep the newest checkpoint retention retires as the run's spare, whose "
     "tensor files the next save writes over instead of allocating new ones (0: delete it; the spare is removed "

@@ -103,6 +103,8 @@ class _HashingStream(io.RawIOBase):
         self._on_written, self._on_bytes = on_written, on_bytes
         self._pending = bytearray()
         self._kicked = 0  # bytes handed to the kernel's writeback so far (KICK_BYTES)
+        kick = envvars.PERSIST_KICK_BYTES.get()
+        self._kick_every = KICK_BYTES if kick is None else max(0, kick)
         self.synced = False  # the writer asked for the descriptor (to fsync it): every byte is written
 
     def writable(self) -> bool:
@@ -128,7 +130,7 @@ class _HashingStream(io.RawIOBase):
             self._h.update(piece)  # releases the GIL for large buffers, as the write below does
             self._f.write(piece)
             done += len(piece)
-            if KICK_BYTES and self._n + done - self._kicked >= KICK_BYTES:
+            if self._kick_every and self._n + done - self._kicked >= self._kick_every:
                 self._kick(self._n + done)
             if self._on_bytes is not None:
                 self._on_bytes(len(piece))
