@@ -287,12 +287,12 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
     lock = threading.Lock()
     real_init, real_fileno = persist._HashingStream.__init__, persist._HashingStream.fileno
 
-    def init(self: Any, f: Any, on_close: Any, on_written: Any = None, on_bytes: Any = None) -> None:
+    def init(self: Any, f: Any, on_close: Any, *args: Any, **kwargs: Any) -> None:
         with lock:
             writing.add(id(self))
             peak[0] = max(peak[0], len(writing))
             nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        real_init(self, f, on_close, on_written, on_bytes)
+        real_init(self, f, on_close, *args, **kwargs)
 
     def fileno(self: Any) -> int:  # DCP asks for it to fsync the file, once it is written
         if id(self) in writing:
