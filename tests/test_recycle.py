@@ -88,6 +88,8 @@ def test_a_save_writes_over_the_spare_files_and_its_bytes_are_a_new_files(
         f.write(b"\xff" * 123457)
     os.truncate(files[names[1]], 1000)  # a shorter one: written past its end
     inodes = {n: p.stat().st_ino for n, p in files.items()}
+    other = run / SPARE_CHECKPOINT / "model" / "__1_0.distcp"  # another rank's: never this rank's to take
+    other.write_bytes(b"rank 1")
     stage = HostStage(shared=writer == "process")
     process = WriterProcess(stage) if writer == "process" else None
     try:
@@ -98,7 +100,10 @@ def test_a_save_writes_over_the_spare_files_and_its_bytes_are_a_new_files(
         stage.release()
     new = run / ".tmp-checkpoint-7-1-1"
     assert {n: p.stat().st_ino for n, p in _distcp(new).items()} == inodes  # every one written over, none new
-    assert not _distcp(run / SPARE_CHECKPOINT)  # taken: moved, not copied
+    assert list(_distcp(run / SPARE_CHECKPOINT)) == [
+        other.name
+    ]  # ours taken (moved, not copied), not rank 1's
+    assert other.read_bytes() == b"rank 1"
     for name, path in _distcp(new).items():
         assert path.read_bytes() == (tmp_path / "fresh" / "model" / name).read_bytes(), name
     _check_digests(new, digests)

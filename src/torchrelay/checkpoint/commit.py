@@ -23,6 +23,7 @@ from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, inventory_entry, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.checkpoint.state.records import MODEL_DIR
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
 from torchrelay.layout import (
     DELETING_CHECKPOINT_PREFIX,
@@ -182,8 +183,10 @@ def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
     for update in deleted:
         doomed = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
         os.rename(complete[update].path, doomed)
-    if deleted and recycle.enabled():  # the newest retired one's files are written over by the next save
-        newest = run_dir / f"{DELETING_PREFIX}{deleted[-1]}-{os.getpid()}"
+    newest = run_dir / f"{DELETING_PREFIX}{deleted[-1]}-{os.getpid()}" if deleted else None
+    # the newest retired one's tensor files are written over by the next save (a DeepSpeed engine's, written by
+    # the engine itself, are not: deleted)
+    if newest is not None and recycle.enabled() and (newest / MODEL_DIR).is_dir():
         recycle.keep_as_spare(run_dir, newest, f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}")
     fsync_dir(run_dir)  # from here no reader sees them: what is left is freeing the space
     doomed_dirs = [c for c in run_dir.iterdir() if c.name.startswith(DELETING_PREFIX)]
