@@ -10,7 +10,8 @@ Steps run in the order given (`--steps`), each `MODE:SET`:
 - `new:A`     write set A as new files (O_TRUNC, as DCP's writer does; A must not exist);
 - `over:A`    write set A again over its existing files, without truncating (each block overwritten in place);
 - `recycle:A:B` rename set A's files to set B's names, then write over them without truncating (retention's reuse);
-- `del:A`     delete set A (its blocks go back to the file system);
+- `del:A`     delete set A and sync (its blocks go back to the file system, its discards sent, where mounted so);
+- `rm:A`      delete set A and go on at once (as retention's deletion does: the discards go with the next commit);
 - `fall:A`    new files whose blocks are reserved first (posix_fallocate), then written;
 - `kick:A`    new files, writeback started every 64 MiB as the persist does (persist.KICK_BYTES);
 - `drop`      drop the page cache of every set still on disk (fadvise DONTNEED, no root needed).
@@ -122,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                 print("[disk] drop: page cache of every set dropped", flush=True)
                 continue
             folder = root / names[0]
-            if mode == "del":
+            if mode in ("del", "rm"):
                 t0 = time.perf_counter()
                 shutil.rmtree(folder)
-                os.sync()
-                print(f"[disk] del {names[0]}: {time.perf_counter() - t0:.3f} s", flush=True)
+                if mode == "del":
+                    os.sync()
+                print(f"[disk] {mode} {names[0]}: {time.perf_counter() - t0:.3f} s", flush=True)
                 continue
             if mode == "recycle":
                 target = root / names[1]
