@@ -160,9 +160,9 @@ def _config(example: dict[str, Path]) -> RelayConfig:
     )
 
 
-def _train(example: dict[str, Path], run_dir: Path) -> dict[int, dict[str, int]]:
+def _train(example: dict[str, Path], run_dir: Path, plant: bool = False) -> dict[int, dict[str, int]]:
     """Six updates saving each, keeping two; the inode of each checkpoint's tensor files as it was committed, and
-    whether a spare was there."""
+    whether a spare was there. `plant`: a file where the spare goes, written after update 1."""
     seen: dict[int, dict[str, int]] = {}
     with Run.open(run_dir, _config(example)) as run:
         torch.manual_seed(0)
@@ -174,6 +174,8 @@ def _train(example: dict[str, Path], run_dir: Path) -> dict[int, dict[str, int]]
                 model(torch.randn(2, 8)).square().mean().backward()
             opt.step()
             opt.zero_grad()
+            if plant and step.update == 1:
+                (run_dir / SPARE_CHECKPOINT).write_bytes(b"not a folder")
             if step.update > 1:  # the previous update's checkpoint is committed by now
                 ckpt = run_dir / checkpoint_name(step.update - 1)
                 seen[step.update - 1] = {n: p.stat().st_ino for n, p in _distcp(ckpt).items()}
@@ -184,8 +186,11 @@ def _train(example: dict[str, Path], run_dir: Path) -> dict[int, dict[str, int]]
 def test_a_run_writes_each_save_over_the_checkpoint_it_retired_and_ends_as_without(
     example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = _train(example, tmp_path / "recycled")
+    seen = _train(example, tmp_path / "recycled", plant=True)  # a file in the spare's place is no obstacle
     assert not (tmp_path / "recycled" / SPARE_CHECKPOINT).exists()  # removed when the segment ended
+    assert not [
+        p.name for p in (tmp_path / "recycled").iterdir() if p.name.startswith((".spare", ".deleting"))
+    ]
     # checkpoint-3's commit retired checkpoint-1 as the spare: checkpoint-4 is written over its files, and so on
     files = {u: {n: i for n, i in s.items() if n != "spare"} for u, s in seen.items()}
     assert files[1] and files[4] == files[1] and files[5] == files[2]

@@ -7,6 +7,7 @@ leaves only a `.tmp-checkpoint-*` directory, which readers ignore and the next s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
@@ -187,6 +188,7 @@ def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
     # the newest retired one's tensor files are written over by the next save (a DeepSpeed engine's, written by
     # the engine itself, are not: deleted)
     if newest is not None and recycle.enabled() and (newest / MODEL_DIR).is_dir():
+        # best effort: what it cannot rename stays a `.deleting-*`, deleted below
         recycle.keep_as_spare(run_dir, newest, f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}")
     fsync_dir(run_dir)  # from here no reader sees them: what is left is freeing the space
     doomed_dirs = [c for c in run_dir.iterdir() if c.name.startswith(DELETING_PREFIX)]
@@ -207,7 +209,7 @@ _DELETERS_LOCK = threading.Lock()
 
 def _delete(paths: list[Path]) -> None:
     for path in paths:
-        if path.is_symlink():  # a link planted where a spare was: removed itself, never what it points to
+        if path.is_symlink() or not path.is_dir():  # a link or a file planted under such a name: itself only
             path.unlink(missing_ok=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
@@ -216,10 +218,13 @@ def _delete(paths: list[Path]) -> None:
 def drop_spare(run_dir: Path) -> None:
     """Delete the run's spare (rank 0, at a segment's end): a run at rest holds what retention keeps, no more."""
     spare = recycle.spare_path(run_dir)
-    if spare.is_dir() and not spare.is_symlink():
+    if os.path.lexists(
+        spare
+    ):  # a folder, or whatever was planted under its name: itself, never through a link
         doomed = run_dir / f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}"
-        os.rename(spare, doomed)
-        _delete([doomed])
+        with contextlib.suppress(OSError):  # what is left is removed at the next start (clean_stale)
+            os.rename(spare, doomed)
+            _delete([doomed])
 
 
 def wait_deletions() -> None:

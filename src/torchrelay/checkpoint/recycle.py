@@ -93,13 +93,19 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def keep_as_spare(run_dir: Path, retired: Path, doomed_name: str) -> None:
+def keep_as_spare(run_dir: Path, retired: Path, doomed_name: str) -> bool:
     """Make `retired` (a checkpoint folder retention just renamed out of readers' sight) the run's spare; the
-    spare it replaces is renamed to `doomed_name`, for the caller's deletion (rank 0, under the commit)."""
+    spare it replaces is renamed to `doomed_name`, for the caller's deletion (rank 0, after the commit's rename).
+    Best effort: False, and `retired` left where it is for deletion, when a rename fails (the checkpoint just
+    committed is complete whatever happens here)."""
     spare = run_dir / SPARE_CHECKPOINT
-    if os.path.lexists(spare):
-        os.rename(spare, run_dir / doomed_name)
-    os.rename(retired, spare)
+    try:
+        if os.path.lexists(spare):
+            os.rename(spare, run_dir / doomed_name)
+        os.rename(retired, spare)
+    except OSError:
+        return False
+    return True
 
 
 def spare_path(run_dir: Path) -> Path:
