@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,12 @@ import torch
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint import persist, recycle
 from torchrelay.checkpoint import state as ckpt_state
-from torchrelay.checkpoint.commit import clean_stale
+from torchrelay.checkpoint.commit import clean_stale, commit_checkpoint, stale_bytes, wait_deletions
 from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
+from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.writer_process import WriterProcess
+from torchrelay.controller.preflight import PreflightFailed, PreflightReport, check_disk
 from torchrelay.layout import SPARE_CHECKPOINT, checkpoint_name
 
 
@@ -216,3 +219,39 @@ def test_a_spare_left_by_a_segment_that_never_closed_is_removed_at_the_next_star
     (run / SPARE_CHECKPOINT / "model" / "__0_0.distcp").write_bytes(b"x" * 100)
     assert SPARE_CHECKPOINT in clean_stale(run)
     assert not (run / SPARE_CHECKPOINT).exists()
+
+
+def test_a_bad_recycle_setting_never_fails_a_committed_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention runs after the rename that made a save complete: a TORCHRELAY_RECYCLE that does not parse is
+    refused by the next save that writes tensors, never by this one (a DeepSpeed engine's save writes none)."""
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def write(tmp: Path, _hook: Any) -> dict[str, tuple[str, int]]:
+        (tmp / "model").mkdir()
+        data = os.urandom(4096)
+        (tmp / "model" / "__0_0.distcp").write_bytes(data)
+        return {"model/__0_0.distcp": (hashlib.sha256(data).hexdigest(), len(data))}
+
+    monkeypatch.setenv("TORCHRELAY_RECYCLE", "off")
+    for update in (1, 2):
+        commit_checkpoint(run, update, write, rank=0, world_size=1, info={}, retention=LatestN(1))
+    wait_deletions()
+    validate_complete(run / checkpoint_name(2))
+    assert sorted(p.name for p in run.iterdir()) == [checkpoint_name(2)]
+
+
+def test_the_launchers_disk_check_counts_a_spare_the_start_removes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / SPARE_CHECKPOINT / "model").mkdir(parents=True)
+    with open(run / SPARE_CHECKPOINT / "model" / "__0_0.distcp", "wb") as f:
+        f.write(os.urandom(1 << 20) * 256)  # 256 MiB held
+        os.fsync(f.fileno())
+    held = stale_bytes(run)
+    assert held >= 256 << 20
+    free = shutil.disk_usage(run).free
+    check_disk(run, free + held // 2, 1, PreflightReport())  # fits only with the spare's room
+    with pytest.raises(PreflightFailed, match="disk"):
+        check_disk(run, free + held * 4, 1, PreflightReport())

@@ -187,9 +187,12 @@ def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
     newest = run_dir / f"{DELETING_PREFIX}{deleted[-1]}-{os.getpid()}" if deleted else None
     # the newest retired one's tensor files are written over by the next save (a DeepSpeed engine's, written by
     # the engine itself, are not: deleted)
-    if newest is not None and recycle.enabled() and (newest / MODEL_DIR).is_dir():
-        # best effort: what it cannot rename stays a `.deleting-*`, deleted below
-        recycle.keep_as_spare(run_dir, newest, f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}")
+    # Best effort, after the rename that made this save complete: nothing here may fail it (a bad
+    # TORCHRELAY_RECYCLE fails the next save that writes tensors, naming the variable); what cannot become the
+    # spare stays a `.deleting-*`, deleted below.
+    with contextlib.suppress(OSError, RelayError):
+        if newest is not None and recycle.enabled() and (newest / MODEL_DIR).is_dir():
+            recycle.keep_as_spare(run_dir, newest, f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}")
     fsync_dir(run_dir)  # from here no reader sees them: what is left is freeing the space
     doomed_dirs = [c for c in run_dir.iterdir() if c.name.startswith(DELETING_PREFIX)]
     if doomed_dirs:
@@ -213,6 +216,22 @@ def _delete(paths: list[Path]) -> None:
             path.unlink(missing_ok=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def stale_bytes(run_dir: Path) -> int:
+    """Bytes held by what the next start removes (`clean_stale`): a killed segment's spare, a killed save's
+    temporary, a deletion cut short; files only, never through a link."""
+    total = 0
+    if not run_dir.is_dir():
+        return 0
+    for child in run_dir.iterdir():
+        stale = child.name == SPARE_CHECKPOINT or child.name.startswith((TMP_PREFIX, DELETING_PREFIX))
+        if stale and child.is_dir() and not child.is_symlink():
+            for folder, _dirs, files in os.walk(child):
+                for name in files:
+                    with contextlib.suppress(OSError):
+                        total += os.lstat(os.path.join(folder, name)).st_blocks * 512  # held, not apparent
+    return total
 
 
 def drop_spare(run_dir: Path) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import proctree
+from torchrelay.checkpoint.commit import stale_bytes
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.plan import CheckSpec, Plan
 from torchrelay.errors import EXIT_REFUSED, RelayError
@@ -76,9 +77,12 @@ def check_disk(path: Path, ckpt_bytes: int, ahead: int, report: PreflightReport)
     probe = path
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    # what the run's next start removes (a killed segment's spare, a killed save's temporary) is room too
+    stale = stale_bytes(path) if probe == path else 0
+    free = shutil.disk_usage(probe).free + stale
     need = ckpt_bytes * ahead
-    detail = f"{free / GIB:.2f} GiB free on {probe}, {ahead} checkpoint(s) of {ckpt_bytes / GIB:.3f} GiB need {need / GIB:.2f} GiB"
+    freed = f" (with {stale / GIB:.2f} GiB the start removes)" if stale else ""
+    detail = f"{free / GIB:.2f} GiB free on {probe}{freed}, {ahead} checkpoint(s) of {ckpt_bytes / GIB:.3f} GiB need {need / GIB:.2f} GiB"
     if free < need:
         raise PreflightFailed(
             f"preflight check 'disk' failed: {detail}",
