@@ -230,8 +230,16 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
 
 def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
+    # A schedule far longer than the guard's reaction: with the example's 16 updates a loaded machine finished the
+    # schedule before the request was read (the suite saw "finished", exit 0, once at load 3).
+    args = ["--config", str(example["config"]), "--set", "total_updates=2000"]
     plan = write_plan(
-        tmp_path / "plan.yaml", example["code"], example["config"], run, smoke={"when": "never"}
+        tmp_path / "plan.yaml",
+        example["code"],
+        example["config"],
+        run,
+        smoke={"when": "never"},
+        train={"args": args},
     )
     # A few MiB: any Python process tree is above it, so the guard trips as soon as the run exists.
     out = launch_cli(plan, env={"TORCHRELAY_MEM_SOFT_GIB": "0.01", "TORCHRELAY_MEM_HARD_GIB": "64"})
