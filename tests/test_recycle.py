@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import assert_same_final_state, assert_same_logs, launch, segments
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint import persist, recycle
 from torchrelay.checkpoint import state as ckpt_state
@@ -255,3 +257,48 @@ def test_the_launchers_disk_check_counts_a_spare_the_start_removes(tmp_path: Pat
     check_disk(run, free + held // 2, 1, PreflightReport())  # fits only with the spare's room
     with pytest.raises(PreflightFailed, match="disk"):
         check_disk(run, free + held * 4, 1, PreflightReport())
+
+
+def _born(path: Path) -> float:
+    """The file's birth time (statx through coreutils' stat), 0 where the file system keeps none."""
+    out = subprocess.run(["stat", "-c", "%.9W", str(path)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip() or 0)
+
+
+def test_two_ranks_killed_inside_a_save_over_spare_files_resume_bit_exact(
+    example: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """2 ranks under torchrun, each writing through its writer process, a checkpoint every 2 updates, keeping 2:
+    from the fourth save on each save writes over the files of the checkpoint retired before it. Rank 1 is
+    SIGKILLed inside the save of update 12 (its files written, over spare files); the next launch resumes from
+    checkpoint-10, removes what the killed save left and ends bit for bit as the uninterrupted run, its files the
+    same bytes."""
+    run = tmp_path / "run"
+    env = {"TORCHRELAY_PERSIST_WRITER": "process"}
+    out = launch(
+        example["code"],
+        run,
+        config=example["config"],
+        sets={"save_every": 2},
+        env=env,
+        args=("--kill-at", "shards:12:1"),
+    )
+    assert out.returncode != 0 and "SIGKILL" in out.stderr, out.stderr[-2000:]
+    (killed,) = [p for p in run.iterdir() if p.name.startswith(".tmp-checkpoint-12-")]
+    files = list((killed / "model").glob("*.distcp"))
+    assert len(files) == 2  # one per rank
+    if _born(killed):  # born before the folder the save made for them: spare files, written over
+        assert all(0 < _born(f) < _born(killed) for f in files), [(f.name, _born(f)) for f in files]
+    assert (run / "checkpoint-10" / "COMPLETE.json").exists()
+    out = launch(example["code"], run, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert segments(run)[-1]["resumed_from"] == 10
+    left = [p.name for p in run.iterdir() if p.name.startswith((".tmp-checkpoint-", ".deleting", ".spare"))]
+    assert not left, left
+    assert_same_final_state(baseline, run, 16)
+    assert_same_logs(baseline, run)
+    a, b = baseline / checkpoint_name(16), run / checkpoint_name(16)
+    theirs = {e["path"]: e["sha256"] for e in read_inventory(a)["files"] if e["path"].endswith(".distcp")}
+    assert theirs and theirs == {
+        e["path"]: e["sha256"] for e in read_inventory(b)["files"] if e["path"].endswith(".distcp")
+    }
