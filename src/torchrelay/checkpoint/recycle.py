@@ -17,9 +17,9 @@ start (`commit.clean_stale`), so a run at rest holds only what retention keeps. 
 retired checkpoints instead.
 
 One consequence: a reader that opened a retired checkpoint's file before retention retired it reads new bytes
-once the next save writes over it (with deletion it read the old ones). Every reader verifies what it reads
-against the inventory's SHA-256, so such a read fails instead of passing; no reader reads a checkpoint retention
-may retire except `validate`, whose checkpoints retention keeps (retention.unpreserved).
+once the next save writes over it (with deletion it read the old ones). torchrelay's own readers verify what they
+read against the inventory's SHA-256, so such a read fails instead of passing (and `pack` holds the run's lock);
+a program outside torchrelay must copy a checkpoint retention may retire, or keep it (docs/CHECKPOINTS.md).
 """
 
 from __future__ import annotations
