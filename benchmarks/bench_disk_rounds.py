@@ -33,22 +33,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import MiB, drop_cache, machine  # noqa: E402
 
+from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
+
 GB = 1e9
 PIECE = 16 * MiB
 KICK = 64 * MiB
 
 
 def meminfo() -> dict[str, int]:
-    """MiB of the page cache's fields that tell a write's context (Linux)."""
-    out: dict[str, int] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("MemFree", "Cached", "Dirty", "Writeback", "MemAvailable"):
-                out[key] = int(rest.split()[0]) // 1024
-    except OSError:
-        pass
-    return out
+    """MiB of the page cache's fields that tell a write's context (Linux; empty elsewhere)."""
+    kib = meminfo_kib("MemFree", "Cached", "Dirty", "Writeback", "MemAvailable") or {}
+    return {key: value // 1024 for key, value in kib.items()}
 
 
 def disk_free_gb(path: Path) -> float:

@@ -33,7 +33,7 @@ from torchrelay.layout import (
     checkpoint_name,
 )
 from torchrelay.util import collective
-from torchrelay.util.durable import fsync_dir
+from torchrelay.util.durable import fsync_dir, remove_entry
 
 TMP_PREFIX = TMP_CHECKPOINT_PREFIX
 DELETING_PREFIX = DELETING_CHECKPOINT_PREFIX
@@ -43,11 +43,15 @@ def clean_stale(run_dir: Path) -> list[str]:
     """Remove temporaries a crashed save, delete or pack left behind (rank 0, at start, before any check)."""
     removed = clean_temporaries(run_dir)  # of a hand-off record a killed pack was writing
     for child in run_dir.iterdir():
-        spare = child.name == SPARE_CHECKPOINT  # a segment that ended without its close (recycle.py)
-        if (spare or child.name.startswith((TMP_PREFIX, DELETING_PREFIX))) and child.is_dir():
-            _delete([child])  # a link of such a name goes itself, never what it points to
+        if _is_stale(child.name) and child.is_dir():
+            remove_entry(child)  # a link of such a name goes itself, never what it points to
             removed.append(child.name)
     return removed
+
+
+def _is_stale(name: str) -> bool:
+    """A save's temporary, a deletion cut short, or the spare of a segment that ended without its close."""
+    return name == SPARE_CHECKPOINT or name.startswith((TMP_PREFIX, DELETING_PREFIX))
 
 
 Written = dict[str, tuple[str, int]]  # relative path -> (SHA-256, size) of the files a rank wrote
@@ -180,16 +184,14 @@ def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
     """Delete the complete checkpoints the policy does not preserve; never the newest, never an incomplete or
     handed-off one (the fork guard's marker must stay where `pack` put it)."""
     complete = {c.update: c for c in list_checkpoints(run_dir) if c.complete and not c.handed_off}
-    deleted = decide(retention, complete).deleted
-    for update in deleted:
-        doomed = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
-        os.rename(complete[update].path, doomed)
-    newest = run_dir / f"{DELETING_PREFIX}{deleted[-1]}-{os.getpid()}" if deleted else None
-    # the newest retired one's tensor files are written over by the next save (a DeepSpeed engine's, written by
-    # the engine itself, are not: deleted)
-    # Best effort, after the rename that made this save complete: nothing here may fail it (a bad
-    # TORCHRELAY_RECYCLE fails the next save that writes tensors, naming the variable); what cannot become the
-    # spare stays a `.deleting-*`, deleted below.
+    newest = None  # `deleted` is oldest first
+    for update in decide(retention, complete).deleted:
+        newest = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
+        os.rename(complete[update].path, newest)
+    # The newest retired one's tensor files are written over by the next save (a DeepSpeed engine's, written by
+    # the engine itself, are not: deleted). Best effort, after the rename that made this save complete: nothing
+    # here may fail it (a bad TORCHRELAY_RECYCLE fails the next save that writes tensors, naming the variable);
+    # what cannot become the spare stays a `.deleting-*`, deleted below.
     with contextlib.suppress(OSError, RelayError):
         if newest is not None and recycle.enabled() and (newest / MODEL_DIR).is_dir():
             recycle.keep_as_spare(run_dir, newest, f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}")
@@ -212,10 +214,7 @@ _DELETERS_LOCK = threading.Lock()
 
 def _delete(paths: list[Path]) -> None:
     for path in paths:
-        if path.is_symlink() or not path.is_dir():  # a link or a file planted under such a name: itself only
-            path.unlink(missing_ok=True)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        remove_entry(path)  # a link or a file planted under such a name: itself only
 
 
 def stale_bytes(run_dir: Path) -> int:
@@ -225,8 +224,7 @@ def stale_bytes(run_dir: Path) -> int:
     if not run_dir.is_dir():
         return 0
     for child in run_dir.iterdir():
-        stale = child.name == SPARE_CHECKPOINT or child.name.startswith((TMP_PREFIX, DELETING_PREFIX))
-        if stale and child.is_dir() and not child.is_symlink():
+        if _is_stale(child.name) and child.is_dir() and not child.is_symlink():
             for folder, _dirs, files in os.walk(child):
                 for name in files:
                     with contextlib.suppress(OSError):
@@ -237,9 +235,8 @@ def stale_bytes(run_dir: Path) -> int:
 def drop_spare(run_dir: Path) -> None:
     """Delete the run's spare (rank 0, at a segment's end): a run at rest holds what retention keeps, no more."""
     spare = recycle.spare_path(run_dir)
-    if os.path.lexists(
-        spare
-    ):  # a folder, or whatever was planted under its name: itself, never through a link
+    # a folder, or whatever was planted under its name: itself, never through a link
+    if os.path.lexists(spare):
         doomed = run_dir / f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}"
         with contextlib.suppress(OSError):  # what is left is removed at the next start (clean_stale)
             os.rename(spare, doomed)

@@ -95,6 +95,7 @@ class _HashingStream(io.RawIOBase):
         on_written: Callable[[], None] | None = None,
         on_bytes: Callable[[int], None] | None = None,
         cut: bool = False,
+        kick: int = KICK_BYTES,
     ) -> None:
         super().__init__()
         self._cut = cut  # a spare file written over (recycle.py): cut to the bytes written before its fsync
@@ -103,8 +104,7 @@ class _HashingStream(io.RawIOBase):
         self._on_written, self._on_bytes = on_written, on_bytes
         self._pending = bytearray()
         self._kicked = 0  # bytes handed to the kernel's writeback so far (KICK_BYTES)
-        kick = envvars.PERSIST_KICK_BYTES.get()
-        self._kick_every = KICK_BYTES if kick is None else max(0, kick)
+        self._kick_every = kick  # 0: no kick
         self.synced = False  # the writer asked for the descriptor (to fsync it): every byte is written
 
     def writable(self) -> bool:
@@ -191,6 +191,8 @@ class _HashingFileSystem(FileSystem):
         super().__init__()
         self.sink = sink
         self.spare = spare  # a folder of spare files to write over (recycle.py), or None
+        kick = envvars.PERSIST_KICK_BYTES.get()  # once per write, in the process that writes (the writer too)
+        self._kick = KICK_BYTES if kick is None else max(0, kick)
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(persist_streams()) if background else None  # None: inline
         # What a watcher reads to tell a write that progresses from one that is stuck (the writer process's
@@ -247,7 +249,9 @@ class _HashingFileSystem(FileSystem):
         try:
             reused = None if self.spare is None else recycle.take(self.spare / Path(path).name, Path(path))
             with reused if reused is not None else open(path, "wb") as f:
-                stream = _HashingStream(f, done, written, self._moved, cut=reused is not None)
+                stream = _HashingStream(
+                    f, done, written, self._moved, cut=reused is not None, kick=self._kick
+                )
                 try:
                     yield stream
                 finally:

@@ -24,15 +24,14 @@ a program outside torchrelay must copy a checkpoint retention may retire, or kee
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
 from torchrelay import envvars
 from torchrelay.layout import SPARE_CHECKPOINT, TMP_CHECKPOINT_PREFIX
+from torchrelay.util.durable import remove_entry
 
 
 def enabled() -> bool:
@@ -45,7 +44,7 @@ def spare_of(directory: Path, sub: str) -> Path | None:
     None: recycling off, `directory` not a save's temporary folder, or no spare there as real folders."""
     if not enabled() or not directory.name.startswith(TMP_CHECKPOINT_PREFIX):
         return None
-    spare = directory.parent / SPARE_CHECKPOINT
+    spare = spare_path(directory.parent)
     for folder in (spare, spare / sub):
         try:
             if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a link, a file: not the run's spare
@@ -58,39 +57,28 @@ def spare_of(directory: Path, sub: str) -> Path | None:
 def take(spare: Path, dest: Path) -> BinaryIO | None:
     """Move the spare file `spare` to `dest` (which must not exist) and open it to be written over from its start,
     or None: no such spare, or not one to write over (left for deletion, or removed if it was moved)."""
-    if not _plain(os.lstat, spare):
-        return None
     try:
+        if not _plain(os.lstat(spare)):
+            return None
         os.rename(spare, dest)
     except OSError:
         return None
     try:
         fd = os.open(dest, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:  # replaced between the look and the move (a folder, a link): not ours to write through
-        _remove(dest)
+        remove_entry(dest)
         return None
-    if not _plain(os.fstat, fd):
+    if not _plain(os.fstat(fd)):
         os.close(fd)
-        _remove(dest)
+        remove_entry(dest)
         return None
     # no O_TRUNC: the blocks stay allocated; the writer cuts the file at its length
     return os.fdopen(fd, "wb")
 
 
-def _plain(look: object, target: object) -> bool:
-    try:
-        st = look(target)  # type: ignore[operator]
-    except OSError:
-        return False
+def _plain(st: os.stat_result) -> bool:
+    """A regular file no other name shares (a hard link's other name would see the bytes written over)."""
     return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink()
 
 
 def keep_as_spare(run_dir: Path, retired: Path, doomed_name: str) -> bool:
@@ -98,7 +86,7 @@ def keep_as_spare(run_dir: Path, retired: Path, doomed_name: str) -> bool:
     spare it replaces is renamed to `doomed_name`, for the caller's deletion (rank 0, after the commit's rename).
     Best effort: False, and `retired` left where it is for deletion, when a rename fails (the checkpoint just
     committed is complete whatever happens here)."""
-    spare = run_dir / SPARE_CHECKPOINT
+    spare = spare_path(run_dir)
     try:
         if os.path.lexists(spare):
             os.rename(spare, run_dir / doomed_name)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 from pathlib import Path
 
 from torchrelay.errors import DiskFull
@@ -39,6 +41,16 @@ def remove_temps(paths: list[Path]) -> list[Path]:
             p.unlink(missing_ok=True)
             gone.append(p)
     return gone
+
+
+def remove_entry(path: Path) -> None:
+    """Remove what is at `path`: a folder with its contents, or a file or a link itself, never what a link points
+    to; best effort (what cannot be removed stays)."""
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
