@@ -507,6 +507,7 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "TOUCH_THREADS": host_stage,
     "PIN_BY_REGISTER": host_stage,
     "PIN_MIN_BYTES": host_stage,
+    "PIN_PIECE_BYTES": host_stage,
     "DROP_AFTER_FSYNC": persist,
     "KICK_BYTES": persist,
     "PERSIST_STREAMS": persist,
@@ -636,7 +637,7 @@ def persist_marks() -> Any:
         (saver.Saver, "_committed", "committed_hook"),
         # the reservation's own work on its thread: a page fault pass, a registration (cudaHostRegister)
         (host_stage, "touch", "reserve_touch"),
-        (host_stage._Locked, "register", "reserve_register"),
+        (host_stage._Locked, "register_range", "reserve_register"),
     ]
     kept = []
     for owner, attr, name in steps:

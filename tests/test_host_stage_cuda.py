@@ -123,3 +123,56 @@ def test_a_loop_saving_before_its_buffers_resumes_exactly(tmp_path: Path) -> Non
         run2._saver.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_buffers_registered_in_pieces_take_asynchronous_copies_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PIN_PIECE_BYTES of 4 MiB: each large buffer is several registrations, every one held; the copies into it
+    (one per piece, asynchronous) land every byte, and the next save's copies reuse the same buffers."""
+    monkeypatch.setattr(host_stage, "PIN_PIECE_BYTES", 4 << 20)
+    monkeypatch.setattr(host_stage, "PIN_PACE", 1)
+    live = {f"w{i}": torch.randn(3 * (1 << 20) + 7 * i, device="cuda") for i in range(6)}  # 12 MiB + a few
+    live["t"] = torch.randn(1024, 4096, device="cuda").t()  # 16 MiB, not contiguous
+    stage = host_stage.HostStage()
+    stage.reserve(host_stage.specs_of(live))
+    stage._reserving.join()
+    copies = stage.copy_tree("s", live)
+    stage.synchronize()
+    for k, v in live.items():
+        locked = stage._locked[f"s/{k}"]
+        assert locked.registered and len(locked.cuts) >= 3 and len(locked._held) == len(locked.cuts), k
+        assert torch.equal(copies[k], v.cpu()), k
+    for v in live.values():
+        v.mul_(-2.0)
+    again = stage.copy_tree("s", live)
+    stage.synchronize()
+    assert all(torch.equal(again[k], live[k].cpu()) for k in live)
+    stage.release()
+    assert all(not lk._held for lk in stage._locked.values())
+
+
+def test_a_piece_cuda_refuses_leaves_the_buffer_registered_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second piece's registration refused: the first is given back, the buffer registered in one piece, and
+    its copies are exact."""
+    monkeypatch.setattr(host_stage, "PIN_PIECE_BYTES", 4 << 20)
+    real = host_stage._Locked.register_range
+    refused: list[int] = []
+
+    def refuse_second(self: host_stage._Locked, offset: int, length: int) -> bool:
+        if offset > 0 and length < self.size and not refused:
+            refused.append(offset)
+            return False
+        return real(self, offset, length)
+
+    monkeypatch.setattr(host_stage._Locked, "register_range", refuse_second)
+    locked = host_stage._Locked(20 << 20)
+    host_stage.touch(locked.tensor)
+    assert locked.lock(4 << 20)
+    assert refused and locked.cuts == [(0, locked.size)] and locked._held == [0]
+    src = torch.randn(5 << 20, device="cuda")
+    dst = locked.tensor.view(torch.float32)
+    locked.copy_from(dst, src)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src.cpu())
+    locked.release()

@@ -64,6 +64,44 @@ PIN_MIN_BYTES = 1 << 20
 # buffer, against 3 ms touched), and a buffer registered in pieces cannot be copied into.
 PIN_BY_REGISTER = True
 _PAGE = mmap.PAGESIZE
+# A buffer is page-locked in pieces of this many bytes (cut at multiples of it in the address space), one
+# registration each, the pause after each: a registration holds the training thread's launches for its own length,
+# and on a fresh machine's first launch a 64 MiB buffer's took 12-22 ms, long enough to make 2 updates 1.24-1.51x
+# (RESULTS.md, ninth round). A copy into such a buffer is one cudaMemcpyAsync per piece (a copy may not span two
+# registrations: `copy_in_pieces`). 0: each buffer whole, as before.
+PIN_PIECE_BYTES = 16 << 20
+
+
+def pieces(base: int, size: int, piece: int) -> list[tuple[int, int]]:
+    """[base, base + size) cut at the multiples of `piece` of the address (0: whole), as (offset from base,
+    length). A mapping's base is page-aligned, so every cut is a multiple of any element's size."""
+    if piece <= 0 or size <= 0:
+        return [(0, size)]
+    out, at = [], base
+    while at < base + size:
+        end = min(base + size, (at // piece + 1) * piece)
+        out.append((at - base, end - at))
+        at = end
+    return out
+
+
+def copy_in_pieces(
+    dst: torch.Tensor, src: torch.Tensor, cuts: list[tuple[int, int]], non_blocking: bool
+) -> None:
+    """`dst.copy_(src)` (dst a contiguous buffer over a mapping cut in `cuts`, by byte offsets), one copy per cut
+    that holds dst's bytes: an asynchronous copy into page-locked memory must lie within one registration."""
+    if len(cuts) <= 1:
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    if not src.is_contiguous():
+        src = src.contiguous()  # on the device: the flat byte view below needs one
+    nbytes = dst.numel() * dst.element_size()
+    into = dst.reshape(-1).view(torch.uint8)
+    come = src.reshape(-1).view(torch.uint8)
+    for off, n in cuts:
+        if off >= nbytes:
+            break
+        into[off : off + n].copy_(come[off : off + n], non_blocking=non_blocking)
 
 
 # True: a buffer's pages are faulted in by a torch fill, which releases the GIL. False: by a memoryview
@@ -133,22 +171,59 @@ class _Locked:
                 self.map.madvise(mmap.MADV_HUGEPAGE)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
         self.registered = False
+        self.cuts = [(0, self.size)]  # the registrations' (offset, length): `lock`'s pieces once registered
+        self._held: list[int] = []  # offsets registered
+
+    def register_range(self, offset: int, length: int) -> bool:
+        """cudaHostRegister of [offset, offset + length) of the mapping; False if CUDA refused."""
+        try:  # torch raises some of cudaHostRegister's errors and returns the others
+            ok = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr() + offset, length, 0)) == 0
+        except Exception:  # noqa: BLE001 - any refusal leaves the buffer pageable: slower copies, the same bytes
+            ok = False
+        if ok:
+            self._held.append(offset)
+        return ok
+
+    def lock(self, piece: int = 0, pause: Any = None) -> bool:
+        """Page-lock the mapping in pieces of `piece` bytes (`pieces`; 0: whole), calling `pause(seconds)` after
+        each registration; False if CUDA refused (the buffer stays pageable). A piece refused: the pieces taken are
+        given back and the mapping is registered whole instead."""
+        cuts = pieces(self.tensor.data_ptr(), self.size, piece)
+        for off, n in cuts:
+            t0 = time.perf_counter()
+            if not self.register_range(off, n):
+                self._unregister()
+                if len(cuts) == 1:
+                    return False
+                cuts = [(0, self.size)]
+                if not self.register_range(0, self.size):
+                    return False
+                break
+            if pause is not None:
+                pause(time.perf_counter() - t0)
+        self.cuts, self.registered = cuts, True
+        return True
 
     def register(self) -> bool:
-        """Page-lock the mapping (cudaHostRegister); False if CUDA refused (the buffer stays pageable)."""
-        try:  # torch raises some of cudaHostRegister's errors and returns the others
-            self.registered = (
-                int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)) == 0
-            )
-        except Exception:  # noqa: BLE001 - any refusal leaves the buffer pageable: slower copies, the same bytes
-            self.registered = False
-        return self.registered
+        """Page-lock the whole mapping in one registration; False if CUDA refused."""
+        return self.lock(0)
+
+    def _unregister(self) -> None:
+        base = self.tensor.data_ptr()
+        for off in self._held:
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.cudart().cudaHostUnregister(base + off)
+        self._held.clear()
+        self.cuts = [(0, self.size)]
+
+    def copy_from(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`dst` (a view of this mapping from its start) := `src`: asynchronous, a copy per registration, if page-locked."""
+        copy_in_pieces(dst, src, self.cuts, non_blocking=self.registered)
 
     def release(self) -> None:
-        if self.registered:
+        if self.registered or self._held:
             self.registered = False
-            with contextlib.suppress(RuntimeError):
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._unregister()
         if self.fd is not None:  # the mapping itself lives on while a tensor over it does
             os.close(self.fd)
             self.fd = None
@@ -244,13 +319,11 @@ class HostStage:
             self._hurry.wait((PIN_PACE - 1) * seconds)
 
     def _lock_pages(self, locked: _Locked, pace: bool) -> None:
-        """Fault in a buffer's own mapping, then page-lock it (PIN_PACE's pause after, when `pace`)."""
+        """Fault in a buffer's own mapping, then page-lock it in PIN_PIECE_BYTES pieces (PIN_PACE's pause after
+        each, when `pace`)."""
         (touch_shared if locked.fd is not None else touch)(locked.tensor)
-        t0 = time.perf_counter()
-        if not locked.register():
+        if not locked.lock(PIN_PIECE_BYTES, self._pause if pace else None):
             self.unlocked += 1
-        if pace:
-            self._pause(time.perf_counter() - t0)
 
     def _make(self, spec: Spec, pace: bool, defer: bool = False) -> _Entry:
         """Allocate, touch and (for a CUDA tensor) page-lock one buffer of `spec`. `defer`: a large buffer's
@@ -394,7 +467,7 @@ class HostStage:
             for key, clone in deferred.items():
                 locked = self._locked[key]
                 self._lock_pages(locked, pace=True)
-                self._bufs[key].copy_(clone, non_blocking=locked.registered)
+                locked.copy_from(self._bufs[key], clone)
             stream.synchronize()
         self._deferred.clear()  # the clones' memory goes back to torch's allocator once every copy from it is done
         deferred.clear()
@@ -417,9 +490,12 @@ class HostStage:
             buf = self._publish(key, self._make((tuple(src.shape), src.dtype, pinned), pace=False))
         locked = self._locked.get(key)
         if locked is not None:
-            page_locked = locked.registered
-        else:
-            page_locked = self._small[key] if key in self._small else buf.is_pinned()
+            if self._pinned(src):
+                locked.copy_from(buf, src)
+            else:
+                buf.copy_(src)
+            return buf
+        page_locked = self._small[key] if key in self._small else buf.is_pinned()
         buf.copy_(src, non_blocking=self._pinned(src) and page_locked)
         return buf
 
