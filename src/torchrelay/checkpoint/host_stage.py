@@ -46,9 +46,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 # in slower). A save asked for before that finishes the rest without pauses, in its stall.
 PIN_PACE = 10
 # A save asked for before the reservation is done: the tensors whose buffers are not obtained yet are copied on the
-# device into spare device memory (a clone: device-to-device, a few ms for gigabytes), and the persist thread obtains
-# their buffers (touched and registered, paced as the reservation is) and copies the clones into them, off the loop,
-# before it writes (`finish_deferred`). Without it, the save's stall obtained the rest itself: on a fresh H200 host
+# device into spare device memory (a clone: device-to-device, a few ms for gigabytes), and the persist thread faults
+# their buffers in and copies the clones into them (pageable), off the loop, before it writes; a thread then
+# page-locks them, paced as the reservation is, before the next save's copies (`finish_deferred`). Without it, the save's stall obtained the rest itself: on a fresh H200 host
 # the first save at update 200 (16.5 s in) stalled 1.95x the copy (RESULTS.md, issue 22 round five). Only when the
 # device has the room, past SPILL_HEADROOM of its memory left free (the loop's own peak is already held by torch's
 # allocator, so the clones take memory the loop does not use); else, and off CUDA, the stall obtains them as before.
@@ -419,7 +419,7 @@ class HostStage:
         self._hurry.set()
         self._reserving.join()
         self._reserving = None
-        self._hurry.clear()  # `finish_deferred` pauses as the reservation did
+        self._hurry.clear()  # `finish_deferred`'s registrations pause as the reservation did
         self._room = None  # asked again at this save's first clone
 
     def _spill(self, key: str, src: torch.Tensor) -> torch.Tensor | None:
@@ -455,9 +455,12 @@ class HostStage:
         return len(self._deferred)
 
     def finish_deferred(self) -> None:
-        """Obtain the buffers a save left to the persist (touched, then registered with PIN_PACE's pauses, as the
-        reservation does) and copy each tensor's clone into its own, on a stream of this thread's; then drop the
-        clones. On the persist thread, before a byte is written; once the copies have landed."""
+        """Fault in the buffers a save left to the persist and copy each tensor's clone into its own, pageable and
+        synchronous, a piece (PIN_PIECE_BYTES) a copy, on a stream of this thread's; drop the clones; then page-lock
+        those buffers on a thread of their own, paced as the reservation is (the next save's copies wait for it,
+        without its pauses). On the persist thread, before a byte is written. Registering them here first, paced,
+        took 12.8 s on a fresh H200 host: its persist 30.6 s, and the next save's stall waited for it (4.9 s,
+        RESULTS.md tenth round)."""
         deferred = dict(self._deferred)  # `deferred` stays counted until every copy landed
         if not deferred:
             return
@@ -466,11 +469,28 @@ class HostStage:
         with torch.cuda.stream(stream):
             for key, clone in deferred.items():
                 locked = self._locked[key]
-                self._lock_pages(locked, pace=True)
-                locked.copy_from(self._bufs[key], clone)
+                (touch_shared if locked.fd is not None else touch)(locked.tensor)
+                cuts = pieces(locked.tensor.data_ptr(), locked.size, PIN_PIECE_BYTES)
+                copy_in_pieces(self._bufs[key], clone, cuts, non_blocking=False)
             stream.synchronize()
+        todo = [self._locked[key] for key in deferred]
         self._deferred.clear()  # the clones' memory goes back to torch's allocator once every copy from it is done
         deferred.clear()
+        self._lock_later(todo)
+
+    def _lock_later(self, todo: list[_Locked]) -> None:
+        """Page-lock `todo` (buffers already faulted in and filled) on a background thread with PIN_PACE's pauses;
+        the next save's `_end_reservation` lets it finish without them (it never stops short: a buffer a copy
+        will use is locked before the copy)."""
+
+        def register() -> None:
+            lower_priority()
+            for locked in todo:
+                if not locked.lock(PIN_PIECE_BYTES, self._pause):
+                    self.unlocked += 1
+
+        self._reserving = threading.Thread(target=register, name="torchrelay-reserve", daemon=True)
+        self._reserving.start()
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it). A tensor
