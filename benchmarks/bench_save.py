@@ -142,7 +142,7 @@ def main() -> None:
         "--launch",
         action="append",
         default=[],
-        help="a launch before the main one: NAME:SAVES[:KNOB=VALUE,...] over host_stage/persist's knobs "
+        help="a launch before the main one: NAME:SAVES[:KNOB=VALUE,...] over host_stage/persist's knobs, SAVE_EVERY "
         f"({', '.join(LAUNCH_KNOBS)}), e.g. 'before:6:TOUCH_WITHOUT_GIL=0,DROP_AFTER_FSYNC=0' (repeatable)",
     )
     ap.add_argument(
@@ -373,12 +373,13 @@ def main() -> None:
         env = {k: v for k, v in knobs.items() if k.startswith("TORCHRELAY_")}
         env_before = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        before = {k: getattr(LAUNCH_KNOBS[k], k) for k in knobs if k not in env}
-        for k, v in knobs.items():
-            if k not in env:
-                setattr(LAUNCH_KNOBS[k], k, v)
+        own = {k: v for k, v in knobs.items() if k not in env and k != "SAVE_EVERY"}
+        before = {k: getattr(LAUNCH_KNOBS[k], k) for k in own}
+        for k, v in own.items():
+            setattr(LAUNCH_KNOBS[k], k, v)
         try:
-            run_v = tr.Run.open(base / f"run-{name}", cfg, code_dir=base / "code")
+            cfg_v = cfg.replace(save_every=knobs["SAVE_EVERY"]) if "SAVE_EVERY" in knobs else cfg
+            run_v = tr.Run.open(base / f"run-{name}", cfg_v, code_dir=base / "code")
             run_v.track(model=ddp, optimizer=opt)
             var = Launch(run_v, update, dev)
             var.run(n_saves)
@@ -552,6 +553,9 @@ def parse_launch(spec: str) -> tuple[str, int, dict[str, Any]]:
             "TORCHRELAY_"
         ):  # an environment variable for this launch (e.g. TORCHRELAY_PERSIST_WRITER)
             knobs[key] = value
+            continue
+        if key == "SAVE_EVERY":  # this launch's interval between saves (a first save before the buffers)
+            knobs[key] = int(value)
             continue
         if key not in LAUNCH_KNOBS:
             raise SystemExit(f"--launch {spec!r}: {key!r} is not one of {', '.join(LAUNCH_KNOBS)}")
