@@ -69,7 +69,7 @@ _PAGE = mmap.PAGESIZE
 # and on a fresh machine's first launch a 64 MiB buffer's took 12-22 ms, long enough to make 2 updates 1.24-1.51x
 # (RESULTS.md, ninth round). A copy into such a buffer is one cudaMemcpyAsync per piece (a copy may not span two
 # registrations: `copy_in_pieces`). 0: each buffer whole, as before.
-PIN_PIECE_BYTES = 16 << 20
+PIN_PIECE_BYTES = 4 << 20
 
 
 def pieces(base: int, size: int, piece: int) -> list[tuple[int, int]]:
