@@ -167,8 +167,8 @@ def test_buffers_are_reserved_by_kind_and_taken_under_any_name() -> None:
     stage = Watched()
     live = [torch.randn(64, 32), torch.randn(64, 32), torch.arange(7, dtype=torch.int64)]
     stage.reserve([(tuple(t.shape), t.dtype, False) for t in live])
-    assert stage._reserving is not None
-    stage._reserving.join()
+    assert stage._threads
+    stage.join()
     assert stage.ready and made == ["torchrelay-reserve"] * 3
     copies = {f"dcp/per_rank/1/x{i}": stage.copy(f"dcp/per_rank/1/x{i}", t) for i, t in enumerate(live)}
     assert made == ["torchrelay-reserve"] * 3, "a copy obtained a buffer the reservation had"
@@ -198,8 +198,8 @@ def test_the_reservation_takes_every_optimizer_of_a_list() -> None:
     second.state[model[1].weight]["nested"] = [torch.zeros(6), {"deep": torch.ones(2, 2)}]
     stage = host_stage.HostStage()
     ckpt_state.reserve(stage, model, [first, second], rank=0)
-    assert stage._reserving is not None
-    stage._reserving.join()
+    assert stage._threads
+    stage.join()
     kinds = {spec: len(entries) for spec, entries in stage._pool.items()}
     # the model's 4 tensors; AdamW: exp_avg, exp_avg_sq (and step) for 2 params; SGD: momentum for 2 params + 2 nested
     assert sum(kinds.values()) == 4 + 2 * 3 + 2 + 2, kinds

@@ -55,6 +55,8 @@ def _mapped(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
         (torch.bool, (123_457,), "contiguous"),
         (torch.complex64, (999, 33), "transposed"),
         (torch.float8_e4m3fn, (50_001,), "contiguous"),
+        (torch.complex64, (4001, 5), "conjugated"),  # a conj view: its bit set, not applied
+        (torch.float32, (70_001,), "negated"),  # a neg view, as `x.conj().imag` gives
     ],
 )
 def test_a_copy_cut_at_the_pieces_is_the_whole_copy(
@@ -64,25 +66,33 @@ def test_a_copy_cut_at_the_pieces_is_the_whole_copy(
     n = 1
     for d in shape:
         n *= d
+    high = 2 if dtype == torch.bool else 256  # a bool's byte is 0 or 1
     raw = torch.randint(
-        0, 256, (2 * n * torch.empty((), dtype=dtype).element_size(),), generator=gen, dtype=torch.uint8
+        0, high, (2 * n * torch.empty((), dtype=dtype).element_size(),), generator=gen, dtype=torch.uint8
     )
     full = raw.view(dtype)[: 2 * n]
     if layout == "contiguous":
         src = full[:n].view(shape)
     elif layout == "transposed":
         src = full[:n].view(shape[::-1]).t()
+    elif layout == "conjugated":
+        src = full[:n].view(shape).conj()
+        assert src.is_conj()
+    elif layout == "negated":
+        src = torch._neg_view(full[:n].view(shape))
+        assert src.is_neg()
     else:  # every other element
         src = full[::2][:n].view(shape)
-    assert src.is_contiguous() == (layout == "contiguous")
+    assert src.is_contiguous() == (layout in ("contiguous", "conjugated", "negated"))
     nbytes = n * src.element_size()
     m, flat = _mapped(nbytes)
     dst = flat.view(dtype).view(src.shape)
     cuts = host_stage.pieces(flat.data_ptr(), -(-nbytes // PAGE) * PAGE, 3 * PAGE)
     assert len(cuts) > 3
     host_stage.copy_in_pieces(dst, src, cuts, non_blocking=False)
-    want = src.contiguous().reshape(-1).view(torch.uint8)
-    assert torch.equal(flat, want), "a byte differs from one whole copy"
+    whole = torch.empty(src.shape, dtype=dtype)
+    whole.copy_(src)  # what one copy puts there (a conjugate or a negation applied)
+    assert torch.equal(flat, whole.reshape(-1).view(torch.uint8)), "a byte differs from one whole copy"
     del dst, flat
     m.close()
 

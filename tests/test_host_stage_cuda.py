@@ -136,7 +136,7 @@ def test_buffers_registered_in_pieces_take_asynchronous_copies_exactly(
     live["t"] = torch.randn(1024, 4096, device="cuda").t()  # 16 MiB, not contiguous
     stage = host_stage.HostStage()
     stage.reserve(host_stage.specs_of(live))
-    stage._reserving.join()
+    stage.join()
     copies = stage.copy_tree("s", live)
     stage.synchronize()
     for k, v in live.items():
@@ -148,8 +148,38 @@ def test_buffers_registered_in_pieces_take_asynchronous_copies_exactly(
     again = stage.copy_tree("s", live)
     stage.synchronize()
     assert all(torch.equal(again[k], live[k].cpu()) for k in live)
+    held = list(stage._locked.values())
     stage.release()
-    assert all(not lk._held for lk in stage._locked.values())
+    assert held and all(not lk._held and not lk.registered for lk in held)
+
+
+def test_a_save_before_the_reservation_began_joins_both_threads() -> None:
+    """A first save before `reserve` (save_every 1): its persist's `finish_deferred` starts the registering thread
+    while the loop starts the reservation's; the next save waits for both, every buffer it copies into is
+    page-locked, the bytes are exact, and release gives every registration back."""
+    import threading
+
+    live = _live(8)
+    want = {k: v.cpu() for k, v in live.items()}
+    stage = host_stage.HostStage()
+    copies = stage.copy_tree("s", live)
+    stage.synchronize()
+    assert stage.deferred > 0
+    persist = threading.Thread(target=stage.finish_deferred)
+    persist.start()
+    stage.reserve(host_stage.specs_of(live))  # the loop's next due(), meanwhile
+    persist.join()
+    assert all(torch.equal(copies[k], want[k]) for k in want)
+    for v in live.values():
+        v.add_(1.0)
+    again = stage.copy_tree("s", live)
+    stage.synchronize()
+    assert stage.ready and not stage._threads
+    assert all(torch.equal(again[k], want[k] + 1.0) for k in want)
+    assert all(lk.registered for lk in stage._locked.values())
+    held = list(stage._locked.values()) + [e.locked for es in stage._pool.values() for e in es if e.locked]
+    stage.release()
+    assert all(not lk._held for lk in held)
 
 
 def test_a_piece_cuda_refuses_leaves_the_buffer_registered_whole(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,16 +40,17 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 # the update after the first one waited for all of it (77-102x its time). A registration (cudaHostRegister) of
 # memory already touched blocks the other threads' launches too, but only for its own length (17-28 GB/s: a few ms
 # per 64 MiB buffer; a thread waiting for the GPU is not held up). So each buffer is an anonymous mapping of its
-# own, advised to use huge pages, touched and then registered by one background thread at nice 10, one buffer a
-# call, each call followed by PIN_PACE - 1 times its length asleep: in the real loop (DDP, NCCL, 2026-12-02) no
-# update over 1.1x, ready after 8 s for 14.5 GB (not within 12.4 s on a fresh VM, whose never-touched memory faults
-# in slower). A save asked for before that finishes the rest without pauses, in its stall.
+# own, advised to use huge pages, touched and then registered by one background thread at nice 10, one piece a
+# call (PIN_PIECE_BYTES), each call followed by PIN_PACE - 1 times its length asleep: in the real loop (DDP, NCCL,
+# 2026-12-04) no update over 1.1x, ready after 14-15 s for 14.5 GB (23-30 s on a fresh VM, whose never-touched
+# memory registers slower). A save asked for before that leaves the rest to the persist (below).
 PIN_PACE = 10
 # A save asked for before the reservation is done: the tensors whose buffers are not obtained yet are copied on the
 # device into spare device memory (a clone: device-to-device, a few ms for gigabytes), and the persist thread faults
 # their buffers in and copies the clones into them (pageable), off the loop, before it writes; a thread then
-# page-locks them, paced as the reservation is, before the next save's copies (`finish_deferred`). Without it, the save's stall obtained the rest itself: on a fresh H200 host
-# the first save at update 200 (16.5 s in) stalled 1.95x the copy (RESULTS.md, issue 22 round five). Only when the
+# page-locks them, paced as the reservation is, before the next save's copies (`finish_deferred`). Without it, the
+# save's stall obtained the rest itself: on a fresh H200 host the first save at update 200 (16.5 s in) stalled
+# 1.95x the copy (RESULTS.md, issue 22 round five). Only when the
 # device has the room, past SPILL_HEADROOM of its memory left free (the loop's own peak is already held by torch's
 # allocator, so the clones take memory the loop does not use); else, and off CUDA, the stall obtains them as before.
 SPILL_TO_DEVICE = True
@@ -61,7 +62,8 @@ PIN_MIN_BYTES = 1 << 20
 # False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two). Measured and
 # left (benchmarks/bench_touch_lock.py, RESULTS.md seventh round): a memfd's pages allocated by fallocate instead of
 # touched make the registration map them under the mmap lock (the training thread's own mmap calls held 28-40 ms a
-# buffer, against 3 ms touched), and a buffer registered in pieces cannot be copied into.
+# buffer, against 3 ms touched). A buffer registered in pieces takes a copy per piece (PIN_PIECE_BYTES below): one
+# copy spanning two registrations failed (the seventh round's).
 PIN_BY_REGISTER = True
 _PAGE = mmap.PAGESIZE
 # A buffer is page-locked in pieces of this many bytes (cut at multiples of it in the address space), one
@@ -93,8 +95,8 @@ def copy_in_pieces(
     if len(cuts) <= 1:
         dst.copy_(src, non_blocking=non_blocking)
         return
-    if not src.is_contiguous():
-        src = src.contiguous()  # on the device: the flat byte view below needs one
+    # on the device: the flat byte view below needs one contiguous tensor, its conjugate or negation applied
+    src = src.resolve_conj().resolve_neg().contiguous()
     nbytes = dst.numel() * dst.element_size()
     into = dst.reshape(-1).view(torch.uint8)
     come = src.reshape(-1).view(torch.uint8)
@@ -293,9 +295,12 @@ class HostStage:
         self._locked: dict[str, _Locked] = {}
         self._small: dict[str, bool] = {}  # shared buffers cut from a slab: whether page-locked
         self._lock = threading.Lock()
-        self._reserving: threading.Thread | None = None
+        # the background threads obtaining or page-locking buffers (`reserve`, `_lock_later`): a first save before
+        # `reserve` has its persist start one while the loop starts the other
+        self._threads: list[threading.Thread] = []
         self._hurry = threading.Event()  # a save is waiting: no more pauses between registrations
         self._stop = threading.Event()  # a save is waiting: the reservation ends after its current buffer
+        self._quit = threading.Event()  # the stage is released: every background thread ends after its buffer
         # Buffers the reservation obtained, by (shape, dtype, pinned), not yet given to a key: a copy takes one of
         # its tensor's kind. Kinds, not names: the names a save copies under (DCP's, a rank's own tensors under
         # per_rank) are known only at the save, and asking DCP for them cost the loop 6-11 ms (RESULTS.md).
@@ -393,32 +398,51 @@ class HostStage:
         def allocate() -> None:
             lower_priority()
             for spec in specs:
-                if self._stop.is_set():
+                if self._stop.is_set() or self._quit.is_set():
                     return
                 entry = self._make(spec, pace=True)
                 with self._lock:
                     self._pool.setdefault(spec, []).append(entry)
                     self.allocated_bytes += entry.nbytes
 
-        self._reserving = threading.Thread(target=allocate, name="torchrelay-reserve", daemon=True)
-        self._reserving.start()
+        self._start(allocate)
+
+    def _start(self, work: Any) -> None:
+        """Run `work` on a background thread of this stage's (`_end_reservation` joins it)."""
+        thread = threading.Thread(target=work, name="torchrelay-reserve", daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def join(self) -> None:
+        """Wait for every background thread to end on its own, paced as it is (tests and benchmarks)."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join()
 
     @property
     def ready(self) -> bool:
-        """Whether no buffer is being obtained: the reservation ended (or never began), nothing deferred."""
-        thread = self._reserving
-        return (thread is None or not thread.is_alive()) and not self._deferred
+        """Whether no buffer is being obtained: every background thread ended (or none began), nothing deferred."""
+        with self._lock:
+            threads = list(self._threads)
+        return not any(t.is_alive() for t in threads) and not self._deferred
 
     def _end_reservation(self) -> None:
         """A save is here: the reservation thread ends after the buffer it is on where its copies could be left
-        to the persist (SPILL_TO_DEVICE: CUDA tensors), else it obtains the rest without pauses."""
-        if self._reserving is None:
+        to the persist (SPILL_TO_DEVICE: CUDA tensors), else it obtains the rest without pauses; `_lock_later`'s
+        thread registers the rest without pauses (a copy into its buffers needs them)."""
+        with self._lock:
+            threads = list(self._threads)
+        if not threads:
             return
         if SPILL_TO_DEVICE and self._could_spill and torch.cuda.is_available():
             self._stop.set()
         self._hurry.set()
-        self._reserving.join()
-        self._reserving = None
+        for thread in threads:
+            thread.join()
+        with self._lock:
+            self._threads = [t for t in self._threads if t not in threads]
         self._hurry.clear()  # `finish_deferred`'s registrations pause as the reservation did
         self._room = None  # asked again at this save's first clone
 
@@ -473,10 +497,9 @@ class HostStage:
                 cuts = pieces(locked.tensor.data_ptr(), locked.size, PIN_PIECE_BYTES)
                 copy_in_pieces(self._bufs[key], clone, cuts, non_blocking=False)
             stream.synchronize()
-        todo = [self._locked[key] for key in deferred]
+        self._lock_later([self._locked[key] for key in deferred])  # before `ready` can see nothing deferred
         self._deferred.clear()  # the clones' memory goes back to torch's allocator once every copy from it is done
         deferred.clear()
-        self._lock_later(todo)
 
     def _lock_later(self, todo: list[_Locked]) -> None:
         """Page-lock `todo` (buffers already faulted in and filled) on a background thread with PIN_PACE's pauses;
@@ -486,11 +509,12 @@ class HostStage:
         def register() -> None:
             lower_priority()
             for locked in todo:
+                if self._quit.is_set():  # released: nothing will copy into them
+                    return
                 if not locked.lock(PIN_PIECE_BYTES, self._pause):
                     self.unlocked += 1
 
-        self._reserving = threading.Thread(target=register, name="torchrelay-reserve", daemon=True)
-        self._reserving.start()
+        self._start(register)
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it). A tensor
@@ -544,7 +568,11 @@ class HostStage:
     def release(self) -> None:
         """Unlock and drop every buffer (once nothing reads them: after the last persist); a later copy
         allocates again."""
-        self._end_reservation()
+        self._quit.set()
+        try:
+            self._end_reservation()
+        finally:
+            self._quit.clear()
         self._deferred.clear()
         with self._lock:
             for locked in self._locked.values():
