@@ -515,6 +515,7 @@ LAUNCH_KNOBS: dict[str, Any] = {
     "BACKGROUND_NICE": host_stage,
     "SYNC_LOGS_IN_STALL": saver,
     "SPILL_TO_DEVICE": host_stage,
+    "DEFER_THREADS": host_stage,
 }
 
 
