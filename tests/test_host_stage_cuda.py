@@ -33,11 +33,15 @@ def _saved_at_once(live: dict[str, torch.Tensor], shared: bool) -> tuple[host_st
     return stage, copies
 
 
+@pytest.mark.parametrize("fillers", [1, 3], ids=["one-filler", "three-fillers"])
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
-def test_a_save_before_the_buffers_copies_the_state_at_the_save(shared: bool) -> None:
+def test_a_save_before_the_buffers_copies_the_state_at_the_save(
+    shared: bool, fillers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The reservation is paced (PIN_PACE), so a copy right after it starts finds most buffers missing: those are
     cloned on the device, the live tensors then change (the loop goes on), and `finish_deferred` still puts the
-    values of the save's moment into page-locked buffers."""
+    values of the save's moment into page-locked buffers (filled by one thread or by DEFER_THREADS)."""
+    monkeypatch.setattr(host_stage, "DEFER_THREADS", fillers)
     live = _live()
     want = {k: v.cpu() for k, v in live.items()}
     stage, copies = _saved_at_once(live, shared)

@@ -56,8 +56,10 @@ PIN_PACE = 10
 SPILL_TO_DEVICE = True
 SPILL_HEADROOM = 0.05
 # Threads that fault in the deferred buffers and copy the clones into them (`finish_deferred`), each its own
-# buffers: one thread filled 5.7 GB in 2.2 s (2.6 GB/s) on a fresh H200 host, ahead of the first save's write.
-DEFER_THREADS = 4
+# buffers. On fresh H200 hosts one thread (its shared buffers faulted in by TOUCH_THREADS) filled 3.5-6.7 GB at
+# 2.6-2.9 GB/s, with no update over 1.08x meanwhile; four filled 3.5 GB at 4.8 GB/s (that first save's persist 0.97
+# of the write floor instead of 0.72) but two updates during it took 1.12x and 1.18x (RESULTS.md tenth round): one.
+DEFER_THREADS = 1
 # Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
 # calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
 # the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
@@ -483,8 +485,8 @@ class HostStage:
 
     def finish_deferred(self) -> None:
         """Fault in the buffers a save left to the persist and copy each tensor's clone into its own, pageable and
-        synchronous, a piece (PIN_PIECE_BYTES) a copy, by DEFER_THREADS threads at once (each its own buffers and
-        stream); drop the clones; then page-lock those buffers on a thread of their own, paced as the reservation
+        synchronous, a piece (PIN_PIECE_BYTES) a copy, on a stream of its own (DEFER_THREADS: by several threads
+        at once, each its own buffers); drop the clones; then page-lock those buffers on a thread of their own, paced as the reservation
         is (the next save's copies wait for it, without its pauses). On the persist thread, before a byte is
         written. Registering them here first, paced, took 12.8 s on a fresh H200 host: its persist 30.6 s, and the
         next save's stall waited for it (4.9 s, RESULTS.md tenth round)."""
@@ -493,18 +495,19 @@ class HostStage:
             return
         device = next(iter(deferred.values())).device
         keys = list(deferred)
+        threads = max(1, min(DEFER_THREADS, len(keys)))
 
         def fill(share: list[str]) -> None:
             stream = torch.cuda.Stream(device=device)
             with torch.cuda.stream(stream):
                 for key in share:
                     locked = self._locked[key]
-                    touch(locked.tensor)  # one buffer per thread: the threads fault in different buffers
+                    # one thread: its shared buffers faulted in by TOUCH_THREADS; more: each its own buffers
+                    (touch_shared if locked.fd is not None and threads == 1 else touch)(locked.tensor)
                     cuts = pieces(locked.tensor.data_ptr(), locked.size, PIN_PIECE_BYTES)
                     copy_in_pieces(self._bufs[key], deferred[key], cuts, non_blocking=False)
                 stream.synchronize()
 
-        threads = max(1, min(DEFER_THREADS, len(keys)))
         if threads == 1:
             fill(keys)
         else:
