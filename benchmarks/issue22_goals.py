@@ -1,0 +1,193 @@
+"""Issue 22's goals, judged from the JSON that bench_save.py and bench_load.py write (`--json`): one table per goal,
+every figure a ratio to a floor measured in the same run, and a verdict against the issue's threshold.
+
+    python benchmarks/issue22_goals.py --save save.json [--save more.json] [--load load.json] [--name gpu-call-3]
+
+Goal 1: no update over 1.1x the launch's median but the ones holding a save, and the time the loop lost within
+1.1x of N x the copy floor. Goal 2: every persist at 0.9 or more of the write floor (before and after the launches,
+both shown). Goal 3: the worst update during each persist at 1.1x or less. Goal 4: each verified cold resume at
+0.95 or more of its round's cold read (the mean of the two when the run was bracketed).
+
+The verdicts read the figures bench_save.py computes itself (`over_1_1x_not_saving`, `lost_vs_saves_x_copy`,
+`max_during_persist`); this only puts them side by side, so a change of their definition there shows here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+UPDATE_LIMIT = 1.1  # goals 1 and 3: an update's time over the launch's median
+LOST_LIMIT = 1.1  # goal 1: the loop's lost time over N x the copy floor
+PERSIST_FLOOR = 0.9  # goal 2: the write floor's time over the persist's
+RESUME_FLOOR = 0.95  # goal 4: the cold read's time over the verified resume's
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def _launches(save: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The launches of one bench_save run, the extra ones (`--launch`) first, in the order they ran."""
+    out = [(name, report) for name, report in (save.get("launches") or {}).items()]
+    if save.get("launch"):
+        out.append(("main", save["launch"]))
+    return out
+
+
+def goal1(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| run, launch | updates | ready after | over 1.1x, not holding a save (update: x) | lost / (N x copy) "
+        "| vs the plain loop | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run, save in runs:
+        for name, launch in _launches(save):
+            slow = launch.get("over_1_1x_not_saving") or []
+            lost = launch.get("lost_vs_saves_x_copy")
+            plain = launch.get("lost_vs_plain_x_copy")
+            shown = ", ".join(f"{u}: {x:.3f}" for u, x in slow[:6]) + (
+                f" (+{len(slow) - 6})" if len(slow) > 6 else ""
+            )
+            ok = not slow and lost is not None and lost <= LOST_LIMIT
+            lines.append(
+                f"| {run}, {name} | {launch.get('updates', '')} | {launch.get('reserve_ready_update', '')} "
+                f"| {shown or 'none'} (max {launch.get('max_not_saving', 0):.3f}) | {_num(lost)} | {_num(plain)} "
+                f"| {_verdict(ok)} |"
+            )
+    return lines
+
+
+def goal2(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| run, launch | persists: committed s, floor before / after | worst | verdict (each >= 0.9 of the floor before) |",
+        "|---|---|---|---|",
+    ]
+    for run, save in runs:
+        before = save.get("disk_write_streams_s")
+        after = save.get("disk_write_streams_after_s")
+        for name, launch in _launches(save):
+            saves = launch.get("saves") or []
+            cells, ratios = [], []
+            for s in saves:
+                committed = s.get("committed_s")
+                if not committed:
+                    cells.append("?")
+                    continue
+                r_before = before / committed if before else None
+                r_after = after / committed if after else None
+                ratios.append(r_before if r_before is not None else 0.0)
+                cells.append(f"{committed:.3f}: {_num(r_before)} / {_num(r_after)}")
+            worst = min(ratios) if ratios else None
+            ok = bool(ratios) and len(ratios) == len(saves) and min(ratios) >= PERSIST_FLOOR
+            lines.append(f"| {run}, {name} | {'; '.join(cells)} | {_num(worst)} | {_verdict(ok)} |")
+    return lines
+
+
+def goal3(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| run, launch | worst update during each persist (x median) | updates during the persists | verdict |",
+        "|---|---|---|---|",
+    ]
+    for run, save in runs:
+        for name, launch in _launches(save):
+            saves = launch.get("saves") or []
+            worst = [s.get("max_during_persist") for s in saves]
+            during = sum(int(s.get("updates_during_persist") or 0) for s in saves)
+            known = [w for w in worst if w is not None]
+            ok = bool(known) and max(known) <= UPDATE_LIMIT
+            lines.append(
+                f"| {run}, {name} | {', '.join(_num(w, 3) for w in worst)} | {during} | {_verdict(ok)} |"
+            )
+    return lines
+
+
+def goal4(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| run, variant | verified resume s | its round's cold read s (first / again) | cold read / resume | equal "
+        "| verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run, load in runs:
+        firsts = load.get("round_floors_s") or []
+        ends = load.get("round_end_floors_s") or []
+        for label, row in (load.get("rows") or {}).items():
+            seconds = row.get("s")
+            round_no = _round(label)
+            floors = [f[round_no - 1] for f in (firsts, ends) if round_no and len(f) >= round_no]
+            if not floors:  # a run without rounds: its one cold read before the resumes
+                floors = [load["cold_read_s"]] if load.get("cold_read_s") else []
+            floor = sum(floors) / len(floors) if floors else None
+            ratio = floor / seconds if floor and seconds else None
+            ok = ratio is not None and ratio >= RESUME_FLOOR and bool(row.get("equal"))
+            shown = " / ".join(f"{f:.3f}" for f in floors)
+            lines.append(
+                f"| {run}, {label} | {_num(seconds, 3)} | {shown} | {_num(ratio)} | {row.get('equal')} "
+                f"| {_verdict(ok)} |"
+            )
+    return lines
+
+
+def _round(label: str) -> int | None:
+    """`default #2` -> 2: the round a row of bench_load's ran in."""
+    tail = label.rsplit("#", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def _read(paths: list[str], flag: str) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for text in paths:
+        path = Path(text)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(
+                f"{flag} {path}: not a readable JSON file ({exc}); give the file a bench wrote with --json"
+            ) from None
+        if not isinstance(data, dict):
+            raise SystemExit(f"{flag} {path}: not the JSON object bench_save.py or bench_load.py writes")
+        out.append((path.stem, data))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--save", action="append", default=[], help="a bench_save.py --json file (repeatable)")
+    ap.add_argument("--load", action="append", default=[], help="a bench_load.py --json file (repeatable)")
+    args = ap.parse_args(argv)
+    if not args.save and not args.load:
+        ap.error("give at least one --save or --load file")
+    saves, loads = _read(args.save, "--save"), _read(args.load, "--load")
+    for _, data in saves:
+        if "launch" not in data and "launches" not in data:
+            raise SystemExit(
+                "--save: a file without launches; was it written by bench_load.py? give it as --load"
+            )
+    machines = sorted(
+        {f"{d.get('device')}, torch {d.get('torch')}, {d.get('cores')} cores" for _, d in saves + loads}
+    )
+    print("machines: " + "; ".join(machines))
+    sections = []
+    if saves:
+        sections += [
+            ("Goal 1: no update over 1.1x but the save's; lost within 1.1x of N x copy", goal1(saves))
+        ]
+        sections += [("Goal 2: each persist at >= 0.9 of the write floor", goal2(saves))]
+        sections += [("Goal 3: the worst update during a persist at <= 1.1x", goal3(saves))]
+    if loads:
+        sections += [("Goal 4: verified resume at >= 0.95 of the cold read", goal4(loads))]
+    for title, lines in sections:
+        print(f"\n**{title}**\n")
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
