@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -59,6 +60,7 @@ KNOBS = (
     "PARSE_THREADS",
     "FILES_AT_ONCE",
     "REUSE_SLABS",
+    "ROOMS_AHEAD",
     "PIN_SLABS",
     "HASH_THREADS",
     "PER_FILE_READER",
@@ -190,6 +192,13 @@ def torch_checkpointing_load(
     return seconds
 
 
+def _cpu_seconds() -> float:
+    """This process's user + system CPU seconds so far, every thread's: what a load costs a host whose cores are
+    few (the cold read's own, in the kernel, included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -318,6 +327,7 @@ def main() -> None:
         if cold:
             drop_cache(ckpt)
         sync(dev)
+        used = _cpu_seconds()
         t0 = time.perf_counter()
         r = tr.Run.open(base / "run", None, code_dir=base / "code")
         t_open = time.perf_counter() - t0
@@ -328,11 +338,12 @@ def main() -> None:
             r.close(exc)  # the segment ends (error) and the run is free for the next variant
             raise
         wall = time.perf_counter() - t0
+        cpu_s = _cpu_seconds() - used
         r._end_segment(1)
         now = current()
         wrong = [i for i, (a, b) in enumerate(zip(now, saved, strict=False)) if not torch.equal(a, b)]
         equal = len(now) == len(saved) and not wrong
-        return {"s": wall, "open_s": t_open, "equal": equal, "unequal": wrong[:5], **phases}
+        return {"s": wall, "cpu_s": cpu_s, "open_s": t_open, "equal": equal, "unequal": wrong[:5], **phases}
 
     dcp_io.load = load_with_stats(plain_load, phases)  # type: ignore[assignment]  # the resume's breakdown
     rows: list[tuple[str, dict[str, Any]]] = []
@@ -352,9 +363,15 @@ def main() -> None:
         for i in range(args.repeat):  # the variants alternate: a drift of the disk falls on all of them
             # the floor again in each round, beside its variants: this disk's rate moved by up to a fifth within
             # one call (2026-12-02), more than the variants differ
+            used = _cpu_seconds()
             round_floor = cold_read(files, args.streams)
             out.setdefault("round_floors_s", []).append(round_floor)
-            print(f"[load] round {i + 1}: cold read {round_floor:.3f} s", flush=True)
+            out.setdefault("round_floors_cpu_s", []).append(_cpu_seconds() - used)
+            print(
+                f"[load] round {i + 1}: cold read {round_floor:.3f} s, "
+                f"{out['round_floors_cpu_s'][-1]:.2f} CPU s",
+                flush=True,
+            )
             direct_floor = None
             if args.direct_floor:
                 direct_floor = cold_read(files, args.streams, direct=True)
@@ -375,7 +392,8 @@ def main() -> None:
                     row["round_direct_floor_s"] = direct_floor
                     also = f", {direct_floor / row['s']:.2f} of its O_DIRECT one" if direct_floor else ""
                     print(
-                        f"[load] {label}: {row['s']:.3f} s, {floor / row['s']:.2f} of cold read, "
+                        f"[load] {label}: {row['s']:.3f} s ({row['cpu_s']:.2f} CPU s), "
+                        f"{floor / row['s']:.2f} of cold read, "
                         f"{round_floor / row['s']:.2f} of its round's{also}, equal {row['equal']}, "
                         f"{row.get('bytes_direct', 0) / GB:.2f} GB by O_DIRECT",
                         flush=True,

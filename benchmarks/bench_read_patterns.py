@@ -10,9 +10,11 @@ benchlib.write_files).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import mmap
 import os
+import resource
 import statistics
 import tempfile
 import threading
@@ -23,13 +25,17 @@ from pathlib import Path
 from benchlib import MiB, drop_cache, write_files
 
 
-def per_file(files: list[Path], streams: int, chunk: int, direct: bool, fresh: bool) -> None:
+def per_file(
+    files: list[Path], streams: int, chunk: int, direct: bool, fresh: bool, hashed: bool = False
+) -> None:
     """A thread per file (files[k::streams]), front to back, `chunk` bytes a read, into one reused buffer or
-    (fresh) into a mapping of the file's size touched for the first time."""
+    (fresh) into a mapping of the file's size touched for the first time; `hashed`: each read's bytes hashed
+    (SHA-256) by the thread that read them, the least a verified read does."""
 
     def one(paths: list[Path]) -> None:
         buf = mmap.mmap(-1, chunk)
         for p in paths:
+            digest = hashlib.sha256() if hashed else None
             size = p.stat().st_size
             room = mmap.mmap(-1, -(-size // 4096) * 4096) if fresh else None
             fd = os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0))
@@ -40,6 +46,8 @@ def per_file(files: list[Path], streams: int, chunk: int, direct: bool, fresh: b
                     n = os.preadv(fd, [view], off)
                     if not n:
                         break
+                    if digest is not None:
+                        digest.update(view[:n])
                     off += n
             finally:
                 os.close(fd)
@@ -92,6 +100,7 @@ def shared(files: list[Path], streams: int, chunk: int, direct: bool, at_once: i
 
 PATTERNS: dict[str, Callable[[list[Path]], None]] = {
     "floor: per file, 16 streams, 16 MiB, reused buffer": lambda f: per_file(f, 16, 16 * MiB, False, False),
+    "floor, each read hashed by its thread": lambda f: per_file(f, 16, 16 * MiB, False, False, True),
     "per file, into fresh memory": lambda f: per_file(f, 16, 16 * MiB, False, True),
     "shared chunks of 4 files, 16 threads": lambda f: shared(f, 16, 16 * MiB, False, 4),
     "shared chunks of 16 files, 16 threads": lambda f: shared(f, 16, 16 * MiB, False, 16),
@@ -125,23 +134,34 @@ def main() -> None:
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     patterns = {k: v for k, v in PATTERNS.items() if not only or any(k.startswith(o) for o in only)}
     times: dict[str, list[float]] = {k: [] for k in patterns}
+    cpu: dict[str, list[float]] = {
+        k: [] for k in patterns
+    }  # this process's user + system seconds, all threads
     for r in range(args.rounds):
         for name, fn in patterns.items():
             drop_cache(base)
+            used = resource.getrusage(resource.RUSAGE_SELF)
             t = time.perf_counter()
             fn(files)
             dt = time.perf_counter() - t
+            now = resource.getrusage(resource.RUSAGE_SELF)
             times[name].append(dt)
-            print(f"[read] round {r + 1}: {name}: {dt:.3f} s, {total / dt / 1e9:.2f} GB/s", flush=True)
+            cpu[name].append(now.ru_utime - used.ru_utime + now.ru_stime - used.ru_stime)
+            print(
+                f"[read] round {r + 1}: {name}: {dt:.3f} s, {total / dt / 1e9:.2f} GB/s, {cpu[name][-1]:.2f} CPU s",
+                flush=True,
+            )
     floor = list(times.values())[0]
-    print("| pattern | s (each round) | median GB/s | vs the floor, same round (each) |")
-    print("|---|---|---|---|")
+    print(f"{os.cpu_count()} cores")
+    print("| pattern | s (each round) | median GB/s | vs the floor, same round (each) | CPU s (each round) |")
+    print("|---|---|---|---|---|")
     for name, ts in times.items():
         vs = ", ".join(f"{a / b:.2f}" for a, b in zip(floor, ts))
         each = ", ".join(f"{t:.3f}" for t in ts)
-        print(f"| {name} | {each} | {total / statistics.median(ts) / 1e9:.2f} | {vs} |")
+        used = ", ".join(f"{c:.2f}" for c in cpu[name])
+        print(f"| {name} | {each} | {total / statistics.median(ts) / 1e9:.2f} | {vs} | {used} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"bytes": total, "times": times}, indent=1))
+        Path(args.json).write_text(json.dumps({"bytes": total, "times": times, "cpu_s": cpu}, indent=1))
     for p in files:
         p.unlink()
     base.rmdir()

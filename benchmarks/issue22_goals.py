@@ -1,7 +1,8 @@
 """Issue 22's goals, judged from the JSON that bench_save.py and bench_load.py write (`--json`): one table per goal,
 every figure a ratio to a floor measured in the same run, and a verdict against the issue's threshold.
 
-    python benchmarks/issue22_goals.py --save save.json [--save more.json] [--load load.json] [--name gpu-call-3]
+    python benchmarks/issue22_goals.py --save save.json [--save more.json] [--load load.json]
+    python benchmarks/issue22_goals.py --self-check     # the verdicts at and around each threshold
 
 Goal 1: no update over 1.1x the launch's median but the ones holding a save, and the time the loop lost within
 1.1x of N x the copy floor. Goal 2: every persist at 0.9 or more of the write floor (before and after the launches,
@@ -107,9 +108,9 @@ def goal3(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 def goal4(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = [
-        "| run, variant | verified resume s | its round's cold read s (first / again) | cold read / resume | equal "
-        "| verdict |",
-        "|---|---|---|---|---|---|",
+        "| run, variant | verified resume s | its CPU s | its round's cold read s (first / again) | cold read / resume "
+        "| equal | verdict |",
+        "|---|---|---|---|---|---|---|",
     ]
     for run, load in runs:
         firsts = load.get("round_floors_s") or []
@@ -125,7 +126,8 @@ def goal4(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
             ok = ratio is not None and ratio >= RESUME_FLOOR and bool(row.get("equal"))
             shown = " / ".join(f"{f:.3f}" for f in floors)
             lines.append(
-                f"| {run}, {label} | {_num(seconds, 3)} | {shown} | {_num(ratio)} | {row.get('equal')} "
+                f"| {run}, {label} | {_num(seconds, 3)} | {_num(row.get('cpu_s'))} | {shown} | {_num(ratio)} "
+                f"| {row.get('equal')} "
                 f"| {_verdict(ok)} |"
             )
     return lines
@@ -157,11 +159,56 @@ def _read(paths: list[str], flag: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def self_check() -> None:
+    """The verdicts at and around each threshold, from hand-built figures (`--self-check`; the suite's tests import
+    no benchmark: tests/test_layers.py)."""
+
+    def launch(slow: list[list[float]], lost: float, persists: list[tuple[float, float]]) -> dict[str, Any]:
+        saves = [
+            {"committed_s": c, "max_during_persist": w, "updates_during_persist": 5} for c, w in persists
+        ]
+        return {
+            "over_1_1x_not_saving": slow,
+            "max_not_saving": 1.0,
+            "lost_vs_saves_x_copy": lost,
+            "saves": saves,
+        }
+
+    def verdicts(lines: list[str]) -> list[str]:
+        return [line.rsplit("|", 2)[-2].strip() for line in lines[2:]]
+
+    met, miss = "met", _verdict(False)
+    runs = {"a": launch([], 1.1, []), "b": launch([], 1.1001, []), "c": launch([[12, 1.12]], 1.0, [])}
+    assert verdicts(goal1([("r", {"launches": runs})])) == [met, miss, miss]
+    floor = {"disk_write_streams_s": 10.0, "disk_write_streams_after_s": 5.0}
+    assert verdicts(goal2([("r", {**floor, "launch": launch([], 1, [(10.0, 1), (11.1, 1)])})])) == [met]
+    assert verdicts(goal2([("r", {**floor, "launch": launch([], 1, [(10.0, 1), (11.2, 1)])})])) == [miss]
+    unfinished = launch([], 1, [(10.0, 1)])
+    unfinished["saves"].append({"committed_s": None})
+    assert verdicts(goal2([("r", {**floor, "launch": unfinished})])) == [miss]
+    assert verdicts(goal3([("r", {"launch": launch([], 1, [(1, 1.02), (1, 1.1)])})])) == [met]
+    assert verdicts(goal3([("r", {"launch": launch([], 1, [(1, 1.02), (1, 1.1001)])})])) == [miss]
+    rows = {
+        "d #1": {"s": 10.0, "equal": True},
+        "d #2": {"s": 8.5, "equal": True},
+        "e #2": {"s": 7.0, "equal": False},
+    }
+    load = {"round_floors_s": [10.0, 8.0], "round_end_floors_s": [9.0, 8.0], "rows": rows}
+    assert verdicts(goal4([("r", load)])) == [met, miss, miss]  # 9.5 / 10; 8 / 8.5; tensors unequal
+    print("self-check: every verdict as expected")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--save", action="append", default=[], help="a bench_save.py --json file (repeatable)")
     ap.add_argument("--load", action="append", default=[], help="a bench_load.py --json file (repeatable)")
+    ap.add_argument(
+        "--self-check", action="store_true", help="check the verdicts at each threshold, then stop"
+    )
     args = ap.parse_args(argv)
+    if args.self_check:
+        self_check()
+        return 0
     if not args.save and not args.load:
         ap.error("give at least one --save or --load file")
     saves, loads = _read(args.save, "--save"), _read(args.load, "--load")

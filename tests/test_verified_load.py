@@ -222,6 +222,53 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     assert sorted(buffers) == sorted(verified_read._aligned(expected[name][1]) for name in read)
 
 
+def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget that holds every file: the slabs are still at most the files read at once plus ROOMS_AHEAD, each
+    reused by the next files (memory touched for the first time is the dear part of a read); a negative
+    ROOMS_AHEAD takes a new slab for each file while the budget allows, as before. Every value loads either way."""
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    model, state, expected = _saved(tmp_path, files=8)
+    _, read = _load(model, state, expected)
+    assert len(read) >= 6
+    largest = max(expected[name][1] for name in read)
+    monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
+    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 100 * largest)
+    buffers: list[int] = []
+
+    class Counted(verified_read._Slab):
+        def __init__(self, size: int, pinned: bool = False) -> None:
+            buffers.append(size)
+            super().__init__(size, pinned)
+
+    loads: list[verified_read._Load] = []
+
+    class Seen(verified_read._Load):
+        def run(self) -> None:
+            loads.append(self)
+            super().run()
+
+    monkeypatch.setattr(verified_read, "_Slab", Counted)
+    monkeypatch.setattr(verified_read, "_Load", Seen)
+    slab = verified_read._aligned(largest)
+    for files_at_once, ahead in ((1, 1), (2, 1), (2, 0), (1, 3)):
+        monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
+        monkeypatch.setattr(verified_read, "ROOMS_AHEAD", ahead)
+        buffers.clear()
+        target, verified = _load(model, state, expected)
+        assert verified == read
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+        assert 1 <= len(buffers) <= files_at_once + ahead, (files_at_once, ahead, buffers)
+        assert loads[-1]._budget == (files_at_once + ahead) * slab
+    monkeypatch.setattr(verified_read, "ROOMS_AHEAD", -1)
+    buffers.clear()
+    target, _ = _load(model, state, expected)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    assert loads[-1]._budget == 100 * largest  # the whole budget, as before
+    assert len(buffers) >= 1
+
+
 def test_reads_spread_over_the_first_files_at_once() -> None:
     """Chunks are handed out round robin over the first FILES_AT_ONCE files not yet fully asked for (each then
     arrives at a share of the disk's speed that its one-core hash keeps up with); 1 = in file order."""

@@ -142,6 +142,15 @@ USE_PARTS = True
 # were slower (pinning took 2 s and the reads waited on the copies: 10.0 s against 8.7 s from pageable slabs, whose
 # copies overlap the reads on the parse threads).
 REUSE_SLABS = True
+# Slabs held at once: at most as many as the files read at the same time (FILES_AT_ONCE, or READ_STREAMS with
+# PER_FILE_READER) plus ROOMS_AHEAD, within the budget; a negative value: as many as the budget allows, as before.
+# Memory touched for the first time is the dear part of a read into it (the kernel zeroes and maps each page: on
+# the 2-core VM 27 % of a verified load's CPU time was `clear_page` under the reads' page faults), and a budget
+# larger than the load's files had every byte land in new memory: 3.2 GB in 16 files of 0.2 GB took 8.1-11.9 CPU
+# s and 4.4-6.3 s where 1-1.5 GiB of slabs, reused, took 5.0-5.6 CPU s and 2.7-3.1 s (RESULTS.md, issue 22
+# round eleven). Where the budget holds only a few of the largest files (the H200 host's 0.9 GB files in 4 GiB)
+# nothing changes: FILES_AT_ONCE is already lowered to leave one room ahead.
+ROOMS_AHEAD = 1
 # True: for a load into CUDA tensors the slabs are page-locked by registration (an anonymous mapping each, touched
 # and registered: 17-28 GB/s, where cudaHostAlloc took 2 s for 4 GiB) and each item's copy is a DMA on a stream of
 # its parse thread, waited for before its room goes back. Measured on the H200 host: the copies' thread time 1.2 s
@@ -441,6 +450,9 @@ class _Load:
             self._slab_size = _aligned(max(largest, min(total, self._budget, _SLAB)))
             room = max(1, self._budget // max(1, largest))  # files of the largest size the buffer holds
             self._at_once = max(1, min(FILES_AT_ONCE, room - 1))
+            if REUSE_SLABS and ROOMS_AHEAD >= 0:  # no more new memory than the reads in flight use (above)
+                reading = max(1, READ_STREAMS) if PER_FILE_READER else self._at_once
+                self._budget = min(self._budget, (reading + ROOMS_AHEAD) * self._slab_size)
             if LARGEST_FIRST:
                 files.sort(key=lambda g: -g.size)  # stable: the plan's order among equal sizes
             for f in files:
