@@ -261,6 +261,17 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
         assert all(torch.equal(target[k], v) for k, v in state.items())
         assert 1 <= len(buffers) <= files_at_once + ahead, (files_at_once, ahead, buffers)
         assert loads[-1]._budget == (files_at_once + ahead) * slab
+    # slabs of several small files: whole slabs, two at least (one is reused only once all its files are done)
+    monkeypatch.setattr(verified_read, "_SLAB", 4 * largest)
+    for files_at_once, ahead in ((1, 1), (8, 1)):
+        monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
+        monkeypatch.setattr(verified_read, "ROOMS_AHEAD", ahead)
+        target, _ = _load(model, state, expected)
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+        big = loads[-1]._slab_size
+        assert big > slab  # each slab holds several files
+        rooms = (files_at_once + ahead) * slab  # of the largest file
+        assert loads[-1]._budget == max(2, -(-rooms // big)) * big, (files_at_once, loads[-1]._budget / big)
     monkeypatch.setattr(verified_read, "ROOMS_AHEAD", -1)
     buffers.clear()
     target, _ = _load(model, state, expected)

@@ -142,8 +142,9 @@ USE_PARTS = True
 # were slower (pinning took 2 s and the reads waited on the copies: 10.0 s against 8.7 s from pageable slabs, whose
 # copies overlap the reads on the parse threads).
 REUSE_SLABS = True
-# Slabs held at once: at most as many as the files read at the same time (FILES_AT_ONCE, or READ_STREAMS with
-# PER_FILE_READER) plus ROOMS_AHEAD, within the budget; a negative value: as many as the budget allows, as before.
+# Memory held at once: room for at most the files read at the same time (FILES_AT_ONCE, or READ_STREAMS with
+# PER_FILE_READER) plus ROOMS_AHEAD files of the largest size, in whole slabs (two at least), within the budget; a
+# negative value: as many slabs as the budget allows, as before.
 # Memory touched for the first time is the dear part of a read into it (the kernel zeroes and maps each page: on
 # the 2-core VM 27 % of a verified load's CPU time was `clear_page` under the reads' page faults), and a budget
 # larger than the load's files had every byte land in new memory: 3.2 GB in 16 files of 0.2 GB took 8.1-11.9 CPU
@@ -452,7 +453,9 @@ class _Load:
             self._at_once = max(1, min(FILES_AT_ONCE, room - 1))
             if REUSE_SLABS and ROOMS_AHEAD >= 0:  # no more new memory than the reads in flight use (above)
                 reading = max(1, READ_STREAMS) if PER_FILE_READER else self._at_once
-                self._budget = min(self._budget, (reading + ROOMS_AHEAD) * self._slab_size)
+                # in whole slabs, two at least: a slab of small files is reused only once all of them are done
+                wanted = max(2 * self._slab_size, (reading + ROOMS_AHEAD) * _aligned(largest))
+                self._budget = min(self._budget, -(-wanted // self._slab_size) * self._slab_size)
             if LARGEST_FIRST:
                 files.sort(key=lambda g: -g.size)  # stable: the plan's order among equal sizes
             for f in files:
