@@ -280,6 +280,14 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
     assert len(buffers) >= 1
 
 
+def test_a_load_with_no_file_to_read_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose plan reads nothing (no file, so no largest file to size the slabs by): no slab, no error."""
+    monkeypatch.setattr(verified_read, "ROOMS_AHEAD", 1)
+    load = verified_read._Load(Path("."), {}, {}, None, None)
+    load.run()
+    assert load._slabs == [] and load.verified == set()
+
+
 def test_reads_spread_over_the_first_files_at_once() -> None:
     """Chunks are handed out round robin over the first FILES_AT_ONCE files not yet fully asked for (each then
     arrives at a share of the disk's speed that its one-core hash keeps up with); 1 = in file order."""

@@ -451,7 +451,7 @@ class _Load:
             self._slab_size = _aligned(max(largest, min(total, self._budget, _SLAB)))
             room = max(1, self._budget // max(1, largest))  # files of the largest size the buffer holds
             self._at_once = max(1, min(FILES_AT_ONCE, room - 1))
-            if REUSE_SLABS and ROOMS_AHEAD >= 0:  # no more new memory than the reads in flight use (above)
+            if REUSE_SLABS and ROOMS_AHEAD >= 0 and self._slab_size:  # no more new memory than the reads use
                 reading = max(1, READ_STREAMS) if PER_FILE_READER else self._at_once
                 # in whole slabs, two at least: a slab of small files is reused only once all of them are done
                 wanted = max(2 * self._slab_size, (reading + ROOMS_AHEAD) * _aligned(largest))
