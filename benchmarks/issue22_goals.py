@@ -31,6 +31,11 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
+def _header(*columns: str) -> list[str]:
+    """A markdown table's first two lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def _launches(save: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The launches of one bench_save run, the extra ones (`--launch`) first, in the order they ran."""
     out = [(name, report) for name, report in (save.get("launches") or {}).items()]
@@ -40,11 +45,10 @@ def _launches(save: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def goal1(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    lines = [
-        "| run, launch | updates | ready after | over 1.1x, not holding a save (update: x) | lost / (N x copy) "
-        "| vs the plain loop | verdict |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = _header(
+        "run, launch", "updates", "ready after", "over 1.1x, not holding a save (update: x)",
+        "lost / (N x copy)", "vs the plain loop", "verdict",
+    )  # fmt: skip
     for run, save in runs:
         for name, launch in _launches(save):
             slow = launch.get("over_1_1x_not_saving") or []
@@ -63,10 +67,10 @@ def goal1(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def goal2(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    lines = [
-        "| run, launch | persists: committed s, floor before / after | worst | verdict (each >= 0.9 of the floor before) |",
-        "|---|---|---|---|",
-    ]
+    lines = _header(
+        "run, launch", "persists: committed s, floor before / after", "worst",
+        "verdict (each >= 0.9 of the floor before)",
+    )  # fmt: skip
     for run, save in runs:
         before = save.get("disk_write_streams_s")
         after = save.get("disk_write_streams_after_s")
@@ -89,10 +93,9 @@ def goal2(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def goal3(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    lines = [
-        "| run, launch | worst update during each persist (x median) | updates during the persists | verdict |",
-        "|---|---|---|---|",
-    ]
+    lines = _header(
+        "run, launch", "worst update during each persist (x median)", "updates during the persists", "verdict"
+    )
     for run, save in runs:
         for name, launch in _launches(save):
             saves = launch.get("saves") or []
@@ -107,11 +110,10 @@ def goal3(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def goal4(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    lines = [
-        "| run, variant | verified resume s | its CPU s | its round's cold read s (first / again) | cold read / resume "
-        "| equal | verdict |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = _header(
+        "run, variant", "verified resume s", "its CPU s", "its round's cold read s (first / again)",
+        "cold read / resume", "equal", "verdict",
+    )  # fmt: skip
     for run, load in runs:
         firsts = load.get("round_floors_s") or []
         ends = load.get("round_end_floors_s") or []
