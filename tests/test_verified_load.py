@@ -280,6 +280,30 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
     assert len(buffers) >= 1
 
 
+def test_a_size_the_file_does_not_have_is_refused_before_memory_is_sized_by_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inventory that claims a petabyte for a file of kilobytes: refused in one line naming the file and both
+    sizes, before any slab is taken (the slabs were sized by the claim: ENOMEM in a traceback)."""
+    model, state, expected = _saved(tmp_path, files=3)
+    name = sorted(expected)[0]
+    forged = dict(expected)
+    forged[name] = (expected[name][0], 10**15)
+    slabs: list[int] = []
+
+    class Counted(verified_read._Slab):
+        def __init__(self, size: int, pinned: bool = False) -> None:
+            slabs.append(size)
+            super().__init__(size, pinned)
+
+    monkeypatch.setattr(verified_read, "_Slab", Counted)
+    with pytest.raises(Exception) as caught:
+        _load(model, state, forged)
+    text = str(caught.value)
+    assert f"{name} has {expected[name][1]} bytes, the inventory says {10**15}" in text, text[-800:]
+    assert "Cannot allocate memory" not in text and slabs == []
+
+
 def test_a_load_with_no_file_to_read_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank whose plan reads nothing (no file, so no largest file to size the slabs by): no slab, no error."""
     monkeypatch.setattr(verified_read, "ROOMS_AHEAD", 1)

@@ -543,6 +543,15 @@ class _Load:
             digest, size, *more = self.expected[rel]
             if more and USE_PARTS and sha256_parts.available():
                 parts = more[0]
+            # before any memory is sized by it: a size larger than the file's (a damaged or forged inventory)
+            # would have the slabs sized for it (a terabyte claimed: ENOMEM in a traceback). The reads check the
+            # size again, both ways, as they arrive.
+            try:
+                found = os.stat(path).st_size
+            except OSError:
+                found = size  # a file that is not there: its open says so, as before
+            if found < size:
+                raise IntegrityError(f"{path} has {found} bytes, the inventory says {size}", hint=_DAMAGED)
         else:
             raise UnsafeInput(f"{path}: not listed in the checkpoint's inventory; refusing to read it")
         f = _File(rel, path, size, digest, items, parts)
