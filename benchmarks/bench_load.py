@@ -37,9 +37,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_save  # noqa: E402
 from bench_save import (  # noqa: E402
     GB,
-    cold_read,
     drop_cache,
     load_with_stats,
     make_state,
@@ -47,9 +47,28 @@ from bench_save import (  # noqa: E402
     sync,
     timed,
 )
+from benchlib import drop_caches  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
+from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
+
+DROP_ALL = False  # --drop-all: the whole page cache dropped before each cold read and each cold resume
+
+
+def _memory() -> dict[str, float]:
+    """GB free and GB of page cache now: a page cache holding what ran before (bench_save's checkpoints) leaves
+    the reads and the load's new memory to reclaim it first."""
+    got = meminfo_kib("MemFree", "Cached") or {}
+    return {k: round(v * 1024 / GB, 2) for k, v in got.items()}
+
+
+def cold_read(files: list[Path], streams: int, direct: bool = False) -> float:
+    """bench_save's floor (each file's pages dropped, then read); with --drop-all, every page of the host first."""
+    if DROP_ALL and not drop_caches():
+        raise SystemExit("--drop-all: could not drop the page cache (needs root)")
+    return bench_save.cold_read(files, streams, direct)
+
 
 KNOBS = (
     "READ_STREAMS",
@@ -234,7 +253,14 @@ def main() -> None:
         action="store_true",
         help="the cold read again at the end of each round: each variant also against the mean of its round's two",
     )
+    ap.add_argument(
+        "--drop-all",
+        action="store_true",
+        help="drop the host's whole page cache (root) before each cold read and cold resume, not only the files'",
+    )
     args = ap.parse_args()
+    global DROP_ALL
+    DROP_ALL = args.drop_all
 
     variants = dict(BUILT_IN)
     if args.variants:
@@ -326,6 +352,9 @@ def main() -> None:
                 t.zero_()
         if cold:
             drop_cache(ckpt)
+            if DROP_ALL and not drop_caches():
+                raise SystemExit("--drop-all: could not drop the page cache (needs root)")
+        memory = _memory()
         sync(dev)
         used = _cpu_seconds()
         t0 = time.perf_counter()
@@ -343,7 +372,15 @@ def main() -> None:
         now = current()
         wrong = [i for i, (a, b) in enumerate(zip(now, saved, strict=False)) if not torch.equal(a, b)]
         equal = len(now) == len(saved) and not wrong
-        return {"s": wall, "cpu_s": cpu_s, "open_s": t_open, "equal": equal, "unequal": wrong[:5], **phases}
+        return {
+            "s": wall,
+            "cpu_s": cpu_s,
+            "memory_at_start": memory,
+            "open_s": t_open,
+            "equal": equal,
+            "unequal": wrong[:5],
+            **phases,
+        }
 
     dcp_io.load = load_with_stats(plain_load, phases)  # type: ignore[assignment]  # the resume's breakdown
     rows: list[tuple[str, dict[str, Any]]] = []
@@ -363,6 +400,7 @@ def main() -> None:
         for i in range(args.repeat):  # the variants alternate: a drift of the disk falls on all of them
             # the floor again in each round, beside its variants: this disk's rate moved by up to a fifth within
             # one call (2026-12-02), more than the variants differ
+            out.setdefault("round_floors_memory", []).append(_memory())
             used = _cpu_seconds()
             round_floor = cold_read(files, args.streams)
             out.setdefault("round_floors_s", []).append(round_floor)
