@@ -186,6 +186,19 @@ def test_an_archive_in_another_byte_order_is_loaded_by_torch_load(tmp_path: Path
     assert torch.equal(got, tensor)
 
 
+def _count_slabs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every slab the loads take from now on, in order."""
+    sizes: list[int] = []
+
+    class Counted(verified_read._Slab):
+        def __init__(self, size: int, pinned: bool = False) -> None:
+            sizes.append(size)
+            super().__init__(size, pinned)
+
+    monkeypatch.setattr(verified_read, "_Slab", Counted)
+    return sizes
+
+
 def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -199,14 +212,7 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     largest = max(expected[name][1] for name in read)
     monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
     monkeypatch.setattr(verified_read, "LOAD_BUFFER", 3 * largest + 1)  # room for three: two read at once
-    buffers: list[int] = []
-
-    class Counted(verified_read._Slab):
-        def __init__(self, size: int, pinned: bool = False) -> None:
-            buffers.append(size)
-            super().__init__(size, pinned)
-
-    monkeypatch.setattr(verified_read, "_Slab", Counted)
+    buffers = _count_slabs(monkeypatch)
     for files_at_once in (1, 3):
         monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
         buffers.clear()
@@ -235,13 +241,7 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
     largest = max(expected[name][1] for name in read)
     monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
     monkeypatch.setattr(verified_read, "LOAD_BUFFER", 100 * largest)
-    buffers: list[int] = []
-
-    class Counted(verified_read._Slab):
-        def __init__(self, size: int, pinned: bool = False) -> None:
-            buffers.append(size)
-            super().__init__(size, pinned)
-
+    buffers = _count_slabs(monkeypatch)
     loads: list[verified_read._Load] = []
 
     class Seen(verified_read._Load):
@@ -249,7 +249,6 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
             loads.append(self)
             super().run()
 
-    monkeypatch.setattr(verified_read, "_Slab", Counted)
     monkeypatch.setattr(verified_read, "_Load", Seen)
     slab = verified_read._aligned(largest)
     for files_at_once, ahead in ((1, 1), (2, 1), (2, 0), (1, 3)):
@@ -289,14 +288,7 @@ def test_a_size_the_file_does_not_have_is_refused_before_memory_is_sized_by_it(
     name = sorted(expected)[0]
     forged = dict(expected)
     forged[name] = (expected[name][0], 10**15)
-    slabs: list[int] = []
-
-    class Counted(verified_read._Slab):
-        def __init__(self, size: int, pinned: bool = False) -> None:
-            slabs.append(size)
-            super().__init__(size, pinned)
-
-    monkeypatch.setattr(verified_read, "_Slab", Counted)
+    slabs = _count_slabs(monkeypatch)
     with pytest.raises(Exception) as caught:
         _load(model, state, forged)
     text = str(caught.value)
