@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from bench_save import (  # noqa: E402
     sync,
     timed,
 )
-from benchlib import drop_caches  # noqa: E402
+from benchlib import cpu_seconds, drop_caches  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
@@ -63,10 +62,15 @@ def _memory() -> dict[str, float]:
     return {k: round(v * 1024 / GB, 2) for k, v in got.items()}
 
 
-def cold_read(files: list[Path], streams: int, direct: bool = False) -> float:
-    """bench_save's floor (each file's pages dropped, then read); with --drop-all, every page of the host first."""
+def _drop_all() -> None:
+    """--drop-all: every page of the host's page cache dropped (root), not only the checkpoint files'."""
     if DROP_ALL and not drop_caches():
         raise SystemExit("--drop-all: could not drop the page cache (needs root)")
+
+
+def cold_read(files: list[Path], streams: int, direct: bool = False) -> float:
+    """bench_save's floor (each file's pages dropped, then read), after _drop_all."""
+    _drop_all()
     return bench_save.cold_read(files, streams, direct)
 
 
@@ -211,13 +215,6 @@ def torch_checkpointing_load(
     return seconds
 
 
-def _cpu_seconds() -> float:
-    """This process's user + system CPU seconds so far, every thread's: what a load costs a host whose cores are
-    few (the cold read's own, in the kernel, included)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -352,11 +349,10 @@ def main() -> None:
                 t.zero_()
         if cold:
             drop_cache(ckpt)
-            if DROP_ALL and not drop_caches():
-                raise SystemExit("--drop-all: could not drop the page cache (needs root)")
+            _drop_all()
         memory = _memory()
         sync(dev)
-        used = _cpu_seconds()
+        used = cpu_seconds()
         t0 = time.perf_counter()
         r = tr.Run.open(base / "run", None, code_dir=base / "code")
         t_open = time.perf_counter() - t0
@@ -367,7 +363,7 @@ def main() -> None:
             r.close(exc)  # the segment ends (error) and the run is free for the next variant
             raise
         wall = time.perf_counter() - t0
-        cpu_s = _cpu_seconds() - used
+        cpu_s = cpu_seconds() - used
         r._end_segment(1)
         now = current()
         wrong = [i for i, (a, b) in enumerate(zip(now, saved, strict=False)) if not torch.equal(a, b)]
@@ -401,10 +397,10 @@ def main() -> None:
             # the floor again in each round, beside its variants: this disk's rate moved by up to a fifth within
             # one call (2026-12-02), more than the variants differ
             out.setdefault("round_floors_memory", []).append(_memory())
-            used = _cpu_seconds()
+            used = cpu_seconds()
             round_floor = cold_read(files, args.streams)
             out.setdefault("round_floors_s", []).append(round_floor)
-            out.setdefault("round_floors_cpu_s", []).append(_cpu_seconds() - used)
+            out.setdefault("round_floors_cpu_s", []).append(cpu_seconds() - used)
             print(
                 f"[load] round {i + 1}: cold read {round_floor:.3f} s, "
                 f"{out['round_floors_cpu_s'][-1]:.2f} CPU s",

@@ -14,7 +14,6 @@ import hashlib
 import json
 import mmap
 import os
-import resource
 import statistics
 import tempfile
 import threading
@@ -22,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchlib import MiB, drop_cache, write_files
+from benchlib import MiB, cpu_seconds, drop_cache, write_files
 
 
 def per_file(
@@ -134,19 +133,16 @@ def main() -> None:
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     patterns = {k: v for k, v in PATTERNS.items() if not only or any(k.startswith(o) for o in only)}
     times: dict[str, list[float]] = {k: [] for k in patterns}
-    cpu: dict[str, list[float]] = {
-        k: [] for k in patterns
-    }  # this process's user + system seconds, all threads
+    cpu: dict[str, list[float]] = {k: [] for k in patterns}  # this process's, every thread's
     for r in range(args.rounds):
         for name, fn in patterns.items():
             drop_cache(base)
-            used = resource.getrusage(resource.RUSAGE_SELF)
+            used = cpu_seconds()
             t = time.perf_counter()
             fn(files)
             dt = time.perf_counter() - t
-            now = resource.getrusage(resource.RUSAGE_SELF)
+            cpu[name].append(cpu_seconds() - used)
             times[name].append(dt)
-            cpu[name].append(now.ru_utime - used.ru_utime + now.ru_stime - used.ru_stime)
             print(
                 f"[read] round {r + 1}: {name}: {dt:.3f} s, {total / dt / 1e9:.2f} GB/s, {cpu[name][-1]:.2f} CPU s",
                 flush=True,

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,13 @@ def drop_cache(root: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def cpu_seconds() -> float:
+    """This process's user + system CPU seconds so far, every thread's (the kernel's work for its reads included):
+    what a run costs a host whose cores are few."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def drop_caches() -> bool:

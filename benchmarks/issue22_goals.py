@@ -115,12 +115,10 @@ def goal4(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         "cold read / resume", "equal", "verdict",
     )  # fmt: skip
     for run, load in runs:
-        firsts = load.get("round_floors_s") or []
-        ends = load.get("round_end_floors_s") or []
         for label, row in (load.get("rows") or {}).items():
             seconds = row.get("s")
-            round_no = _round(label)
-            floors = [f[round_no - 1] for f in (firsts, ends) if round_no and len(f) >= round_no]
+            first, mean = row.get("round_floor_s"), row.get("round_mean_floor_s")  # bench_load's, per row
+            floors = [first, 2 * mean - first] if first and mean else [first] if first else []
             if not floors:  # a run without rounds: its one cold read before the resumes
                 floors = [load["cold_read_s"]] if load.get("cold_read_s") else []
             floor = sum(floors) / len(floors) if floors else None
@@ -133,12 +131,6 @@ def goal4(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
                 f"| {_verdict(ok)} |"
             )
     return lines
-
-
-def _round(label: str) -> int | None:
-    """`default #2` -> 2: the round a row of bench_load's ran in."""
-    tail = label.rsplit("#", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 def _num(value: float | None, digits: int = 2) -> str:
@@ -191,11 +183,11 @@ def self_check() -> None:
     assert verdicts(goal3([("r", {"launch": launch([], 1, [(1, 1.02), (1, 1.1)])})])) == [met]
     assert verdicts(goal3([("r", {"launch": launch([], 1, [(1, 1.02), (1, 1.1001)])})])) == [miss]
     rows = {
-        "d #1": {"s": 10.0, "equal": True},
-        "d #2": {"s": 8.5, "equal": True},
-        "e #2": {"s": 7.0, "equal": False},
+        "d #1": {"s": 10.0, "equal": True, "round_floor_s": 10.0, "round_mean_floor_s": 9.5},
+        "d #2": {"s": 8.5, "equal": True, "round_floor_s": 8.0, "round_mean_floor_s": 8.0},
+        "e #2": {"s": 7.0, "equal": False, "round_floor_s": 8.0, "round_mean_floor_s": 8.0},
     }
-    load = {"round_floors_s": [10.0, 8.0], "round_end_floors_s": [9.0, 8.0], "rows": rows}
+    load = {"rows": rows}
     assert verdicts(goal4([("r", load)])) == [met, miss, miss]  # 9.5 / 10; 8 / 8.5; tensors unequal
     print("self-check: every verdict as expected")
 
