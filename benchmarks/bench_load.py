@@ -50,6 +50,7 @@ from benchlib import cpu_seconds, drop_caches  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
+from torchrelay.util import sha256_parts  # noqa: E402
 from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
 
 DROP_ALL = False  # --drop-all: the whole page cache dropped before each cold read and each cold resume
@@ -236,6 +237,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of cold resumes, the variants alternating")
     ap.add_argument("--file-bytes", type=int, default=0, help="persist.FILE_BYTES for the save (0: default)")
     ap.add_argument(
+        "--part-bytes",
+        type=int,
+        default=0,
+        help="sha256_parts.PART_BYTES for the save: a file's hash parts (0: default)",
+    )
+    ap.add_argument(
         "--warm",
         default="",
         help="comma-separated variants resumed once each with the files in the page cache",
@@ -310,6 +317,9 @@ def main() -> None:
 
     if args.file_bytes:
         persist.FILE_BYTES = args.file_bytes
+    if args.part_bytes:
+        sha256_parts.PART_BYTES = args.part_bytes
+    out["part_bytes"] = sha256_parts.PART_BYTES
     ckpt, files, t_save = save_once(base, manifest, ddp, opt, dev)
     saved = [t.detach().clone() for t in current()]  # on the device: torch.equal runs there
     sizes = [f.stat().st_size for f in files]
