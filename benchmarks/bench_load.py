@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,56 @@ def cold_read(files: list[Path], streams: int, direct: bool = False) -> float:
     """bench_save's floor (each file's pages dropped, then read), after _drop_all."""
     _drop_all()
     return bench_save.cold_read(files, streams, direct)
+
+
+def pattern_read(files: list[Path], streams: int, at_once: int, chunk: int = 16 << 20) -> float:
+    """The cold read in the load's own pattern, nothing else: `streams` threads share the `chunk`-sized reads of
+    the first `at_once` files not yet fully asked for, the one served longest ago next (verified_read's
+    `_next`), each into its thread's reused buffer — no slab, no hash, no copy. Beside the floor (a thread per
+    file, front to back) it says whether the disk serves the load's pattern slower than the floor's."""
+    _drop_all()
+    for f in files:
+        drop_cache(f)
+    lock = threading.Lock()
+    pending = [[f, f.stat().st_size, 0, 0] for f in files]  # path, size, next offset, last served
+    turn = [0]
+    fds: list[int] = []
+
+    def take() -> tuple[int, int, int] | None:
+        with lock:
+            if not pending:
+                return None
+            job = min(pending[:at_once], key=lambda g: g[3])
+            if job[2] == 0:
+                job.append(os.open(job[0], os.O_RDONLY))
+                fds.append(job[4])
+            offset = job[2]
+            job[2] += chunk
+            job[3] = turn[0]
+            turn[0] += 1
+            if job[2] >= job[1]:
+                pending.remove(job)
+            return job[4], offset, min(chunk, job[1] - offset)
+
+    def one() -> None:
+        buf = bytearray(chunk)
+        while (job := take()) is not None:
+            fd, offset, want = job
+            view = memoryview(buf)[:want]
+            got = 0
+            while got < want and (n := os.preadv(fd, [view[got:]], offset + got)):
+                got += n
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    for fd in fds:
+        os.close(fd)
+    return took
 
 
 KNOBS = (
@@ -253,6 +304,11 @@ def main() -> None:
         help="the O_DIRECT cold read too, beside each cold read (Linux)",
     )
     ap.add_argument(
+        "--pattern-floor",
+        action="store_true",
+        help="the cold read in the default load's pattern too (shared chunks of its first files), each round",
+    )
+    ap.add_argument(
         "--bracket",
         action="store_true",
         help="the cold read again at the end of each round: each variant also against the mean of its round's two",
@@ -421,6 +477,20 @@ def main() -> None:
                 direct_floor = cold_read(files, args.streams, direct=True)
                 out.setdefault("round_direct_floors_s", []).append(direct_floor)
                 print(f"[load] round {i + 1}: cold read by O_DIRECT {direct_floor:.3f} s", flush=True)
+            if args.pattern_floor:
+                largest = max(sizes)
+                for key, value in defaults.items():  # the default load's knobs, not the last variant's
+                    setattr(verified_read, key, value)
+                budget = verified_read.load_budget()
+                at_once = max(1, min(defaults["FILES_AT_ONCE"], budget // max(1, largest) - 1))
+                pattern = pattern_read(files, defaults["READ_STREAMS"], at_once, defaults["_CHUNK"])
+                out.setdefault("round_pattern_floors_s", []).append(pattern)
+                out["pattern_at_once"] = at_once
+                print(
+                    f"[load] round {i + 1}: cold read in the load's pattern ({at_once} files at once) "
+                    f"{pattern:.3f} s = {round_floor / pattern:.2f} of the floor's speed",
+                    flush=True,
+                )
             order = list(variants.items())
             if i % 2:  # every other round in reverse: a drift within a round falls on each variant alike
                 order.reverse()
