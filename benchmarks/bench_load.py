@@ -407,9 +407,13 @@ def main() -> None:
     phases: dict[str, float] = {}
     plain_load = dcp_io.load
 
-    def resume(knobs: dict[str, Any], cold: bool) -> dict[str, Any]:
+    def set_knobs(knobs: dict[str, Any]) -> None:
+        """verified_read's knobs at the module's defaults, `knobs` over them."""
         for key, value in {**defaults, **knobs}.items():
             setattr(verified_read, key, value)
+
+    def resume(knobs: dict[str, Any], cold: bool) -> dict[str, Any]:
+        set_knobs(knobs)
         with torch.no_grad():
             for t in current():
                 t.zero_()
@@ -478,11 +482,8 @@ def main() -> None:
                 out.setdefault("round_direct_floors_s", []).append(direct_floor)
                 print(f"[load] round {i + 1}: cold read by O_DIRECT {direct_floor:.3f} s", flush=True)
             if args.pattern_floor:
-                largest = max(sizes)
-                for key, value in defaults.items():  # the default load's knobs, not the last variant's
-                    setattr(verified_read, key, value)
-                budget = verified_read.load_budget()
-                at_once = max(1, min(defaults["FILES_AT_ONCE"], budget // max(1, largest) - 1))
+                set_knobs({})  # the default load's knobs, not the last variant's
+                at_once = verified_read.files_at_once(max(sizes), verified_read.load_budget())
                 pattern = pattern_read(files, defaults["READ_STREAMS"], at_once, defaults["_CHUNK"])
                 out.setdefault("round_pattern_floors_s", []).append(pattern)
                 out["pattern_at_once"] = at_once
@@ -529,8 +530,7 @@ def main() -> None:
                         )
     finally:
         dcp_io.load = plain_load  # type: ignore[assignment]
-        for key, value in defaults.items():
-            setattr(verified_read, key, value)
+        set_knobs({})
     out["rows"] = dict(rows)
     floor_after = cold_read(files, args.streams)  # the disk may drift over a run: the floor again, last
     out["cold_read_after_s"] = floor_after

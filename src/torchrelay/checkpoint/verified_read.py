@@ -212,6 +212,13 @@ def load_budget() -> int:
     return max(1, int(available * MEMORY_SHARE) // int(text))
 
 
+def files_at_once(largest: int, budget: int) -> int:
+    """The files the shared-chunk reads spread over at once: FILES_AT_ONCE, fewer where `budget` holds fewer
+    files of the `largest` size (one room kept for the next file)."""
+    room = max(1, budget // max(1, largest))
+    return max(1, min(FILES_AT_ONCE, room - 1))
+
+
 def _mem_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes, or None where there is none (not Linux)."""
     got = meminfo_kib("MemAvailable")
@@ -449,8 +456,7 @@ class _Load:
             total = sum(f.size for f in files)
             self._budget = load_budget()
             self._slab_size = _aligned(max(largest, min(total, self._budget, _SLAB)))
-            room = max(1, self._budget // max(1, largest))  # files of the largest size the buffer holds
-            self._at_once = max(1, min(FILES_AT_ONCE, room - 1))
+            self._at_once = files_at_once(largest, self._budget)
             if REUSE_SLABS and ROOMS_AHEAD >= 0 and self._slab_size:  # no more new memory than the reads use
                 reading = max(1, READ_STREAMS) if PER_FILE_READER else self._at_once
                 # in whole slabs, two at least: a slab of small files is reused only once all of them are done
