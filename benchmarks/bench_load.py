@@ -21,6 +21,9 @@ powers of 1024, or true/false); `--variants a,b` runs only those of the built-in
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,87 @@ def _drop_all() -> None:
     """--drop-all: every page of the host's page cache dropped (root), not only the checkpoint files'."""
     if DROP_ALL and not drop_caches():
         raise SystemExit("--drop-all: could not drop the page cache (needs root)")
+
+
+def machine_cpu() -> dict[str, float]:
+    """The whole machine's CPU seconds so far by kind (/proc/stat, every core): `steal` is time the hypervisor gave
+    this machine's cores to something else, `iowait` idle time with a read outstanding."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    got = {k: int(v) / tick for k, v in zip(names, fields)}
+    return {
+        "busy": got["user"] + got["nice"] + got["system"] + got["irq"] + got["softirq"],
+        "iowait": got["iowait"],
+        "steal": got["steal"],
+        "irq": got["irq"] + got["softirq"],
+    }
+
+
+def cpu_delta(before: dict[str, float]) -> dict[str, float]:
+    now = machine_cpu()
+    return {f"machine_{k}_s": round(now[k] - before[k], 2) for k in before if k in now}
+
+
+def _lower_priority(nice: int) -> None:
+    """A pool thread's initializer (the NICE setting): this thread's nice value raised by `nice` (Linux)."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux: the default priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+class SideWork:
+    """The load's CPU work without its reads, beside a cold read (--busy-floor): `hashers` threads hash and
+    `copiers` threads copy into the device 16 MiB pieces of a host buffer, each kind paced to `rate` bytes a second
+    and `total` bytes at most (a verified load hashes every byte it reads once and copies it once, at the read's
+    speed)."""
+
+    PIECE = 16 << 20
+
+    def __init__(self, rate: float, total: int, hashers: int, copiers: int, dev: str) -> None:
+        self.rate, self.total, self.dev = rate, total, dev
+        self.src = torch.ones(256 << 20, dtype=torch.uint8)  # pageable, as the load's slabs
+        self.done = {"hash": 0, "copy": 0}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.t0 = 0.0
+        self.threads = [threading.Thread(target=self._hash, daemon=True) for _ in range(hashers)]
+        self.threads += [threading.Thread(target=self._copy, daemon=True) for _ in range(copiers)]
+
+    def _next(self, kind: str) -> int | None:
+        """The offset of the next piece of `kind` once the pace allows it; None once stopped or all done."""
+        while not self.stop.is_set():
+            with self.lock:
+                if self.done[kind] >= self.total:
+                    return None
+                if self.done[kind] + self.PIECE <= self.rate * (time.perf_counter() - self.t0):
+                    offset = self.done[kind] % (self.src.numel() - self.PIECE)
+                    self.done[kind] += self.PIECE
+                    return offset
+            time.sleep(0.001)
+        return None
+
+    def _hash(self) -> None:
+        while (offset := self._next("hash")) is not None:
+            hashlib.sha256(self.src[offset : offset + self.PIECE].numpy())
+
+    def _copy(self) -> None:
+        dst = torch.empty(self.PIECE, dtype=torch.uint8, device=self.dev)
+        while (offset := self._next("copy")) is not None:
+            dst.copy_(self.src[offset : offset + self.PIECE])
+
+    def __enter__(self) -> SideWork:
+        self.t0 = time.perf_counter()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
 
 
 def cold_read(files: list[Path], streams: int, direct: bool = False) -> float:
@@ -147,6 +232,10 @@ KNOBS = (
     "DIRECT_IO",
     "PREFAULT",
 )
+# Variants' settings the benchmark applies itself, not verified_read's knobs (issue 22 round 14: do the load's
+# own threads slow its reads?): NICE, the nice value of the load's hash and parse threads (Linux: per thread);
+# SWITCH_INTERVAL, the interpreter's GIL switch interval during the resume (seconds; 0.005 by default).
+BENCH_KNOBS = ("NICE", "SWITCH_INTERVAL")
 # The load as issue 22's second round left it: the 16 threads share the chunks of the first 3 files, within 4 GiB.
 SHARED_CHUNKS = {
     "PER_FILE_READER": False,
@@ -228,8 +317,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     knobs: dict[str, Any] = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        if key.strip() not in KNOBS:
-            raise SystemExit(f"--variant {text!r}: {key!r} is not one of {', '.join(KNOBS)}")
+        if key.strip() not in KNOBS + BENCH_KNOBS:
+            raise SystemExit(f"--variant {text!r}: {key!r} is not one of {', '.join(KNOBS + BENCH_KNOBS)}")
         knobs[key.strip()] = parse_value(value)
     return name.strip(), knobs
 
@@ -307,6 +396,11 @@ def main() -> None:
         "--pattern-floor",
         action="store_true",
         help="the cold read in the default load's pattern too (shared chunks of its first files), each round",
+    )
+    ap.add_argument(
+        "--busy-floor",
+        action="store_true",
+        help="the cold read again with the load's hashing and copying beside it (in-memory, paced), each round",
     )
     ap.add_argument(
         "--bracket",
@@ -406,11 +500,20 @@ def main() -> None:
 
     phases: dict[str, float] = {}
     plain_load = dcp_io.load
+    switch_interval = sys.getswitchinterval()
 
     def set_knobs(knobs: dict[str, Any]) -> None:
         """verified_read's knobs at the module's defaults, `knobs` over them."""
         for key, value in {**defaults, **knobs}.items():
-            setattr(verified_read, key, value)
+            if key not in BENCH_KNOBS:
+                setattr(verified_read, key, value)
+        nice = int(knobs.get("NICE", 0))
+        verified_read.ThreadPoolExecutor = (  # type: ignore[misc]
+            functools.partial(ThreadPoolExecutor, initializer=_lower_priority, initargs=(nice,))
+            if nice
+            else ThreadPoolExecutor
+        )
+        sys.setswitchinterval(float(knobs.get("SWITCH_INTERVAL", 0)) or switch_interval)
 
     def resume(knobs: dict[str, Any], cold: bool) -> dict[str, Any]:
         set_knobs(knobs)
@@ -423,6 +526,7 @@ def main() -> None:
         memory = _memory()
         sync(dev)
         used = cpu_seconds()
+        machine_before = machine_cpu()
         t0 = time.perf_counter()
         r = tr.Run.open(base / "run", None, code_dir=base / "code")
         t_open = time.perf_counter() - t0
@@ -434,6 +538,7 @@ def main() -> None:
             raise
         wall = time.perf_counter() - t0
         cpu_s = cpu_seconds() - used
+        machine = cpu_delta(machine_before)
         r._end_segment(1)
         now = current()
         wrong = [i for i, (a, b) in enumerate(zip(now, saved, strict=False)) if not torch.equal(a, b)]
@@ -445,6 +550,7 @@ def main() -> None:
             "open_s": t_open,
             "equal": equal,
             "unequal": wrong[:5],
+            **machine,
             **phases,
         }
 
@@ -468,14 +574,32 @@ def main() -> None:
             # one call (2026-12-02), more than the variants differ
             out.setdefault("round_floors_memory", []).append(_memory())
             used = cpu_seconds()
+            machine_before = machine_cpu()
             round_floor = cold_read(files, args.streams)
             out.setdefault("round_floors_s", []).append(round_floor)
             out.setdefault("round_floors_cpu_s", []).append(cpu_seconds() - used)
+            out.setdefault("round_floors_machine", []).append(cpu_delta(machine_before))
             print(
                 f"[load] round {i + 1}: cold read {round_floor:.3f} s, "
-                f"{out['round_floors_cpu_s'][-1]:.2f} CPU s",
+                f"{out['round_floors_cpu_s'][-1]:.2f} CPU s, machine {out['round_floors_machine'][-1]}",
                 flush=True,
             )
+            if args.busy_floor:
+                machine_before = machine_cpu()
+                hashers, copiers = defaults["HASH_THREADS"], defaults["PARSE_THREADS"]
+                with SideWork(nbytes / round_floor, nbytes, hashers, copiers, dev) as side:
+                    busy = cold_read(files, args.streams)
+                out.setdefault("round_busy_floors_s", []).append(busy)
+                out.setdefault("round_busy_floors_machine", []).append(cpu_delta(machine_before))
+                out.setdefault("round_busy_side_gb", []).append(
+                    {k: round(v / GB, 2) for k, v in side.done.items()}
+                )
+                print(
+                    f"[load] round {i + 1}: cold read with the load's hashing and copying beside it {busy:.3f} s "
+                    f"= {round_floor / busy:.2f} of the floor's speed (side work {out['round_busy_side_gb'][-1]} "
+                    f"GB), machine {out['round_busy_floors_machine'][-1]}",
+                    flush=True,
+                )
             direct_floor = None
             if args.direct_floor:
                 direct_floor = cold_read(files, args.streams, direct=True)
@@ -507,6 +631,11 @@ def main() -> None:
                     row["round_direct_floor_s"] = direct_floor
                     also = f", {direct_floor / row['s']:.2f} of its O_DIRECT one" if direct_floor else ""
                     print(
+                        f"[load] {label}: machine steal {row.get('machine_steal_s')} s, iowait "
+                        f"{row.get('machine_iowait_s')} s, busy {row.get('machine_busy_s')} s",
+                        flush=True,
+                    )
+                    print(
                         f"[load] {label}: {row['s']:.3f} s ({row['cpu_s']:.2f} CPU s), "
                         f"{floor / row['s']:.2f} of cold read, "
                         f"{round_floor / row['s']:.2f} of its round's{also}, equal {row['equal']}, "
@@ -515,7 +644,9 @@ def main() -> None:
                     )
                 rows.append((label, {"knobs": knobs, **row}))
             if args.bracket:  # the disk's drift within the round: the floor after its variants too
+                machine_before = machine_cpu()
                 end_floor = cold_read(files, args.streams)
+                out.setdefault("round_end_floors_machine", []).append(cpu_delta(machine_before))
                 out.setdefault("round_end_floors_s", []).append(end_floor)
                 mean = (round_floor + end_floor) / 2
                 print(
