@@ -236,6 +236,7 @@ KNOBS = (
 # own threads slow its reads?): NICE, the nice value of the load's hash and parse threads (Linux: per thread);
 # SWITCH_INTERVAL, the interpreter's GIL switch interval during the resume (seconds; 0.005 by default).
 BENCH_KNOBS = ("NICE", "SWITCH_INTERVAL")
+CONTROL = "cold-read"  # --control-floor's row: a cold read measured where a variant would be
 # The load as issue 22's second round left it: the 16 threads share the chunks of the first 3 files, within 4 GiB.
 SHARED_CHUNKS = {
     "PER_FILE_READER": False,
@@ -401,6 +402,12 @@ def main() -> None:
         "--busy-floor",
         action="store_true",
         help="the cold read again with the load's hashing and copying beside it (in-memory, paced), each round",
+    )
+    ap.add_argument(
+        "--control-floor",
+        action="store_true",
+        help=f"a cold read among each round's variants too, as {CONTROL!r}: the disk's own spread against the "
+        "round's mean",
     )
     ap.add_argument(
         "--bracket",
@@ -616,13 +623,18 @@ def main() -> None:
                     f"{pattern:.3f} s = {round_floor / pattern:.2f} of the floor's speed",
                     flush=True,
                 )
-            order = list(variants.items())
+            order: list[tuple[str, dict[str, Any] | None]] = list(variants.items())
+            if args.control_floor:  # the cold read in a variant's place: how far the disk alone strays
+                order.insert(len(order) // 2, (CONTROL, None))
             if i % 2:  # every other round in reverse: a drift within a round falls on each variant alike
                 order.reverse()
             for name, knobs in order:
                 label = name if args.repeat == 1 else f"{name} #{i + 1}"
                 try:
-                    row = resume(knobs, cold=True)
+                    if knobs is None:
+                        row = {"s": cold_read(files, args.streams), "cpu_s": 0.0, "equal": True}
+                    else:
+                        row = resume(knobs, cold=True)
                 except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others
                     row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                     print(f"[load] {label}: FAILED {row['error']}", flush=True)
