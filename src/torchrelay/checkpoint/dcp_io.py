@@ -2,12 +2,14 @@
 
 save and load are DCP's own, with the verified reader (verified_read.py) and the allow-listed metadata
 (dcp_metadata.py); read_tensor reads one tensor of a checkpoint offline, without a process group. Tensor shards are
-read with torch.load(weights_only=True).
+parsed weights_only (torch.load(weights_only=True) where they cannot be viewed in place).
 """
 
 from __future__ import annotations
 
 import io
+import math
+import mmap
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from torchrelay.checkpoint.dcp_metadata import read_metadata
 from torchrelay.checkpoint.inventory import safe_relpath
-from torchrelay.checkpoint.items import _load_item, _refuse_transforms, _Seekable
+from torchrelay.checkpoint.items import _parse_item, _refuse_transforms
 from torchrelay.checkpoint.verified_read import SafeReader
 from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput
 from torchrelay.util.gcpause import no_collections
@@ -79,14 +81,15 @@ def load(
 def read_tensor(ckpt_model_dir: Path, md: Metadata, key: str) -> torch.Tensor:
     """One full tensor of a DCP checkpoint, assembled from its chunks without a process group.
 
-    Only the bytes of this tensor's chunks are read (each one `torch.load(weights_only=True)`), so memory stays at
-    about twice the largest tensor whatever the checkpoint's size: the way to stream a checkpoint tensor by tensor.
+    Only the bytes of this tensor's chunks are read (each one parsed weights_only), into memory that leaves the
+    process when the tensor is freed (own_memory), so memory stays at about twice the largest tensor whatever the
+    checkpoint's size: the way to stream a checkpoint tensor by tensor.
     """
     item = md.state_dict_metadata.get(key)
     if not isinstance(item, TensorStorageMetadata):
         raise CheckpointError(f"{ckpt_model_dir / '.metadata'}: holds no tensor {key!r}")
     whole = len(item.chunks) == 1 and list(item.chunks[0].sizes) == list(item.size)
-    out = None if whole else torch.empty(item.size, dtype=item.properties.dtype)
+    out = None if whole else own_empty(item.size, item.properties.dtype)
     for chunk in item.chunks:
         part = _read_chunk(ckpt_model_dir, md, key, chunk.offsets, chunk.sizes)
         if part.dtype != item.properties.dtype:
@@ -115,13 +118,23 @@ def _read_chunk(
         raise CheckpointError(f"{source}: no storage entry for {key!r} at offsets {list(offsets)}")
     _refuse_transforms(info, source, key)
     path = safe_relpath(model_dir, info.relative_path, source)
-    with open(path, "rb") as f:
+    short = f"{path}: ends before the {info.length} bytes of {key!r} at {info.offset}"
+    with open(path, "rb", buffering=0) as f:
         if f.seek(0, io.SEEK_END) < info.offset + info.length:
-            raise CheckpointError(f"{path}: ends before the {info.length} bytes of {key!r} at {info.offset}")
-        # torch.load reads the item's zip straight from the file into the tensor's storage: one copy in memory
-        item_file = io.BufferedReader(_Window(f, info.offset, info.length), buffer_size=1 << 16)
-        part = _load_item(item_file, path, key)
-    if not isinstance(part, torch.Tensor) or list(part.shape) != list(sizes):
+            raise CheckpointError(short)
+        # the item's bytes are read into memory of their own and the tensor views them in place (as the verified
+        # reader parses, items.py): one copy in memory, given back the moment the tensor is freed (own_memory)
+        item = own_memory(info.length)
+        f.seek(info.offset)
+        done = 0
+        while done < info.length:  # a read returns at most 2 GiB
+            got = f.readinto(item[done:])
+            if not got:
+                raise CheckpointError(short)
+            done += got
+    part = _parse_item(item, 0, info.length, path, key)
+    del item  # the tensor's storage holds the memory now, or a copy does (an archive read by torch.load)
+    if list(part.shape) != list(sizes):
         raise CheckpointError(
             f"{path}: {key!r} at offsets {list(offsets)} holds {type(part).__name__} "
             f"{list(getattr(part, 'shape', []))}, the metadata says {list(sizes)}"
@@ -129,20 +142,24 @@ def _read_chunk(
     return part
 
 
-class _Window(_Seekable):
-    """A read-only, seekable view of bytes [offset, offset + length) of an open file (one DCP item)."""
+def own_memory(nbytes: int) -> memoryview:
+    """`nbytes` bytes (not zeroed where mapped) that go back to the system when the last view of them goes.
 
-    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
-        super().__init__()
-        self._f, self._start, self._length, self._pos = f, offset, length, 0
-        self._size = length
+    A private anonymous mapping of their own, unmapped with its last view: memory from the C heap (what torch.empty
+    and torch.load allocate a tensor of up to 32 MiB from) may stay resident after it is freed, and a tensor read
+    after it then takes new memory: when any small allocation made while the first was alive lies above it, glibc
+    cannot fold the freed tensor back into the heap's top, nor fit the next of the same size in it (an aligned
+    allocation asks for a little more). An export then held two tensors instead of one, in 1 run of 30-100
+    (tests/test_after_training.py::test_export_holds_about_one_tensor_in_memory)."""
+    if nbytes > 0 and hasattr(mmap, "MAP_PRIVATE"):
+        return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE))
+    return memoryview(bytearray(nbytes))
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._length - self._pos)
-        if n <= 0:
-            return 0
-        self._f.seek(self._start + self._pos)
-        got = self._f.readinto(view[:n])
-        self._pos += got
-        return got
+
+def own_empty(size: list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(size, dtype=dtype) in `own_memory`: freed, it leaves the process's memory at once."""
+    count = math.prod(size)
+    nbytes = count * dtype.itemsize
+    if not nbytes:
+        return torch.empty(size, dtype=dtype)
+    return torch.frombuffer(own_memory(nbytes), dtype=dtype, count=count).view(size)

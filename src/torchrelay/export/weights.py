@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from torchrelay import __version__
+from torchrelay.checkpoint.dcp_io import own_empty
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
@@ -277,7 +278,7 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
                     # next() and unpacking, not zip/enumerate: those keep their last tuple (and so the previous
                     # tensor) alive while the next one is read, doubling the peak
                     _old, tensor = next(tensors)
-                    writer.write(slot.name, tensor.to(slot.dtype))
+                    writer.write(slot.name, _cast(tensor, slot.dtype))
                     total += slot.nbytes
                     del tensor
             sums.append(SumEntry(name, writer.sha256.hexdigest()))
@@ -326,6 +327,14 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         renamed=renamed,
         seconds=time.perf_counter() - started,
     )
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as `dtype`; a cast's copy (as tensor.to makes it) in memory that leaves the process when freed:
+    one from the C heap may stay, and the next tensor's cast then takes new memory (dcp_io.own_memory)."""
+    if tensor.dtype == dtype:
+        return tensor
+    return own_empty(tensor.shape, dtype).copy_(tensor)
 
 
 def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
