@@ -501,12 +501,21 @@ MEMORY_PROBE = """
 import json, sys
 from pathlib import Path
 import torchrelay.export as ex
+from torchrelay.checkpoint.reader import iter_model_tensors
 from torchrelay.util.hashing import sha256_file
 
 def status(field):
     line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
+if sys.argv[1] == "freed":  # a tensor read for an export: what it holds, and what it leaves once freed (RssAnon)
+    tensors = iter_model_tensors(Path(sys.argv[2]))
+    before = status("RssAnon")
+    _name, tensor = next(tensors)
+    held = status("RssAnon") - before
+    del tensor
+    print(json.dumps([held, status("RssAnon") - before]))
+    sys.exit()
 open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from here: imports do not count
 before = status("VmRSS")
 if sys.argv[1] == "export":
@@ -516,27 +525,9 @@ else:
 print(json.dumps(status("VmHWM") - before))
 """
 
-# A tensor read for an export: how much of its memory it leaves in the process once freed (bytes, RssAnon).
-FREED_PROBE = """
-import json, sys
-from pathlib import Path
-from torchrelay.checkpoint.reader import iter_model_tensors
 
-def status(field):
-    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-tensors = iter_model_tensors(Path(sys.argv[1]))
-before = status("RssAnon")
-_name, tensor = next(tensors)
-held = status("RssAnon") - before
-del tensor
-print(json.dumps([held, status("RssAnon") - before]))
-"""
-
-
-def peak_growth(*args: str) -> int:
-    """How much the peak resident memory of a fresh process grows while it exports or hashes (bytes)."""
+def memory_probe(*args: str) -> Any:
+    """MEMORY_PROBE's figures (bytes) from a fresh process."""
     probe = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBE, *args],
         capture_output=True,
@@ -545,7 +536,12 @@ def peak_growth(*args: str) -> int:
         timeout=120,
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
-    return int(json.loads(probe.stdout.strip().splitlines()[-1]))
+    return json.loads(probe.stdout.strip().splitlines()[-1])
+
+
+def peak_growth(*args: str) -> int:
+    """How much the peak resident memory of a fresh process grows while it exports or hashes (bytes)."""
+    return int(memory_probe(*args))
 
 
 def test_export_holds_about_one_tensor_in_memory(tmp_path: Path) -> None:
@@ -577,14 +573,6 @@ def test_export_holds_about_one_tensor_in_memory(tmp_path: Path) -> None:
     # a tensor read gives its memory back when it is freed: memory of the C heap may stay, and the next tensor then
     # takes new memory when a small allocation lies above the freed one (two tensors at the peak above, in about
     # 1 export of 30-100); in a fresh process glibc's heap keeps the first tensor's memory every time
-    probe = subprocess.run(
-        [sys.executable, "-c", FREED_PROBE, str(ckpt)],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        timeout=120,
-    )
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    held, left = json.loads(probe.stdout.strip().splitlines()[-1])
+    held, left = memory_probe("freed", str(ckpt))
     assert held > 0.9 * largest, f"reading a tensor held {held / largest:.2f} x it"
     assert left < 0.25 * largest, f"a freed tensor left {left / largest:.2f} x it in the process"
