@@ -142,6 +142,26 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def dump_stacks(pids: list[int]) -> str:
+    """The Python and native stacks of each process (py-spy, when installed beside this interpreter or on PATH):
+    what a test writes where a launch hung, before it kills the tree. Empty when py-spy is missing."""
+    spy = shutil.which(
+        "py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
+    if spy is None:
+        return ""
+    out = []
+    for pid in pids:
+        try:
+            done = subprocess.run(
+                [spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+            )
+            out.append(f"== py-spy dump {pid} (exit {done.returncode})\n{done.stdout}{done.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            out.append(f"== py-spy dump {pid}: {exc}")
+    return "\n".join(out)
+
+
 def launch(
     code: Path,
     run_dir: Path,

@@ -26,6 +26,7 @@ from typing import Any
 
 from helpers import (
     clean_env,
+    dump_stacks,
     exposures,
     metrics,
     segments,
@@ -286,8 +287,12 @@ class Campaign:
                     if proc.poll() is not None:
                         break
                     if now - t0 > self.launch_timeout:
+                        tree.collect()
+                        logf.write(dump_stacks([m.pid for m in tree.alive()]).encode())
+                        logf.flush()
                         kill_job(tree, proc)
-                        raise RuntimeError(f"launch {n} ran past {self.launch_timeout} s; see {logfile}")
+                        tail = logfile.read_text(errors="replace")[-20000:]
+                        raise RuntimeError(f"launch {n} ran past {self.launch_timeout} s; {logfile}:\n{tail}")
                     if now - collected > 1.0:  # known members are frozen at once when the kill comes
                         tree.collect()
                         collected = now
