@@ -231,6 +231,7 @@ KNOBS = (
     "FREE_LATER",
     "DIRECT_IO",
     "PREFAULT",
+    "READERS_HASH_LAST",
 )
 # Variants' settings the benchmark applies itself, not verified_read's knobs (issue 22 round 14: do the load's
 # own threads slow its reads?): NICE, the nice value of the load's hash and parse threads (Linux: per thread);
@@ -290,6 +291,8 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
     "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
     "hash-8": {"HASH_THREADS": 8},
+    # the last parts queued for the hash threads, as before round 15 (default: each hashed by its reading thread)
+    "pool-hashes-last": {"READERS_HASH_LAST": False},
     "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
     # O_DIRECT reads into page-aligned slabs: no page-cache copy, nothing left in the page cache (chunks found in
     # it when a file is opened are read from it)

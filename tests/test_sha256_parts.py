@@ -150,6 +150,57 @@ def test_items_are_copied_while_the_files_last_part_is_still_unchecked(
     assert {"w0", "w1"} <= set(before), events  # the first items were in their tensors before the end
 
 
+@pytest.mark.parametrize("damaged", [False, True])
+def test_the_parts_of_the_last_reads_are_hashed_by_the_reading_threads_themselves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: bool
+) -> None:
+    """Once every read is handed out, a reading thread hashes the parts its chunk completed itself (the hash
+    threads would take the last reads' parts, which arrive together, in turns); the parts before go to the hash
+    threads. A changed byte in such a part still fails the load, naming the part, and its item is never parsed."""
+    monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    model, state, expected = _written(tmp_path, monkeypatch)
+    ((name, (_sha, size, (_part, states))),) = expected.items()
+    last = len(states)
+    if damaged:
+        path = model / name
+        data = bytearray(path.read_bytes())
+        data[size - 3] ^= 0x01  # in the last part: the last item's bytes
+        path.write_bytes(data)
+    by: dict[int, str] = {}
+    real_check, real_parse = sha256_parts.check_part, verified_read._parse_item
+    parsed: list[str] = []
+
+    def check(data: Any, index: int, *args: Any) -> bool:
+        by[index] = threading.current_thread().name
+        return real_check(data, index, *args)
+
+    def parse(view: memoryview, offset: int, length: int, path: Path, fqn: str) -> torch.Tensor:
+        parsed.append(fqn)
+        return real_parse(view, offset, length, path, fqn)
+
+    monkeypatch.setattr(sha256_parts, "check_part", check)
+    monkeypatch.setattr(verified_read, "_parse_item", parse)
+    if damaged:
+        with pytest.raises(
+            IntegrityError, match=rf"does not match its SHA-256 in COMPLETE.json \(part {last}:"
+        ):
+            _load(model, state, expected)
+        assert by[last].startswith("torchrelay-read-") and "w5" not in parsed, (by, parsed)
+        return
+    target, verified = _load(model, state, expected)
+    assert verified == {name} and all(torch.equal(target[k], v) for k, v in state.items())
+    assert sorted(by) == list(range(last + 1))
+    # the last read's part: no queue behind the hash threads; while reads were still to be handed out, those
+    assert by[last].startswith("torchrelay-read-") and by[0].startswith("torchrelay-hash_"), by
+    # as before: every part on the hash threads
+    monkeypatch.setattr(verified_read, "READERS_HASH_LAST", False)
+    by.clear()
+    target, _ = _load(model, state, expected)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    assert all(n.startswith("torchrelay-hash_") for n in by.values()), by
+
+
 def test_one_changed_byte_in_a_middle_part_fails_the_load_naming_the_part(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -120,6 +120,12 @@ PARSE_THREADS = 16
 # readers spent 11-14 s of their 110-127 s hashing; with hash threads the load took 0.88 of the cold read's speed
 # where it took 0.84 (benchmarks/RESULTS.md, issue 22).
 HASH_THREADS = 4
+# True: once no read is left to hand out, a reading thread hashes the parts its last chunk completed itself,
+# instead of queueing them for the HASH_THREADS. The reads of the files read together end together: their last
+# chunks, one on each reading thread, arrive within a few milliseconds, and 4 hash threads took them in turns
+# (16 parts of 16 MiB: 4 rounds of 12 ms after the last read, issue 22 round 15). The reading threads are idle by
+# then, so each hashes its own.
+READERS_HASH_LAST = True
 # Files whose chunks are read at the same time, the reads spread evenly over them. A file is hashed in order on
 # one core (1.1-1.4 GB/s on the GPU host, under its disk's 2.3 GB/s): read at a share of the disk's speed, its
 # hash keeps up and the file is verified as its last chunk arrives. At most one file fewer than the buffer holds
@@ -783,11 +789,20 @@ class _Load:
                 if not f.part_started[p] and all(f.arrived[lo:hi]):
                     f.part_started[p] = True
                     ready.append(p)
+        hasher = None if READERS_HASH_LAST and self._reads_issued() else self._hasher
         for p in ready:
-            if self._hasher is not None:
-                self._hasher.submit(self._guard, self._hash_part, f, p)
+            if hasher is not None:
+                hasher.submit(self._guard, self._hash_part, f, p)
             else:
                 self._hash_part(f, p)
+
+    def _reads_issued(self) -> bool:
+        """Every chunk of every file has been handed to a reading thread: this thread has no read left to issue
+        (a thread reading whole files, PER_FILE_READER, may still have chunks of its own file to read)."""
+        if PER_FILE_READER:
+            return False
+        with self._cond:
+            return self._admitted_all and not self._reading
 
     def _hash_part(self, f: _File, p: int) -> None:
         """Check part p against the states around it (the last one: the file's SHA-256), then hand the items
