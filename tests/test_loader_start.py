@@ -121,3 +121,30 @@ def test_the_line_names_the_threads_the_choice_saw_and_a_thread_leaving_is_none(
     done.set()
     t.join()
     assert relay_loader._target_returned(t)
+
+
+NO_LOADER_LOCK = """
+import ctypes, os, sys
+from torchrelay.data import loader
+
+pid = os.fork()
+if pid == 0:
+    # a worker forked while another thread held the dynamic loader's lock would wait on it for good in dlopen or
+    # dlsym: here both fail, and the worker must still ask to die with its parent
+    def refused(*args, **kwargs):
+        raise AssertionError("the worker looked up a symbol")
+
+    ctypes.CDLL = refused
+    ctypes.PyDLL = refused
+    loader.die_with_parent()
+    got = ctypes.c_int(-1)
+    loader._PRCTL(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+    os._exit(0 if got.value == 9 else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_worker_asks_to_die_with_its_parent_without_the_dynamic_loader() -> None:
+    done = subprocess.run([PYTHON, "-c", NO_LOADER_LOCK], capture_output=True, text=True, env=clean_env())
+    assert done.returncode == 0, done.stderr

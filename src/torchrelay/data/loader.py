@@ -131,11 +131,25 @@ def _take_stop_signals(rank_pid: int) -> None:
             os._exit(128 + signal.SIGTERM)
 
 
+def _libc_prctl() -> Any:
+    """libc's prctl, looked up where this module is imported: in the rank, before any worker is forked. A forked
+    worker then calls it without dlopen or dlsym, which take the dynamic loader's lock: a lock another thread of the
+    rank (a native one: gloo's, torch's) may have held at the fork, for good in the child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+
+
 def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when the thread that started it ends (elsewhere: nothing happens)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 class _Probe(pickle.Pickler):
