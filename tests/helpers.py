@@ -156,7 +156,9 @@ def dump_stacks(pids: list[int]) -> str:
             done = subprocess.run(
                 [spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60
             )
-            out.append(f"== py-spy dump {pid} (exit {done.returncode})\n{done.stdout}{done.stderr}")
+            # a process that is not Python (a shell, sleep): py-spy's one line of why
+            said = done.stdout if done.returncode == 0 else done.stderr.split("\n", 1)[0]
+            out.append(f"== py-spy dump {pid}\n{said}")
         except (OSError, subprocess.TimeoutExpired) as exc:
             out.append(f"== py-spy dump {pid}: {exc}")
     return "\n".join(out)
@@ -189,9 +191,29 @@ def run_tree(
     """subprocess.run(cmd, capture_output=True, text=True) for a torchrun launch: past `timeout` the whole tree
     ends, ranks and their workers too (torchrun starts each rank in a session of its own, and subprocess.run
     kills only torchrun), so none is left behind to disturb the next test."""
-    return proctree.run(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env, cwd=cwd
-    )
+    stacks: list[str] = []
+
+    def look(tree: proctree.Tree) -> None:
+        stacks.append(dump_stacks([p.pid for p in tree.alive()]))
+
+    try:
+        return proctree.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            on_timeout=look,
+        )
+    except (
+        subprocess.TimeoutExpired
+    ) as exc:  # what it printed last and where each process was, in the failure
+        said = f"{exc.output or ''}{exc.stderr or ''}"[-6000:]
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))[:300]} ran past {timeout} s; its output's end:\n{said}\n{''.join(stacks)}"
+        ) from exc
 
 
 def launch_bg(code: Path, run_dir: Path, **kw: Any) -> subprocess.Popen[str]:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -112,17 +113,23 @@ def survivors(tree: Tree, wait_s: float = 0.0) -> list[psutil.Process]:
     return tree.alive()
 
 
-def run(args: Any, *, timeout: float, **popen: Any) -> subprocess.CompletedProcess[Any]:
+def run(
+    args: Any, *, timeout: float, on_timeout: Callable[[Tree], None] | None = None, **popen: Any
+) -> subprocess.CompletedProcess[Any]:
     """`subprocess.run` whose timeout ends the command's whole tree before raising TimeoutExpired.
 
     subprocess.run kills only its child; a grandchild (what a shell started) lives on, holding the output pipe,
-    and the call then waits for it past its own timeout.
+    and the call then waits for it past its own timeout. `on_timeout` is given the tree, still running, first
+    (a test's look at where it hung).
     """
     with subprocess.Popen(args, **popen) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            end_tree(proc.pid)
+            tree = Tree(proc.pid)
+            if on_timeout is not None:
+                on_timeout(tree)
+            tree.end()
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
