@@ -38,15 +38,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_load import BUILT_IN, KNOBS, parse_variant  # noqa: E402
 from bench_save import cold_read  # noqa: E402
 from benchlib import cpu_seconds, drop_cache  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
-from torchrelay.checkpoint import dcp_io  # noqa: E402
+from torchrelay.checkpoint import dcp_io, verified_read  # noqa: E402
 
 GB = 1e9
 
@@ -70,15 +72,29 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="name:KNOB=VALUE,... over verified_read's defaults, or a bench_load.py built-in's name (repeatable; "
+        "default: the defaults alone, as 'resume')",
+    )
     args = ap.parse_args()
+    variants: dict[str, dict[str, Any]] = {}
+    for text in args.variant:
+        name, knobs = (text, BUILT_IN[text]) if text in BUILT_IN else parse_variant(text)
+        variants[name] = knobs
+    variants = variants or {"resume": {}}
+    defaults = {k: getattr(verified_read, k) for k in KNOBS}
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.device("meta"):  # each rank allocates its own shards only (72 x 4096^2 would be 4.8 GB a rank)
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    mesh = init_device_mesh("cpu", (world,))  # on the host: FSDP's default mesh would take the GPU
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(1 + rank)
     with torch.no_grad():
@@ -164,7 +180,9 @@ def main() -> None:
         phases.clear()
         return plain_load(*a, stats=phases, **k)
 
-    def resume() -> dict[str, Any]:
+    def resume(knobs: dict[str, Any]) -> dict[str, Any]:
+        for key, value in {**defaults, **knobs}.items():
+            setattr(verified_read, key, value)
         with torch.no_grad():
             for t in current():
                 t.zero_()
@@ -195,51 +213,57 @@ def main() -> None:
     dcp_io.load = load_with_stats  # type: ignore[assignment]
     rounds: list[dict[str, Any]] = []
     try:
-        warm = resume()  # imports and threads' first use: not counted
+        warm = resume({})  # imports and threads' first use: not counted
         out["warm_resume_s"] = warm["s"]
         for i in range(args.repeat):
-            order = ["floor", "resume", "control"]
-            if i % 2:
+            order = ["floor", *variants, "control"]
+            if i % 2:  # a drift within a round falls on each row alike
                 order.reverse()
             got: dict[str, Any] = {}
             for name in order:
-                got[name] = resume() if name == "resume" else {"s": floor()}
+                got[name] = resume(variants[name]) if name in variants else {"s": floor()}
             ref = got["floor"]["s"]
-            got["resume"]["vs_floor"] = ref / got["resume"]["s"]
-            got["control"]["vs_floor"] = ref / got["control"]["s"]
+            for name in [*variants, "control"]:
+                got[name]["vs_floor"] = ref / got[name]["s"]
             rounds.append(got)
             if rank == 0:
-                ends = [r.get("at_end", 0.0) for r in got["resume"]["ranks"]]
-                opens = [r.get("open_s", 0.0) for r in got["resume"]["ranks"]]
-                print(
-                    f"[ranks] round {i + 1}: floor {ref:.3f} s, resume {got['resume']['s']:.3f} s = "
-                    f"{got['resume']['vs_floor']:.3f} of it (equal {got['resume']['equal']}; a rank's open "
-                    f"{min(opens):.3f}-{max(opens):.3f} s, its load's end at {min(ends):.3f}-{max(ends):.3f} s), "
-                    f"control {got['control']['s']:.3f} s = {got['control']['vs_floor']:.3f}",
-                    flush=True,
-                )
+                print(f"[ranks] round {i + 1}: floor {ref:.3f} s", flush=True)
+                for name in [*variants, "control"]:
+                    row = got[name]
+                    line = f"[ranks]   {name}: {row['s']:.3f} s = {row['vs_floor']:.3f} of the floor"
+                    if "ranks" in row:
+                        ends = [r.get("at_reads_done", 0.0) for r in row["ranks"]]
+                        idle = [r.get("read_idle", 0.0) for r in row["ranks"]]
+                        line += (
+                            f" (equal {row['equal']}; a rank's reads done at {min(ends):.2f}-{max(ends):.2f} s, "
+                            f"its readers idle {min(idle):.1f}-{max(idle):.1f} thread-s)"
+                        )
+                    print(line, flush=True)
     finally:
         dcp_io.load = plain_load  # type: ignore[assignment]
+        for key, value in defaults.items():
+            setattr(verified_read, key, value)
+    out["variants"] = variants
     out["rounds"] = rounds
     if rank == 0:
-        res = [r["resume"]["vs_floor"] for r in rounds]
-        ctl = [r["control"]["vs_floor"] for r in rounds]
-        out["summary"] = {
-            "resume_median": statistics.median(res),
-            "resume_at_095": sum(v >= 0.95 for v in res),
-            "control_median": statistics.median(ctl),
-            "control_at_095": sum(v >= 0.95 for v in ctl),
-            "rounds": len(rounds),
-        }
-        print(
-            f"[ranks] resume vs its round's floor: median {out['summary']['resume_median']:.3f}, "
-            f"{out['summary']['resume_at_095']}/{len(res)} at >= 0.95; control median "
-            f"{out['summary']['control_median']:.3f}, {out['summary']['control_at_095']}/{len(ctl)}",
-            flush=True,
-        )
+        out["summary"] = {}
+        for name in [*variants, "control"]:
+            got_ = [r[name]["vs_floor"] for r in rounds]
+            out["summary"][name] = {
+                "median": statistics.median(got_),
+                "min": min(got_),
+                "max": max(got_),
+                "at_095": sum(v >= 0.95 for v in got_),
+                "rounds": len(got_),
+            }
+            print(
+                f"[ranks] {name} vs its round's floor: median {statistics.median(got_):.3f} "
+                f"({min(got_):.3f}-{max(got_):.3f}), {out['summary'][name]['at_095']}/{len(got_)} at >= 0.95",
+                flush=True,
+            )
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    ok = all(r["resume"]["equal"] for r in rounds) and warm["equal"]
+    ok = all(r[name]["equal"] for r in rounds for name in variants) and warm["equal"]
     dist.barrier()
     if rank == 0:
         import shutil
