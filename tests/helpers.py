@@ -207,9 +207,8 @@ def run_tree(
             cwd=cwd,
             on_timeout=look,
         )
-    except (
-        subprocess.TimeoutExpired
-    ) as exc:  # what it printed last and where each process was, in the failure
+    except subprocess.TimeoutExpired as exc:
+        # what it printed last and where each process was, in the failure
         said = f"{exc.output or ''}{exc.stderr or ''}"[-6000:]
         raise AssertionError(
             f"{' '.join(map(str, cmd))[:300]} ran past {timeout} s; its output's end:\n{said}\n{''.join(stacks)}"
