@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,13 +45,11 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import BUILT_IN, KNOBS, parse_variant  # noqa: E402
-from bench_save import cold_read  # noqa: E402
+from bench_save import GB, cold_read, load_with_stats  # noqa: E402
 from benchlib import cpu_seconds, drop_cache  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, verified_read  # noqa: E402
-
-GB = 1e9
 
 
 def host_span(fn: Any) -> tuple[float, Any]:
@@ -176,10 +175,6 @@ def main() -> None:
     phases: dict[str, float] = {}
     plain_load = dcp_io.load
 
-    def load_with_stats(*a: Any, **k: Any) -> set[str]:
-        phases.clear()
-        return plain_load(*a, stats=phases, **k)
-
     def resume(knobs: dict[str, Any]) -> dict[str, Any]:
         for key, value in {**defaults, **knobs}.items():
             setattr(verified_read, key, value)
@@ -210,7 +205,7 @@ def main() -> None:
         span, _ = host_span(lambda: cold_read(mine, args.streams))
         return span
 
-    dcp_io.load = load_with_stats  # type: ignore[assignment]
+    dcp_io.load = load_with_stats(plain_load, phases)  # type: ignore[assignment]
     rounds: list[dict[str, Any]] = []
     try:
         warm = resume({})  # imports and threads' first use: not counted
@@ -266,8 +261,6 @@ def main() -> None:
     ok = all(r[name]["equal"] for r in rounds for name in variants) and warm["equal"]
     dist.barrier()
     if rank == 0:
-        import shutil
-
         shutil.rmtree(base, ignore_errors=True)
     dist.destroy_process_group()
     if not ok:

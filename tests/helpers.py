@@ -142,16 +142,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def dump_stacks(pids: list[int]) -> str:
-    """The Python and native stacks of each process (py-spy, when installed beside this interpreter or on PATH):
-    what a test writes where a launch hung, before it kills the tree. Empty when py-spy is missing."""
+def dump_stacks(tree: proctree.Tree) -> str:
+    """The Python and native stacks of each process of `tree` alive now (py-spy, when installed beside this
+    interpreter or on PATH): what a test writes where a launch hung, before it kills the tree. Empty when py-spy is
+    missing."""
     spy = shutil.which(
         "py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     )
     if spy is None:
         return ""
+    tree.collect()
     out = []
-    for pid in pids:
+    for pid in [p.pid for p in tree.alive()]:
         try:
             done = subprocess.run(
                 [spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60
@@ -193,9 +195,6 @@ def run_tree(
     kills only torchrun), so none is left behind to disturb the next test."""
     stacks: list[str] = []
 
-    def look(tree: proctree.Tree) -> None:
-        stacks.append(dump_stacks([p.pid for p in tree.alive()]))
-
     try:
         return proctree.run(
             cmd,
@@ -205,7 +204,7 @@ def run_tree(
             timeout=timeout,
             env=env,
             cwd=cwd,
-            on_timeout=look,
+            on_timeout=lambda tree: stacks.append(dump_stacks(tree)),
         )
     except subprocess.TimeoutExpired as exc:
         # what it printed last and where each process was, in the failure

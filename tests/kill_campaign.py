@@ -287,8 +287,7 @@ class Campaign:
                     if proc.poll() is not None:
                         break
                     if now - t0 > self.launch_timeout:
-                        tree.collect()
-                        logf.write(dump_stacks([m.pid for m in tree.alive()]).encode())
+                        logf.write(dump_stacks(tree).encode())
                         logf.flush()
                         kill_job(tree, proc)
                         tail = logfile.read_text(errors="replace")[-20000:]

@@ -799,6 +799,8 @@ class _Load:
                 if not f.part_started[p] and all(f.arrived[lo:hi]):
                     f.part_started[p] = True
                     ready.append(p)
+        if not ready:
+            return
         hasher = None if READERS_HASH_LAST and self._reads_issued() else self._hasher
         for p in ready:
             if hasher is not None:
