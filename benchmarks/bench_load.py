@@ -249,14 +249,15 @@ SHARED_CHUNKS = {
 }
 PER_FILE = {"PER_FILE_READER": True, "LOAD_BUFFER": 0, "LARGEST_FIRST": True, "FADVISE": True}
 # Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
-# before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. "shared-chunks" is
-# the default before issue 22 goal 4; "default" is each file read front to back by a thread of its own (as the
-# cold-read floor does), as many at once as threads and MEMORY_SHARE of MemAvailable allow.
+# before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. "shared-chunks": the
+# threads always share the chunks of a few files (the default until 2026-12-06); "default": a thread per file
+# where the buffer holds a file for each thread, else shared chunks; "per-file": a thread per file always, as many
+# at once as threads and MEMORY_SHARE of MemAvailable allow.
 # (Slabs from cudaHostAlloc were measured on the H200 host and were slower: RESULTS.md; "pinned" registers them.)
 BUILT_IN: dict[str, dict[str, Any]] = {
     "before": {**SHARED_CHUNKS, "FILES_AT_ONCE": 1, "REUSE_SLABS": False},
     "shared-chunks": SHARED_CHUNKS,  # reused slabs, 3 files at once, 4 GiB
-    "default": {},  # the module's defaults (shared chunks since the H200 host measured both)
+    "default": {},  # the module's defaults
     "per-file": PER_FILE,  # a thread per file, front to back, the budget from MemAvailable
     "per-file-4GiB": {
         **PER_FILE,
@@ -292,6 +293,7 @@ BUILT_IN: dict[str, dict[str, Any]] = {
     "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
     "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
     "hash-8": {"HASH_THREADS": 8},
+    "fadvise": {"FADVISE": True},  # POSIX_FADV_SEQUENTIAL on each file: a larger readahead window
     # the last parts queued for the hash threads, as before round 15 (default: each hashed by its reading thread)
     "pool-hashes-last": {"READERS_HASH_LAST": False},
     "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)

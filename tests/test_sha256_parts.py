@@ -150,15 +150,18 @@ def test_items_are_copied_while_the_files_last_part_is_still_unchecked(
     assert {"w0", "w1"} <= set(before), events  # the first items were in their tensors before the end
 
 
+@pytest.mark.parametrize("per_file", [True, False], ids=["thread-per-file", "shared-chunks"])
 @pytest.mark.parametrize("damaged", [False, True])
 def test_the_parts_of_the_last_reads_are_hashed_by_the_reading_threads_themselves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: bool, per_file: bool
 ) -> None:
-    """Once every read is handed out, a reading thread hashes the parts its chunk completed itself (the hash
-    threads would take the last reads' parts, which arrive together, in turns); the parts before go to the hash
-    threads. A changed byte in such a part still fails the load, naming the part, and its item is never parsed."""
+    """Once every read is handed out (a thread reading whole files: its file's last chunk, with no file left to
+    take), a reading thread hashes the parts its chunk completed itself (the hash threads would take the last
+    reads' parts, which arrive together, in turns); the parts before go to the hash threads. A changed byte in
+    such a part still fails the load, naming the part, and its item is never parsed."""
     monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)
     monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    monkeypatch.setattr(verified_read, "PER_FILE_READER", per_file)
     model, state, expected = _written(tmp_path, monkeypatch)
     ((name, (_sha, size, (_part, states))),) = expected.items()
     last = len(states)

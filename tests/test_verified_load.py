@@ -251,6 +251,18 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
 
     monkeypatch.setattr(verified_read, "_Load", Seen)
     slab = verified_read._aligned(largest)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    # a thread per file (the budget holds a file for each): the files read at once are the reading threads
+    for ahead in (0, 1):
+        monkeypatch.setattr(verified_read, "ROOMS_AHEAD", ahead)
+        buffers.clear()
+        target, verified = _load(model, state, expected)
+        assert verified == read and all(torch.equal(target[k], v) for k, v in state.items())
+        assert loads[-1]._per_file and loads[-1]._budget == (4 + ahead) * slab
+        assert 1 <= len(buffers) <= 4 + ahead
+    monkeypatch.setattr(
+        verified_read, "PER_FILE_READER", False
+    )  # the threads share the chunks of a few files
     for files_at_once, ahead in ((1, 1), (2, 1), (2, 0), (1, 3)):
         monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
         monkeypatch.setattr(verified_read, "ROOMS_AHEAD", ahead)
@@ -273,7 +285,6 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
         assert loads[-1]._budget == max(2, -(-rooms // big)) * big, (files_at_once, loads[-1]._budget / big)
     # READS_AHEAD: room beyond the files being read for that many chunks a reading thread, at least
     monkeypatch.setattr(verified_read, "_SLAB", largest)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
     for files_at_once, reads_ahead in ((1, 0), (1, 1), (2, 3)):
         monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
         monkeypatch.setattr(verified_read, "ROOMS_AHEAD", 1)
@@ -450,6 +461,40 @@ def test_each_file_is_read_front_to_back_by_one_thread_largest_first(
     started = sorted(by_file, key=first.index)
     sizes = [expected[n][1] for n in started]
     assert sizes[0] == max(sizes)  # the largest file is the first one taken
+
+
+def test_the_threads_read_a_file_each_where_the_buffer_holds_one_for_each_else_share_a_few_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default (PER_FILE_READER None) each reading thread reads whole files front to back, as the cold-read
+    floor does, wherever the buffer holds a file of the largest size for every thread (or every file, where they
+    are fewer); a buffer that holds fewer has the threads share the chunks of the first few files. Either way
+    every value loads verified."""
+    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setattr(verified_read, "READ_STREAMS", 3)
+    model, state, expected = _saved(tmp_path, files=8)
+    _, read = _load(model, state, expected)
+    largest = verified_read._aligned(max(expected[name][1] for name in read))
+    assert verified_read.reads_per_file(8, largest, 3 * largest)
+    assert not verified_read.reads_per_file(8, largest, 3 * largest - 1)
+    assert verified_read.reads_per_file(
+        2, largest, 2 * largest
+    )  # fewer files than threads: each file its own
+    monkeypatch.setattr(verified_read, "_SLAB", largest)
+    for budget, per_file in ((3 * largest, True), (2 * largest, False)):
+        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
+        seen = _reads_seen(monkeypatch)
+        target, verified = _load(model, state, expected)
+        monkeypatch.undo()  # os.open and os.preadv back; the settings again below
+        monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+        monkeypatch.setattr(verified_read, "READ_STREAMS", 3)
+        monkeypatch.setattr(verified_read, "_SLAB", largest)
+        assert verified == read and all(torch.equal(target[k], v) for k, v in state.items())
+        threads: dict[str, set[str]] = {}
+        for thread, name, _ in seen:
+            threads.setdefault(name, set()).add(thread)
+        several = [name for name, by in threads.items() if len(by) > 1]
+        assert (not several) == per_file, (budget // largest, threads)
 
 
 def test_short_of_memory_the_files_are_read_fewer_at_once_and_still_all_verified(

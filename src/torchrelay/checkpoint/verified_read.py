@@ -96,15 +96,19 @@ _DAMAGED = "the file is damaged; restore it, or remove the checkpoint to resume 
 LOAD_BUFFER = 4 << 30
 MEMORY_SHARE = 0.5
 _FALLBACK_BUFFER = 4 << 30  # where /proc/meminfo is not there to read
-# True: each reading thread takes a whole file and reads it front to back, one read in flight, as the cold-read
-# floor does (bench_save.cold_read): the kernel's readahead of each file sees one sequential stream. The files
-# read at once are then as many as the threads and the buffer allow, and FILES_AT_ONCE is not used. False: the
-# threads share the chunks of the first FILES_AT_ONCE files (issue 22's first rounds). Measured on the H200 host
-# (2026-12-02, 14.5 GB in 16 files, benchmarks/bench_load.py, one call): shared chunks 0.89 of the cold read, a
-# thread per file 0.86 (MemAvailable's budget, largest first, SEQUENTIAL), 0.77 with 8 at once: the shared
-# chunks stay the default (with the 4 GiB buffer, the plan's order and no fadvise, as measured); the per-file
-# reader is kept as a setting (bench_load.py's `per-file` variant) for disks that prefer it.
-PER_FILE_READER = False
+# How the reading threads share the reads. True: each takes a whole file and reads it front to back, one read in
+# flight, as the cold-read floor does (bench_save.cold_read): the kernel's readahead of each file sees one
+# sequential stream, and as many files are read at once as the threads and the buffer allow (FILES_AT_ONCE is not
+# used). False: the threads share the chunks of the first FILES_AT_ONCE files. None (the default): a thread per
+# file wherever the buffer holds a file for each reading thread (or every file, when there are fewer), else the
+# shared chunks. Measured on the GPU hosts:
+# - 14.5 GB in 16 files of 0.9 GB on one rank, 4 GiB of buffer (2026-12-02, H200, bench_load.py): shared chunks
+#   0.89 of the cold read, a thread per file 0.86, 0.77 with 8 at once: the buffer holds 4 of the 16 files, so a
+#   thread per file reads 4 streams where the floor reads 16.
+# - 8 ranks of one host resuming their 1.8 GB shares at once, 16 files of 113 MB each (2026-12-06, H100,
+#   bench_load_ranks.py, 3 rounds): shared chunks 0.68-0.69 of the same ranks' cold read, a thread per file
+#   0.82-0.89: the buffer holds every file, and 128 sequential streams are what the disk serves best.
+PER_FILE_READER: bool | None = None
 # True: the largest files are started first (the tail is the last file's read, hash and copy: a short one).
 LARGEST_FIRST = False
 # True: POSIX_FADV_SEQUENTIAL on each file as it is opened (a larger readahead window on Linux).
@@ -149,7 +153,7 @@ USE_PARTS = True
 # copies overlap the reads on the parse threads).
 REUSE_SLABS = True
 # Memory held at once: room for at most the files read at the same time (FILES_AT_ONCE, or READ_STREAMS with
-# PER_FILE_READER) plus ROOMS_AHEAD files of the largest size, in whole slabs (two at least), within the budget; a
+# a thread per file) plus ROOMS_AHEAD files of the largest size, in whole slabs (two at least), within the budget; a
 # negative value: as many slabs as the budget allows, as before.
 # Memory touched for the first time is the dear part of a read into it (the kernel zeroes and maps each page: on
 # the 2-core VM 27 % of a verified load's CPU time was `clear_page` under the reads' page faults), and a budget
@@ -228,6 +232,14 @@ def files_at_once(largest: int, budget: int) -> int:
     files of the `largest` size (one room kept for the next file)."""
     room = max(1, budget // max(1, largest))
     return max(1, min(FILES_AT_ONCE, room - 1))
+
+
+def reads_per_file(files: int, largest: int, budget: int) -> bool:
+    """Whether each reading thread reads whole files (PER_FILE_READER; where it is None: wherever `budget` holds
+    a file of the `largest` size for each reading thread, or each of the `files` where they are fewer)."""
+    if PER_FILE_READER is not None:
+        return PER_FILE_READER
+    return min(max(1, READ_STREAMS), files) * _aligned(largest) <= budget
 
 
 def _mem_available() -> int | None:
@@ -429,6 +441,9 @@ class _Load:
         self._admitted_all = False
         self._turn = 0  # chunks handed out
         self._at_once = max(1, FILES_AT_ONCE)  # files read at the same time (run() lowers it to the room)
+        self._per_file = bool(
+            PER_FILE_READER
+        )  # a thread per file (run() decides where PER_FILE_READER is None)
         self._slab_size = 0
         self._budget = _FALLBACK_BUFFER  # run() sets it
         self._finished = 0
@@ -451,7 +466,7 @@ class _Load:
             if HASH_THREADS > 0
             else None
         )
-        readers = [
+        readers = [  # they wait for the first file admitted, after the reads' pattern is chosen
             threading.Thread(target=self._reader, name=f"torchrelay-read-{i}", daemon=True)
             for i in range(max(1, READ_STREAMS))
         ]
@@ -468,8 +483,9 @@ class _Load:
             self._budget = load_budget()
             self._slab_size = _aligned(max(largest, min(total, self._budget, _SLAB)))
             self._at_once = files_at_once(largest, self._budget)
+            self._per_file = reads_per_file(len(files), largest, self._budget)
             if REUSE_SLABS and ROOMS_AHEAD >= 0 and self._slab_size:  # no more new memory than the reads use
-                reading = max(1, READ_STREAMS) if PER_FILE_READER else self._at_once
+                reading = min(max(1, READ_STREAMS), len(files)) if self._per_file else self._at_once
                 # in whole slabs, two at least: a slab of small files is reused only once all of them are done
                 wanted = max(2 * self._slab_size, (reading + ROOMS_AHEAD) * _aligned(largest))
                 # READS_AHEAD: room for that many chunks a reading thread beyond the files being read, so that
@@ -655,53 +671,42 @@ class _Load:
         self._cond.notify_all()
 
     def _reader(self) -> None:
-        if not PER_FILE_READER:
-            while (job := self._next()) is not None:
-                self._guard(self._read, *job)
-            return
-        while (f := self._take()) is not None:
-            for k in range(f.chunks):
+        while (job := self._next()) is not None:
+            f, k = job
+            if k >= 0:
+                self._guard(self._read, f, k)
+                continue
+            for k in range(f.chunks):  # a whole file, front to back
                 if self._error is not None:
                     return
                 self._guard(self._read, f, k)
 
-    def _take(self) -> _File | None:
-        """A whole file for this reading thread to read front to back: the first admitted that no thread has
-        taken; None once every file is taken, or after a failure."""
-        with self._cond:
-            t0 = time.perf_counter()
-            while True:
-                if self._error is not None:
-                    return None
-                if self._reading:
-                    f = self._reading.pop(0)
-                    f.issued = f.chunks
-                    self.timings["read_idle"] += time.perf_counter() - t0
-                    return f
-                if self._admitted_all:
-                    return None
-                self._cond.wait()
-
     def _next(self) -> tuple[_File, int] | None:
-        """The next chunk to read: of the first files not fully asked for (`_at_once`), the one served longest
-        ago (round robin, each an equal share); None once every file is, or after a failure."""
+        """The next read for this thread, once a file is admitted: a whole file (chunk -1), the first admitted
+        that no thread has taken, where each thread reads whole files; else the next chunk of the first files not
+        fully asked for (`_at_once`), of the one served longest ago (round robin, each an equal share). None once
+        every file is read, or after a failure."""
         with self._cond:
             t0 = time.perf_counter()
             while True:
                 if self._error is not None:
                     return None
                 if self._reading:
-                    f = (
-                        self._reading[0]
-                        if FILL_FIRST
-                        else min(self._reading[: self._at_once], key=lambda g: g.served)
-                    )
-                    k = f.issued
-                    f.issued += 1
-                    f.served = self._turn
-                    self._turn += 1
-                    if f.issued == f.chunks:
-                        self._reading.remove(f)
+                    if self._per_file:
+                        f = self._reading.pop(0)
+                        f.issued, k = f.chunks, -1
+                    else:
+                        f = (
+                            self._reading[0]
+                            if FILL_FIRST
+                            else min(self._reading[: self._at_once], key=lambda g: g.served)
+                        )
+                        k = f.issued
+                        f.issued += 1
+                        f.served = self._turn
+                        self._turn += 1
+                        if f.issued == f.chunks:
+                            self._reading.remove(f)
                     self.timings["read_idle"] += time.perf_counter() - t0
                     return f, k
                 if self._admitted_all:
@@ -801,17 +806,17 @@ class _Load:
                     ready.append(p)
         if not ready:
             return
-        hasher = None if READERS_HASH_LAST and self._reads_issued() else self._hasher
+        hasher = None if READERS_HASH_LAST and self._no_read_left(f, k) else self._hasher
         for p in ready:
             if hasher is not None:
                 hasher.submit(self._guard, self._hash_part, f, p)
             else:
                 self._hash_part(f, p)
 
-    def _reads_issued(self) -> bool:
-        """Every chunk of every file has been handed to a reading thread: this thread has no read left to issue
-        (a thread reading whole files, PER_FILE_READER, may still have chunks of its own file to read)."""
-        if PER_FILE_READER:
+    def _no_read_left(self, f: _File, k: int) -> bool:
+        """This thread, having read chunk k of f, has no read left to issue: every chunk of every file has been
+        handed out (and, reading whole files, k is its file's last)."""
+        if self._per_file and k < f.chunks - 1:
             return False
         with self._cond:
             return self._admitted_all and not self._reading
