@@ -283,19 +283,7 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
         assert big > slab  # each slab holds several files
         rooms = (files_at_once + ahead) * slab  # of the largest file
         assert loads[-1]._budget == max(2, -(-rooms // big)) * big, (files_at_once, loads[-1]._budget / big)
-    # READS_AHEAD: room beyond the files being read for that many chunks a reading thread, at least
     monkeypatch.setattr(verified_read, "_SLAB", largest)
-    for files_at_once, reads_ahead in ((1, 0), (1, 1), (2, 3)):
-        monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
-        monkeypatch.setattr(verified_read, "ROOMS_AHEAD", 1)
-        monkeypatch.setattr(verified_read, "READS_AHEAD", reads_ahead)
-        buffers.clear()
-        target, _ = _load(model, state, expected)
-        assert all(torch.equal(target[k], v) for k, v in state.items())
-        want = max(files_at_once + 1, files_at_once + -(-reads_ahead * 4 * 1024 // slab))
-        assert loads[-1]._budget == want * slab, (files_at_once, reads_ahead, loads[-1]._budget / slab)
-        assert 1 <= len(buffers) <= want
-    monkeypatch.setattr(verified_read, "READS_AHEAD", 0)
     monkeypatch.setattr(verified_read, "ROOMS_AHEAD", -1)
     buffers.clear()
     target, _ = _load(model, state, expected)

@@ -162,11 +162,6 @@ REUSE_SLABS = True
 # round eleven). Where the budget holds only a few of the largest files (the H200 host's 0.9 GB files in 4 GiB)
 # nothing changes: FILES_AT_ONCE is already lowered to leave one room ahead.
 ROOMS_AHEAD = 1
-# Chunks a reading thread the memory admitted beyond the files being read, at least (0: ROOMS_AHEAD alone). With
-# every rank of a host resuming at once, 113 MB files (7 chunks) and one room ahead, each rank's 16 readers sat
-# idle 19-44 of about 170 thread-seconds waiting for a file to be admitted (8 ranks at 0.69 of their cold read,
-# RESULTS.md issue 22 round 15). A setting until measured.
-READS_AHEAD = 0
 # True: for a load into CUDA tensors the slabs are page-locked by registration (an anonymous mapping each, touched
 # and registered: 17-28 GB/s, where cudaHostAlloc took 2 s for 4 GiB) and each item's copy is a DMA on a stream of
 # its parse thread, waited for before its room goes back. Measured on the H200 host: the copies' thread time 1.2 s
@@ -488,11 +483,6 @@ class _Load:
                 reading = min(max(1, READ_STREAMS), len(files)) if self._per_file else self._at_once
                 # in whole slabs, two at least: a slab of small files is reused only once all of them are done
                 wanted = max(2 * self._slab_size, (reading + ROOMS_AHEAD) * _aligned(largest))
-                # READS_AHEAD: room for that many chunks a reading thread beyond the files being read, so that
-                # small files (a few chunks each) still give every reader a chunk while the rooms turn over
-                wanted = max(
-                    wanted, reading * _aligned(largest) + READS_AHEAD * max(1, READ_STREAMS) * _CHUNK
-                )
                 self._budget = min(self._budget, -(-wanted // self._slab_size) * self._slab_size)
             if LARGEST_FIRST:
                 files.sort(key=lambda g: -g.size)  # stable: the plan's order among equal sizes
