@@ -24,7 +24,7 @@ from torchrelay.controller.plan import CheckSpec
 from torchrelay.controller.preflight import PreflightFailed, PreflightReport, run_user_check
 from torchrelay.controller.supervisor import Supervisor
 from torchrelay.data.loader import RelayLoader, main_unguarded, start_forkserver
-from torchrelay.errors import EXIT_REQUEST, EXIT_SIGNAL, ConfigError, RelayError
+from torchrelay.errors import EXIT_ERROR, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, RelayError
 from torchrelay.lock import RunLock
 from torchrelay.proctree import Tree, survivors
 from torchrelay.stop import REQUEST_MAX_BYTES, SignalFlag, StopContext, StopRequest, deadline_from_env, decide
@@ -180,6 +180,44 @@ def test_in_process_stops_garbage_request_chained_signal_and_a_finished_run(
     with pytest.raises(RelayError, match="total_updates"):
         _train(run_dir, example, 5)
     assert len(segments(run_dir)) == 4 and segments(run_dir)[-1]["ended"] == "refused"
+
+
+def test_a_script_that_leaves_the_loop_early_is_told_so_and_resumes_from_its_last_checkpoint(
+    example: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A `break` out of run.steps (no stop agreed, the schedule not ended) ends the run `error`, exit 1, with a
+    warning that says so and what to do instead, recorded in the segment's notes; the next launch goes on from
+    the newest complete checkpoint."""
+    run_dir = tmp_path / "run"
+    caplog.set_level(logging.INFO, logger="torchrelay")
+    cfg = RelayConfig(
+        seed=3,
+        micro_batch=2,
+        total_updates=4,
+        manifest=str(example["manifest"]),
+        data_root=str(example["root"]),
+        save_every=2,
+    )
+    with Run.open(run_dir, cfg, code_dir=example["code"]) as run:
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.track(model=model, optimizer=opt)
+        for step in run.steps(run.dataloader(list(range(len(run.manifest))))):
+            for _, _batch in step.micro_batches():
+                model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step.update == 3:
+                break
+    assert (run.exit_code, run.ended) == (EXIT_ERROR, "error")
+    assert (
+        "left run.steps before the schedule's end or an agreed stop (after update 2)" in caplog.text
+    )  # 3 never ended
+    assert "request a stop" in caplog.text
+    seg = segments(run_dir)[-1]
+    assert seg["ended"] == "error" and any("left run.steps" in n for n in seg["notes"])
+    run, done = _train(run_dir, example, 4)
+    assert (run.exit_code, done) == (0, [3, 4])  # from checkpoint-2: update 3 again, then 4
 
 
 def test_budget_counts_from_the_job_start_and_refuses_nonsense() -> None:

@@ -287,6 +287,16 @@ class Run:
             self.ended = Ended.REFUSED if self.exit_code == EXIT_REFUSED else Ended.ERROR
             if error is not None:
                 self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
+            else:  # the script left run.steps (a break, a return) before the schedule's end or an agreed stop
+                why = "the script left run.steps before the schedule's end or an agreed stop"
+                self._notes.append(f"rank {self.rank}: {why}")
+                if self.rank == 0:
+                    logger.warning(
+                        f"[torchrelay] {why} (after update {last}): ended {self.ended}, exit {self.exit_code}; "
+                        "a resume continues from the newest complete checkpoint. To end early and keep every "
+                        "update, request a stop (`torchrelay stop RUN_DIR`, or a REQUEST_STOP file) and let "
+                        "the loop end"
+                    )
             if isinstance(error, torch.OutOfMemoryError):
                 self._record_oom(error, fatal=True)
             self._end_segment(last)
