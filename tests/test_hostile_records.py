@@ -838,3 +838,50 @@ def test_status_shows_control_characters_of_a_record_as_text(
     assert main(["status", "--json", str(run)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["segments"][0]["notes"] == [f"note {title}{clear}"]
+
+
+def test_the_logs_a_run_appends_to_or_trims_are_never_written_through_a_link(tmp_path: Path) -> None:
+    """A rank's exposure log linked to a file outside the run: the resume appended to that file and, resuming from
+    an older checkpoint, cut it; a linked train/ was written through the same way. Now the resume refuses either
+    in one line naming it before it writes anything (history.jsonl included), and so does every writer of a log."""
+    from torchrelay.run.directory import reopen_run
+    from torchrelay.rundir import RunDir
+    from torchrelay.train_records import ExposureLog, RankLog, record_oom, trim_after
+
+    run = make_run(tmp_path)
+    train = run / "train"
+    history = (run / "history.jsonl").read_bytes()
+    outside = tmp_path / "outside-log.jsonl"
+    shutil.move(train / "exposures-rank0.jsonl", outside)
+    (train / "exposures-rank0.jsonl").symlink_to(outside)
+    (train / "ooms-rank0.jsonl").symlink_to(outside)
+    kept = outside.read_bytes()
+
+    def reopen() -> Any:
+        return reopen_run(RunDir(run), None, {}, world_size=2, code_dir=None, reshard=False, numerics={})
+
+    writers: list[Callable[[], Any]] = [
+        lambda: trim_after(train, 0),
+        lambda: ExposureLog(train / "exposures-rank0.jsonl", (2, 2, 4)).write_exposure(99, 0, [1]),
+        lambda: RankLog(train / "ooms-rank0.jsonl").write({"update": 99}),
+        lambda: record_oom(train, 0, {"update": 99}),
+        reopen,
+    ]
+    for write in writers:
+        with pytest.raises(RelayError, match=r"\.jsonl .*is a (symlink: remove it|symbolic link)") as info:
+            write()
+        assert info.value.exit_code == EXIT_REFUSED and str(train) in info.value.message
+        assert outside.read_bytes() == kept and (run / "history.jsonl").read_bytes() == history
+    (train / "exposures-rank0.jsonl").unlink()
+    (train / "ooms-rank0.jsonl").unlink()
+    shutil.move(outside, train / "exposures-rank0.jsonl")
+    # the whole train/ linked out of the run
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(train, elsewhere)
+    train.symlink_to(elsewhere)
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir() if p.is_file()}
+    for write in writers:
+        with pytest.raises(RelayError, match=r"train \(the run's per-rank logs\) is a symlink: remove it"):
+            write()
+        assert {p.name: p.read_bytes() for p in elsewhere.iterdir() if p.is_file()} == before
+        assert (run / "history.jsonl").read_bytes() == history
