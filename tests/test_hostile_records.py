@@ -885,3 +885,24 @@ def test_the_logs_a_run_appends_to_or_trims_are_never_written_through_a_link(tmp
             write()
         assert {p.name: p.read_bytes() for p in elsewhere.iterdir() if p.is_file()} == before
         assert (run / "history.jsonl").read_bytes() == history
+
+
+def test_the_example_reads_the_run_s_configuration_the_guarded_way(tmp_path: Path) -> None:
+    """examples/train_lm.py picked its device from config.json with yaml.safe_load, following a link out of the run
+    before torchrelay's reader ran (/etc/passwd there: a TypeError traceback). Now it reads it the guarded way and
+    leaves the refusal to Run.open; a valid configuration still gives its device."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_lm_example", REPO / "examples" / "train_lm.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    run = make_run(tmp_path)
+    args = argparse.Namespace(set=[], run_dir=str(run), config=None)
+    assert example._device_of(args) == "cpu"
+    outside = tmp_path / "passwd"
+    outside.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (run / "config.json").unlink()
+    (run / "config.json").symlink_to(outside)
+    assert example._device_of(args) == "cpu"  # not followed: Run.open refuses the link in one line
