@@ -906,3 +906,23 @@ def test_the_example_reads_the_run_s_configuration_the_guarded_way(tmp_path: Pat
     (run / "config.json").unlink()
     (run / "config.json").symlink_to(outside)
     assert example._device_of(args) == "cpu"  # not followed: Run.open refuses the link in one line
+
+
+def test_an_atomic_write_never_writes_through_a_link_at_its_temporary(tmp_path: Path) -> None:
+    """HANDED_OFF.json's and SHA256SUMS's temporaries have names a planter can guess (the pid, or none): a link
+    there made the write land in whatever it points to. Now it is refused (O_NOFOLLOW) and that file untouched."""
+    from torchrelay.checkpoint.handed_off import TMP_PREFIX, write_marker
+
+    victim = tmp_path / "victim"
+    victim.write_text("VICTIM")
+    ckpt = tmp_path / CKPT
+    ckpt.mkdir()
+    (ckpt / f"{TMP_PREFIX}{os.getpid()}").symlink_to(victim)
+    (tmp_path / f".{SUMS_NAME}.tmp").symlink_to(victim)
+    for write in (
+        lambda: write_marker(ckpt, {"format": 1}, step="test"),
+        lambda: write_sums(tmp_path / SUMS_NAME, [SumEntry("a", "0" * 64)]),
+    ):
+        with pytest.raises(OSError):
+            write()
+        assert victim.read_text() == "VICTIM"
