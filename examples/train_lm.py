@@ -27,6 +27,8 @@ import yaml  # noqa: E402
 import torchrelay as tr  # noqa: E402
 from torchrelay import kill_points  # noqa: E402
 from torchrelay.config import parse_assignments  # noqa: E402
+from torchrelay.errors import RelayError  # noqa: E402
+from torchrelay.rundir import RunDir  # noqa: E402
 
 
 class ByteLM(nn.Module):
@@ -99,9 +101,11 @@ def _device_of(args: argparse.Namespace) -> str:
     if any(item.startswith("params.device=") for item in args.set):
         return next(i.split("=", 1)[1] for i in args.set if i.startswith("params.device="))
     run_dir = os.environ.get("TORCHRELAY_RUN_DIR") or args.run_dir
-    stored = Path(run_dir) / "config.json" if run_dir else None
-    if stored is not None and stored.exists():
-        return yaml.safe_load(stored.read_text())["params"].get("device", "cpu")
+    if run_dir and RunDir(run_dir).exists():
+        try:  # read the guarded way (a link out of the run, a pipe, a hostile record: refused, never followed)
+            return str(RunDir(run_dir).load_config().params.get("device", "cpu"))
+        except RelayError:
+            return "cpu"  # Run.open reads it again and refuses it in one line, on every rank
     if args.config is not None:
         return yaml.safe_load(args.config.read_text())["params"].get("device", "cpu")
     return "cpu"

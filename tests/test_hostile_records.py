@@ -838,3 +838,91 @@ def test_status_shows_control_characters_of_a_record_as_text(
     assert main(["status", "--json", str(run)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["segments"][0]["notes"] == [f"note {title}{clear}"]
+
+
+def test_the_logs_a_run_appends_to_or_trims_are_never_written_through_a_link(tmp_path: Path) -> None:
+    """A rank's exposure log linked to a file outside the run: the resume appended to that file and, resuming from
+    an older checkpoint, cut it; a linked train/ was written through the same way. Now the resume refuses either
+    in one line naming it before it writes anything (history.jsonl included), and so does every writer of a log."""
+    from torchrelay.run.directory import reopen_run
+    from torchrelay.rundir import RunDir
+    from torchrelay.train_records import ExposureLog, RankLog, record_oom, trim_after
+
+    run = make_run(tmp_path)
+    train = run / "train"
+    history = (run / "history.jsonl").read_bytes()
+    outside = tmp_path / "outside-log.jsonl"
+    shutil.move(train / "exposures-rank0.jsonl", outside)
+    (train / "exposures-rank0.jsonl").symlink_to(outside)
+    (train / "ooms-rank0.jsonl").symlink_to(outside)
+    kept = outside.read_bytes()
+
+    def reopen() -> Any:
+        return reopen_run(RunDir(run), None, {}, world_size=2, code_dir=None, reshard=False, numerics={})
+
+    writers: list[Callable[[], Any]] = [
+        lambda: trim_after(train, 0),
+        lambda: ExposureLog(train / "exposures-rank0.jsonl", (2, 2, 4)).write_exposure(99, 0, [1]),
+        lambda: RankLog(train / "ooms-rank0.jsonl").write({"update": 99}),
+        lambda: record_oom(train, 0, {"update": 99}),
+        reopen,
+    ]
+    for write in writers:
+        with pytest.raises(RelayError, match=r"\.jsonl .*is a (symlink: remove it|symbolic link)") as info:
+            write()
+        assert info.value.exit_code == EXIT_REFUSED and str(train) in info.value.message
+        assert outside.read_bytes() == kept and (run / "history.jsonl").read_bytes() == history
+    (train / "exposures-rank0.jsonl").unlink()
+    (train / "ooms-rank0.jsonl").unlink()
+    shutil.move(outside, train / "exposures-rank0.jsonl")
+    # the whole train/ linked out of the run
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(train, elsewhere)
+    train.symlink_to(elsewhere)
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir() if p.is_file()}
+    for write in writers:
+        with pytest.raises(RelayError, match=r"train \(the run's per-rank logs\) is a symlink: remove it"):
+            write()
+        assert {p.name: p.read_bytes() for p in elsewhere.iterdir() if p.is_file()} == before
+        assert (run / "history.jsonl").read_bytes() == history
+
+
+def test_the_example_reads_the_run_s_configuration_the_guarded_way(tmp_path: Path) -> None:
+    """examples/train_lm.py picked its device from config.json with yaml.safe_load, following a link out of the run
+    before torchrelay's reader ran (/etc/passwd there: a TypeError traceback). Now it reads it the guarded way and
+    leaves the refusal to Run.open; a valid configuration still gives its device."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_lm_example", REPO / "examples" / "train_lm.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    run = make_run(tmp_path)
+    args = argparse.Namespace(set=[], run_dir=str(run), config=None)
+    assert example._device_of(args) == "cpu"
+    outside = tmp_path / "passwd"
+    outside.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (run / "config.json").unlink()
+    (run / "config.json").symlink_to(outside)
+    assert example._device_of(args) == "cpu"  # not followed: Run.open refuses the link in one line
+
+
+def test_an_atomic_write_never_writes_through_a_link_at_its_temporary(tmp_path: Path) -> None:
+    """HANDED_OFF.json's and SHA256SUMS's temporaries have names a planter can guess (the pid, or none): a link
+    there made the write land in whatever it points to. Now it is refused (O_NOFOLLOW) and that file untouched."""
+    from torchrelay.checkpoint.handed_off import TMP_PREFIX, write_marker
+
+    victim = tmp_path / "victim"
+    victim.write_text("VICTIM")
+    ckpt = tmp_path / CKPT
+    ckpt.mkdir()
+    (ckpt / f"{TMP_PREFIX}{os.getpid()}").symlink_to(victim)
+    (tmp_path / f".{SUMS_NAME}.tmp").symlink_to(victim)
+    for write in (
+        lambda: write_marker(ckpt, {"format": 1}, step="test"),
+        lambda: write_sums(tmp_path / SUMS_NAME, [SumEntry("a", "0" * 64)]),
+    ):
+        with pytest.raises(OSError):
+            write()
+        assert victim.read_text() == "VICTIM"

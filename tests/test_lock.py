@@ -18,7 +18,7 @@ from helpers import clean_env, launch, launch_bg, segments, wait_for_update, wri
 from test_controller import CLI, launch_cli, write_plan
 from torchrelay.cli import main
 from torchrelay.controller.attempts import Attempts
-from torchrelay.errors import RunBusy
+from torchrelay.errors import RunBusy, UnsafeInput
 from torchrelay.ledger import prove
 from torchrelay.lock import RunLock, holder
 
@@ -81,6 +81,29 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
         os.waitpid(pid, 0)
         os.close(ready)
         os.close(go)
+
+
+@pytest.mark.parametrize("role", ["train", "launch"])
+def test_a_link_at_the_lock_is_refused_and_what_it_points_to_untouched(tmp_path: Path, role: str) -> None:
+    """The lock's holder record truncates the file it opens: a planted link would empty a file outside the run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    precious = tmp_path / "outside" / "precious.txt"
+    precious.parent.mkdir()
+    precious.write_text("precious user data\n")
+    lock = RunLock(run, role)
+    lock.path.symlink_to(precious)
+    with pytest.raises(UnsafeInput, match=r"lock\) is a symlink: remove it") as info:
+        lock.acquire()
+    assert str(lock.path) in info.value.message and info.value.exit_code == 2
+    assert precious.read_text() == "precious user data\n"
+    assert holder(run, role) is None
+
+
+def test_a_pipe_at_the_lock_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / ".torchrelay-train.lock")
+    with pytest.raises(UnsafeInput, match="not a regular file"):
+        RunLock(tmp_path, "train").acquire()
 
 
 def test_second_writer_is_refused_while_the_run_trains(example: dict[str, Path], tmp_path: Path) -> None:

@@ -329,6 +329,70 @@ def test_links_inside_the_source_tree_are_kept(tmp_path: Path) -> None:
     assert (out / "alias.py").read_text() == "print(1)\n"
 
 
+def _add(
+    tar: tarfile.TarFile, name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b""
+) -> None:
+    info = _member(name, kind, link)
+    info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data) if data else None)
+
+
+def test_a_chain_of_links_past_path_max_writes_nothing_outside(tmp_path: Path) -> None:
+    """CVE-2025-4517's archive: folders of long names, a link to each, a link through the chain that climbs back
+    up, and a member under it. Each link's target, normalised as text, stays in the folder, and Python 3.11.7's
+    "data" filter, resolving it past PATH_MAX, let it through: the file landed outside the run. Now a member under
+    a link and a link through a link are refused, in one short line, before anything is written."""
+    dest = tmp_path / "run.prepare-tmp-0123456789ab" / "source"
+    victim = dest.parent.parent / "victim.txt"
+    victim.write_text("original content\n")
+    prefix, steps = "code-1", "abcdefghijklmnop"
+    comp = "d" * ((4096 - len(str(dest)) - len(prefix) - 1) // (len(steps) + 1))
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        _add(tar, prefix, tarfile.DIRTYPE)
+        path = prefix
+        for step in steps:
+            _add(tar, f"{path}/{comp}", tarfile.DIRTYPE)
+            _add(tar, f"{path}/{step}", tarfile.SYMTYPE, comp)
+            path = f"{path}/{comp}"
+        deep = "/".join([*steps, "l" * 254])
+        _add(tar, f"{prefix}/{deep}", tarfile.SYMTYPE, "/".join([".."] * len(steps)))
+        _add(tar, f"{prefix}/escape", tarfile.SYMTYPE, deep + "/.." * 3)
+        _add(tar, f"{prefix}/escape/victim.txt", data=b"written outside the run directory\n")
+    with pytest.raises(UnsafeInput, match="refused") as info:
+        extract_source(archive, dest, prefix)
+    assert victim.read_text() == "original content\n"
+    assert len(str(info.value)) < 600 and "\n" not in info.value.message, str(info.value)
+    assert not any(dest.iterdir()), "nothing may land before the refusal"
+
+
+@pytest.mark.parametrize(
+    ("members", "why"),
+    [
+        ([("code-1/a", tarfile.SYMTYPE, "pkg"), ("code-1/b", tarfile.SYMTYPE, "a/../..")], "through another"),
+        (
+            [("code-1/a", tarfile.SYMTYPE, "pkg"), ("code-1/a/x.py", tarfile.REGTYPE, "")],
+            "under a symbolic link",
+        ),
+        ([("code-1/x.py", tarfile.REGTYPE, ""), ("code-1/x.py", tarfile.REGTYPE, "")], "twice"),
+        ([("code-1/" + "d/" * 2040 + "x.py", tarfile.REGTYPE, "")], "longer than a path can be"),
+        ([("code-1/a", tarfile.SYMTYPE, "x" * 300)], "longer than a name"),
+    ],
+)
+def test_source_archive_links_resolved_only_where_text_is_truth(
+    tmp_path: Path, members: list[tuple[str, bytes, str]], why: str
+) -> None:
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        _add(tar, "code-1/pkg", tarfile.DIRTYPE)
+        for name, kind, link in members:
+            _add(tar, name, kind, link, b"x" if kind == tarfile.REGTYPE else b"")
+    with pytest.raises(UnsafeInput, match=why):
+        extract_source(archive, tmp_path / "out", "code-1")
+    assert not (tmp_path / "out" / "code-1").exists(), "nothing may land before the refusal"
+
+
 # --- DCP metadata: class state, types, shard paths ------------------------------------------------------------
 
 

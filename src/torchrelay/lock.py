@@ -22,6 +22,7 @@ from typing import Any
 
 from torchrelay.errors import ConfigError, RunBusy
 from torchrelay.log import logger
+from torchrelay.util.safepath import open_writable
 
 TRAIN_LOCK = ".torchrelay-train.lock"
 LOCK_FILES = frozenset({TRAIN_LOCK})
@@ -69,7 +70,8 @@ class RunLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         elif not self.path.parent.is_dir():
             raise ConfigError(f"{self.path.parent} does not exist", hint="check the run directory's path")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # a link planted at the lock's name is refused, never followed: the record below truncates what it opens
+        fd = open_writable(self.path, what=f"the run's {self.role} lock")
         give_up = time.monotonic() + wait_s
         while True:
             try:

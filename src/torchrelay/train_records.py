@@ -16,13 +16,23 @@ import numpy as np
 from torchrelay.errors import IntegrityError
 from torchrelay.util.jsonl import LINE_LIMIT, iter_records
 from torchrelay.util.records import Schema
-from torchrelay.util.safepath import open_regular
+from torchrelay.util.safepath import open_regular, open_writable, refuse_link
 
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
 METRIC_SCHEMA = Schema(
     {"update": int}
 )  # what every metric record holds (util/records.check), the rest is the user's
 _RANK_LOG = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
+
+
+def refuse_linked_logs(train_dir: Path) -> None:
+    """Refuse (UnsafeInput, naming it) a train/ that is a symlink, or a symlink in it (a rank's log, its OOM log,
+    recovery-history/, stop-requests/): the run appends to, trims and moves files into them, so a planted link would
+    have it write, or cut, a file outside the run. Called before anything of the run is written."""
+    refuse_link(train_dir, what="the run's per-rank logs")
+    if train_dir.is_dir():
+        for path in sorted(train_dir.iterdir()):
+            refuse_link(path, what=f"in the run's {train_dir.name}/")
 
 
 def metrics_path(train_dir: Path, rank: int) -> Path:
@@ -53,8 +63,10 @@ def ooms_path(train_dir: Path, rank: int) -> Path:
 
 def record_oom(train_dir: Path, rank: int, record: dict[str, Any]) -> None:
     """Append one OOM record (update, segment, fatal, message), flushed to disk: the process may die next."""
+    refuse_link(train_dir, what="the run's per-rank logs")
     train_dir.mkdir(parents=True, exist_ok=True)
-    with open(ooms_path(train_dir, rank), "a", encoding="utf-8") as f:
+    path = ooms_path(train_dir, rank)
+    with open(open_writable(path, what=path.name, append=True), "a", encoding="utf-8") as f:
         f.write(json.dumps({"rank": rank, **record}, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -76,9 +88,13 @@ class RankLog:
     """An append-only JSONL file; one write per line, flushed so a reader sees whole lines."""
 
     def __init__(self, path: Path) -> None:
+        refuse_link(path.parent, what="the run's per-rank logs")
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f: IO[str] = open(path, "a", buffering=1 << 16)  # noqa: SIM115 - lives as long as the run
+        fd = open_writable(
+            path, what=path.name, append=True
+        )  # a link at its name refused, never written through
+        self._f: IO[str] = open(fd, "a", buffering=1 << 16)  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -147,10 +163,11 @@ def _continues_padded(path: Path) -> bool:
     """Whether a log opened for appending continues padded: a new or empty one does; an existing one does if its
     first line holds a space (the writer's compact JSON never does)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(256)
+        fd, _ = open_regular(path, what=path.name)
     except FileNotFoundError:
         return True
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(256)
     return not head.strip() or b" " in head.split(b"\n", 1)[0]
 
 
@@ -172,19 +189,21 @@ def trim_after(train_dir: Path, update: int) -> Path | None:
     """
     if not train_dir.is_dir():
         return None
+    refuse_linked_logs(train_dir)
     archive = train_dir / "recovery-history" / time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     moved_any = False
     for path in sorted(train_dir.iterdir()):
         if not _RANK_LOG.match(path.name):
             continue
-        with open(path, "rb+") as f:
+        with open(open_writable(path, what=path.name, create=False), "rb+") as f:
             cut = _start_of_tail(f, update)
             f.seek(cut)
             moved = f.read()
             if not moved:
                 continue
             archive.mkdir(parents=True, exist_ok=True)
-            with open(archive / path.name, "ab") as out:
+            refuse_link(archive, what="a trim's archive")
+            with open(open_writable(archive / path.name, what=path.name, append=True), "ab") as out:
                 out.write(moved)
                 out.flush()
                 os.fsync(out.fileno())

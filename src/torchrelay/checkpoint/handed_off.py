@@ -17,7 +17,7 @@ from torchrelay import envvars
 from torchrelay.errors import RelayError
 from torchrelay.kill_points import kill_point
 from torchrelay.layout import CHECKPOINT_GLOB, parse_checkpoint_name
-from torchrelay.util.durable import fsync_dir
+from torchrelay.util.durable import fsync_dir, open_temp
 from torchrelay.util.records import read_bounded
 
 HANDED_OFF = "HANDED_OFF.json"
@@ -51,7 +51,7 @@ def read_marker(ckpt: Path) -> dict[str, Any] | None:
 def write_marker(ckpt: Path, record: dict[str, Any], *, step: str) -> None:
     """Replace the record atomically; `step` names the moment just before the rename for crash tests."""
     tmp = ckpt / f"{TMP_PREFIX}{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with os.fdopen(open_temp(tmp), "w", encoding="utf-8") as f:
         f.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())

@@ -4,11 +4,13 @@ archives' files; or, for a run trained from a plain tree, a tarball of it."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gzip
 import hashlib
 import io
 import os
-import posixpath
+import shutil
 import subprocess
 import tarfile
 import zlib
@@ -19,7 +21,7 @@ from typing import Any
 from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
 from torchrelay.identity import code_identity
 from torchrelay.layout import CONTRACT_FILE, SOURCE_DIR, SOURCE_MANIFEST
-from torchrelay.util.safepath import check_relative
+from torchrelay.util.safepath import NAME_LIMIT, PATH_LIMIT, check_relative
 
 _SKIP = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
@@ -229,6 +231,10 @@ def _from_plain_tree(
             ti.uid = ti.gid = 0
             ti.uname = ti.gname = ""
             ti.mtime = 0
+            if (
+                ti.islnk()
+            ):  # a second name of a file already added: carried as the file (prepare takes no hard link)
+                ti.type, ti.linkname, ti.size = tarfile.REGTYPE, "", path.stat().st_size
             if ti.isreg():
                 with open(path, "rb") as f:
                     tar.addfile(ti, f)
@@ -273,46 +279,147 @@ def _write_manifest(tar_bytes: bytes, out_dir: Path, *more: bytes) -> str:
 
 
 def extract_source(archive: Path, dest: Path, prefix: str) -> Path:
-    """Extract an (untrusted) source archive into `dest/prefix`; refuse anything but plain files and folders
-    inside it, and any `.git` (a planted repository makes git run its config's commands); return the folder."""
+    """Extract an (untrusted) source archive into `dest/prefix`; refuse anything but plain files, folders and
+    symbolic links that stay inside it, and any `.git` (a planted repository makes git run its config's
+    commands); return the folder. Nothing is written through a link: each member is created relative to its
+    folder's descriptor, every folder on the way opened without following a link (tarfile's own "data" filter
+    resolved a chain of links as text past PATH_MAX and wrote outside: CVE-2025-4517)."""
     dest.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
             members = tar.getmembers()
+            links = {check_relative(m.name, source=archive.name) for m in members if m.issym()}
+            seen: set[PurePosixPath] = set()
+            room = PATH_LIMIT - len(os.fsencode(dest)) - 1
             for member in members:
-                _check_member(archive, member, prefix)
-            tar.extractall(dest, filter="data")
-    except tarfile.FilterError as exc:
-        raise UnsafeInput(
-            f"{archive}: refused member ({exc})", hint="the bundle's source archive is forged"
-        ) from exc
+                _check_member(archive, member, prefix, links=links, seen=seen, room=room)
+            _extract(archive, tar, members, dest)
     except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-        raise IntegrityError(f"{archive}: cannot extract ({exc})", hint="re-download the bundle") from exc
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)[:200]
+        raise IntegrityError(f"{archive}: cannot extract ({why})", hint="re-download the bundle") from exc
     return dest / prefix
 
 
-def _check_member(archive: Path, member: tarfile.TarInfo, prefix: str) -> None:
-    """Every member is checked before the first byte lands: a refusal leaves nothing half-extracted."""
+def _check_member(
+    archive: Path,
+    member: tarfile.TarInfo,
+    prefix: str,
+    *,
+    links: set[PurePosixPath],
+    seen: set[PurePosixPath],
+    room: int,
+) -> None:
+    """Every member is checked before the first byte lands: a refusal leaves nothing half-extracted. A link's
+    target is resolved as text, which is what the file system does only where no link is on the way: so no
+    member lies under a link, and no link's target passes through one (`pack` writes neither)."""
 
     def refuse(why: str) -> UnsafeInput:
         return UnsafeInput(
-            f"{archive}: member {member.name!r} {why}; nothing was extracted",
+            f"{archive}: member {_short(member.name)} refused: {why}; nothing was extracted",
             hint="a source archive that `pack` wrote holds only the run's files; this one is damaged or forged",
         )
 
     try:
-        rel = check_relative(member.name, source=f"{archive} member")
+        rel = check_relative(member.name, source="its name")
     except UnsafeInput as exc:
-        raise refuse(f"is not a safe relative path ({exc.message})") from None
+        raise refuse(f"not a safe relative path ({exc.message})") from None
     if rel.parts[0] != prefix:
-        raise refuse(f"is outside the expected folder {prefix}/")
-    if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
-        raise refuse("is a device, pipe or other special file")
-    if member.issym() or member.islnk():
-        # a link target is resolved against the member's folder (symlink) or the archive root (hard link)
-        base = rel.parent if member.issym() else PurePosixPath()
-        target = posixpath.normpath(str(base / member.linkname)) if member.linkname else ""
-        if not member.linkname or member.linkname.startswith("/") or target.split("/")[0] != prefix:
-            raise refuse(f"links to {member.linkname!r}, outside {prefix}/")
-        if any(part.lower() == ".git" for part in target.split("/")):
+        raise refuse(f"outside the expected folder {prefix}/")
+    if len(os.fsencode(str(rel))) > room:
+        raise refuse(
+            f"its path would be longer than a path can be ({PATH_LIMIT} bytes) where it is extracted"
+        )
+    if rel in seen:
+        raise refuse("it is in the archive twice")
+    seen.add(rel)
+    if any(PurePosixPath(*rel.parts[:k]) in links for k in range(1, len(rel.parts))):
+        raise refuse("it lies under a symbolic link of the archive")
+    if member.islnk():  # neither `git archive` nor a plain tree's archive (below) writes one
+        raise refuse(f"a hard link (links to {_short(member.linkname)}), which pack never writes")
+    if not (member.isfile() or member.isdir() or member.issym()):
+        raise refuse("a device, pipe or other special file")
+    if member.issym():
+        link = member.linkname
+        if not link or link.startswith("/") or len(link) > PATH_LIMIT or "\0" in link:
+            raise refuse(f"links to {_short(link)}, outside {prefix}/")
+        # resolved against the member's folder, one part at a time: a `..` after a link would climb from
+        # wherever that link leads, so a link on the way is refused rather than guessed
+        where = list(rel.parent.parts)
+        for part in link.split("/"):
+            if len(os.fsencode(part)) > NAME_LIMIT:
+                raise refuse(f"links to {_short(link)}, a name longer than a name can be")
+            if where and PurePosixPath(*where) in links:
+                raise refuse(f"links to {_short(link)}, through another symbolic link of the archive")
+            if part == "..":
+                if not where:
+                    raise refuse(f"links to {_short(link)}, outside {prefix}/")
+                where.pop()
+            elif part not in ("", "."):
+                where.append(part)
+        if not where or where[0] != prefix:
+            raise refuse(f"links to {_short(link)}, outside {prefix}/")
+        if any(part.lower() == ".git" for part in where):
             raise refuse("links into a .git folder")
+
+
+def _short(name: str, keep: int = 80) -> str:
+    """A member's name for a message: a forged one may be kilobytes long."""
+    return repr(name) if len(name) <= keep else f"{name[:keep]!r}... ({len(name):,} characters)"
+
+
+def _extract(archive: Path, tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
+    """Create the checked members under `dest`, never following a link: a folder on the way is opened with
+    O_NOFOLLOW relative to its parent's descriptor, a file is created new (O_EXCL, O_NOFOLLOW), a link made as
+    it is recorded and never entered."""
+    root = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for member in members:
+            parts = check_relative(member.name, source=archive.name).parts
+            try:
+                parent = _open_folders(root, parts[:-1])
+                try:
+                    _create(tar, member, parent, parts[-1])
+                finally:
+                    if parent != root:
+                        os.close(parent)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST):
+                    raise UnsafeInput(
+                        f"{archive}: member {_short(member.name)} refused: it would be written through a link "
+                        f"or over a file already there ({exc.strerror}); {dest} is partly extracted",
+                        hint="a source archive that `pack` wrote holds only the run's files; it is forged",
+                    ) from None
+                raise IntegrityError(
+                    f"{archive}: cannot extract member {_short(member.name)} ({exc.strerror or exc})",
+                    hint="check the free space where the run is prepared, or re-download the bundle",
+                ) from None
+    finally:
+        os.close(root)
+
+
+def _open_folders(root: int, parts: tuple[str, ...]) -> int:
+    fd = root
+    for part in parts:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, 0o755, dir_fd=fd)
+        inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        if fd != root:
+            os.close(fd)
+        fd = inner
+    return fd
+
+
+def _create(tar: tarfile.TarFile, member: tarfile.TarInfo, parent: int, name: str) -> None:
+    if member.isdir():
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=parent)
+        os.close(os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent))
+    elif member.issym():
+        os.symlink(member.linkname, name, dir_fd=parent)
+    else:
+        mode = 0o755 if member.mode & 0o100 else 0o644
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        data = tar.extractfile(member)
+        assert data is not None  # a regular member always has data
+        with os.fdopen(os.open(name, flags, mode, dir_fd=parent), "wb") as out:
+            shutil.copyfileobj(data, out)

@@ -30,7 +30,7 @@ from torchrelay.resume_check import keep_prepared, schedule_gate, validate_resum
 from torchrelay.run.saver import last_save_seconds
 from torchrelay.rundir import RunDir
 from torchrelay.stop import REQUEST_FILE
-from torchrelay.train_records import metrics_path, trim_after
+from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import read_json_or_none
@@ -72,6 +72,8 @@ def create_run(
             f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",
             hint="choose an empty or new run directory",
         )
+    # an empty train/ passes as a killed creation's leftover, not one linked elsewhere
+    refuse_linked_logs(rd.train_dir)
     source_manifest = cfg.manifest
     manifest = Manifest.load(source_manifest, cfg.data_root)
     cfg = cfg.replace(manifest=MANIFEST_REL)
@@ -114,6 +116,7 @@ def reopen_run(
     """A run that exists: its contract rebuilt and compared (only runtime fields may change), the checkpoint to
     resume chosen, and the directory repaired where a crash left it (temporaries, an unclosed segment, logs past
     that checkpoint); `config` None continues with the recorded configuration."""
+    refuse_linked_logs(rd.train_dir)  # before anything is written: the logs are appended to and trimmed below
     stored = rd.load_config()
     cfg = config if config is not None else stored
     kept: list[str] = []

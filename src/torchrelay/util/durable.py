@@ -53,14 +53,18 @@ def remove_entry(path: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def open_temp(path: str | os.PathLike[str]) -> int:
+    """A descriptor of the temporary `path` of an atomic write, emptied for writing; never through a link planted
+    at its name (O_NOFOLLOW: it would write wherever the link points)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
     """Replace `path` with `data` so a reader sees the old or the new file, never a part."""
     path = Path(path)
     tmp = path.with_name(f"{temp_prefix(path.name)}{os.getpid()}")
     try:
-        # never through a link planted at the temporary's name (it would write wherever the link points)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        with os.fdopen(os.open(tmp, flags, 0o666), "wb") as f:
+        with os.fdopen(open_temp(tmp), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -181,3 +181,47 @@ def read_regular(
     if len(data) > limit:
         raise IntegrityError(f"{path} ({what}) grew past {limit:,} bytes while it was read")
     return data
+
+
+def refuse_link(path: str | os.PathLike[str], *, what: str) -> None:
+    """Raise UnsafeInput if `path`, a file or folder torchrelay writes into, is a symbolic link: writing through a
+    planted link would change whatever it points to (a file outside the run)."""
+    if os.path.islink(path):
+        raise UnsafeInput(
+            f"{path} ({what}) is a symlink: remove it",
+            hint="torchrelay never writes links, and writes nothing through one; nothing was written",
+        )
+
+
+def open_writable(
+    path: str | os.PathLike[str], *, what: str, append: bool = False, create: bool = True
+) -> int:
+    """A descriptor to write the regular file `path` (read-write, or appending with `append`), created if missing
+    with `create`; the writer's counterpart of `open_regular`. A symbolic link as the last part is refused, never
+    followed (O_NOFOLLOW), and so are a pipe, a socket or a device (without blocking), before a byte is written.
+    The folders on the way are the caller's to check (`refuse_link`). The caller closes the descriptor."""
+    flags = (
+        (os.O_WRONLY | os.O_APPEND if append else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    )
+    try:
+        fd = os.open(path, flags | (os.O_CREAT if create else 0), 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            refuse_link(path, what=what)
+        if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket
+            raise UnsafeInput(f"{path} ({what}) is not a regular file; refusing to write it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeInput(
+                f"{path} ({what}) is not a regular file (a pipe or a device); refusing to write it",
+                hint="torchrelay writes only regular files; remove it",
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

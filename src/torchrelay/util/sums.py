@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.util.durable import open_temp
 from torchrelay.util.hashing import ByteCallback, default_jobs, sha256_file
 from torchrelay.util.records import read_bounded
 from torchrelay.util.safepath import check_relative, ensure_inside, walk_files
@@ -132,7 +133,7 @@ def format_sums(entries: Iterable[SumEntry]) -> str:
 def write_sums(path: Path, entries: Iterable[SumEntry]) -> None:
     """Write SHA256SUMS atomically (temporary file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with os.fdopen(open_temp(tmp), "w", encoding="utf-8") as f:
         f.write(format_sums(entries))
         f.flush()
         os.fsync(f.fileno())
