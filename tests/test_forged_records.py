@@ -1,0 +1,128 @@
+"""Forged or damaged records in a run directory: refused in one line naming the file (exit 2), or, for a cache,
+never trusted: a record that can be checked against what it describes is checked, never believed.
+
+In-process, on the 0.1.0 fixture's run (tests/test_hostile_records.make_run) and small manifests written here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_hostile_records import _cli, make_run
+from torchrelay.manifest import Manifest, index_path
+from torchrelay.manifest.scan import scan
+
+ROOT = "/data/root"
+
+
+def _manifest(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def _records(n: int, lengths: bool = True) -> list[str]:
+    lines = []
+    for i in range(n):
+        rec: dict[str, object] = {"id": f"s{i}", "path": f"{ROOT}/{i}.bin"}
+        if lengths:
+            rec["length"] = 10 + 7 * i
+        lines.append(json.dumps(rec))
+    return lines
+
+
+def _indexed(path: Path) -> Manifest:
+    scan(path, ROOT, workers=1).save_index(index_path(path))
+    m = Manifest.load(path, ROOT, index=index_path(path))
+    assert m.indexed
+    return m
+
+
+def _forge(path: Path, **arrays: np.ndarray) -> None:
+    """What a forger does: new arrays in the index, its meta (the manifest's SHA-256, size, fingerprint) kept."""
+    z = dict(np.load(index_path(path), allow_pickle=False))
+    z.update(arrays)
+    np.savez(index_path(path), **z)
+
+
+def _same(m: Manifest, path: Path) -> None:
+    truth = scan(path, ROOT, workers=1)
+    assert [m.id_of(i) for i in range(len(m))] == [truth.id_of(i) for i in range(len(truth))]
+    assert m.lengths().tolist() == truth.lengths().tolist() and m.fingerprint() == truth.fingerprint()
+
+
+def test_a_forged_manifest_index_never_changes_which_sample_a_line_is(tmp_path: Path) -> None:
+    """The index kept its meta and reversed its arrays: the resume trained on other samples, `ledger` said OK.
+    Now every entry is checked to be the file's own line, in order, and a spread of `length`s against the lines:
+    a forged index is not used (the lines are read)."""
+    path = _manifest(tmp_path / "manifest.jsonl", _records(300))
+    good = _indexed(path)
+    starts, sizes, lengths = good.records._starts, good.records._sizes, good.lengths()
+    shifted = starts.copy()
+    shifted[5] += 1
+    swapped = starts.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    forgeries = {
+        "all reversed": {"starts": starts[::-1].copy(), "sizes": sizes[::-1].copy(), "lengths": lengths[::-1].copy()},
+        "lengths reversed": {"lengths": lengths[::-1].copy()},
+        "lengths dropped": {"lengths": np.ones(300, dtype=np.int64)},
+        "an entry off its line": {"starts": shifted},
+        "two entries swapped": {"starts": swapped, "sizes": sizes[[*range(3), 4, 3, *range(5, 300)]].copy()},
+        "an entry cut short": {"sizes": sizes - np.eye(1, 300, 7, dtype=np.int64)[0]},
+    }  # fmt: skip
+    for label, arrays in forgeries.items():
+        _indexed(path)
+        _forge(path, **arrays)
+        m = Manifest.load(path, ROOT, index=index_path(path))
+        assert not m.indexed, label
+        _same(m, path)
+
+
+def test_an_honest_index_is_used_with_blank_and_padded_lines(tmp_path: Path) -> None:
+    """The check follows `scan`: blank lines skipped, a line with spaces around its object kept whole."""
+    lines = _records(50)
+    lines[10] = "  " + lines[10] + " "
+    lines[20:20] = ["", "   ", "\t"]
+    path = _manifest(tmp_path / "manifest.jsonl", lines)
+    m = _indexed(path)
+    _same(m, path)
+    # a line break str.splitlines() follows (scan splits there): the index is not used, the lines are read
+    path.write_text(path.read_text().replace("}\n", "}\u2028\n", 1))
+    scan(path, ROOT, workers=1).save_index(index_path(path))
+    m = Manifest.load(path, ROOT, index=index_path(path))
+    assert not m.indexed
+    _same(m, path)
+
+
+def _damaged(kind: str, valid: bytes) -> bytes:
+    if kind == "not a zip":
+        return b"PK\x03\x04garbage"
+    if kind == "truncated":
+        return valid[: len(valid) // 2]
+    flipped = bytearray(valid)
+    flipped[len(valid) // 3] ^= 0x40  # inside an array: zip's CRC no longer matches
+    return bytes(flipped)
+
+
+@pytest.mark.parametrize("kind", ["not a zip", "truncated", "bit-flipped"])
+def test_a_damaged_manifest_index_is_read_again_never_a_traceback(tmp_path: Path, kind: str) -> None:
+    """`zipfile.BadZipFile` was a traceback from `ledger`, `status --ledger` and the resume's check; a damaged
+    cache is a cache missed: the lines are read (and the index written again by the next launch)."""
+    path = _manifest(tmp_path / "manifest.jsonl", _records(200))
+    _indexed(path)
+    index_path(path).write_bytes(_damaged(kind, index_path(path).read_bytes()))
+    m = Manifest.load(path, ROOT, index=index_path(path))
+    assert not m.indexed
+    _same(m, path)
+
+    run = make_run(tmp_path / kind.replace(" ", "-"))
+    cfg = json.loads((run / "config.json").read_text())
+    copy = run / "data" / "manifest.jsonl"
+    Manifest.load(copy, cfg["data_root"]).save_index(index_path(copy))
+    index_path(copy).write_bytes(_damaged(kind, index_path(copy).read_bytes()))
+    for argv in (["ledger", str(run)], ["status", str(run), "--ledger"]):
+        code, out, err = _cli(argv)
+        assert code == 0 and "Traceback" not in out + err, (argv, code, err[-800:])
