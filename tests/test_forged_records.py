@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from test_hostile_records import _cli, make_run
+from torchrelay.checkpoint.select import latest_complete
+from torchrelay.errors import EXIT_REFUSED, IntegrityError
 from torchrelay.manifest import Manifest, index_path
 from torchrelay.manifest.scan import scan
 
@@ -126,3 +128,46 @@ def test_a_damaged_manifest_index_is_read_again_never_a_traceback(tmp_path: Path
     for argv in (["ledger", str(run)], ["status", str(run), "--ledger"]):
         code, out, err = _cli(argv)
         assert code == 0 and "Traceback" not in out + err, (argv, code, err[-800:])
+
+
+def _inventory_cases(valid: bytes) -> dict[str, bytes]:
+    doc = json.loads(valid)
+    first = doc["files"][0]
+
+    def with_(**change: object) -> bytes:
+        return json.dumps({**doc, **change}).encode()
+
+    def first_with(**change: object) -> bytes:
+        return with_(files=[{**first, **change}, *doc["files"][1:]])
+
+    return {
+        "truncated": valid[:100],
+        "empty": b"",
+        "a list": b"[]",
+        "update as text": with_(update="8"),
+        "another update": with_(update=20),
+        "a negative size": first_with(size=-5),
+        "a size as text": first_with(size=str(first["size"])),
+    }
+
+
+def test_a_damaged_inventory_is_refused_never_skipped_then_replaced(tmp_path: Path) -> None:
+    """checkpoint-8/COMPLETE.json damaged (tensors intact): the resume chose checkpoint-4 in silence and its save
+    at update 8 deleted checkpoint-8. Now the resume refuses in one line naming the file (exit 2): the user
+    restores it or removes the checkpoint. An inventory that is absent (never written) is still passed over."""
+    run = make_run(tmp_path)
+    inventory = run / "checkpoint-8" / "COMPLETE.json"
+    valid = inventory.read_bytes()
+    for label, content in _inventory_cases(valid).items():
+        inventory.write_bytes(content)
+        with pytest.raises(IntegrityError) as caught:
+            latest_complete(run)
+        text = str(caught.value)
+        assert caught.value.exit_code == EXIT_REFUSED and str(inventory) in text, (label, text)
+        assert "checkpoint-8" in (caught.value.hint or "") and len(text.splitlines()) <= 2, (label, text)
+        code, out, err = _cli(["status", str(run)])
+        assert code == 0 and "inventory damaged" in out, (label, code, out[-800:], err[-800:])
+    inventory.unlink()  # a save that never wrote its inventory: passed over, as before
+    assert latest_complete(run) == run / "checkpoint-4"
+    inventory.write_bytes(valid)
+    assert latest_complete(run) == run / "checkpoint-8"
