@@ -14,9 +14,10 @@ import pytest
 
 from test_hostile_records import _cli, make_run
 from torchrelay.checkpoint.select import latest_complete
-from torchrelay.errors import EXIT_REFUSED, IntegrityError
+from torchrelay.errors import EXIT_REFUSED, IntegrityError, RecordError
 from torchrelay.manifest import Manifest, index_path
 from torchrelay.manifest.scan import scan
+from torchrelay.run.directory import check_lineage, read_lineage
 
 ROOT = "/data/root"
 
@@ -171,3 +172,24 @@ def test_a_damaged_inventory_is_refused_never_skipped_then_replaced(tmp_path: Pa
     assert latest_complete(run) == run / "checkpoint-4"
     inventory.write_bytes(valid)
     assert latest_complete(run) == run / "checkpoint-8"
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [({"lineage": 5, "parent_lineage": ["x"]}, "lineage"), ({"lineage": "ab12", "parent_lineage": ["x"]}, "parent_lineage"),
+     ({"parent_lineage": None}, "lineage")],
+)  # fmt: skip
+def test_a_forged_lineage_is_refused_at_open_and_never_written_into_history(
+    tmp_path: Path, doc: dict[str, object], field: str
+) -> None:
+    """`{"lineage": 5, "parent_lineage": ["x"]}` was accepted at open and written into history.jsonl, which then
+    refused `status` and every later resume. Now the open refuses it naming the file and field, and a refused
+    launch's record (written through the lenient reader) never carries a wrongly typed lineage."""
+    run = make_run(tmp_path)
+    (run / "lineage.json").write_text(json.dumps(doc))
+    with pytest.raises(RecordError) as caught:
+        check_lineage(run)
+    assert caught.value.exit_code == EXIT_REFUSED and caught.value.field == field
+    assert "lineage.json" in str(caught.value) and len(str(caught.value).splitlines()) <= 2
+    kept = read_lineage(run)
+    assert all(isinstance(v, str) for v in kept.values()), kept

@@ -69,7 +69,7 @@ def latest_complete(run_dir: str | os.PathLike[str]) -> Path | None:
 
 def _short(reason: str, path: Path) -> str:
     """The reason without the path it opens with (the message names it once)."""
-    for lead in (f"{path}: ", f"{path} "):
+    for lead in (f"{path} (checkpoint inventory): ", f"{path}: ", f"{path} "):
         if reason.startswith(lead):
             return reason[len(lead) :]
     return reason
