@@ -7,6 +7,7 @@ In-process, on the 0.1.0 fixture's run (tests/test_hostile_records.make_run) and
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +194,22 @@ def test_a_forged_lineage_is_refused_at_open_and_never_written_into_history(
     assert "lineage.json" in str(caught.value) and len(str(caught.value).splitlines()) <= 2
     kept = read_lineage(run)
     assert all(isinstance(v, str) for v in kept.values()), kept
+
+
+def test_diff_compares_what_the_resume_compares_config_json_included(tmp_path: Path) -> None:
+    """B's config.json with another seed and lr: `diff A B` said "contract: identical (one can continue the
+    other)", exit 0, while resuming B is refused (the resume recomputes the contract from config.json)."""
+    a = make_run(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b, symlinks=True)
+    code, out, err = _cli(["diff", str(a), str(b)])
+    assert code == 0 and "identical (one can continue" in out, (code, out, err)
+    config = json.loads((b / "config.json").read_text())
+    config["seed"], config["params"]["lr"] = 7, 0.9
+    config["params"]["log_every"] = 5  # a runtime parameter: allowed to differ
+    (b / "config.json").write_text(json.dumps(config, indent=1))
+    for argv in (["diff", str(a), str(b)], ["diff", str(b), str(a)]):
+        code, out, err = _cli(argv)
+        assert code == 1 and "one can continue" not in out, (code, out, err)
+        assert "seed: 1234 -> 7" in out or "seed: 7 -> 1234" in out, out
+        assert "params.lr" in out and "config.json differs from its own contract (2)" in out, out
