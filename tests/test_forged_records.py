@@ -13,12 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_hostile_records import _cli, make_run
+from test_hostile_records import CKPT, _cli, _Sink, make_run
+from torchrelay.checkpoint import state
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.errors import EXIT_REFUSED, IntegrityError, RecordError
 from torchrelay.manifest import Manifest, index_path
 from torchrelay.manifest.scan import scan
 from torchrelay.run.directory import check_lineage, read_lineage
+from torchrelay.run.restore import Restore, Tracked
+from torchrelay.util.hashing import sha256_file
 
 ROOT = "/data/root"
 
@@ -213,3 +216,26 @@ def test_diff_compares_what_the_resume_compares_config_json_included(tmp_path: P
         assert code == 1 and "one can continue" not in out, (code, out, err)
         assert "seed: 1234 -> 7" in out or "seed: 7 -> 1234" in out, out
         assert "params.lr" in out and "config.json differs from its own contract (2)" in out, out
+
+
+def test_a_state_of_another_update_is_refused_naming_its_file_and_field(tmp_path: Path) -> None:
+    """relay_state.json's `loop.update` edited (the inventory re-hashed to match): "run.track failed on rank 0:
+    .../checkpoint-8: trainer state says update 3", exit 1 naming the folder. Now exit 2 naming the file and field."""
+    run = make_run(tmp_path)
+    ckpt = run / CKPT
+    path = state.state_path(ckpt)
+    doc = json.loads(path.read_text())
+    doc["loop"]["update"] = 3
+    path.write_text(json.dumps(doc, indent=1))
+    inventory = json.loads((ckpt / "COMPLETE.json").read_text())
+    for entry in inventory["files"]:
+        if entry["path"] == path.name:
+            entry["sha256"], entry["size"] = sha256_file(path)[0], path.stat().st_size
+            entry.pop("parts", None)
+    (ckpt / "COMPLETE.json").write_text(json.dumps(inventory, indent=1))
+    tracked = Tracked(statefuls={name: _Sink() for name in doc["statefuls"]})
+    with pytest.raises(RecordError) as caught:
+        Restore(ckpt, 8, rank=0).state(tracked)
+    text = str(caught.value)
+    assert caught.value.exit_code == EXIT_REFUSED and caught.value.field == "loop.update", text
+    assert path.name in text and "update 8" in text and len(text.splitlines()) <= 2, text
