@@ -144,6 +144,8 @@ def _kept_because(cfg: RelayConfig, ckpts: list[CheckpointInfo]) -> dict[int, st
     for c in ckpts:
         if c.handed_off:
             out[c.update] = "handed off (the fork guard keeps it)"
+        elif c.damaged:
+            out[c.update] = "inventory damaged (a resume refuses: restore it or remove the checkpoint)"
         elif not c.complete:
             out[c.update] = "incomplete (never chosen, never deleted by retention)"
     return out

@@ -20,6 +20,9 @@ class CheckpointInfo:
     reason: str  # why it is not complete, or "" when it is
     size: int = 0
     handed_off: bool = False
+    # Its inventory is there but unreadable, of another update or not what write_inventory writes: tampering or
+    # corruption, never an interrupted save (which writes COMPLETE.json last, or not at all).
+    damaged: bool = False
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
@@ -41,11 +44,32 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
             ok, reason, size = False, exc.message, 0
         except OSError as exc:  # a folder or an unreadable file where COMPLETE.json belongs
             ok, reason, size = False, f"{child / INVENTORY}: {exc.strerror or exc}", 0
-        out.append(CheckpointInfo(update, child, ok, reason, size, (child / HANDED_OFF).exists()))
+        damaged = not ok and os.path.lexists(child / INVENTORY)
+        out.append(CheckpointInfo(update, child, ok, reason, size, (child / HANDED_OFF).exists(), damaged))
     return sorted(out, key=lambda c: c.update)
 
 
 def latest_complete(run_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest checkpoint with a valid inventory; one without is never chosen."""
-    complete = [c for c in list_checkpoints(run_dir) if c.complete]
-    return complete[-1].path if complete else None
+    """The newest checkpoint with a valid inventory; one without is never chosen. A newer one whose inventory is
+    there but damaged is refused (IntegrityError naming the file): resuming from an older one would replace it at
+    its update, so the user decides (restore the file, or remove that checkpoint)."""
+    ckpts = list_checkpoints(run_dir)
+    complete = [c for c in ckpts if c.complete]
+    chosen = complete[-1] if complete else None
+    damaged = [c for c in ckpts if c.damaged and (chosen is None or c.update > chosen.update)]
+    if damaged:
+        bad = damaged[-1]
+        older = f"{chosen.path.name}" if chosen is not None else "the start"
+        raise IntegrityError(
+            f"{bad.path / INVENTORY} is damaged ({_short(bad.reason, bad.path / INVENTORY)}); refusing to resume",
+            hint=f"restore {INVENTORY} from a copy, or remove {bad.path.name} to resume from {older}",
+        )
+    return chosen.path if chosen is not None else None
+
+
+def _short(reason: str, path: Path) -> str:
+    """The reason without the path it opens with (the message names it once)."""
+    for lead in (f"{path} (checkpoint inventory): ", f"{path}: ", f"{path} "):
+        if reason.startswith(lead):
+            return reason[len(lead) :]
+    return reason

@@ -28,6 +28,9 @@ class Side:
     config: dict[str, Any]
     checkpoint: str | None = None
     checkpoint_contract: str | None = None
+    # contract fields whose value config.json no longer holds (key, recorded, configured): a resume of this side
+    # recomputes its contract from config.json and refuses it
+    drift: tuple[tuple[str, Any, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ class DiffReport:
 
     @property
     def same_contract(self) -> bool:
-        return not self.contract
+        return not self.contract and not self.a.drift and not self.b.drift
 
 
 def load_side(path: Path) -> Side:
@@ -85,15 +88,31 @@ def load_side(path: Path) -> Side:
         kind = "run"
     if checkpoint is not None:
         kind = f"checkpoint of a {kind}"
+    fields, flat = dict(contract["fields"]), flatten(config)
     return Side(
         path,
         kind,
         str(contract["sha256"]),
-        dict(contract["fields"]),
-        flatten(config),
+        fields,
+        flat,
         checkpoint,
         checkpoint_contract,
+        tuple((k, fields[k], v) for k, v in sorted(_configured(fields, flat).items()) if v != fields[k]),
     )
+
+
+# The layout: a reshard writes the new split into config.json, and the resume compares it by its own rule.
+_LAYOUT_KEYS = ("micro_batch", "grad_accum")
+
+
+def _configured(fields: dict[str, Any], flat_config: dict[str, Any]) -> dict[str, Any]:
+    """The contract fields that config.json sets (a resume recomputes them from it), with its values."""
+    params = _runtime_params(flat_config)
+    return {
+        k: v
+        for k, v in flat_config.items()
+        if k in fields and k not in _LAYOUT_KEYS and not is_runtime_key(k, params)
+    }
 
 
 def diff(a_path: Path, b_path: Path) -> DiffReport:
@@ -128,11 +147,19 @@ def format_report(report: DiffReport) -> list[str]:
     for side in (report.a, report.b):
         if side.checkpoint_contract and side.checkpoint_contract != side.contract_sha256:
             lines.append(f"note: {side.path} was saved under contract {side.checkpoint_contract}")
+        if side.drift:
+            lines.append(
+                f"{side.path}/config.json differs from its own contract ({len(side.drift)}): a resume of it is "
+                "refused"
+            )
+            lines.extend(f"  {k}: {_short(old)} -> {_short(new)}" for k, old, new in side.drift)
     if report.contract:
         lines.append(f"contract fields that differ ({len(report.contract)}): one cannot continue the other")
         lines.extend(f"  {d.key}: {_short(d.a)} -> {_short(d.b)}" for d in report.contract)
-    else:
+    elif report.same_contract:
         lines.append("contract: identical (one can continue the other)")
+    else:
+        lines.append("contract: identical, but a resume is refused (config.json differs from the contract)")
     if report.runtime:
         lines.append(f"runtime-only fields that differ ({len(report.runtime)}): allowed between segments")
         lines.extend(f"  {d.key}: {_short(d.a)} -> {_short(d.b)}  [runtime]" for d in report.runtime)

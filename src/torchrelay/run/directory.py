@@ -33,7 +33,7 @@ from torchrelay.stop import REQUEST_FILE
 from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
-from torchrelay.util.records import read_json_or_none
+from torchrelay.util.records import Schema, read_json, read_json_or_none
 
 
 @dataclass(slots=True)
@@ -118,6 +118,7 @@ def reopen_run(
     that checkpoint); `config` None continues with the recorded configuration."""
     refuse_linked_logs(rd.train_dir)  # before anything is written: the logs are appended to and trimmed below
     stored = rd.load_config()
+    check_lineage(rd.path)
     cfg = config if config is not None else stored
     kept: list[str] = []
     if config is not None and cfg.manifest != stored.manifest:
@@ -217,7 +218,21 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
     )
 
 
+_LINEAGE = Schema({"lineage": str, "parent_lineage": (str, type(None))})
+
+
+def check_lineage(run_dir: Path) -> None:
+    """lineage.json, where it is, as `create_run` writes it (a RecordError naming the file and field, exit 2): a
+    forged one was written into every segment of history.jsonl, which then refused every later open."""
+    path = run_dir / LINEAGE_FILE
+    if os.path.lexists(path):  # a run made before lineages has none
+        read_json(path, what="the run's lineage", root=run_dir, schema=_LINEAGE)
+
+
 def read_lineage(run_dir: Path) -> dict[str, Any]:
-    """lineage.json's lineage and parent_lineage; none when unreadable, not JSON or not an object."""
+    """lineage.json's lineage and parent_lineage, each only where it is a string; none when unreadable, not JSON
+    or not an object (a refused launch is recorded all the same; `check_lineage` refuses such a file)."""
     lineage = read_json_or_none(run_dir / LINEAGE_FILE, what="the run's lineage", root=run_dir)
-    return dict(lineage) if isinstance(lineage, dict) else {}
+    if not isinstance(lineage, dict):
+        return {}
+    return {k: v for k, v in lineage.items() if k in _LINEAGE and isinstance(v, str)}

@@ -16,7 +16,7 @@ import torch
 from torchrelay import rng
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
-from torchrelay.errors import RelayError
+from torchrelay.errors import RecordError
 
 
 @dataclass(slots=True)
@@ -62,8 +62,14 @@ class Restore:
             verify=True,
             resharded=self._rederive is not None,
         )
-        if int(loop["update"]) != self.update:
-            raise RelayError(f"{self.checkpoint}: trainer state says update {loop['update']}")
+        if loop.get("update") != self.update or isinstance(loop.get("update"), bool):
+            # its inventory names one update, its state another: edited, or another checkpoint's file
+            raise RecordError(
+                str(ckpt_state.state_path(self.checkpoint)),
+                f"says update {str(loop.get('update'))[:40]!r}, its checkpoint is of update {self.update}",
+                field="loop.update",
+                hint=f"restore it from a copy, or remove {self.checkpoint.name} to resume from an older checkpoint",
+            )
 
     def generators(self) -> None:
         """Load this rank's generators (Python, NumPy, torch CPU and CUDA): right before the first update."""
