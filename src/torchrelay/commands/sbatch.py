@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if spec.nodes != plan.train.nnodes:
         spec.sets.append(f"train.nnodes={spec.nodes}")
+    plan.check_run_dir()  # the script goes beside it: refused first
     script = args.output or plan.run_path.parent / f"{plan.run_path.name}.sbatch"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(render_batch_script(spec))
