@@ -41,6 +41,7 @@ DELETING_CHECKPOINT_PREFIX = ".deleting-checkpoint-"
 SPARE_CHECKPOINT = ".spare-checkpoint"
 _DIGITS = frozenset("0123456789")
 _MAX_DIGITS = 18  # far past any run's updates, and short of int()'s refusal of a long string
+MAX_UPDATE = 10**_MAX_DIGITS - 1  # the highest update a checkpoint's name can hold
 
 
 def checkpoint_name(update: int) -> str:

@@ -38,6 +38,7 @@ from torchrelay.layout import (
     checkpoint_name,
     parse_checkpoint_name,
 )
+from torchrelay.lock import LOCK_FILES
 from torchrelay.manifest import INDEX_NAME
 from torchrelay.util.durable import remove_temps, temp_prefix
 from torchrelay.util.records import parse_json, read_json, read_json_or_none
@@ -46,6 +47,11 @@ from torchrelay.util.safepath import check_relative, is_inside, read_regular, re
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
 # leaves its temporary behind, for the next writer to remove.
 WRITER_FILES = (CONFIG_FILE, LINEAGE_FILE, CONTRACT_FILE, HISTORY_FILE)
+
+
+# What a directory may hold before its run is created in it: a stop request written ahead (audits stop at chosen
+# updates), a controller's attempts, the training lock.
+BEFORE_RUN = (REQUEST_STOP, ATTEMPTS_DIR, *sorted(LOCK_FILES))
 
 
 class RunDir:

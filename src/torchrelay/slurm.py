@@ -25,6 +25,11 @@ from torchrelay.util import schema
 Runner = Callable[[Sequence[str]], str]
 REQUEUE_CODES = (EXIT_BUDGET, EXIT_SIGNAL)
 STALE_WARNING_S = 10
+# Bounds of a count a plan or a flag gives (processes or devices of one node, nodes of a job): past any machine's,
+# so only a slip (`1e23`, a negative) meets them, before it starts that many processes.
+PER_NODE_LIMIT = 1024
+NODES_LIMIT = 65_536
+PER_NODE = {"min": 0, "max": PER_NODE_LIMIT}
 
 
 class SlurmError(RelayError):
@@ -92,9 +97,9 @@ class SlurmSpec:
     """What `torchrelay sbatch` asks Slurm for (a plan's `slurm` section); command-line flags override these."""
 
     time: str = field(default="01:00:00", metadata={"as_str": True})
-    nodes: int = field(default=0, metadata={"min": 0, "doc": "0: train.nnodes"})
-    gpus_per_node: int = field(default=0, metadata={"min": 0})
-    cpus_per_task: int = field(default=0, metadata={"min": 0})
+    nodes: int = field(default=0, metadata={"min": 0, "max": NODES_LIMIT, "doc": "0: train.nnodes"})
+    gpus_per_node: int = field(default=0, metadata=PER_NODE)
+    cpus_per_task: int = field(default=0, metadata=PER_NODE)
     mem: str = ""
     partition: str = ""
     account: str = ""
@@ -116,7 +121,8 @@ class BatchSpec(SlurmSpec):
     plan_path: Path
     run_dir: Path
     workdir: Path
-    nodes: int = field(default=1, metadata={"min": 1})  # resolved: never "0: train.nnodes"
+    # resolved: never "0: train.nnodes"
+    nodes: int = field(default=1, metadata={"min": 1, "max": NODES_LIMIT})
     job_name: str = "torchrelay"
     sets: list[str] = field(default_factory=list)  # `--set KEY=VALUE` passed on to every launch
     launch_args: list[str] = field(default_factory=list)  # more `torchrelay launch` flags

@@ -18,7 +18,15 @@ from typing import Any
 import psutil
 
 from torchrelay import envvars
-from torchrelay.errors import EXIT_BUDGET, EXIT_MEMORY, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, UnsafeInput
+from torchrelay.errors import (
+    EXIT_BUDGET,
+    EXIT_MEMORY,
+    EXIT_REQUEST,
+    EXIT_SIGNAL,
+    ConfigError,
+    PathError,
+    UnsafeInput,
+)
 from torchrelay.layout import REQUEST_STOP
 from torchrelay.rundir import RunDir
 from torchrelay.util.durable import atomic_write_text
@@ -32,7 +40,7 @@ NONE = 0
 # A request is a few dozen bytes; a larger file is still a request, but it is never read whole.
 REQUEST_MAX_BYTES = 64 * 1024
 # What `echo -n $SLURM_JOB_ID > REQUEST_STOP` writes: a job id (arrays: 123_4, heterogeneous jobs: 123+0).
-_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +90,7 @@ class StopRequest:
             data: Any = json.loads(text) if text.strip() else {}
         except (json.JSONDecodeError, RecursionError):
             word = text.strip()
-            if not _JOB_ID.fullmatch(word):
+            if not JOB_ID.fullmatch(word):
                 return cls._anyway(path, "holds neither JSON nor a job id")
             data = {"job": word}  # the G3A1 convention: the file holds just a job id
         if isinstance(data, int | str) and not isinstance(data, bool):
@@ -93,7 +101,7 @@ class StopRequest:
             return cls._anyway(path, f"holds a JSON {type(data).__name__}, not an object")
         problems: list[str] = []
         job = data.get("job")
-        if job not in (None, "") and (isinstance(job, bool) or not _JOB_ID.fullmatch(str(job))):
+        if job not in (None, "") and (isinstance(job, bool) or not JOB_ID.fullmatch(str(job))):
             problems.append(f"job {_short(job)} is not a job id")
             job = None
         at = data.get("at_update")
@@ -137,6 +145,11 @@ def write_request(
 ) -> Path:
     """Ask the run in `run_dir` to save and stop (at the next boundary, or after `at_update`)."""
     path = RunDir(run_dir).request_stop_path
+    if path.is_dir() and not path.is_symlink():  # os.replace would name its temporary, not this
+        raise PathError(
+            f"{path} is a directory, not a stop request",
+            hint=f"remove it (rmdir {path}, after checking what it holds) and ask again",
+        )
     try:
         by = f"{getpass.getuser()}@{socket.gethostname()}"
     except Exception:  # noqa: BLE001 - no user name in some containers

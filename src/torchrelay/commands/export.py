@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.commands.argtypes import update
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.export import ExportOptions, export_weights, parse_rename, parse_size
 
@@ -13,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", type=Path, help="a run directory (its newest complete checkpoint), a bundle, "
                         "or a checkpoint-N directory")  # fmt: skip
     parser.add_argument("out", type=Path, help="the folder to write (new or empty)")
-    parser.add_argument("--checkpoint", type=int, default=None, metavar="N", help="of a run: checkpoint-N")
+    parser.add_argument("--checkpoint", type=update, default=None, metavar="N", help="of a run: checkpoint-N")
     parser.add_argument("--format", default="safetensors", choices=["safetensors"])
     parser.add_argument(
         "--dtype",

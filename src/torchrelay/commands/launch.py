@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.commands.argtypes import count, seconds
 from torchrelay.config import parse_assignments
 from torchrelay.controller.launcher import LaunchRequest, launch
 from torchrelay.costmodel import parse_deadline
+from torchrelay.slurm import PER_NODE_LIMIT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,11 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadline", default=None, help="stop cleanly by this time (unix seconds or ISO 8601)"
     )
     parser.add_argument(
-        "--budget", type=float, default=None, metavar="SECONDS", help="stop cleanly within this"
+        "--budget", type=seconds, default=None, metavar="SECONDS", help="stop cleanly within this"
     )
     parser.add_argument(
         "--devices",
-        type=int,
+        type=count(0, PER_NODE_LIMIT),
         default=None,
         metavar="N",
         help="devices per node this allocation has (default: the GPUs CUDA sees); fewer than the plan's "

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED_OFF
+from torchrelay.commands.argtypes import update
 from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
@@ -15,7 +16,7 @@ from torchrelay.util import bars, schema
 
 
 def _checkpoint(text: str) -> int | None:
-    return None if text == "latest" else int(text)
+    return None if text == "latest" else update(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import argparse
 
 from torchrelay.audit.verdict import shown_for_run
 from torchrelay.report import render
+from torchrelay.rundir import RunDir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    RunDir(args.run_dir).load_config()  # a path that holds no run is refused as such (exit 2), as by `status`
     found = shown_for_run(args.run_dir)
     result = render(args.run_dir, args.out, audit=str(found["verdict"]) if found else None)
     print(f"report: {result.html}")

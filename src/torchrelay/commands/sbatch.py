@@ -6,9 +6,10 @@ import argparse
 import os
 from pathlib import Path
 
+from torchrelay.commands.argtypes import count
 from torchrelay.config import parse_assignments
 from torchrelay.controller.plan import load_plan
-from torchrelay.slurm import BatchSpec, render_batch_script, submit
+from torchrelay.slurm import NODES_LIMIT, PER_NODE_LIMIT, BatchSpec, render_batch_script, submit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time", default=None, help="time limit per job (Slurm format); default plan slurm.time"
     )
-    parser.add_argument("--nodes", type=int, default=None, help="default plan train.nnodes")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default plan slurm.gpus_per_node")
+    parser.add_argument("--nodes", type=count(1, NODES_LIMIT), default=None, help="default plan train.nnodes")
     parser.add_argument(
-        "--signal", type=int, default=None, metavar="SECONDS", help="warning signal before the end"
+        "--gpus-per-node",
+        type=count(0, PER_NODE_LIMIT),
+        default=None,
+        help="default plan slurm.gpus_per_node",
+    )
+    parser.add_argument(
+        "--signal", type=count(1), default=None, metavar="SECONDS", help="warning signal before the end"
     )
     parser.add_argument("--partition", default=None)
     parser.add_argument("--account", default=None)
@@ -53,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if spec.nodes != plan.train.nnodes:
         spec.sets.append(f"train.nnodes={spec.nodes}")
+    plan.check_run_dir()  # the script goes beside it: refused first
     script = args.output or plan.run_path.parent / f"{plan.run_path.name}.sbatch"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(render_batch_script(spec))

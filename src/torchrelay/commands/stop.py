@@ -5,16 +5,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.commands.argtypes import job_id, update
 from torchrelay.contract import load_contract
 from torchrelay.errors import ConfigError
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
+from torchrelay.util.shown import visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
-    p.add_argument("--job", help="honoured only by this Slurm job id (others ignore and report it)")
-    p.add_argument("--at-update", type=int, help="stop after this update instead of the next one")
+    p.add_argument(
+        "--job", type=job_id, help="honoured only by this Slurm job id (others ignore and report it)"
+    )
+    p.add_argument("--at-update", type=update, help="stop after this update instead of the next one")
     p.add_argument(
         "--before-start",
         action="store_true",
@@ -44,5 +48,5 @@ def run(args: argparse.Namespace) -> int:
     path = write_request(args.run_dir, job=args.job, at_update=args.at_update)
     when = f"after update {args.at_update}" if args.at_update else "at the next update boundary"
     who = f"job {args.job}" if args.job else "whichever job runs it"
-    print(f"wrote {path}: {who} will save a complete checkpoint and stop {when}")
+    print(f"wrote {visible(path)}: {who} will save a complete checkpoint and stop {when}")
     return 0

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from torchrelay.commands.argtypes import seconds
 from torchrelay.errors import EXIT_BUDGET, EXIT_ERROR, EXIT_FINISHED, ConfigError
 from torchrelay.layout import checkpoint_name
 from torchrelay.validation import ValidationSpec, validate_checkpoints
@@ -28,13 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the checkpoints to validate: a list of updates, or 'kept' (every complete one; the default)",
     )  # fmt: skip
     parser.add_argument("--cwd", type=Path, default=None, help="where the command runs (default: here)")
-    parser.add_argument("--timeout", type=float, default=0.0, metavar="S", help="fail a validation after S s")
     parser.add_argument(
-        "--budget", type=float, default=None, metavar="S",
+        "--timeout", type=seconds, default=0.0, metavar="S", help="fail a validation after S s"
+    )
+    parser.add_argument(
+        "--budget", type=seconds, default=None, metavar="S",
         help="stop starting validations that do not fit in S seconds; the rest stay to do",
     )  # fmt: skip
     parser.add_argument(
-        "--estimate", type=float, default=0.0, metavar="S", help="seconds one validation takes"
+        "--estimate", type=seconds, default=0.0, metavar="S", help="seconds one validation takes"
     )
     parser.add_argument("--again", action="store_true", help="also validate checkpoints that have a record")
     parser.add_argument(

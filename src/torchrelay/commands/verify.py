@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from torchrelay.commands.argtypes import JOBS_LIMIT, count
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff.verify import bundle_bytes, verify_bundle
 from torchrelay.util import bars
@@ -13,7 +14,9 @@ from torchrelay.util.shown import visible
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", help="bundle directory (holds SHA256SUMS)")
-    parser.add_argument("--jobs", type=int, default=None, help="hashing threads (default: one per core)")
+    parser.add_argument(
+        "--jobs", type=count(1, JOBS_LIMIT), default=None, help="hashing threads (default: one per core)"
+    )
     parser.add_argument("--quiet", action="store_true", help="print only failures and the verdict")
     add_trust_arguments(parser)
 

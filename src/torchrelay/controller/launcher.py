@@ -469,10 +469,13 @@ def launch(request: LaunchRequest, console: Console | None = None) -> Outcome:
     With fewer devices per node than the plan's train.nproc_per_node, the attempt runs the plan's first fallback
     that fits (a run of its own, in its own run directory), recorded in the attempt's fallback.json.
     One controller per run: a second launch of the same run directory is refused (RunBusy, exit 2) before it
-    records an attempt or starts anything.
+    records an attempt or starts anything; so is a plan whose memory limits or run directory cannot be used.
     """
     plan = load_plan(request.plan_path, request.sets)
     devices = request.devices if request.devices is not None else visible_devices()
     plan = plan.for_devices(devices)
+    # Everything that can refuse the plan before the lock and the attempt are written beside its run directory.
+    MemoryLimits.resolve(plan.memory, env=request.env)
+    plan.check_run_dir()
     with RunLock(plan.run_path, "launch"):
         return Controller(request, console, plan).run()

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.errors import ConfigError, RecordError
-from torchrelay.slurm import SlurmSpec
+from torchrelay.slurm import NODES_LIMIT, PER_NODE_LIMIT, SlurmSpec
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.records import read_yaml
@@ -43,8 +43,10 @@ SMOKE_WHEN = ("always", "first", "never")
 # Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.
 FREE_FORM = (("train", "overrides"), ("train", "env"), ("smoke", "overrides"), ("validate", "env"))
 AT_LEAST_0 = {"min": 0}
-AT_LEAST_1 = {"min": 1}
 AS_STR = {"as_str": True}  # YAML's `10` in argv or env is the string "10"
+PROCS_PER_NODE = {"min": 1, "max": PER_NODE_LIMIT}  # each a process the launch starts: bounded before it does
+NODES = {"min": 1, "max": NODES_LIMIT}
+FRACTION = {"min": 0, "max": 1, "why": "a fraction of this host's RAM"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,8 +69,8 @@ class TrainSpec:
 
     script: str
     args: list[str] = field(default_factory=list, metadata=AS_STR)
-    nproc_per_node: int = field(default=1, metadata=AT_LEAST_1)
-    nnodes: int = field(default=1, metadata=AT_LEAST_1)
+    nproc_per_node: int = field(default=1, metadata=PROCS_PER_NODE)
+    nnodes: int = field(default=1, metadata=NODES)
     torchrun_args: list[str] = field(default_factory=list, metadata=AS_STR)
     python: str = ""  # the interpreter that runs torchrun; empty: this one
     # start torchrun through srun and a per-node agent even on one node (always when nnodes > 1)
@@ -142,8 +144,8 @@ class BudgetSpec:
 class MemorySpec:
     """Host-memory guard of the training process tree; GiB values win over fractions of RAM."""
 
-    soft_fraction: float = field(default=0.9, metadata=AT_LEAST_0)
-    hard_fraction: float = field(default=0.97, metadata=AT_LEAST_0)
+    soft_fraction: float = field(default=0.9, metadata=FRACTION)
+    hard_fraction: float = field(default=0.97, metadata=FRACTION)
     soft_gib: float = field(default=0.0, metadata=AT_LEAST_0)
     hard_gib: float = field(default=0.0, metadata=AT_LEAST_0)
     poll_s: float = field(default=1.0, metadata=AT_LEAST_0)
@@ -164,7 +166,7 @@ class FallbackSpec:
 
     name: str
     run_dir: str
-    nproc_per_node: int
+    nproc_per_node: int = field(metadata=PROCS_PER_NODE)
     args: list[str] | None = None
     overrides: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to train.env
@@ -173,10 +175,6 @@ class FallbackSpec:
         schema.check(self, "plan.fallbacks")
         if not self.name or not self.run_dir:
             raise ConfigError("plan fallbacks: every fallback needs a 'name' and its own 'run_dir'")
-        if self.nproc_per_node < 1:
-            raise ConfigError(
-                f"plan fallbacks[{self.name!r}]: field 'nproc_per_node' must be >= 1, got {self.nproc_per_node}"
-            )
 
 
 EXPORT_KEYS = ("dtype", "drop", "rename", "include")
@@ -302,6 +300,27 @@ class Plan:
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
+
+    def check_run_dir(self) -> None:
+        """Refuse a run_dir that could not become this plan's run, before anything is written beside it (the
+        controller's lock and attempts, the batch script): a file, or a directory that holds no torchrelay run and
+        more than may come before one (what the training itself would refuse, after the launch wrote there)."""
+        from torchrelay.rundir import BEFORE_RUN, RunDir
+
+        rd = RunDir(self.run_dir)
+        if not os.path.lexists(rd.path) or (rd.path.is_dir() and rd.exists()):
+            return
+        if not rd.path.is_dir():
+            raise ConfigError(
+                f"plan run_dir {rd.path} is not a directory",
+                hint="name a new or empty directory, or the run directory of a run (plan field 'run_dir')",
+            )
+        leftovers = rd.unexplained_entries(BEFORE_RUN)[:5]
+        if leftovers:
+            raise ConfigError(
+                f"plan run_dir {rd.path} is not empty ({leftovers}) and holds no torchrelay run",
+                hint="name a new or empty directory, or the run directory of a run (plan field 'run_dir')",
+            )
 
     @property
     def work_path(self) -> Path:

@@ -27,9 +27,9 @@ from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
-from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError
+from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, PathError
 from torchrelay.handoff.bundle_readme import render_readme
-from torchrelay.handoff.copying import CopyResult, copy_many
+from torchrelay.handoff.copying import CopyResult, copy_many, refuse_nested
 from torchrelay.handoff.signing import bundle_digest, check_key, sign
 from torchrelay.handoff.source import write_source
 from torchrelay.history import new_id, read_history
@@ -111,7 +111,10 @@ def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) 
         matches = [c for c in infos if c.update == which]
         if not matches:
             have = ", ".join(str(c.update) for c in complete) or "none"
-            raise CheckpointError(f"{RunDir(run_dir).checkpoint(which)} does not exist (complete: {have})")
+            raise PathError(
+                f"{RunDir(run_dir).checkpoint(which)} does not exist (complete: {have})",
+                hint="pass --checkpoint with the update of a complete checkpoint, or latest",
+            )
         chosen = matches[0]
         if not chosen.complete:
             raise CheckpointError(f"{chosen.path} is incomplete ({chosen.reason}); it cannot be packed")
@@ -155,6 +158,7 @@ def _pack(
     started = time.perf_counter()
     rd = RunDir(Path(run_dir))
     bundle = Path(bundle)
+    refuse_nested(rd.path, "run directory", bundle, "bundle")
     if options.sign is not None:
         check_key(options.sign)
     contract = load_contract(rd.path)

@@ -27,6 +27,7 @@ from torchrelay.handoff.assemble import (
     copy_source_manifest,
     numerics_here,
 )
+from torchrelay.handoff.copying import refuse_nested
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
@@ -165,6 +166,7 @@ def _prepare(bundle: Bundle, options: PrepareOptions, hooks: Hooks, started: flo
         early = None  # a damaged file: the verification below names it
     if early is not None:
         apply_sets(early, options.sets)
+    refuse_nested(bundle.path, "bundle", run_dir, "run directory")
     _refuse_unrelated(run_dir)
 
     # Every byte against SHA256SUMS before any file of the bundle is believed.

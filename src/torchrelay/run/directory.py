@@ -21,15 +21,13 @@ from torchrelay.errors import ConfigError
 from torchrelay.history import close_crashed, new_id, read_history, write_history
 from torchrelay.identity import running_files, tree_note
 from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
-from torchrelay.lock import LOCK_FILES
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.numerics import check_resume
 from torchrelay.reshard import Layout
 from torchrelay.resume_check import keep_prepared, schedule_gate, validate_resume
 from torchrelay.run.saver import last_save_seconds
-from torchrelay.rundir import RunDir
-from torchrelay.stop import REQUEST_FILE
+from torchrelay.rundir import BEFORE_RUN, RunDir
 from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
@@ -64,9 +62,7 @@ def create_run(
     # A stop request may be written before the first launch (audits stop at chosen updates), a controller may have
     # recorded its attempts there, and a creation killed before it wrote the contract leaves files that this
     # creation overwrites.
-    leftovers = (
-        rd.unexplained_entries((REQUEST_FILE, "attempts", *LOCK_FILES))[:5] if rd.path.exists() else []
-    )
+    leftovers = rd.unexplained_entries(BEFORE_RUN)[:5] if rd.path.exists() else []
     if leftovers:
         raise ConfigError(
             f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",

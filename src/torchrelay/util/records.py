@@ -8,6 +8,8 @@ the line and field) and what to do: exit 2, never a RecursionError, TypeError or
 
 The bounds (docs/FORMATS.md):
 - a JSON file at most JSON_LIMIT bytes, a JSONL line at most LINE_LIMIT, a YAML plan at most YAML_LIMIT;
+- a YAML plan's aliases (`*name`) add at most ALIAS_LIMIT values to the document, and none holds itself; no key
+  is repeated in a mapping (YAML would keep the last silently);
 - nesting at most DEPTH_LIMIT deep (torchrelay's deepest record, a stateful's tree, is a few dozen levels);
 - a safetensors header at most SAFETENSORS_HEADER_LIMIT bytes (safetensors' own bound), its tensors laid out
   back to back exactly as safetensors writes them, each of its dtype's size, inside the file.
@@ -34,6 +36,9 @@ YAML_LIMIT = 16 << 20  # a plan is a page
 DEPTH_LIMIT = (
     200  # below Python's recursion limit with room for the recursive readers of a tree (state/trees.py)
 )
+# What aliases may add to a plan: a page's worth of reuse (`<<: *defaults`); 700 bytes of nested aliases expand to
+# 10^9 values, which every reader of the plan (the depth check first) would walk.
+ALIAS_LIMIT = 100_000
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # what safetensors itself refuses above
 _HINT = "the file is damaged or not what it should be; restore it from a copy"
 
@@ -193,7 +198,7 @@ def _names(types: Any) -> str:
 def read_yaml(
     path: str | os.PathLike[str], *, what: str, limit: int = YAML_LIMIT, follow: bool = False
 ) -> Any:
-    """A YAML file (a plan) as untrusted input: bounded size, safe_load, bounded depth; one RecordError.
+    """A YAML file (a plan) as untrusted input: bounded size, safe_load, bounded aliases and depth; one RecordError.
     `follow`: the user named the path (a link of theirs is followed; a pipe or a device still is not read)."""
     import yaml
 
@@ -207,17 +212,76 @@ def read_yaml(
     if _flow_depth(text) > DEPTH_LIMIT:
         raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
     deep = RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
+    loader = yaml.SafeLoader(text)
     try:
-        doc = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is not None:
+            _check_nodes(node, source)
+        doc = loader.construct_document(node) if node is not None else None
     except RecursionError:  # PyYAML composes recursively: deep block nesting reaches the interpreter's bound
         raise deep from None
     except yaml.YAMLError as exc:
         raise RecordError(source, f"not valid YAML ({_yaml_problem(exc)})", hint="fix the YAML") from None
     except ValueError as exc:  # an integer of more digits than Python converts
         raise RecordError(source, f"not YAML a plan holds ({str(exc)[:120]})", hint="fix the YAML") from None
+    finally:
+        loader.dispose()
     if depth_of(doc, DEPTH_LIMIT) > DEPTH_LIMIT:
         raise deep
     return doc
+
+
+def _check_nodes(root: Any, source: str) -> None:
+    """Refuse a composed YAML document whose aliases expand it by more than ALIAS_LIMIT values or hold a node
+    inside itself, or with a key repeated in a mapping. Counted on the node graph, where an alias is the node it
+    names: each node is visited once, whatever its aliases expand to."""
+    import yaml
+
+    sizes: dict[int, int] = {}  # id(node) -> values it expands to, itself included
+    open_: set[int] = set()  # nodes being counted: meeting one again is a node inside itself
+
+    def size(node: Any) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            raise RecordError(source, "an alias holds the node it names (a loop)", hint="fix the YAML")
+        open_.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(c) for c in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            _unique_keys(node, source)
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        else:
+            total = 1
+        open_.discard(key)
+        sizes[key] = total
+        return total
+
+    expanded = size(root)
+    if expanded - len(sizes) > ALIAS_LIMIT:
+        raise RecordError(
+            source,
+            f"its aliases expand {len(sizes)} values to {expanded} (more than {ALIAS_LIMIT} added)",
+            hint="write the values out, or reuse fewer of them through anchors and aliases (&name, *name)",
+        )
+
+
+def _unique_keys(node: Any, source: str) -> None:
+    """Refuse a mapping node in which a plain key (`run_dir`) is written twice."""
+    import yaml
+
+    seen: set[tuple[str, str]] = set()
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        if (key.tag, key.value) in seen:
+            raise RecordError(
+                source,
+                f"key {key.value!r} is repeated at line {key.start_mark.line + 1}",
+                hint="keep one of them: YAML would silently use the last",
+            )
+        seen.add((key.tag, key.value))
 
 
 def _flow_depth(text: str) -> int:

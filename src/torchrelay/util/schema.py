@@ -5,11 +5,14 @@ misspelt field, rules as field metadata, and the JSON schema editors read.
 Why our own and not pydantic or msgspec: docs/CONFIG.md (import time and messages, measured). The metadata keys:
 
 - `doc`: what the field means (the schema's description);
-- `min`: the lowest allowed number (`why`: the reason, shown when it is broken);
+- `min`, `max`: the lowest and highest allowed number (`why`: the reason, shown when one is broken);
 - `choices`: the allowed values (`hint`: what they mean, shown when another is given);
 - `as_str`: scalars (and list items, mapping keys and values) are accepted and turned into strings (argv, env);
 - `runtime`: the field may change between segments (config.py: not part of the resume contract);
 - `json_schema`: the field's schema, where its annotation is `Any`.
+
+Whatever the metadata, a number is finite (YAML's `.nan` and `.inf` are refused) and an int fits in 64 bits
+(INT_LIMIT): no field means anything by them, and a value past them only fails later, as a traceback.
 
 A dataclass validates itself in `__post_init__` with `check(self, "plan.smoke")`, so direct construction is
 checked too; `build(cls, mapping, where)` reads plain data into it, nested sections and lists of them included.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -29,6 +33,8 @@ from typing import Any
 
 from torchrelay.errors import ConfigError
 
+# An int field's magnitude at most: it is written as JSON and read back as an int64 by other tools.
+INT_LIMIT = 2**63 - 1
 _PLAIN = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
 _HINTS: dict[type, dict[str, Any]] = {}
 
@@ -206,10 +212,16 @@ def _fits(value: Any, hint: Any, meta: Mapping[str, Any]) -> bool:
 
 
 def _bounds(value: Any, meta: Mapping[str, Any], where: str) -> None:
-    low = meta.get("min")
+    why = f" ({meta['why']})" if meta.get("why") else ""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number, got {value!r}")
+    low, high = meta.get("min"), meta.get("max")
     if low is not None and isinstance(value, int | float) and value < low:
-        why = f" ({meta['why']})" if meta.get("why") else ""
         raise ConfigError(f"{where}: must be >= {low}{why}, got {value!r}")
+    if high is not None and isinstance(value, int | float) and value > high:
+        raise ConfigError(f"{where}: must be <= {high}{why}, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+        raise ConfigError(f"{where}: must be within +-{INT_LIMIT} (64 bits), got {value!r}")
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         close = did_you_mean(value, choices) if isinstance(value, str) else ""
@@ -288,6 +300,8 @@ def _schema_of(hint: Any, meta: Mapping[str, Any], defs: dict[str, Any]) -> dict
         out["type"] = ["string", "integer", "number"]
     if meta.get("min") is not None:
         out["minimum"] = meta["min"]
+    if meta.get("max") is not None:
+        out["maximum"] = meta["max"]
     if meta.get("choices") is not None:
         out["enum"] = list(meta["choices"])
     return out

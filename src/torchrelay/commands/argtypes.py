@@ -1,0 +1,55 @@
+"""argparse types of the verbs' numbers and ids: a value out of range is refused as argparse refuses a wrong type
+(the usage and `argument --at-update: ...`, exit 2), before the verb does anything with it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+from torchrelay.layout import MAX_UPDATE
+from torchrelay.util.schema import INT_LIMIT
+from torchrelay.util.shown import visible
+
+JOBS_LIMIT = 1024  # hashing or copying threads: far past the cores of any node
+
+
+def count(low: int, high: int = INT_LIMIT) -> Callable[[str], int]:
+    """An int in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{visible(text)}'") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in its own message on a ValueError
+    return parse
+
+
+update = count(0, MAX_UPDATE)  # an update number, as a checkpoint's name holds one
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got '{visible(text)}'") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got '{visible(text)}'")
+    return value
+
+
+def job_id(text: str) -> str:
+    """A Slurm job id as a stop request holds one (stop.JOB_ID); anything else would read back as no job."""
+    from torchrelay.stop import JOB_ID
+
+    if not JOB_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"'{visible(text)}' is not a job id (letters, digits and _.+-, at most 64, e.g. 123 or 123_4)"
+        )
+    return text
