@@ -46,13 +46,16 @@ def load(
     no_dist: bool = False,
     expected: dict[str, tuple[Any, ...]] | None = None,
     stats: dict[str, float] | None = None,
+    metadata: Metadata | None = None,
 ) -> set[str]:
     """Fill `state`'s tensors in place from `directory`. With `expected` ({name: (SHA-256, size)} of the files
     in `directory`, or (SHA-256, size, (part size, states)) for a file whose inventory entry lists its SHA-256
     states: util/sha256_parts.py), each file read is verified as it is read; returns the names of the files verified.
-    `stats`, if given, receives the seconds each phase took, summed over its threads (read, hash, parse, copy)."""
+    `stats`, if given, receives the seconds each phase took, summed over its threads (read, hash, parse, copy).
+    `metadata`: `directory`'s, already read by the caller with read_metadata (not parsed a second time)."""
     began = time.perf_counter()
-    metadata = read_metadata(directory)  # refuse a tampered file before DCP opens anything
+    if metadata is None:
+        metadata = read_metadata(directory)  # refuse a tampered file before DCP opens anything
     checked = time.perf_counter()
     reader = SafeReader(str(directory), expected, metadata)  # which DCP then plans with: it is parsed once
     try:

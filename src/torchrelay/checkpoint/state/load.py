@@ -4,9 +4,10 @@ right before the first update its generators), every file checked against the in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from torchrelay import rng
@@ -17,6 +18,8 @@ from torchrelay.checkpoint.state.document import (
     STATE_DICT_OPTIONS,
     dcp_document,
     join_optimizer,
+    named_params,
+    optimizers_of,
     split_optimizer,
 )
 from torchrelay.checkpoint.state.records import (
@@ -97,8 +100,14 @@ def _load_state(
         )
     source = 0 if resharded else rank  # whose per-rank tensors this rank takes
     if model is not None:
+        # The fresh optimizer's state, made up by torch for every trainable parameter (document.state_dicts), is
+        # the template DCP fills; a parameter the checkpoint holds no state for keeps none (see _unsaved).
         msd, osd = get_state_dict(model, optimizer or [], options=STATE_DICT_OPTIONS)
         otensors, _ = split_optimizer(osd) if optimizer is not None else ({}, None)
+        # read (and refused if tampered) before DCP opens anything; DCP plans with it, not parsed again
+        metadata = dcp_io.read_metadata(ckpt_dir / MODEL_DIR)
+        unsaved = _unsaved(ckpt_dir, osd, doc, source, metadata) if optimizer is not None else set()
+        otensors = {k: v for k, v in otensors.items() if k.split("\x1f", 1)[0] not in unsaved}
         target, has_own = dcp_document(msd, otensors, per_rank, source)
         prefix = f"{MODEL_DIR}/"
         expected: dict[str, tuple[Any, ...]] = {
@@ -108,7 +117,8 @@ def _load_state(
         }
         peers.exchange(phase)
         read_by_me = {
-            prefix + n for n in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None)
+            prefix + n
+            for n in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None, metadata=metadata)
         }
         if has_own:
             mine = target[ranks.PER_RANK][str(source)]
@@ -118,9 +128,15 @@ def _load_state(
         if optimizer is not None:
             if doc.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt_dir}: holds no optimizer state but an optimizer is tracked")
-            kwargs["optim_state_dict"] = join_optimizer(target["optim"], doc["optimizer"])
+            kwargs["optim_state_dict"] = osd_in = join_optimizer(target["optim"], doc["optimizer"])
+            # set_state_dict wants state for every trainable parameter (its strict check): the unsaved ones are
+            # given the fresh optimizer's, and lose it again right after
+            osd_in["state"] |= {fqn: cast(dict[str, Any], osd["state"])[fqn] for fqn in unsaved}
+        gone = {id(p) for fqn, p in named_params(osd, optimizer) if fqn in unsaved}
         set_state_dict(model, optimizer or [], options=STATE_DICT_OPTIONS, **kwargs)
-        for each in optimizer if isinstance(optimizer, list | tuple) else [optimizer]:
+        for each in optimizers_of(optimizer):
+            for param in [p for p in each.state if id(p) in gone]:
+                del each.state[param]
             ds_engine.replay_cpu_adam(each)
     tensors = read_tensors(ckpt_dir / STATE_TENSORS, what="the statefuls' tensors", root=ckpt_dir)
     stored = dict(doc.get("statefuls", {}))
@@ -143,6 +159,39 @@ def _load_state(
     for name, obj in statefuls.items():
         obj.load_state_dict(tree_of(stored[name], tensors, source=str(state_path(ckpt_dir)), name=name))
     return dict(doc["loop"])
+
+
+def _unsaved(
+    ckpt_dir: Path,
+    osd: dict[str, Any],
+    doc: dict[str, Any],
+    source: int,
+    metadata: Metadata,
+) -> set[str]:
+    """The parameters (get_state_dict's names) the checkpoint holds no optimizer state for on rank `source`: they
+    had no gradient yet when it was saved (used only later, frozen by `p.grad = None`, an expert given no tokens),
+    and the optimizer that saved it held nothing for them. The resumed optimizer must hold nothing either.
+
+    A parameter whose stored state lacks some of what this optimizer keeps is refused, naming what is missing:
+    the checkpoint was saved by another optimizer (DCP's own error would name a key only)."""
+    scalars = (doc.get("optimizer") or {}).get("scalars", {})
+    held: dict[str, set[str]] = {fqn: set(names) for fqn, names in scalars.items()}
+    # split_optimizer names a tensor "<fqn>\x1f<name>"; DCP joins the document's levels with dots
+    for prefix in ("optim.", f"{ranks.PER_RANK}.{source}.optim."):
+        for key in metadata.state_dict_metadata:
+            if key.startswith(prefix) and "\x1f" in key:
+                fqn, name = key.removeprefix(prefix).split("\x1f", 1)
+                held.setdefault(fqn, set()).add(name)
+    unsaved: set[str] = set()
+    for fqn, state in osd.get("state", {}).items():
+        if not (names := held.get(fqn)):
+            unsaved.add(fqn)
+        elif missing := sorted(set(state) - names):
+            raise CheckpointError(
+                f"{ckpt_dir / MODEL_DIR}: the optimizer state of {fqn} lacks {missing}, which this optimizer keeps",
+                hint="track the same optimizer (class and settings) as the run that saved the checkpoint",
+            )
+    return unsaved
 
 
 def _verify_share(

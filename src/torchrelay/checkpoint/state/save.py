@@ -9,14 +9,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_save, ranks, recycle
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
 from torchrelay.checkpoint.host_stage import HostStage, specs_of
 from torchrelay.checkpoint.persist import write_bytes
-from torchrelay.checkpoint.state.document import STATE_DICT_OPTIONS, dcp_document, split_optimizer
+from torchrelay.checkpoint.state.document import dcp_document, split_optimizer, state_dicts
 from torchrelay.checkpoint.state.records import (
     MODEL_DIR,
     RANK_STATE_DIR,
@@ -79,7 +78,7 @@ def capture_state(
     msd: dict[str, Any] = {}
     otensors: dict[str, torch.Tensor] = {}
     if model is not None:
-        msd, osd = get_state_dict(model, optimizer or [], options=STATE_DICT_OPTIONS)
+        msd, osd = state_dicts(model, optimizer)
         otensors, optim_meta = split_optimizer(osd) if optimizer is not None else ({}, None)
     trees: dict[str, Any] = {}
     own_tensors: dict[str, dict[str, torch.Tensor]] = {}

@@ -1,0 +1,170 @@
+"""A trainable parameter the optimizer holds no state for at a save (no gradient yet: an auxiliary head used only
+later, a layer frozen by `p.grad = None`, an expert given no tokens) resumes without state, as the saver holds it.
+
+torch's get_state_dict makes up state for every trainable parameter of an optimizer that holds none (a step with
+zero gradients and lr 0): before the fix a load asked DCP for that state (every resume failed: "Missing key in
+checkpoint state_dict: optim.aux.weight<US>step"), and a save before any state kept it in the live optimizer
+(AdamW's step count, SGD's momentum buffer: weight decay leaves it non-zero), so the saver parted from a run that
+did not save.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
+from torchrelay.checkpoint.state import load_state, save_state
+from torchrelay.errors import CheckpointError
+
+AUX_FROM = 4  # the first update that uses the auxiliary head
+UPDATES = 6
+
+
+class Net(nn.Module):
+    """A body and a head from the start; an auxiliary head from update AUX_FROM on (no gradient before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+        self.aux = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return self.head(h) + self.aux(h) if use_aux else self.head(h)
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":  # weight decay: the made-up momentum buffer is weight_decay * p, not zero
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _build(opt: str, wrapper: str = "none") -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model: nn.Module = Net()
+    if wrapper == "ddp":
+        model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    elif wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.aux)  # a group of its own that no forward gathers before AUX_FROM
+        fully_shard(model)
+    return model, _optimizer(opt, model.parameters())
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, first: int, last: int, rank: int = 0) -> None:
+    for update in range(first, last + 1):
+        g = torch.Generator().manual_seed(100 * rank + update)
+        model(torch.randn(4, 6, generator=g), update >= AUX_FROM).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and every tensor of the optimizer's state (this rank's shards), by name; a parameter
+    without optimizer state contributes none."""
+    from torch.distributed.tensor import DTensor
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    flat = dict(model.named_parameters())
+    flat |= {f"{names[id(p)]}/{k}": v for p, s in opt.state.items() for k, v in s.items()}
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).detach() for k, v in flat.items()}
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(set(a) ^ set(b)) + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
+
+
+def _save(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, update: int) -> None:
+    save_state(ckpt, rank=0, model=model, optimizer=opt, statefuls={}, loop={"update": update})
+    write_inventory(ckpt, inventory_entries(ckpt, list_files(ckpt)))
+
+
+@pytest.mark.parametrize("saved_at", [0, AUX_FROM - 1], ids=["before-any-update", "aux-without-gradient"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_parameters_without_optimizer_state_resume_without_it(
+    tmp_path: Path, opt: str, saved_at: int
+) -> None:
+    """Saved while the optimizer held no state for `aux` (or for anything: no update yet), loaded into a fresh
+    model and optimizer, stepped on: every tensor equal to the uninterrupted run's, and to the saver's."""
+    whole, whole_opt = _build(opt)
+    _train(whole, whole_opt, 1, UPDATES)
+    saver, saver_opt = _build(opt)
+    _train(saver, saver_opt, 1, saved_at)
+    without = {p for p in saver.parameters() if p not in saver_opt.state}
+    assert saver.aux.weight in without
+    _save(tmp_path, saver, saver_opt, saved_at)
+    assert {p for p in saver.parameters() if p not in saver_opt.state} == without, "the save made up state"
+    fresh, fresh_opt = _build(opt)
+    load_state(tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={})
+    names = {p: n for n, p in saver.named_parameters()}
+    assert {n for n, p in fresh.named_parameters() if p not in fresh_opt.state} == {names[p] for p in without}
+    _train(saver, saver_opt, saved_at + 1, UPDATES)
+    _train(fresh, fresh_opt, saved_at + 1, UPDATES)
+    expected = _tensors(whole, whole_opt)
+    assert not _differ(expected, _tensors(saver, saver_opt)), "the save changed the run that saved"
+    assert not _differ(expected, _tensors(fresh, fresh_opt)), (
+        "the resumed run parted from the uninterrupted one"
+    )
+
+
+def test_a_parameter_with_part_of_its_optimizer_state_is_refused(tmp_path: Path) -> None:
+    """State for a parameter that lacks some of what the optimizer keeps was saved by another optimizer: refused,
+    naming the parameter and what is missing (before the fix, DCP's raw 'Missing key')."""
+    saver, saver_opt = _build("sgd")
+    _train(saver, saver_opt, 1, 2)
+    _save(tmp_path, saver, saver_opt, 2)
+    fresh, fresh_opt = _build("adamw")
+    with pytest.raises(
+        CheckpointError, match=r"optimizer state of body\.weight lacks \['exp_avg', 'exp_avg_sq'"
+    ):
+        load_state(tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={})
+
+
+def _ranks_child(rank: int, base: str) -> None:
+    from torchrelay.checkpoint.commit import commit_checkpoint
+    from torchrelay.checkpoint.retention import LatestN
+
+    dist.init_process_group("gloo", init_method=f"file://{base}/store", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    failures = []
+    for wrapper in ("ddp", "fsdp2"):
+        for opt in ("sgd", "adamw"):
+            whole, whole_opt = _build(opt, wrapper)
+            _train(whole, whole_opt, 1, UPDATES, rank)
+            saver, saver_opt = _build(opt, wrapper)
+            _train(saver, saver_opt, 1, AUX_FROM - 1, rank)
+            run_dir = Path(base) / f"{wrapper}-{opt}"
+            run_dir.mkdir(exist_ok=True)
+
+            def write(tmp: Path, hook: Any, model: nn.Module = saver, o: Any = saver_opt) -> None:
+                save_state(
+                    tmp, rank=rank, model=model, optimizer=o, statefuls={}, loop={"update": AUX_FROM - 1}
+                )
+
+            ckpt, _ = commit_checkpoint(
+                run_dir, AUX_FROM - 1, write, rank=rank, world_size=2, info={}, retention=LatestN(1)
+            )
+            fresh, fresh_opt = _build(opt, wrapper)
+            load_state(ckpt, rank=rank, model=fresh, optimizer=fresh_opt, statefuls={})
+            _train(fresh, fresh_opt, AUX_FROM, UPDATES, rank)
+            if differ := _differ(_tensors(whole, whole_opt), _tensors(fresh, fresh_opt)):
+                failures.append(f"{wrapper} {opt}, rank {rank}: {differ}")
+    dist.barrier()  # neither rank tears gloo down while the other still talks
+    dist.destroy_process_group()
+    assert not failures, failures
+
+
+def test_ddp_and_fsdp2_resume_a_parameter_without_optimizer_state(tmp_path: Path) -> None:
+    """Two gloo ranks: DDP (find_unused_parameters) and FSDP2 (the unused head sharded in a group of its own),
+    saved through the commit protocol before the head had a gradient, resumed and stepped on: every tensor of
+    each rank (its shards under FSDP2) equal to the uninterrupted run's."""
+    mp.spawn(_ranks_child, args=(str(tmp_path),), nprocs=2)
