@@ -926,3 +926,160 @@ def test_an_atomic_write_never_writes_through_a_link_at_its_temporary(tmp_path: 
         with pytest.raises(OSError):
             write()
         assert victim.read_text() == "VICTIM"
+
+
+# Each plants a link named `name` to `victim` (a file outside the run, or a folder holding one) where a writer
+# writes, and returns that writer.
+Planter = Callable[[Path, Path, pytest.MonkeyPatch], Callable[[], Any]]
+
+
+def _killed_creation(tmp_path: Path) -> tuple[Any, Path]:
+    """A configuration and a directory as a creation killed after its copy of the manifest left it."""
+    from torchrelay.rundir import RunDir
+
+    config = RunDir(FIXTURE / "run").load_config()
+    config = config.replace(
+        manifest=str(FIXTURE / "data" / "manifest.jsonl"), data_root=str(FIXTURE / "data" / "root")
+    )
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "train").mkdir()
+    return config, run
+
+
+def _plant_manifest_copy(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+    from torchrelay.run.directory import create_run
+    from torchrelay.rundir import RunDir
+
+    config, run = _killed_creation(tmp_path)
+    (run / "data" / "manifest.jsonl").symlink_to(victim)
+    return lambda: create_run(RunDir(run), config, {}, world_size=2, code_dir=None)
+
+
+def _plant_data_folder(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+    from torchrelay.run.directory import create_run
+    from torchrelay.rundir import RunDir
+
+    config, run = _killed_creation(tmp_path)
+    (run / "data").rmdir()
+    (run / "data").symlink_to(victim.parent)
+    victim.rename(victim.parent / "manifest.jsonl")  # what the copy would replace, through the folder
+    return lambda: create_run(RunDir(run), config, {}, world_size=2, code_dir=None)
+
+
+def _plant_validation_log(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+    from torchrelay import validation
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE / "run", run, symlinks=True)
+    log = validation.folder(run, 8) / validation.LOG
+
+    def plant(out: Path) -> None:  # right after the pass removed an earlier attempt's log
+        if not os.path.lexists(log):
+            log.symlink_to(victim)
+
+    monkeypatch.setattr(validation, "_remove_weights", plant)
+    return lambda: validation.run_one(run, 8, validation.ValidationSpec(command="echo WRITTEN"))
+
+
+def _plant_smoke_log(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+    from torchrelay.controller.attempts import Outcome
+    from torchrelay.controller.launcher import Controller, LaunchRequest
+    from torchrelay.controller.plan import Plan
+
+    plan = Plan.from_dict({"run_dir": "run", "train": {"script": "t.py", "nproc_per_node": 2}}, tmp_path)
+    controller = Controller(LaunchRequest(plan_path=tmp_path / "plan.yaml"), plan=plan)
+    attempt, _ = controller.attempts.start(plan.to_dict(), {})
+    (attempt.path / "smoke.log").symlink_to(victim)
+
+    class Launched:  # the smoke's torchrun, whose output goes to the log
+        output: Any = None
+
+        def run(self) -> Any:
+            self.output.write("WRITTEN\n")
+            raise AssertionError("the smoke ran with its log linked out of the run")
+
+    monkeypatch.setattr(controller, "_supervisor", lambda *args, **kwargs: Launched())
+    outcome = Outcome(exit_code=1, ended="error", stage="smoke")
+    return lambda: controller._smoke(attempt, outcome)
+
+
+def _plant_probe(kind: str) -> Planter:
+    def plant(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+        from torch.utils.data import DataLoader
+
+        from torchrelay.audit import probe
+
+        folder = tmp_path / "probe" / "interrupted"
+        folder.mkdir(parents=True)
+        monkeypatch.setenv(probe.ENV, str(folder))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setitem(probe._state, "refused", False)
+        name = "rank0.jsonl" if kind == "batches" else "streams-rank0.jsonl"
+        (folder / name).symlink_to(victim)
+        reader = probe.read if kind == "batches" else probe.read_streams
+
+        def record() -> Any:
+            if kind == "batches":
+                loader = iter(DataLoader([1, 2, 3]))
+                with pytest.raises(RelayError, match=name):  # (the audited run suppresses it)
+                    probe._record(loader, next(loader))
+            else:
+                with pytest.raises(RelayError, match=name):
+                    probe._record_streams(3)
+            assert victim.read_text() == "VICTIM"
+            return reader(folder)  # the audit reads what the probe wrote: the link refused there, exit 2
+
+        return record
+
+    return plant
+
+
+def _plant_audit_log(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+    from torchrelay.audit.runner import subprocess_launcher
+
+    log = tmp_path / "work" / "logs" / "interrupted-1.log"
+    log.parent.mkdir(parents=True)
+    log.symlink_to(victim)
+    return lambda: subprocess_launcher(["echo", "WRITTEN"], dict(os.environ), log, 30)
+
+
+@pytest.mark.parametrize(
+    ("plant", "name"),
+    [
+        (_plant_manifest_copy, "data/manifest.jsonl"),
+        (_plant_data_folder, "data (the run's data folder)"),
+        (_plant_validation_log, "validation/checkpoint-8/output.log"),
+        (_plant_smoke_log, "smoke.log"),
+        (_plant_audit_log, "logs/interrupted-1.log"),
+        (_plant_probe("batches"), "rank0.jsonl"),
+        (_plant_probe("streams"), "streams-rank0.jsonl"),
+    ],
+    ids=[
+        "manifest-copy",
+        "data-folder",
+        "validation-log",
+        "smoke-log",
+        "audit-log",
+        "probe-batches",
+        "probe-streams",
+    ],
+)
+def test_a_writer_into_a_run_never_writes_through_a_planted_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: Planter, name: str
+) -> None:
+    """A link planted where a writer writes into an existing run (a killed creation's data/ or its manifest copy,
+    the validation command's log, the smoke's log in its attempt, an audit's segment log and its probe's records) made the writer
+    replace or append to the file outside it points to. Now each refuses it in one line naming it (exit 2), and
+    that file is untouched."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim"
+    victim.write_text("VICTIM")
+    write = plant(tmp_path, victim, monkeypatch)
+    kept = {p.name: p.read_bytes() for p in outside.iterdir()}
+    with pytest.raises(RelayError) as caught:
+        write()
+    message = caught.value.message
+    assert caught.value.exit_code == EXIT_REFUSED and name in message and "\n" not in message, message
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == kept

@@ -39,7 +39,7 @@ from torchrelay.rundir import RunDir
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json, read_json_or_none
-from torchrelay.util.safepath import ensure_inside
+from torchrelay.util.safepath import ensure_inside, open_writable
 from torchrelay.validation_records import (
     KEPT,
     LOG,
@@ -305,7 +305,8 @@ def _run_command(
         env["TORCHRELAY_VALIDATION_WEIGHTS"] = values["weights"]
     limit = record.started + spec.timeout_s if spec.timeout_s else None
     update = record.update
-    with open(out / LOG, "wb") as log:
+    # (removed above, so a link here was planted since: refused, never written through)
+    with os.fdopen(open_writable(out / LOG, what="the validation command's log", truncate=True), "wb") as log:
         try:
             proc = subprocess.Popen(
                 record.command, shell=True, cwd=spec.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,

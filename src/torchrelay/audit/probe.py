@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import envvars
+from torchrelay.errors import RelayError
 from torchrelay.util.jsonl import read_records
+from torchrelay.util.safepath import open_writable, refuse_link
 
 ENV = envvars.AUDIT_PROBE.name  # the folder the probe writes rank<r>.jsonl into; unset: the probe is off
 # Updates at whose start the probe also records the state of every random stream the process holds
@@ -77,10 +79,7 @@ def _record(it: Any, batch: Any) -> None:
         "sampler": type(sampler).__name__,
         "sha": h.hexdigest()[:20],
     }
-    folder = Path(envvars.AUDIT_PROBE.get())
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
+    _append(f"rank{rank}.jsonl", line)
 
 
 def install() -> None:
@@ -249,12 +248,26 @@ def state_tensors() -> dict[str, str]:
 
 def _record_streams(update: int) -> None:
     rank = os.environ.get("RANK", "0")
-    folder = Path(envvars.AUDIT_PROBE.get())
-    folder.mkdir(parents=True, exist_ok=True)
     line: dict[str, Any] = {"update": update, "streams": random_streams()}
     with contextlib.suppress(Exception):  # the stream digests stand on their own
         line["tensors"] = state_tensors()
-    with open(folder / f"streams-rank{rank}.jsonl", "a", encoding="utf-8") as f:
+    _append(f"streams-rank{rank}.jsonl", line)
+
+
+def _append(name: str, line: dict[str, Any]) -> None:
+    """Append `line` to the probe's file `name`; a link at the folder or the file is refused, never written
+    through (the audit's reader refuses it too, naming it)."""
+    folder = Path(envvars.AUDIT_PROBE.get())
+    try:
+        refuse_link(folder, what="the audit probe's folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = open_writable(folder / name, what="the audit probe's record", append=True)
+    except RelayError as exc:
+        if not _state.get("refused"):  # once: the probe is called for every batch
+            print(f"[torchrelay audit] probe: {exc.message}", file=sys.stderr)
+        _state["refused"] = True
+        raise
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
 
 

@@ -19,6 +19,7 @@ from torchrelay.errors import RelayError
 from torchrelay.layout import checkpoint_name
 from torchrelay.proctree import end_tree
 from torchrelay.rundir import RunDir
+from torchrelay.util.safepath import open_writable
 
 # How long a timed-out launch has to end on SIGTERM (ranks stop at their next boundary) before it is killed.
 KILL_GRACE_S = 15.0
@@ -44,7 +45,7 @@ def subprocess_launcher(
     """Run the launch command as a child process, stdout and stderr into `log`; past `timeout` seconds (or once
     `timed_out(seconds)` says so) end it and every process it started, and raise."""
     expired = timed_out or (lambda seconds: seconds > timeout)
-    with log.open("wb") as out:
+    with os.fdopen(open_writable(log, what="a segment's log of the audit", truncate=True), "wb") as out:
         try:
             proc = subprocess.Popen(
                 list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -52,6 +52,7 @@ from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 from torchrelay.train_records import metrics_path
+from torchrelay.util.safepath import open_writable
 from torchrelay.validation import ValidationSpec, validate_checkpoints
 
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
@@ -270,7 +271,8 @@ class Controller:
         # A stop signal during the smoke is only recorded: the smoke ends by itself within a few updates, and its
         # measurements let the next attempt (e.g. the requeued job) skip it and spend its time on the formal run.
         # Its output (torchrun reports the planned stop as a failure) goes to a log; a failure quotes its tail.
-        with open(attempt.path / "smoke.log", "w") as log:
+        smoke_log = open_writable(attempt.path / "smoke.log", what="the smoke run's log", truncate=True)
+        with os.fdopen(smoke_log, "w") as log:
             sup.output = log
             result = sup.run()
         if self._memory(outcome, result, attempt, "smoke"):

@@ -32,6 +32,7 @@ from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_afte
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import Schema, read_json, read_json_or_none
+from torchrelay.util.safepath import open_writable, refuse_link
 
 
 @dataclass(slots=True)
@@ -76,10 +77,13 @@ def create_run(
     contract = build_contract(
         cfg, world_size, code_dir, manifest, code_files=running_files(code_dir), run_dir=rd.path
     )
-    (rd.path / "data").mkdir(parents=True, exist_ok=True)
+    # a killed creation's data/ is written into again: a link there (or at the copy's name) would have the copy
+    # replace whatever it points to, outside the run
+    refuse_link(rd.data_dir, what="the run's data folder")
+    rd.data_dir.mkdir(parents=True, exist_ok=True)
     rd.train_dir.mkdir(exist_ok=True)
     rd.remove_stale_temps()
-    shutil.copyfile(source_manifest, rd.path / MANIFEST_REL)
+    copy_manifest(source_manifest, rd.path / MANIFEST_REL)
     manifest.save_index(rd.manifest_index_path)
     # The source's arrays go before the copy's are read (10 M samples: 240 MB each).
     source_sha = manifest.sha256()
@@ -97,6 +101,18 @@ def create_run(
         manifest=copy,
         gate=schedule_gate(cfg, 0, str(rd.path)),
     )
+
+
+def copy_manifest(source: str | os.PathLike[str], dest: Path) -> None:
+    """Copy the manifest `source` to the run's `dest`, replacing a killed creation's copy; never through a link."""
+    with (
+        open(source, "rb") as src,
+        os.fdopen(open_writable(dest, what="the run's copy of its manifest"), "wb") as out,
+    ):
+        if os.path.samestat(os.fstat(src.fileno()), os.fstat(out.fileno())):
+            return  # the killed creation's copy named as the source: it is the copy already
+        out.truncate(0)
+        shutil.copyfileobj(src, out, 1 << 20)
 
 
 def reopen_run(

@@ -194,10 +194,15 @@ def refuse_link(path: str | os.PathLike[str], *, what: str) -> None:
 
 
 def open_writable(
-    path: str | os.PathLike[str], *, what: str, append: bool = False, create: bool = True
+    path: str | os.PathLike[str],
+    *,
+    what: str,
+    append: bool = False,
+    create: bool = True,
+    truncate: bool = False,
 ) -> int:
     """A descriptor to write the regular file `path` (read-write, or appending with `append`), created if missing
-    with `create`; the writer's counterpart of `open_regular`. A symbolic link as the last part is refused, never
+    with `create`, emptied with `truncate`; the writer's counterpart of `open_regular`. A symbolic link as the last part is refused, never
     followed (O_NOFOLLOW), and so are a pipe, a socket or a device (without blocking), before a byte is written.
     The folders on the way are the caller's to check (`refuse_link`). The caller closes the descriptor."""
     flags = (
@@ -220,6 +225,8 @@ def open_writable(
                 f"{path} ({what}) is not a regular file (a pipe or a device); refusing to write it",
                 hint="torchrelay writes only regular files; remove it",
             )
+        if truncate:  # after the checks, which O_TRUNC would precede
+            os.ftruncate(fd, 0)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
