@@ -10,6 +10,8 @@ did not save.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
-from torchrelay.checkpoint.state import load_state, save_state
-from torchrelay.errors import CheckpointError
+from torchrelay.checkpoint.state import RELAY_STATE, load_state, save_state
+from torchrelay.errors import EXIT_REFUSED, CheckpointError, RecordError
 
 AUX_FROM = 4  # the first update that uses the auxiliary head
 UPDATES = 6
@@ -168,3 +170,107 @@ def test_ddp_and_fsdp2_resume_a_parameter_without_optimizer_state(tmp_path: Path
     saved through the commit protocol before the head had a gradient, resumed and stepped on: every tensor of
     each rank (its shards under FSDP2) equal to the uninterrupted run's."""
     mp.spawn(_ranks_child, args=(str(tmp_path),), nprocs=2)
+
+
+def _forge_last_epoch(doc: dict[str, Any]) -> None:
+    pairs = doc["statefuls"]["scheduler"]["__dict__"]
+    next(p for p in pairs if p[0] == "last_epoch")[1] = "eight"
+
+
+def _forge_last_lr(doc: dict[str, Any]) -> None:
+    pairs = doc["statefuls"]["scheduler"]["__dict__"]
+    next(p for p in pairs if p[0] == "_last_lr")[1] = [None]
+
+
+def _forge_group(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda doc: doc["optimizer"]["param_groups"][0].__setitem__(key, value)
+
+
+@pytest.mark.parametrize(
+    ("forge", "field", "shown"),
+    [
+        (
+            _forge_last_epoch,
+            "statefuls.scheduler.last_epoch",
+            "holds 'eight' (a str) where the live object holds a number",
+        ),
+        (
+            _forge_last_lr,
+            "statefuls.scheduler._last_lr.0",
+            "holds None (None) where the live object holds a number",
+        ),
+        (_forge_group("lr", "fast"), "optimizer.param_groups.0.lr", "holds 'fast' (a str)"),
+        (
+            _forge_group("amsgrad", 1),
+            "optimizer.param_groups.0.amsgrad",
+            "holds 1 (a number) where the live object holds a bool",
+        ),
+        (
+            _forge_group("betas", [0.9]),
+            "optimizer.param_groups.0.betas",
+            "holds [0.9] (a list) where the live object holds 2 values",
+        ),
+        (
+            _forge_group("foreach", "yes"),
+            "optimizer.param_groups.0.foreach",
+            "where the live object holds None",
+        ),
+    ],
+    ids=["last_epoch", "last_lr", "lr", "amsgrad", "betas", "foreach"],
+)
+def test_a_forged_scalar_of_the_scheduler_or_optimizer_is_refused_at_the_load(
+    tmp_path: Path, forge: Callable[[dict[str, Any]], None], field: str, shown: str
+) -> None:
+    """relay_state.json forged (its inventory recomputed to match): a scheduler's last_epoch of "eight" or a param
+    group's lr of "fast" was loaded as it was, and the next sched.step() or opt.step() died in a TypeError traceback.
+    Now the load refuses a value of another kind than the live object holds, in one line naming the file and the
+    field (exit 2); the checkpoint as saved loads and steps on as the saver does."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        model, opt = _build("adamw")
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1 / (u + 1))
+
+    saver, saver_opt, saver_sched = build()
+    for update in range(1, 4):
+        _train(saver, saver_opt, update, update)
+        saver_sched.step()
+    save_state(
+        tmp_path,
+        rank=0,
+        model=saver,
+        optimizer=saver_opt,
+        statefuls={"scheduler": saver_sched},
+        loop={"update": 3},
+    )
+    write_inventory(tmp_path, inventory_entries(tmp_path, list_files(tmp_path)))
+    saved = (tmp_path / RELAY_STATE).read_bytes()
+
+    fresh, fresh_opt, fresh_sched = build()
+    load_state(
+        tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={"scheduler": fresh_sched}, verify=True
+    )
+    for each_opt, each_sched in ((saver_opt, saver_sched), (fresh_opt, fresh_sched)):
+        each_opt.step()
+        each_sched.step()
+    assert fresh_sched.state_dict() == saver_sched.state_dict()
+    assert fresh_opt.param_groups[0]["lr"] == saver_opt.param_groups[0]["lr"]
+
+    doc = json.loads(saved)
+    forge(doc)
+    (tmp_path / RELAY_STATE).write_text(json.dumps(doc, indent=1))
+    (tmp_path / "COMPLETE.json").unlink()  # and recomputed, as a forger would
+    write_inventory(tmp_path, inventory_entries(tmp_path, list_files(tmp_path)))
+    fresh, fresh_opt, fresh_sched = build()
+    with pytest.raises(RecordError) as caught:
+        load_state(
+            tmp_path,
+            rank=0,
+            model=fresh,
+            optimizer=fresh_opt,
+            statefuls={"scheduler": fresh_sched},
+            verify=True,
+        )
+    message = caught.value.message
+    assert message.startswith(f"{tmp_path / RELAY_STATE}, field {field!r}: ") and shown in message, message
+    assert "\n" not in message and caught.value.exit_code == EXIT_REFUSED
+    assert fresh_sched.last_epoch == 0  # the scheduler was not loaded

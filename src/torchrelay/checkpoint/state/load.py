@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_io, ranks
@@ -27,12 +28,13 @@ from torchrelay.checkpoint.state.records import (
     STATE_TENSORS,
     Stateful,
     per_rank_of,
+    rank_state_file,
     read_rank_statefuls,
     read_tensors,
     read_trainer_state,
     state_path,
 )
-from torchrelay.checkpoint.state.trees import tree_of
+from torchrelay.checkpoint.state.trees import like_live, tree_of
 from torchrelay.errors import CheckpointError, IntegrityError
 from torchrelay.util import collective
 from torchrelay.util.hashing import sha256_many
@@ -128,7 +130,8 @@ def _load_state(
         if optimizer is not None:
             if doc.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt_dir}: holds no optimizer state but an optimizer is tracked")
-            kwargs["optim_state_dict"] = osd_in = join_optimizer(target["optim"], doc["optimizer"])
+            meta = _like_live_optimizer(doc["optimizer"], osd, source=str(state_path(ckpt_dir)))
+            kwargs["optim_state_dict"] = osd_in = join_optimizer(target["optim"], meta)
             # set_state_dict wants state for every trainable parameter (its strict check): the unsaved ones are
             # given the fresh optimizer's, and lose it again right after
             osd_in["state"] |= {fqn: cast(dict[str, Any], osd["state"])[fqn] for fqn in unsaved}
@@ -140,9 +143,11 @@ def _load_state(
             ds_engine.replay_cpu_adam(each)
     tensors = read_tensors(ckpt_dir / STATE_TENSORS, what="the statefuls' tensors", root=ckpt_dir)
     stored = dict(doc.get("statefuls", {}))
+    sources = dict.fromkeys(stored, str(state_path(ckpt_dir)))
     if per_rank["statefuls"]:
         own_trees, own_tensors = read_rank_statefuls(ckpt_dir, rank)
         stored |= own_trees
+        sources |= dict.fromkeys(own_trees, str(rank_state_file(ckpt_dir, rank, ".json")))
         tensors = {**tensors, **own_tensors}
     missing = sorted(set(statefuls) - set(stored))
     extra = sorted(set(stored) - set(statefuls))
@@ -156,9 +161,32 @@ def _load_state(
         read = peers.all_gather(phase, lambda: read_by_me)
         unread = [p for p in inventory if p.endswith(".distcp") and not any(p in r for r in read)]
         _verify_share(peers, ckpt_dir, unread, inventory, rank)
+    states = {}  # every one checked before any is loaded
     for name, obj in statefuls.items():
-        obj.load_state_dict(tree_of(stored[name], tensors, source=str(state_path(ckpt_dir)), name=name))
+        states[name] = tree_of(stored[name], tensors, source=sources[name], name=name)
+        if isinstance(obj, LRScheduler | ReduceLROnPlateau):  # its step() computes with what is loaded
+            states[name] = like_live(
+                states[name], obj.state_dict(), source=sources[name], field=f"statefuls.{name}"
+            )
+    for name, obj in statefuls.items():
+        obj.load_state_dict(states[name])
     return dict(doc["loop"])
+
+
+def _like_live_optimizer(meta: dict[str, Any], osd: dict[str, Any], *, source: str) -> dict[str, Any]:
+    """relay_state.json's param groups and scalar state of the optimizer, checked against the live optimizer's
+    (get_state_dict's `osd`): a value that its step() cannot compute with is refused naming the field."""
+    live_scalars = {
+        fqn: {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        for fqn, state in osd.get("state", {}).items()
+    }
+    return {
+        **meta,
+        "param_groups": like_live(
+            meta["param_groups"], osd.get("param_groups", []), source=source, field="optimizer.param_groups"
+        ),
+        "scalars": like_live(meta["scalars"], live_scalars, source=source, field="optimizer.scalars"),
+    }
 
 
 def _unsaved(

@@ -74,3 +74,51 @@ def tree_of(tree: Any, tensors: dict[str, torch.Tensor], *, source: str, name: s
             f"not a tree a save writes ({type(exc).__name__}: {str(exc)[:120]})",
             field=f"statefuls.{name}",
         ) from None
+
+
+def like_live(stored: Any, live: Any, *, source: str, field: str) -> Any:
+    """`stored`, checked to hold each scalar with the kind of value the live object holds there (a number for a
+    number, a bool for a bool, a string, None), lists and tuples item by item and dicts key by key; else one
+    RecordError naming `source` and the field. A number stays as stored (an lr given as 1 is 0.5 once scheduled):
+    it is what the run that saved held. What the live object lacks, or holds as a tensor or another object, is
+    left to its own load_state_dict."""
+    if isinstance(live, dict):
+        if not isinstance(stored, dict):
+            raise _unlike(stored, live, source, field)
+        return {
+            k: like_live(v, live[k], source=source, field=f"{field}.{k}") if k in live else v
+            for k, v in stored.items()
+        }
+    if isinstance(live, list | tuple):
+        if not isinstance(stored, list | tuple) or (isinstance(live, tuple) and len(stored) != len(live)):
+            raise _unlike(stored, live, source, field)
+        # a list may have grown since the live object began (a history): its items past the live ones stay
+        items = [
+            like_live(s, live[i], source=source, field=f"{field}.{i}") if i < len(live) else s
+            for i, s in enumerate(stored)
+        ]
+        return type(stored)(items)
+    if isinstance(live, bool) or live is None or isinstance(live, str):
+        if type(stored) is not type(live):
+            raise _unlike(stored, live, source, field)
+    elif isinstance(live, int | float) and (isinstance(stored, bool) or not isinstance(stored, int | float)):
+        raise _unlike(stored, live, source, field)
+    return stored
+
+
+def _unlike(stored: Any, live: Any, source: str, field: str) -> RecordError:
+    def kind(value: Any) -> str:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return "a number"
+        if isinstance(value, tuple):
+            return f"{len(value)} values"
+        return "None" if value is None else f"a {type(value).__name__}"
+
+    shown = repr(stored)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return RecordError(
+        source,
+        f"holds {shown} ({kind(stored)}) where the live object holds {kind(live)}",
+        field=field,
+        hint="the checkpoint is damaged or forged; resume from another checkpoint",
+    )
