@@ -54,6 +54,15 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -
         (["sbatch", "{tmp}/p.yaml", "--signal", "-5"], ["argument --signal: must be in [1, "]),
         (["validate", "{run}", "--cmd", "true", "--timeout", "-1"], ["argument --timeout: must be a finite number"]),
         (["validate", "{run}", "--cmd", "true", "--budget", "inf"], ["argument --budget: must be a finite number"]),
+        (["audit", "--updates", "1", "--", "true"], ["argument --updates: must be in [2, 999999999999999999], got 1"]),
+        (["audit", "--updates", str(10**30), "--", "true"], ["argument --updates: must be in [2, "]),
+        (["audit", "--stops", "-2", "--", "true"], ["argument --stops: must be in [1, 999999999999999999], got -2"]),
+        (["audit", "--stop-at=-3,2", "--", "true"], ["argument --stop-at: must be in [1, 999999999999999999], got -3"]),
+        (["audit", "--stop-at", "3,x", "--", "true"], ["argument --stop-at: expected an integer, got 'x'"]),
+        (["audit", "--seed", str(2**64), "--", "true"], ["argument --seed: must be in [-9223372036854775807, "]),
+        (["audit", "--timeout", "nan", "--", "true"], ["argument --timeout: must be a finite number of seconds > 0"]),
+        (["audit", "--timeout", "0", "--", "true"], ["argument --timeout: must be a finite number of seconds > 0"]),
+        (["audit", "--atol", "inf", "--", "true"], ["argument --atol: must be a finite number >= 0, got 'inf'"]),
     ],
 )  # fmt: skip
 def test_a_number_out_of_range_is_refused_naming_the_argument(

@@ -44,6 +44,42 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (a time limit: one of 0 could never be kept)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got '{visible(text)}'") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got '{visible(text)}'")
+    return value
+
+
+def tolerance(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{visible(text)}'") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got '{visible(text)}'")
+    return value
+
+
+def updates_list(text: str) -> list[int]:
+    """Update numbers separated by commas (3,7,9), each in [1, MAX_UPDATE]."""
+    each = count(1, MAX_UPDATE)
+    out = []
+    for part in (p for p in text.split(",") if p.strip()):
+        try:
+            out.append(each(part.strip()))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (expected updates like 3,7,9)") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected updates like 3,7,9, got '{visible(text)}'")
+    return out
+
+
 def job_id(text: str) -> str:
     """A Slurm job id as a stop request holds one (stop.JOB_ID); anything else would read back as no job."""
     from torchrelay.stop import JOB_ID

@@ -8,16 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrelay.audit import AuditError
+from torchrelay.commands.argtypes import count, positive_seconds, tolerance, updates_list
+from torchrelay.layout import MAX_UPDATE
+from torchrelay.util.schema import INT_LIMIT
 
 if TYPE_CHECKING:  # the runner pulls in torch
     from torchrelay.audit.runner import SegmentLaunch
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected updates like 3,7,9") from None
 
 
 def _value(text: str) -> Any:
@@ -40,19 +36,25 @@ def parse_vary(items: list[str] | None) -> dict[str, list[Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--updates", type=int, default=12, metavar="U", help="audit the first U updates (default 12)"
+        "--updates",
+        type=count(2, MAX_UPDATE),
+        default=12,
+        metavar="U",
+        help="audit the first U updates (default 12)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--stops",
-        type=int,
+        type=count(1, MAX_UPDATE),
         default=3,
         metavar="K",
         help="stop K times, from early to late: after update 1, evenly in between, after U-1 (default 3)",
     )
-    where.add_argument("--stop-at", type=_ints, metavar="A,B,…", help="stop after exactly these updates")
+    where.add_argument(
+        "--stop-at", type=updates_list, metavar="A,B,…", help="stop after exactly these updates"
+    )
     parser.add_argument("--random", action="store_true", help="draw the K stops at random (see --seed)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for --random")
+    parser.add_argument("--seed", type=count(-INT_LIMIT), default=None, help="seed for --random")
     parser.add_argument(
         "--vary",
         action="append",
@@ -60,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a runtime field whose value cycles between segments (repeatable), e.g. num_workers=0,2; "
         "world_size=2,1 moves the run between rank counts and measures the drift against a tolerance",
     )
-    parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
+    parser.add_argument(
+        "--atol", type=tolerance, default=0.0, help="absolute tolerance (default 0: bit for bit)"
+    )
     parser.add_argument(
         "--ignore",
         action="append",
@@ -74,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep", action="store_true", help="keep the temporary run directories even when equal"
     )
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds one launch may take (default 600)"
+        "--timeout", type=positive_seconds, default=600.0, help="seconds one launch may take (default 600)"
     )
     parser.add_argument(
         "--no-rerun",
