@@ -212,7 +212,10 @@ def read_yaml(
     if _flow_depth(text) > DEPTH_LIMIT:
         raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
     deep = RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
-    loader = yaml.SafeLoader(text)
+    try:  # the reader checks every character as it is made: a NUL is refused there
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as exc:
+        raise RecordError(source, f"not valid YAML ({_yaml_problem(exc)})", hint="fix the YAML") from None
     try:
         node = loader.get_single_node()
         if node is not None:
