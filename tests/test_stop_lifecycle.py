@@ -115,15 +115,23 @@ def test_signal_handlers_are_chained_and_put_back() -> None:
 
 
 # ------------------------------------------------------------------------------------------- in-process runs
-def _train(run_dir: Path, example: dict[str, Path], total: int, hook: Any = None) -> tuple[Run, list[int]]:
-    """A world-size-1 run in this process (the library's own code path; torchrun adds nothing here)."""
+def _train(
+    run_dir: Path,
+    example: dict[str, Path],
+    total: int,
+    hook: Any = None,
+    save_every: int = 100,
+    leave_at: int | None = None,
+) -> tuple[Run, list[int]]:
+    """A world-size-1 run in this process (the library's own code path; torchrun adds nothing here).
+    `leave_at`: the script breaks out of the loop in that update, after its optimizer step."""
     cfg = RelayConfig(
         seed=3,
         micro_batch=2,
         total_updates=total,
         manifest=str(example["manifest"]),
         data_root=str(example["root"]),
-        save_every=100,
+        save_every=save_every,
     )
     done: list[int] = []
     with Run.open(run_dir, cfg, code_dir=example["code"]) as run:
@@ -135,6 +143,8 @@ def _train(run_dir: Path, example: dict[str, Path], total: int, hook: Any = None
                 model(torch.ones(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
+            if step.update == leave_at:
+                break
             done.append(step.update)
             if hook:
                 hook(step.update)
@@ -190,25 +200,8 @@ def test_a_script_that_leaves_the_loop_early_is_told_so_and_resumes_from_its_las
     the newest complete checkpoint."""
     run_dir = tmp_path / "run"
     caplog.set_level(logging.INFO, logger="torchrelay")
-    cfg = RelayConfig(
-        seed=3,
-        micro_batch=2,
-        total_updates=4,
-        manifest=str(example["manifest"]),
-        data_root=str(example["root"]),
-        save_every=2,
-    )
-    with Run.open(run_dir, cfg, code_dir=example["code"]) as run:
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        run.track(model=model, optimizer=opt)
-        for step in run.steps(run.dataloader(list(range(len(run.manifest))))):
-            for _, _batch in step.micro_batches():
-                model(torch.ones(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            if step.update == 3:
-                break
+    run, done = _train(run_dir, example, 4, save_every=2, leave_at=3)
+    assert done == [1, 2]
     assert (run.exit_code, run.ended) == (EXIT_ERROR, "error")
     assert (
         "left run.steps before the schedule's end or an agreed stop (after update 2)" in caplog.text

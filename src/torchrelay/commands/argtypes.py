@@ -33,37 +33,32 @@ def count(low: int, high: int = INT_LIMIT) -> Callable[[str], int]:
 update = count(0, MAX_UPDATE)  # an update number, as a checkpoint's name holds one
 
 
-def seconds(text: str) -> float:
-    """A finite number of seconds >= 0."""
+def _finite(text: str, *, of: str, positive: bool) -> float:
+    """A finite number >= 0 (> 0 where `positive`) of `of` ("seconds", or "" for a plain number), or argparse's
+    one-line refusal saying what it must be."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got '{visible(text)}'") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got '{visible(text)}'")
+        raise argparse.ArgumentTypeError(f"expected {of or 'a number'}, got '{visible(text)}'") from None
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        what = f"a finite number{' of ' + of if of else ''} {'> 0' if positive else '>= 0'}"
+        raise argparse.ArgumentTypeError(f"must be {what}, got '{visible(text)}'")
     return value
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    return _finite(text, of="seconds", positive=False)
 
 
 def positive_seconds(text: str) -> float:
     """A finite number of seconds > 0 (a time limit: one of 0 could never be kept)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got '{visible(text)}'") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got '{visible(text)}'")
-    return value
+    return _finite(text, of="seconds", positive=True)
 
 
 def tolerance(text: str) -> float:
     """A finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{visible(text)}'") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got '{visible(text)}'")
-    return value
+    return _finite(text, of="", positive=False)
 
 
 def updates_list(text: str) -> list[int]:
