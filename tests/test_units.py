@@ -121,7 +121,10 @@ def test_inventory_detects_damage_and_extra_files(tmp_path: Path) -> None:
     (ck / "sub" / "a.bin").write_bytes(b"abd" * 100)
     with pytest.raises(IntegrityError, match="a.bin does not match its SHA-256"):
         validate_complete(ck)
-    (ck / "COMPLETE.json").write_text("{trunc")
+    (ck / "COMPLETE.json").write_text("{trunc")  # there, but damaged: refused, never passed over
+    with pytest.raises(IntegrityError, match="COMPLETE.json is damaged"):
+        latest_complete(tmp_path)
+    (ck / "COMPLETE.json").unlink()  # absent (a save that never committed): passed over
     assert latest_complete(tmp_path) is None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from torchrelay.audit.verdict import shown_for_run
 from torchrelay.report import render
@@ -17,7 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    RunDir(args.run_dir).load_config()  # a path that holds no run is refused as such (exit 2), as by `status`
+    if Path(
+        args.run_dir
+    ).is_dir():  # a directory that holds no run is refused as such (exit 2), as by `status`
+        RunDir(args.run_dir).load_config()
     found = shown_for_run(args.run_dir)
     result = render(args.run_dir, args.out, audit=str(found["verdict"]) if found else None)
     print(f"report: {result.html}")
