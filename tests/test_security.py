@@ -325,8 +325,19 @@ def test_links_inside_the_source_tree_are_kept(tmp_path: Path) -> None:
         ok.size = 9
         tar.addfile(ok, io.BytesIO(b"print(1)\n"))
         tar.addfile(_member("code-1/alias.py", tarfile.SYMTYPE, "pkg/ok.py"))
+        # a repository's usual chain (configs/latest -> v2, configs/current.py -> latest/ok.py): a link through
+        # a link that stays inside, which `pack` writes from a clean commit and prepare once refused
+        tar.addfile(_member("code-1/configs/v2", tarfile.DIRTYPE))
+        tar.addfile(_member("code-1/configs/latest", tarfile.SYMTYPE, "v2"))
+        tar.addfile(_member("code-1/configs/current.py", tarfile.SYMTYPE, "latest/ok.py"))
+        tar.addfile(_member("code-1/configs/up", tarfile.SYMTYPE, "latest/../../pkg"))
+        two = _member("code-1/configs/v2/ok.py")
+        two.size = 9
+        tar.addfile(two, io.BytesIO(b"print(2)\n"))
     out = extract_source(archive, tmp_path / "out", "code-1")
     assert (out / "alias.py").read_text() == "print(1)\n"
+    assert (out / "configs" / "current.py").read_text() == "print(2)\n"
+    assert (out / "configs" / "up" / "ok.py").read_text() == "print(1)\n"
 
 
 def _add(
@@ -370,7 +381,20 @@ def test_a_chain_of_links_past_path_max_writes_nothing_outside(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("members", "why"),
     [
-        ([("code-1/a", tarfile.SYMTYPE, "pkg"), ("code-1/b", tarfile.SYMTYPE, "a/../..")], "through another"),
+        ([("code-1/a", tarfile.SYMTYPE, "pkg"), ("code-1/b", tarfile.SYMTYPE, "a/../..")], "outside code-1/"),
+        (
+            [("code-1/a", tarfile.SYMTYPE, "b"), ("code-1/b", tarfile.SYMTYPE, "a/x")],
+            "a loop of symbolic links",
+        ),
+        (  # each link names the one before it twice: 2**30 lookups, where the kernel follows 40 links in all
+            [("code-1/l0", tarfile.SYMTYPE, ".")]
+            + [(f"code-1/l{k + 1}", tarfile.SYMTYPE, f"l{k}/l{k}") for k in range(30)],
+            "a loop of symbolic links",
+        ),
+        (
+            [("code-1/pkg/up", tarfile.SYMTYPE, ".."), ("code-1/c", tarfile.SYMTYPE, "pkg/up/pkg/up/..")],
+            "outside",
+        ),
         (
             [("code-1/a", tarfile.SYMTYPE, "pkg"), ("code-1/a/x.py", tarfile.REGTYPE, "")],
             "under a symbolic link",

@@ -288,7 +288,7 @@ def extract_source(archive: Path, dest: Path, prefix: str) -> Path:
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
             members = tar.getmembers()
-            links = {check_relative(m.name, source=archive.name) for m in members if m.issym()}
+            links = {check_relative(m.name, source=archive.name): m.linkname for m in members if m.issym()}
             seen: set[PurePosixPath] = set()
             room = PATH_LIMIT - len(os.fsencode(dest)) - 1
             for member in members:
@@ -305,13 +305,13 @@ def _check_member(
     member: tarfile.TarInfo,
     prefix: str,
     *,
-    links: set[PurePosixPath],
+    links: dict[PurePosixPath, str],
     seen: set[PurePosixPath],
     room: int,
 ) -> None:
-    """Every member is checked before the first byte lands: a refusal leaves nothing half-extracted. A link's
-    target is resolved as text, which is what the file system does only where no link is on the way: so no
-    member lies under a link, and no link's target passes through one (`pack` writes neither)."""
+    """Every member is checked before the first byte lands: a refusal leaves nothing half-extracted. No member
+    lies under a link (`pack` writes none), and a link's target is resolved through the archive's other links, as
+    the file system will: it must end inside `prefix`, outside any `.git`."""
 
     def refuse(why: str) -> UnsafeInput:
         return UnsafeInput(
@@ -342,24 +342,54 @@ def _check_member(
         link = member.linkname
         if not link or link.startswith("/") or len(link) > PATH_LIMIT or "\0" in link:
             raise refuse(f"links to {_short(link)}, outside {prefix}/")
-        # resolved against the member's folder, one part at a time: a `..` after a link would climb from
-        # wherever that link leads, so a link on the way is refused rather than guessed
-        where = list(rel.parent.parts)
-        for part in link.split("/"):
-            if len(os.fsencode(part)) > NAME_LIMIT:
-                raise refuse(f"links to {_short(link)}, a name longer than a name can be")
-            if where and PurePosixPath(*where) in links:
-                raise refuse(f"links to {_short(link)}, through another symbolic link of the archive")
-            if part == "..":
-                if not where:
-                    raise refuse(f"links to {_short(link)}, outside {prefix}/")
-                where.pop()
-            elif part not in ("", "."):
-                where.append(part)
+        if any(len(os.fsencode(part)) > NAME_LIMIT for part in link.split("/")):
+            raise refuse(f"links to {_short(link)}, a name longer than a name can be")
+        # resolved as the file system will resolve it once extracted: against the member's folder, one part at a
+        # time, and through every link of the archive on the way (a `..` after a link climbs from wherever that
+        # link leads; text alone would climb from the link's own folder: CVE-2025-4517)
+        where = _resolve(list(rel.parent.parts), link, links, hops=[_MAX_HOPS])
+        if where is _LOOP:
+            raise refuse(f"links to {_short(link)}, through a loop of symbolic links")
         if not where or where[0] != prefix:
             raise refuse(f"links to {_short(link)}, outside {prefix}/")
         if any(part.lower() == ".git" for part in where):
             raise refuse("links into a .git folder")
+
+
+_LOOP: list[str] = []  # _resolve's answer for a chain of links longer than the kernel follows
+_MAX_HOPS = 40  # Linux's MAXSYMLINKS
+
+
+def _resolve(
+    where: list[str], link: str, links: dict[PurePosixPath, str], *, hops: list[int]
+) -> list[str] | None:
+    """The folder parts `link` (a link's target, in the folder `where`) leads to through the archive's own
+    `links` ({member: target}); None where it climbs above the archive's root or a link on the way is absolute,
+    _LOOP where it takes more links than `hops` holds (counted over the whole lookup, as the kernel counts: links
+    whose targets name other links many times over would otherwise take time exponential in their number)."""
+    if link.startswith("/"):
+        return None
+    where = list(where)
+    for part in link.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not where:
+                return None
+            where.pop()
+            continue
+        target = links.get(PurePosixPath(*where, part))
+        if target is None:
+            where.append(part)
+            continue
+        if hops[0] <= 0:
+            return _LOOP
+        hops[0] -= 1
+        found = _resolve(where, target, links, hops=hops)
+        if found is None or found is _LOOP:
+            return found
+        where = found
+    return where
 
 
 def _short(name: str, keep: int = 80) -> str:
