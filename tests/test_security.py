@@ -19,6 +19,7 @@ from helpers import launch
 from torchrelay.checkpoint import dcp_io
 from torchrelay.cli import VERBS, main
 from torchrelay.errors import RelayError, UnsafeInput
+from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, prepare
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import verify_bundle
@@ -276,6 +277,27 @@ def test_prepare_and_recheck_run_no_git_at_all(
     again = prepare(packed.bundle, PrepareOptions(run_dir=run_dir, sets=base), say=lambda s: None)
     assert again.already_prepared and (run_dir / "REBASE_RECORD.json").is_file()
     assert not calls.exists(), f"verify or prepare ran git: {calls.read_text()}"
+
+
+def test_pack_and_prepare_into_a_link_to_an_empty_folder_fill_the_folder(
+    packed: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A destination linked to scratch space (`bundle -> /scratch/me/bundle`, an empty folder): the bundle and
+    the prepared run land in the folder the link names, and the link still leads there. (The finished copy was
+    renamed onto the link itself: "Not a directory", exit 2.)"""
+    source = tmp_path / "source"
+    shutil.copytree(packed.source, source, symlinks=True)  # pack marks its checkpoint handed off
+    monkeypatch.setenv("TORCHRELAY_RECLAIM", "1")  # the copy's checkpoint was handed off to the shared bundle
+    (tmp_path / "scratch" / "bundle").mkdir(parents=True)
+    (tmp_path / "scratch" / "run").mkdir()
+    os.symlink(tmp_path / "scratch" / "bundle", tmp_path / "bundle")
+    os.symlink(tmp_path / "scratch" / "run", tmp_path / "run")
+    pack(source, tmp_path / "bundle", PackOptions(code_dir=packed.code))
+    assert (tmp_path / "bundle").is_symlink() and (tmp_path / "scratch" / "bundle" / SUMS_NAME).is_file()
+    assert main(["verify", str(tmp_path / "bundle"), "--quiet"]) == 0
+    base = {"data_root": str(packed.root), "external_files.teacher": str(packed.teacher)}
+    prepare(tmp_path / "bundle", PrepareOptions(run_dir=tmp_path / "run", sets=base), say=lambda s: None)
+    assert (tmp_path / "run").is_symlink() and (tmp_path / "scratch" / "run" / "REBASE_RECORD.json").is_file()
 
 
 def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:

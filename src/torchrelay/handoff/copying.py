@@ -175,6 +175,15 @@ def _size(path: Path) -> int:
         return 0
 
 
+def through_link(dest: Path) -> Path:
+    """A destination that is a symbolic link to a folder (scratch space linked into place, as on many clusters):
+    the folder itself. The finished copy is renamed onto its destination, and a rename onto the link failed
+    ("Not a directory"); onto the folder it replaces it when empty, as for any destination."""
+    if dest.is_symlink() and dest.is_dir():
+        return Path(os.path.realpath(dest))
+    return dest
+
+
 def refuse_nested(source: Path, source_what: str, dest: Path, dest_what: str) -> None:
     """Refuse a destination that is the source, lies inside it or holds it (links followed): the copy would
     write into what it reads (a run prepared inside its bundle fails the bundle's next verify)."""

@@ -29,7 +29,7 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, PathError
 from torchrelay.handoff.bundle_readme import render_readme
-from torchrelay.handoff.copying import CopyResult, copy_many, refuse_nested
+from torchrelay.handoff.copying import CopyResult, copy_many, refuse_nested, through_link
 from torchrelay.handoff.signing import bundle_digest, check_key, sign
 from torchrelay.handoff.source import write_source
 from torchrelay.history import new_id, read_history
@@ -157,7 +157,7 @@ def _pack(
     """
     started = time.perf_counter()
     rd = RunDir(Path(run_dir))
-    bundle = Path(bundle)
+    bundle = through_link(Path(bundle))
     refuse_nested(rd.path, "run directory", bundle, "bundle")
     if options.sign is not None:
         check_key(options.sign)

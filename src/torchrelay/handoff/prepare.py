@@ -27,7 +27,7 @@ from torchrelay.handoff.assemble import (
     copy_source_manifest,
     numerics_here,
 )
-from torchrelay.handoff.copying import refuse_nested
+from torchrelay.handoff.copying import refuse_nested, through_link
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
@@ -157,7 +157,7 @@ def prepare(
 
 
 def _prepare(bundle: Bundle, options: PrepareOptions, hooks: Hooks, started: float) -> PrepareResult:
-    run_dir = Path(options.run_dir).absolute()
+    run_dir = through_link(Path(options.run_dir).absolute())
     # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory. The
     # configuration is read once, here; it is believed once SHA256SUMS vouched for the bytes it was read from.
     try:
