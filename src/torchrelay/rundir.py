@@ -100,14 +100,17 @@ class RunDir:
         # Creating a run writes the contract last: a creation killed before it leaves no run, only its debris.
         return self.contract_path.exists()
 
-    def unexplained_entries(self, allowed: tuple[str, ...] = ()) -> list[str]:
-        """What a directory that holds no run contains beyond `allowed` and a killed creation's own files."""
+    def unexplained_entries(self) -> list[str]:
+        """What a directory that holds no run contains beyond what may come before a run (BEFORE_RUN) and a killed
+        creation's own files; none where the directory is not there."""
+        if not self.path.exists():
+            return []
         temps = tuple(temp_prefix(n) for n in WRITER_FILES)
         train = self.train_dir.is_dir() and not any(self.train_dir.iterdir())
         out = []
         for p in sorted(self.path.iterdir()):
             name = p.name
-            if name in allowed or name.startswith(temps):
+            if name in BEFORE_RUN or name.startswith(temps):
                 continue
             if name == TRAIN_DIR and train:
                 continue

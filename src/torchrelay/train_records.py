@@ -91,9 +91,8 @@ class RankLog:
         refuse_link(path.parent, what="the run's per-rank logs")
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        fd = open_writable(
-            path, what=path.name, append=True
-        )  # a link at its name refused, never written through
+        # a link at its name is refused, never written through
+        fd = open_writable(path, what=path.name, append=True)
         self._f: IO[str] = open(fd, "a", buffering=1 << 16)  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict[str, Any]) -> None:

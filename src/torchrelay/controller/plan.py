@@ -305,7 +305,7 @@ class Plan:
         """Refuse a run_dir that could not become this plan's run, before anything is written beside it (the
         controller's lock and attempts, the batch script): a file, or a directory that holds no torchrelay run and
         more than may come before one (what the training itself would refuse, after the launch wrote there)."""
-        from torchrelay.rundir import BEFORE_RUN, RunDir
+        from torchrelay.rundir import RunDir
 
         rd = RunDir(self.run_dir)
         if not os.path.lexists(rd.path) or (rd.path.is_dir() and rd.exists()):
@@ -315,7 +315,7 @@ class Plan:
                 f"plan run_dir {rd.path} is not a directory",
                 hint="name a new or empty directory, or the run directory of a run (plan field 'run_dir')",
             )
-        leftovers = rd.unexplained_entries(BEFORE_RUN)[:5]
+        leftovers = rd.unexplained_entries()[:5]
         if leftovers:
             raise ConfigError(
                 f"plan run_dir {rd.path} is not empty ({leftovers}) and holds no torchrelay run",

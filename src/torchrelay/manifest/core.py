@@ -324,9 +324,8 @@ def _read_index(index: Path, path: Path, data_root: str, sha256: str | None) -> 
 
 
 _CHUNK = 4 << 20
-_ODD_LINES = (
-    4096  # blank lines, or lines not opening with "{", looked at one by one: past this, read the lines
-)
+# Blank lines, or lines not opening with "{", are looked at one by one: past this many, the lines are read.
+_ODD_LINES = 4096
 
 
 def _lines_match(path: Path, starts: np.ndarray, sizes: np.ndarray) -> bool:
@@ -424,14 +423,16 @@ _LENGTH_CHECKS = 1024
 
 
 def _lengths_match(m: Manifest, lengths: np.ndarray | None, bad: str | None) -> bool:
-    """Whether the `length`s of a spread of records (evenly placed, and chosen at random) are the index's: the
-    index cannot reorder a length-bucketed sampler's data by its lengths without reading the lines again."""
+    """Whether the `length`s of a spread of records (evenly placed, and others drawn from the manifest's digest)
+    are the index's: the index cannot reorder a length-bucketed sampler's data by its lengths without reading the
+    lines again. The draw is the same on every rank: ranks that judged the same index differently would train on
+    different lengths."""
     n = len(m)
     picks = np.unique(
         np.concatenate(
             [
                 np.linspace(0, n - 1, min(n, _LENGTH_CHECKS // 2)).astype(np.int64),
-                np.random.default_rng().integers(0, n, min(n, _LENGTH_CHECKS // 2)),
+                np.random.default_rng(int(m.raw_sha256[:16], 16)).integers(0, n, min(n, _LENGTH_CHECKS // 2)),
             ]
         )
     )

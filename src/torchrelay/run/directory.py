@@ -27,7 +27,7 @@ from torchrelay.numerics import check_resume
 from torchrelay.reshard import Layout
 from torchrelay.resume_check import keep_prepared, schedule_gate, validate_resume
 from torchrelay.run.saver import last_save_seconds
-from torchrelay.rundir import BEFORE_RUN, RunDir
+from torchrelay.rundir import RunDir
 from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
@@ -63,7 +63,7 @@ def create_run(
     # A stop request may be written before the first launch (audits stop at chosen updates), a controller may have
     # recorded its attempts there, and a creation killed before it wrote the contract leaves files that this
     # creation overwrites.
-    leftovers = rd.unexplained_entries(BEFORE_RUN)[:5] if rd.path.exists() else []
+    leftovers = rd.unexplained_entries()[:5]
     if leftovers:
         raise ConfigError(
             f"{rd.path} is not empty ({leftovers}) and holds no torchrelay run",

@@ -202,8 +202,9 @@ def open_writable(
     truncate: bool = False,
 ) -> int:
     """A descriptor to write the regular file `path` (read-write, or appending with `append`), created if missing
-    with `create`, emptied with `truncate`; the writer's counterpart of `open_regular`. A symbolic link as the last part is refused, never
-    followed (O_NOFOLLOW), and so are a pipe, a socket or a device (without blocking), before a byte is written.
+    with `create`, emptied with `truncate`; the writer's counterpart of `open_regular`. A symbolic link as the
+    last part is refused, never followed (O_NOFOLLOW), and so are a pipe, a socket or a device (without blocking),
+    before a byte is written.
     The folders on the way are the caller's to check (`refuse_link`). The caller closes the descriptor."""
     flags = (
         (os.O_WRONLY | os.O_APPEND if append else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
