@@ -232,6 +232,7 @@ KNOBS = (
     "DIRECT_IO",
     "PREFAULT",
     "READERS_HASH_LAST",
+    "PARTIAL_READS",
 )
 # Variants' settings the benchmark applies itself, not verified_read's knobs (issue 22 round 14: do the load's
 # own threads slow its reads?): NICE, the nice value of the load's hash and parse threads (Linux: per thread);

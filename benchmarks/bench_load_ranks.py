@@ -221,6 +221,8 @@ def main() -> None:
             for name in [*variants, "control"]:
                 got[name]["vs_floor"] = ref / got[name]["s"]
             rounds.append(got)
+            if rank == 0 and args.json:  # each round as it ends: a call cut short keeps the rounds it ran
+                Path(args.json).write_text(json.dumps({**out, "rounds": rounds}, indent=1, default=str))
             if rank == 0:
                 print(f"[ranks] round {i + 1}: floor {ref:.3f} s", flush=True)
                 for name in [*variants, "control"]:
@@ -229,9 +231,11 @@ def main() -> None:
                     if "ranks" in row:
                         ends = [r.get("at_reads_done", 0.0) for r in row["ranks"]]
                         idle = [r.get("read_idle", 0.0) for r in row["ranks"]]
+                        read = [r.get("bytes_read", 0) / GB for r in row["ranks"]]
                         line += (
                             f" (equal {row['equal']}; a rank's reads done at {min(ends):.2f}-{max(ends):.2f} s, "
-                            f"its readers idle {min(idle):.1f}-{max(idle):.1f} thread-s)"
+                            f"its readers idle {min(idle):.1f}-{max(idle):.1f} thread-s, read "
+                            f"{min(read):.2f}-{max(read):.2f} GB)"
                         )
                     print(line, flush=True)
     finally:

@@ -331,3 +331,77 @@ def test_the_inventory_check_verifies_files_in_parts_and_catches_a_forged_state_
     (ckpt / "COMPLETE.json").write_text(json.dumps(doc))
     with pytest.raises(IntegrityError, match=rf"{doc['files'][i]['path']} does not match its SHA-256"):
         validate_complete(ckpt)
+
+
+def _span(model: Path, fqn: str) -> tuple[int, int]:
+    """Where the item `fqn` lies in its file: (offset, length)."""
+    md = dcp_io.read_metadata(model)
+    ((offset, length),) = [(int(i.offset), int(i.length)) for k, i in md.storage_data.items() if k.fqn == fqn]
+    return offset, length
+
+
+@pytest.mark.parametrize("per_file", [True, False], ids=["thread-per-file", "shared-chunks"])
+def test_a_rank_needing_a_few_items_of_a_file_reads_and_checks_only_their_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_file: bool
+) -> None:
+    """Every rank of an FSDP run takes the optimizer's `step` items from other ranks' files: it reads the parts
+    holding them (each checked from the states around it), not the whole file, and does not count the file as
+    verified (the load checks a file no rank read whole after it: state/load.py). A changed byte elsewhere in
+    the file is not its concern; one in a part it uses fails it before the item is parsed."""
+    monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)
+    monkeypatch.setattr(verified_read, "PER_FILE_READER", per_file)
+    model, state, expected = _written(tmp_path, monkeypatch)
+    ((name, (_sha, size, (part, _states))),) = expected.items()
+    offset, length = _span(model, "w5")
+    wanted = list(range(offset // part, (offset + length - 1) // part + 1))
+    assert 3 * len(wanted) * part <= size  # at most a third of the file: read in part
+    checked: list[int] = []
+    real = sha256_parts.check_part
+
+    def counting(data: Any, index: int, *args: Any) -> bool:
+        checked.append(index)
+        return real(data, index, *args)
+
+    monkeypatch.setattr(sha256_parts, "check_part", counting)
+    only = {"w5": state["w5"]}
+    target, verified, stats = _load_stats(model, only, expected)
+    assert torch.equal(target["w5"], state["w5"])
+    assert sorted(checked) == wanted and verified == set()
+    assert stats["bytes_read"] == sum(min((p + 1) * part, size) - p * part for p in wanted)
+
+    # a changed byte in a part it does not use: its load stands (the whole file's check is another's)
+    path = model / name
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x40
+    path.write_bytes(data)
+    target, verified, _ = _load_stats(model, only, expected)
+    assert torch.equal(target["w5"], state["w5"]) and verified == set()
+    with pytest.raises(IntegrityError, match=r"part 0"):  # read whole, the same file fails
+        _load_stats(model, state, expected)
+    # one in a part holding its item: refused, and the item never reaches its tensor
+    data[100] ^= 0x40
+    data[offset + length // 2] ^= 0x40
+    path.write_bytes(data)
+    with pytest.raises(IntegrityError, match=rf"part {(offset + length // 2) // part}\b"):
+        _load_stats(model, only, expected)
+
+    # without PARTIAL_READS the file is read and checked whole, as before
+    data[offset + length // 2] ^= 0x40
+    path.write_bytes(data)
+    monkeypatch.setattr(verified_read, "PARTIAL_READS", False)
+    checked.clear()
+    target, verified, stats = _load_stats(model, only, expected)
+    assert torch.equal(target["w5"], state["w5"]) and verified == {name}
+    assert sorted(checked) == list(range(sha256_parts.part_count(size, part))) and stats["bytes_read"] == size
+
+
+def _load_stats(
+    model: Path, state: dict[str, torch.Tensor], expected: dict
+) -> tuple[dict[str, torch.Tensor], set[str], dict[str, float]]:
+    """`state`'s tensors loaded into zeroed targets, the files verified whole, the load's timings."""
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    stats: dict[str, float] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        verified = dcp_io.load(target, model, no_dist=True, expected=expected, stats=stats)
+    return target, verified, stats

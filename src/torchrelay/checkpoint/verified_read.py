@@ -146,6 +146,18 @@ FILL_FIRST = False
 # it was the last files' hash and copies (0.3-0.4 s of 7.7 s on the H200 host, RESULTS.md, issue 22 round four).
 # The proof is the same: the chain of parts, each checked, ends in the file's SHA-256. False: each file in order.
 USE_PARTS = True
+# True: of a file verified in parts (USE_PARTS) whose items on this rank lie in at most a third of its bytes, only
+# the parts holding them are read and checked (each from the states around it, as above): a rank that takes a few
+# small items from another rank's file (the optimizer's `step` of every parameter is one tensor, saved once and
+# read by every rank) reads one 16 MiB part, not the 113 MB file. Such a file is not counted as verified by this
+# rank: a file no rank read whole is checked after the load all the same (state/load.py, _verify_share), and the
+# states the parts were checked against are each proven there, the chain ending in the file's SHA-256. Measured
+# on an H100 host (2026-12-06, 8 ranks of FSDP2 resuming 14.5 GB at once, RESULTS.md issue 22 seventeenth round):
+# each rank read 7.05-7.93 GB for its own 1.81 GB (other ranks' 113 MB files, whole, for their `step` items):
+# 0.72 of the same ranks' cold read; with the parts alone it read 2.22-2.29 GB, 0.91 of it. A third, not a half:
+# two ranks that each take half of a file (a resume on twice the ranks) read it whole, as before, and it needs no
+# second check after the load.
+PARTIAL_READS = True
 # Host memory is taken in slabs that stay for the whole load and hold the next files once theirs are done: a
 # page is faulted in once, not for every file. False: a buffer of its own for each file. The slabs are pageable
 # also for GPU targets: page-locked ones with asynchronous copies were measured on the H200 host (RESULTS.md) and
@@ -366,7 +378,10 @@ class _File:
     ) -> None:
         self.rel, self.path, self.size, self.digest, self.items = rel, path, size, digest, items
         self.chunks = -(-size // _CHUNK)
-        self.issued = 0  # chunks handed to a reading thread
+        self.todo = list(
+            range(self.chunks)
+        )  # the chunks to read, in order (fewer where the file is read in part)
+        self.issued = 0  # chunks of todo handed to a reading thread
         self.served = -1  # when a chunk of it was last handed out (see _Load._next)
         self.arrived = [False] * self.chunks
         self.hashed = 0  # chunks hashed, in order
@@ -390,6 +405,9 @@ class _File:
         self.part_started = [False] * self.nparts
         self.part_ok = [False] * self.nparts
         self.prefix = 0  # parts matched from the start: the items within them can be used
+        self.needed: list[
+            int
+        ] = []  # read in part (PARTIAL_READS): the parts holding its items, the only ones read
         self.pending: list[
             ReadItem
         ] = []  # items waiting for their parts, by where their bytes end (_Load sorts)
@@ -426,6 +444,7 @@ class _Load:
         self.verified: set[str] = set()
         self.timings = dict.fromkeys(("read", "hash", "parse", "copy", "alloc", "read_idle", "prefault"), 0.0)
         self.timings["bytes_direct"] = 0  # read by O_DIRECT (DIRECT_IO), not from the page cache
+        self.timings["bytes_read"] = 0
         # when (seconds after run() began) the first read began, the last read ended, the last item was copied
         self.timeline = {"first_read": float("inf"), "reads_done": 0.0, "copies_done": 0.0}
         self._began = time.perf_counter()
@@ -489,7 +508,7 @@ class _Load:
             for f in files:
                 if not self._admit(f):
                     break
-                if f.chunks == 0:
+                if not f.todo:
                     self._guard(self._verified, f)
                 else:
                     with self._cond:
@@ -586,7 +605,28 @@ class _Load:
         f = _File(rel, path, size, digest, items, parts)
         if f.nparts:  # each item waits for the parts that hold its bytes, the earliest to end first
             f.pending = sorted(items, key=self._end)
+            if PARTIAL_READS:
+                self._read_in_part(f)
         return f
+
+    def _read_in_part(self, f: _File) -> None:
+        """Where the file's items lie in at most a third of its parts' bytes: read only those parts (f.needed,
+        and the chunks that hold them in f.todo)."""
+        needed: set[int] = set()
+        for req in f.items:
+            info = self.storage[req.storage_index]
+            start, length = int(info.offset), int(info.length)
+            if length > 0:
+                needed.update(range(start // f.part, (start + length - 1) // f.part + 1))
+        needed = {p for p in needed if p < f.nparts}  # an item past the end: its parse refuses it, as before
+        held = sum(min((p + 1) * f.part, f.size) - p * f.part for p in needed)
+        if not needed or 3 * held > f.size:
+            return
+        chunks: set[int] = set()
+        for p in needed:
+            lo, hi = p * f.part, min((p + 1) * f.part, f.size)
+            chunks.update(range(lo // _CHUNK, (hi - 1) // _CHUNK + 1))
+        f.needed, f.todo = sorted(needed), sorted(chunks)
 
     def _end(self, req: ReadItem) -> int:
         info = self.storage[req.storage_index]
@@ -667,7 +707,7 @@ class _Load:
             if k >= 0:
                 self._guard(self._read, f, k)
                 continue
-            for k in range(f.chunks):  # a whole file, front to back
+            for k in f.todo:  # a whole file (or the parts of it this rank needs), front to back
                 if self._error is not None:
                     return
                 self._guard(self._read, f, k)
@@ -685,18 +725,18 @@ class _Load:
                 if self._reading:
                     if self._per_file:
                         f = self._reading.pop(0)
-                        f.issued, k = f.chunks, -1
+                        f.issued, k = len(f.todo), -1
                     else:
                         f = (
                             self._reading[0]
                             if FILL_FIRST
                             else min(self._reading[: self._at_once], key=lambda g: g.served)
                         )
-                        k = f.issued
+                        k = f.todo[f.issued]
                         f.issued += 1
                         f.served = self._turn
                         self._turn += 1
-                        if f.issued == f.chunks:
+                        if f.issued == len(f.todo):
                             self._reading.remove(f)
                     self.timings["read_idle"] += time.perf_counter() - t0
                     return f, k
@@ -735,6 +775,7 @@ class _Load:
         with self._cond:
             self.timings["read"] += t1 - t0
             self.timings["bytes_direct"] += direct
+            self.timings["bytes_read"] += want
             line = self.timeline
             line["first_read"] = min(line["first_read"], t0 - self._began)
             line["reads_done"] = max(line["reads_done"], t1 - self._began)
@@ -792,6 +833,8 @@ class _Load:
             for p in range(first, last + 1):
                 lo = p * f.part // _CHUNK
                 hi = -(-min((p + 1) * f.part, f.size) // _CHUNK)
+                if f.needed and p not in f.needed:
+                    continue  # read in part: a part the chunk holds beside the needed ones is not checked
                 if not f.part_started[p] and all(f.arrived[lo:hi]):
                     f.part_started[p] = True
                     ready.append(p)
@@ -807,7 +850,7 @@ class _Load:
     def _no_read_left(self, f: _File, k: int) -> bool:
         """This thread, having read chunk k of f, has no read left to issue: every chunk of every file has been
         handed out (and, reading whole files, k is its file's last)."""
-        if self._per_file and k < f.chunks - 1:
+        if self._per_file and k != f.todo[-1]:
             return False
         with self._cond:
             return self._admitted_all and not self._reading
@@ -827,19 +870,34 @@ class _Load:
             )
         with f.lock:
             f.part_ok[p] = True
-            before = f.prefix
-            while f.prefix < f.nparts and f.part_ok[f.prefix]:
-                f.prefix += 1
-            complete = before < f.nparts == f.prefix
-            upto = f.size if complete else f.prefix * f.part
-            n = 0
-            while n < len(f.pending) and self._end(f.pending[n]) <= upto:
-                n += 1
-            ready, f.pending = f.pending[:n], f.pending[n:]
+            if f.needed:  # read in part: an item is ready once every part holding its bytes matched
+                if not f.pending:
+                    return  # every item was handed out: the file is done
+                ready = [req for req in f.pending if self._parts_ok(f, req)]
+                f.pending = [req for req in f.pending if req not in ready]
+                complete = not f.pending and all(f.part_ok[q] for q in f.needed)
+            else:
+                before = f.prefix
+                while f.prefix < f.nparts and f.part_ok[f.prefix]:
+                    f.prefix += 1
+                complete = before < f.nparts == f.prefix
+                upto = f.size if complete else f.prefix * f.part
+                n = 0
+                while n < len(f.pending) and self._end(f.pending[n]) <= upto:
+                    n += 1
+                ready, f.pending = f.pending[:n], f.pending[n:]
         for req in ready:
             self._parse.submit(self._guard, self._item, f, req)
         if complete:
             self._verified(f, by_parts=True)
+
+    def _parts_ok(self, f: _File, req: ReadItem) -> bool:
+        """Every part holding the item's bytes matched (under f.lock)."""
+        info = self.storage[req.storage_index]
+        start, length = int(info.offset), int(info.length)
+        if length <= 0:
+            return True  # no byte of the file: nothing to wait for
+        return all(f.part_ok[start // f.part : (start + length - 1) // f.part + 1])
 
     def _hash(self, f: _File) -> None:
         """Hash the file's arrived prefix (the caller set f.hashing); verify it once all of it is hashed."""
@@ -876,8 +934,9 @@ class _Load:
                     f"{f.path} does not match its SHA-256 in {INVENTORY}",
                     hint=_DAMAGED,
                 )
-            with self._cond:
-                self.verified.add(f.rel)
+            if not f.needed:  # read whole: the file's SHA-256 matched (in part: only the parts it needs)
+                with self._cond:
+                    self.verified.add(f.rel)
         with f.lock:
             items, f.pending = (f.pending if by_parts else f.items), []
         for req in items:
