@@ -21,7 +21,28 @@ CONTRACT_FORMAT = 1
 _OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
 # Fields added after contracts were first written (format 1 all along): a contract without them is compared
 # without them, so a run made before them still resumes; code.dirty then keeps its old sense (tracked files only).
-LATER_FIELDS = ("code.untracked", "code.modified", "code.program", "code.changed")
+LATER_FIELDS = ("code.untracked", "code.modified", "code.program", "code.changed", "data.sha256")
+
+
+def contract_manifest(
+    path: str | os.PathLike[str],
+    data_root: str,
+    fields: dict[str, Any],
+    *,
+    index: str | os.PathLike[str] | None,
+    root: str | os.PathLike[str] | None,
+) -> Manifest:
+    """A run's manifest as its recorded contract is checked against it: the saved index is believed only for the
+    bytes the contract binds (`data.sha256`); other bytes are read line by line, so `data.fingerprint` is compared
+    with the bytes' own fingerprint, never with what an index says of them.
+
+    Why the field: the fingerprint covers the content, but a resume took it from the index, and the index's only
+    tie to the bytes is the digest in its own meta, which whoever replaces the manifest writes too. A contract
+    written before the field does not record it ("" below vouches for no bytes): its run still resumes, reading
+    every line to check the fingerprint."""
+    return Manifest.load(
+        path, data_root, index=index, root=root, bound_sha256=str(fields.get("data.sha256") or "")
+    )
 
 
 def contract_sha256(fields: dict[str, Any]) -> str:
@@ -64,6 +85,7 @@ def build_contract(
         "schedule.warmup_updates": cfg.warmup_updates,
         "data.fingerprint": manifest.fingerprint(),
         "data.samples": len(manifest),
+        "data.sha256": _bound_sha256(manifest, known),
         **{f"code.{k}": v for k, v in code.items()},
         "versions.python": pinned["python"],
         "versions.torch": pinned["torch"],
@@ -79,6 +101,19 @@ def build_contract(
     # Not part of the contract: what code.dirty meant before untracked files counted, for an older contract.
     compat = {"code.dirty": tracked_dirty}
     return {"format": CONTRACT_FORMAT, "fields": fields, "sha256": contract_sha256(fields), "compat": compat}
+
+
+def _bound_sha256(manifest: Manifest, known: dict[str, Any] | None) -> str:
+    """`data.sha256`: the manifest's bytes at the run's creation, which vouch for its saved index. A rebase
+    (`prepare`, a relaunch with another data_root) rewrites the bytes and keeps the content: a recorded value
+    stays, and the content is judged by `data.fingerprint`, read from the bytes unless they are these."""
+    recorded = None if known is None else known.get("data.sha256")
+    if not isinstance(recorded, str):
+        return manifest.sha256()
+    if manifest.indexed and manifest.sha256() != recorded:
+        # an invariant, not input: a caller that checks a contract loads the manifest with contract_manifest
+        raise AssertionError(f"{manifest.path}: a fingerprint from an index the contract does not vouch for")
+    return recorded
 
 
 def comparable(recorded: dict[str, Any], recomputed: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from torchrelay.contract import (
     build_contract,
     comparable,
     contract_changes,
+    contract_manifest,
     load_contract,
     runtime_changes,
 )
@@ -133,8 +134,8 @@ def validate_resume(
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
     # the run's own copy (relative to the run, or the absolute path of it that prepare passes) stays in the run
     own = not Path(cfg.manifest).is_absolute() or manifest_path == rd.manifest_path
-    manifest = Manifest.load(
-        manifest_path, cfg.data_root, index=rd.manifest_index_path, root=rd.path if own else None
+    manifest = contract_manifest(
+        manifest_path, cfg.data_root, fields, index=rd.manifest_index_path, root=rd.path if own else None
     )
     contract = build_contract(
         cfg,
@@ -148,7 +149,7 @@ def validate_resume(
     )
     contract = comparable(fields, contract)
     other = _check_math_and_layout(
-        rd.contract_path, fields, contract["fields"], current, new, reshard, cfg.strict_code
+        rd.contract_path, fields, contract["fields"], current, new, reshard, cfg.strict_code, manifest_path
     )
     # The recorded digest is the run's one identity: prepare, the trainer and the bundle README print it. (A
     # recomputed digest can differ in fields the comparison skips, e.g. the commit of an extracted archive.)
@@ -185,6 +186,7 @@ def _check_math_and_layout(
     new: Layout,
     reshard: bool,
     strict_code: bool,
+    manifest: Path,
 ) -> list[tuple[str, Any, Any]]:
     """Refuse a change of the math (any contract field but the layout's) or of the code, naming every field; a
     change of the global batch names its product; a layout change only when asked for. Returns the changes of
@@ -194,6 +196,14 @@ def _check_math_and_layout(
     math_diffs = [d for d in diffs if d[0] not in LAYOUT_FIELDS]
     if [d[0] for d in math_diffs] == ["global_batch"]:
         raise refuse_global_batch(str(path), contract_global_batch(recorded), current, new, diffs)
+    if any(d[0].startswith("data.") for d in math_diffs):
+        raise ContractMismatch(
+            str(path),
+            diffs,
+            detail=f"{manifest} lists other samples than the manifest this run was created with",
+            hint="restore the run's copy of its manifest (as created, or as prepare rebased it), or start a new "
+            "run directory",
+        )
     if math_diffs:
         raise ContractMismatch(str(path), diffs)
     if diffs and not reshard:

@@ -105,6 +105,7 @@ class Manifest:
         "raw_sha256",
         "records",
         "indexed",
+        "index_current",
         "_fingerprint",
         "_lengths",
         "_bad_length",
@@ -125,6 +126,7 @@ class Manifest:
         self.records = Records(path, starts, sizes)
         self._fingerprint, self._lengths, self._bad_length = fingerprint, lengths, bad_length
         self.indexed = False  # read from a saved index, not from the lines
+        self.index_current = False  # the saved index describes these bytes: nothing to write again
 
     @classmethod
     def load(
@@ -136,6 +138,7 @@ class Manifest:
         sha256: str | None = None,
         readers: int | None = None,
         root: str | os.PathLike[str] | None = None,
+        bound_sha256: str | None = None,
     ) -> Manifest:
         """Read a JSONL manifest; every line needs a unique string `id`.
 
@@ -146,6 +149,10 @@ class Manifest:
         root: the run directory whose own copy (data/manifest.jsonl) this is. Its copy is opened as every file of a
         run is (`safepath.open_regular`): a link that leads out of the run, a pipe or a device is refused naming
         it (a link inside the run is followed). None for the user's own manifest, whose link is theirs.
+        bound_sha256: the SHA-256 a run's contract binds (`data.sha256`, contract.contract_manifest): the index's
+        fingerprint is believed only for those bytes, since whoever rewrites the manifest can rewrite its index
+        to match; other bytes (a rebased copy, a replaced one) are read line by line. None: no contract is
+        checked, and an index describing the bytes is used.
         """
         p = Path(path)
         if root is not None:
@@ -161,13 +168,17 @@ class Manifest:
                 f"data manifest {p} is {kind}",
                 hint="a manifest is a JSON Lines file; check the config field 'manifest'",
             )
-        if index is not None:
-            found = _read_index(Path(index), p, data_root, sha256)
-            if found is not None:
-                return found
+        found = None if index is None else _read_index(Path(index), p, data_root, sha256)
+        if found is not None and (bound_sha256 is None or found.raw_sha256 == bound_sha256):
+            return found
         from torchrelay.manifest.scan import scan
 
-        return scan(p, data_root, workers=readers)
+        said = None if found is None else (found.raw_sha256, found._fingerprint)
+        del found  # its arrays go before the lines' are built (10 M samples: 240 MB)
+        read = scan(p, data_root, workers=readers)
+        if said == (read.raw_sha256, read._fingerprint):
+            read.index_current = True  # the index was right, only not vouched for: nothing to write again
+        return read
 
     def save_index(self, path: str | os.PathLike[str]) -> None:
         """Keep what reading every line found, for the next `load` of the same bytes (atomically; a read-only
@@ -319,7 +330,7 @@ def _read_index(index: Path, path: Path, data_root: str, sha256: str | None) -> 
     m = Manifest(str(path), data_root, digest, starts, sizes, fingerprint, lengths, bad)
     if not _lengths_match(m, lengths, bad):
         return None
-    m.indexed = True
+    m.indexed = m.index_current = True
     return m
 
 

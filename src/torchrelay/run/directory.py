@@ -167,12 +167,13 @@ def reopen_run(
     last_logged = max((int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None)
     write_history(rd.path, close_crashed(history, last_logged))
     archived = trim_after(rd.train_dir, check.update)
+    manifest = check.manifest
     layout_change = check.layout_change
     split = (cfg.micro_batch, cfg.grad_accum)
     if check.runtime_changes or split != (stored.micro_batch, stored.grad_accum):
         atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
-    if not check.manifest.indexed:  # the next launch, and the other ranks now, read no line
-        check.manifest.save_index(rd.manifest_index_path)
+    if not manifest.index_current:  # the next launch, and the other ranks now, read no line
+        manifest.save_index(rd.manifest_index_path)
     update, ckpt = check.update, check.checkpoint
     reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
     notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
@@ -194,7 +195,7 @@ def reopen_run(
         config=cfg,
         contract_sha=check.recorded["sha256"],  # the run's one digest (see resume_check.validate_resume)
         code_fields=check.recorded["fields"],
-        manifest=check.manifest,
+        manifest=manifest,
         update=update,
         checkpoint=ckpt,
         runtime_changes=check.runtime_changes,
