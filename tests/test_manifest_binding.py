@@ -18,8 +18,9 @@ from helpers import make_code_repo, make_data
 from test_hostile_records import _cli
 from torchrelay import RelayConfig, Run
 from torchrelay.contract import contract_sha256
-from torchrelay.errors import EXIT_REFUSED, ContractMismatch
+from torchrelay.errors import EXIT_REFUSED, ConfigError, ContractMismatch
 from torchrelay.history import read_history
+from torchrelay.ledger import prove
 from torchrelay.manifest import Manifest, index_path
 from torchrelay.stop import write_request
 
@@ -144,3 +145,48 @@ def test_a_run_made_before_data_sha256_still_resumes_and_reads_its_manifest(
     assert _contract(old) == doc and read_history(old)[-1]["contract_sha256"] == doc["sha256"]
     _replace_manifest_and_index(forged, str(data["root"]))
     _refused_naming_the_manifest(forged, _config(data), data["code"])
+
+
+def test_a_relaunch_may_set_data_root_and_the_copy_follows_it(data: dict[str, Path], tmp_path: Path) -> None:
+    """`--set data_root=...` on a relaunch (docs/CORE_API.md: a runtime field) was refused: the run's copy still
+    named the old root, so its fingerprint under the new one differed. Now the copy is re-pointed (as prepare
+    does), its fingerprint proven unchanged, and the change recorded; a contract field is still refused, in one
+    line naming it."""
+    run = _stopped(data, tmp_path / "run")
+    moved = tmp_path / "moved"
+    shutil.copytree(data["root"], moved)
+    before = _contract(run)
+    code, seen = _train(run, _config(data), data["code"], overrides={"data_root": str(moved)})
+    assert code == 0 and seen and all(p.startswith(f"{moved}/") for p in seen), seen
+    assert _contract(run) == before  # the contract, and its digest, as recorded
+    assert json.loads((run / "config.json").read_text())["data_root"] == str(moved)
+    copy = (run / "data" / "manifest.jsonl").read_text()
+    assert f'"{moved}/' in copy and f'"{data["root"]}/' not in copy
+    segment = read_history(run)[-1]
+    assert segment["runtime_changes"]["data_root"] == [str(data["root"]), str(moved)]
+    assert any("re-pointed from data_root" in note for note in segment["notes"])
+    report = prove(run)
+    assert report.ok and report.exposures == 6 * 2
+
+    with pytest.raises(ConfigError) as info:
+        _train(run, _config(data), data["code"], overrides={"seed": 7})
+    assert str(info.value).splitlines()[0] == (
+        "resume refused: override seed: 3 -> 7 changes the training contract (not a runtime field)"
+    )
+    assert info.value.exit_code == EXIT_REFUSED
+
+
+def test_a_kill_between_the_copy_and_config_json_leaves_a_run_that_resumes(
+    data: dict[str, Path], tmp_path: Path
+) -> None:
+    """A relaunch that re-pointed the copy (its index saved first) and was killed before config.json named the
+    root: the next launch finds the copy's root by its index and re-points it at the root it is given."""
+    run = _stopped(data, tmp_path / "run")
+    moved = tmp_path / "moved"
+    shutil.copytree(data["root"], moved)
+    copy = run / "data" / "manifest.jsonl"  # as the killed launch left it: re-pointed, its index saved
+    copy.write_text(copy.read_text().replace(f'"{data["root"]}/', f'"{moved}/'))
+    Manifest.load(copy, str(moved)).save_index(index_path(copy))
+    code, seen = _train(run, _config(data), data["code"])  # the script's own root, config.json's too
+    assert code == 0 and all(p.startswith(f"{data['root']}/") for p in seen), seen
+    assert f'"{data["root"]}/' in copy.read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.identity import CODE_FIELDS, code_changes, code_identity, versions
 from torchrelay.layout import CONTRACT_FILE
-from torchrelay.manifest import Manifest
+from torchrelay.manifest import Manifest, index_root
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
 from torchrelay.util.records import read_json
@@ -26,7 +27,7 @@ LATER_FIELDS = ("code.untracked", "code.modified", "code.program", "code.changed
 
 def contract_manifest(
     path: str | os.PathLike[str],
-    data_root: str,
+    data_roots: Sequence[str],
     fields: dict[str, Any],
     *,
     index: str | os.PathLike[str] | None,
@@ -39,10 +40,25 @@ def contract_manifest(
     Why the field: the fingerprint covers the content, but a resume took it from the index, and the index's only
     tie to the bytes is the digest in its own meta, which whoever replaces the manifest writes too. A contract
     written before the field does not record it ("" below vouches for no bytes): its run still resumes, reading
-    every line to check the fingerprint."""
-    return Manifest.load(
-        path, data_root, index=index, root=root, bound_sha256=str(fields.get("data.sha256") or "")
-    )
+    every line to check the fingerprint.
+
+    data_roots: the roots the manifest may be written under, tried in turn until one gives the contract's
+    fingerprint; for the run's own copy (`root`, the run directory) also the root its index was saved under, which
+    finds a copy that a launch re-pointed (run/directory.py) and was killed before config.json named the root.
+    Trying several is sound: the fingerprint is read from the bytes, and a root under which it matches names the
+    same samples. Where none does, the manifest read under the first (the contract's comparison names what
+    differs)."""
+    bound = str(fields.get("data.sha256") or "")
+    candidates = [*data_roots, index_root(index) if root is not None and index is not None else None]
+    tried: list[Manifest] = []
+    for data_root in candidates:
+        if data_root is None or any(m.written_under(data_root) for m in tried):
+            continue
+        found = Manifest.load(path, data_root, index=index, root=root, bound_sha256=bound)
+        if found.fingerprint() == fields.get("data.fingerprint"):
+            return found
+        tried.append(found)
+    return tried[0]
 
 
 def contract_sha256(fields: dict[str, Any]) -> str:

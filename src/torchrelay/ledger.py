@@ -68,7 +68,7 @@ def order_and_contract(run_dir: Path, *, bound: bool = True) -> tuple[GlobalOrde
     if not bound or "data.sha256" not in fields:
         manifest = Manifest.load(rd.manifest_path, cfg.data_root, index=index, root=rd.path)
     else:
-        manifest = contract_manifest(rd.manifest_path, cfg.data_root, fields, index=index, root=rd.path)
+        manifest = contract_manifest(rd.manifest_path, [cfg.data_root], fields, index=index, root=rd.path)
         if manifest.fingerprint() != fields.get("data.fingerprint"):
             raise IntegrityError(
                 f"{rd.manifest_path}: lists other samples than the manifest the run's contract binds "

@@ -134,8 +134,10 @@ def validate_resume(
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
     # the run's own copy (relative to the run, or the absolute path of it that prepare passes) stays in the run
     own = not Path(cfg.manifest).is_absolute() or manifest_path == rd.manifest_path
+    # the run's copy is written under the root it was last re-pointed at (stored), unless this launch names another
+    roots = [stored.data_root, cfg.data_root] if own else [cfg.data_root]
     manifest = contract_manifest(
-        manifest_path, cfg.data_root, fields, index=rd.manifest_index_path, root=rd.path if own else None
+        manifest_path, roots, fields, index=rd.manifest_index_path, root=rd.path if own else None
     )
     contract = build_contract(
         cfg,
@@ -286,6 +288,25 @@ def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:
         return []
     changes = record.get("changes") if isinstance(record, dict) else None
     return sorted(changes) if isinstance(changes, dict) else []
+
+
+def refuse_contract_overrides(stored: RelayConfig, cfg: RelayConfig, overrides: dict[str, Any]) -> None:
+    """On a resume, an explicit override (`--set`, `overrides=`, TORCHRELAY_OVERRIDES) may change runtime fields
+    only (the layout's split aside: a reshard decides it): refuse one that changes a contract field, in one line
+    naming it, before the contract is rebuilt."""
+    before, after = flatten(stored.to_dict()), flatten(cfg.to_dict())
+    for key in overrides:
+        dotted = key if key.startswith("params.") or key in before or "." in key else f"params.{key}"
+        for name in sorted(k for k in set(before) | set(after) if k == dotted or k.startswith(dotted + ".")):
+            if name in LAYOUT_FIELDS or cfg.is_runtime(name) or stored.is_runtime(name):
+                continue
+            if before.get(name) != after.get(name):
+                raise ConfigError(
+                    f"resume refused: override {name}: {before.get(name)!r} -> {after.get(name)!r} changes the "
+                    "training contract (not a runtime field)",
+                    hint=f"only runtime fields may change on a resume ({', '.join(stored.runtime_keys())}); "
+                    "start a new run directory to change the math",
+                )
 
 
 def _overridden(key: str, overrides: dict[str, Any]) -> bool:

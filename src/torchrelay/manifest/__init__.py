@@ -22,6 +22,7 @@ from torchrelay.manifest.core import (
     Manifest,
     Records,
     index_path,
+    index_root,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "Manifest",
     "Records",
     "index_path",
+    "index_root",
 ]

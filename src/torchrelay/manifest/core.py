@@ -7,6 +7,7 @@ import io
 import json
 import mmap
 import os
+import shutil
 import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
@@ -205,6 +206,60 @@ class Manifest:
     def __len__(self) -> int:
         return len(self.records)
 
+    def written_under(self, data_root: str) -> bool:
+        """Whether this manifest was read under `data_root` (the same prefix, a trailing "/" aside)."""
+        return _root_prefix(self.data_root) == _root_prefix(data_root)
+
+    def rebase_into(
+        self, dest: str | os.PathLike[str], new_root: str, *, index: str | os.PathLike[str] | None = None
+    ) -> Manifest:
+        """Write the manifest re-pointed at `new_root` to `dest` (a temporary, fsynced, renamed) and read it back,
+        every line: its fingerprint must be this one's, else nothing replaces `dest` (ConfigError naming the field).
+        A manifest read without a data root names no path to re-point: its bytes are kept, its fingerprint checked.
+        index: where to save the new bytes' index, before they replace `dest` (so an index names the root of the
+        bytes, or of the bytes about to be: a run finds the root of its copy by it after a kill in between)."""
+        from torchrelay.manifest.scan import scan
+        from torchrelay.util.durable import fsync_dir, open_temp, temp_prefix
+
+        dest = Path(dest)
+        tmp = dest.with_name(f"{temp_prefix(dest.name)}{os.getpid()}")
+        try:
+            with os.fdopen(open_temp(tmp), "wb") as out:
+                if _root_prefix(self.data_root):
+                    for line in self.rebased_lines(new_root):
+                        out.write(line.encode() + b"\n")
+                else:
+                    with open(self.path, "rb") as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            rebased = scan(tmp, new_root)
+            if rebased.fingerprint() != self.fingerprint():
+                raise ConfigError(
+                    f"data_root: {self.path} re-pointed from {self.data_root!r} to {new_root!r} lists other "
+                    f"samples (fingerprint {self.fingerprint()} -> {rebased.fingerprint()})",
+                    hint="keep the run's data_root, or give one under which its manifest names the same files",
+                )
+            if index is not None:
+                rebased.save_index(index)
+            os.replace(tmp, dest)
+            fsync_dir(dest.parent)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        moved = Manifest(
+            str(dest),
+            new_root,
+            rebased.raw_sha256,
+            rebased.records._starts,
+            rebased.records._sizes,
+            rebased._fingerprint,
+            rebased._lengths,
+            rebased._bad_length,
+        )
+        moved.index_current = index is not None
+        return moved
+
     def sha256(self) -> str:
         """SHA-256 of the file's bytes (changes when the data root is rewritten)."""
         return self.raw_sha256
@@ -251,6 +306,29 @@ class Manifest:
     def check_files(self) -> list[str]:
         """Paths under the data root that do not exist."""
         return [p for p in self.paths() if not os.path.exists(p)]
+
+
+def index_root(index: str | os.PathLike[str]) -> str | None:
+    """The data-root prefix a saved index was made under (its meta's "root"), or None where none can be read: a
+    hint only (a run uses it to find the root its copy was last re-pointed at; the fingerprint decides)."""
+    try:
+        if not Path(index).is_file():
+            return None
+        with np.load(index, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        EOFError,
+        zipfile.BadZipFile,
+        zlib.error,
+        NotImplementedError,
+    ):
+        return None
+    root = meta.get("root") if isinstance(meta, dict) else None
+    return root if isinstance(root, str) else None
 
 
 def _check_run_copy(path: Path, root: Path, index: Path | None) -> None:
