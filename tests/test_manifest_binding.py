@@ -19,6 +19,8 @@ from test_hostile_records import _cli
 from torchrelay import RelayConfig, Run
 from torchrelay.contract import contract_sha256
 from torchrelay.errors import EXIT_REFUSED, ConfigError, ContractMismatch
+from torchrelay.handoff.pack import PackOptions, pack
+from torchrelay.handoff.prepare import PrepareOptions, prepare
 from torchrelay.history import read_history
 from torchrelay.ledger import prove
 from torchrelay.manifest import Manifest, index_path
@@ -190,3 +192,37 @@ def test_a_kill_between_the_copy_and_config_json_leaves_a_run_that_resumes(
     code, seen = _train(run, _config(data), data["code"])  # the script's own root, config.json's too
     assert code == 0 and all(p.startswith(f"{data['root']}/") for p in seen), seen
     assert f'"{data["root"]}/' in copy.read_text()
+
+
+def test_a_manifest_with_a_byte_order_mark_runs_is_packed_prepared_and_resumes(
+    data: dict[str, Path], tmp_path: Path
+) -> None:
+    """A manifest exported with a UTF-8 BOM makes a run (it was refused: line 1 not a JSON object); its
+    fingerprint is the file's without the BOM, its index is used, `ledger` proves it, and a bundle of it is
+    prepared under another data root and resumes; there data.sha256 vouches for no bytes (prepare rewrote
+    them), so the copy is read line by line, and the forgery is refused there too."""
+    run = _stopped(data, tmp_path / "run", manifest="marked")
+    fields = _contract(run)["fields"]
+    plain = Manifest.load(data["manifest"], str(data["root"]))
+    assert (fields["data.fingerprint"], fields["data.samples"]) == (plain.fingerprint(), len(plain))
+    copy = run / "data" / "manifest.jsonl"
+    assert copy.read_bytes().startswith(BOM)
+    assert Manifest.load(copy, str(data["root"]), index=index_path(copy)).indexed
+    assert prove(run).ok
+
+    moved = tmp_path / "moved"
+    shutil.copytree(data["root"], moved)
+    pack(run, tmp_path / "bundle", PackOptions(code_dir=data["code"]))
+    result = prepare(
+        tmp_path / "bundle", PrepareOptions(run_dir=tmp_path / "prep", sets={"data_root": str(moved)})
+    )
+    prepared = result.run_dir
+    assert _contract(prepared) == _contract(run)
+    forged = tmp_path / "forged"
+    shutil.copytree(prepared, forged)
+    # the script passes the configuration it was written with: prepare's data_root is kept
+    code, seen = _train(prepared, _config(data, "marked"), data["code"])
+    assert code == 0 and seen and all(p.startswith(f"{moved}/") for p in seen), seen
+    assert prove(prepared).ok
+    _replace_manifest_and_index(forged, str(moved))
+    _refused_naming_the_manifest(forged, _config(data, "marked"), data["code"])

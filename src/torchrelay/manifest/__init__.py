@@ -15,6 +15,7 @@ The package: `core` (the records and the saved index), `scan` (the pass over the
 """
 
 from torchrelay.manifest.core import (
+    BOM,
     FINGERPRINT_VERSION,
     INDEX_FORMAT,
     INDEX_NAME,
@@ -26,6 +27,7 @@ from torchrelay.manifest.core import (
 )
 
 __all__ = [
+    "BOM",
     "FINGERPRINT_VERSION",
     "INDEX_FORMAT",
     "INDEX_NAME",

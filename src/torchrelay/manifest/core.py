@@ -24,6 +24,9 @@ ROOT_TOKEN = "${DATA_ROOT}"
 FINGERPRINT_VERSION = "fingerprint_v1"
 INDEX_FORMAT = 1
 INDEX_NAME = "manifest.index.npz"  # beside the run's copy, data/manifest.jsonl
+# A UTF-8 byte order mark opening the file (Windows tools write one): read past, no part of the first record. The
+# file's SHA-256 covers it (the bytes); the fingerprint, the records and the index's offsets do not.
+BOM = b"\xef\xbb\xbf"
 
 
 def _root_prefix(data_root: str) -> str:
@@ -448,7 +451,8 @@ def _lines(data: np.ndarray, mapped: mmap.mmap) -> tuple[np.ndarray, np.ndarray,
     memory does not grow by the file."""
     size = len(data)
     drop = hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED")
-    found, firsts = [], [data[:1]]
+    head = len(BOM) if mapped[: len(BOM)] == BOM else 0  # the first line starts past a byte order mark
+    found, firsts = [], [data[head : head + 1]]
     for at in range(0, size, _CHUNK):
         chunk = data[at : at + _CHUNK]
         odd = np.flatnonzero((chunk - np.uint8(32)) >= 96) + at  # < 0x20 or >= 0x80, in two operations
@@ -469,7 +473,7 @@ def _lines(data: np.ndarray, mapped: mmap.mmap) -> tuple[np.ndarray, np.ndarray,
         if drop:
             mapped.madvise(mmap.MADV_DONTNEED, at, len(chunk))
     newlines = np.concatenate(found)
-    line_starts = np.concatenate([[0], newlines + 1])
+    line_starts = np.concatenate([[head], newlines + 1])
     line_ends = np.concatenate([newlines, [size]])
     first = np.concatenate(firsts)
     if line_starts[-1] == size:  # the file ends with a newline: no line after it
