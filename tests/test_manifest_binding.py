@@ -226,3 +226,31 @@ def test_a_manifest_with_a_byte_order_mark_runs_is_packed_prepared_and_resumes(
     assert prove(prepared).ok
     _replace_manifest_and_index(forged, str(moved))
     _refused_naming_the_manifest(forged, _config(data, "marked"), data["code"])
+
+
+def test_launch_preflight_checks_the_files_where_a_data_root_override_points(
+    data: dict[str, Path], tmp_path: Path
+) -> None:
+    """`launch` with train.overrides.data_root on a resume checked the run's copy under the new root, where none of
+    its paths (still the old root's) lay: "0 file(s) ... present", a pass whatever was missing. Now the files are
+    checked as the launch re-points them."""
+    from torchrelay.controller.plan import Plan
+    from torchrelay.controller.preflight import PreflightFailed, run_preflight
+
+    run = _stopped(data, tmp_path / "run")
+    moved = tmp_path / "moved"
+    shutil.copytree(data["root"], moved)
+    plan = Plan.from_dict(
+        {"run_dir": str(run), "train": {"script": "train_lm.py", "overrides": {"data_root": str(moved)}}},
+        data["code"],
+    )
+    report = run_preflight(plan, {})
+    line = next(r.detail for r in report.results if r.name == "manifest")
+    files = len(list(Manifest.load(run / "data" / "manifest.jsonl", str(data["root"])).paths()))
+    samples = len(Manifest.load(run / "data" / "manifest.jsonl", str(data["root"])))
+    assert line == f"{samples} samples, {files} file(s) under {moved} present", line
+    gone = next(moved.rglob("*.py"))
+    gone.unlink()
+    with pytest.raises(PreflightFailed, match="preflight check 'manifest' failed") as info:
+        run_preflight(plan, {})
+    assert str(gone) in str(info.value)

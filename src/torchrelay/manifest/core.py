@@ -285,15 +285,17 @@ class Manifest:
         """The `id` of sample i (read from its line)."""
         return str(self.records[i]["id"])
 
-    def paths(self) -> Iterator[str]:
-        """Every string field that lies under the data root (the files the manifest names)."""
+    def paths(self, as_root: str | None = None) -> Iterator[str]:
+        """Every string field that lies under the data root (the files the manifest names); with `as_root`, each
+        re-pointed at that root (the files it names once `rebase_into` re-points it there)."""
         prefix = _root_prefix(self.data_root)
         if not prefix:
             return
+        new = prefix if as_root is None else _root_prefix(as_root)
         for rec in self.records:
             for value in _iter_strings(rec):
                 if value.startswith(prefix):
-                    yield value
+                    yield new + value[len(prefix) :]
 
     def rebased_lines(self, new_root: str) -> list[str]:
         """The manifest's lines with the data root replaced by `new_root`."""
@@ -306,9 +308,9 @@ class Manifest:
 
         return [json.dumps(_map_strings(rec, swap), ensure_ascii=False) for rec in self.records]
 
-    def check_files(self) -> list[str]:
-        """Paths under the data root that do not exist."""
-        return [p for p in self.paths() if not os.path.exists(p)]
+    def check_files(self, as_root: str | None = None) -> list[str]:
+        """Paths under the data root (re-pointed at `as_root`, if given) that do not exist."""
+        return [p for p in self.paths(as_root) if not os.path.exists(p)]
 
 
 def index_root(index: str | os.PathLike[str]) -> str | None:
