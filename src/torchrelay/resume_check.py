@@ -294,9 +294,12 @@ def refuse_contract_overrides(stored: RelayConfig, cfg: RelayConfig, overrides: 
     """On a resume, an explicit override (`--set`, `overrides=`, TORCHRELAY_OVERRIDES) may change runtime fields
     only (the layout's split aside: a reshard decides it): refuse one that changes a contract field, in one line
     naming it, before the contract is rebuilt."""
-    before, after = flatten(stored.to_dict()), flatten(cfg.to_dict())
+    top = stored.to_dict()
+    before, after = flatten(top), flatten(cfg.to_dict())
     for key in overrides:
-        dotted = key if key.startswith("params.") or key in before or "." in key else f"params.{key}"
+        dotted = (
+            key if key.partition(".")[0] in top else f"params.{key}"
+        )  # (`lr` is params.lr: with_overrides)
         for name in sorted(k for k in set(before) | set(after) if k == dotted or k.startswith(dotted + ".")):
             if name in LAYOUT_FIELDS or cfg.is_runtime(name) or stored.is_runtime(name):
                 continue
