@@ -85,3 +85,14 @@ def test_an_override_of_a_contract_field_is_refused_in_one_line_a_runtime_one_is
         == f"resume refused: override params.lr: 0.1 -> 0.3 {changes}"
     )
     assert refusal({"total_updates": 20}) == f"resume refused: override total_updates: 10 -> 20 {changes}"
+
+
+def test_an_override_may_name_a_key_under_a_runtime_section() -> None:
+    """`--set external_files.teacher=/b/t` on a relaunch (a runtime key, as prepare accepts it) was refused:
+    `override 'external_files.teacher' names no config field`."""
+    stored = config(external_files={"teacher": "/a/t"})
+    assert stored.with_overrides({"external_files.teacher": "/b/t"}).external_files == {"teacher": "/b/t"}
+    with pytest.raises(ConfigError, match="'seed.x' names no config field"):
+        stored.with_overrides({"seed.x": 1})
+    with pytest.raises(ConfigError, match="override 'nope' names no config field"):
+        stored.with_overrides({"nope": 1})
