@@ -79,6 +79,28 @@ def test_anchors_within_bounds_still_read_and_loops_and_repeated_keys_are_refuse
         read_yaml(twice, what="plan")
 
 
+def test_top_level_x_keys_hold_anchors_and_are_ignored_other_unknown_keys_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`x-common: &common {...}` (docker-compose's convention) was refused as `plan.x-common: unknown field`."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "x-env: &env {A: '1'}\n"
+        "x-smoke: &smoke {updates: 4, when: never}\n"
+        "x-note: any value at all\n"
+        "run_dir: run\ntrain: {script: t.py, env: *env}\nsmoke: {<<: *smoke, timeout_s: 60}\n"
+    )
+    loaded = load_plan(plan)
+    assert loaded.train.env == {"A": "1"} and (loaded.smoke.updates, loaded.smoke.when) == (4, "never")
+    assert not any(str(k).startswith("x-") for k in loaded.to_dict())
+    # only at the top, and only x-: another unknown key is still one line naming it
+    plan.write_text("x-env: &env {A: '1'}\nxenv: 1\nrun_dir: run\ntrain: {script: t.py}\n")
+    _refused(capsys, ["sbatch", str(plan)], "plan.yaml: xenv: unknown field")
+    plan.write_text("run_dir: run\ntrain: {script: t.py, x-env: {A: '1'}}\n")
+    _refused(capsys, ["launch", str(plan)], "plan.yaml: train.x-env: unknown field")
+    _nothing_written(tmp_path, "plan.yaml")
+
+
 @pytest.mark.parametrize(
     ("sections", "field"),
     [

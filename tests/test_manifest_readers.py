@@ -21,6 +21,7 @@ from torchrelay.manifest import readers as R
 from torchrelay.manifest import scan as S
 
 ROOT = "/data/set"
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
 
 
 def tricky_lines() -> list[bytes]:
@@ -200,3 +201,53 @@ def test_load_uses_readers_for_a_big_file_unless_told_not_to(
     assert calls == [3]
     M.Manifest.load(path, ROOT, readers=1)  # every rank at once (opening's fallback): no readers
     assert calls == [3]
+
+
+@pytest.mark.parametrize("kind", ["tricky", "plain"])
+def test_a_byte_order_mark_opening_the_file_is_no_part_of_the_first_record(tmp_path: Path, kind: str) -> None:
+    """A manifest exported by a Windows tool starts with a UTF-8 BOM: it was refused (`line 1: not a JSON object
+    (Unexpected UTF-8 BOM ...)`). Now it is read past: the records, their offsets (shifted by its 3 bytes), the
+    lengths and the fingerprint are those of the file without it, in one process, in reader processes and from
+    the saved index (which every rank but rank 0 reads); only the file's SHA-256, its bytes', differs."""
+    body = b"".join(tricky_lines()) if kind == "tricky" else b'{"id": "a", "length": 3}\n{"id": "b"}\n'
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain, marked = tmp_path / "a" / "plain.jsonl", tmp_path / "b" / "marked.jsonl"  # each its own index
+    plain.write_bytes(body)
+    marked.write_bytes(BOM + body)
+    want = S.scan(plain, ROOT, workers=1)
+    for got in (S.scan(marked, ROOT, workers=1), S.scan(marked, ROOT, workers=3, part=300)):
+        assert (got.fingerprint(), len(got), got._bad_length) == (
+            want.fingerprint(),
+            len(want),
+            want._bad_length,
+        )
+        assert np.array_equal(got.records._starts, want.records._starts + 3)
+        assert np.array_equal(got.records._sizes, want.records._sizes)
+        assert got.lengths().tolist() == want.lengths().tolist() if want._bad_length is None else True
+        assert got.records[0] == want.records[0] and got.sha256() != want.sha256()
+    got.save_index(M.index_path(marked))
+    want.save_index(M.index_path(plain))
+    indexed = M.Manifest.load(marked, ROOT, index=M.index_path(marked), sha256=got.sha256())
+    # used, not read again, wherever the file without it would be (a "\r" in the tricky lines reads them again)
+    assert (
+        indexed.indexed
+        == M.Manifest.load(plain, ROOT, index=M.index_path(plain)).indexed
+        == (kind == "plain")
+    )
+    assert indexed.fingerprint() == want.fingerprint()
+    assert indexed.records[0] == want.records[0]
+    # re-pointed (prepare, a relaunch with another data_root): written without it, the same fingerprint
+    moved = indexed.rebase_into(tmp_path / "moved.jsonl", "/elsewhere")
+    assert moved.fingerprint() == want.fingerprint() and not (
+        tmp_path / "moved.jsonl"
+    ).read_bytes().startswith(BOM)
+    # a BOM alone, or one that is not the file's first bytes, is no record either way
+    only = tmp_path / "only.jsonl"
+    only.write_bytes(BOM + b"\n")
+    with pytest.raises(ConfigError, match="lists no samples"):
+        S.scan(only, ROOT, workers=1)
+    later = tmp_path / "later.jsonl"
+    later.write_bytes(body.split(b"\n", 1)[0] + b"\n" + BOM + b'{"id": "z"}\n')
+    with pytest.raises(ConfigError, match=r"later\.jsonl:2: not a JSON object"):
+        S.scan(later, ROOT, workers=1)

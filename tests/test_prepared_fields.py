@@ -60,3 +60,39 @@ def test_a_run_without_prepare_or_with_agreeing_config_keeps_nothing(tmp_path: P
     (run / "REBASE_RECORD.json").write_text("{torn")
     with pytest.raises(ConfigError, match="REBASE_RECORD.json cannot be read"):
         prepared_keys(run)
+
+
+def test_an_override_of_a_contract_field_is_refused_in_one_line_a_runtime_one_is_not() -> None:
+    from torchrelay.resume_check import refuse_contract_overrides
+
+    stored = config(params={"lr": 0.1, "log_every": 1}, runtime_params=["log_every"])
+
+    def refusal(overrides: dict[str, object]) -> str | None:
+        try:
+            refuse_contract_overrides(stored, stored.with_overrides(overrides), overrides)
+        except ConfigError as exc:
+            assert "\n" not in exc.message
+            return exc.message
+        return None
+
+    # a runtime field, a runtime parameter, the layout's split (reshard decides), a contract field left as it was
+    for fine in ({"data_root": "/x"}, {"log_every": 5}, {"micro_batch": 4}, {"seed": 1}, {"num_workers": 3}):
+        assert refusal(fine) is None, fine
+    changes = "changes the training contract (not a runtime field)"
+    assert refusal({"lr": 0.2}) == f"resume refused: override params.lr: 0.1 -> 0.2 {changes}"
+    assert (
+        refusal({"params": {"lr": 0.3, "log_every": 1}})
+        == f"resume refused: override params.lr: 0.1 -> 0.3 {changes}"
+    )
+    assert refusal({"total_updates": 20}) == f"resume refused: override total_updates: 10 -> 20 {changes}"
+
+
+def test_an_override_may_name_a_key_under_a_runtime_section() -> None:
+    """`--set external_files.teacher=/b/t` on a relaunch (a runtime key, as prepare accepts it) was refused:
+    `override 'external_files.teacher' names no config field`."""
+    stored = config(external_files={"teacher": "/a/t"})
+    assert stored.with_overrides({"external_files.teacher": "/b/t"}).external_files == {"teacher": "/b/t"}
+    with pytest.raises(ConfigError, match="'seed.x' names no config field"):
+        stored.with_overrides({"seed.x": 1})
+    with pytest.raises(ConfigError, match="override 'nope' names no config field"):
+        stored.with_overrides({"nope": 1})

@@ -111,7 +111,9 @@ class RelayConfig:
         data = self.to_dict()
         dotted = {}
         for key, value in overrides.items():
-            if key.startswith("params.") or key in data:
+            if (
+                key.partition(".")[0] in data
+            ):  # a field, or a key under one (params.lr, external_files.teacher)
                 dotted[key] = value
             elif key in data["params"]:
                 dotted[f"params.{key}"] = value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from torchrelay.config import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.identity import CODE_FIELDS, code_changes, code_identity, versions
 from torchrelay.layout import CONTRACT_FILE
-from torchrelay.manifest import Manifest
+from torchrelay.manifest import Manifest, index_root
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
 from torchrelay.util.records import read_json
@@ -21,7 +22,43 @@ CONTRACT_FORMAT = 1
 _OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
 # Fields added after contracts were first written (format 1 all along): a contract without them is compared
 # without them, so a run made before them still resumes; code.dirty then keeps its old sense (tracked files only).
-LATER_FIELDS = ("code.untracked", "code.modified", "code.program", "code.changed")
+LATER_FIELDS = ("code.untracked", "code.modified", "code.program", "code.changed", "data.sha256")
+
+
+def contract_manifest(
+    path: str | os.PathLike[str],
+    data_roots: Sequence[str],
+    fields: dict[str, Any],
+    *,
+    index: str | os.PathLike[str] | None,
+    root: str | os.PathLike[str] | None,
+) -> Manifest:
+    """A run's manifest as its recorded contract is checked against it: the saved index is believed only for the
+    bytes the contract binds (`data.sha256`); other bytes are read line by line, so `data.fingerprint` is compared
+    with the bytes' own fingerprint, never with what an index says of them.
+
+    Why the field: the fingerprint covers the content, but a resume took it from the index, and the index's only
+    tie to the bytes is the digest in its own meta, which whoever replaces the manifest writes too. A contract
+    written before the field does not record it ("" below vouches for no bytes): its run still resumes, reading
+    every line to check the fingerprint.
+
+    data_roots: the roots the manifest may be written under, tried in turn until one gives the contract's
+    fingerprint; for the run's own copy (`root`, the run directory) also the root its index was saved under, which
+    finds a copy that a launch re-pointed (run/directory.py) and was killed before config.json named the root.
+    Trying several is sound: the fingerprint is read from the bytes, and a root under which it matches names the
+    same samples. Where none does, the manifest read under the first (the contract's comparison names what
+    differs)."""
+    bound = str(fields.get("data.sha256") or "")
+    candidates = [*data_roots, index_root(index) if root is not None and index is not None else None]
+    tried: list[Manifest] = []
+    for data_root in candidates:
+        if data_root is None or any(m.written_under(data_root) for m in tried):
+            continue
+        found = Manifest.load(path, data_root, index=index, root=root, bound_sha256=bound)
+        if found.fingerprint() == fields.get("data.fingerprint"):
+            return found
+        tried.append(found)
+    return tried[0]
 
 
 def contract_sha256(fields: dict[str, Any]) -> str:
@@ -64,6 +101,7 @@ def build_contract(
         "schedule.warmup_updates": cfg.warmup_updates,
         "data.fingerprint": manifest.fingerprint(),
         "data.samples": len(manifest),
+        "data.sha256": _bound_sha256(manifest, known),
         **{f"code.{k}": v for k, v in code.items()},
         "versions.python": pinned["python"],
         "versions.torch": pinned["torch"],
@@ -79,6 +117,19 @@ def build_contract(
     # Not part of the contract: what code.dirty meant before untracked files counted, for an older contract.
     compat = {"code.dirty": tracked_dirty}
     return {"format": CONTRACT_FORMAT, "fields": fields, "sha256": contract_sha256(fields), "compat": compat}
+
+
+def _bound_sha256(manifest: Manifest, known: dict[str, Any] | None) -> str:
+    """`data.sha256`: the manifest's bytes at the run's creation, which vouch for its saved index. A rebase
+    (`prepare`, a relaunch with another data_root) rewrites the bytes and keeps the content: a recorded value
+    stays, and the content is judged by `data.fingerprint`, read from the bytes unless they are these."""
+    recorded = None if known is None else known.get("data.sha256")
+    if not isinstance(recorded, str):
+        return manifest.sha256()
+    if manifest.indexed and manifest.sha256() != recorded:
+        # an invariant, not input: a caller that checks a contract loads the manifest with contract_manifest
+        raise AssertionError(f"{manifest.path}: a fingerprint from an index the contract does not vouch for")
+    return recorded
 
 
 def comparable(recorded: dict[str, Any], recomputed: dict[str, Any]) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from torchrelay import ledger_proof
-from torchrelay.contract import load_contract
+from torchrelay.contract import contract_manifest, load_contract
 from torchrelay.data.order import GlobalOrder
-from torchrelay.errors import RelayError
+from torchrelay.errors import IntegrityError, RelayError
 from torchrelay.layout import TRAIN_DIR
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
@@ -53,13 +53,29 @@ def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
     return order, manifest
 
 
-def order_and_contract(run_dir: Path) -> tuple[GlobalOrder, Manifest, str]:
-    """The run's global order, its manifest and its contract's SHA-256 (what a proof is valid for)."""
+def order_and_contract(run_dir: Path, *, bound: bool = True) -> tuple[GlobalOrder, Manifest, str]:
+    """The run's global order, its manifest and its contract's SHA-256 (what a proof is valid for).
+
+    bound: the manifest must be the one the contract binds (contract.contract_manifest), else IntegrityError naming
+    it: the exposures name manifest lines, and a ledger of other lines proves nothing. Not for a run made before
+    the contract recorded data.sha256 (not recorded: its resume reads every line, the ledger takes the index as
+    before). The background prover of a live training passes False: that launch's rank 0 checked it at the open."""
     rd = RunDir(run_dir)
     cfg = rd.load_config()
     contract = load_contract(run_dir)
     fields = contract["fields"]
-    manifest = Manifest.load(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path, root=rd.path)
+    index = rd.manifest_index_path
+    if not bound or "data.sha256" not in fields:
+        manifest = Manifest.load(rd.manifest_path, cfg.data_root, index=index, root=rd.path)
+    else:
+        manifest = contract_manifest(rd.manifest_path, [cfg.data_root], fields, index=index, root=rd.path)
+        if manifest.fingerprint() != fields.get("data.fingerprint"):
+            raise IntegrityError(
+                f"{rd.manifest_path}: lists other samples than the manifest the run's contract binds "
+                f"(data.fingerprint {fields.get('data.fingerprint')}, the file's {manifest.fingerprint()})",
+                hint="restore the run's copy of its manifest: the exposures name its lines, and no ledger holds "
+                "for another one",
+            )
     order = GlobalOrder(
         num_samples=len(manifest),
         seed=cfg.seed,

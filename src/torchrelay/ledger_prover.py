@@ -38,7 +38,7 @@ def prove_checkpoint(run_dir: str | os.PathLike[str], update: int) -> Path | Non
     ckpt = RunDir(root).checkpoint(update)
     if not (ckpt / INVENTORY).is_file():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (removed by retention?)")
-    order, manifest, contract_sha = order_and_contract(root)
+    order, manifest, contract_sha = order_and_contract(root, bound=False)  # (checked when the run opened)
     ident = ledger_proof.identity(order, contract_sha)
     paths = rank_logs(root / TRAIN_DIR, "exposures")
     by_name = {path.name: path for path in paths.values()}

@@ -15,6 +15,7 @@ from torchrelay.contract import (
     build_contract,
     comparable,
     contract_changes,
+    contract_manifest,
     load_contract,
     runtime_changes,
 )
@@ -133,8 +134,10 @@ def validate_resume(
     manifest_path = Path(cfg.manifest) if Path(cfg.manifest).is_absolute() else rd.path / cfg.manifest
     # the run's own copy (relative to the run, or the absolute path of it that prepare passes) stays in the run
     own = not Path(cfg.manifest).is_absolute() or manifest_path == rd.manifest_path
-    manifest = Manifest.load(
-        manifest_path, cfg.data_root, index=rd.manifest_index_path, root=rd.path if own else None
+    # the run's copy is written under the root it was last re-pointed at (stored), unless this launch names another
+    roots = [stored.data_root, cfg.data_root] if own else [cfg.data_root]
+    manifest = contract_manifest(
+        manifest_path, roots, fields, index=rd.manifest_index_path, root=rd.path if own else None
     )
     contract = build_contract(
         cfg,
@@ -148,7 +151,7 @@ def validate_resume(
     )
     contract = comparable(fields, contract)
     other = _check_math_and_layout(
-        rd.contract_path, fields, contract["fields"], current, new, reshard, cfg.strict_code
+        rd.contract_path, fields, contract["fields"], current, new, reshard, cfg.strict_code, manifest_path
     )
     # The recorded digest is the run's one identity: prepare, the trainer and the bundle README print it. (A
     # recomputed digest can differ in fields the comparison skips, e.g. the commit of an extracted archive.)
@@ -185,6 +188,7 @@ def _check_math_and_layout(
     new: Layout,
     reshard: bool,
     strict_code: bool,
+    manifest: Path,
 ) -> list[tuple[str, Any, Any]]:
     """Refuse a change of the math (any contract field but the layout's) or of the code, naming every field; a
     change of the global batch names its product; a layout change only when asked for. Returns the changes of
@@ -194,6 +198,14 @@ def _check_math_and_layout(
     math_diffs = [d for d in diffs if d[0] not in LAYOUT_FIELDS]
     if [d[0] for d in math_diffs] == ["global_batch"]:
         raise refuse_global_batch(str(path), contract_global_batch(recorded), current, new, diffs)
+    if any(d[0].startswith("data.") for d in math_diffs):
+        raise ContractMismatch(
+            str(path),
+            diffs,
+            detail=f"{manifest} lists other samples than the manifest this run was created with",
+            hint="restore the run's copy of its manifest (as created, or as prepare rebased it), or start a new "
+            "run directory",
+        )
     if math_diffs:
         raise ContractMismatch(str(path), diffs)
     if diffs and not reshard:
@@ -276,6 +288,28 @@ def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:
         return []
     changes = record.get("changes") if isinstance(record, dict) else None
     return sorted(changes) if isinstance(changes, dict) else []
+
+
+def refuse_contract_overrides(stored: RelayConfig, cfg: RelayConfig, overrides: dict[str, Any]) -> None:
+    """On a resume, an explicit override (`--set`, `overrides=`, TORCHRELAY_OVERRIDES) may change runtime fields
+    only (the layout's split aside: a reshard decides it): refuse one that changes a contract field, in one line
+    naming it, before the contract is rebuilt."""
+    top = stored.to_dict()
+    before, after = flatten(top), flatten(cfg.to_dict())
+    for key in overrides:
+        dotted = (
+            key if key.partition(".")[0] in top else f"params.{key}"
+        )  # (`lr` is params.lr: with_overrides)
+        for name in sorted(k for k in set(before) | set(after) if k == dotted or k.startswith(dotted + ".")):
+            if name in LAYOUT_FIELDS or cfg.is_runtime(name) or stored.is_runtime(name):
+                continue
+            if before.get(name) != after.get(name):
+                raise ConfigError(
+                    f"resume refused: override {name}: {before.get(name)!r} -> {after.get(name)!r} changes the "
+                    "training contract (not a runtime field)",
+                    hint=f"only runtime fields may change on a resume ({', '.join(stored.runtime_keys())}); "
+                    "start a new run directory to change the math",
+                )
 
 
 def _overridden(key: str, overrides: dict[str, Any]) -> bool:

@@ -118,7 +118,11 @@ class RunDir:
             if (
                 name == DATA_DIR
                 and p.is_dir()
-                and {c.name for c in p.iterdir() if not c.name.startswith(temp_prefix(INDEX_NAME))}
+                and {
+                    c.name
+                    for c in p.iterdir()
+                    if not c.name.startswith((temp_prefix(INDEX_NAME), temp_prefix(Path(MANIFEST_REL).name)))
+                }
                 <= ({Path(MANIFEST_REL).name, INDEX_NAME} if train else set())
             ):
                 continue
@@ -136,7 +140,9 @@ class RunDir:
             found += [p for p in self.train_dir.iterdir() if p.name.endswith(".jsonl.trim")]
         data = self.data_dir
         if data.is_dir() and is_inside(self.path, data):
-            found += [p for p in data.iterdir() if p.name.startswith(temp_prefix(INDEX_NAME))]
+            # the index's, and a re-pointed copy of the manifest's (Manifest.rebase_into)
+            mine = (temp_prefix(INDEX_NAME), temp_prefix(Path(MANIFEST_REL).name))
+            found += [p for p in data.iterdir() if p.name.startswith(mine)]
         return [str(p.relative_to(self.path)) for p in remove_temps(found)]
 
     def checkpoints(self) -> list[CheckpointInfo]:

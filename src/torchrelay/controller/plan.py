@@ -42,6 +42,9 @@ from torchrelay.util.records import read_yaml
 SMOKE_WHEN = ("always", "first", "never")
 # Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.
 FREE_FORM = (("train", "overrides"), ("train", "env"), ("smoke", "overrides"), ("validate", "env"))
+# Top-level keys starting with this are the plan writer's own (YAML anchors to reuse, `x-common: &common`, as in
+# docker-compose): read past, never a field. Any other unknown key is still refused.
+EXTENSION_PREFIX = "x-"
 AT_LEAST_0 = {"min": 0}
 AS_STR = {"as_str": True}  # YAML's `10` in argv or env is the string "10"
 PROCS_PER_NODE = {"min": 1, "max": PER_NODE_LIMIT}  # each a process the launch starts: bounded before it does
@@ -334,7 +337,7 @@ class Plan:
         """Build from a parsed YAML mapping; relative paths are made absolute against `base_dir`."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: a plan must be a YAML mapping, got {type(data).__name__}")
-        data = copy.deepcopy(data)
+        data = {k: copy.deepcopy(v) for k, v in data.items() if not _is_extension(k)}
         base = Path(base_dir).resolve()
         for key in ("run_dir", "workdir"):
             if isinstance(data.get(key), str):
@@ -347,6 +350,11 @@ class Plan:
         if "train" not in data:
             raise ConfigError(f"{source}: 'train' is required (script, args, nproc_per_node)")
         return schema.build(cls, data, source)
+
+
+def _is_extension(key: Any) -> bool:
+    """A top-level `x-...` key: the writer's own (anchors), ignored."""
+    return isinstance(key, str) and key.startswith(EXTENSION_PREFIX)
 
 
 def apply_sets(data: dict[str, Any], sets: dict[str, Any]) -> dict[str, Any]:

@@ -91,18 +91,21 @@ def check_disk(path: Path, ckpt_bytes: int, ahead: int, report: PreflightReport)
     report.add("disk", detail)
 
 
-def check_manifest(manifest: Path, data_root: str, report: PreflightReport) -> None:
-    m = Manifest.load(manifest, data_root)
-    missing = m.check_files()
+def check_manifest(manifest: Path | Manifest, data_root: str, report: PreflightReport) -> None:
+    """Every file the manifest names under `data_root` exists. A run's copy comes read (the resume's check found
+    the root it is written under): its files are checked re-pointed at `data_root`, where the launch re-points it
+    (a plan's train.overrides.data_root; under the copy's own root they were not checked at all)."""
+    m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest, data_root)
+    missing = m.check_files(data_root)
     if missing:
         shown = "\n".join(f"  {p}" for p in missing[:10])
         more = f"\n  ... and {len(missing) - 10} more" if len(missing) > 10 else ""
         raise PreflightFailed(
-            f"preflight check 'manifest' failed: {len(missing)} of the files {manifest} names do not exist "
+            f"preflight check 'manifest' failed: {len(missing)} of the files {m.path} names do not exist "
             f"(data_root {data_root!r}):\n{shown}{more}",
             hint="fix data_root (a runtime override) or restore the data",
         )
-    count = sum(1 for _ in m.paths())
+    count = sum(1 for _ in m.paths(data_root))
     report.add("manifest", f"{len(m)} samples, {count} file(s) under {data_root or '(no data root)'} present")
 
 
@@ -303,8 +306,9 @@ def check_node_local(
         report.add("node-local caches", ", ".join(fine))
 
 
-def check_contract(plan: Plan, report: PreflightReport) -> dict[str, Any] | None:
-    """Run the trainer's own resume validation; returns the stored config when the run exists."""
+def check_contract(plan: Plan, report: PreflightReport) -> tuple[dict[str, Any], Manifest] | None:
+    """Run the trainer's own resume validation; returns the stored config (with the plan's overrides) and the
+    run's manifest as the check read it, when the run exists."""
     from torchrelay.resume_check import validate_resume  # imports torch: only when there is a run to check
 
     rd = RunDir(plan.run_path)
@@ -324,7 +328,7 @@ def check_contract(plan: Plan, report: PreflightReport) -> dict[str, Any] | None
     note = tree_note(check.code_changes, commit=check.recorded["fields"].get("code.commit") is not None)
     if note:
         report.add("code", note, warning=True)
-    return cfg.to_dict()
+    return cfg.to_dict(), check.manifest
 
 
 def run_user_check(check: CheckSpec, cwd: Path, env: dict[str, str], report: PreflightReport) -> None:
@@ -375,17 +379,12 @@ def run_preflight(
             on_result(result)
         return out
 
-    stored = step(check_contract, plan)
-    rd = RunDir(plan.run_path)
+    resumed = step(check_contract, plan)
     step(check_disk, plan.run_path, checkpoint_bytes(plan.run_path), plan.preflight.checkpoints_ahead)
     step(check_node_local, plan.run_path, env, plan.train.nnodes)
-    if stored is not None:
-        manifest = Path(stored["manifest"])
-        step(
-            check_manifest,
-            manifest if manifest.is_absolute() else rd.path / manifest,
-            stored.get("data_root", ""),
-        )
+    if resumed is not None:
+        stored, manifest = resumed
+        step(check_manifest, manifest, stored.get("data_root", ""))
         step(check_pins, list(stored.get("pins", [])), plan.train.python)
     elif plan.preflight.manifest:
         step(check_manifest, Path(plan.preflight.manifest), plan.preflight.data_root)

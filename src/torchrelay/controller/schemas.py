@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.config import RelayConfig
-from torchrelay.controller.plan import Plan
+from torchrelay.controller.plan import EXTENSION_PREFIX, Plan
 from torchrelay.util.schema import json_schema
 
 
@@ -24,10 +24,24 @@ def schemas() -> dict[str, dict[str, Any]]:
             "torchrelay run configuration",
             "RelayConfig: the fields torchrelay reads from a config file or dict (yours go under params).",
         ),
-        "launch-plan.schema.json": json_schema(
-            Plan, "torchrelay launch plan", "The plan YAML of `torchrelay launch` and `torchrelay sbatch`."
+        "launch-plan.schema.json": _with_extensions(
+            json_schema(
+                Plan,
+                "torchrelay launch plan",
+                "The plan YAML of `torchrelay launch` and `torchrelay sbatch`.",
+            )
         ),
     }
+
+
+def _with_extensions(schema: dict[str, Any]) -> dict[str, Any]:
+    """The plan's top-level `x-...` keys (YAML anchors, controller.plan.EXTENSION_PREFIX): allowed, anything."""
+    pattern = {
+        f"^{EXTENSION_PREFIX}": {"description": "yours (YAML anchors to reuse): ignored by torchrelay"}
+    }
+    at = list(schema).index("additionalProperties")
+    items = list(schema.items())
+    return dict([*items[:at], ("patternProperties", pattern), *items[at:]])
 
 
 def render(schema: dict[str, Any]) -> str:

@@ -329,7 +329,15 @@ def _write_bundle(
         shutil.copyfile(path, train / path.name)
 
     # 4. Manifest identity, the exact source, progress at the stop, lineage, the README.
-    manifest = Manifest.load(rd.manifest_path, cfg.data_root, root=rd.path)
+    manifest = Manifest.load(
+        rd.manifest_path, cfg.data_root, root=rd.path
+    )  # every line: the bytes' fingerprint
+    if manifest.fingerprint() != contract["fields"].get("data.fingerprint"):
+        raise IntegrityError(
+            f"{rd.manifest_path}: lists other samples than the manifest the run's contract binds "
+            f"(data.fingerprint {contract['fields'].get('data.fingerprint')}, the file's {manifest.fingerprint()})",
+            hint="restore the run's copy of its manifest; a bundle of other data would be refused by prepare",
+        )
     manifest_info = {
         "path": MANIFEST_REL,
         "sha256": manifest.sha256(),

@@ -233,11 +233,13 @@ def _prepare_into(
     fp_old = old_manifest.fingerprint()
     rebased_path = into.manifest_path
     if new_cfg.data_root != stored.data_root:
-        lines = old_manifest.rebased_lines(new_cfg.data_root)
-        rebased_path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        try:  # (the one re-pointing of a manifest: a relaunch with another data_root does the same)
+            new_manifest = old_manifest.rebase_into(rebased_path, new_cfg.data_root)
+        except ConfigError as exc:
+            raise PrepareRefused([exc.message]) from None
     else:
         shutil.copyfile(manifest_src, rebased_path)
-    new_manifest = Manifest.load(rebased_path, new_cfg.data_root)
+        new_manifest = Manifest.load(rebased_path, new_cfg.data_root)
     fp_new = new_manifest.fingerprint()
     if not (fp_old == fp_new == fields.get("data.fingerprint") == recorded):
         failures.append(

@@ -5,13 +5,17 @@ line lies in the file (and each sample's `length`) in numpy arrays and reads a r
 every line (to check it and compute the fingerprint) costs a few microseconds a line, so a manifest of 32 MB or
 more is read by one reader process per core this process may use (at most 16); the run keeps what that pass found
 beside its copy of the manifest (`data/manifest.index.npz`, written by the trainer), so a relaunch, every rank but
-rank 0, `ledger` and `status` read no line at all, only the file's SHA-256 or not even that.
+rank 0, `ledger` and `status` read no line at all, only the file's SHA-256 or not even that. Where a contract is
+checked (a resume's rank 0, `ledger`), the index is believed only for the bytes the contract binds (`data.sha256`,
+contract.contract_manifest): a copy re-pointed at another data root, or a run made before that field, is read line
+by line there.
 
 The package: `core` (the records and the saved index), `scan` (the pass over the lines, in this process),
 `readers` (the same pass in reader processes, for a big manifest).
 """
 
 from torchrelay.manifest.core import (
+    BOM,
     FINGERPRINT_VERSION,
     INDEX_FORMAT,
     INDEX_NAME,
@@ -19,9 +23,11 @@ from torchrelay.manifest.core import (
     Manifest,
     Records,
     index_path,
+    index_root,
 )
 
 __all__ = [
+    "BOM",
     "FINGERPRINT_VERSION",
     "INDEX_FORMAT",
     "INDEX_NAME",
@@ -29,4 +35,5 @@ __all__ = [
     "Manifest",
     "Records",
     "index_path",
+    "index_root",
 ]

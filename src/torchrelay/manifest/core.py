@@ -7,6 +7,7 @@ import io
 import json
 import mmap
 import os
+import shutil
 import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,9 @@ ROOT_TOKEN = "${DATA_ROOT}"
 FINGERPRINT_VERSION = "fingerprint_v1"
 INDEX_FORMAT = 1
 INDEX_NAME = "manifest.index.npz"  # beside the run's copy, data/manifest.jsonl
+# A UTF-8 byte order mark opening the file (Windows tools write one): read past, no part of the first record. The
+# file's SHA-256 covers it (the bytes); the fingerprint, the records and the index's offsets do not.
+BOM = b"\xef\xbb\xbf"
 
 
 def _root_prefix(data_root: str) -> str:
@@ -105,6 +109,7 @@ class Manifest:
         "raw_sha256",
         "records",
         "indexed",
+        "index_current",
         "_fingerprint",
         "_lengths",
         "_bad_length",
@@ -125,6 +130,7 @@ class Manifest:
         self.records = Records(path, starts, sizes)
         self._fingerprint, self._lengths, self._bad_length = fingerprint, lengths, bad_length
         self.indexed = False  # read from a saved index, not from the lines
+        self.index_current = False  # the saved index describes these bytes: nothing to write again
 
     @classmethod
     def load(
@@ -136,6 +142,7 @@ class Manifest:
         sha256: str | None = None,
         readers: int | None = None,
         root: str | os.PathLike[str] | None = None,
+        bound_sha256: str | None = None,
     ) -> Manifest:
         """Read a JSONL manifest; every line needs a unique string `id`.
 
@@ -146,6 +153,10 @@ class Manifest:
         root: the run directory whose own copy (data/manifest.jsonl) this is. Its copy is opened as every file of a
         run is (`safepath.open_regular`): a link that leads out of the run, a pipe or a device is refused naming
         it (a link inside the run is followed). None for the user's own manifest, whose link is theirs.
+        bound_sha256: the SHA-256 a run's contract binds (`data.sha256`, contract.contract_manifest): the index's
+        fingerprint is believed only for those bytes, since whoever rewrites the manifest can rewrite its index
+        to match; other bytes (a rebased copy, a replaced one) are read line by line. None: no contract is
+        checked, and an index describing the bytes is used.
         """
         p = Path(path)
         if root is not None:
@@ -161,13 +172,17 @@ class Manifest:
                 f"data manifest {p} is {kind}",
                 hint="a manifest is a JSON Lines file; check the config field 'manifest'",
             )
-        if index is not None:
-            found = _read_index(Path(index), p, data_root, sha256)
-            if found is not None:
-                return found
+        found = None if index is None else _read_index(Path(index), p, data_root, sha256)
+        if found is not None and (bound_sha256 is None or found.raw_sha256 == bound_sha256):
+            return found
         from torchrelay.manifest.scan import scan
 
-        return scan(p, data_root, workers=readers)
+        said = None if found is None else (found.raw_sha256, found._fingerprint)
+        del found  # its arrays go before the lines' are built (10 M samples: 240 MB)
+        read = scan(p, data_root, workers=readers)
+        if said == (read.raw_sha256, read._fingerprint):
+            read.index_current = True  # the index was right, only not vouched for: nothing to write again
+        return read
 
     def save_index(self, path: str | os.PathLike[str]) -> None:
         """Keep what reading every line found, for the next `load` of the same bytes (atomically; a read-only
@@ -194,6 +209,60 @@ class Manifest:
     def __len__(self) -> int:
         return len(self.records)
 
+    def written_under(self, data_root: str) -> bool:
+        """Whether this manifest was read under `data_root` (the same prefix, a trailing "/" aside)."""
+        return _root_prefix(self.data_root) == _root_prefix(data_root)
+
+    def rebase_into(
+        self, dest: str | os.PathLike[str], new_root: str, *, index: str | os.PathLike[str] | None = None
+    ) -> Manifest:
+        """Write the manifest re-pointed at `new_root` to `dest` (a temporary, fsynced, renamed) and read it back,
+        every line: its fingerprint must be this one's, else nothing replaces `dest` (ConfigError naming the field).
+        A manifest read without a data root names no path to re-point: its bytes are kept, its fingerprint checked.
+        index: where to save the new bytes' index, before they replace `dest` (so an index names the root of the
+        bytes, or of the bytes about to be: a run finds the root of its copy by it after a kill in between)."""
+        from torchrelay.manifest.scan import scan
+        from torchrelay.util.durable import fsync_dir, open_temp, temp_prefix
+
+        dest = Path(dest)
+        tmp = dest.with_name(f"{temp_prefix(dest.name)}{os.getpid()}")
+        try:
+            with os.fdopen(open_temp(tmp), "wb") as out:
+                if _root_prefix(self.data_root):
+                    for line in self.rebased_lines(new_root):
+                        out.write(line.encode() + b"\n")
+                else:
+                    with open(self.path, "rb") as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            rebased = scan(tmp, new_root)
+            if rebased.fingerprint() != self.fingerprint():
+                raise ConfigError(
+                    f"data_root: {self.path} re-pointed from {self.data_root!r} to {new_root!r} lists other "
+                    f"samples (fingerprint {self.fingerprint()} -> {rebased.fingerprint()})",
+                    hint="keep the run's data_root, or give one under which its manifest names the same files",
+                )
+            if index is not None:
+                rebased.save_index(index)
+            os.replace(tmp, dest)
+            fsync_dir(dest.parent)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        moved = Manifest(
+            str(dest),
+            new_root,
+            rebased.raw_sha256,
+            rebased.records._starts,
+            rebased.records._sizes,
+            rebased._fingerprint,
+            rebased._lengths,
+            rebased._bad_length,
+        )
+        moved.index_current = index is not None
+        return moved
+
     def sha256(self) -> str:
         """SHA-256 of the file's bytes (changes when the data root is rewritten)."""
         return self.raw_sha256
@@ -216,15 +285,17 @@ class Manifest:
         """The `id` of sample i (read from its line)."""
         return str(self.records[i]["id"])
 
-    def paths(self) -> Iterator[str]:
-        """Every string field that lies under the data root (the files the manifest names)."""
+    def paths(self, as_root: str | None = None) -> Iterator[str]:
+        """Every string field that lies under the data root (the files the manifest names); with `as_root`, each
+        re-pointed at that root (the files it names once `rebase_into` re-points it there)."""
         prefix = _root_prefix(self.data_root)
         if not prefix:
             return
+        new = prefix if as_root is None else _root_prefix(as_root)
         for rec in self.records:
             for value in _iter_strings(rec):
                 if value.startswith(prefix):
-                    yield value
+                    yield new + value[len(prefix) :]
 
     def rebased_lines(self, new_root: str) -> list[str]:
         """The manifest's lines with the data root replaced by `new_root`."""
@@ -237,9 +308,32 @@ class Manifest:
 
         return [json.dumps(_map_strings(rec, swap), ensure_ascii=False) for rec in self.records]
 
-    def check_files(self) -> list[str]:
-        """Paths under the data root that do not exist."""
-        return [p for p in self.paths() if not os.path.exists(p)]
+    def check_files(self, as_root: str | None = None) -> list[str]:
+        """Paths under the data root (re-pointed at `as_root`, if given) that do not exist."""
+        return [p for p in self.paths(as_root) if not os.path.exists(p)]
+
+
+def index_root(index: str | os.PathLike[str]) -> str | None:
+    """The data-root prefix a saved index was made under (its meta's "root"), or None where none can be read: a
+    hint only (a run uses it to find the root its copy was last re-pointed at; the fingerprint decides)."""
+    try:
+        if not Path(index).is_file():
+            return None
+        with np.load(index, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        EOFError,
+        zipfile.BadZipFile,
+        zlib.error,
+        NotImplementedError,
+    ):
+        return None
+    root = meta.get("root") if isinstance(meta, dict) else None
+    return root if isinstance(root, str) else None
 
 
 def _check_run_copy(path: Path, root: Path, index: Path | None) -> None:
@@ -319,7 +413,7 @@ def _read_index(index: Path, path: Path, data_root: str, sha256: str | None) -> 
     m = Manifest(str(path), data_root, digest, starts, sizes, fingerprint, lengths, bad)
     if not _lengths_match(m, lengths, bad):
         return None
-    m.indexed = True
+    m.indexed = m.index_current = True
     return m
 
 
@@ -359,7 +453,8 @@ def _lines(data: np.ndarray, mapped: mmap.mmap) -> tuple[np.ndarray, np.ndarray,
     memory does not grow by the file."""
     size = len(data)
     drop = hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED")
-    found, firsts = [], [data[:1]]
+    head = len(BOM) if mapped[: len(BOM)] == BOM else 0  # the first line starts past a byte order mark
+    found, firsts = [], [data[head : head + 1]]
     for at in range(0, size, _CHUNK):
         chunk = data[at : at + _CHUNK]
         odd = np.flatnonzero((chunk - np.uint8(32)) >= 96) + at  # < 0x20 or >= 0x80, in two operations
@@ -380,7 +475,7 @@ def _lines(data: np.ndarray, mapped: mmap.mmap) -> tuple[np.ndarray, np.ndarray,
         if drop:
             mapped.madvise(mmap.MADV_DONTNEED, at, len(chunk))
     newlines = np.concatenate(found)
-    line_starts = np.concatenate([[0], newlines + 1])
+    line_starts = np.concatenate([[head], newlines + 1])
     line_ends = np.concatenate([newlines, [size]])
     first = np.concatenate(firsts)
     if line_starts[-1] == size:  # the file ends with a newline: no line after it

@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 
 from torchrelay.errors import ConfigError
-from torchrelay.manifest.core import FINGERPRINT_VERSION, ROOT_TOKEN, Manifest, _map_strings, _root_prefix
+from torchrelay.manifest.core import (
+    BOM,
+    FINGERPRINT_VERSION,
+    ROOT_TOKEN,
+    Manifest,
+    _map_strings,
+    _root_prefix,
+)
 
 _BLOCK = 1 << 22
 # A manifest this big or bigger is parsed by reader processes (one per core this process may use, at most
@@ -61,6 +68,8 @@ class _Scan:
 
     def block(self, first_line: int, start: int, data: bytes) -> None:
         """Whole lines: parsed in one call when each is one object on its own line, else line by line."""
+        if start == 0 and data.startswith(BOM):  # (Windows tools write one) no part of the first record
+            start, data = len(BOM), data[len(BOM) :]
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:

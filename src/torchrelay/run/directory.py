@@ -25,7 +25,7 @@ from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.numerics import check_resume
 from torchrelay.reshard import Layout
-from torchrelay.resume_check import keep_prepared, schedule_gate, validate_resume
+from torchrelay.resume_check import keep_prepared, refuse_contract_overrides, schedule_gate, validate_resume
 from torchrelay.run.saver import last_save_seconds
 from torchrelay.rundir import RunDir
 from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
@@ -103,6 +103,14 @@ def create_run(
     )
 
 
+def _is_own_copy(rd: RunDir, manifest: Manifest) -> bool:
+    """Whether the manifest read is the run's own copy (not one a launch named), which the run may rewrite."""
+    try:
+        return os.path.samefile(manifest.path, rd.manifest_path)
+    except OSError:
+        return False
+
+
 def copy_manifest(source: str | os.PathLike[str], dest: Path) -> None:
     """Copy the manifest `source` to the run's `dest`, replacing a killed creation's copy; never through a link."""
     with (
@@ -140,6 +148,7 @@ def reopen_run(
         for note in kept:
             logger.warning(f"[torchrelay] warning: {note}")
     cfg = cfg.with_overrides(overrides) if overrides else cfg
+    refuse_contract_overrides(stored, cfg, overrides)
     clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
     # The script and the modules it imported from the code directory, tracked by git or not.
     # Names and sizes only here: every rank hashes the files it loads as it reads them (run.track), so no
@@ -167,17 +176,31 @@ def reopen_run(
     last_logged = max((int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None)
     write_history(rd.path, close_crashed(history, last_logged))
     archived = trim_after(rd.train_dir, check.update)
+    manifest, repointed = check.manifest, None
+    if not manifest.written_under(cfg.data_root) and _is_own_copy(rd, manifest):
+        # data_root is a runtime field: the run's copy is re-pointed at this launch's root, as `prepare` does,
+        # its fingerprint proven unchanged, and its index saved before config.json names the root (a kill in
+        # between leaves a copy whose root the next launch finds: contract.contract_manifest)
+        old_root = manifest.data_root
+        manifest = manifest.rebase_into(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path)
+        repointed = (
+            f"{MANIFEST_REL} re-pointed from data_root {old_root!r} to {cfg.data_root!r}, "
+            f"fingerprint unchanged ({manifest.fingerprint()})"
+        )
+        logger.info(f"[torchrelay] {repointed}")
     layout_change = check.layout_change
     split = (cfg.micro_batch, cfg.grad_accum)
     if check.runtime_changes or split != (stored.micro_batch, stored.grad_accum):
         atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
-    if not check.manifest.indexed:  # the next launch, and the other ranks now, read no line
-        check.manifest.save_index(rd.manifest_index_path)
+    if not manifest.index_current:  # the next launch, and the other ranks now, read no line
+        manifest.save_index(rd.manifest_index_path)
     update, ckpt = check.update, check.checkpoint
     reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
     notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
     if reclaim_note:
         notes.append(reclaim_note)
+    if repointed:
+        notes.append(repointed)
     if code_note:
         notes.append(code_note)
     if numerics_change:
@@ -194,7 +217,7 @@ def reopen_run(
         config=cfg,
         contract_sha=check.recorded["sha256"],  # the run's one digest (see resume_check.validate_resume)
         code_fields=check.recorded["fields"],
-        manifest=check.manifest,
+        manifest=manifest,
         update=update,
         checkpoint=ckpt,
         runtime_changes=check.runtime_changes,
