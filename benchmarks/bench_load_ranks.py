@@ -50,6 +50,7 @@ from benchlib import cpu_seconds, drop_cache  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, verified_read  # noqa: E402
+from torchrelay.util import sha256_parts  # noqa: E402
 
 
 def host_span(fn: Any) -> tuple[float, Any]:
@@ -72,6 +73,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
     ap.add_argument(
+        "--part-mib",
+        type=int,
+        default=0,
+        help="the save's SHA-256 part size (default: sha256_parts.PART_BYTES)",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -79,6 +86,8 @@ def main() -> None:
         "default: the defaults alone, as 'resume')",
     )
     args = ap.parse_args()
+    if args.part_mib:
+        sha256_parts.PART_BYTES = args.part_mib << 20
     variants: dict[str, dict[str, Any]] = {}
     for text in args.variant:
         name, knobs = (text, BUILT_IN[text]) if text in BUILT_IN else parse_variant(text)
@@ -156,12 +165,13 @@ def main() -> None:
         "files": sum(t[2] for t in totals),
         "rank_file_bytes": [t[1] for t in totals],
         "save_s": t_save,
+        "part_bytes": sha256_parts.PART_BYTES,
     }
     if rank == 0:
         print(
             f"[ranks] {world} ranks, state {out['state_bytes'] / GB:.2f} GB, {out['files']} files "
             f"({min(out['rank_file_bytes']) / GB:.2f}-{max(out['rank_file_bytes']) / GB:.2f} GB a rank), "
-            f"saved in {t_save:.2f} s",
+            f"saved in {t_save:.2f} s, parts of {sha256_parts.PART_BYTES >> 20} MiB",
             flush=True,
         )
 

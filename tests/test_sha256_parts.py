@@ -340,15 +340,17 @@ def _span(model: Path, fqn: str) -> tuple[int, int]:
     return offset, length
 
 
+@pytest.mark.parametrize("chunk", [256 << 10, 16 << 20], ids=["reads-within-a-part", "reads-of-many-parts"])
 @pytest.mark.parametrize("per_file", [True, False], ids=["thread-per-file", "shared-chunks"])
 def test_a_rank_needing_a_few_items_of_a_file_reads_and_checks_only_their_parts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_file: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_file: bool, chunk: int
 ) -> None:
     """Every rank of an FSDP run takes the optimizer's `step` items from other ranks' files: it reads the parts
     holding them (each checked from the states around it), not the whole file, and does not count the file as
     verified (the load checks a file no rank read whole after it: state/load.py). A changed byte elsewhere in
-    the file is not its concern; one in a part it uses fails it before the item is parsed."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)
+    the file is not its concern; one in a part it uses fails it before the item is parsed. Reads larger than a
+    part ask for one part each: no byte of a part it does not use is read."""
+    monkeypatch.setattr(verified_read, "_CHUNK", chunk)
     monkeypatch.setattr(verified_read, "PER_FILE_READER", per_file)
     model, state, expected = _written(tmp_path, monkeypatch)
     ((name, (_sha, size, (part, _states))),) = expected.items()

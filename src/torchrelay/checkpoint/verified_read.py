@@ -377,7 +377,8 @@ class _File:
         parts: tuple[int, list[str]] | None = None,
     ) -> None:
         self.rel, self.path, self.size, self.digest, self.items = rel, path, size, digest, items
-        self.chunks = -(-size // _CHUNK)
+        self.chunk = _CHUNK  # bytes a read asks for (a part's, where the file is read in part)
+        self.chunks = -(-size // self.chunk)
         self.todo = list(
             range(self.chunks)
         )  # the chunks to read, in order (fewer where the file is read in part)
@@ -622,10 +623,13 @@ class _Load:
         held = sum(min((p + 1) * f.part, f.size) - p * f.part for p in needed)
         if not needed or 3 * held > f.size:
             return
+        if f.part <= _CHUNK and f.part % _ALIGN == 0:  # parts smaller than a read: a read a part, no more
+            f.chunk, f.chunks = f.part, f.nparts
+            f.arrived = [False] * f.chunks
         chunks: set[int] = set()
         for p in needed:
             lo, hi = p * f.part, min((p + 1) * f.part, f.size)
-            chunks.update(range(lo // _CHUNK, (hi - 1) // _CHUNK + 1))
+            chunks.update(range(lo // f.chunk, (hi - 1) // f.chunk + 1))
         f.needed, f.todo = sorted(needed), sorted(chunks)
 
     def _end(self, req: ReadItem) -> int:
@@ -763,8 +767,8 @@ class _Load:
 
     def _read(self, f: _File, k: int) -> None:
         t0 = time.perf_counter()
-        start = k * _CHUNK
-        want = min(_CHUNK, f.size - start)
+        start = k * f.chunk
+        want = min(f.chunk, f.size - start)
         got = direct = self._read_direct(f, start, want) if f.use_direct else 0
         while got < want:
             n = os.preadv(f.fd, [f.view[start + got : start + want]], start + got)
@@ -825,14 +829,14 @@ class _Load:
 
     def _arrived_in_parts(self, f: _File, k: int) -> None:
         """Chunk k is in: hash each part it completes (on a hash thread, or this one without them)."""
-        first = k * _CHUNK // f.part
-        last = (min((k + 1) * _CHUNK, f.size) - 1) // f.part
+        first = k * f.chunk // f.part
+        last = (min((k + 1) * f.chunk, f.size) - 1) // f.part
         ready = []
         with f.lock:
             f.arrived[k] = True
             for p in range(first, last + 1):
-                lo = p * f.part // _CHUNK
-                hi = -(-min((p + 1) * f.part, f.size) // _CHUNK)
+                lo = p * f.part // f.chunk
+                hi = -(-min((p + 1) * f.part, f.size) // f.chunk)
                 if f.needed and p not in f.needed:
                     continue  # read in part: a part the chunk holds beside the needed ones is not checked
                 if not f.part_started[p] and all(f.arrived[lo:hi]):
@@ -908,7 +912,7 @@ class _Load:
                 if n == f.chunks or not f.arrived[n]:
                     f.hashing = False
                     break
-            f.sha.update(f.view[n * _CHUNK : min((n + 1) * _CHUNK, f.size)])  # releases the GIL
+            f.sha.update(f.view[n * f.chunk : min((n + 1) * f.chunk, f.size)])  # releases the GIL
             with f.lock:
                 f.hashed = n + 1
         self._count("hash", time.perf_counter() - t1)
