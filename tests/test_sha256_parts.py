@@ -97,14 +97,8 @@ def _load(model: Path, state: dict[str, torch.Tensor], expected: dict) -> tuple[
     return target, verified
 
 
-def test_a_file_written_by_the_persist_loads_part_by_part_and_every_value_is_right(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)  # four chunks a part, arriving out of order
-    model, state, expected = _written(tmp_path, monkeypatch)
-    (name, (sha, size, (part, states))), *_ = expected.items()
-    assert part == MIB and len(states) == sha256_parts.part_count(size, MIB) - 1 >= 5
-    assert sha == hashlib.sha256((model / name).read_bytes()).hexdigest()
+def _checked_parts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The index of every part checked from now on, in the order checked."""
     checked: list[int] = []
     real = sha256_parts.check_part
 
@@ -113,6 +107,18 @@ def test_a_file_written_by_the_persist_loads_part_by_part_and_every_value_is_rig
         return real(data, index, *args)
 
     monkeypatch.setattr(sha256_parts, "check_part", counting)
+    return checked
+
+
+def test_a_file_written_by_the_persist_loads_part_by_part_and_every_value_is_right(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)  # four chunks a part, arriving out of order
+    model, state, expected = _written(tmp_path, monkeypatch)
+    (name, (sha, size, (part, states))), *_ = expected.items()
+    assert part == MIB and len(states) == sha256_parts.part_count(size, MIB) - 1 >= 5
+    assert sha == hashlib.sha256((model / name).read_bytes()).hexdigest()
+    checked = _checked_parts(monkeypatch)
     target, verified = _load(model, state, expected)
     assert verified == set(expected)
     assert sorted(checked) == list(range(len(states) + 1))  # every part, once
@@ -357,14 +363,7 @@ def test_a_rank_needing_a_few_items_of_a_file_reads_and_checks_only_their_parts(
     offset, length = _span(model, "w5")
     wanted = list(range(offset // part, (offset + length - 1) // part + 1))
     assert 3 * len(wanted) * part <= size  # at most a third of the file: read in part
-    checked: list[int] = []
-    real = sha256_parts.check_part
-
-    def counting(data: Any, index: int, *args: Any) -> bool:
-        checked.append(index)
-        return real(data, index, *args)
-
-    monkeypatch.setattr(sha256_parts, "check_part", counting)
+    checked = _checked_parts(monkeypatch)
     only = {"w5": state["w5"]}
     target, verified, stats = _load_stats(model, only, expected)
     assert torch.equal(target["w5"], state["w5"])
