@@ -274,3 +274,35 @@ def test_a_forged_scalar_of_the_scheduler_or_optimizer_is_refused_at_the_load(
     assert message.startswith(f"{tmp_path / RELAY_STATE}, field {field!r}: ") and shown in message, message
     assert "\n" not in message and caught.value.exit_code == EXIT_REFUSED
     assert fresh_sched.last_epoch == 0  # the scheduler was not loaded
+
+
+@pytest.mark.parametrize(
+    "groups", [(1, 2), (2, 1), ("swapped", "swapped")], ids=["added", "dropped", "moved"]
+)
+def test_other_param_groups_than_the_checkpoint_are_refused(tmp_path: Path, groups: tuple[Any, Any]) -> None:
+    """An optimizer whose param groups hold other parameters than the saver's (a group added mid-run that the
+    resuming script adds before run.track, or forgets to) is refused naming the groups. Before the fix DCP matched
+    groups by parameter name and left a group it found no match for with its `params` alone: the load passed and
+    the first step raised KeyError: 'betas' (or trained on with settings from another group)."""
+
+    def build(how: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Net()
+        rest = [*model.head.parameters(), *model.aux.parameters()]
+        if how == 1:
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if how == 2:
+            return model, torch.optim.AdamW(
+                [{"params": model.body.parameters()}, {"params": rest, "lr": 5e-3}], lr=1e-2
+            )
+        return model, torch.optim.AdamW(
+            [{"params": rest}, {"params": model.body.parameters(), "lr": 5e-3}], lr=1e-2
+        )
+
+    saver, saver_opt = build(groups[0] if groups[0] != "swapped" else 2)
+    _train(saver, saver_opt, 1, 2)
+    _save(tmp_path, saver, saver_opt, 2)
+    fresh, fresh_opt = build(groups[1])
+    with pytest.raises(CheckpointError, match=r"param groups differ from the checkpoint") as err:
+        load_state(tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={})
+    assert str(tmp_path) in err.value.message and "\n" not in err.value.message
