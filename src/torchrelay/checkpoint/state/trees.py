@@ -10,12 +10,26 @@ import torch
 
 from torchrelay.errors import CheckpointError, RecordError
 
+# The dtypes a stateful's tensors are stored in (safetensors writes these, util/records.DTYPE_SIZES reads them).
+STORABLE_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e5m2fnuz,
+    torch.float8_e4m3fnuz, torch.int16, torch.uint16, torch.float16, torch.bfloat16, torch.int32, torch.uint32,
+    torch.float32, torch.int64, torch.uint64, torch.float64, torch.complex64,
+})  # fmt: skip
+
 
 def to_tree(
     obj: Any, key: str, tensors: dict[str, torch.Tensor], views: dict[tuple[Any, ...], str] | None = None
 ) -> Any:
     views = {} if views is None else views
     if isinstance(obj, torch.Tensor):
+        if obj.dtype not in STORABLE_DTYPES:
+            raise CheckpointError(
+                f"state {key!r} holds a {str(obj.dtype).removeprefix('torch.')} tensor, which a checkpoint cannot "
+                "store (safetensors)",
+                hint="store it as another dtype in state_dict() and convert it back in load_state_dict() (a "
+                "complex128 tensor: torch.view_as_real, then torch.view_as_complex)",
+            )
         t = obj.detach().cpu().contiguous()
         # Tied weights (an EMA of a model whose embedding is its output layer) reach here twice as one tensor:
         # stored once and referenced twice (loading gives both entries the same values). safetensors refuses
