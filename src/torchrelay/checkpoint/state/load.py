@@ -168,7 +168,11 @@ def _load_state(
         states[name] = tree_of(stored[name], tensors, source=sources[name], name=name)
         if isinstance(obj, LRScheduler | ReduceLROnPlateau):  # its step() computes with what is loaded
             states[name] = like_live(
-                states[name], obj.state_dict(), source=sources[name], field=f"statefuls.{name}"
+                states[name],
+                obj.state_dict(),
+                source=sources[name],
+                field=f"statefuls.{name}",
+                open_none=True,
             )
     for name, obj in statefuls.items():
         obj.load_state_dict(states[name])

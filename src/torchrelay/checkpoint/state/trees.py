@@ -90,17 +90,23 @@ def tree_of(tree: Any, tensors: dict[str, torch.Tensor], *, source: str, name: s
         ) from None
 
 
-def like_live(stored: Any, live: Any, *, source: str, field: str) -> Any:
+def like_live(stored: Any, live: Any, *, source: str, field: str, open_none: bool = False) -> Any:
     """`stored`, checked to hold each scalar with the kind of value the live object holds there (a number for a
     number, a bool for a bool, a string, None), lists and tuples item by item and dicts key by key; else one
     RecordError naming `source` and the field. A number stays as stored (an lr given as 1 is 0.5 once scheduled):
     it is what the run that saved held. What the live object lacks, or holds as a tensor or another object, is
-    left to its own load_state_dict."""
+    left to its own load_state_dict. open_none: a live None takes any stored value (a scheduler's state: an
+    attribute that is None until something happens, a held lr, a LambdaLR factor object's peak, is what the saver
+    held later; where a setting is fixed at construction, as an optimizer's param groups, None is checked)."""
+    if live is None and open_none:
+        return stored
     if isinstance(live, dict):
         if not isinstance(stored, dict):
             raise _unlike(stored, live, source, field)
         return {
-            k: like_live(v, live[k], source=source, field=f"{field}.{k}") if k in live else v
+            k: like_live(v, live[k], source=source, field=f"{field}.{k}", open_none=open_none)
+            if k in live
+            else v
             for k, v in stored.items()
         }
     if isinstance(live, list | tuple):
@@ -108,7 +114,9 @@ def like_live(stored: Any, live: Any, *, source: str, field: str) -> Any:
             raise _unlike(stored, live, source, field)
         # a list may have grown since the live object began (a history): its items past the live ones stay
         items = [
-            like_live(s, live[i], source=source, field=f"{field}.{i}") if i < len(live) else s
+            like_live(s, live[i], source=source, field=f"{field}.{i}", open_none=open_none)
+            if i < len(live)
+            else s
             for i, s in enumerate(stored)
         ]
         return type(stored)(items)
