@@ -251,3 +251,30 @@ def test_a_byte_order_mark_opening_the_file_is_no_part_of_the_first_record(tmp_p
     later.write_bytes(body.split(b"\n", 1)[0] + b"\n" + BOM + b'{"id": "z"}\n')
     with pytest.raises(ConfigError, match=r"later\.jsonl:2: not a JSON object"):
         S.scan(later, ROOT, workers=1)
+
+
+def test_records_held_by_a_script_until_the_interpreter_ends_close_quietly(tmp_path: Path) -> None:
+    """A script that runs its training at module level (as a quick script is written) and ends with an uncaught
+    error: the manifest's records close their file at the interpreter's end without a word. Before the fix,
+    `Records.__del__` ran after its module's `os` was torn down and added 'Exception ignored in: <function
+    Records.__del__ ...> AttributeError: 'NoneType' object has no attribute 'getpid'' under the script's traceback."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"id": f"s{i}"}) + "\n" for i in range(4)))
+    script = tmp_path / "top.py"
+    script.write_text(
+        "import torchrelay as tr\n"
+        f"cfg = tr.RelayConfig(seed=1, micro_batch=2, grad_accum=1, total_updates=2, warmup_updates=0, "
+        f"manifest={str(path)!r}, data_root={str(tmp_path)!r})\n"
+        f"run = tr.Run.open({str(tmp_path / 'run')!r}, cfg)\n"
+        "run.manifest.records[0]  # the dataset read a record: the file is open\n"
+        "raise ValueError('a bug in the script')\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env={"PYTHONPATH": src}, timeout=120
+    )
+    assert done.returncode == 1 and "ValueError: a bug in the script" in done.stderr, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr

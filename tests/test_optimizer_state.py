@@ -274,3 +274,97 @@ def test_a_forged_scalar_of_the_scheduler_or_optimizer_is_refused_at_the_load(
     assert message.startswith(f"{tmp_path / RELAY_STATE}, field {field!r}: ") and shown in message, message
     assert "\n" not in message and caught.value.exit_code == EXIT_REFUSED
     assert fresh_sched.last_epoch == 0  # the scheduler was not loaded
+
+
+@pytest.mark.parametrize(
+    "groups", [(1, 2), (2, 1), ("swapped", "swapped")], ids=["added", "dropped", "moved"]
+)
+def test_other_param_groups_than_the_checkpoint_are_refused(tmp_path: Path, groups: tuple[Any, Any]) -> None:
+    """An optimizer whose param groups hold other parameters than the saver's (a group added mid-run that the
+    resuming script adds before run.track, or forgets to) is refused naming the groups. Before the fix DCP matched
+    groups by parameter name and left a group it found no match for with its `params` alone: the load passed and
+    the first step raised KeyError: 'betas' (or trained on with settings from another group)."""
+
+    def build(how: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Net()
+        rest = [*model.head.parameters(), *model.aux.parameters()]
+        if how == 1:
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if how == 2:
+            return model, torch.optim.AdamW(
+                [{"params": model.body.parameters()}, {"params": rest, "lr": 5e-3}], lr=1e-2
+            )
+        return model, torch.optim.AdamW(
+            [{"params": rest}, {"params": model.body.parameters(), "lr": 5e-3}], lr=1e-2
+        )
+
+    saver, saver_opt = build(groups[0] if groups[0] != "swapped" else 2)
+    _train(saver, saver_opt, 1, 2)
+    _save(tmp_path, saver, saver_opt, 2)
+    fresh, fresh_opt = build(groups[1])
+    with pytest.raises(CheckpointError, match=r"param groups differ from the checkpoint") as err:
+        load_state(tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={})
+    assert str(tmp_path) in err.value.message and "\n" not in err.value.message
+
+
+class _PeakWarmup:
+    """A LambdaLR factor of the user's own (its __dict__ is the scheduler's state): None until the peak is reached."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.peak_at = n, None
+
+    def __call__(self, step: int) -> float:
+        if step >= self.n and self.peak_at is None:
+            self.peak_at = step
+        return min(1.0, (step + 1) / self.n)
+
+
+class _HoldScheduler(torch.optim.lr_scheduler.LRScheduler):
+    """A scheduler of the user's own whose state holds None until something happens (a held lr)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.held: list[float] | None = None
+        super().__init__(opt)
+
+    def get_lr(self) -> list[float]:
+        if self.last_epoch == 2:
+            self.held = [g["lr"] * 0.5 for g in self.optimizer.param_groups]
+        return self.held or [g["lr"] for g in self.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("kind", ["lambda-object", "custom-scheduler"])
+def test_a_scheduler_value_that_was_none_at_the_start_loads(tmp_path: Path, kind: str) -> None:
+    """A scheduler's state may hold None at its start and a number or a list later (a LambdaLR factor object's
+    attribute, a custom scheduler's held lr): the live object's None says nothing of what the saver held. Before
+    the fix every resume past that point was refused as 'damaged or forged' ("field
+    'statefuls.scheduler.lr_lambdas.0.peak_at': holds 2 (a number) where the live object holds None")."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        model, opt = _build("sgd")
+        if kind == "lambda-object":
+            return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _PeakWarmup(2))
+        return model, opt, _HoldScheduler(opt)
+
+    saver, saver_opt, saver_sched = build()
+    for update in range(1, 5):
+        _train(saver, saver_opt, update, update)
+        saver_sched.step()
+    save_state(
+        tmp_path,
+        rank=0,
+        model=saver,
+        optimizer=saver_opt,
+        statefuls={"scheduler": saver_sched},
+        loop={"update": 4},
+    )
+    write_inventory(tmp_path, inventory_entries(tmp_path, list_files(tmp_path)))
+    fresh, fresh_opt, fresh_sched = build()
+    load_state(
+        tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={"scheduler": fresh_sched}, verify=True
+    )
+    for each_opt, each_sched in ((saver_opt, saver_sched), (fresh_opt, fresh_sched)):
+        each_opt.step()
+        each_sched.step()
+    assert fresh_sched.state_dict() == saver_sched.state_dict()
+    assert fresh_opt.param_groups[0]["lr"] == saver_opt.param_groups[0]["lr"]

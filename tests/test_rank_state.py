@@ -86,6 +86,53 @@ def test_track_refuses_what_it_cannot_restore() -> None:
         adapt("g", random.Random(1)).load_state_dict(state)
 
 
+class _Held:
+    """A stateful of the user's own whose state is one tensor of each dtype."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.tensors)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tensors = dict(state)
+
+
+def test_a_stateful_tensor_of_every_dtype_the_save_writes_loads_back(tmp_path: Path) -> None:
+    """Every dtype safetensors writes (complex64, the float8 variants) comes back from a stateful, bit for bit.
+    Before the fix the save wrote a complex64 tensor (C64) and the FNUZ float8s, and the resume refused the
+    checkpoint as damaged ("tensor 's.z' has no known dtype"): no checkpoint of such a run could be resumed. A
+    dtype it cannot write (complex128) failed the save as "KeyError: torch.complex128", with a hint to free space."""
+    from safetensors.torch import _TYPES  # the dtypes the save can write
+
+    from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
+    from torchrelay.checkpoint.state import save_state
+
+    source = torch.arange(-6, 6, dtype=torch.float64) / 3
+    tensors = {name.lower(): source.to(dtype) for name, dtype in _TYPES.items()}
+    save_state(
+        tmp_path, rank=0, model=None, optimizer=None, statefuls={"s": _Held(tensors)}, loop={"update": 1}
+    )
+    write_inventory(tmp_path, inventory_entries(tmp_path, list_files(tmp_path)))
+    back = _Held({})
+    load_state(tmp_path, rank=0, model=None, optimizer=None, statefuls={"s": back})
+    assert set(back.tensors) == set(tensors)
+    for name, tensor in tensors.items():
+        got = back.tensors[name]
+        assert got.dtype == tensor.dtype and torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), (
+            name
+        )
+    # one it cannot write is refused naming the state and the dtype, not "KeyError: torch.complex128"
+    wide = _Held({"z": torch.ones(2, dtype=torch.complex128)})
+    with pytest.raises(
+        CheckpointError, match=r"state 's\.z' holds a complex128 tensor, which a checkpoint cannot"
+    ):
+        save_state(
+            tmp_path / "c128", rank=0, model=None, optimizer=None, statefuls={"s": wide}, loop={"update": 1}
+        )
+
+
 def test_a_format1_checkpoint_written_by_main_still_loads() -> None:
     """tests/fixtures/legacy-v0.1.0-state (statefuls from rank 0; make_legacy_state.py) loads with today's code."""
     torch.manual_seed(5)

@@ -340,6 +340,59 @@ def test_loader_workers_survive_stop_signals_and_end_with_their_rank(tmp_path: P
             tree.end()
 
 
+ENDED_WORKER_CHILD = """
+import os, signal, sys, time
+import psutil, torch
+from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
+from torchrelay.data.loader import RankBatches, RelayLoader
+from torchrelay.data.order import GlobalOrder
+
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([i * i])
+
+
+if __name__ == "__main__":
+    loader = RelayLoader(Squares(), None, 2, multiprocessing_context=sys.argv[1])
+    it = loader.start(RankBatches(GlobalOrder(num_samples=64, seed=5, global_batch=4), 0, 12, 0, 1, 4, 1), seed=1)
+    next(it)
+    worker = next(p for p in psutil.Process().children() if p.cmdline() == psutil.Process().cmdline())
+    os.kill(worker.pid, signal.SIGTERM)  # the rank's own SIGTERM, as multiprocessing's exit handler sends it
+    while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    _error_if_any_worker_fails()  # what torch's SIGCHLD handler runs in the rank (raises for a failed worker)
+    print("QUIET", flush=True)
+    os._exit(0)
+"""
+
+
+@pytest.mark.full  # a rank's real loader workers
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_a_worker_its_rank_ends_exits_as_torch_workers_do_and_torch_reports_no_failure(
+    tmp_path: Path, context: str
+) -> None:
+    """A worker ended by its rank's SIGTERM exits 0, as a plain torch worker does (torch reports one killed by the
+    signal as failed too). Before the fix it exited with code 143, which torch's SIGCHLD check in the rank reports
+    as 'DataLoader worker (pid N) exited unexpectedly with exit code 143': a second traceback at the exit of a rank
+    whose collate or dataset raised in a worker (multiprocessing's exit handler terminates the workers still
+    alive, then joins them), in about half of the probes' launches."""
+    script = tmp_path / "child.py"
+    script.write_text(ENDED_WORKER_CHILD)
+    done = subprocess.run(
+        [PYTHON, str(script), context],
+        capture_output=True,
+        text=True,
+        env=clean_env(PYTHONPATH=SRC),
+        timeout=120,
+    )
+    assert "exited unexpectedly" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip() == "QUIET" and done.returncode == 0, done.stderr[-2000:]
+
+
 def test_workers_start_from_a_forkserver_only_when_they_can(tmp_path: Path) -> None:
     guarded = tmp_path / "guarded.py"
     guarded.write_text("import os\n\ndef main():\n    pass\n\nif '__main__' == __name__:\n    main()\n")

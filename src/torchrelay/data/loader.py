@@ -128,7 +128,11 @@ def _take_stop_signals(rank_pid: int) -> None:
     while True:
         info = signal.sigwaitinfo(STOP_SIGNALS)
         if info.si_signo == signal.SIGTERM and info.si_pid == rank_pid:
-            os._exit(128 + signal.SIGTERM)
+            # Exit 0, as torch's own worker handler does for its parent's SIGTERM: the rank's SIGCHLD check (torch's
+            # _error_if_any_worker_fails) reports any other end as a failed worker, "exited unexpectedly with exit
+            # code 143": a second traceback at the exit of a rank that failed with its workers alive
+            # (multiprocessing's exit handler terminates them, then joins).
+            os._exit(0)
 
 
 def _libc_prctl() -> Any:

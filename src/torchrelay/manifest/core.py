@@ -95,9 +95,11 @@ class Records(Sequence[dict[str, Any]]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"], state["starts"], state["sizes"])  # type: ignore[misc]
 
-    def __del__(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
+    # os's functions bound here: at the interpreter's end this may run after the module's globals are torn down
+    # (`os` None), where a lookup would add "Exception ignored in ... __del__" under a script's own traceback
+    def __del__(self, _getpid: Any = os.getpid, _close: Any = os.close) -> None:
+        if self._fd is not None and self._pid == _getpid():
+            _close(self._fd)
 
 
 class Manifest:

@@ -310,10 +310,11 @@ def _yaml_problem(exc: Exception) -> str:
 
 # --- safetensors ----------------------------------------------------------------------------------------------
 
-# Bytes per element of each safetensors dtype (safetensors 0.4+).
+# Bytes per element of each safetensors dtype (safetensors 0.4+): every one its writer writes (a stateful's complex64
+# or FNUZ float8 tensor too), or a checkpoint that holds one is refused as damaged at every resume.
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E5M2FNUZ": 1, "F8_E4M3FNUZ": 1, "I16": 2,
+    "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }  # fmt: skip
 
 

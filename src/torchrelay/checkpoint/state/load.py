@@ -109,6 +109,8 @@ def _load_state(
         # read (and refused if tampered) before DCP opens anything; DCP plans with it, not parsed again
         metadata = dcp_io.read_metadata(ckpt_dir / MODEL_DIR)
         unsaved = _unsaved(ckpt_dir, osd, doc, source, metadata) if optimizer is not None else set()
+        if optimizer is not None:  # before DCP reads a byte: its load would leave a group half-filled
+            _same_param_groups(doc.get("optimizer"), osd, source=str(state_path(ckpt_dir)))
         otensors = {k: v for k, v in otensors.items() if k.split("\x1f", 1)[0] not in unsaved}
         target, has_own = dcp_document(msd, otensors, per_rank, source)
         prefix = f"{MODEL_DIR}/"
@@ -166,7 +168,11 @@ def _load_state(
         states[name] = tree_of(stored[name], tensors, source=sources[name], name=name)
         if isinstance(obj, LRScheduler | ReduceLROnPlateau):  # its step() computes with what is loaded
             states[name] = like_live(
-                states[name], obj.state_dict(), source=sources[name], field=f"statefuls.{name}"
+                states[name],
+                obj.state_dict(),
+                source=sources[name],
+                field=f"statefuls.{name}",
+                open_none=True,
             )
     for name, obj in statefuls.items():
         obj.load_state_dict(states[name])
@@ -187,6 +193,38 @@ def _like_live_optimizer(meta: dict[str, Any], osd: dict[str, Any], *, source: s
         ),
         "scalars": like_live(meta["scalars"], live_scalars, source=source, field="optimizer.scalars"),
     }
+
+
+def _same_param_groups(meta: Any, osd: dict[str, Any], *, source: str) -> None:
+    """The checkpoint's param groups hold the same parameters, group by group, as the live optimizer's; else one
+    CheckpointError naming the first difference. DCP's set_state_dict matches groups by parameter name and leaves a
+    live group it finds no match for with its `params` alone (no lr, no betas): the load passed and the first step
+    raised KeyError, or trained on with another group's settings."""
+    stored = (meta or {}).get("param_groups") if isinstance(meta, dict) else None
+    if not isinstance(stored, list):
+        return  # no optimizer state, or not a list: refused by the load's own checks
+    saved = [g.get("params") if isinstance(g, dict) else None for g in stored]
+    live = [list(g["params"]) for g in osd.get("param_groups", [])]
+    if saved == live:
+        return
+
+    def shown(names: Any) -> str:
+        names = list(names) if isinstance(names, list) else []
+        text = ", ".join(str(n) for n in names[:3]) + (
+            f", ... ({len(names)} in all)" if len(names) > 3 else ""
+        )
+        return f"[{text}]"
+
+    if len(saved) != len(live):
+        what = f"the checkpoint holds {len(saved)} param group(s), the tracked optimizer has {len(live)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(saved, live, strict=True)) if a != b)
+        what = f"param group {i} holds {shown(saved[i])} in the checkpoint, {shown(live[i])} now"
+    raise CheckpointError(
+        f"{source}: the optimizer's param groups differ from the checkpoint's ({what})",
+        hint="build the optimizer with the param groups it had at the checkpoint's update (a group added "
+        "mid-run: add it before run.track when resuming past that update, and not before)",
+    )
 
 
 def _unsaved(

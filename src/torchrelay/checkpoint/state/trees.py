@@ -10,12 +10,26 @@ import torch
 
 from torchrelay.errors import CheckpointError, RecordError
 
+# The dtypes a stateful's tensors are stored in (safetensors writes these, util/records.DTYPE_SIZES reads them).
+STORABLE_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e5m2fnuz,
+    torch.float8_e4m3fnuz, torch.int16, torch.uint16, torch.float16, torch.bfloat16, torch.int32, torch.uint32,
+    torch.float32, torch.int64, torch.uint64, torch.float64, torch.complex64,
+})  # fmt: skip
+
 
 def to_tree(
     obj: Any, key: str, tensors: dict[str, torch.Tensor], views: dict[tuple[Any, ...], str] | None = None
 ) -> Any:
     views = {} if views is None else views
     if isinstance(obj, torch.Tensor):
+        if obj.dtype not in STORABLE_DTYPES:
+            raise CheckpointError(
+                f"state {key!r} holds a {str(obj.dtype).removeprefix('torch.')} tensor, which a checkpoint cannot "
+                "store (safetensors)",
+                hint="store it as another dtype in state_dict() and convert it back in load_state_dict() (a "
+                "complex128 tensor: torch.view_as_real, then torch.view_as_complex)",
+            )
         t = obj.detach().cpu().contiguous()
         # Tied weights (an EMA of a model whose embedding is its output layer) reach here twice as one tensor:
         # stored once and referenced twice (loading gives both entries the same values). safetensors refuses
@@ -76,17 +90,23 @@ def tree_of(tree: Any, tensors: dict[str, torch.Tensor], *, source: str, name: s
         ) from None
 
 
-def like_live(stored: Any, live: Any, *, source: str, field: str) -> Any:
+def like_live(stored: Any, live: Any, *, source: str, field: str, open_none: bool = False) -> Any:
     """`stored`, checked to hold each scalar with the kind of value the live object holds there (a number for a
     number, a bool for a bool, a string, None), lists and tuples item by item and dicts key by key; else one
     RecordError naming `source` and the field. A number stays as stored (an lr given as 1 is 0.5 once scheduled):
     it is what the run that saved held. What the live object lacks, or holds as a tensor or another object, is
-    left to its own load_state_dict."""
+    left to its own load_state_dict. open_none: a live None takes any stored value (a scheduler's state: an
+    attribute that is None until something happens, a held lr, a LambdaLR factor object's peak, is what the saver
+    held later; where a setting is fixed at construction, as an optimizer's param groups, None is checked)."""
+    if live is None and open_none:
+        return stored
     if isinstance(live, dict):
         if not isinstance(stored, dict):
             raise _unlike(stored, live, source, field)
         return {
-            k: like_live(v, live[k], source=source, field=f"{field}.{k}") if k in live else v
+            k: like_live(v, live[k], source=source, field=f"{field}.{k}", open_none=open_none)
+            if k in live
+            else v
             for k, v in stored.items()
         }
     if isinstance(live, list | tuple):
@@ -94,7 +114,9 @@ def like_live(stored: Any, live: Any, *, source: str, field: str) -> Any:
             raise _unlike(stored, live, source, field)
         # a list may have grown since the live object began (a history): its items past the live ones stay
         items = [
-            like_live(s, live[i], source=source, field=f"{field}.{i}") if i < len(live) else s
+            like_live(s, live[i], source=source, field=f"{field}.{i}", open_none=open_none)
+            if i < len(live)
+            else s
             for i, s in enumerate(stored)
         ]
         return type(stored)(items)
