@@ -681,6 +681,26 @@ def test_diff_refuses_a_configuration_that_is_no_object_in_one_line(tmp_path: Pa
             assert "not an object" in err, err
 
 
+def test_a_negative_seed_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`config.json` with `"seed": -5` passed the configuration's check (an integer of 64 bits) and `ledger` and
+    `status --ledger` ended in numpy's `ValueError: expected non-negative integer` (a traceback) where the order
+    is drawn, as would the training of a run created so. Now the seed is refused where the configuration is
+    read: one line naming the file and the field (exit 2)."""
+    from torchrelay.config import RelayConfig
+    from torchrelay.errors import ConfigError
+
+    run = make_run(tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["seed"] = -5
+    (run / "config.json").write_text(json.dumps(config))
+    for argv in (["ledger", str(run)], ["status", str(run), "--ledger"]):
+        code, _, err = _cli(argv)
+        _one_line(code, err, "config.json")
+        assert "seed" in err, err
+    with pytest.raises(ConfigError, match="seed"):
+        RelayConfig(seed=-1, micro_batch=1, total_updates=1, manifest="m.jsonl")
+
+
 def test_status_and_ledger_show_recorded_text_as_text(tmp_path: Path) -> None:
     """rich read `[...]` in what a run's files hold as markup: a `[/]` in a segment's note, job or host, a
     validation record's status, a checkpoint's inventory, a pending update, the run directory's own path or a
