@@ -701,6 +701,70 @@ def test_a_negative_seed_is_refused_in_one_line(tmp_path: Path) -> None:
         RelayConfig(seed=-1, micro_batch=1, total_updates=1, manifest="m.jsonl")
 
 
+def _fixture_code(tmp_path: Path) -> Path:
+    """The fixture's code (the commit its run was trained from), cloned for `pack --code-dir`."""
+    from helpers import git
+
+    git(tmp_path, "clone", "-q", "-b", "main", str(FIXTURE / "code.gitbundle"), "code")
+    return tmp_path / "code"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"[1]", b"5", b'{"update": 1' + b"0" * 5000 + b"}", DEEP_LIST],
+    ids=["a list", "a number", "a 5001-digit update", "nested 10^5 deep"],
+)
+def test_pack_and_the_resume_s_trim_read_a_hostile_log_line_without_a_traceback(
+    tmp_path: Path, line: bytes
+) -> None:
+    """A metrics line `[1]`, `5`, an update of 5001 digits or a 10^5-deep array: `pack` (copying the logs up to
+    the checkpoint) and the resume's trim of what lies past it (`trim_after`, on rank 0) ended in AttributeError,
+    ValueError or RecursionError tracebacks; such a line is now what a line that is no JSON already was: no
+    record of an update (left out of the bundle; moved aside by the trim with what follows the checkpoint)."""
+    from torchrelay.train_records import trim_after
+
+    run = make_run(tmp_path)
+    log = run / "train" / "metrics-rank0.jsonl"
+    lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(b"".join([*lines[:3], line + b"\n", *lines[3:]]))
+    code, _, err = _cli(
+        ["pack", str(run), str(tmp_path / "bundle"), "--code-dir", str(_fixture_code(tmp_path))]
+    )
+    assert code == 0 and "Traceback" not in err, err[-1000:]
+    assert line + b"\n" not in (
+        tmp_path / "bundle" / "train" / "metrics-rank0.jsonl"
+    ).read_bytes().splitlines(True)
+    log.write_bytes(b"".join([*lines, line + b"\n"]))
+    trim_after(run / "train", 4)
+    assert log.read_bytes() == b"".join(x for x in lines if json.loads(x)["update"] <= 4)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "link out"])
+def test_pack_never_reads_a_log_that_is_no_file(tmp_path: Path, kind: str) -> None:
+    """A rank's metrics log or OOM log that is a FIFO or a link (to /dev/zero, or out of the run): `pack` opened it
+    plainly, waiting on the FIFO for ever, reading /dev/zero into memory until none was left (the metrics log)
+    or copying it until the disk was full (the OOM log), and copying a file outside the run into the bundle. Now
+    it is refused naming the log (exit 2), and nothing is packed."""
+    run = make_run(tmp_path)
+    code_dir = str(_fixture_code(tmp_path))
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text('{"update": 1}\n')
+    for name in ("metrics-rank0.jsonl", "ooms-rank0.jsonl"):
+        log = run / "train" / name
+        log.unlink(missing_ok=True)
+        if kind == "fifo":
+            os.mkfifo(log)
+        else:
+            log.symlink_to("/dev/zero" if kind == "link to /dev/zero" else outside)
+        bundle = tmp_path / f"bundle-{name}"
+        code, _, err = _cli(["pack", str(run), str(bundle), "--code-dir", code_dir])
+        _one_line(code, err, name)
+        assert not bundle.exists()
+        log.unlink()
+        if name.startswith("metrics"):
+            shutil.copyfile(FIXTURE / "run" / "train" / name, log)
+
+
 def test_status_and_ledger_show_recorded_text_as_text(tmp_path: Path) -> None:
     """rich read `[...]` in what a run's files hold as markup: a `[/]` in a segment's note, job or host, a
     validation record's status, a checkpoint's inventory, a pending update, the run directory's own path or a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,13 +171,17 @@ def _continues_padded(path: Path) -> bool:
     return not head.strip() or b" " in head.split(b"\n", 1)[0]
 
 
-def _update_of(line: str) -> int | None:
+def _update_of(line: str | bytes) -> int | None:
+    """The update of a log line, or None for a line that is no record with one: not JSON, not UTF-8, a number
+    of more digits than Python converts, nesting past the parser, or JSON that is no object (`[1]`)."""
     try:
         rec = json.loads(line)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    if not isinstance(rec, dict):
         return None
     value = rec.get("update", rec.get("u"))
-    return int(value) if isinstance(value, int) else None
+    return value if _is_update(value) else None
 
 
 def trim_after(train_dir: Path, update: int) -> Path | None:
@@ -287,12 +292,27 @@ def _is_update(value: Any) -> bool:
 
 
 def trim_copy(src: Path, dst: Path, update: int) -> None:
-    """Copy a rank log keeping only lines up to `update` (for bundles)."""
-    with open(src) as fin, open(dst, "w") as fout:
-        for line in fin:
-            u = _update_of(line) if line.endswith("\n") else None
+    """Copy a rank log keeping only lines up to `update` (for bundles). The log is opened the one safe way (a
+    link, a pipe or a device refused, naming it: a plain open waited on a pipe for ever and copied /dev/zero
+    until memory ran out) and read a bounded line at a time."""
+    fd, _ = open_regular(src, what=src.name)
+    with os.fdopen(fd, "rb") as fin, open(dst, "wb") as fout:
+        number = 0
+        while line := fin.readline(LINE_LIMIT + 1):
+            number += 1
+            if len(line) > LINE_LIMIT:
+                raise _line_too_long(src, f"line {number}")
+            u = _update_of(line) if line.endswith(b"\n") else None
             if u is not None and u <= update:
                 fout.write(line)
+
+
+def copy_log(src: Path, dst: Path) -> None:
+    """Copy a log whole (an OOM log, for bundles), opened the one safe way: a link, a pipe or a device is refused,
+    naming it (shutil.copyfile followed a link to /dev/zero and wrote until the disk was full)."""
+    fd, _ = open_regular(src, what=src.name)
+    with os.fdopen(fd, "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
 
 
 def rank_logs(train_dir: Path, kind: str) -> dict[int, Path]:
