@@ -765,6 +765,60 @@ def test_pack_never_reads_a_log_that_is_no_file(tmp_path: Path, kind: str) -> No
             shutil.copyfile(FIXTURE / "run" / "train" / name, log)
 
 
+HUGE = "1" + "0" * 4000  # an integer JSON reads (under Python's 4300 digits) that no float holds
+
+
+@pytest.mark.parametrize(
+    "field, value, refused",
+    [
+        ("update", HUGE, True),
+        ("loss", HUGE, False),
+        ("lr", HUGE, False),
+        ("update_time", HUGE, False),
+        ("update_time", "NaN", False),
+        ("update_time", "Infinity", False),
+        ("samples_per_s", HUGE, False),
+    ],
+)
+def test_status_and_report_answer_a_metric_no_float_holds(
+    tmp_path: Path, field: str, value: str, refused: bool
+) -> None:
+    """Rank 0's last metric line (its update: the line before) with a 4001-digit integer or a NaN / infinite number (JSON reads them): `status`
+    ended in OverflowError (`int too large to convert to float`: the loss's mean, the ETA) or ValueError
+    (`cannot convert float NaN to integer`: the ETA of a NaN update time), `report` in OverflowError (the value, or
+    the update, as a float for matplotlib). A metric value is now a float as far as one holds it (NaN or +-inf past
+    that), an update past 64 bits is refused as damage naming the file and field (exit 2)."""
+    run = make_run(tmp_path)
+    log = run / "train" / "metrics-rank0.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    at = -2 if refused else -1  # a last line that is no record may be torn: passed over by `status`
+    changed = json.loads(lines[at])
+    changed[field] = "__VALUE__"
+    lines[at] = json.dumps(changed).replace('"__VALUE__"', value) + "\n"
+    log.write_text("".join(lines))
+    for argv in (["status", str(run)], ["status", str(run), "--json"], ["report", str(run)]):
+        code, out, err = _cli(argv)
+        if refused:
+            _one_line(code, err, "metrics-rank0.jsonl")
+            assert field in err, err
+        else:
+            assert code == 0 and "Traceback" not in out + err, (argv, code, err[-1000:])
+            if "--json" in argv:
+                json.loads(out)
+
+
+def test_report_answers_an_exposure_update_past_64_bits_in_one_line(tmp_path: Path) -> None:
+    """An exposure line whose update is a 4001-digit integer: `report` drew it (OverflowError in matplotlib); now
+    it is refused as the ledger refuses a damaged exposure line, naming the file and field (exit 2)."""
+    run = make_run(tmp_path)
+    log = run / "train" / "exposures-rank0.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    log.write_text(json.dumps({**first, "u": "__U__"}).replace('"__U__"', HUGE) + "\n" + "".join(lines[1:]))
+    code, _, err = _cli(["report", str(run)])
+    _one_line(code, err, "exposures-rank0.jsonl")
+
+
 def test_status_and_ledger_show_recorded_text_as_text(tmp_path: Path) -> None:
     """rich read `[...]` in what a run's files hold as markup: a `[/]` in a segment's note, job or host, a
     validation record's status, a checkpoint's inventory, a pending update, the run directory's own path or a

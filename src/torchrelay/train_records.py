@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from torchrelay.errors import IntegrityError
 from torchrelay.util.jsonl import LINE_LIMIT, iter_records
 from torchrelay.util.records import Schema
 from torchrelay.util.safepath import open_regular, open_writable, refuse_link
+from torchrelay.util.schema import INT_LIMIT
 
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
 METRIC_SCHEMA = Schema(
@@ -288,7 +290,18 @@ def last_records(path: Path, count: int) -> list[dict[str, Any]]:
 
 
 def _is_update(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= INT_LIMIT
+
+
+def metric_float(value: Any) -> float:
+    """A logged metric's value as a float, NaN where it is no number: an integer past what a float holds (JSON
+    reads 4300 digits) is +-inf, never an OverflowError in whoever averages, formats or draws it."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def trim_copy(src: Path, dst: Path, update: int) -> None:
