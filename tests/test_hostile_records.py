@@ -765,6 +765,36 @@ def test_pack_never_reads_a_log_that_is_no_file(tmp_path: Path, kind: str) -> No
             shutil.copyfile(FIXTURE / "run" / "train" / name, log)
 
 
+@pytest.mark.parametrize("link", [False, True], ids=["copied", "--link"])
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "link out"])
+def test_pack_never_reads_a_checkpoint_file_that_is_no_file(tmp_path: Path, kind: str, link: bool) -> None:
+    """A file of the packed checkpoint (its state record, or one beside its inventory) that is a FIFO or a link:
+    pack's copy opened it plainly, so a FIFO hung pack for ever, a link to /dev/zero was copied into the bundle
+    until the disk was full, and a link out of the run copied (or, with --link, hardlinked) what it points to
+    into the bundle before the inventory's check. Now the copy opens the one safe way: refused naming the file
+    (exit 2), and the bundle is not left behind."""
+    run = make_run(tmp_path)
+    code_dir = str(_fixture_code(tmp_path))
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    for name in ("trainer_state.json", "extra.bin"):
+        target = run / CKPT / name
+        saved = target.read_bytes() if target.exists() else None
+        target.unlink(missing_ok=True)
+        if kind == "fifo":
+            os.mkfifo(target)
+        else:
+            target.symlink_to("/dev/zero" if kind == "link to /dev/zero" else outside)
+        bundle = tmp_path / f"bundle-{name}"
+        argv = ["pack", str(run), str(bundle), "--code-dir", code_dir, *(["--link"] if link else [])]
+        code, _, err = _cli(argv)
+        _one_line(code, err, name)
+        assert not bundle.exists()
+        target.unlink()
+        if saved is not None:
+            target.write_bytes(saved)
+
+
 HUGE = "1" + "0" * 4000  # an integer JSON reads (under Python's 4300 digits) that no float holds
 
 
