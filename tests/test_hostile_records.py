@@ -1251,3 +1251,25 @@ def test_a_writer_into_a_run_never_writes_through_a_planted_link(
     message = caught.value.message
     assert caught.value.exit_code == EXIT_REFUSED and name in message and "\n" not in message, message
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == kept
+
+
+def test_ledger_beside_a_training_proves_the_updates_every_rank_has_logged(tmp_path: Path) -> None:
+    """`ledger` run while a 2-rank training saved and logged said LEDGER_FAIL (exit 1, `update 70: 8 expected
+    sample(s) missing`) in 18 of 42 runs: rank 0 had logged the update rank 1 had not yet. While the run's train
+    lock is held the ledger now proves the updates every rank has gone past; a run no one trains is read whole, so
+    the same line there is still a gap (exit 1)."""
+    from torchrelay.lock import RunLock
+
+    run = make_run(tmp_path)
+    log = run / "train" / "exposures-rank0.jsonl"
+    last = json.loads(log.read_text().splitlines()[-1])
+    with log.open("a") as f:  # rank 0 has begun the next update; rank 1 has not
+        f.write(json.dumps({**last, "u": last["u"] + 1, "m": 0}) + "\n")
+    code, out, err = _cli(["ledger", str(run)])
+    assert code == 1 and "LEDGER_FAIL" in out, (code, out, err)
+    lock = RunLock(run, "train").acquire()
+    try:
+        code, out, err = _cli(["ledger", str(run)])
+    finally:
+        lock.release()
+    assert code == 0 and "LEDGER_OK" in out, (code, out[-1500:], err[-1000:])
