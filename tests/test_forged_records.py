@@ -135,6 +135,48 @@ def test_a_damaged_manifest_index_is_read_again_never_a_traceback(tmp_path: Path
         assert code == 0 and "Traceback" not in out + err, (argv, code, err[-800:])
 
 
+def _index_bomb(path: Path, entries: int, samples: int | None = None) -> None:
+    """An index whose arrays each hold `entries` zeros (8 bytes each, deflated about 1000 to 1), its meta the
+    honest one but for `samples`: what a 6 MB file does to a reader that loads the arrays before it looks."""
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    meta = json.loads(str(np.load(index_path(path), allow_pickle=False)["meta"]))
+    if samples is not None:
+        meta["samples"] = samples
+    with zipfile.ZipFile(index_path(path), "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        with zf.open("meta.npy", "w") as f:
+            npy.write_array(f, np.array(json.dumps(meta)))
+        for name in ("starts", "sizes"):
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                npy.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (entries,)})
+                for _ in range(entries // (1 << 20)):
+                    f.write(bytes(8 << 20))
+
+
+@pytest.mark.parametrize("samples", [None, 16 << 20])
+def test_a_manifest_index_bomb_is_not_loaded(tmp_path: Path, samples: int | None) -> None:
+    """A forged index of 160 KB whose arrays inflate to 128 MiB each: every reader of the index (the resume on
+    every rank, `ledger`, `status --ledger`) loaded both arrays before comparing a byte (a 6 MB one made `ledger`
+    take 6.3 GB and 38 s; a 31 MB one is more memory than the host has). Now each array's header is read first: its
+    shape must be the meta's sample count, which can be no more than the manifest's bytes, or the lines are read."""
+    import tracemalloc
+
+    path = _manifest(tmp_path / "manifest.jsonl", _records(200))
+    _indexed(path)
+    _index_bomb(path, 16 << 20, samples)
+    tracemalloc.start()
+    try:
+        m = Manifest.load(path, ROOT, index=index_path(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not m.indexed
+    _same(m, path)
+    assert peak < 16 << 20, f"loading the index took {peak:,} bytes"
+
+
 def _inventory_cases(valid: bytes) -> dict[str, bytes]:
     doc = json.loads(valid)
     first = doc["files"][0]

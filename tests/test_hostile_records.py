@@ -681,6 +681,174 @@ def test_diff_refuses_a_configuration_that_is_no_object_in_one_line(tmp_path: Pa
             assert "not an object" in err, err
 
 
+def test_a_negative_seed_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`config.json` with `"seed": -5` passed the configuration's check (an integer of 64 bits) and `ledger` and
+    `status --ledger` ended in numpy's `ValueError: expected non-negative integer` (a traceback) where the order
+    is drawn, as would the training of a run created so. Now the seed is refused where the configuration is
+    read: one line naming the file and the field (exit 2)."""
+    from torchrelay.config import RelayConfig
+    from torchrelay.errors import ConfigError
+
+    run = make_run(tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["seed"] = -5
+    (run / "config.json").write_text(json.dumps(config))
+    for argv in (["ledger", str(run)], ["status", str(run), "--ledger"]):
+        code, _, err = _cli(argv)
+        _one_line(code, err, "config.json")
+        assert "seed" in err, err
+    with pytest.raises(ConfigError, match="seed"):
+        RelayConfig(seed=-1, micro_batch=1, total_updates=1, manifest="m.jsonl")
+
+
+def _fixture_code(tmp_path: Path) -> Path:
+    """The fixture's code (the commit its run was trained from), cloned for `pack --code-dir`."""
+    from helpers import git
+
+    git(tmp_path, "clone", "-q", "-b", "main", str(FIXTURE / "code.gitbundle"), "code")
+    return tmp_path / "code"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"[1]", b"5", b'{"update": 1' + b"0" * 5000 + b"}", DEEP_LIST],
+    ids=["a list", "a number", "a 5001-digit update", "nested 10^5 deep"],
+)
+def test_pack_and_the_resume_s_trim_read_a_hostile_log_line_without_a_traceback(
+    tmp_path: Path, line: bytes
+) -> None:
+    """A metrics line `[1]`, `5`, an update of 5001 digits or a 10^5-deep array: `pack` (copying the logs up to
+    the checkpoint) and the resume's trim of what lies past it (`trim_after`, on rank 0) ended in AttributeError,
+    ValueError or RecursionError tracebacks; such a line is now what a line that is no JSON already was: no
+    record of an update (left out of the bundle; moved aside by the trim with what follows the checkpoint)."""
+    from torchrelay.train_records import trim_after
+
+    run = make_run(tmp_path)
+    log = run / "train" / "metrics-rank0.jsonl"
+    lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(b"".join([*lines[:3], line + b"\n", *lines[3:]]))
+    code, _, err = _cli(
+        ["pack", str(run), str(tmp_path / "bundle"), "--code-dir", str(_fixture_code(tmp_path))]
+    )
+    assert code == 0 and "Traceback" not in err, err[-1000:]
+    assert line + b"\n" not in (
+        tmp_path / "bundle" / "train" / "metrics-rank0.jsonl"
+    ).read_bytes().splitlines(True)
+    log.write_bytes(b"".join([*lines, line + b"\n"]))
+    trim_after(run / "train", 4)
+    assert log.read_bytes() == b"".join(x for x in lines if json.loads(x)["update"] <= 4)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "link out"])
+def test_pack_never_reads_a_log_that_is_no_file(tmp_path: Path, kind: str) -> None:
+    """A rank's metrics log or OOM log that is a FIFO or a link (to /dev/zero, or out of the run): `pack` opened it
+    plainly, waiting on the FIFO for ever, reading /dev/zero into memory until none was left (the metrics log)
+    or copying it until the disk was full (the OOM log), and copying a file outside the run into the bundle. Now
+    it is refused naming the log (exit 2), and nothing is packed."""
+    run = make_run(tmp_path)
+    code_dir = str(_fixture_code(tmp_path))
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text('{"update": 1}\n')
+    for name in ("metrics-rank0.jsonl", "ooms-rank0.jsonl"):
+        log = run / "train" / name
+        log.unlink(missing_ok=True)
+        if kind == "fifo":
+            os.mkfifo(log)
+        else:
+            log.symlink_to("/dev/zero" if kind == "link to /dev/zero" else outside)
+        bundle = tmp_path / f"bundle-{name}"
+        code, _, err = _cli(["pack", str(run), str(bundle), "--code-dir", code_dir])
+        _one_line(code, err, name)
+        assert not bundle.exists()
+        log.unlink()
+        if name.startswith("metrics"):
+            shutil.copyfile(FIXTURE / "run" / "train" / name, log)
+
+
+@pytest.mark.parametrize("link", [False, True], ids=["copied", "--link"])
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "link out"])
+def test_pack_never_reads_a_checkpoint_file_that_is_no_file(tmp_path: Path, kind: str, link: bool) -> None:
+    """A file of the packed checkpoint (its state record, or one beside its inventory) that is a FIFO or a link:
+    pack's copy opened it plainly, so a FIFO hung pack for ever, a link to /dev/zero was copied into the bundle
+    until the disk was full, and a link out of the run copied (or, with --link, hardlinked) what it points to
+    into the bundle before the inventory's check. Now the copy opens the one safe way: refused naming the file
+    (exit 2), and the bundle is not left behind."""
+    run = make_run(tmp_path)
+    code_dir = str(_fixture_code(tmp_path))
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    for name in ("trainer_state.json", "extra.bin"):
+        target = run / CKPT / name
+        saved = target.read_bytes() if target.exists() else None
+        target.unlink(missing_ok=True)
+        if kind == "fifo":
+            os.mkfifo(target)
+        else:
+            target.symlink_to("/dev/zero" if kind == "link to /dev/zero" else outside)
+        bundle = tmp_path / f"bundle-{name}"
+        argv = ["pack", str(run), str(bundle), "--code-dir", code_dir, *(["--link"] if link else [])]
+        code, _, err = _cli(argv)
+        _one_line(code, err, name)
+        assert not bundle.exists()
+        target.unlink()
+        if saved is not None:
+            target.write_bytes(saved)
+
+
+HUGE = "1" + "0" * 4000  # an integer JSON reads (under Python's 4300 digits) that no float holds
+
+
+@pytest.mark.parametrize(
+    "field, value, refused",
+    [
+        ("update", HUGE, True),
+        ("loss", HUGE, False),
+        ("lr", HUGE, False),
+        ("update_time", HUGE, False),
+        ("update_time", "NaN", False),
+        ("update_time", "Infinity", False),
+        ("samples_per_s", HUGE, False),
+    ],
+)
+def test_status_and_report_answer_a_metric_no_float_holds(
+    tmp_path: Path, field: str, value: str, refused: bool
+) -> None:
+    """Rank 0's last metric line (its update: the line before) with a 4001-digit integer or a NaN / infinite number (JSON reads them): `status`
+    ended in OverflowError (`int too large to convert to float`: the loss's mean, the ETA) or ValueError
+    (`cannot convert float NaN to integer`: the ETA of a NaN update time), `report` in OverflowError (the value, or
+    the update, as a float for matplotlib). A metric value is now a float as far as one holds it (NaN or +-inf past
+    that), an update past 64 bits is refused as damage naming the file and field (exit 2)."""
+    run = make_run(tmp_path)
+    log = run / "train" / "metrics-rank0.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    at = -2 if refused else -1  # a last line that is no record may be torn: passed over by `status`
+    changed = json.loads(lines[at])
+    changed[field] = "__VALUE__"
+    lines[at] = json.dumps(changed).replace('"__VALUE__"', value) + "\n"
+    log.write_text("".join(lines))
+    for argv in (["status", str(run)], ["status", str(run), "--json"], ["report", str(run)]):
+        code, out, err = _cli(argv)
+        if refused:
+            _one_line(code, err, "metrics-rank0.jsonl")
+            assert field in err, err
+        else:
+            assert code == 0 and "Traceback" not in out + err, (argv, code, err[-1000:])
+            if "--json" in argv:
+                json.loads(out)
+
+
+def test_report_answers_an_exposure_update_past_64_bits_in_one_line(tmp_path: Path) -> None:
+    """An exposure line whose update is a 4001-digit integer: `report` drew it (OverflowError in matplotlib); now
+    it is refused as the ledger refuses a damaged exposure line, naming the file and field (exit 2)."""
+    run = make_run(tmp_path)
+    log = run / "train" / "exposures-rank0.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    log.write_text(json.dumps({**first, "u": "__U__"}).replace('"__U__"', HUGE) + "\n" + "".join(lines[1:]))
+    code, _, err = _cli(["report", str(run)])
+    _one_line(code, err, "exposures-rank0.jsonl")
+
+
 def test_status_and_ledger_show_recorded_text_as_text(tmp_path: Path) -> None:
     """rich read `[...]` in what a run's files hold as markup: a `[/]` in a segment's note, job or host, a
     validation record's status, a checkpoint's inventory, a pending update, the run directory's own path or a
@@ -1083,3 +1251,25 @@ def test_a_writer_into_a_run_never_writes_through_a_planted_link(
     message = caught.value.message
     assert caught.value.exit_code == EXIT_REFUSED and name in message and "\n" not in message, message
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == kept
+
+
+def test_ledger_beside_a_training_proves_the_updates_every_rank_has_logged(tmp_path: Path) -> None:
+    """`ledger` run while a 2-rank training saved and logged said LEDGER_FAIL (exit 1, `update 70: 8 expected
+    sample(s) missing`) in 18 of 42 runs: rank 0 had logged the update rank 1 had not yet. While the run's train
+    lock is held the ledger now proves the updates every rank has gone past; a run no one trains is read whole, so
+    the same line there is still a gap (exit 1)."""
+    from torchrelay.lock import RunLock
+
+    run = make_run(tmp_path)
+    log = run / "train" / "exposures-rank0.jsonl"
+    last = json.loads(log.read_text().splitlines()[-1])
+    with log.open("a") as f:  # rank 0 has begun the next update; rank 1 has not
+        f.write(json.dumps({**last, "u": last["u"] + 1, "m": 0}) + "\n")
+    code, out, err = _cli(["ledger", str(run)])
+    assert code == 1 and "LEDGER_FAIL" in out, (code, out, err)
+    lock = RunLock(run, "train").acquire()
+    try:
+        code, out, err = _cli(["ledger", str(run)])
+    finally:
+        lock.release()
+    assert code == 0 and "LEDGER_OK" in out, (code, out[-1500:], err[-1000:])

@@ -25,7 +25,12 @@ _ELASTIC_HINT = "exact: bit-for-bit equal across world sizes (docs/ELASTIC.md); 
 class RelayConfig:
     """What torchrelay needs to know about a run; `params` holds the user's own hyper-parameters."""
 
-    seed: int
+    seed: int = field(
+        metadata={
+            "min": 0,
+            "why": "the global order is drawn by numpy's SeedSequence, which takes no negative seed",
+        }
+    )
     micro_batch: int = field(metadata={"min": 1})
     grad_accum: int = field(default=1, metadata={"min": 1})
     total_updates: int = field(metadata={"min": 1})

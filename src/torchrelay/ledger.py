@@ -21,6 +21,7 @@ from torchrelay.contract import contract_manifest, load_contract
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import IntegrityError, RelayError
 from torchrelay.layout import TRAIN_DIR
+from torchrelay.lock import holder
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import RunDir
 from torchrelay.train_records import Exposures, rank_logs, read_exposures, read_exposures_from
@@ -137,16 +138,38 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10, *, full: bool
     root = Path(run_dir)
     order, manifest, contract_sha = order_and_contract(root)
     paths = rank_logs(root / TRAIN_DIR, "exposures")
+    live = holder(root, "train") is not None
     if not full:
-        rep = _from_proof(root, order, manifest, contract_sha, paths)
+        rep = _from_proof(root, order, manifest, contract_sha, paths, live)
         if rep is not None:
             return rep
     logs = [_RankLog.read(rank, path) for rank, path in paths.items()]
-    return _tally(logs, order, manifest, max_problems)[0]
+    return _tally(_settled(logs, live), order, manifest, max_problems)[0]
+
+
+def _settled(logs: list[_RankLog], live: bool) -> list[_RankLog]:
+    """While the run trains (its lock held), each rank appends its lines of an update when it gets to them: the
+    updates every rank has gone past (the slowest rank's newest, less one), the newer ones left out. A `ledger`
+    run beside a training said LEDGER_FAIL (exit 1: `8 expected sample(s) missing`) for the update one rank had
+    logged and the other not yet. A run that is not training is read whole: a missing line there is a gap."""
+    if not live or not logs:
+        return logs
+    upto = min(log.last if log.last is not None else 0 for log in logs) - 1
+    out = []
+    for log in logs:
+        keep = log.span(0, max(upto, 0) + 1)
+        last = None if log.last is None or upto < 1 else min(log.last, upto)
+        out.append(_RankLog(log.rank, log.updates[keep], log.ids[keep], last))
+    return out
 
 
 def _from_proof(
-    root: Path, order: GlobalOrder, manifest: Manifest, contract_sha: str, paths: dict[int, Path]
+    root: Path,
+    order: GlobalOrder,
+    manifest: Manifest,
+    contract_sha: str,
+    paths: dict[int, Path],
+    live: bool = False,
 ) -> LedgerReport | None:
     """The report from the newest matching proof and the logs' tails, when every tail is clean; else None."""
     by_name = {path.name: path for path in paths.values()}
@@ -163,7 +186,7 @@ def _from_proof(
         if got is None or (len(got.updates) and int(got.updates.min()) <= proof.update):
             return None  # a line the fast readers refuse, or one of a proven update after the prefix: damage
         logs.append(_RankLog.of(rank, got))
-    rep, _ = _tally(logs, order, manifest, 0, _Start(proof.update, proof.seen))
+    rep, _ = _tally(_settled(logs, live), order, manifest, 0, _Start(proof.update, proof.seen))
     return rep if rep.ok else None
 
 

@@ -14,7 +14,14 @@ from torchrelay.history import read_history
 from torchrelay.ledger import prove
 from torchrelay.lock import holder
 from torchrelay.rundir import RunDir
-from torchrelay.train_records import count_ooms, is_objective, last_records, metrics_path, read_ooms
+from torchrelay.train_records import (
+    count_ooms,
+    is_objective,
+    last_records,
+    metric_float,
+    metrics_path,
+    read_ooms,
+)
 from torchrelay.validation_records import read_pending, read_records
 
 
@@ -34,9 +41,9 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     records = last_records(metrics_path(rd.train_dir, 0), window)
     done = records[-1]["update"] if records else 0
     recent = records
-    losses = [float(r["loss"]) for r in recent if isinstance(r.get("loss"), int | float)]
+    losses = [metric_float(r["loss"]) for r in recent if isinstance(r.get("loss"), int | float)]
     objectives = sorted({k for r in recent for k in r if is_objective(k)})
-    times = [float(r["update_time"]) for r in recent if isinstance(r.get("update_time"), int | float)]
+    times = [metric_float(r["update_time"]) for r in recent if isinstance(r.get("update_time"), int | float)]
     left = cfg.total_updates - done
     mean_time = _mean(times)
     fields = load_contract(rd.path)["fields"]
@@ -62,12 +69,13 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
         "repeats": proof.repeats if proof else None,
         "skipped": proof.skipped if proof else None,
         "ledger_ok": proof.ok if proof else None,
-        "lr": records[-1].get("lr") if records else None,
+        "lr": metric_float(records[-1].get("lr")) if records and "lr" in records[-1] else None,
         "loss_mean": _mean(losses),
         "loss_window": len(losses),
         # each objective's loss (`loss_<name>` a script logs), mean of the same last updates
         "objective_means": {
-            k: _mean([float(r[k]) for r in recent if isinstance(r.get(k), int | float)]) for k in objectives
+            k: _mean([metric_float(r[k]) for r in recent if isinstance(r.get(k), int | float)])
+            for k in objectives
         },
         "update_time_mean": mean_time,
         "eta_seconds": left * mean_time if mean_time is not None else None,

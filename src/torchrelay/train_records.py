@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from torchrelay.errors import IntegrityError
 from torchrelay.util.jsonl import LINE_LIMIT, iter_records
 from torchrelay.util.records import Schema
 from torchrelay.util.safepath import open_regular, open_writable, refuse_link
+from torchrelay.util.schema import INT_LIMIT
 
 TIMING_KEYS = ("update_time", "time", "samples_per_s")
 METRIC_SCHEMA = Schema(
@@ -170,13 +173,17 @@ def _continues_padded(path: Path) -> bool:
     return not head.strip() or b" " in head.split(b"\n", 1)[0]
 
 
-def _update_of(line: str) -> int | None:
+def _update_of(line: str | bytes) -> int | None:
+    """The update of a log line, or None for a line that is no record with one: not JSON, not UTF-8, a number
+    of more digits than Python converts, nesting past the parser, or JSON that is no object (`[1]`)."""
     try:
         rec = json.loads(line)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    if not isinstance(rec, dict):
         return None
     value = rec.get("update", rec.get("u"))
-    return int(value) if isinstance(value, int) else None
+    return value if _is_update(value) else None
 
 
 def trim_after(train_dir: Path, update: int) -> Path | None:
@@ -283,16 +290,42 @@ def last_records(path: Path, count: int) -> list[dict[str, Any]]:
 
 
 def _is_update(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= INT_LIMIT
+
+
+def metric_float(value: Any) -> float:
+    """A logged metric's value as a float, NaN where it is no number: an integer past what a float holds (JSON
+    reads 4300 digits) is +-inf, never an OverflowError in whoever averages, formats or draws it."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def trim_copy(src: Path, dst: Path, update: int) -> None:
-    """Copy a rank log keeping only lines up to `update` (for bundles)."""
-    with open(src) as fin, open(dst, "w") as fout:
-        for line in fin:
-            u = _update_of(line) if line.endswith("\n") else None
+    """Copy a rank log keeping only lines up to `update` (for bundles). The log is opened the one safe way (a
+    link, a pipe or a device refused, naming it: a plain open waited on a pipe for ever and copied /dev/zero
+    until memory ran out) and read a bounded line at a time."""
+    fd, _ = open_regular(src, what=src.name)
+    with os.fdopen(fd, "rb") as fin, open(dst, "wb") as fout:
+        number = 0
+        while line := fin.readline(LINE_LIMIT + 1):
+            number += 1
+            if len(line) > LINE_LIMIT:
+                raise _line_too_long(src, f"line {number}")
+            u = _update_of(line) if line.endswith(b"\n") else None
             if u is not None and u <= update:
                 fout.write(line)
+
+
+def copy_log(src: Path, dst: Path) -> None:
+    """Copy a log whole (an OOM log, for bundles), opened the one safe way: a link, a pipe or a device is refused,
+    naming it (shutil.copyfile followed a link to /dev/zero and wrote until the disk was full)."""
+    fd, _ = open_regular(src, what=src.name)
+    with os.fdopen(fd, "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
 
 
 def rank_logs(train_dir: Path, kind: str) -> dict[int, Path]:

@@ -47,7 +47,7 @@ def _fmt(value: object, spec: str = "") -> str:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds):  # a NaN or infinite update time logged: no ETA
         return "-"
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)

@@ -39,7 +39,7 @@ from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LEDGER_P
 from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
 from torchrelay.rundir import Bundle, RunDir
-from torchrelay.train_records import rank_logs, trim_copy
+from torchrelay.train_records import copy_log, rank_logs, trim_copy
 from torchrelay.util.durable import fsync_dir, temp_prefix
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
@@ -326,7 +326,7 @@ def _write_bundle(
     for path in sorted(
         rd.train_dir.glob("ooms-rank*.jsonl")
     ):  # every OOM the run met: counted, never trimmed
-        shutil.copyfile(path, train / path.name)
+        copy_log(path, train / path.name)
 
     # 4. Manifest identity, the exact source, progress at the stop, lineage, the README.
     manifest = Manifest.load(

@@ -66,9 +66,7 @@ def git_tree_of_dir(
                     entries.append((child.name + "/", b"40000 " + child.name.encode() + b"\0" + sub))
             elif stat.S_ISREG(st.st_mode):
                 mode = b"100755" if st.st_mode & 0o111 else b"100644"
-                entries.append(
-                    (child.name, mode + b" " + child.name.encode() + b"\0" + _blob(child.read_bytes()))
-                )
+                entries.append((child.name, mode + b" " + child.name.encode() + b"\0" + _blob_of_file(child)))
         if not entries:
             return b""
         body = b"".join(e for _, e in sorted(entries))
@@ -80,6 +78,26 @@ def git_tree_of_dir(
 
 def _blob(data: bytes) -> bytes:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
+
+
+_BLOCK = 1 << 20
+
+
+def _blob_of_file(path: Path) -> bytes:
+    """git's blob hash of a regular file, read a block at a time (a file read whole, then copied behind the
+    header, took twice its size in memory: an extracted source archive's file may be a gzip bomb's gigabytes). A
+    pipe or a device put there since the caller looked is not waited on, nor read for ever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        digest = hashlib.sha1(b"blob %d\0" % st.st_size)
+        left = st.st_size  # the header's size is the bytes hashed: a file that grows is cut there
+        while left > 0 and (chunk := f.read(min(left, _BLOCK))):
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.digest()
 
 
 # A changed file that is not code is named by its SHA-256 up to this size, by its size beyond (a dataset left in

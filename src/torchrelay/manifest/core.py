@@ -377,10 +377,22 @@ def _read_index(index: Path, path: Path, data_root: str, sha256: str | None) -> 
         return None
     try:
         with np.load(index, allow_pickle=False) as z:
+            # Each array's header is read before the array: a zip inflates 1000 to 1, so a few MB of index could
+            # ask for more memory than the host has. The meta is a line of text; each array holds one int64 per
+            # sample, and a sample is a line of the manifest, so there are no more of them than its bytes.
+            if not _header_fits(z, "meta", None):
+                return None
             meta = json.loads(str(z["meta"]))
             if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
                 return None
-            if meta.get("root") != _root_prefix(data_root) or meta.get("file_size") != path.stat().st_size:
+            file_size = path.stat().st_size
+            if meta.get("root") != _root_prefix(data_root) or meta.get("file_size") != file_size:
+                return None
+            n = meta.get("samples")
+            if type(n) is not int or not 0 <= n <= file_size:
+                return None
+            arrays = [name for name in ("starts", "sizes", "lengths") if name in z.files]
+            if not all(_header_fits(z, name, n) for name in arrays):
                 return None
             starts, sizes = np.asarray(z["starts"]), np.asarray(z["sizes"])
             lengths = np.asarray(z["lengths"]) if "lengths" in z.files else None
@@ -417,6 +429,25 @@ def _read_index(index: Path, path: Path, data_root: str, sha256: str | None) -> 
         return None
     m.indexed = m.index_current = True
     return m
+
+
+_META_LIMIT = 1 << 20  # characters of the index's meta (a JSON line of a few hundred)
+
+
+def _header_fits(z: Any, name: str, samples: int | None) -> bool:
+    """Whether the npz member `name` is, by its .npy header alone, what `save_index` writes: the meta a text
+    scalar of at most _META_LIMIT characters (`samples` None), an array a 1-D int64 of `samples` entries."""
+    with z.zip.open(f"{name}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            return False
+    if samples is None:
+        return shape == () and dtype.kind == "U" and dtype.itemsize <= 4 * _META_LIMIT
+    return shape == (samples,) and dtype == np.dtype("<i8") and not fortran
 
 
 _CHUNK = 4 << 20

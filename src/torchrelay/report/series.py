@@ -14,7 +14,7 @@ from torchrelay.history import read_history
 from torchrelay.numerics import describe
 from torchrelay.reshard import describe_change
 from torchrelay.rundir import RunDir
-from torchrelay.train_records import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, rank_logs
+from torchrelay.train_records import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, metric_float, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 from torchrelay.util.safepath import open_regular
 
@@ -96,7 +96,7 @@ class RunSeries:
 
 
 def _float(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    return metric_float(value)
 
 
 def _by_update(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

@@ -10,6 +10,7 @@ The bounds (docs/FORMATS.md):
 - a JSON file at most JSON_LIMIT bytes, a JSONL line at most LINE_LIMIT, a YAML plan at most YAML_LIMIT;
 - a YAML plan's aliases (`*name`) add at most ALIAS_LIMIT values to the document, and none holds itself; no key
   is repeated in a mapping (YAML would keep the last silently);
+- a field a schema checks holds no integer past 64 bits (schema.INT_LIMIT);
 - nesting at most DEPTH_LIMIT deep (torchrelay's deepest record, a stateful's tree, is a few dozen levels);
 - a safetensors header at most SAFETENSORS_HEADER_LIMIT bytes (safetensors' own bound), its tensors laid out
   back to back exactly as safetensors writes them, each of its dtype's size, inside the file.
@@ -29,6 +30,7 @@ from typing import Any
 
 from torchrelay.errors import RecordError
 from torchrelay.util.safepath import open_regular, read_regular
+from torchrelay.util.schema import INT_LIMIT
 
 JSON_LIMIT = 256 << 20  # no JSON file torchrelay writes comes near this
 LINE_LIMIT = 64 << 20  # nor a JSONL line
@@ -156,6 +158,14 @@ def check(doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None 
         if rule is None:
             continue
         types = rule.types if isinstance(rule, Optional) else rule
+        if _past_64_bits(doc[name]):
+            raise RecordError(
+                source,
+                f"an integer of {len(str(abs(doc[name])))} digits, past 64 bits",
+                line=line,
+                field=name,
+                hint=_HINT,
+            )
         if not _is(doc[name], types):
             raise RecordError(
                 source,
@@ -167,9 +177,16 @@ def check(doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None 
     return doc
 
 
+def _past_64_bits(value: Any) -> bool:
+    """An integer no field of a record means anything by (JSON reads up to 4300 digits; no float holds them)."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT
+
+
 def _is(value: Any, types: Any) -> bool:
     if isinstance(types, list):  # [type]: an array of such values
         return isinstance(value, list) and all(_is(v, types[0]) for v in value)
+    if _past_64_bits(value):
+        return False
     wanted = types if isinstance(types, tuple) else (types,)
     if isinstance(value, bool):
         return bool in wanted
