@@ -85,8 +85,14 @@ def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
     return sorted(set(a) ^ set(b)) + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
 
 
-def _save(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, update: int) -> None:
-    save_state(ckpt, rank=0, model=model, optimizer=opt, statefuls={}, loop={"update": update})
+def _save(
+    ckpt: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    update: int,
+    statefuls: dict[str, Any] | None = None,
+) -> None:
+    save_state(ckpt, rank=0, model=model, optimizer=opt, statefuls=statefuls or {}, loop={"update": update})
     write_inventory(ckpt, inventory_entries(ckpt, list_files(ckpt)))
 
 
@@ -234,15 +240,7 @@ def test_a_forged_scalar_of_the_scheduler_or_optimizer_is_refused_at_the_load(
     for update in range(1, 4):
         _train(saver, saver_opt, update, update)
         saver_sched.step()
-    save_state(
-        tmp_path,
-        rank=0,
-        model=saver,
-        optimizer=saver_opt,
-        statefuls={"scheduler": saver_sched},
-        loop={"update": 3},
-    )
-    write_inventory(tmp_path, inventory_entries(tmp_path, list_files(tmp_path)))
+    _save(tmp_path, saver, saver_opt, 3, {"scheduler": saver_sched})
     saved = (tmp_path / RELAY_STATE).read_bytes()
 
     fresh, fresh_opt, fresh_sched = build()
@@ -350,15 +348,7 @@ def test_a_scheduler_value_that_was_none_at_the_start_loads(tmp_path: Path, kind
     for update in range(1, 5):
         _train(saver, saver_opt, update, update)
         saver_sched.step()
-    save_state(
-        tmp_path,
-        rank=0,
-        model=saver,
-        optimizer=saver_opt,
-        statefuls={"scheduler": saver_sched},
-        loop={"update": 4},
-    )
-    write_inventory(tmp_path, inventory_entries(tmp_path, list_files(tmp_path)))
+    _save(tmp_path, saver, saver_opt, 4, {"scheduler": saver_sched})
     fresh, fresh_opt, fresh_sched = build()
     load_state(
         tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={"scheduler": fresh_sched}, verify=True

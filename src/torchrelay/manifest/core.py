@@ -315,6 +315,20 @@ class Manifest:
         return [p for p in self.paths(as_root) if not os.path.exists(p)]
 
 
+# What reading a saved index can raise where the file is cut, bit-flipped or foreign (zip's CRC, an unknown
+# compression) or not one this version reads: each reader then treats the index as absent.
+_INDEX_UNREADABLE = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    EOFError,
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+)
+
+
 def index_root(index: str | os.PathLike[str]) -> str | None:
     """The data-root prefix a saved index was made under (its meta's "root"), or None where none can be read: a
     hint only (a run uses it to find the root its copy was last re-pointed at; the fingerprint decides)."""
@@ -323,16 +337,7 @@ def index_root(index: str | os.PathLike[str]) -> str | None:
             return None
         with np.load(index, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-    except (
-        OSError,
-        ValueError,
-        KeyError,
-        TypeError,
-        EOFError,
-        zipfile.BadZipFile,
-        zlib.error,
-        NotImplementedError,
-    ):
+    except _INDEX_UNREADABLE:
         return None
     root = meta.get("root") if isinstance(meta, dict) else None
     return root if isinstance(root, str) else None
@@ -396,17 +401,7 @@ def _read_index(index: Path, path: Path, data_root: str, sha256: str | None) -> 
                 return None
             starts, sizes = np.asarray(z["starts"]), np.asarray(z["sizes"])
             lengths = np.asarray(z["lengths"]) if "lengths" in z.files else None
-    # a cut, bit-flipped or foreign file (zip's CRC, an unknown compression), or not one this version reads
-    except (
-        OSError,
-        ValueError,
-        KeyError,
-        TypeError,
-        EOFError,
-        zipfile.BadZipFile,
-        zlib.error,
-        NotImplementedError,
-    ):
+    except _INDEX_UNREADABLE:
         return None
     n, fingerprint, bad = meta.get("samples"), meta.get("fingerprint"), meta.get("bad_length")
     if (
