@@ -11,6 +11,7 @@ import shutil
 import signal
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from handoff_fixtures import STOP_AT, Packed
 from helpers import launch
 from torchrelay.checkpoint import dcp_io
 from torchrelay.cli import VERBS, main
-from torchrelay.errors import RelayError, UnsafeInput
+from torchrelay.errors import IntegrityError, RelayError, UnsafeInput
 from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, prepare
 from torchrelay.handoff.source import extract_source
@@ -207,6 +208,35 @@ def test_source_archive_escaping_its_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsafeInput):
         extract_source(archive, tmp_path / "out", "code-1")
     assert not (tmp_path / "escaped.py").exists()
+
+
+def test_a_source_archive_unpacking_past_the_free_space_is_refused_before_a_byte_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gzip bomb in a bundle's source archive (1 GiB of zeros in about a megabyte) filled the disk `prepare`
+    extracted onto; its headers declare the sizes, checked against the free space before anything is created."""
+    archive = tmp_path / "bomb.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        ok = _member("code-1/ok.py")
+        ok.size = 9
+        tar.addfile(ok, io.BytesIO(b"print(1)\n"))
+        big = _member("code-1/zeros.bin")
+        big.size = 4 << 20
+        tar.addfile(big, io.BytesIO(bytes(big.size)))
+    assert archive.stat().st_size < 64 << 10
+    real = shutil.disk_usage
+    free = 64 << 20  # what the host has left: less than the files and the room kept beside them
+
+    def disk_usage(path: Any) -> Any:
+        return real(path)._replace(free=free)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with pytest.raises(IntegrityError, match=r"unpack to 4 MiB; .* has 64 MiB free"):
+        extract_source(archive, tmp_path / "out", "code-1")
+    assert not (tmp_path / "out" / "code-1").exists(), "nothing may land before the refusal"
+    free = 1 << 40
+    out = extract_source(archive, tmp_path / "out", "code-1")
+    assert (out / "zeros.bin").stat().st_size == 4 << 20
 
 
 def _retar_source(bundle: Path, add: object) -> None:

@@ -293,11 +293,30 @@ def extract_source(archive: Path, dest: Path, prefix: str) -> Path:
             room = PATH_LIMIT - len(os.fsencode(dest)) - 1
             for member in members:
                 _check_member(archive, member, prefix, links=links, seen=seen, room=room)
+            _check_space(archive, members, dest)
             _extract(archive, tar, members, dest)
     except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)[:200]
         raise IntegrityError(f"{archive}: cannot extract ({why})", hint="re-download the bundle") from exc
     return dest / prefix
+
+
+# Room kept free beside what a source archive unpacks to: the run prepared beside it still has its files to write.
+_SPARE_BYTES = 64 << 20
+
+
+def _check_space(archive: Path, members: list[tarfile.TarInfo], dest: Path) -> None:
+    """Refuse an archive whose files would not fit where it is extracted, before a byte of it is written: a
+    compressed bomb (a megabyte of zeros unpacking to a terabyte) filled the disk of the host it was prepared on.
+    Each member's size is its header's, read with the headers; the extraction writes exactly that many bytes."""
+    total = sum(m.size for m in members if m.isreg())
+    free = shutil.disk_usage(dest).free
+    if total + _SPARE_BYTES > free:
+        raise IntegrityError(
+            f"{archive}: its files unpack to {total >> 20} MiB; {dest} has {free >> 20} MiB free",
+            hint="free space where the run is prepared; a source archive that `pack` wrote holds the run's code, "
+            "so one this large is likely forged: re-download the bundle",
+        )
 
 
 def _check_member(
