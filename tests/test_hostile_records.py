@@ -724,6 +724,9 @@ def test_pack_and_the_resume_s_trim_read_a_hostile_log_line_without_a_traceback(
     from torchrelay.train_records import trim_after
 
     run = make_run(tmp_path)
+    # the fixture's own data root: its manifest copy's paths lie under it, and `pack` proves the copy is the
+    # contract's (make_run's root elsewhere would be a copy of other data, refused in one line)
+    (run / "config.json").write_bytes((FIXTURE / "run" / "config.json").read_bytes())
     log = run / "train" / "metrics-rank0.jsonl"
     lines = log.read_bytes().splitlines(keepends=True)
     log.write_bytes(b"".join([*lines[:3], line + b"\n", *lines[3:]]))
