@@ -146,3 +146,14 @@ def test_an_error_naming_a_path_with_control_characters_shows_them(
         assert rc == 2, (verb, err)
         assert "\x1b" not in err and "\x07" not in err, (verb, err)
         assert "run\\x1b]0;pwned\\x07\\x1b[2J" in err, (verb, err)
+
+
+def test_a_newline_in_a_path_argument_is_shown_escaped_on_the_one_error_line(tmp_path, capsys):
+    from torchrelay.cli import main
+
+    code = main(["export", str(tmp_path / "x\ny"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    first, *rest = err.rstrip("\n").split("\n")
+    assert "x\\ny" in first and first.startswith("torchrelay export: error:")
+    assert all(line.startswith("  hint:") for line in rest)

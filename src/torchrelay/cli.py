@@ -89,7 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         err = from_exception(exc)
         # a message names paths and values a run's files hold: their control characters are shown, not sent
-        text = "\n".join(visible(line) for line in str(err).split("\n"))
+        # (a newline inside a path is one of them: the message is one line, its hint the next)
+        # (a contract mismatch lists its differing fields a line each: those lines are kept)
+        lines = err.message.split("\n") if getattr(err, "differences", None) else [err.message]
+        text = "\n".join(map(visible, lines)) + (f"\n  hint: {visible(err.hint)}" if err.hint else "")
         print(f"torchrelay {args.verb}: error: {text}", file=sys.stderr)
         return err.exit_code
 
