@@ -96,6 +96,19 @@ def _save(
     write_inventory(ckpt, inventory_entries(ckpt, list_files(ckpt)))
 
 
+def _loads_and_steps_alike(ckpt: Path, build: Callable[[], Any], saver_opt: Any, saver_sched: Any) -> None:
+    """A fresh model, optimizer and scheduler loaded from `ckpt` step on as the saver's do."""
+    fresh, fresh_opt, fresh_sched = build()
+    load_state(
+        ckpt, rank=0, model=fresh, optimizer=fresh_opt, statefuls={"scheduler": fresh_sched}, verify=True
+    )
+    for each_opt, each_sched in ((saver_opt, saver_sched), (fresh_opt, fresh_sched)):
+        each_opt.step()
+        each_sched.step()
+    assert fresh_sched.state_dict() == saver_sched.state_dict()
+    assert fresh_opt.param_groups[0]["lr"] == saver_opt.param_groups[0]["lr"]
+
+
 @pytest.mark.parametrize("saved_at", [0, AUX_FROM - 1], ids=["before-any-update", "aux-without-gradient"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_parameters_without_optimizer_state_resume_without_it(
@@ -243,15 +256,7 @@ def test_a_forged_scalar_of_the_scheduler_or_optimizer_is_refused_at_the_load(
     _save(tmp_path, saver, saver_opt, 3, {"scheduler": saver_sched})
     saved = (tmp_path / RELAY_STATE).read_bytes()
 
-    fresh, fresh_opt, fresh_sched = build()
-    load_state(
-        tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={"scheduler": fresh_sched}, verify=True
-    )
-    for each_opt, each_sched in ((saver_opt, saver_sched), (fresh_opt, fresh_sched)):
-        each_opt.step()
-        each_sched.step()
-    assert fresh_sched.state_dict() == saver_sched.state_dict()
-    assert fresh_opt.param_groups[0]["lr"] == saver_opt.param_groups[0]["lr"]
+    _loads_and_steps_alike(tmp_path, build, saver_opt, saver_sched)
 
     doc = json.loads(saved)
     forge(doc)
@@ -349,12 +354,4 @@ def test_a_scheduler_value_that_was_none_at_the_start_loads(tmp_path: Path, kind
         _train(saver, saver_opt, update, update)
         saver_sched.step()
     _save(tmp_path, saver, saver_opt, 4, {"scheduler": saver_sched})
-    fresh, fresh_opt, fresh_sched = build()
-    load_state(
-        tmp_path, rank=0, model=fresh, optimizer=fresh_opt, statefuls={"scheduler": fresh_sched}, verify=True
-    )
-    for each_opt, each_sched in ((saver_opt, saver_sched), (fresh_opt, fresh_sched)):
-        each_opt.step()
-        each_sched.step()
-    assert fresh_sched.state_dict() == saver_sched.state_dict()
-    assert fresh_opt.param_groups[0]["lr"] == saver_opt.param_groups[0]["lr"]
+    _loads_and_steps_alike(tmp_path, build, saver_opt, saver_sched)
