@@ -13,7 +13,7 @@ Steps run in the order given (`--steps`), each `MODE:SET`:
 - `del:A`     delete set A and sync (its blocks go back to the file system, its discards sent, where mounted so);
 - `rm:A`      delete set A and go on at once (as retention's deletion does: the discards go with the next commit);
 - `fall:A`    new files whose blocks are reserved first (posix_fallocate), then written;
-- `kick:A`    new files, writeback started every 64 MiB as the persist does (persist.KICK_BYTES);
+- `kick:A`    new files, writeback started every 64 MiB as the persist does (SaveTuning.kick_bytes);
 - `drop`      drop the page cache of every set still on disk (fadvise DONTNEED, no root needed).
 
 `python benchmarks/bench_disk_rounds.py --dir /root/disk --gb 14.5 --steps new:A,new:B,over:A,del:A,new:C,...`

@@ -115,7 +115,9 @@ class Run:
             if self.layout_change
             else None
         )
-        self._restore = Restore(self.resume_from, self.start_update, self.rank, rederive)
+        self._restore = Restore(
+            self.resume_from, self.start_update, self.rank, rederive, self.config.load_tuning
+        )
         self._saver = Saver(
             self.dir.path,
             self.config,
