@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from rich.table import Table
 from torchrelay.layout import checkpoint_label
 from torchrelay.numerics import describe as describe_numerics
 from torchrelay.numerics import fingerprint
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_json
 from torchrelay.util.records import read_json_or_none
 
@@ -199,11 +199,7 @@ def _path_key(script_path: str | Path) -> str:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")  # fsynced, then its folder
 
 
 def save(verdict: Verdict) -> list[Path]:
