@@ -12,7 +12,6 @@ import errno
 import gc
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +22,8 @@ from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, inventory_entry, list_files, write_inventory
 from torchrelay.checkpoint.retention import PreservationPolicy, decide
-from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.checkpoint.state.records import MODEL_DIR
+from torchrelay.checkpoint.storage import CheckpointStorage, as_storage
+from torchrelay.checkpoint.storage import wait_deletions as wait_deletions  # the segment's end waits for them
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
 from torchrelay.layout import (
     DELETING_CHECKPOINT_PREFIX,
@@ -33,7 +32,7 @@ from torchrelay.layout import (
     checkpoint_name,
 )
 from torchrelay.util import collective
-from torchrelay.util.durable import fsync_dir, remove_entry
+from torchrelay.util.durable import remove_entry
 
 TMP_PREFIX = TMP_CHECKPOINT_PREFIX
 DELETING_PREFIX = DELETING_CHECKPOINT_PREFIX
@@ -58,7 +57,7 @@ Written = dict[str, tuple[str, int]]  # relative path -> (SHA-256, size) of the 
 
 
 def commit_checkpoint(
-    run_dir: Path,
+    where: Path | CheckpointStorage,
     update: int,
     write: Callable[[Path, Callable[[str], None] | None], Written | None],
     *,
@@ -69,13 +68,16 @@ def commit_checkpoint(
     group: Any = None,
     started: float | None = None,
 ) -> tuple[Path, float]:
-    """Write `checkpoint-<update>/` through the protocol; returns its path and the seconds it took.
+    """Write `checkpoint-<update>/` through the protocol into `where` (a run directory, or a storage backend:
+    storage.py); returns its path and the seconds it took.
 
     `write` may return the SHA-256 and size of the files it wrote, hashed as they were written: the inventory
     takes them as they are and hashes only what no rank reported (DCP's `.metadata`). Collectives go through
     `group` (a background persist has a gloo group of its own). `started`: when the save began (its staging).
     """
     started = time.perf_counter() if started is None else started
+    storage = as_storage(where)
+    root = storage.root
     hook = kill_points.save_hook(update, rank)  # a crash test's, when one armed this save (kill_points.py)
     peers = collective.ranks(group)
     name = f"saving {checkpoint_name(update)}"
@@ -83,8 +85,8 @@ def commit_checkpoint(
 
     def translate(exc: BaseException) -> BaseException:
         """This rank's failure as the save's: a full disk said as such, anything else a CheckpointError."""
-        if _is_disk_full(exc) or _nearly_full(run_dir):
-            return DiskFull(f"{name}: no space left on the device holding {run_dir} (disk full)")
+        if _is_disk_full(exc) or _nearly_full(root):
+            return DiskFull(f"{name}: no space left on the device holding {root} (disk full)")
         return exc if isinstance(exc, RelayError) else CheckpointError(f"{name}: {one_line(exc)}"[:500])
 
     def settle(err: RelayError) -> None:
@@ -96,7 +98,7 @@ def commit_checkpoint(
     # One phase of the failure protocol (util/collective.py): whatever fails on any rank, every rank raises the
     # same error before any rank renames, and none waits for a rank that failed.
     with peers.phase(name, hint=_HINT, translate=translate, settle=settle, end=False):
-        tmp = run_dir / peers.broadcast(name, lambda: _make_tmp(run_dir, update))
+        tmp = root / peers.broadcast(name, lambda: storage.stage(update).name)
         tmp_box.append(tmp)
         written = peers.agree(name, lambda: write(tmp, hook))
         if hook:
@@ -107,23 +109,26 @@ def commit_checkpoint(
         else:
             mine = [inventory_entry(rel, *digest) for rel, digest in written.items()]
         gathered = peers.all_gather(name, lambda: mine)
-        final = run_dir / checkpoint_name(update)
+        final = root / checkpoint_name(update)
         if rank == 0:
             entries = _complete_entries(tmp, [e for part in gathered for e in part])
             seconds = time.perf_counter() - started
-            write_inventory(
-                tmp, entries, update=update, save_seconds=round(seconds, 4), world_size=world_size, **info
-            )
-            for sub in sorted({p.parent for p in tmp.rglob("*") if p.is_file()}, key=lambda p: -len(p.parts)):
-                fsync_dir(sub)
-            if hook:
-                hook("rename")
-            if final.exists():  # a complete checkpoint of the same update from an earlier segment
-                os.rename(final, run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}")
-            os.rename(tmp, final)
-            tmp_box.clear()  # renamed: nothing to remove any more
-            fsync_dir(run_dir)
-            _retain(run_dir, retention)
+
+            def marker(staged: Path) -> None:
+                write_inventory(
+                    staged,
+                    entries,
+                    update=update,
+                    save_seconds=round(seconds, 4),
+                    world_size=world_size,
+                    **info,
+                )
+                if hook:
+                    hook("rename")
+
+            final = storage.publish(tmp, update, marker)
+            tmp_box.clear()  # published: nothing to remove any more
+            _retain(storage, retention)
         elif hook:
             hook("rename")
         peers.exchange(name)  # every rank returns once the checkpoint is renamed
@@ -131,16 +136,6 @@ def commit_checkpoint(
 
 
 _HINT = "the previous complete checkpoint is untouched; free space or fix the cause and resume"
-
-
-def _make_tmp(run_dir: Path, update: int) -> str:
-    """Rank 0: the save's temporary directory, named by update, process and time."""
-    tmp_name = f"{TMP_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
-    try:
-        (run_dir / tmp_name).mkdir()
-    except OSError as exc:
-        raise CheckpointError(f"cannot create {run_dir / tmp_name}: {exc.strerror}") from exc
-    return tmp_name
 
 
 def _complete_entries(tmp: Path, reported: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -180,36 +175,13 @@ def _nearly_full(path: Path) -> bool:
     return usage.free < min(1 << 20, usage.total // 100) or usage.free < 64 << 10
 
 
-def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
+def _retain(storage: CheckpointStorage, retention: PreservationPolicy) -> None:
     """Delete the complete checkpoints the policy does not preserve; never the newest, never an incomplete or
     handed-off one (the fork guard's marker must stay where `pack` put it)."""
-    complete = {c.update: c for c in list_checkpoints(run_dir) if c.complete and not c.handed_off}
-    newest = None  # `deleted` is oldest first
-    for update in decide(retention, complete).deleted:
-        newest = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
-        os.rename(complete[update].path, newest)
-    # The newest retired one's tensor files are written over by the next save (a DeepSpeed engine's, written by
-    # the engine itself, are not: deleted). Best effort, after the rename that made this save complete: nothing
-    # here may fail it (a bad TORCHRELAY_RECYCLE fails the next save that writes tensors, naming the variable);
-    # what cannot become the spare stays a `.deleting-*`, deleted below.
-    with contextlib.suppress(OSError, RelayError):
-        if newest is not None and recycle.enabled() and (newest / MODEL_DIR).is_dir():
-            recycle.keep_as_spare(run_dir, newest, f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}")
-    fsync_dir(run_dir)  # from here no reader sees them: what is left is freeing the space
-    doomed_dirs = [c for c in run_dir.iterdir() if c.name.startswith(DELETING_PREFIX)]
-    if doomed_dirs:
-        # Deleting gigabytes takes seconds: never on the training thread. A crash leaves `.deleting-*`
-        # directories, which the next start removes (clean_stale).
-        thread = threading.Thread(
-            target=_delete, args=(doomed_dirs,), name="torchrelay-retention", daemon=True
-        )
-        with _DELETERS_LOCK:
-            _DELETERS.append(thread)
-        thread.start()
-
-
-_DELETERS: list[threading.Thread] = []
-_DELETERS_LOCK = threading.Lock()
+    complete = [c.update for c in storage.list_complete() if c.complete and not c.handed_off]
+    doomed = decide(retention, complete).deleted
+    if doomed:
+        storage.delete(doomed)
 
 
 def _delete(paths: list[Path]) -> None:
@@ -241,11 +213,3 @@ def drop_spare(run_dir: Path) -> None:
         with contextlib.suppress(OSError):  # what is left is removed at the next start (clean_stale)
             os.rename(spare, doomed)
             _delete([doomed])
-
-
-def wait_deletions() -> None:
-    """Wait for the retention deletions started so far (a segment's end: no `.deleting-*` left behind)."""
-    with _DELETERS_LOCK:
-        threads, _DELETERS[:] = list(_DELETERS), []
-    for thread in threads:
-        thread.join()
