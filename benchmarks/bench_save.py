@@ -617,7 +617,7 @@ def persist_marks() -> Any:
     renames' fsyncs, retention, the logs' fsync): a slow update names the steps it overlapped."""
     from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
-    from torchrelay.checkpoint import commit, dcp_save, writer_process
+    from torchrelay.checkpoint import commit, dcp_save, storage, writer_process
     from torchrelay.checkpoint.state import save as state_save
 
     steps = [
@@ -629,7 +629,7 @@ def persist_marks() -> Any:
         (state_save, "write_bytes", "small_file"),
         (commit, "_complete_entries", "entries"),
         (commit, "write_inventory", "inventory"),
-        (commit, "fsync_dir", "fsync_dir"),
+        (storage, "fsync_dir", "fsync_dir"),
         (commit, "_retain", "retain"),
         (saver.Saver, "_committed", "committed_hook"),
         # the reservation's own work on its thread: a page fault pass, a registration (cudaHostRegister)

@@ -155,3 +155,21 @@ def test_the_save_and_load_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     got = json.loads(out.read_text())
     assert any(name.startswith("torchrelay resume") for name in got["loads"]), got["loads"]
+
+
+@pytest.mark.full  # eight processes of train_lm.py, two of them SIGKILLed: 80 s on a busy machine
+def test_the_memory_tier_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
+    """bench_memory_tier.py at a toy size: a plain loop, memory and durable saves every update, and the restarts
+    from each tier after a SIGKILL, every figure in its JSON (the restarts assert the tier they came from)."""
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, str(BENCH / "bench_memory_tier.py"), "--d-model", "32", "--layers", "1"]
+    cmd += ["--updates", "8", "--dir", str(tmp_path), "--json", str(out)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["state_bytes"] > 0 and got["restart_to_first_update_memory_s"] > 0, got
+    assert {
+        "blocked_per_memory_save_s",
+        "blocked_per_durable_save_s",
+        "restart_to_first_update_disk_s",
+    } <= set(got)

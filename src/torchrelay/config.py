@@ -51,6 +51,11 @@ class RelayConfig:
     )
     # also keep (and save) these updates
     keep_updates: list[int] = field(default_factory=list, metadata=RUNTIME)
+    # the memory tier (checkpoint/tiers.py): also save every this many updates into node-local memory (/dev/shm),
+    # with the durable tier's proof, resumed from first after a crash (0: no memory tier)
+    memory_every: int = field(default=0, metadata={**RUNTIME, "min": 0, "why": "0: no memory tier"})
+    # the newest memory checkpoints kept on the node
+    memory_keep: int = field(default=1, metadata={**RUNTIME, "min": 1})
     # write, hash and commit checkpoints in the background (false: the loop waits)
     async_save: bool = field(default=True, metadata=RUNTIME)
     # "exact": gradients summed in one layout-free order (run/exact_reduce.py)

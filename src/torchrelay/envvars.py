@@ -159,6 +159,10 @@ RECYCLE = Var(
     "tensor files the next save writes over instead of allocating new ones (0: delete it; the spare is removed "
     "when the segment ends either way)",
 )  # fmt: skip
+MEMORY_ROOT = Var(
+    "TORCHRELAY_MEMORY_ROOT", "path", None, "where the memory tier keeps its checkpoints on each node (default "
+    "/dev/shm/torchrelay; a tmpfs: it must outlive the training processes, docs/CHECKPOINTS.md)",
+)  # fmt: skip
 PERSIST_STALL_S = Var(
     "TORCHRELAY_PERSIST_STALL_S", "float", 300.0, "how long a rank's checkpoint write may go without progress "
     "(bytes handed to the kernel, a file fsynced, the kernel's writeback during an fsync) before it counts as "

@@ -58,6 +58,9 @@ class Segment:
     # (numerics.compare_with_history, only where it does); absent in runs made before the fields existed.
     numerics: dict[str, Any] | _Absent = ABSENT
     numerics_change: dict[str, Any] | _Absent = ABSENT
+    # The tier the resume's checkpoint came from ("memory" or "durable": checkpoint/tiers.py); absent in a segment
+    # that resumed nothing and in runs made before the field existed.
+    resumed_tier: str | _Absent = ABSENT
     extra: dict[str, Any] = field(default_factory=dict)  # fields another version wrote, kept as they were
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,6 +81,7 @@ class Segment:
             "layout_change",
             "numerics",
             "numerics_change",
+            "resumed_tier",
         }
         missing = sorted(names - optional - set(doc))
         if missing:
@@ -101,6 +105,7 @@ SEGMENT_SCHEMA = Schema({
         "runtime_changes": (dict, _NONE), "notes": [str], "ended": (str, _NONE), "exit_code": (int, _NONE),
         "stopped": (float, _NONE), "deadline": (float, _NONE), "ranks_by_host": (dict, _NONE),
         "layout_change": (dict, _NONE), "numerics": (dict, _NONE), "numerics_change": (dict, _NONE),
+        "resumed_tier": (str, _NONE),
     }.items()
 })  # fmt: skip
 

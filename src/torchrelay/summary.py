@@ -8,6 +8,8 @@ from typing import Any
 
 from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
+from torchrelay.checkpoint.storage import LocalStorage
+from torchrelay.checkpoint.tiers import memory_root
 from torchrelay.config import RelayConfig
 from torchrelay.contract import load_contract
 from torchrelay.history import read_history
@@ -109,6 +111,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
                     "layout_change",
                     "numerics",
                     "numerics_change",
+                    "resumed_tier",
                     "notes",
                 )
             }
@@ -127,7 +130,21 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
     out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]
     out["validation"] = _validation(rd.path)
+    out["memory_tier"] = _memory_tier(rd.path, cfg.memory_every, lineages[-1] if lineages else None)
     return out
+
+
+def _memory_tier(run_dir: Path, every: int, lineage: str | None) -> dict[str, Any]:
+    """The memory tier as this node holds it (checkpoint/tiers.py): where, how often, its checkpoints."""
+    root = memory_root(lineage, run_dir) if lineage else None
+    held = LocalStorage(root, spare=False).list_complete() if root is not None and root.is_dir() else []
+    return {
+        "memory_every": every,
+        "root": str(root) if root is not None else None,
+        "checkpoints": [
+            {"update": c.update, "complete": c.complete, "reason": c.reason, "bytes": c.size} for c in held
+        ],
+    }
 
 
 def _validation(run_dir: Path) -> dict[str, Any]:

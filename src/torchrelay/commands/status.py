@@ -200,6 +200,15 @@ def run(args: argparse.Namespace) -> int:
             f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
             shown(str(ck.get("kept") or "-")),
         )
+    memory = s.get("memory_tier") or {}
+    for ck in memory.get("checkpoints") or []:
+        state = "complete" if ck["complete"] else f"[red]incomplete[/]: {shown(str(ck['reason']))}"
+        c.add_row(
+            checkpoint_name(ck["update"]),
+            f"{state} (memory tier, this node)",
+            f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
+            f"memory_keep (every {memory.get('memory_every')} updates)",
+        )
     console.print(c)
     _print_validation(console, s["validation"])
     g = Table(title="segments" + (f" — {len(s['lineages'])} lineages" if len(s["lineages"]) > 1 else ""))
@@ -212,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
             notes = f"OOMs: {oom.get('caught', 0)} caught, {oom.get('fatal', 0)} fatal; " + notes
         if seg.get("runtime_changes"):
             notes = f"runtime: {seg['runtime_changes']} " + notes
+        if seg.get("resumed_tier"):
+            notes = f"resumed from the {seg['resumed_tier']} tier; " + notes
         notes = shown(notes[:80])
         g.add_row(
             str(i),

@@ -129,8 +129,13 @@ class Run:
             order=self.order,
             global_batch=self.global_batch,
             logs=(self.metrics_log, self.exposures_log),
-            saved=self.start_update if self.resume_from is not None else None,
+            # a stop saves durably even at the update a memory checkpoint holds (the node may not come back)
+            saved=self.start_update
+            if self.resume_from is not None and self.segment.resumed_tier != "memory"
+            else None,
             estimate=first_estimate(opened.last_save_s),
+            lineage=self.segment.lineage,
+            hosts=len(self.hosts),
         )
         deadline = opened.deadline
         self._agreement = StopAgreement(

@@ -15,6 +15,7 @@ from typing import Any
 
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
+from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, choose_memory, memory_root
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, write_contract
 from torchrelay.errors import ConfigError
@@ -52,6 +53,7 @@ class Start:
     layout_change: dict[str, Any] | None = None
     numerics_change: dict[str, Any] | None = None
     gate: str = ""  # the line that says which resume gate passed
+    tier: str | None = None  # the tier the checkpoint came from (checkpoint/tiers.py); None: a new run
 
 
 def create_run(
@@ -170,12 +172,14 @@ def reopen_run(
         logger.warning(f"[torchrelay] warning: {code_note}")
     rd.remove_stale_temps()
     history = read_history(rd.path)
+    tier = _newest_across_tiers(rd.path, cfg, check, world_size, history)
+    update, ckpt = tier.update, tier.checkpoint
     numerics_change = None
-    if check.checkpoint is not None and check.update < cfg.total_updates:  # refused before any write
-        numerics_change = check_resume(history, numerics, upto=check.update, strict=cfg.strict_numerics)
+    if ckpt is not None and update < cfg.total_updates:  # refused before any write
+        numerics_change = check_resume(history, numerics, upto=update, strict=cfg.strict_numerics)
     last_logged = max((int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None)
     write_history(rd.path, close_crashed(history, last_logged))
-    archived = trim_after(rd.train_dir, check.update)
+    archived = trim_after(rd.train_dir, update)
     manifest, repointed = check.manifest, None
     if not manifest.written_under(cfg.data_root) and _is_own_copy(rd, manifest):
         # data_root is a runtime field: the run's copy is re-pointed at this launch's root, as `prepare` does,
@@ -194,9 +198,9 @@ def reopen_run(
         atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     if not manifest.index_current:  # the next launch, and the other ranks now, read no line
         manifest.save_index(rd.manifest_index_path)
-    update, ckpt = check.update, check.checkpoint
-    reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None else None
+    reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None and tier.tier == DURABLE else None
     notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
+    notes += tier.refused
     if reclaim_note:
         notes.append(reclaim_note)
     if repointed:
@@ -226,8 +230,43 @@ def reopen_run(
         notes=notes,
         layout_change=layout_change,
         numerics_change=numerics_change,
-        gate=check.passed[-1],
+        gate=check.passed[-1] if tier.tier == DURABLE else f"resuming from the memory tier: {ckpt}",
+        tier=tier.tier if ckpt is not None else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Tiered:
+    checkpoint: Path | None
+    update: int
+    tier: str
+    refused: list[str]
+
+
+def _newest_across_tiers(
+    run_dir: Path, cfg: RelayConfig, check: Any, world_size: int, history: list[dict[str, Any]]
+) -> _Tiered:
+    """The checkpoint a resume takes: this node's newest verified memory checkpoint when it is newer than the
+    durable tier's (checkpoint/tiers.py), else the durable one; each refused candidate in one line, logged."""
+    lineage = read_lineage(run_dir).get("lineage")
+    if lineage is None or check.layout_change:  # a layout change resumes from the durable tier, as before
+        return _Tiered(check.checkpoint, check.update, DURABLE, [])
+    binding = Binding(
+        lineage=lineage,
+        run_dir=str(run_dir),
+        contract_sha256=check.recorded["sha256"],
+        world_size=world_size,
+        micro_batch=cfg.micro_batch,
+        grad_accum=cfg.grad_accum,
+    )
+    segments = {str(s.get("segment")) for s in history}
+    choice = choose_memory(memory_root(lineage, run_dir), binding, check.update, segments)
+    for line in choice.refused:
+        logger.warning(f"[torchrelay] {line}; the next tier is used")
+    if choice.checkpoint is None:
+        return _Tiered(check.checkpoint, check.update, DURABLE, choice.refused)
+    logger.info(f"[torchrelay] resuming from the memory tier: {choice.checkpoint} (update {choice.update})")
+    return _Tiered(choice.checkpoint, choice.update, MEMORY, choice.refused)
 
 
 def last_segment(history: list[dict[str, Any]]) -> str | None:

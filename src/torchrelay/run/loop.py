@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from torchrelay.checkpoint.policy import SaveContext
+from torchrelay.checkpoint.tiers import MEMORY
 from torchrelay.config import RelayConfig
 from torchrelay.data.loader import RankBatches, RelayLoader
 from torchrelay.data.order import GlobalOrder
@@ -210,8 +212,12 @@ class Loop:
                 done += 1
                 if not it.failed:  # a rank that holds a failure logs nothing it did not read
                     self._record(step, dt)
-                if saver.due(done):
+                saver.after_update(done)  # the warm-up's side effects; the decision below is pure
+                verdict = saver.policy.decide(SaveContext(done, cfg.total_updates))
+                if verdict.durable:
                     saver.save(done)
+                elif verdict.memory:
+                    saver.save(done, MEMORY)
         finally:
             it.close()  # stops loader workers (a Step the script still holds keeps only the Feed)
 

@@ -48,6 +48,7 @@ class Settled:
     gate: str  # the line that says which resume gate passed
     last_save_s: float | None  # how long that checkpoint took to save
     manifest_sha256: str  # the manifest's, so that the other ranks read only its index
+    tier: str | None = None  # the tier the checkpoint came from (checkpoint/tiers.py)
 
 
 @dataclass(slots=True)
@@ -255,6 +256,7 @@ class SegmentOpener:
             gate=start.gate,
             last_save_s=start.last_save_s,
             manifest_sha256=start.manifest.sha256(),
+            tier=start.tier,
         )
 
     def _segment(self, start: Start, numerics: dict[str, Any]) -> Segment:
@@ -288,6 +290,7 @@ class SegmentOpener:
             layout_change=start.layout_change if start.layout_change else ABSENT,
             numerics=numerics,
             numerics_change=start.numerics_change or ABSENT,
+            resumed_tier=start.tier if ckpt and start.tier else ABSENT,
         )
 
     # ------------------------------------------------------------------------------------- refusing

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_deletions
@@ -25,7 +27,10 @@ from torchrelay.checkpoint.deepspeed_engine import is_engine
 from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.persist import Persister
-from torchrelay.checkpoint.retention import policy_for
+from torchrelay.checkpoint.policy import SaveContext, SaveDecision
+from torchrelay.checkpoint.retention import LatestN, PreservationPolicy, policy_for
+from torchrelay.checkpoint.storage import LocalStorage, as_storage
+from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, capacity, forget, memory_storage, node_free
 from torchrelay.checkpoint.writer_process import PROCESS, WriterProcess, can_share, writer_mode
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
@@ -34,7 +39,6 @@ from torchrelay.layout import checkpoint_name
 from torchrelay.ledger_proof import ProofSpawner
 from torchrelay.log import logger
 from torchrelay.run.restore import Tracked
-from torchrelay.rundir import RunDir
 from torchrelay.train_records import RankLog
 from torchrelay.util import collective
 from torchrelay.util.records import read_json_or_none
@@ -65,6 +69,8 @@ class Saver:
         logs: tuple[RankLog, ...],
         saved: int | None,
         estimate: float,
+        lineage: str | None = None,
+        hosts: int = 1,
     ) -> None:
         self._run_dir = run_dir
         self._config = config
@@ -78,14 +84,30 @@ class Saver:
         self._logs = logs
         # a checkpoint kept for later (keep_updates, keep_every) is written even between save_every's
         self._retention = policy_for(config)
+        # The memory tier (checkpoint/tiers.py): node-local, so only while every rank is on one node (a replica on
+        # a partner node is not built); the first memory save checks what it needs against what the node has.
+        self._memory: LocalStorage | None = None
+        self._memory_keep = config.memory_keep
+        self._memory_sized = False
+        self._memory_last = -1  # the newest update in the memory tier this segment
+        self._lineage = lineage
+        if config.memory_every > 0 and lineage and hosts > 1:
+            if rank == 0:
+                logger.warning(f"[torchrelay] memory tier off: the ranks run on {hosts} nodes and it keeps one "
+                               "node's memory (no partner replica yet); the durable tier saves as before")  # fmt: skip
+        elif config.memory_every > 0 and lineage:
+            self._memory = memory_storage(lineage, run_dir)
+        self.policy = SaveDecision(
+            config.save_every, self._retention, config.memory_every if self._memory else 0
+        )
         self.last = saved if saved is not None else -1  # the newest update with a checkpoint (resumed from)
         self.estimate = estimate  # seconds a save takes, for the budget policy: the slowest so far
         self._background = config.async_save
-        # An async save's DCP files are written by a writer process of this rank's own (writer_process.py): its
-        # host buffers are then shared mappings the writer maps too. The thread path stays for the inline save,
-        # DeepSpeed engines (which write their own files), TORCHRELAY_PERSIST_WRITER=thread, and where memfd or
-        # the process cannot be had.
-        self._use_process = self._background and writer_mode() == PROCESS and can_share()
+        # How a save is written is chosen here, once: inline (`async_save: false`), a thread of this process, or a
+        # writer process of this rank's own (writer_process.py), whose host buffers are shared mappings it maps
+        # too. A DeepSpeed engine writes its own files inline whatever is chosen (it is known at the first save).
+        self._strategy = strategy(config)
+        self._use_process = self._strategy == PROCESS
         self._tuning = config.save_tuning
         self._stage = HostStage(shared=self._use_process, tuning=self._tuning)
         self._writer: WriterProcess | None = None
@@ -104,12 +126,15 @@ class Saver:
         self._proofs = ProofSpawner(run_dir) if rank == 0 else None
 
     def due(self, done: int) -> bool:
-        """Whether the update just done saves: every `save_every`, or one that retention keeps (not the last:
-        the end of the schedule saves as a stop does). After a segment's first update (the optimizer holds its
-        state from its first step on) it also starts allocating the host buffers saves copy into, on a thread,
-        and freezes the collector's heap (`freeze_gc`). The three are spread over the segment's first three
-        updates, each after its own, so that no one update carries all three; a save due before they are done
-        obtains what it needs in its stall."""
+        """The loop's two calls in one: `after_update(done)`, then whether `policy` saves `done` durably."""
+        self.after_update(done)
+        return self.policy.decide(SaveContext(done, self._config.total_updates)).durable
+
+    def after_update(self, done: int) -> None:
+        """The warm-up, one step after each of a segment's first three updates (the optimizer holds its state
+        from its first step on): freeze the collector's heap (`freeze_gc`), start allocating the host buffers
+        saves copy into (on a thread), start the writer process (the process strategy). Spread so that no one
+        update carries all three; a save due before they are done obtains what it needs in its stall."""
         self._dues += 1
         if self._froze is None:
             self._froze = self._tuning.freeze_gc and gc.isenabled()
@@ -122,8 +147,6 @@ class Saver:
             ckpt_state.reserve(self._stage, tracked.model, tracked.optimizer, self._rank)
         elif self._dues == 3:
             self._start_writer()
-        cfg = self._config
-        return (done % cfg.save_every == 0 or self._retention.saves_at(done)) and done < cfg.total_updates
 
     def _start_writer(self) -> None:
         """Start (or, after one died, start again) this rank's writer process; on the training thread, whose
@@ -150,10 +173,17 @@ class Saver:
         nothing is the same run, and a checkpoint of an optimizer that never stepped would hold a made-up step."""
         return self.last != done and done > 0
 
-    def save(self, update: int) -> Path:
+    def save(self, update: int, tier: str = DURABLE) -> Path | None:
         """checkpoint-<update>: logs made durable, the state copied into host buffers, then the commit protocol
-        across ranks and retention, on the persist thread (`async_save`) or before returning."""
+        across ranks and retention, on the persist thread (`async_save`) or before returning. `tier` MEMORY: into
+        the memory tier, the logs handed to the OS only (they outlive the processes as the tier does); None when
+        the node has no room for it (said once)."""
         self._wait_persist()  # the buffers are reused: a save due while one persists waits for it
+        memory = tier == MEMORY
+        if memory and not self._memory_fits():
+            return None
+        where: Path | LocalStorage = self._memory if memory and self._memory is not None else self._run_dir
+        retention: PreservationPolicy = LatestN(self._memory_keep) if memory else self._retention
         started = time.perf_counter()
         loop = {
             "update": update,
@@ -167,13 +197,15 @@ class Saver:
         }
         tracked = self._tracked
         info = {"contract_sha256": self._contract_sha, "segment": self._segment, "created": time.time()}
+        if memory:
+            info |= self._binding().info()
         if is_engine(tracked.model):
             # A DeepSpeed engine writes its files itself, with collectives on the training's process group: the
             # whole save runs here, on the training thread, as with async_save false.
             for log in self._logs:
-                log.flush(durable=True)
+                log.flush(durable=not memory)
             _, seconds = commit_checkpoint(
-                self._run_dir,
+                where,
                 update,
                 lambda tmp, hook: ckpt_state.save_state(
                     tmp,
@@ -188,22 +220,17 @@ class Saver:
                 rank=self._rank,
                 world_size=self._world_size,
                 info=info,
-                retention=self._retention,
+                retention=retention,
                 started=started,
             )
-            self.estimate = max(self.estimate, seconds) if self.estimate else seconds
-            self._committed(update)
-            self.last = update
-            return RunDir(self._run_dir).checkpoint(update)
+            self._saved(update, seconds, memory)
+            return self._submitted(update, where, memory)
         group, background = (self._peers.group if self._peers else None), self._background
         if background:
             self._start_writer()
-        # a writer still starting (it imports torch) is not waited for: this save writes from the persist thread;
-        # but a crash test's kill or stop of this save's writer (kill_points.WRITER, STALL) must land in the writer
+        # The strategy holds for every save: a writer still starting (it imports torch) is waited for.
         fault = kill_points.write_fault(update, self._rank)
-        process = (
-            self._writer if self._writer is not None and self._writer.ready(wait=fault is not None) else None
-        )
+        process = self._writer if self._writer is not None and self._writer.ready(wait=True) else None
         if process is not None:
             process.die, process.stall = fault == kill_points.WRITER, fault == kill_points.STALL
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
@@ -226,7 +253,10 @@ class Saver:
         # The logs up to this update must be on disk before the checkpoint is committed, not before the loop goes
         # on: each log's lines go to the OS here, and its fsync (a journal commit) runs
         # first in the persist, not in the loop's stall.
-        unsynced = [log.sync_later() for log in self._logs]
+        unsynced = [] if memory else [log.sync_later() for log in self._logs]
+        if memory:
+            for log in self._logs:
+                log.flush()
 
         def write(tmp: Path, hook: Any) -> Any:
             # copies a save before the buffers were all obtained left to the persist (`spill_to_device`):
@@ -239,22 +269,68 @@ class Saver:
         def persist() -> None:
             _sync_logs(unsynced)
             _, seconds = commit_checkpoint(
-                self._run_dir,
+                where,
                 update,
                 write,
                 rank=self._rank,
                 world_size=self._world_size,
                 info=info,
-                retention=self._retention,
+                retention=retention,
                 group=group,
                 started=started,
             )
-            self.estimate = max(self.estimate, seconds) if self.estimate else seconds
-            self._committed(update)
+            self._saved(update, seconds, memory)
 
         self._persister.submit(update, persist, rank=self._rank)
-        self.last = update
-        return RunDir(self._run_dir).checkpoint(update)
+        return self._submitted(update, where, memory)
+
+    def _submitted(self, update: int, where: Path | LocalStorage, memory: bool) -> Path:
+        """The newest update saved (committed, or being committed), per tier; its path."""
+        if memory:
+            self._memory_last = update
+        else:
+            self.last = update
+        return as_storage(where).root / checkpoint_name(update)
+
+    def _saved(self, update: int, seconds: float, memory: bool) -> None:
+        """After checkpoint-<update> is committed (on the thread that committed it)."""
+        if memory:
+            return  # the budget plans the durable save a stop makes; the ledger's prover reads the run directory
+        self.estimate = max(self.estimate, seconds) if self.estimate else seconds
+        self._committed(update)
+
+    def _binding(self) -> Binding:
+        return Binding(
+            lineage=str(self._lineage),
+            run_dir=str(self._run_dir),
+            contract_sha256=self._contract_sha,
+            world_size=self._world_size,
+            micro_batch=self._config.micro_batch,
+            grad_accum=self._config.grad_accum,
+        )
+
+    def _memory_fits(self) -> bool:
+        """Whether the memory tier saves, its slots checked against the node once, at its first save: every rank's
+        state summed, against rank 0's /dev/shm and RAM (the ranks decide alike from the same numbers). Too little
+        room reduces `memory_keep` or turns the tier off, in one line, before a byte is written."""
+        if self._memory is None:
+            return False
+        if self._memory_sized:
+            return True
+        self._memory_sized = True
+        group = self._peers.group if self._peers else None
+        mine = (_state_bytes(self._tracked), *node_free())
+        with collective.ranks(group).phase("sizing the memory tier"):
+            gathered = collective.ranks(group).all_gather("sizing the memory tier", lambda: mine)
+        total = sum(int(g[0]) for g in gathered)
+        keep, line = capacity(total, self._memory_keep, int(gathered[0][1]), int(gathered[0][2]))
+        if line and self._rank == 0:
+            logger.warning(f"[torchrelay] {line}")
+        self._memory_keep = keep
+        if keep == 0:
+            self._memory = None
+            self.policy = SaveDecision(self._config.save_every, self._retention)
+        return keep > 0
 
     def _committed(self, update: int) -> None:
         """After checkpoint-<update> is committed (on the thread that committed it): the ledger's prover, maybe."""
@@ -293,8 +369,10 @@ class Saver:
     def close(self) -> None:
         """Wait for what is pending and for the deletions retention started (closing the Run calls it, on any
         exit)."""
+        committed = False
         try:
             self.wait()
+            committed = True
         finally:
             if self._writer is not None:
                 self._writer.close()
@@ -306,7 +384,44 @@ class Saver:
             self._froze = False
             if self._rank == 0 and not self._persister.stuck:  # a stuck persist may still be writing into it
                 drop_spare(self._run_dir)
+            if (
+                committed
+                and self._rank == 0
+                and self._memory is not None
+                and 0 <= self._memory_last <= self.last
+            ):
+                forget(self._lineage, self._run_dir)  # the durable tier holds a newer (or the same) update
             wait_deletions()
+
+
+INLINE, THREAD = "inline", "thread"
+
+
+def strategy(config: RelayConfig) -> str:
+    """How this run's saves are written, chosen when it opens: `inline` (async_save false), `process` (a writer
+    process per rank: TORCHRELAY_PERSIST_WRITER and memfd allowing), else `thread`."""
+    if not config.async_save:
+        return INLINE
+    return PROCESS if writer_mode() == PROCESS and can_share() else THREAD
+
+
+def _state_bytes(tracked: Tracked) -> int:
+    """The bytes of this rank's model and optimizer tensors (its own shard of a distributed tensor)."""
+    total = 0
+    docs = [tracked.model.state_dict() if tracked.model is not None else {}]
+    if tracked.optimizer is not None:
+        docs.append(tracked.optimizer.state_dict().get("state", {}))
+    stack: list[Any] = list(docs)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor):
+            local = getattr(item, "_local_tensor", item)
+            total += local.numel() * local.element_size()
+    return total
 
 
 def _sync_logs(fds: list[int]) -> None:

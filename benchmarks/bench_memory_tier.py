@@ -1,0 +1,194 @@
+"""The memory tier on the CPU: what a memory checkpoint costs the loop, and what it saves a restart.
+
+    python benchmarks/bench_memory_tier.py --d-model 512 --layers 8 --updates 30 --json out.json
+
+One process (world size 1, gloo) of examples/train_lm.py, each measurement a fresh run directory:
+- the loop's gap between two updates (the `time` of update k minus that of k-1 minus k's `update_time`, from the
+  run's own metrics log): a plain loop (no save), a memory checkpoint after every update (`memory_every: 1`), a
+  durable checkpoint after every update (`save_every: 1`); blocked per save = the median gap minus the plain one;
+- restart to the first update after a SIGKILL: from the memory tier, and from the durable tier (a checkpoint of
+  the same state on disk), each from the relaunch's process start (imports included, the same for both) to the
+  `time` its first update logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve()
+EXAMPLES = HERE.parents[1] / "examples"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHRELAY_", "SLURM_"))}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = HERE.parents[1] / "src"
+    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = f"{src}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def _config(out: Path, args: argparse.Namespace) -> Path:
+    sys.path.insert(0, str(EXAMPLES))
+    import prepare_data  # type: ignore[import-not-found]
+
+    root, manifest = prepare_data.build(out / "data", 12, 256)
+    cfg = yaml.safe_load((EXAMPLES / "lm.yaml").read_text())
+    cfg.update(manifest=str(manifest), data_root=str(root), total_updates=args.updates, warmup_updates=1)
+    cfg.update(micro_batch=2, grad_accum=1, save_every=args.updates)
+    cfg["params"].update(d_model=args.d_model, layers=args.layers, heads=4, seq_len=32, dropout=0.0)
+    path = out / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _cmd(run: Path, config: Path | None, sets: dict[str, Any]) -> list[str]:
+    cmd = [sys.executable, str(EXAMPLES / "train_lm.py"), "--run-dir", str(run)]
+    cmd += ["--config", str(config)] if config else []
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    return cmd
+
+
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "train" / "metrics-rank0.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    out = []
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut by the kill
+            out.append(json.loads(line))
+    return out
+
+
+def gaps(run: Path) -> list[float]:
+    """The loop's time between updates, beyond the updates themselves (the save's stall is in it)."""
+    rows = _metrics(run)
+    return [
+        b["time"] - a["time"] - b["update_time"]
+        for a, b in zip(rows, rows[1:], strict=False)
+        if b["update"] == a["update"] + 1
+    ][1:]  # the first gap holds the warm-up's start
+
+
+def _loop(out: Path, config: Path, name: str, sets: dict[str, Any]) -> float:
+    run = out / name
+    done = subprocess.run(_cmd(run, config, sets), env=_env(), capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-2000:]}")
+    return statistics.median(gaps(run))
+
+
+def _killed_then_restarted(
+    out: Path, config: Path, name: str, sets: dict[str, Any], at: int, tier: str
+) -> float:
+    """SIGKILL the run once `at` is saved in `tier`; relaunch; seconds from the relaunch to its first update."""
+    run = out / name
+    proc = subprocess.Popen(
+        _cmd(run, config, sets | {"params.min_update_s": 0.5}), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.time() + 1800
+    while time.time() < deadline and proc.poll() is None:
+        if _saved(run, at, tier):
+            break
+        time.sleep(0.01)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _saved(run, at, tier), f"{name}: checkpoint-{at} not saved in the {tier} tier before the kill"
+    if tier == "durable":
+        _forget_memory(run)
+    started = time.time()
+    # the first launch was paced (a runtime param: no bit changes) so that the kill lands mid-run; this one is not
+    relaunch = _cmd(run, None, {"params.min_update_s": 0})
+    done = subprocess.run(relaunch, env=_env(), capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} relaunch: exit {done.returncode}: {done.stderr[-2000:]}")
+    history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines() if x.strip()]
+    assert history[-1].get("resumed_tier") == tier, history[-1]
+    first = history[-1]["first_update"]
+    return next(r["time"] for r in _metrics(run) if r["update"] == first) - started
+
+
+def _memory_root(run: Path) -> Path:
+    from torchrelay.checkpoint.tiers import memory_root
+
+    return memory_root(json.loads((run / "lineage.json").read_text())["lineage"], run)
+
+
+def _saved(run: Path, at: int, tier: str) -> bool:
+    if not (run / "lineage.json").exists():
+        return False
+    where = _memory_root(run) if tier == "memory" else run
+    return any(
+        int(p.parent.name.split("-")[1]) >= at
+        for p in where.glob("checkpoint-*/COMPLETE.json")
+        if p.is_file()
+    )
+
+
+def _forget_memory(run: Path) -> None:
+    if (run / "lineage.json").exists():
+        shutil.rmtree(_memory_root(run), ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--updates", type=int, default=20)
+    p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    out = Path(tempfile.mkdtemp(prefix="bench-memory-", dir=args.dir))
+    try:
+        config = _config(out, args)
+        plain = _loop(out, config, "plain", {})
+        memory = _loop(out, config, "memory", {"memory_every": 1})
+        durable = _loop(out, config, "durable", {"save_every": 1})
+        at = max(2, args.updates // 2)
+        from_memory = _killed_then_restarted(out, config, "restart-memory", {"memory_every": 1}, at, "memory")
+        from_disk = _killed_then_restarted(out, config, "restart-disk", {"save_every": at}, at, "durable")
+        state_bytes = sum(
+            f.stat().st_size
+            for f in (out / "durable" / f"checkpoint-{args.updates}").rglob("*")
+            if f.is_file()
+        )
+        result = {
+            "state_bytes": state_bytes,
+            "gap_plain_s": plain,
+            "blocked_per_memory_save_s": memory - plain,
+            "blocked_per_durable_save_s": durable - plain,
+            "restart_to_first_update_memory_s": from_memory,
+            "restart_to_first_update_disk_s": from_disk,
+        }
+        print(json.dumps(result, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+    finally:
+        for run in out.glob("*"):
+            _forget_memory(run)
+        shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

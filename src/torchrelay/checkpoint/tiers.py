@@ -1,0 +1,190 @@
+"""The node-local memory tier: checkpoints every `memory_every` updates in /dev/shm, with the durable tier's proof.
+
+A memory checkpoint is written by the same commit protocol into another storage (storage.LocalStorage over
+/dev/shm/torchrelay/<lineage>/<run>/): tmpfs outlives the training processes, so a SIGKILL of every rank leaves it,
+and a relaunch on the same node resumes from it instead of from the run directory. Its inventory is the durable
+one's (sizes, SHA-256, part states, marker last) plus what binds it to this run: lineage, run directory, segment,
+contract digest, world layout and host. At open, rank 0 takes the newest memory checkpoint newer than the newest
+durable one only after hashing every file and checking every binding; anything else is refused in one line and the
+next candidate (in the end the durable tier) is used. Memory checkpoints are never packed, handed off, validated or
+exported: those read the run directory only. Memory checkpoints past the chosen update (a future a resume threw
+away) are deleted at open, so none of them can be chosen later against a shorter history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchrelay import envvars
+from torchrelay.checkpoint.commit import clean_stale
+from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.storage import LocalStorage
+from torchrelay.errors import RelayError, one_line
+from torchrelay.layout import checkpoint_name
+
+MEMORY, DURABLE = "memory", "durable"
+
+
+def memory_root(lineage: str, run_dir: Path) -> Path:
+    """Where this run's memory checkpoints live on this node: by lineage, then by run directory (a copy of a run
+    directory shares its lineage, never its memory checkpoints)."""
+    base = Path(envvars.MEMORY_ROOT.get() or "/dev/shm/torchrelay")
+    where = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return base / lineage / where
+
+
+def memory_storage(lineage: str, run_dir: Path) -> LocalStorage:
+    """The memory tier's storage, its folder made (owner only) if it is not there."""
+    root = memory_root(lineage, run_dir)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return LocalStorage(root, spare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """What a memory checkpoint must name to be this run's, at this layout."""
+
+    lineage: str
+    run_dir: str
+    contract_sha256: str
+    world_size: int
+    micro_batch: int
+    grad_accum: int
+
+    def info(self) -> dict[str, Any]:
+        """The inventory fields a memory save adds to the durable tier's."""
+        return {
+            "tier": MEMORY,
+            "lineage": self.lineage,
+            "run_dir": self.run_dir,
+            "host": socket.gethostname(),
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+        }
+
+    def mismatch(self, doc: dict[str, Any], segments: set[str]) -> str | None:
+        """The first binding `doc` (a memory checkpoint's inventory) breaks, or None."""
+        want = {
+            "tier": MEMORY,
+            "lineage": self.lineage,
+            "run_dir": self.run_dir,
+            "contract_sha256": self.contract_sha256,
+            "world_size": self.world_size,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "host": socket.gethostname(),
+        }
+        for key, value in want.items():
+            if doc.get(key) != value:
+                return f"its {key} is {str(doc.get(key))[:80]!r}, this launch's is {str(value)[:80]!r}"
+        if doc.get("segment") not in segments:
+            return f"its segment {str(doc.get('segment'))[:40]!r} is not in this run's history"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The memory checkpoint a resume takes (None: the durable tier's), and one line per refused candidate."""
+
+    checkpoint: Path | None
+    update: int
+    refused: list[str]
+
+
+def choose_memory(root: Path, binding: Binding, durable_update: int, segments: set[str]) -> Choice:
+    """Rank 0 at open: the newest memory checkpoint newer than `durable_update` whose every file matches its
+    inventory and whose inventory names this run; then everything past the chosen update is deleted."""
+    storage = LocalStorage(root, spare=False)
+    refused: list[str] = []
+    chosen: tuple[Path, int] | None = None
+    if root.is_dir():
+        clean_stale(root)  # a save cut by the kill
+        for info in reversed(storage.list_complete()):
+            if info.update <= durable_update:
+                break
+            if not info.complete:
+                refused.append(f"memory {info.path.name} refused: {info.reason[:200]}")
+                continue
+            try:
+                doc = validate_complete(info.path, hashes=True)
+            except (RelayError, OSError) as exc:
+                why = exc.message if isinstance(exc, RelayError) else one_line(exc)
+                refused.append(f"memory {info.path.name} refused: {why[:300]}")
+                continue
+            bad = binding.mismatch(doc, segments)
+            if bad is not None:
+                refused.append(f"memory {info.path.name} refused: {bad}")
+                continue
+            chosen = (info.path, info.update)
+            break
+        keep = chosen[1] if chosen else durable_update
+        for info in storage.list_complete():
+            if info.update > keep:
+                shutil.rmtree(info.path, ignore_errors=True)
+    if chosen is None:
+        return Choice(None, durable_update, refused)
+    return Choice(chosen[0], chosen[1], refused)
+
+
+def forget(lineage: str | None, run_dir: Path) -> None:
+    """Delete this run's memory checkpoints on this node (a finished run, whose durable tier has the end)."""
+    if lineage:
+        root = memory_root(lineage, run_dir)
+        shutil.rmtree(root, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            root.parent.rmdir()  # the lineage's folder, once no run directory of it has a memory tier here
+
+
+def capacity(total_bytes: int, keep: int, shm_free: int, ram_free: int) -> tuple[int, str | None]:
+    """How many memory checkpoints fit (`keep`, fewer, or 0: off), and the one line saying why when not `keep`.
+    A save holds keep + 1 slots at its peak (the new one is published before retention deletes the oldest)."""
+    room = min(shm_free, ram_free)
+    if total_bytes <= 0 or total_bytes * (keep + 1) <= room:
+        return keep, None
+    fits = room // total_bytes - 1
+    need = _gib(total_bytes * (keep + 1))
+    if fits >= 1:
+        return int(fits), (
+            f"memory tier reduced to memory_keep {fits}: {keep} + 1 slots of {_gib(total_bytes)} need {need}, this "
+            f"node has {_gib(shm_free)} free in /dev/shm and {_gib(ram_free)} of RAM available"
+        )
+    return 0, (
+        f"memory tier off for this segment: 2 slots of {_gib(total_bytes)} do not fit in {_gib(shm_free)} free in "
+        f"/dev/shm and {_gib(ram_free)} of RAM available; the durable tier saves as before"
+    )
+
+
+def node_free() -> tuple[int, int]:
+    """Bytes free in the memory tier's file system and RAM available on this node."""
+    base = Path(envvars.MEMORY_ROOT.get() or "/dev/shm")
+    while not base.exists():
+        base = base.parent
+    st = os.statvfs(base)
+    ram = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    ram = int(line.split()[1]) * 1024
+    except OSError:
+        ram = st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize, ram
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def describe(root: Path) -> list[str]:
+    """`status`'s lines for the memory tier of this node: its complete checkpoints."""
+    if not root.is_dir():
+        return []
+    ckpts = [c for c in LocalStorage(root, spare=False).list_complete() if c.complete]
+    return [f"memory tier ({root}): {', '.join(checkpoint_name(c.update) for c in ckpts) or 'none'}"]

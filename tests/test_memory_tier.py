@@ -1,0 +1,189 @@
+"""The memory tier (checkpoint/tiers.py): checkpoints every `memory_every` updates in node-local memory, with the
+durable tier's proof. Real 2-rank torchrun jobs, SIGKILLed whole: a relaunch resumes from memory, refuses a memory
+checkpoint with one flipped byte in one line and takes the durable tier, and ends bit for bit equal to the
+uninterrupted run with its ledger proved; the save decision and the capacity check are pure and tested as such."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import assert_same_final_state, assert_same_logs, launch, launch_bg, metrics, segments
+from kill_campaign import kill_job
+from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.policy import SaveContext, SaveDecision, SaveVerdict
+from torchrelay.checkpoint.retention import EveryN, LatestN
+from torchrelay.checkpoint.tiers import capacity, memory_root
+from torchrelay.ledger import prove
+from torchrelay.proctree import Tree
+from torchrelay.summary import summarize
+
+U = 16  # the example's total_updates (save_every 8)
+
+
+# ------------------------------------------------------------------------------------------- pure decisions
+def test_the_save_decision_is_pure_and_durable_wins_over_memory() -> None:
+    decide = SaveDecision(save_every=4, retention=EveryN(0), memory_every=1).decide
+    assert decide(SaveContext(3, 10)) == SaveVerdict(memory=True)
+    assert decide(SaveContext(4, 10)) == SaveVerdict(durable=True)  # never both: the durable one is newer
+    assert not decide(SaveContext(10, 10))  # the end of the schedule saves as a stop does
+    assert not SaveDecision(save_every=4, retention=LatestN(2)).decide(SaveContext(3, 10))  # no memory tier
+    every3 = SaveDecision(save_every=8, retention=EveryN(5), memory_every=3).decide
+    assert [u for u in range(1, 16) if every3(SaveContext(u, 16)).memory] == [3, 6, 9, 12]
+    assert [u for u in range(1, 16) if every3(SaveContext(u, 16)).durable] == [5, 8, 10, 15]
+
+
+def test_capacity_keeps_reduces_or_refuses_in_one_line() -> None:
+    gib = 1 << 30
+    assert capacity(1 * gib, 2, shm_free=10 * gib, ram_free=10 * gib) == (2, None)
+    keep, line = capacity(2 * gib, 4, shm_free=7 * gib, ram_free=100 * gib)
+    assert keep == 2 and line is not None and "\n" not in line, line
+    assert line.startswith("memory tier reduced to memory_keep 2: 4 + 1 slots of 2.00 GiB need 10.00 GiB"), (
+        line
+    )
+    keep, line = capacity(3 * gib, 1, shm_free=100 * gib, ram_free=5 * gib)  # RAM, not /dev/shm, is short
+    assert keep == 0 and line is not None and line.startswith("memory tier off for this segment"), line
+
+
+# -------------------------------------------------------------------------------------------- real kills
+@pytest.fixture
+def tier_runs(tmp_path: Path) -> Iterator[list[Path]]:
+    """Run directories whose memory tier (in /dev/shm) is removed after the test, whatever it left."""
+    runs: list[Path] = []
+    yield runs
+    for run in runs:
+        lineage = (
+            json.loads((run / "lineage.json").read_text())["lineage"]
+            if (run / "lineage.json").exists()
+            else None
+        )
+        if lineage:
+            shutil.rmtree(memory_root(lineage, run).parent, ignore_errors=True)
+
+
+def _memory_root(run: Path) -> Path:
+    return memory_root(json.loads((run / "lineage.json").read_text())["lineage"], run)
+
+
+def _last_logged(run: Path) -> int:
+    rows = metrics(run, 0)
+    return int(rows[-1]["update"]) if rows else 0
+
+
+def _kill_at(example: dict[str, Path], run: Path, update: int, **kw: Any) -> int:
+    """Launch, SIGKILL the whole job (launcher, ranks, workers) once this launch's rank 0 logged `update`; returns
+    the last update logged."""
+    before = len(segments(run)) if (run / "history.jsonl").exists() else 0
+    proc = launch_bg(example["code"], run, **kw)
+    tree = Tree(proc.pid)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        tree.collect()
+        opened = (run / "history.jsonl").exists() and len(segments(run)) > before
+        if opened and (run / "train" / "metrics-rank0.jsonl").exists() and _last_logged(run) >= update:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, (
+        f"the job ended before update {update}: {proc.stdout.read() if proc.stdout else ''}"
+    )
+    kill_job(tree, proc)  # type: ignore[arg-type]
+    return _last_logged(run)
+
+
+def _finish(example: dict[str, Path], run: Path, **kw: Any) -> subprocess.CompletedProcess[str]:
+    out = launch(example["code"], run, **kw)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_sigkill_resumes_from_memory_and_a_flipped_byte_falls_back_to_durable(
+    example: dict[str, Path], baseline: Path, tmp_path: Path, tier_runs: list[Path]
+) -> None:
+    """(c) then (a): a memory checkpoint with one byte flipped is refused in one line naming the file and the
+    durable checkpoint-8 is used; killed again, the next launch resumes from memory, losing at most K=1 update
+    and the one during which the newest memory checkpoint was still being committed in the background;
+    the run ends bit for bit as the uninterrupted one, its ledger proved, history naming each resume's tier."""
+    run = tmp_path / "run"
+    tier_runs.append(run)
+    sets = {"memory_every": 1, "params.min_update_s": 0.2}  # paced (no bit changes): the kills land mid-run
+    last = _kill_at(example, run, 10, config=example["config"], sets=sets)
+    root = _memory_root(run)
+    held = sorted(root.glob("checkpoint-*"))
+    assert len(held) == 1 and (held[0] / "COMPLETE.json").exists(), held  # memory_keep 1
+    saved = int(held[0].name.split("-")[1])
+    assert last - 2 <= saved <= last and saved > 8, (saved, last)  # K=1, plus the one persisting
+    doc = json.loads((held[0] / "COMPLETE.json").read_text())
+    assert doc["tier"] == "memory" and doc["world_size"] == 2 and doc["run_dir"] == str(run.resolve())
+    held_state = summarize(run)["memory_tier"]
+    assert [c["update"] for c in held_state["checkpoints"]] == [saved], held_state  # status shows the tier
+    victim = max((held[0] / "model").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+    last = _kill_at(example, run, min(U - 2, last + 2), sets=sets)
+    seg = segments(run)[1]
+    assert seg["resumed_from"] == 8 and seg["resumed_tier"] == "durable", seg
+    refusal = [n for n in seg["notes"] if n.startswith("memory checkpoint-")]
+    assert refusal == [
+        f"memory {held[0].name} refused: {victim} does not match its SHA-256 in COMPLETE.json"
+    ], seg
+    for ckpt in root.glob(
+        "checkpoint-*"
+    ):  # the refused one was deleted at open: what the tier holds verifies
+        validate_complete(ckpt)
+
+    # memory_keep is a runtime field: a count the node cannot hold is reduced at the first memory save, in one line
+    out = _finish(example, run, sets={"memory_keep": 10**12, "params.min_update_s": 0})
+    reduced = [x for x in (out.stdout + out.stderr).splitlines() if "memory tier reduced to memory_keep" in x]
+    assert len(reduced) == 1 and "GiB free in /dev/shm" in reduced[0], out.stdout[-2000:]
+    seg = segments(run)[2]
+    assert seg["resumed_tier"] == "memory" and last - 2 <= seg["resumed_from"] <= last, (seg, last)
+    assert "resuming from the memory tier" in out.stdout + out.stderr
+    assert_same_final_state(baseline, run, U)
+    assert_same_logs(baseline, run)
+    assert prove(run).ok
+    assert not root.exists()  # a finished run's memory tier is given back
+
+
+def test_random_kills_lose_at_most_k_updates_and_end_bit_exact(
+    example: dict[str, Path], baseline: Path, tmp_path: Path, tier_runs: list[Path]
+) -> None:
+    """(e) Kills at random updates of a run saving to memory every update: every relaunch resumes (none refused,
+    none from an unusable state), losing at most K=1 update plus the one whose checkpoint was still being committed
+    in the background, and the end is bit-exact."""
+    run = tmp_path / "run"
+    tier_runs.append(run)
+    rng = random.Random(52)
+    sets = {"memory_every": 1, "params.min_update_s": 0.2}
+    last = 0
+    lost: list[int] = []
+    for i in range(5):
+        target = min(U - 1, last + rng.randint(1, 3))
+        if target <= last:
+            break
+        killed_at = _kill_at(example, run, target, config=example["config"] if i == 0 else None, sets=sets)
+        if i:
+            seg = segments(run)[-1]
+            assert seg["resumed_tier"] in ("memory", "durable") and seg["resumed_from"] >= last - 1, (
+                seg,
+                last,
+            )
+            lost.append(last - seg["resumed_from"])
+        last = killed_at
+    _finish(example, run, sets={"params.min_update_s": 0})
+    seg = segments(run)[-1]
+    assert seg["resumed_from"] >= last - 2, (seg, last)
+    lost.append(last - seg["resumed_from"])
+    assert lost and max(lost) <= 2, lost
+    assert_same_final_state(baseline, run, U)
+    assert_same_logs(baseline, run)
+    assert prove(run).ok
