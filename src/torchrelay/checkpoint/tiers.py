@@ -41,10 +41,12 @@ def memory_root(lineage: str, run_dir: Path) -> Path:
 
 
 def memory_storage(lineage: str, run_dir: Path) -> LocalStorage:
-    """The memory tier's storage, its folder made (owner only) if it is not there."""
+    """The memory tier's storage, its folder made (owner only) if it is not there. The checkpoint retention
+    retires stays as the spare the next memory save writes over (recycle.py): no tmpfs pages allocated and zeroed
+    per save; it is one of the keep + 1 slots the capacity check counts."""
     root = memory_root(lineage, run_dir)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return LocalStorage(root, spare=False)
+    return LocalStorage(root, spare=True)
 
 
 @dataclass(frozen=True, slots=True)

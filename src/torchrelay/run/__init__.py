@@ -116,7 +116,12 @@ class Run:
             else None
         )
         self._restore = Restore(
-            self.resume_from, self.start_update, self.rank, rederive, self.config.load_tuning
+            self.resume_from,
+            self.start_update,
+            self.rank,
+            rederive,
+            self.config.load_tuning,
+            verified=self.segment.resumed_tier == "memory",
         )
         self._saver = Saver(
             self.dir.path,

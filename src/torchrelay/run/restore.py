@@ -49,8 +49,11 @@ class Restore:
         rank: int,
         rederive: int | None = None,
         tuning: LoadTuning | None = None,
+        verified: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
+        # A memory checkpoint is hashed whole at open, before it is chosen (checkpoint/tiers.py): not again here.
+        self._verified = verified
         self._tuning = tuning
         self.update = update
         self._rank = rank
@@ -68,7 +71,7 @@ class Restore:
             model=tracked.model,
             optimizer=tracked.optimizer,
             statefuls=tracked.statefuls,
-            verify=True,
+            verify=not self._verified,
             resharded=self._rederive is not None,
             tuning=self._tuning,
         )
