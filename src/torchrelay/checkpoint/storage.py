@@ -23,7 +23,6 @@ from typing import Protocol, runtime_checkable
 
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
-from torchrelay.checkpoint.state.records import MODEL_DIR
 from torchrelay.errors import CheckpointError, RelayError
 from torchrelay.layout import DELETING_CHECKPOINT_PREFIX, TMP_CHECKPOINT_PREFIX, checkpoint_name
 from torchrelay.util.durable import fsync_dir, remove_entry
@@ -123,6 +122,9 @@ class LocalStorage:
             return f.read(length)
 
     def delete(self, updates: Sequence[int]) -> None:
+        # state/ imports torch: `status` lists checkpoints without it
+        from torchrelay.checkpoint.state.records import MODEL_DIR
+
         newest = None
         for update in sorted(updates):
             newest = self._root / f"{DELETING_CHECKPOINT_PREFIX}{update}-{os.getpid()}"

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import envvars
-from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.storage import LocalStorage
 from torchrelay.errors import RelayError, one_line
@@ -103,6 +102,10 @@ class Choice:
 def choose_memory(root: Path, binding: Binding, durable_update: int, segments: set[str]) -> Choice:
     """Rank 0 at open: the newest memory checkpoint newer than `durable_update` whose every file matches its
     inventory and whose inventory names this run; then everything past the chosen update is deleted."""
+    from torchrelay.checkpoint.commit import (
+        clean_stale,
+    )  # imports torch: `status` reads this module without it
+
     storage = LocalStorage(root, spare=False)
     refused: list[str] = []
     chosen: tuple[Path, int] | None = None
