@@ -180,14 +180,15 @@ def _case(
     argv: list[str],
     capsys: pytest.CaptureFixture[str],
     tally: Tally,
+    files: tuple[str, str] = ("p.yaml", "job.sbatch"),
 ) -> None:
     case = tmp / name
     case.mkdir()
     stubs = _stubs(case / "stubs")
     plan.setdefault("train", {}).setdefault("python", str(stubs / "python"))
-    plan_file = case / "p.yaml"
+    plan_file = case / files[0]
     plan_file.write_text(yaml.safe_dump(plan, allow_unicode=False))
-    script = case / "job.sbatch"
+    script = case / files[1]
     tally.cases += 1
     capsys.readouterr()
     code = main(["sbatch", str(plan_file), "--output", str(script), *argv])
@@ -245,6 +246,10 @@ def test_every_plan_string_field_and_sbatch_option_is_refused_or_quoted(
         for payload in PAYLOADS:
             n += 1
             _case(tmp_path, f"c{n}", yaml.safe_load(yaml.safe_dump(BASE)), ["--set", f"{key}={payload}"], capsys, tally)  # fmt: skip
+    for payload in PAYLOADS:  # the plan's own path (the controller's argv), and the script's (sbatch's argv)
+        for files in ((f"p{payload}.yaml", "job.sbatch"), ("p.yaml", f"job{payload}.sbatch")):
+            n += 1
+            _case(tmp_path, f"c{n}", yaml.safe_load(yaml.safe_dump(BASE)), [], capsys, tally, files)
     assert not [p for p in tmp_path.rglob(MARK)], "a command ran outside its case's folder"
     print(f"sbatch hostile values: {tally.cases} cases, {tally.refused} refused in one line, "
           f"{tally.written} scripts written and run, {tally.executed} executed")  # fmt: skip
