@@ -266,6 +266,7 @@ def test_every_plan_string_field_and_sbatch_option_is_refused_or_quoted(
         ("it's", '"it\\\'s"'),
         ('say "hi"', '"say \\"hi\\""'),
         ("back\\slash", '"back\\\\slash"'),
+        ("gpu-\u00e9\u00a0x", '"gpu-\u00e9\u00a0x"'),  # non-ASCII: quoted (a locale's isspace may split it)
     ],
 )
 def test_a_directive_value_is_written_as_sbatch_reads_it_back(value: str, written: str) -> None:

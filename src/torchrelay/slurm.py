@@ -40,8 +40,8 @@ PER_NODE = {"min": 0, "max": PER_NODE_LIMIT}
 # argument, `"` and `'` quote (older releases: `"` only), a backslash escapes the next character (inside quotes
 # too), an unquoted `#` starts a comment (older releases: a `#` anywhere), and a line holding `hetjob` or `packjob`
 # anywhere, in any case, starts another component of a heterogeneous job. A value with none of these is written as
-# it is; one with a space or a quoting character inside `"..."`, each of `\ " ' #` escaped (read back the same
-# by either parser); one naming a component is refused.
+# it is; one with a space, a quoting or a non-ASCII character inside `"..."`, each of `\ " ' #` escaped (read back
+# the same by either parser); one naming a component is refused.
 _DIRECTIVE_QUOTED = frozenset("\\\"'#")
 _COMPONENT_WORDS = ("hetjob", "packjob")
 DIRECTIVE_LIMIT = 4096  # characters of one value: a path at most (PATH_MAX), far past any name or size
@@ -64,8 +64,8 @@ def refuse_control(value: str, where: str) -> str:
     bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
     if bad is not None:
         raise ConfigError(
-            f"{where} {_shown(value)} holds the control character {bad!r}; it would end the line of the "
-            "batch script it is written into",
+            f"{where} {_shown(value)} holds the control character {bad!r}, which no line of a batch script can "
+            "hold (a newline would end it, and the rest run as a command)",
             hint=f"remove it from {where}",
         )
     return value
@@ -85,7 +85,8 @@ def directive_value(value: str, where: str) -> str:
             "of another component of a heterogeneous job",
             hint=f"choose another value for {where}",
         )
-    if not any(c.isspace() or c in _DIRECTIVE_QUOTED for c in value):
+    # non-ASCII too: in a single-byte locale sbatch's isspace() may take a byte of its UTF-8 for a space
+    if not any(c.isspace() or not c.isascii() or c in _DIRECTIVE_QUOTED for c in value):
         return value
     return '"' + "".join("\\" + c if c in _DIRECTIVE_QUOTED else c for c in value) + '"'
 

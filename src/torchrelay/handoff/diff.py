@@ -122,9 +122,6 @@ def load_side(path: Path) -> Side:
     )
 
 
-_DATA_KEYS = ("data.fingerprint", "data.samples")
-
-
 def _data_as_resumed(
     root: Path, fields: dict[str, Any], flat_config: dict[str, Any]
 ) -> tuple[dict[str, Any], str | None]:
