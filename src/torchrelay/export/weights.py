@@ -29,6 +29,7 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
+from torchrelay.handoff.copying import refuse_inside_runs, refuse_nested
 from torchrelay.layout import checkpoint_label, parse_checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.durable import fsync_dir
@@ -236,6 +237,9 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
             f"{ckpt / DS_DIR} OUT --tag zero (on a copy; it runs DeepSpeed's code)",
         )
     out = Path(out)
+    # as pack and prepare refuse their destination: an export inside a checkpoint made every resume refuse it
+    refuse_nested(ckpt, "checkpoint", out, "export folder")
+    refuse_inside_runs(out, "export folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not empty", hint="choose a new export folder")
     for path in options.include:

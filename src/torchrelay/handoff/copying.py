@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import ConfigError
+from torchrelay.layout import CONTRACT_FILE
 from torchrelay.util.hashing import ByteCallback, default_jobs, sha256_file, thread_buffer
 from torchrelay.util.safepath import is_inside, open_regular
 
@@ -203,3 +205,20 @@ def refuse_nested(source: Path, source_what: str, dest: Path, dest_what: str) ->
     else:
         return
     raise ConfigError(problem, hint=f"choose a {dest_what} outside the {source_what} (and not holding it)")
+
+
+def refuse_inside_runs(dest: Path, dest_what: str) -> None:
+    """Refuse a destination inside any run directory, bundle or checkpoint, not only the one read (links followed):
+    a file written there is one no inventory (or SHA256SUMS) lists, and the next resume refuses that checkpoint."""
+    real = Path(os.path.realpath(dest))
+    for folder in (real, *real.parents):
+        if (folder / INVENTORY).is_file():
+            what = "checkpoint"
+        elif (folder / CONTRACT_FILE).is_file():
+            what = "run directory (or bundle)"
+        else:
+            continue
+        raise ConfigError(
+            f"the {dest_what} {dest} lies inside the {what} {folder}",
+            hint=f"choose a {dest_what} outside every run directory, bundle and checkpoint",
+        )

@@ -255,16 +255,31 @@ def _prepare_into(
     if options.check_files:
         failures.extend(check_files(new_manifest, hooks, proofs))
 
-    # 2. External files: each must hash to the identity the contract recorded.
+    # 2. External files: each must hash to the identity the contract recorded. A path only the bundle's
+    # config.json names (not --set here) is the packing cluster's: read only for a name the contract records, and
+    # its digest never shown unless it is the contract's (else any file's digest could be asked for by a bundle).
+    named_here = _external_names(options.sets)
     for name, path in sorted(new_cfg.external_files.items()):
         want = fields.get(f"external.{name}.sha256")
+        ours = name in named_here
+        if not ours and not isinstance(want, str):
+            failures.append(
+                f"external file {name!r}: config.json names {path}, but the contract records no "
+                f"external.{name}.sha256; nothing was read (set external_files.{name}=PATH to name it here)"
+            )
+            continue
         if not Path(path).is_file():
             failures.append(f"external file {name!r}: {path} does not exist (set external_files.{name}=PATH)")
             continue
         got = sha256_file(Path(path))[0]
-        if got != want:
+        if got != want and ours:
             failures.append(
                 f"external file {name!r}: {path} has SHA-256 {got}, the run was trained with {want}"
+            )
+        elif got != want:
+            failures.append(
+                f"external file {name!r}: {path} (the bundle's config.json names it) does not have the SHA-256 "
+                f"the run was trained with, {want} (set external_files.{name}=PATH to this cluster's copy)"
             )
         else:
             proofs.append(f"external file {name}: {path} SHA-256 {got} = contract external.{name}.sha256")
@@ -373,6 +388,13 @@ def _prepare_into(
     return PrepareResult(
         run_dir=tmp, changes=changes, passed=passed, code_dir=code_dir, layout_change=layout_change
     )
+
+
+def _external_names(sets: dict[str, Any]) -> set[str]:
+    """The external files `--set` names a path for here (`external_files.NAME=PATH`, or the whole mapping)."""
+    names = {k.split(".", 1)[1] for k in sets if k.startswith("external_files.")}
+    whole = sets.get("external_files")
+    return names | (set(whole) if isinstance(whole, dict) else set())
 
 
 def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
