@@ -4,6 +4,7 @@ the memory guard stops (or kills) and says so — each with the real CLI, real t
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -135,6 +136,30 @@ def test_failing_user_check_starts_nothing(example: dict[str, Path], tmp_path: P
     outcome = outcome_of(run)
     assert (outcome["exit_code"], outcome["ended"], outcome["stage"]) == (2, "refused", "preflight")
     assert "mask-cache" in outcome["message"]
+
+
+def test_the_budget_counts_from_the_command_s_start(example: dict[str, Path], tmp_path: Path) -> None:
+    # `launch --budget 122` took 133 s (issue 51): the seconds before the controller ran (imports, a busy machine)
+    # were not counted. A process that spends 4 s before the CLI's main has that much less of its budget.
+    run = tmp_path / "run"
+    check = {
+        "name": "stop-here",
+        "run": "exit 7",
+    }  # nothing is launched: the attempt's header is what is read
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], example["config"], run, preflight={"checks": [check]}
+    )
+    code = (
+        "import sys, time\ntime.sleep(4)\nfrom torchrelay.cli import main\n"
+        f"sys.exit(main(['launch', {str(plan)!r}, '--budget', '100']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env()
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    left = re.search(r"attempt 01 \((\d+)s left\)", out.stderr)
+    assert left is not None, out.stderr
+    assert int(left.group(1)) <= 96, out.stderr
 
 
 def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Path) -> None:

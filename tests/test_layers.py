@@ -127,3 +127,20 @@ def test_the_light_verbs_import_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_every_verb_s_help_imports_no_torch() -> None:
+    """`torchrelay VERB --help` starts in well under a second on a quiet 2-core machine: building any verb's
+    parser imports no torch (2 s of `launch --help` and `export --help` were its import, issue 51)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom torchrelay.cli import VERBS, build_parser\n"
+        "heavy = []\n"
+        "for verb in VERBS:\n    build_parser(verb)\n"
+        "    heavy += [f'{verb}: {m}' for m in ('torch', 'safetensors') if m in sys.modules]\n"
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
