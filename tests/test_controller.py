@@ -194,9 +194,9 @@ def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Pat
 
 
 def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, Path], tmp_path: Path) -> None:
-    # 2000 updates paced to >= 20 ms each take >= 40 s on any machine, far more than either budget of 20 s. The
-    # budget counts from the controller's start: 10 s was all spent starting up on a loaded machine (a stop at
-    # update 0, nothing to save), so the budget leaves room for a slow start and still stops long before the end.
+    # 2000 updates paced to >= 20 ms each take >= 40 s on any machine, more than either budget of 30 s. The
+    # budget counts from the command's start: 10-20 s were spent starting up on a loaded machine (a stop at
+    # update 0, nothing to save), so the budget leaves room for a slow start and still stops before the end.
     config = write_config(
         tmp_path / "lm.yaml",
         example["manifest"],
@@ -212,15 +212,21 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
     )
     for number, sets in ((1, []), (2, ["--set", "train.overrides.num_workers=1"])):
         t0 = time.time()
-        out = launch_cli(plan, "--budget", "20", *sets)
+        out = launch_cli(plan, "--budget", "30", *sets)
         took = time.time() - t0
         assert out.returncode == 3, out.stdout + out.stderr
+        # a planned stop reads as one: not torchrun's traceback and FAILED box (issue 51)
+        assert "ChildFailedError" not in out.stderr and "FAILED" not in out.stderr, out.stderr[-3000:]
+        assert "torchrun: 2 rank(s) ended with a planned stop, exit 3 (budget)" in out.stdout, out.stdout[
+            -3000:
+        ]
+        assert "ChildFailedError" not in out.stdout and "FAILED" not in out.stdout, out.stdout[-3000:]
         seg = segments(run)[-1]
         # The promise is the run's: its last checkpoint committed and its segment closed before the deadline it was
         # given. Process start-up and teardown around it are the machine's (a loaded 2-core host adds tens of
         # seconds), so the wall clock only guards against a run that ignored the budget altogether.
         assert seg["deadline"] is not None and seg["stopped"] <= seg["deadline"], seg
-        assert took < 20 + 120, f"the budget of 20 s was ignored: {took:.1f}s"
+        assert took < 30 + 120, f"the budget of 30 s was ignored: {took:.1f}s"
         assert seg["ended"] == "budget" and seg["exit_code"] == 3 and 0 < seg["last_update"] < 2000, seg
         ckpt = latest_complete(run)
         assert ckpt is not None and ckpt.name == f"checkpoint-{seg['last_update']}"

@@ -153,6 +153,7 @@ class Run:
             agreement=self._agreement,
             announce=(self.gate, f"TRAINING_CONTRACT {self.contract_sha}"),
             notes=self._notes,
+            on_refusal=self._start_over,
         )
         if self.rank == 0 and not self._finished_before:
             self.segment.hosts = self.hosts
@@ -286,7 +287,8 @@ class Run:
             self.exit_code = error.exit_code if isinstance(error, RelayError) else EXIT_ERROR
             self.ended = Ended.REFUSED if self.exit_code == EXIT_REFUSED else Ended.ERROR
             if error is not None:
-                self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
+                # whole (a contract refusal is several lines): `status --last-exit` shows it
+                self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:2000]}")
             else:  # the script left run.steps (a break, a return) before the schedule's end or an agreed stop
                 why = "the script left run.steps before the schedule's end or an agreed stop"
                 self._notes.append(f"rank {self.rank}: {why}")
@@ -303,6 +305,15 @@ class Run:
         if held is not None and error is held:
             raise held
         return self.exit_code
+
+    def _start_over(self, error: RelayError) -> None:
+        """A refusal agreed in the loop before any checkpoint: the run directory holds the refused settings (its
+        contract), so a launch with the hint's other setting would be refused again, as a change. The hint says
+        so (on every rank, before rank 0 says it)."""
+        if error.exit_code != EXIT_REFUSED or self._saver.last >= 0 or "to start over" in (error.hint or ""):
+            return
+        again = f"no checkpoint was saved in {self.dir.path}, which keeps this launch's settings: to start over with others, remove it"
+        error.hint = f"{error.hint}; {again}" if error.hint else again
 
     def __enter__(self) -> Run:
         return self

@@ -143,6 +143,7 @@ class Loop:
         agreement: StopAgreement,
         announce: tuple[str, ...],
         notes: list[str],
+        on_refusal: Callable[[RelayError], None] | None = None,
     ) -> None:
         self._config = config
         self._order = order
@@ -156,6 +157,7 @@ class Loop:
         self._agreement = agreement
         self._announce = announce  # this rank's lines before its first update (the gate, the contract)
         self._notes = notes  # the segment's notes, shared with the Run
+        self._on_refusal = on_refusal  # amends a refusal agreed in the loop before any rank says it
         self._last_flush = 0.0
         self.current: int | None = None  # the update in progress (what a caught OOM is counted against)
         self._ranks = collective.ranks()  # the training thread's exchanges (util/collective.py)
@@ -183,7 +185,11 @@ class Loop:
             logger.warning(f"[torchrelay] {note}")
             self._notes.append(note)
         # Refused here, before the first update, on every rank alike (a layout the canonical sum cannot cover).
-        exact = ExactReduction(self._rank, self._world_size, cfg.grad_accum) if cfg.elastic == EXACT else None
+        exact = (
+            ExactReduction(self._rank, self._world_size, cfg.grad_accum, on_refusal=self._on_refusal)
+            if cfg.elastic == EXACT
+            else None
+        )
         it = Feed(loader.start(batches, cfg.seed, context), self._ranks)
         saver = self._saver
         done = self._start
