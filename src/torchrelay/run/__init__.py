@@ -164,6 +164,13 @@ class Run:
                 logger.info(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})")
             upsert(self.dir.path, self.segment.to_dict())
 
+    @property
+    def manifest_path(self) -> Path:
+        """The manifest this run reads, the file `run.manifest` was read from: the run's own copy
+        (RUN_DIR/data/manifest.jsonl), its paths re-pointed by `prepare --set data_root=...`; not the file
+        `config.manifest` named when the run was made (docs/RUN.md)."""
+        return Path(self.manifest.path)
+
     def track(
         self,
         model: torch.nn.Module | None = None,
