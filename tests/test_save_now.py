@@ -4,6 +4,7 @@ uninterrupted run ends (issue 51)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
 from torchrelay.config import RelayConfig
+from torchrelay.util.hashing import sha256_file
 
 TOTAL = 12
 
@@ -74,3 +76,23 @@ def test_retention_keeps_what_save_now_saved() -> None:
     cfg = RelayConfig(seed=1, micro_batch=1, grad_accum=1, total_updates=20, manifest="m.jsonl", keep=2)
     verdict = decide(policy_for(cfg, saved_now=[4]), [2, 4, 6, 8, 10])
     assert verdict.kept == {4: "save_now", 8: "latest 2", 10: "latest 2"} and verdict.deleted == [2, 6]
+
+
+def test_an_export_of_a_run_outside_git_names_its_code_in_the_documented_fields(tmp_path: Path) -> None:
+    # outside git the export carried code.tree "" and dirty true, the script's digest only under `untracked`
+    # (issue 51); the documented fields are {commit, tree, dirty, dirty_sha256}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("save_now_net.py",):
+        shutil.copyfile(Path(__file__).with_name(name), plain / name)
+    shutil.copyfile(EXAMPLES / "zoo" / "samples.jsonl", plain / "samples.jsonl")
+    run = tmp_path / "run"
+    out = launch(plain, run, script="save_now_net.py")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    code = json.loads((tmp_path / "out" / "torchrelay_export.json").read_text())["source"]["code"]
+    files = {"save_now_net.py": sha256_file(plain / "save_now_net.py")[0]}
+    assert code["commit"] is None and code["tree"] != "" and code["dirty"] is True
+    assert code["files"] == files
+    listing = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
+    assert code["dirty_sha256"] == hashlib.sha256(listing).hexdigest()
