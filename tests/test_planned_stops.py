@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -180,3 +181,36 @@ def test_stop_at_an_update_already_past_is_refused(
         assert not (run / "REQUEST_STOP").exists()
     assert main(["stop", str(run), "--at-update", "9"]) == 0
     assert "stop after update 9" in capsys.readouterr().out
+
+
+def test_a_run_refused_at_its_first_open_says_how_to_start_over(tmp_path: Path) -> None:
+    # a global batch larger than the manifest is refused once the directory exists: following the hint (a smaller
+    # micro_batch) was then a contract mismatch, a second refusal (issue 51)
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"id": f"s{i}"}) + "\n" for i in range(4)))
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import sys\nimport torchrelay as tr\n"
+        "if __name__ == '__main__':\n"
+        "    cfg = tr.RelayConfig(seed=1, micro_batch=int(sys.argv[1]), grad_accum=1, total_updates=2, "
+        "manifest='m.jsonl')\n"
+        "    with tr.Run.open('run', cfg) as run:\n"
+        "        for step in run.steps(run.dataloader(list(range(4)), collate_fn=list)):\n"
+        "            for _ in step.micro_batches():\n                pass\n"
+        "    sys.exit(run.exit_code)\n"
+    )
+
+    def run(micro_batch: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(script), str(micro_batch)],
+            capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path,
+        )  # fmt: skip
+
+    out = run(8)
+    assert out.returncode == 2 and out.stderr.startswith("torchrelay: global batch 8 is larger"), out.stderr
+    assert out.stderr.splitlines()[1] == (
+        "  hint: lower micro_batch or grad_accum, or use more data; no checkpoint was saved in "
+        f"{tmp_path / 'run'}, which keeps this launch's settings: to start over with others, remove it"
+    )
+    shutil.rmtree(tmp_path / "run")
+    out = run(2)
+    assert out.returncode == 0, out.stderr

@@ -38,7 +38,7 @@ from torchrelay.log import ensure_voice, logger, set_rank
 from torchrelay.reshard import rank_stream_seed, reshard_asked
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.loop import Loop, Step
-from torchrelay.run.opening import SegmentOpener
+from torchrelay.run.opening import SegmentOpener, start_over
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
 from torchrelay.train_records import record_oom
@@ -317,10 +317,8 @@ class Run:
         """A refusal agreed in the loop before any checkpoint: the run directory holds the refused settings (its
         contract), so a launch with the hint's other setting would be refused again, as a change. The hint says
         so (on every rank, before rank 0 says it)."""
-        if error.exit_code != EXIT_REFUSED or self._saver.last >= 0 or "to start over" in (error.hint or ""):
-            return
-        again = f"no checkpoint was saved in {self.dir.path}, which keeps this launch's settings: to start over with others, remove it"
-        error.hint = f"{error.hint}; {again}" if error.hint else again
+        if self._saver.last < 0:
+            start_over(error, self.dir.path)
 
     def __enter__(self) -> Run:
         return self
