@@ -84,7 +84,7 @@ def test_stop_refuses_a_job_id_that_is_no_id_and_never_echoes_its_control_charac
     )
     assert "\x1b" not in err
     assert not (run / "REQUEST_STOP").exists()  # read back, it would have stopped any job, not none
-    assert main(["stop", str(run), "--job", "123_4", "--at-update", "6"]) == 0
+    assert main(["stop", str(run), "--job", "123_4", "--at-update", "12"]) == 0  # the run is at 8
     assert "wrote" in capsys.readouterr().out and '"job": "123_4"' in (run / "REQUEST_STOP").read_text()
 
 

@@ -18,7 +18,7 @@ LAYERS = [
     ("data", 2), ("stop", 2), ("resume_check", 2), ("run", 2), ("ledger", 2), ("ledger_proof", 2), ("ledger_prover", 2), ("summary", 2), ("costmodel", 2),
     ("handoff", 3), ("slurm", 3), ("audit", 3), ("report", 3), ("export", 3), ("integrations", 3),
     ("controller", 4), ("validation", 4),
-    ("cli", 5), ("commands", 5), ("__main__", 5),
+    ("cli", 5), ("commands", 5), ("__main__", 5), ("torchrun", 5),
 ]  # fmt: skip
 TOOL_LAYER = 3
 # Tool-to-tool imports that exist today, each a piece of issue 10's debt; a new one fails this test.
@@ -124,6 +124,23 @@ def test_the_light_verbs_import_no_torch() -> None:
         "for verb in ('status', 'stop', 'ledger'):\n    build_parser(verb)\n"
         "import torchrelay.ledger_prover\n"
         "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_every_verb_s_help_imports_no_torch() -> None:
+    """`torchrelay VERB --help` starts in well under a second on a quiet 2-core machine: building any verb's
+    parser imports no torch (2 s of `launch --help` and `export --help` were its import, issue 51)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom torchrelay.cli import VERBS, build_parser\n"
+        "heavy = []\n"
+        "for verb in VERBS:\n    build_parser(verb)\n"
+        "    heavy += [f'{verb}: {m}' for m in ('torch', 'safetensors') if m in sys.modules]\n"
+        "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from torchrelay.commands.argtypes import update
 from torchrelay.errors import EXIT_FINISHED
-from torchrelay.export import ExportOptions, export_weights, parse_rename, parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: it imports torch (~2 s), which `export --help` does not need
+    from torchrelay.export import ExportOptions, export_weights, parse_rename, parse_size
+
     options = ExportOptions(
         format=args.format,
         dtype=args.dtype,

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from torchrelay.commands.argtypes import count, seconds
 from torchrelay.config import parse_assignments
-from torchrelay.controller.launcher import LaunchRequest, launch
 from torchrelay.costmodel import parse_deadline
 from torchrelay.slurm import PER_NODE_LIMIT
 
@@ -21,7 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadline", default=None, help="stop cleanly by this time (unix seconds or ISO 8601)"
     )
     parser.add_argument(
-        "--budget", type=seconds, default=None, metavar="SECONDS", help="stop cleanly within this"
+        "--budget",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="stop cleanly within this, counted from the command's start",
     )
     parser.add_argument(
         "--devices",
@@ -34,11 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: the controller imports torch (~2 s), which `launch --help` does not need
+    from torchrelay.controller.launcher import LaunchRequest, launch, process_started
+
     request = LaunchRequest(
         plan_path=args.plan,
         sets=parse_assignments(args.set),
         deadline=parse_deadline(args.deadline) if args.deadline else None,
         budget_s=args.budget,
+        started=process_started(),
         devices=args.devices,
     )
     return launch(request).exit_code

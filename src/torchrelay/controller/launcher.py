@@ -68,7 +68,10 @@ class LaunchRequest:
     plan_path: Path
     sets: dict[str, Any] = field(default_factory=dict)
     deadline: float | None = None  # unix seconds
-    budget_s: float | None = None  # seconds from now
+    budget_s: float | None = None  # seconds from `started`
+    started: float | None = (
+        None  # unix time the command started (None: now); `torchrelay launch` passes its own
+    )
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     clock: Callable[[], float] = time.time
     time_left: Callable[[str], float | None] | None = None  # job id -> end time; default asks squeue
@@ -92,7 +95,8 @@ class Controller:
     # ------------------------------------------------------------------------------------------ the stages
     def run(self) -> Outcome:
         started = self.req.clock()
-        deadline = self._deadline(started)
+        # A budget counts from the command's start: the seconds of importing and loading the plan are the user's.
+        deadline = self._deadline(started if self.req.started is None else min(started, self.req.started))
         attempt, diff = self.attempts.start(self.plan.to_dict(), self.req.sets)
         left_s = deadline - self.req.clock() if deadline is not None else None
         self.show.attempt(self.plan.name, attempt.number, attempt.path, diff, left_s)
@@ -456,6 +460,16 @@ def _saved_update(run_dir: Path) -> int:
     """The update of the newest complete checkpoint: the progress that survives."""
     complete = [c.update for c in list_checkpoints(run_dir) if c.complete]
     return complete[-1] if complete else 0
+
+
+def process_started() -> float:
+    """The unix time this process started (the `--budget` of `torchrelay launch` counts from it)."""
+    import psutil
+
+    try:
+        return float(psutil.Process().create_time())
+    except (psutil.Error, OSError):  # no /proc: the budget counts from now
+        return time.time()
 
 
 def visible_devices() -> int | None:

@@ -8,6 +8,7 @@ and `model.safetensors.index.json`), `torchrelay_export.json` (where the weights
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -203,6 +204,30 @@ def _shards(slots: list[TensorSlot], limit: int) -> list[list[TensorSlot]]:
     return out or [[]]
 
 
+def export_code(code: dict[str, Any]) -> dict[str, Any] | None:
+    """The contract's code identity in the export's documented fields {commit, tree, dirty, dirty_sha256}, plus
+    `files` ({path: sha256} of the program files no commit holds). Outside git (or with files git does not track)
+    `dirty_sha256` is the SHA-256 of those files' canonical listing, so the four fields name the code alone; an
+    empty tree (a plain directory holding only the program) is null."""
+    if not code:
+        return None
+    files: dict[str, Any] = {}
+    for key in ("untracked", "modified"):
+        part = code.get(key)
+        if isinstance(part, dict):
+            files.update({str(k): v for k, v in part.items()})
+    digest = code.get("dirty_sha256")
+    if digest is None and files:
+        digest = hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return {
+        "commit": code.get("commit"),
+        "tree": code.get("tree") or None,
+        "dirty": bool(code.get("dirty")),
+        "dirty_sha256": digest,
+        "files": dict(sorted(files.items())),
+    }
+
+
 def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> dict[str, Any]:
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
@@ -220,7 +245,7 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
         "contract_sha256": contract.get("sha256") or inventory.get("contract_sha256"),
         "segment": inventory.get("segment"),
         "lineage": lineage.get("lineage") if isinstance(lineage, dict) else None,
-        "code": {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")} or None,
+        "code": export_code({k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}),
         "versions": {k.removeprefix("versions."): v for k, v in fields.items() if k.startswith("versions.")},
     }
 

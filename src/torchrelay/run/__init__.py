@@ -38,7 +38,7 @@ from torchrelay.log import ensure_voice, logger, set_rank
 from torchrelay.reshard import rank_stream_seed, reshard_asked
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.loop import Loop, Step
-from torchrelay.run.opening import SegmentOpener
+from torchrelay.run.opening import SegmentOpener, start_over
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
 from torchrelay.train_records import record_oom
@@ -155,6 +155,7 @@ class Run:
             agreement=self._agreement,
             announce=(self.gate, f"TRAINING_CONTRACT {self.contract_sha}"),
             notes=self._notes,
+            on_refusal=self._start_over,
         )
         if self.rank == 0 and not self._finished_before:
             self.segment.hosts = self.hosts
@@ -164,6 +165,13 @@ class Run:
                 left = deadline.at - time.time()
                 logger.info(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})")
             upsert(self.dir.path, self.segment.to_dict())
+
+    @property
+    def manifest_path(self) -> Path:
+        """The manifest this run reads, the file `run.manifest` was read from: the run's own copy
+        (RUN_DIR/data/manifest.jsonl), its paths re-pointed by `prepare --set data_root=...`; not the file
+        `config.manifest` named when the run was made (docs/RUN.md)."""
+        return Path(self.manifest.path)
 
     def track(
         self,
@@ -288,7 +296,8 @@ class Run:
             self.exit_code = error.exit_code if isinstance(error, RelayError) else EXIT_ERROR
             self.ended = Ended.REFUSED if self.exit_code == EXIT_REFUSED else Ended.ERROR
             if error is not None:
-                self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
+                # whole (a contract refusal is several lines): `status --last-exit` shows it
+                self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:2000]}")
             else:  # the script left run.steps (a break, a return) before the schedule's end or an agreed stop
                 why = "the script left run.steps before the schedule's end or an agreed stop"
                 self._notes.append(f"rank {self.rank}: {why}")
@@ -305,6 +314,13 @@ class Run:
         if held is not None and error is held:
             raise held
         return self.exit_code
+
+    def _start_over(self, error: RelayError) -> None:
+        """A refusal agreed in the loop before any checkpoint: the run directory holds the refused settings (its
+        contract), so a launch with the hint's other setting would be refused again, as a change. The hint says
+        so (on every rank, before rank 0 says it)."""
+        if self._saver.last < 0:
+            start_over(error, self.dir.path)
 
     def __enter__(self) -> Run:
         return self

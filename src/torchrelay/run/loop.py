@@ -81,7 +81,7 @@ class Feed:
 class Step:
     """One update: its micro-batches and what the loop logs about it."""
 
-    __slots__ = ("update", "_feed", "_accum", "_ids", "metrics", "_exact")
+    __slots__ = ("update", "_feed", "_accum", "_ids", "metrics", "_exact", "_ranks", "saving")
 
     def __init__(
         self,
@@ -97,6 +97,18 @@ class Step:
         self._ids: list[list[int]] = []
         self.metrics: dict[str, Any] = {}
         self._exact = exact
+        self._ranks = ranks or collective.ranks()
+        self.saving: str | None = None  # why every rank saves after this update (save_now), or None
+
+    def save_now(self, wanted: bool = True, reason: str = "save_now") -> bool:
+        """Ask every rank to save a checkpoint after this update, kept by retention like `keep_updates` (a new
+        best validation loss, say). Call it on every rank at the same update, as a collective: the ranks agree,
+        and one that wants it makes all of them save; returns whether they will. `reason` is recorded in the
+        checkpoint's COMPLETE.json (`saved_now`) and shown by `status`."""
+        agreed = self._ranks.agree_max(f"step.save_now in update {self.update}", lambda: [1 if wanted else 0])
+        if agreed[0]:
+            self.saving = self.saving or (str(reason)[:200] or "save_now")
+        return self.saving is not None
 
     def micro_batches(self, model: torch.nn.Module | None = None) -> Iterator[tuple[int, Any]]:
         """(micro_step, batch) for each of the update's gradient-accumulation steps.
@@ -143,6 +155,7 @@ class Loop:
         agreement: StopAgreement,
         announce: tuple[str, ...],
         notes: list[str],
+        on_refusal: Callable[[RelayError], None] | None = None,
     ) -> None:
         self._config = config
         self._order = order
@@ -156,6 +169,7 @@ class Loop:
         self._agreement = agreement
         self._announce = announce  # this rank's lines before its first update (the gate, the contract)
         self._notes = notes  # the segment's notes, shared with the Run
+        self._on_refusal = on_refusal  # amends a refusal agreed in the loop before any rank says it
         self._last_flush = 0.0
         self.current: int | None = None  # the update in progress (what a caught OOM is counted against)
         self._ranks = collective.ranks()  # the training thread's exchanges (util/collective.py)
@@ -183,7 +197,11 @@ class Loop:
             logger.warning(f"[torchrelay] {note}")
             self._notes.append(note)
         # Refused here, before the first update, on every rank alike (a layout the canonical sum cannot cover).
-        exact = ExactReduction(self._rank, self._world_size, cfg.grad_accum) if cfg.elastic == EXACT else None
+        exact = (
+            ExactReduction(self._rank, self._world_size, cfg.grad_accum, on_refusal=self._on_refusal)
+            if cfg.elastic == EXACT
+            else None
+        )
         it = Feed(loader.start(batches, cfg.seed, context), self._ranks)
         saver = self._saver
         done = self._start
@@ -210,8 +228,8 @@ class Loop:
                 done += 1
                 if not it.failed:  # a rank that holds a failure logs nothing it did not read
                     self._record(step, dt)
-                if saver.due(done):
-                    saver.save(done)
+                if saver.due(done) or step.saving is not None:
+                    saver.save(done, saved_now=step.saving)
         finally:
             it.close()  # stops loader workers (a Step the script still holds keeps only the Feed)
 

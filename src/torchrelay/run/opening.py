@@ -138,6 +138,8 @@ class SegmentOpener:
             return socket.gethostname(), summary
 
         def settle(err: RelayError) -> None:  # a failure of the local part, recorded by rank 0
+            if outcome.checkpoint is None:  # nothing saved: the directory keeps this launch's settings
+                start_over(err, self.dir.path)
             self._settle(err, segment=replace(segment, hosts=[socket.gethostname()]))
 
         try:
@@ -378,3 +380,13 @@ def _other_node(gathered: list[tuple[str, dict[str, Any] | None]]) -> ConfigErro
                 "with rank 0's and launch again",
             )
     return None
+
+
+def start_over(error: RelayError, run_dir: Path) -> None:
+    """A refusal of a run with no checkpoint yet: its directory holds the refused launch's settings (its
+    contract), so a launch with the setting the hint asks for would be refused again, as a change. The hint says
+    how to start over (every rank amends it before rank 0 says it)."""
+    if error.exit_code != EXIT_REFUSED or "to start over" in (error.hint or ""):
+        return
+    again = f"no checkpoint was saved in {run_dir}, which keeps this launch's settings: to start over with others, remove it"
+    error.hint = f"{error.hint}; {again}" if error.hint else again
