@@ -615,6 +615,24 @@ def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Pat
         )
     counts["measurements.json"] = out.cases - before
 
+    validated = tmp_path / "v"
+    (validated / "validation" / "checkpoint-8").mkdir(parents=True)
+    target = validated / "validation" / "checkpoint-8" / "record.json"
+    from torchrelay.validation_records import RECORD_SCHEMA, read_records
+
+    valid = {**small(RECORD_SCHEMA), "update": 8, "checkpoint": "checkpoint-8"}
+    target.write_text(json.dumps(valid))
+    out.accepted("validation record", lambda: read_records(validated))
+    before = out.cases
+    for field, label, doc in field_cases(RECORD_SCHEMA, valid):
+        target.write_text(json.dumps(doc))
+        out.judge(
+            f"validation {field} [{label}]",
+            lambda: read_records(validated),
+            ("record.json", f"field '{field}"),
+        )
+    counts["validation record.json"] = out.cases - before
+
     # the index is a cache: a meta out of its schema is not believed, the lines are read (no refusal to say)
     data = tmp_path / "i"
     data.mkdir()

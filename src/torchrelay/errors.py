@@ -245,7 +245,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
     if getattr(exc, "shared", False) or (_before_run and isinstance(exc, ConfigError)):
-        if _first_to_say():
+        if _first_to_say(rank):
             rank = 0  # said for every rank: no rank's name on it
         else:
             mark_reported(exc)  # another rank of this launch said it
@@ -287,39 +287,45 @@ def _lost_peers(exc: BaseException, rank: int) -> RelayError:
     )
 
 
-def _first_to_say() -> bool:
+def _first_to_say(rank: int) -> bool:
     """Whether this rank is the first of its launch on this host to say an error every rank meets alike: the one
-    that creates a marker named after the launch (its torchrun agent, the parent of every local rank, and the
-    restart) wins. A process outside torchrun is the only one. Where no marker can be made, every rank says it
-    (twice is better than never)."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return True
+    that creates a marker named after the launch (`_launch_key`) wins. Outside a launcher it knows, rank 0 says it
+    for all, as before. Where no marker can be made, every rank says it (twice is better than never)."""
+    key = _launch_key()
+    if key is None:
+        return rank == 0
     import tempfile
 
-    agent = os.getppid()
-    try:  # the agent's start time: a pid used again later is another launch
-        with open(f"/proc/{agent}/stat", "rb") as f:
-            started = f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError, UnicodeDecodeError):
-        started = "0"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     folder = os.path.join(tempfile.gettempdir(), f"torchrelay-{os.getuid()}")
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         info = os.lstat(folder)
         if info.st_uid != os.getuid() or not os.path.isdir(folder) or os.path.islink(folder):
             return True
-        fd = os.open(
-            os.path.join(folder, f"said-{agent}-{started}-{restart}"),
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-            0o600,
-        )
-        os.close(fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        os.close(os.open(os.path.join(folder, f"said-{key}"), flags, 0o600))
         return True
     except FileExistsError:
         return False
     except OSError:
         return True
+
+
+def _launch_key() -> str | None:
+    """A name for this launch shared by its ranks on this host: torchrun's agent (the parent of every local rank,
+    with its start time, since a pid is used again) and restart, or Slurm's job step; None under no launcher."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        agent = os.getppid()
+        try:
+            with open(f"/proc/{agent}/stat", "rb") as f:
+                started = f.read().rsplit(b")", 1)[1].split()[19].decode()
+        except (OSError, IndexError, UnicodeDecodeError):
+            started = "0"
+        return f"torchrun-{agent}-{started}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    if job and step and "SLURM_PROCID" in os.environ:
+        return f"slurm-{job}-{step}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    return None
 
 
 def _env_rank() -> int:

@@ -117,6 +117,7 @@ class Manifest:
         "_fingerprint",
         "_lengths",
         "_bad_length",
+        "_lengths_digest",
     )
 
     def __init__(
@@ -133,6 +134,7 @@ class Manifest:
         self.path, self.data_root, self.raw_sha256 = path, data_root, raw_sha256
         self.records = Records(path, starts, sizes)
         self._fingerprint, self._lengths, self._bad_length = fingerprint, lengths, bad_length
+        self._lengths_digest: str | None = None
         self.indexed = False  # read from a saved index, not from the lines
         self.index_current = False  # the saved index describes these bytes: nothing to write again
 
@@ -290,10 +292,13 @@ class Manifest:
         its message), recorded in the contract (`data.lengths_sha256`): a saved index's lengths are believed only
         when they give it (contract.contract_manifest), checked whole, not at a spread of positions (10 M samples:
         see docs/FORMATS.md for the cost)."""
-        if self._bad_length is not None:
-            return hashlib.sha256(f"bad_length:{self._bad_length}".encode()).hexdigest()
-        lengths = self.lengths()
-        return hashlib.sha256(np.ascontiguousarray(lengths, dtype="<i8").data).hexdigest()
+        if self._lengths_digest is None:
+            if self._bad_length is not None:
+                digest = hashlib.sha256(f"bad_length:{self._bad_length}".encode()).hexdigest()
+            else:
+                digest = hashlib.sha256(np.ascontiguousarray(self.lengths(), dtype="<i8").data).hexdigest()
+            self._lengths_digest = digest
+        return self._lengths_digest
 
     def id_of(self, i: int) -> str:
         """The `id` of sample i (read from its line)."""
