@@ -304,3 +304,18 @@ def test_a_validation_record_past_its_bounds_is_written_cut_and_reads_back(tmp_p
     _finish(out, record, time.time)
     back = read_records(tmp_path)[8]
     assert len(back.command) == 1 << 16 and back.metrics == record.metrics
+
+
+def test_a_segment_code_past_its_bound_keeps_its_commit_and_reads_back(tmp_path: Path) -> None:
+    """A segment's `code` holds the contract's file maps (a plain tree lists every file): past 8 MiB its maps are
+    kept as cut text, its commit and tree as they are, and the line stays one the reader takes."""
+    files = {f"src/module_{i:07d}.py": "0" * 64 for i in range(120_000)}
+    segment = {
+        "segment": "a",
+        "first_update": 1,
+        "code": {"commit": "c" * 40, "tree": "t" * 40, "changed": files},
+    }
+    write_history(tmp_path, [segment])
+    (back,) = read_history(tmp_path)
+    assert back["code"]["commit"] == "c" * 40 and back["code"]["tree"] == "t" * 40
+    assert isinstance(back["code"]["changed"], str) and len(back["code"]["changed"]) <= 200

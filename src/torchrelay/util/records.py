@@ -313,7 +313,11 @@ def _fitted(value: Any, rule: Field) -> Any:
             kept: dict[str, Any] = {}
             budget = rule.size - 2
             for key, v in value.items():
-                entry = {clip(str(key), 200): clip(json.dumps(v), 200)}
+                # a scalar kept (a string cut), a container as its text, cut: a segment's code keeps its commit
+                kept_value = clip(v, 200) if isinstance(v, str) else v
+                if isinstance(v, dict | list):
+                    kept_value = clip(json.dumps(v), 200)
+                entry = {clip(str(key), 200): kept_value}
                 budget -= len(json.dumps(entry))
                 if budget < 0:
                     break
