@@ -23,6 +23,7 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.errors import ContractMismatch
+from torchrelay.util.records import Field, Optional, Schema
 
 RESHARD_ENV = envvars.RESHARD.name
 LAYOUT_FIELDS = ("world_size", "micro_batch", "grad_accum")
@@ -175,6 +176,29 @@ def refuse_unasked(path: str, current: Layout, new: Layout) -> ContractMismatch:
         hint=f"launch with the checkpoint's layout ({current}), or ask for the change: {RESHARD_ENV}=1 for this "
         "launch, or `torchrelay prepare BUNDLE --world-size N` (docs/ELASTIC.md)",
     )
+
+
+_COUNT = 1 << 40  # a batch or an update: more than any run (contract.py)
+LAYOUT_SCHEMA = Schema(
+    {
+        "world_size": Field(int, low=1, high=1 << 20),
+        "micro_batch": Field(int, low=1, high=_COUNT),
+        "grad_accum": Field(int, low=1, high=_COUNT),
+    }
+)
+# A `layout_change` as history.jsonl and REBASE_RECORD.json hold it (change_record): what a resume, status and
+# prepare compute with is checked before (a world size of Infinity overflowed an int).
+LAYOUT_CHANGE_SCHEMA = Schema(
+    {
+        "from": Optional(Field(dict, fields=LAYOUT_SCHEMA)),
+        "to": Field(dict, fields=LAYOUT_SCHEMA),
+        "global_batch": Optional(Field(int, low=1, high=_COUNT)),
+        "at_update": Optional(Field(int, low=0, high=_COUNT)),
+        "asked_by": Optional(Field(str, length=64)),
+        "rng": Optional(Field(str, length=200)),
+        "notes": Optional(Field([str], items=64)),
+    }
+)
 
 
 def change_record(old: Layout, new: Layout, update: int, how: str, notes: list[str]) -> dict[str, Any]:

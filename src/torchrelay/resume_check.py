@@ -23,6 +23,7 @@ from torchrelay.errors import ConfigError, ContractMismatch, ForkRefused, RelayE
 from torchrelay.layout import PREPARE_RECORD
 from torchrelay.manifest import Manifest
 from torchrelay.reshard import (
+    LAYOUT_CHANGE_SCHEMA,
     LAYOUT_FIELDS,
     Layout,
     change_record,
@@ -35,7 +36,7 @@ from torchrelay.reshard import (
 )
 from torchrelay.rundir import RunDir
 from torchrelay.util.dotted import flatten
-from torchrelay.util.records import read_json
+from torchrelay.util.records import Field, Optional, Schema, read_json
 
 
 @dataclass(slots=True)
@@ -253,10 +254,30 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
     return [f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
 
 
+_NONE = type(None)
+# REBASE_RECORD.json as `prepare` writes it (handoff/prepare.py): what a resume and a second prepare use of it.
+PREPARE_RECORD_SCHEMA = Schema(
+    {
+        "format": Optional(Field(int, low=1, high=1)),
+        "bundle_lineage": Optional(Field((str, _NONE), length=200)),
+        "parent_lineage": Optional(Field((str, _NONE), length=200)),
+        "checkpoint": Optional(Field((str, _NONE), length=255, path=True)),
+        "update": Optional(Field((int, _NONE), low=0, high=1 << 40)),
+        "contract_sha256": Optional(Field((str, _NONE), length=128)),
+        "time": Optional(Field((str, _NONE), length=64)),
+        "changes": Optional(Field((dict, _NONE), size=1 << 20)),
+        "layout_change": Optional(Field((dict, _NONE), fields=LAYOUT_CHANGE_SCHEMA)),
+        "proofs": Optional(Field([str], items=1024)),
+        "numerics": Optional(Field((dict, _NONE), size=256 << 10)),
+        "originals": Optional(Field([str], items=16, path=True)),
+    }
+)
+
+
 def _prepare_record(path: Path) -> Any:
     """REBASE_RECORD.json read the guarded way, or None without one; a damaged one is refused (ConfigError)."""
     try:
-        return read_json(path, what="prepare's record", root=path.parent)
+        return read_json(path, what="prepare's record", root=path.parent, schema=PREPARE_RECORD_SCHEMA)
     except FileNotFoundError:
         return None
     except (OSError, RelayError) as exc:  # unreadable, not UTF-8, not JSON, too deep, a link, a pipe

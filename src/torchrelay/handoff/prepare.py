@@ -37,12 +37,13 @@ from torchrelay.kill_points import kill_point
 from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.resume_check import ResumeCheck, validate_resume
+from torchrelay.resume_check import PREPARE_RECORD_SCHEMA, ResumeCheck, validate_resume
 from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.durable import atomic_write_bytes, atomic_write_text, fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.records import check
 
 # Keys prepare owns itself: the manifest always lives in the run directory.
 _MANAGED = {
@@ -425,7 +426,11 @@ def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | Non
         return None
     record_path = RunDir(run_dir).prepare_record_path
     if record_path.is_file():
-        record = read_record(record_path, "the rebase record")
+        record = check(
+            read_record(record_path, "the rebase record"),
+            PREPARE_RECORD_SCHEMA,
+            source=f"{record_path} (the rebase record)",
+        )
         if record.get("bundle_lineage") == info.get("lineage"):
             return record
         raise ConfigError(

@@ -22,7 +22,7 @@ from torchrelay.checkpoint.persist import stall_seconds
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.ended import Ended
-from torchrelay.errors import EXIT_REFUSED, ConfigError, RelayError, mark_reported
+from torchrelay.errors import EXIT_REFUSED, ConfigError, RelayError, mark_reported, mark_shared
 from torchrelay.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
 from torchrelay.identity import fingerprint_differences, fingerprint_summary, node_fingerprint, versions
 from torchrelay.lock import RunLock
@@ -99,6 +99,7 @@ class SegmentOpener:
         """Open the segment (every rank); raises the same RelayError on every rank when any rank failed."""
         overrides = dict(overrides or {})
         try:
+            envvars.check(envvars.TRAINING)
             overrides.update(envvars.OVERRIDES.get())
         except ConfigError as exc:
             raise self._everywhere(exc) from None
@@ -294,8 +295,9 @@ class SegmentOpener:
 
     # ------------------------------------------------------------------------------------- refusing
     def _everywhere(self, err: RelayError) -> RelayError:
-        """An error every rank raises alike before any collective: rank 0 says it, the others stay quiet."""
-        return mark_reported(err) if self.rank != 0 else err
+        """An error every rank raises alike before any collective: the first rank to reach its excepthook says
+        it, the others stay quiet (errors.mark_shared)."""
+        return mark_shared(err)
 
     def _settle(self, err: RelayError, segment: Segment | None = None) -> None:
         """Every rank, once the ranks agreed that opening failed: rank 0 records the launch and unlocks."""
