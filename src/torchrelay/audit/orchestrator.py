@@ -177,7 +177,11 @@ def run_audit(
         env = dict(os.environ)
         if spec.probe:
             env[probe.ENV] = str(work / "probe" / name)
-            env[probe.STREAMS_AT_ENV] = ",".join(str(stop + 1) for stop in stops)
+            # Update 1 (both runs fresh launches: a stream that differs there was never seeded), update 2 (which
+            # global generators an update draws from) and the first update of each continued segment.
+            env[probe.STREAMS_AT_ENV] = ",".join(
+                str(u) for u in sorted({1, 2, *(stop + 1 for stop in stops)})
+            )
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe.SITE_DIR), env.get("PYTHONPATH")) if p)
         return run_segments(
             name,
@@ -243,6 +247,7 @@ def run_audit(
         ignored_keys=sorted(ignore),
         tensors_equal=tensors.equal,
         tensors_compared=tensors.compared,
+        values_compared=tensors.values_compared,
         tensors_differing=len(tensors.differing),
         top_tensors=[
             {"name": d.name, "max_abs": d.max_abs, "note": d.note} for d in tensors.differing[:TOP_TENSORS]
@@ -253,6 +258,7 @@ def run_audit(
                 "update": point,
                 "after_stop": point - 1 if point - 1 in stops else None,
                 "compared": t.compared,
+                "values": t.values_compared,
                 "differing": len(t.differing),
                 "top": t.differing[0].name if t.differing else None,
             }

@@ -41,11 +41,15 @@ class Verdict:
     ignored_keys: list[str] = field(default_factory=list)
     tensors_equal: bool = True
     tensors_compared: int = 0
+    values_compared: int = (
+        0  # restored values that are not tensors: statefuls' numbers, strings, param groups
+    )
     tensors_differing: int = 0
     top_tensors: list[dict[str, Any]] = field(default_factory=list)  # {"name", "max_abs", "note"}
     tensors_first_update: int | None = None  # the first compared checkpoint whose tensors differ
     # one per compared checkpoint: {"update", "after_stop" (the stop it is the first checkpoint after, or null),
-    # "compared", "differing", "top" (the most differing tensor's name, or null)}
+    # "compared" (tensors), "values" (other restored values), "differing" (of both), "top" (the most differing
+    # tensor's or value's name, or null)}
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     metrics_equal: bool = True
     metrics_first_update: int | None = None
@@ -120,7 +124,8 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
     table.add_row(
         "tensors",
         _mark(verdict.tensors_equal),
-        f"{verdict.tensors_compared} compared, {verdict.tensors_differing} differ"
+        f"{verdict.tensors_compared} tensors and {verdict.values_compared} values "
+        f"compared, {verdict.tensors_differing} differ"
         + (f" in {checkpoint_label(verdict.tensors_first_update)}" if verdict.tensors_first_update else "")
         + (f" (atol {verdict.atol:g})" if verdict.atol else " (bit for bit)"),
     )
@@ -129,7 +134,7 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         table.add_row(
             f"  {checkpoint_label(point['update'])}",
             _mark(not point["differing"]),
-            f"{after}: {point['compared']} tensors"
+            f"{after}: {point['compared']} tensors, {point.get('values', 0)} values"
             + (f", {point['differing']} differ, most {point['top']}" if point["differing"] else ""),
         )
     table.add_row(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrelay import rng
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
 from torchrelay.config import RelayConfig
@@ -101,6 +102,11 @@ class Run:
         self.config, self.contract_sha, self.segment = opened.config, opened.contract_sha, opened.segment
         self.resume_from, self.start_update, self.gate = opened.resume_from, opened.start_update, opened.gate
         self.hosts, self.ranks_by_host = opened.hosts, opened.ranks_by_host
+        # Python's `random` and numpy's global generator start from the OS's entropy in every process: a script
+        # that draws from them would differ between two uninterrupted runs. Seeded here, per rank, in every
+        # launch (a resume then restores the saved streams right before its first update); a script that wants
+        # its own seeds sets them after Run.open (docs/LOOP.md).
+        rng.seed_script_streams(rank_stream_seed(self.config.seed, 0, self.rank, self.world_size))
         self.manifest, self.order = opened.manifest, opened.order
         self.global_batch = opened.global_batch
         self.metrics_log, self.exposures_log = opened.metrics_log, opened.exposures_log
