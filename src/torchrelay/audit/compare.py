@@ -368,3 +368,18 @@ def _compare_state_tensors(
         ]
         if lost:
             result.lost.setdefault(update, []).extend(lost)
+
+
+def compare_digests(a_dir: Path, b_dir: Path) -> LogComparison:
+    """Compare the per-update digests of the parameters (train/digests-rank*.jsonl, digests.py): the first update
+    after which the two runs hold other parameters on some rank, among the updates both recorded."""
+    from torchrelay.digests import first_parting, read_digests
+
+    a, b = read_digests(a_dir), read_digests(b_dir)
+    result = LogComparison(what="digests")
+    result.compared_updates = max((u for rows in a.values() for u in rows), default=0)
+    update, ranks = first_parting(a, b)
+    if update is not None:
+        result.first_update, result.rank, result.keys = update, ranks[0], ["params"]
+        result.detail = f"the parameters after update {update} differ on rank(s) {', '.join(map(str, ranks))}"
+    return result

@@ -53,6 +53,7 @@ class Evidence:
     streams: StreamComparison | None = None  # the probe's random-stream digests where segments began
     tensors_at: int | None = None  # the checkpoint `tensors` compares (the first that differs, else the last)
     final_equal: bool = True  # the last checkpoint's tensors are equal (a difference may have faded by then)
+    digests: LogComparison | None = None  # the parameters' per-update digests (digests.py)
 
     @property
     def resumes(self) -> list[int]:
@@ -151,7 +152,12 @@ def _first_values(ev: Evidence) -> str:
         f"{d.name} ({d.note})" if d.note else f"{d.name} by {d.max_abs:.3g}" for d in ev.tensors.differing
     ]
     at = f" in {checkpoint_name(ev.tensors_at)}" if ev.tensors_at is not None else ""
-    return f"; first differing values{at}: {_names(shown, 3)}" if shown else ""
+    parted = (
+        f"; the parameters first part after update {ev.digests.first_update} (per-update digests)"
+        if ev.digests is not None and not ev.digests.equal
+        else ""
+    )
+    return parted + (f"; first differing values{at}: {_names(shown, 3)}" if shown else "")
 
 
 def _lr_first(metrics: LogComparison) -> int | None:
@@ -175,7 +181,8 @@ def _confirm_nondeterminism(rerun: Rerun | None, before: str) -> list[Cause] | N
 
 def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
     """The likely causes, most likely first; empty when the runs are equal."""
-    if ev.metrics.equal and ev.ledger.equal and ev.tensors.equal:
+    digests_equal = ev.digests is None or ev.digests.equal
+    if ev.metrics.equal and ev.ledger.equal and ev.tensors.equal and digests_equal:
         return []  # a differing validation loader, say, does not make training differ
     first_stop = min(ev.stops) if ev.stops else None
     own = ev.own_batches
@@ -295,6 +302,11 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
     # 5. Parting later in a segment, or only in the saved tensors: rerun to separate noise from lost state.
     if first is not None:
         where = f"the runs part at update {first}, after a resume but not at one ({ev.metrics.detail})"
+    elif ev.tensors.equal and ev.digests is not None and not ev.digests.equal:
+        where = (
+            f"the logs and the compared checkpoints agree, but {ev.digests.detail} (the per-update digests): "
+            "the difference faded before the next compared checkpoint"
+        )
     else:
         top = ev.tensors.differing[0]
         in_ckpt = f" in {checkpoint_name(ev.tensors_at)}" if ev.tensors_at is not None else ""

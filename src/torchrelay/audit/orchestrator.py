@@ -212,6 +212,7 @@ def run_audit(
     ignore = frozenset(spec.ignore_keys)
     metrics = compare.compare_metrics(a, b, spec.atol, ignore)
     ledger = compare.compare_ledgers(a, b)
+    digests = compare.compare_digests(a, b)
     own = compare.compare_own_batches(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
     own_loaders = probe.samplers(work / "probe" / "interrupted")
     streams = compare.compare_streams(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
@@ -230,9 +231,10 @@ def run_audit(
         streams=streams if spec.probe else None,
         tensors_at=tensors_at,
         final_equal=by_point[target].equal,
+        digests=digests,
     )
     causes = diagnose.diagnose(evidence, rerun if spec.confirm_nondeterminism else None)
-    equal = tensors.equal and metrics.equal and ledger.equal
+    equal = tensors.equal and metrics.equal and ledger.equal and digests.equal
     script = find_script(spec.launch)
     history = read_history(b)
     result = verdict.Verdict(
@@ -271,6 +273,9 @@ def run_audit(
         ledger_equal=ledger.equal,
         ledger_first_update=ledger.first_update,
         ledger_detail=ledger.detail,
+        digests_compared=digests.compared_updates,
+        digests_first_update=digests.first_update,
+        digests_detail=digests.detail,
         own_loaders=own_loaders,
         own_batches_equal=own.equal,
         own_batches_first_update=own.first_update,

@@ -58,6 +58,10 @@ class Verdict:
     ledger_equal: bool = True
     ledger_first_update: int | None = None
     ledger_detail: str = ""
+    # the parameters' per-update digests (digests.py): the first update after which they differ, None if never
+    digests_compared: int = 0  # updates both runs recorded a digest for (0: none recorded)
+    digests_first_update: int | None = None
+    digests_detail: str = ""
     own_loaders: list[str] = field(default_factory=list)  # sampler classes of the script's own DataLoaders
     own_batches_equal: bool = True
     own_batches_first_update: int | None = None
@@ -97,6 +101,8 @@ class Verdict:
             )
         where = self.metrics_first_update or self.ledger_first_update
         part = f" from update {where}" if where else ""
+        if self.digests_first_update is not None:
+            part += f"; parameters part after update {self.digests_first_update}"
         return f"NOT equal{part}; likely cause: {self.cause or 'unknown'}; {holds_for(self.numerics)}"
 
 
@@ -151,6 +157,14 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         if verdict.ledger_equal
         else f"first part at update {verdict.ledger_first_update}: {verdict.ledger_detail}",
     )
+    if verdict.digests_compared:
+        table.add_row(
+            "update digests",
+            _mark(verdict.digests_first_update is None),
+            f"the parameters after each of {verdict.digests_compared} updates"
+            if verdict.digests_first_update is None
+            else f"first part after update {verdict.digests_first_update}: {verdict.digests_detail}",
+        )
     if verdict.own_loaders:
         table.add_row(
             "own DataLoaders",

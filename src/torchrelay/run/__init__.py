@@ -24,6 +24,7 @@ from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
 from torchrelay.config import RelayConfig
 from torchrelay.contract import canonical_json
 from torchrelay.data.loader import RelayLoader
+from torchrelay.digests import DigestLog, digests_path
 from torchrelay.ended import Ended, ended_of
 from torchrelay.errors import (
     EXIT_ERROR,
@@ -114,6 +115,8 @@ class Run:
         # A relaunch of a finished run trains nothing and records nothing (steps() says so).
         self._finished_before = self.start_update >= self.config.total_updates
         self._tracked = Tracked()
+        # the parameters' digest after every update (digests.py): runs compared update by update
+        self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None
         rederive = (
@@ -159,6 +162,8 @@ class Run:
             agreement=self._agreement,
             announce=(self.gate, f"TRAINING_CONTRACT {self.contract_sha}"),
             notes=self._notes,
+            tracked=self._tracked,
+            digests=self._digests,
         )
         if self.rank == 0 and not self._finished_before:
             self.segment.hosts = self.hosts
@@ -261,6 +266,7 @@ class Run:
         self._saver.close()  # the segment's end is recorded only once its last checkpoint is complete
         self.metrics_log.close()
         self.exposures_log.close()
+        self._digests.close()
         if self.rank == 0 and not (self._finished_before and self.ended == Ended.FINISHED):
             seg = self.segment
             seg.ended, seg.exit_code, seg.stopped = self.ended, self.exit_code, time.time()
