@@ -407,3 +407,49 @@ def test_no_cause_is_guessed_where_the_evidence_names_none():
     # At a resume without the probe: a restarted stream, never dropout (the model may have none).
     ev = Evidence(stops=[4], metrics=_parted(5), ledger=_parted(None), tensors=_tensors())
     assert all("dropout" not in c.evidence for c in diagnose(ev))
+
+
+def test_the_probes_global_generators_tell_unseeded_streams_and_the_updates_that_draw(tmp_path):
+    from torchrelay.audit.compare import compare_streams
+
+    def write(run: str, rows: list[dict[str, object]]) -> Path:
+        folder = tmp_path / run
+        folder.mkdir()
+        (folder / "streams-rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
+
+    base = {"random": "r1", "numpy": "n1", "torch": "t1"}
+    a = write(
+        "a",
+        [
+            {"update": 1, "streams": [], "globals": base, "dropout": []},
+            {"update": 2, "streams": [], "globals": {**base, "random": "r2"}, "dropout": []},
+        ],
+    )
+    b = write(
+        "b",
+        [
+            {"update": 1, "streams": [], "globals": {**base, "random": "x1"}, "dropout": []},
+            {"update": 2, "streams": [], "globals": {**base, "random": "x2"}, "dropout": []},
+        ],
+    )
+    found = compare_streams(a, b)
+    assert found.unseeded() == ["random (global)"]  # the two fresh launches hold `random` apart at update 1
+    assert found.drawn == ["random"]  # an update draws from it (torch's stays)
+    assert found.dropout == []  # the probe looked: no dropout module
+    assert compare_streams(tmp_path / "none", tmp_path / "none").dropout is None  # no probe: nothing claimed
+
+
+def test_the_probe_lists_dropout_that_draws_and_digests_the_global_generators():
+    import random
+
+    from torchrelay.audit.probe import dropout_modules, global_streams
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.25), torch.nn.Dropout(0.0))
+    assert "net.1 p=0.25" in dropout_modules() and not any(m.startswith("net.2") for m in dropout_modules())
+    before = global_streams()
+    assert {"random", "numpy", "torch"} <= set(before)
+    random.random()
+    after = global_streams()
+    assert after["random"] != before["random"] and after["torch"] == before["torch"]
+    del net
