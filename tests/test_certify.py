@@ -86,9 +86,10 @@ def test_certify_reproduces_the_recorded_updates_and_names_where_a_corrupt_check
     name = _corrupt_a_weight_and_rehash(run / "checkpoint-8")
     assert validate_complete(run / "checkpoint-8")["update"] == 8  # every file matches its inventory
     code = main(["certify", str(run), "--checkpoint", "8", "--updates", "2", "--", *launch])
-    out = capsys.readouterr().out.strip().splitlines()
-    assert code == 1, (name, out)
+    said = capsys.readouterr()
+    out = said.out.strip().splitlines()
+    assert code == 1, (name, said.out, said.err[-3000:])
     assert out == [
         "checkpoint-8: NOT certified: the replay parts from the training at update 9 (rank(s) 0, 1)"
-    ], out
+    ], (said.out, said.err[-3000:])
     assert read_certificate(run, 8)["certified"] is False

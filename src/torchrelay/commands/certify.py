@@ -11,8 +11,7 @@ from torchrelay.commands.argtypes import count, positive_seconds
 from torchrelay.layout import MAX_UPDATE
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=Path, metavar="RUN", help="the run directory")
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint",
         type=count(0, MAX_UPDATE),
@@ -28,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=positive_seconds, default=600.0, help="seconds the replay may take (default 600)"
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _options(parser)
+    parser.add_argument("run_dir", type=Path, metavar="RUN", help="the run directory")
     parser.add_argument(
         "launch", nargs=argparse.REMAINDER, metavar="-- LAUNCH…", help="the training launch command"
     )
@@ -36,9 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from torchrelay.audit.certify import certify
 
+    # argparse hands everything after RUN to the launch: the options written between RUN and -- are read here
     launch = list(args.launch)
-    if launch and launch[0] == "--":
-        launch = launch[1:]
+    cut = launch.index("--") if "--" in launch else 0
+    if cut:
+        options = argparse.ArgumentParser(prog="torchrelay certify RUN", add_help=False)
+        _options(options)
+        options.parse_args(launch[:cut], namespace=args)
+    launch = launch[cut + 1 :] if launch[cut : cut + 1] == ["--"] else launch
     cert = certify(
         args.run_dir,
         launch,
