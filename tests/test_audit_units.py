@@ -453,3 +453,20 @@ def test_the_probe_lists_dropout_that_draws_and_digests_the_global_generators():
     after = global_streams()
     assert after["random"] != before["random"] and after["torch"] == before["torch"]
     del net
+
+
+def test_the_audit_names_the_first_update_after_which_the_parameters_part(tmp_path):
+    from torchrelay.audit.compare import compare_digests
+
+    def write(run: str, digests: dict[int, list[str]]) -> Path:
+        (tmp_path / run / "train").mkdir(parents=True)
+        for rank, rows in digests.items():
+            lines = [json.dumps({"u": u, "params": d, "n": 4}) for u, d in enumerate(rows, start=1)]
+            (tmp_path / run / "train" / f"digests-rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+        return tmp_path / run
+
+    a = write("a", {0: ["a1", "a2", "a3", "a4"], 1: ["b1", "b2", "b3", "b4"]})
+    assert compare_digests(a, write("same", {0: ["a1", "a2", "a3", "a4"], 1: ["b1", "b2", "b3", "b4"]})).equal
+    parted = compare_digests(a, write("b", {0: ["a1", "a2", "a3", "x4"], 1: ["b1", "b2", "y3", "y4"]}))
+    assert (parted.first_update, parted.rank) == (3, 1)
+    assert parted.detail == "the parameters after update 3 differ on rank(s) 1"
