@@ -160,6 +160,8 @@ def test_a_number_a_stateful_forgets_to_restore_is_not_equal_by_its_key(code, ex
     assert all(t["note"].endswith(" vs 1000000000.0") for t in verdict.top_tensors)
     assert verdict.cause == NOT_RESTORED, verdict.causes
     assert "uninterrupted-again" not in verdict.run_dirs
+    # the parameters never part: the per-update digests of all 6 updates agree
+    assert verdict.digests_compared == 6 and verdict.digests_first_update is None
 
 
 def test_audit_explains_a_launch_that_does_not_stop(tmp_path, capsys):
@@ -217,6 +219,7 @@ def test_an_unseeded_stream_is_named_from_the_first_update(code, example, tmp_pa
     assert verdict.cause == UNSEEDED and len(verdict.causes) == 1, verdict.causes
     assert f"{stream} start update 1 in another state" in verdict.causes[0]["evidence"], verdict.causes
     assert "uninterrupted-again" not in verdict.run_dirs  # the probe's evidence sufficed
+    assert verdict.digests_first_update == 1  # the parameters part after the first update
 
 
 def test_probe_finds_the_scripts_own_random_streams_only() -> None:
