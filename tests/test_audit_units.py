@@ -358,17 +358,19 @@ def test_a_value_that_only_a_stateful_lost_at_the_resume_is_named_not_restored()
     from torchrelay.audit import NOT_RESTORED
 
     diff = TensorDiff("state/best.best_val_loss", 1e9, "value 3.975 vs 1000000000.0")
+    other = TensorDiff("state/best@rank1.best_val_loss", 1e9, "value 3.5 vs 1000000000.0")
     ev = Evidence(
         stops=[4],
         metrics=LogComparison(what="metrics"),
         ledger=LogComparison(what="ledger"),
-        tensors=TensorComparison(compared=10, differing=[diff], values_compared=5),
+        tensors=TensorComparison(compared=10, differing=[diff, other], values_compared=5),
         tensors_at=5,
         final_equal=False,
     )
     causes = diagnose(ev, rerun=lambda: pytest.fail("the evidence suffices: no rerun"))
     assert causes[0].name == NOT_RESTORED
     assert "state/best.best_val_loss (value 3.975 vs 1000000000.0)" in causes[0].evidence
+    assert "the registered best saved these values" in causes[0].evidence
 
 
 def test_a_stream_unseeded_in_both_launches_is_named_without_a_second_run():

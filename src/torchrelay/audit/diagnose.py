@@ -135,13 +135,13 @@ def _not_restored(ev: Evidence, parted_at: str) -> list[Cause]:
     if not all(n.startswith("state/") for n in names):
         return []
     shown = [f"{d.name} ({d.note})" if d.note else d.name for d in ev.tensors.differing]
-    holders = sorted({n.removeprefix("state/").split(".", 1)[0] for n in names})
+    holders = sorted({n.removeprefix("state/").split(".", 1)[0].split("@rank")[0] for n in names})
     return [
         _cause(
             NOT_RESTORED,
             f"{parted_at}; in {checkpoint_name(at)}, the first after a resume, only registered state differs: "
-            f"{_names(shown)}, while every model and optimizer tensor is equal: {', '.join(holders)} "
-            "saved these values and the resume did not bring them back",
+            f"{_names(shown)}, while every model and optimizer tensor is equal: the registered "
+            f"{', '.join(holders)} saved these values and the resume did not bring them back",
         )
     ]
 
