@@ -18,11 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrelay import rng
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
 from torchrelay.config import RelayConfig
 from torchrelay.contract import canonical_json
 from torchrelay.data.loader import RelayLoader
+from torchrelay.digests import DigestLog, digests_path
 from torchrelay.ended import Ended, ended_of
 from torchrelay.errors import (
     EXIT_ERROR,
@@ -101,6 +103,11 @@ class Run:
         self.config, self.contract_sha, self.segment = opened.config, opened.contract_sha, opened.segment
         self.resume_from, self.start_update, self.gate = opened.resume_from, opened.start_update, opened.gate
         self.hosts, self.ranks_by_host = opened.hosts, opened.ranks_by_host
+        # Python's `random` and numpy's global generator start from the OS's entropy in every process: a script
+        # that draws from them would differ between two uninterrupted runs. Seeded here, per rank, in every
+        # launch (a resume then restores the saved streams right before its first update); a script that wants
+        # its own seeds sets them after Run.open (docs/LOOP.md).
+        rng.seed_script_streams(rank_stream_seed(self.config.seed, 0, self.rank, self.world_size))
         self.manifest, self.order = opened.manifest, opened.order
         self.global_batch = opened.global_batch
         self.metrics_log, self.exposures_log = opened.metrics_log, opened.exposures_log
@@ -108,6 +115,8 @@ class Run:
         # A relaunch of a finished run trains nothing and records nothing (steps() says so).
         self._finished_before = self.start_update >= self.config.total_updates
         self._tracked = Tracked()
+        # the parameters' digest after every update (digests.py): runs compared update by update
+        self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None
         rederive = (
@@ -156,6 +165,8 @@ class Run:
             announce=(self.gate, f"TRAINING_CONTRACT {self.contract_sha}"),
             notes=self._notes,
             on_refusal=self._start_over,
+            tracked=self._tracked,
+            digests=self._digests,
         )
         if self.rank == 0 and not self._finished_before:
             self.segment.hosts = self.hosts
@@ -265,6 +276,7 @@ class Run:
         self._saver.close()  # the segment's end is recorded only once its last checkpoint is complete
         self.metrics_log.close()
         self.exposures_log.close()
+        self._digests.close()
         if self.rank == 0 and not (self._finished_before and self.ended == Ended.FINISHED):
             seg = self.segment
             seg.ended, seg.exit_code, seg.stopped = self.ended, self.exit_code, time.time()

@@ -17,11 +17,12 @@ import torch
 from torchrelay.config import RelayConfig
 from torchrelay.data.loader import RankBatches, RelayLoader
 from torchrelay.data.order import GlobalOrder
+from torchrelay.digests import DigestLog
 from torchrelay.errors import EXIT_FINISHED, ConfigError, PathError, RelayError, from_exception
 from torchrelay.log import logger
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.exact_reduce import EXACT, ExactReduction
-from torchrelay.run.restore import Restore
+from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver
 from torchrelay.train_records import ExposureLog, RankLog
 from torchrelay.util import collective
@@ -156,8 +157,11 @@ class Loop:
         announce: tuple[str, ...],
         notes: list[str],
         on_refusal: Callable[[RelayError], None] | None = None,
+        tracked: Tracked | None = None,
+        digests: DigestLog | None = None,
     ) -> None:
         self._config = config
+        self._tracked, self._digests = tracked, digests  # the parameters' digest after each update
         self._order = order
         self._rank = rank
         self._world_size = world_size
@@ -241,12 +245,16 @@ class Loop:
         self._metrics_log.write(rec)
         for micro, ids in enumerate(step._ids):
             self._exposures_log.write_exposure(step.update, micro, ids)
+        if self._digests is not None and self._tracked is not None:
+            self._digests.record(step.update, self._tracked.model)
         # Lines past the newest checkpoint are trimmed on resume anyway, so flushing about twice a second
         # (and durably before every save) loses nothing a resume needs and keeps syscalls out of the loop.
         now = time.perf_counter()
         if now - self._last_flush > 0.5:
             self._metrics_log.flush()
             self._exposures_log.flush()
+            if self._digests is not None:
+                self._digests.flush()
             self._last_flush = now
 
 
