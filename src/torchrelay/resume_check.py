@@ -95,6 +95,7 @@ def validate_resume(
     code_files: list[str] | tuple[str, ...] = (),
     reshard: bool = False,
     explicit: set[str] | frozenset[str] = frozenset(),
+    asked_by: str = "reshard",
 ) -> ResumeCheck:
     """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint.
 
@@ -102,7 +103,8 @@ def validate_resume(
     code_files: the running program's files (identity.running_files), when the trainer itself checks.
     reshard: this launch may change the layout (world size, micro_batch x grad_accum) with the same global batch
     (reshard.py); `prepare --world-size` asks for it on the run it prepares. explicit: the config keys the launch
-    overrode on purpose (a split the script merely repeats is the run's current one).
+    overrode on purpose (a split the script merely repeats is the run's current one). asked_by: who asked for
+    the move, recorded as its `asked_by` (reshard.reshard_asker).
     """
     rd = RunDir(run_dir)
     stored = rd.load_config()
@@ -159,7 +161,7 @@ def validate_resume(
     change = None
     if new != current:
         notes += _per_rank_on_layout_change(ckpt, state)
-        change = change_record(current, new, update, "prepare" if by_prepare else "reshard", notes)
+        change = change_record(current, new, update, "prepare" if by_prepare else asked_by, notes)
         passed.append(f"layout change accepted: {current} -> {new}, global batch {new.global_batch} kept")
     if ckpt is not None and doc is not None:
         checked = "verified" if deep else "listed with their sizes (hashed as they are loaded)"
