@@ -233,11 +233,19 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
     """What a checkpoint stored per rank cannot follow its ranks to another layout: statefuls that differed by rank
     (a per-rank generator, a counter) are refused; model and optimizer tensors that differed (buffers no wrapper
     synchronizes) are taken from rank 0, as DDP itself broadcasts them; returns the note saying so."""
-    if state.get("deepspeed") is not None:
-        raise ConfigError(
-            f"{ckpt}: holds a DeepSpeed engine's checkpoint (ZeRO partitions of its own), which torchrelay does not "
-            "reshard to another layout",
-            hint="keep the world size, or convert it with DeepSpeed's universal checkpoint first",
+    engine = state.get("deepspeed")
+    notes = []
+    if engine is not None:
+        stage = engine.get("zero_stage") if isinstance(engine, dict) else None
+        if stage not in (1, 2):
+            raise ConfigError(
+                f"{ckpt}: holds a DeepSpeed ZeRO stage {stage} engine's checkpoint (its parameters partitioned "
+                "over the ranks), which torchrelay does not reshard to another layout",
+                hint="keep the world size; ZeRO-1/2 checkpoints are resharded (docs/ELASTIC.md)",
+            )
+        notes.append(
+            f"DeepSpeed ZeRO-{stage} optimizer partitions resharded for the new ranks at load, proven bit for bit "
+            "(fp32 masters and both moments gathered)"
         )
     per_rank = state.get("per_rank") or {}
     statefuls = list(per_rank.get("statefuls") or [])
@@ -250,9 +258,9 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
         )
     tensors = [*(per_rank.get("model") or []), *(per_rank.get("optim") or [])]
     if not tensors:
-        return []
+        return notes
     shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
-    return [f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
+    return [*notes, f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
 
 
 def _prepare_record(path: Path) -> Any:
