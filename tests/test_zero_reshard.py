@@ -235,3 +235,43 @@ def test_a_layout_change_accepts_zero2_and_refuses_zero3_naming_it(tmp_path: Pat
     with pytest.raises(ConfigError, match="ZeRO stage 3 engine's checkpoint") as err:
         _per_rank_on_layout_change(tmp_path / "checkpoint-4", {"deepspeed": {"zero_stage": 3}})
     assert "ZeRO-1/2 checkpoints are resharded" in (err.value.hint or "")
+
+
+def test_zero2_prepared_for_one_rank_from_a_bundle_of_two(example: dict[str, Path], tmp_path: Path) -> None:
+    """`prepare --world-size 1` of a ZeRO-2 run stopped on 2 ranks: the first launch on 1 rank reshards and
+    finishes it, the move recorded as asked by prepare, the ledger exact."""
+    from helpers import TORCHRUN, clean_env, make_code_repo, run_tree, segments
+    from torchrelay.cli import main
+    from torchrelay.ledger import prove
+    from torchrelay.stop import write_request
+
+    def launch(code: Path, run: Path, nproc: int) -> Any:
+        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]
+        cmd += [
+            str(code / "train_deepspeed.py"),
+            "--run-dir",
+            str(run),
+            "--manifest",
+            str(example["manifest"]),
+        ]
+        cmd += ["--data-root", str(example["root"]), "--updates", "6"]
+        return run_tree(cmd, timeout=900, env=clean_env(DS_ACCELERATOR="cpu"), cwd=code)
+
+    code = make_code_repo(tmp_path / "code", ("train_deepspeed.py",))
+    source, bundle, there = tmp_path / "source", tmp_path / "bundle", tmp_path / "there"
+    source.mkdir()
+    write_request(source, at_update=3)
+    out = launch(code, source, 2)
+    assert segments(source)[-1]["last_update"] == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    assert main(["pack", str(source), str(bundle)]) == 0
+    assert main(["prepare", str(bundle), "--run-dir", str(there), "--world-size", "1"]) == 0
+    out = launch(next((there / "source").iterdir()), there, 1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    segs = segments(there)
+    assert [(s["world_size"], s["ended"]) for s in segs] == [(2, "request"), (1, "finished")]
+    change = segs[-1]["layout_change"]
+    assert change["asked_by"] == "prepare" and (change["from"]["grad_accum"], change["to"]["grad_accum"]) == (
+        2,
+        4,
+    )
+    assert prove(there).ok
