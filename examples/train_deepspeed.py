@@ -29,11 +29,12 @@ from torchrelay.config import parse_assignments
 class TinyLM(nn.Module):
     """Predicts the next byte from the current one and a running context: small, but every part trains."""
 
-    def __init__(self, d_model: int) -> None:
+    def __init__(self, d_model: int, dropout: float = 0.1) -> None:
         super().__init__()
         self.tok = nn.Embedding(256, d_model)
         self.mix = nn.Linear(d_model, d_model)
-        self.drop = nn.Dropout(0.1)  # draws from the RNG, which torchrelay restores per rank
+        # draws from the RNG, which torchrelay restores per rank (and re-derives at a move: docs/ELASTIC.md)
+        self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(d_model, 256)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,7 @@ def main() -> int:
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--updates", type=int, default=12)
+    parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument(
         "--offload", action="store_true", help="ZeRO-Offload: the optimizer on the CPU (DeepSpeedCPUAdam)"
     )
@@ -96,14 +98,21 @@ def main() -> int:
         data_root=args.data_root,
         save_every=4,
         pins=[f"deepspeed=={deepspeed.__version__}"],  # continued only with the DeepSpeed that began it
-        params={"lr": args.lr, "d_model": 32, "seq_len": 64, "deepspeed": ds_config, "min_update_s": 0},
+        params={
+            "lr": args.lr,
+            "d_model": 32,
+            "seq_len": 64,
+            "dropout": args.dropout,
+            "deepspeed": ds_config,
+            "min_update_s": 0,
+        },
         runtime_params=["min_update_s"],  # pacing for demos and stop tests: never changes a bit
     )
     try:
         with tr.Run.open(args.run_dir, cfg, overrides=parse_assignments(args.set)) as run:
             p = run.config.params
             torch.manual_seed(run.config.seed)
-            model = TinyLM(p["d_model"])
+            model = TinyLM(p["d_model"], p.get("dropout", 0.1))
             offload = "offload_optimizer" in p["deepspeed"]["zero_optimization"]
             if offload:  # DeepSpeed's compiled CPU Adam, as ZeRO-Offload wants
                 from deepspeed.ops.adam import DeepSpeedCPUAdam

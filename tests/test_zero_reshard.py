@@ -150,7 +150,11 @@ def test_a_folder_is_resharded_into_files_deepspeed_names(tmp_path: Path) -> Non
 def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
     example: dict[str, Path], tmp_path: Path, offload: bool
 ) -> None:
+    """The uninterrupted 4-rank run against the same run moved 4 -> 2 -> 4 after updates 2 and 4 (dropout 0: a
+    rank's dropout masks follow its re-derived RNG): each move proven at load, the ledger exact, each parameter
+    within the audit's bound of the reduction order (tests/test_elastic.py's criterion)."""
     from helpers import TORCHRUN, clean_env, make_code_repo, run_tree, segments
+    from torchrelay.audit.layout_audit import layout_verdict
     from torchrelay.ledger import prove
     from torchrelay.stop import write_request
 
@@ -159,23 +163,31 @@ def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
 
         cpu_adam_or_skip()
     code = make_code_repo(tmp_path / "code", ("train_deepspeed.py",))
-    run = tmp_path / "run"
+    straight, run = tmp_path / "straight", tmp_path / "run"
     run.mkdir()
-    extra = ["--offload"] if offload else []
-    for nproc, stop in ((4, 2), (2, 4), (4, None)):
-        if stop is not None:
-            write_request(run, at_update=stop)
+    extra = ["--updates", "6", "--dropout", "0", *(["--offload"] if offload else [])]
+
+    def launch(target: Path, nproc: int, *more: str) -> Any:
         cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]
         cmd += [
             str(code / "train_deepspeed.py"),
             "--run-dir",
-            str(run),
+            str(target),
             "--manifest",
             str(example["manifest"]),
         ]
-        cmd += ["--data-root", str(example["root"]), "--updates", "6", *extra]
+        cmd += ["--data-root", str(example["root"]), *extra, *more]
         env = clean_env(DS_ACCELERATOR="cpu", TORCHRELAY_RESHARD="1")
-        out = run_tree(cmd, timeout=900, env=env, cwd=code)
+        return run_tree(cmd, timeout=900, env=env, cwd=code)
+
+    out = launch(
+        straight, 4, "--set", "keep_updates=[2]"
+    )  # its parameters at the move: the audit's reference
+    assert (straight / "checkpoint-6" / "COMPLETE.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    for nproc, stop in ((4, 2), (2, 4), (4, None)):
+        if stop is not None:
+            write_request(run, at_update=stop)
+        out = launch(run, nproc)
         assert (run / f"checkpoint-{stop or 6}" / "COMPLETE.json").exists(), (
             out.stdout[-3000:] + out.stderr[-3000:]
         )
@@ -196,31 +208,17 @@ def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
         assert any("ZeRO-2 optimizer partitions resharded" in n for n in change["notes"]), change["notes"]
     assert prove(run).ok
     assert not list(run.glob(".zero-reshard-*"))  # the moved partitions' folder is gone once loaded
+    audit = layout_verdict(straight, run, [4, 2, 4], [2, 4], [4, 6])
+    print("\n" + "\n".join(audit.lines()))
+    assert audit.ledger.equal and audit.ok, "\n".join(audit.lines())
+    assert len(audit.drift[6].judged) == 5  # every parameter of the model, judged by its Adam moments
 
 
 def test_the_reshard_benchmark_runs_at_toy_size() -> None:
-    """benchmarks/bench_zero_reshard.py at toy size, so it cannot rot."""
-    import json
-    import subprocess
-    import sys
+    """bench_zero_reshard's measure at toy size, so it cannot rot: 4 partitions resharded for 2, proven."""
+    from zero_partitions import measure
 
-    from helpers import REPO
-
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "bench_zero_reshard.py"),
-            "--elements",
-            "1001",
-            "--old",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    row = json.loads(out.stdout.splitlines()[-1])
+    row = measure(1001, 4, 2)
     assert (row["elements"], row["old"], row["new"]) == (1001, 4, 2) and row["reshard_s_slowest_rank"] > 0
 
 

@@ -255,9 +255,26 @@ def measure_drift(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        ta, tb = dict(load_tensors(ckpt_a)), dict(load_tensors(ckpt_b))
-        tm = dict(load_tensors(reference)) if reference is not None else {}
+        ta, tb = _named(ckpt_a, load_tensors(ckpt_a)), _named(ckpt_b, load_tensors(ckpt_b))
+        tm = _named(reference, load_tensors(reference)) if reference is not None else {}
     return drift_of(ta, tb, updates_since_change, tm, rounding)
+
+
+def _named(ckpt: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors with a DeepSpeed ZeRO-1/2 engine's flat partitions (`optim@rank<r>.…`, another
+    number of them on each layout) replaced by the optimizer state per parameter (zero_reshard.named_state)."""
+    if not any(k.startswith("optim@rank") for k in tensors):
+        return dict(tensors)
+    from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG, safe_load
+    from torchrelay.checkpoint.state import read_trainer_state
+    from torchrelay.checkpoint.zero_reshard import named_state
+
+    record = read_trainer_state(ckpt).get("deepspeed") or {}
+    if record.get("zero_stage") not in (1, 2):
+        return dict(tensors)
+    folder = ckpt / str(record.get("dir", DS_DIR)) / str(record.get("tag", DS_TAG))
+    kept = {k: v for k, v in tensors.items() if not k.startswith("optim@rank")}
+    return kept | named_state(folder, safe_load)
 
 
 def drift_of(

@@ -12,6 +12,7 @@ from typing import Any
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
 from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
+from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.layout import checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.records import read_json_or_none
@@ -188,7 +189,8 @@ def layout_verdict(
 
     ledger = compare_ledgers(a, b)
     reference = RunDir(a).checkpoint(stops[0])
-    ref = reference if (reference / "model").is_dir() else None
+    # the parameters at the move: DCP's model folder, or a DeepSpeed engine's files
+    ref = reference if (reference / "model").is_dir() or (reference / DS_DIR).is_dir() else None
     compared = [p for p in points if p > stops[0]]
     exact = _elastic_exact(a)
     # A step that depends on the layout (Muon on sharded matrices) is taken at each world size from the state at

@@ -193,5 +193,22 @@ def assemble(parts: list[tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]
     return FlatState(masters, moments, [None] * len(masters))
 
 
+def named_state(folder: Path, load: Any) -> dict[str, torch.Tensor]:
+    """A ZeRO-1/2 checkpoint folder's optimizer state per parameter, as a plain optimizer's is named
+    (`optim.<fqn>.exp_avg`, `.exp_avg_sq`): the partitions gathered and cut by the model's param_shapes, in the
+    order the groups were flattened. What the layout audit judges a DeepSpeed run's parameters by."""
+    shapes = load(folder / MODEL_STATES).get("param_shapes") or []
+    whole = gather([load(p)["optimizer_state_dict"] for p in optim_files(folder)])
+    out: dict[str, torch.Tensor] = {}
+    for g, group in enumerate(shapes):
+        offset = 0
+        for name, shape in group.items():
+            numel = int(torch.Size(shape).numel())
+            for key, flat in whole.moments[g].items():
+                out[f"optim.{name}.{key}"] = flat[offset : offset + numel].reshape(shape)
+            offset += numel
+    return out
+
+
 def remove(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
