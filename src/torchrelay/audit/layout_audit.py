@@ -97,6 +97,11 @@ class LayoutAudit:
                 if self.exact
                 else "WITHIN TOLERANCE: the same samples in the same updates; the parameters differ by "
                 "reduction order only"
+                + (
+                    " and the optimizer's measured rounding"
+                    if any(d.rounding for d in self.drift.values())
+                    else ""
+                )
             )
         else:
             out.append(
