@@ -436,3 +436,49 @@ def test_launch_on_too_few_devices_runs_the_fallback_as_a_run_of_its_own(
     assert json.loads(capsys.readouterr().out)["fallback"] == recorded
     assert main(["status", str(fallback_run)]) == 0
     assert "launched as" in capsys.readouterr().out
+
+
+def test_launch_moves_the_run_in_place_only_when_asked_and_records_who_asked(
+    example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 ranks -> 1 (the plan's in-place fallback, `--devices 1`) -> 2 (`launch --reshard`): one run, the global
+    batch kept, each move in history.jsonl with who asked, and `status` showing it; unasked, the move is refused."""
+    from torchrelay.cli import main
+    from torchrelay.stop import write_request
+
+    config = write_config(tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=4)
+    run = tmp_path / "run"
+    fallback = {"name": "one-rank", "in_place": True, "nproc_per_node": 1}
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], config, run, smoke={"when": "never"}, fallbacks=[fallback]
+    )
+    run.mkdir()
+    write_request(run, at_update=2)
+    out = launch_cli(plan)
+    assert out.returncode == 4, out.stdout + out.stderr
+    unasked = launch_cli(plan, "--set", "train.nproc_per_node=1", "--set", "fallbacks=[]")
+    refusal = " ".join(unasked.stderr.split())
+    assert unasked.returncode == 2 and "world_size: 2 -> 1" in refusal, refusal
+    assert "`launch --reshard` or TORCHRELAY_RESHARD=1 derives grad_accum" in refusal
+    write_request(run, at_update=3)
+    out = launch_cli(plan, "--devices", "1")
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "the same run continued in place on 1 rank(s)" in " ".join(out.stderr.split())
+    out = launch_cli(plan, "--reshard")
+    assert out.returncode == 0, out.stdout + out.stderr
+    segs = segments(run)
+    assert [(s["world_size"], s["last_update"]) for s in segs] == [(2, 2), (1, 3), (2, 4)]
+    moves = [s["layout_change"] for s in segs[1:]]
+    assert [m["asked_by"] for m in moves] == [
+        "launch fallback 'one-rank' (in place), attempt 3",
+        "launch --reshard, attempt 4",
+    ]
+    assert [(m["from"]["grad_accum"], m["to"]["grad_accum"], m["global_batch"]) for m in moves] == [
+        (2, 4, 16),
+        (4, 2, 16),
+    ]
+    assert prove(run).ok
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "layout change at update 3 (launch --reshard, attempt 4): 1 rank(s)" in shown, shown

@@ -192,6 +192,11 @@ RESHARD = Var(
     "TORCHRELAY_RESHARD", "flag", False, "this launch may continue the run on another layout (world size, "
     "`micro_batch` × `grad_accum`) with the same global batch, like `Run.open(reshard=True)`",
 )  # fmt: skip
+RESHARD_BY = Var(
+    "TORCHRELAY_RESHARD_BY", "str", None, "who asked for the layout change TORCHRELAY_RESHARD allows (`launch "
+    "--reshard`, a plan's in-place fallback): recorded as the move's `asked_by` in history.jsonl",
+    by="the controller",
+)  # fmt: skip
 RECLAIM = Var(
     "TORCHRELAY_RECLAIM", "flag", False, "continue from (or pack) a checkpoint that `pack` handed off (the fork "
     "guard), on purpose: a new lineage, on record",

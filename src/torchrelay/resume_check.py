@@ -96,6 +96,7 @@ def validate_resume(
     code_files: list[str] | tuple[str, ...] = (),
     reshard: bool = False,
     explicit: set[str] | frozenset[str] = frozenset(),
+    asked_by: str = "reshard",
 ) -> ResumeCheck:
     """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint.
 
@@ -103,7 +104,8 @@ def validate_resume(
     code_files: the running program's files (identity.running_files), when the trainer itself checks.
     reshard: this launch may change the layout (world size, micro_batch x grad_accum) with the same global batch
     (reshard.py); `prepare --world-size` asks for it on the run it prepares. explicit: the config keys the launch
-    overrode on purpose (a split the script merely repeats is the run's current one).
+    overrode on purpose (a split the script merely repeats is the run's current one). asked_by: who asked for
+    the move, recorded as its `asked_by` (reshard.reshard_asker).
     """
     rd = RunDir(run_dir)
     stored = rd.load_config()
@@ -160,7 +162,7 @@ def validate_resume(
     change = None
     if new != current:
         notes += _per_rank_on_layout_change(ckpt, state)
-        change = change_record(current, new, update, "prepare" if by_prepare else "reshard", notes)
+        change = change_record(current, new, update, "prepare" if by_prepare else asked_by, notes)
         passed.append(f"layout change accepted: {current} -> {new}, global batch {new.global_batch} kept")
     if ckpt is not None and doc is not None:
         checked = "verified" if deep else "listed with their sizes (hashed as they are loaded)"
@@ -232,11 +234,19 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
     """What a checkpoint stored per rank cannot follow its ranks to another layout: statefuls that differed by rank
     (a per-rank generator, a counter) are refused; model and optimizer tensors that differed (buffers no wrapper
     synchronizes) are taken from rank 0, as DDP itself broadcasts them; returns the note saying so."""
-    if state.get("deepspeed") is not None:
-        raise ConfigError(
-            f"{ckpt}: holds a DeepSpeed engine's checkpoint (ZeRO partitions of its own), which torchrelay does not "
-            "reshard to another layout",
-            hint="keep the world size, or convert it with DeepSpeed's universal checkpoint first",
+    engine = state.get("deepspeed")
+    notes = []
+    if engine is not None:
+        stage = engine.get("zero_stage") if isinstance(engine, dict) else None
+        if stage not in (1, 2):
+            raise ConfigError(
+                f"{ckpt}: holds a DeepSpeed ZeRO stage {stage} engine's checkpoint (its parameters partitioned "
+                "over the ranks), which torchrelay does not reshard to another layout",
+                hint="keep the world size; ZeRO-1/2 checkpoints are resharded (docs/ELASTIC.md)",
+            )
+        notes.append(
+            f"DeepSpeed ZeRO-{stage} optimizer partitions resharded for the new ranks at load, proven bit for bit "
+            "(fp32 masters and both moments gathered)"
         )
     per_rank = state.get("per_rank") or {}
     statefuls = list(per_rank.get("statefuls") or [])
@@ -249,9 +259,9 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
         )
     tensors = [*(per_rank.get("model") or []), *(per_rank.get("optim") or [])]
     if not tensors:
-        return []
+        return notes
     shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
-    return [f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
+    return [*notes, f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
 
 
 _NONE = type(None)

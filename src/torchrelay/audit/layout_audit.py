@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from torchrelay.audit import diagnose
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
+from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
+from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.layout import checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.records import read_json_or_none
@@ -99,6 +101,11 @@ class LayoutAudit:
                 if self.exact
                 else "WITHIN TOLERANCE: the same samples in the same updates; the parameters differ by "
                 "reduction order only"
+                + (
+                    " and the optimizer's measured rounding"
+                    if any(d.rounding for d in self.drift.values())
+                    else ""
+                )
             )
         else:
             out.append(
@@ -178,20 +185,33 @@ def _elastic_exact(run_dir: Path) -> bool:
     return isinstance(cfg, dict) and cfg.get("elastic") == "exact"
 
 
-def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points: list[int]) -> LayoutAudit:
+def layout_verdict(
+    a: Path,
+    b: Path,
+    worlds: list[int],
+    stops: list[int],
+    points: list[int],
+    rounding: StepRounding | None = None,
+) -> LayoutAudit:
     """Compare an uninterrupted run `a` with the same run relayed across world sizes `b` (moved after each stop)
-    at checkpoints `points`: the ledgers, then each parameter's drift (or every bit, under elastic: exact)."""
+    at checkpoints `points`: the ledgers, then each parameter's drift (or every bit, under elastic: exact);
+    `rounding`: a layout-dependent step's rounding measured before (else measured here from `a` at the move)."""
     from torchrelay.audit.compare import compare_checkpoints, load_checkpoint_tensors
 
     ledger = compare_ledgers(a, b)
     reference = RunDir(a).checkpoint(stops[0])
-    ref = reference if (reference / "model").is_dir() else None
+    # the parameters at the move: DCP's model folder, or a DeepSpeed engine's files
+    ref = reference if (reference / "model").is_dir() or (reference / DS_DIR).is_dir() else None
     compared = [p for p in points if p > stops[0]]
+    exact = _elastic_exact(a)
+    # A step that depends on the layout (Muon on sharded matrices) is taken at each world size from the state at
+    # the move: its own rounding joins each parameter's bound (audit/step_probe.py).
+    if rounding is None and ref is not None and not exact:
+        rounding = measure_step_rounding(ref, worlds)
     drift = {
-        p: measure_drift(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p), p - stops[0], ref)
+        p: measure_drift(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p), p - stops[0], ref, rounding)
         for p in compared
     }
-    exact = _elastic_exact(a)
     bits = {}
     if exact:
         bits = {

@@ -34,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices per node this allocation has (default: the GPUs CUDA sees); fewer than the plan's "
         "train.nproc_per_node runs its first fallback that fits",
     )
+    parser.add_argument(
+        "--reshard",
+        action="store_true",
+        help="continue the run in place on this plan's world size even where its checkpoint has another, with the "
+        "same global batch (grad_accum derived; recorded in history.jsonl, docs/ELASTIC.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,5 +53,6 @@ def run(args: argparse.Namespace) -> int:
         budget_s=args.budget,
         started=process_started(),
         devices=args.devices,
+        reshard=args.reshard,
     )
     return launch(request).exit_code

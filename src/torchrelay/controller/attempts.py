@@ -191,11 +191,16 @@ class Attempts:
 
 def describe_fallback(fallback: dict[str, Any]) -> str:
     """One line saying which fallback ran instead of which plan, and why."""
+    how = (
+        f"the same run continued in place on {fallback.get('nproc_per_node')} rank(s) per node, global batch kept"
+        if fallback.get("in_place") is True
+        else f"{fallback.get('nproc_per_node')} rank(s) per node in a run of its own (not a continuation of "
+        f"{fallback.get('primary_run_dir')})"
+    )
     return (
         f"fallback {fallback.get('fallback')!r} of plan {fallback.get('plan')!r}: the allocation has "
         f"{fallback.get('devices')} device(s) per node, the plan needs {fallback.get('primary_nproc_per_node')}; "
-        f"{fallback.get('nproc_per_node')} rank(s) per node in a run of its own (not a continuation of "
-        f"{fallback.get('primary_run_dir')})"
+        + how
     )
 
 

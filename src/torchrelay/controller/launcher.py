@@ -7,6 +7,7 @@ controller's exit code — 0 finished, 3 budget, 4 request, 5 signal, 6 memory, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
+from torchrelay import envvars
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.argv import training_argv
@@ -77,6 +79,8 @@ class LaunchRequest:
     time_left: Callable[[str], float | None] | None = None  # job id -> end time; default asks squeue
     # devices per node this allocation has (`--devices`); None: the GPUs CUDA sees (none: the primary plan runs)
     devices: int | None = None
+    # `--reshard`: the formal run may continue the run on another world size (the plan's train.reshard)
+    reshard: bool = False
 
 
 class Controller:
@@ -303,6 +307,13 @@ class Controller:
             extra["TORCHRELAY_DEADLINE"] = f"{training_deadline:.3f}"
         if cost.measurements.save_s:
             extra["TORCHRELAY_SAVE_ESTIMATE_S"] = f"{cost.measurements.save_s:.3f}"
+        if plan.train.reshard:
+            extra[envvars.RESHARD.name] = "1"
+            extra[envvars.RESHARD_BY.name] = f"{self._reshard_asker()}, attempt {attempt.number}"
+            attempt.note(
+                f"asked for a layout change: the run may continue on {plan.train.world_size} rank(s) with the same "
+                f"global batch ({self._reshard_asker()})"
+            )
         self.show.formal_start(plan.run_path, plan.train.world_size)
         launched = self.req.clock()
         # The training stops itself before the deadline; past it (plus a grace for the save) it is stopped.
@@ -332,6 +343,14 @@ class Controller:
         return outcome
 
     # ------------------------------------------------------------------------------------------ helpers
+    def _reshard_asker(self) -> str:
+        """Who allowed this attempt to move the run to another world size (the move's `asked_by`)."""
+        if self.req.reshard:
+            return "launch --reshard"
+        if self.plan.fallback_of.get("in_place"):
+            return f"launch fallback {self.plan.fallback_of.get('fallback')!r} (in place)"
+        return "plan train.reshard"
+
     def _deadline(self, now: float) -> float | None:
         slurm_end = None
         if self.job:
@@ -483,11 +502,15 @@ def launch(request: LaunchRequest, console: Console | None = None) -> Outcome:
     """Run one attempt of the plan and return its outcome (exit code in `outcome.exit_code`).
 
     With fewer devices per node than the plan's train.nproc_per_node, the attempt runs the plan's first fallback
-    that fits (a run of its own, in its own run directory), recorded in the attempt's fallback.json.
+    that fits (a run of its own in its own run directory, or the same run continued in place), recorded in the
+    attempt's fallback.json. `request.reshard` (or the plan's train.reshard) lets the formal run continue the run
+    on another world size with the same global batch.
     One controller per run: a second launch of the same run directory is refused (RunBusy, exit 2) before it
     records an attempt or starts anything; so is a plan whose memory limits or run directory cannot be used.
     """
     plan = load_plan(request.plan_path, request.sets)
+    if request.reshard:
+        plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, reshard=True))
     devices = request.devices if request.devices is not None else visible_devices()
     plan = plan.for_devices(devices)
     # Everything that can refuse the plan before the lock and the attempt are written beside its run directory.

@@ -37,7 +37,7 @@ from torchrelay.errors import (
 from torchrelay.history import upsert
 from torchrelay.identity import find_code_dir
 from torchrelay.log import ensure_voice, logger, set_rank
-from torchrelay.reshard import rank_stream_seed, reshard_asked
+from torchrelay.reshard import rank_stream_seed, reshard_asked, reshard_asker
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.loop import Loop, Step
 from torchrelay.run.opening import SegmentOpener, start_over
@@ -96,7 +96,12 @@ class Run:
         self.code_dir = Path(code_dir) if code_dir else find_code_dir()
         self.exit_code, self.ended, self._closed = EXIT_ERROR, Ended.RUNNING, False
         self._opener = SegmentOpener(
-            run_dir, rank=self.rank, world_size=self.world_size, code_dir=self.code_dir, reshard=reshard
+            run_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            code_dir=self.code_dir,
+            reshard=reshard,
+            asked_by=reshard_asker(),
         )
         opened = self._opener.open(config, overrides)
         self.dir = self._opener.dir

@@ -82,9 +82,11 @@ class SegmentOpener:
         world_size: int,
         code_dir: Path | None,
         reshard: bool = False,
+        asked_by: str = "reshard",
     ) -> None:
         self.rank = rank
         self.reshard = reshard  # this launch may change the layout (reshard.py)
+        self.asked_by = asked_by  # who asked, as the move's record says
         self.world_size = world_size
         self.code_dir = code_dir
         self.lock: RunLock | None = None
@@ -244,6 +246,7 @@ class SegmentOpener:
                 code_dir=self.code_dir,
                 reshard=self.reshard,
                 numerics=numerics,
+                asked_by=self.asked_by,
             )
         else:
             assert config is not None
