@@ -126,6 +126,12 @@ class PathError(RelayError):
     exit_code = EXIT_REFUSED
 
 
+class ParityError(RelayError):
+    """An export does not compute what the training model computes (`export --parity`); no export is written."""
+
+    exit_code = EXIT_REFUSED
+
+
 class CheckpointError(RelayError):
     """No usable checkpoint, or a checkpoint that cannot be written or read."""
 

@@ -29,6 +29,7 @@ from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
 from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.export.parity import ParityOptions, check_parity
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.handoff.copying import refuse_inside_runs, refuse_nested
 from torchrelay.layout import checkpoint_label, parse_checkpoint_name
@@ -73,6 +74,8 @@ class ExportOptions:
         default_factory=list
     )  # files copied beside the weights (config.json, tokenizer)
     checkpoint: int | None = None  # of a run directory; None: its newest complete one
+    # compare the export, loaded with from_pretrained, with the training model on the run's samples (parity.py)
+    parity: ParityOptions | None = None
 
     def __post_init__(self) -> None:
         if self.format != "safetensors":
@@ -105,6 +108,7 @@ class ExportResult:
     dropped: list[str]
     renamed: dict[str, str]
     seconds: float
+    parity: dict[str, Any] | None = None
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -321,18 +325,27 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         for path in options.include:
             shutil.copyfile(path, tmp / path.name)
             sums.append(SumEntry(path.name, sha256_hex(tmp / path.name)))
+        # before the provenance and the rename: an export that fails its parity is not written
+        parity = check_parity(tmp, ckpt, holder, options.parity) if options.parity is not None else None
         renamed = {k: v for k, v in mapping.items() if k != v}
         provenance = {
             "format": EXPORT_FORMAT,
             "tool": f"torchrelay {__version__}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source": _provenance(ckpt, holder, inventory),
-            "options": {**asdict(options), "include": [p.name for p in options.include]},
+            "options": {
+                **asdict(options),
+                "include": [p.name for p in options.include],
+                "parity": None
+                if options.parity is None
+                else {**asdict(options.parity), "hooks": options.parity.hooks.name},
+            },
             "tensors": len(slots),
             "total_bytes": total,
             "files": [s.path for s in sums],
             "dropped": dropped,
             "renamed": renamed,
+            **({"parity": parity} if parity is not None else {}),
         }
         _write(tmp / PROVENANCE, provenance)
         sums.append(SumEntry(PROVENANCE, sha256_hex(tmp / PROVENANCE)))
@@ -355,6 +368,7 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         dropped=dropped,
         renamed=renamed,
         seconds=time.perf_counter() - started,
+        parity=parity,
     )
 
 
