@@ -18,6 +18,7 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.config import RelayConfig
+from torchrelay.destinations import refuse_nested
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.handoff.assemble import (
     Hooks,
@@ -27,7 +28,7 @@ from torchrelay.handoff.assemble import (
     copy_source_manifest,
     numerics_here,
 )
-from torchrelay.handoff.copying import refuse_nested, through_link
+from torchrelay.handoff.copying import through_link
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
