@@ -120,3 +120,23 @@ def test_torchtitan_options_that_choose_what_to_load_are_refused(setting: dict, 
         RelayCheckpointManager.Config(**fields).build(
             dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None
         )
+
+
+def test_torchtitan_resumes_on_another_data_parallel_size(code: Path, tmp_path: Path) -> None:
+    """What torchtitan's own checkpoint refuses: stopped on 2 ranks, finished on 1 (the Trainer's gradient
+    accumulation 2 -> 4, the global batch kept); the ledger proves every window of the run's order, once."""
+    data = _data(tmp_path / "data")
+    dump = tmp_path / "run"
+    run = dump / "checkpoint"
+    run.mkdir(parents=True)
+    main(["stop", str(run), "--at-update", "3", "--before-start"])
+    rc, out = _launch(code, dump, data)
+    assert segments(run)[-1]["ended"] == "request" and segments(run)[-1]["last_update"] == 3, out
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", str(code / "titan_loop.py")]
+    cmd += ["--dump", str(dump), "--data", str(data), "--steps", str(U)]
+    done = run_tree(cmd, timeout=300, env=clean_env(TORCHRELAY_RESHARD="1"), cwd=code)
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = segments(run)[-1]
+    assert (last["ended"], last["resumed_from"], last["last_update"]) == ("finished", 3, U)
+    ledger = prove(run)
+    assert ledger.ok and ledger.exposures == U * 8 and ledger.repeats == 0
