@@ -26,14 +26,19 @@ def refuse_nested(source: Path, source_what: str, dest: Path, dest_what: str) ->
     raise ConfigError(problem, hint=f"choose a {dest_what} outside the {source_what} (and not holding it)")
 
 
-def refuse_inside_runs(dest: Path, dest_what: str) -> None:
+def refuse_inside_runs(dest: Path, dest_what: str, owned: Path | None = None) -> None:
     """Refuse a destination inside any run directory, bundle or checkpoint, not only the one read (links followed):
-    a file written there is one no inventory (or SHA256SUMS) lists, and the next resume refuses that checkpoint."""
+    a file written there is one no inventory (or SHA256SUMS) lists, and the next resume refuses that checkpoint.
+    `owned`: a folder of a run that torchrelay itself writes (validation's own folder): a destination inside it may
+    lie in that run directory, never inside a checkpoint."""
     real = Path(os.path.realpath(dest))
+    mine = Path(os.path.realpath(owned)) if owned is not None else None
     for folder in (real, *real.parents):
         if (folder / INVENTORY).is_file():
             what = "checkpoint"
         elif (folder / CONTRACT_FILE).is_file():
+            if mine is not None and is_inside(mine, real) and is_inside(folder, mine):
+                continue
             what = "run directory (or bundle)"
         else:
             continue

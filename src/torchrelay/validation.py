@@ -300,7 +300,7 @@ def _run_command(
         from torchrelay.export import ExportOptions, export_weights
 
         try:
-            export_weights(ckpt, out / WEIGHTS, spec.export or ExportOptions())
+            export_weights(ckpt, out / WEIGHTS, spec.export or ExportOptions(), owned=out)
         except RelayError as exc:
             record.reason = f"exporting the weights for the command failed: {exc.message}"
             return _finish(out, record, clock)

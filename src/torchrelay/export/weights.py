@@ -254,8 +254,11 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
     }
 
 
-def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportResult:
-    """Write the model weights of `source` (run directory, bundle or checkpoint) into the new folder `out`."""
+def export_weights(
+    source: Path, out: Path, options: ExportOptions, owned: Path | None = None
+) -> ExportResult:
+    """Write the model weights of `source` (run directory, bundle or checkpoint) into the new folder `out`;
+    `owned`: a run's folder torchrelay writes itself (validation's), in which `out` may lie."""
     started = time.perf_counter()
     ckpt, holder = resolve_checkpoint(Path(source), options.checkpoint)
     inventory = validate_complete(ckpt)  # a damaged checkpoint is refused, naming the file
@@ -268,7 +271,7 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
     out = Path(out)
     # as pack and prepare refuse their destination: an export inside a checkpoint made every resume refuse it
     refuse_nested(ckpt, "checkpoint", out, "export folder")
-    refuse_inside_runs(out, "export folder")
+    refuse_inside_runs(out, "export folder", owned)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not empty", hint="choose a new export folder")
     for path in options.include:
