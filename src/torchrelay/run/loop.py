@@ -106,9 +106,19 @@ class Step:
         best validation loss, say). Call it on every rank at the same update, as a collective: the ranks agree,
         and one that wants it makes all of them save; returns whether they will. `reason` is recorded in the
         checkpoint's COMPLETE.json (`saved_now`) and shown by `status`."""
-        agreed = self._ranks.agree_max(f"step.save_now in update {self.update}", lambda: [1 if wanted else 0])
-        if agreed[0]:
-            self.saving = self.saving or (str(reason)[:200] or "save_now")
+        asked = [False]
+
+        def propose() -> list[int]:
+            asked[0] = bool(wanted)  # a tensor or numpy bool too; a failure here is agreed like any
+            return [1 if asked[0] else 0]
+
+        agreed = self._ranks.agree_max(f"step.save_now in update {self.update}", propose)
+        if agreed[0] and self.saving is None:
+            # Rank 0 writes COMPLETE.json: the reason recorded is that of the first rank that asked, not its own
+            # (the ranks' reasons differ when each names its own value; one that did not ask has none).
+            mine = (str(reason)[:200] or "save_now") if asked[0] else None
+            reasons = self._ranks.all_gather(f"step.save_now in update {self.update}", lambda: mine)
+            self.saving = next(r for r in reasons if r is not None)
         return self.saving is not None
 
     def micro_batches(self, model: torch.nn.Module | None = None) -> Iterator[tuple[int, Any]]:
