@@ -6,6 +6,7 @@ saver saves.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -77,6 +78,28 @@ class Feed:
             return next(self._it)
         except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
             raise _sample_error(exc, update) from exc
+        except RelayError as exc:  # a refusal of the dataset's (TokenWindows): one line, a worker's too
+            said = _from_worker(exc, update)
+            if said is None:
+                raise
+            raise said from exc
+
+
+def _from_worker(exc: RelayError, update: int) -> RelayError | None:
+    """A RelayError a DataLoader worker raised, as torch raises it again in the rank (the same class, its message
+    the worker's whole traceback), back to its own message and hint; None for one raised in this process."""
+    text = exc.message
+    if "in DataLoader worker process" not in text.split("\n", 1)[0]:
+        return None
+    marker = f"\n{type(exc).__module__}.{type(exc).__qualname__}: "
+    at = text.rfind(marker)
+    if at < 0:
+        return None
+    message, _, hint = text[at + len(marker) :].partition("\n  hint: ")
+    said = copy.copy(exc)
+    said.message, said.hint = f"update {update}: {message.strip()}", hint.strip() or exc.hint
+    said.args = (said.message,)
+    return said
 
 
 class Step:
