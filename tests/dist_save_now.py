@@ -4,12 +4,15 @@ ask differently. Prints one `CHECK name ok|FAIL detail` line per property; the t
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchrelay.errors import RelayError
 from torchrelay.run import Step
+from torchrelay.util import collective
 
 failures = 0
 
@@ -24,7 +27,30 @@ def step(update: int) -> Step:
     return Step(update, iter([([0], torch.zeros(1))]), 1)
 
 
+def alone() -> None:
+    """Only rank 0 calls step.save_now (rank 1 goes on, to its next update's collectives): rank 0 waits out
+    TORCHRELAY_COLLECTIVE_TIMEOUT_S and says what to check first."""
+    dist.init_process_group("gloo")
+    collective.ranks()  # the protocol's group, made by every rank (a collective itself)
+    if dist.get_rank() == 1:
+        time.sleep(8)
+        sys.exit(0)
+    try:
+        step(5).save_now(True, "only rank 0")
+        check("one_rank_alone_is_refused", False, "it returned")
+    except RelayError as err:
+        check(
+            "one_rank_alone_is_refused",
+            "step.save_now in update 5: rank 0 lost its peers" in err.message
+            and "call it on every rank in the same update" in str(err.hint),
+            str(err),
+        )
+    sys.exit(1 if failures else 0)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["alone"]:
+        return alone()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 

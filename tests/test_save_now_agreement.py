@@ -29,3 +29,14 @@ def test_save_now_records_the_reason_of_the_rank_that_asked() -> None:
         out.stdout[-3000:],
         out.stderr[-3000:],
     )
+
+
+def test_save_now_on_one_rank_only_says_it_is_a_collective() -> None:
+    out = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.5", str(SCRIPT), "alone"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(TORCHRELAY_COLLECTIVE_TIMEOUT_S="3"),
+    )
+    assert "CHECK one_rank_alone_is_refused@0 ok" in out.stdout, (out.stdout[-3000:], out.stderr[-3000:])

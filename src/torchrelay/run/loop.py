@@ -135,7 +135,12 @@ class Step:
             asked[0] = bool(wanted)  # a tensor or numpy bool too; a failure here is agreed like any
             return [1 if asked[0] else 0]
 
-        agreed = self._ranks.agree_max(f"step.save_now in update {self.update}", propose)
+        agreed = self._ranks.agree_max(
+            f"step.save_now in update {self.update}",
+            propose,
+            lost_hint="step.save_now is a collective: call it on every rank in the same update (wanted=False where "
+            "a rank wants no save)",
+        )
         if agreed[0] and self.saving is None:
             # Rank 0 writes COMPLETE.json: the reason recorded is that of the first rank that asked, not its own
             # (the ranks' reasons differ when each names its own value; one that did not ask has none).
