@@ -128,3 +128,17 @@ def test_a_window_past_its_file_or_a_wrong_dtype_is_refused_naming_the_line(tmp_
     ) as err:
         TokenWindows(recs, block_size=8, replacement=True)[SampleContext(0, 0, 1, 1)]
     assert "dtype='uint32'" in str(err.value.hint)
+
+
+def test_a_token_file_named_through_a_linked_data_root_stays_under_it(tmp_path: Path) -> None:
+    storage = tmp_path / "storage" / "owt"
+    storage.mkdir(parents=True)
+    np.arange(100, dtype=np.uint16).tofile(storage / "train.bin")
+    (tmp_path / "data").symlink_to(storage)  # data_root is the link, as on a cluster's /data -> /mnt/...
+    recs = _records(token_manifest([tmp_path / "data" / "train.bin"], tmp_path / "m.jsonl", block_size=8))
+    assert recs[0]["path"] == str(tmp_path / "data" / "train.bin")  # under data_root: prepare can re-point it
+    rel = Path("data") / "train.bin"
+    recs = _records(
+        token_manifest([tmp_path / "data" / ".." / "data" / "train.bin"], tmp_path / "n.jsonl", block_size=8)
+    )
+    assert recs[0]["path"] == str(tmp_path / rel)

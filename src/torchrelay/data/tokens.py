@@ -68,7 +68,9 @@ def token_manifest(
     out = Path(out)
     with open(out, "w") as f:
         for name in files:
-            path = Path(name).resolve()  # absolute: a path under data_root is what prepare re-points
+            # absolute, links kept: a path under data_root (as the user names it, often through a link to the
+            # storage) is what prepare re-points; resolving the link would put it outside
+            path = Path(os.path.abspath(name))
             size = path.stat().st_size
             if size % itemsize:
                 raise ConfigError(f"{path}: {size} bytes is no whole number of {dtype} tokens")
