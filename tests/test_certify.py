@@ -105,6 +105,11 @@ def test_certify_chooses_by_the_updates_recorded_not_by_every_rank_that_ever_rec
     assert choose(moved, [4, 8, 10], 10, 2, tmp_path) == 10
     assert compare(moved, {0: moved[0], 1: moved[1]}, 11, 12) == (None, [], 4)
     assert compare(moved, {0: moved[0], 1: {**moved[1], 12: "x"}}, 11, 12) == (12, [1], 4)
+    # replayed on 1 rank where the training had 2 after the checkpoint: not a parting, a wrong launch
+    with pytest.raises(
+        AuditError, match=r"update 11: the training recorded digests on 2 rank\(s\), the replay on 1"
+    ):
+        compare(moved, {0: moved[0]}, 11, 12)
     # trained to 6 by a torchrelay without digests, then resumed: checkpoint-4 has none after it
     older = {r: {u: f"d{u}" for u in range(7, 13)} for r in range(2)}
     with pytest.raises(

@@ -133,8 +133,17 @@ def compare(
     ranks that recorded it."""
     compared = 0
     for u in range(first, last + 1):
+        trained = sorted(r for r in recorded if u in recorded[r])
+        ran = sorted(r for r in replayed if u in replayed[r])
+        if ran and ran != trained:
+            # the replay ran on another world size: its digests are of other shards or none at all
+            raise AuditError(
+                f"update {u}: the training recorded digests on {len(trained)} rank(s), the replay on {len(ran)}",
+                hint=f"launch the replay on {len(trained)} rank(s) (TORCHRELAY_RESHARD=1 when the checkpoint was "
+                "saved on another number)",
+            )
         ranks = []
-        for rank in sorted(r for r in recorded if u in recorded[r]):
+        for rank in trained:
             compared += 1
             if recorded[rank][u] != replayed.get(rank, {}).get(u):
                 ranks.append(rank)
