@@ -472,3 +472,32 @@ def test_the_audit_names_the_first_update_after_which_the_parameters_part(tmp_pa
     parted = compare_digests(a, write("b", {0: ["a1", "a2", "a3", "x4"], 1: ["b1", "b2", "y3", "y4"]}))
     assert (parted.first_update, parted.rank) == (3, 1)
     assert parted.detail == "the parameters after update 3 differ on rank(s) 1"
+
+
+def test_a_refused_segment_is_said_by_the_rank_s_own_line_not_torchrun_s_report(tmp_path: Path) -> None:
+    from torchrelay.audit.runner import said
+
+    # the head of a real log: certify replaying a 1-rank checkpoint on 2 ranks without TORCHRELAY_RESHARD
+    log = tmp_path / "certify-segment1.log"
+    log.write_text(
+        "torchrelay: resume refused: the training contract in /r/resume_contract.json differs in 2 field(s):\n"
+        "  global_batch: 8 -> 16\n"
+        "  world_size: 1 -> 2\n"
+        "  hint: continue with the same global batch: on 2 rank(s) with micro_batch 2 keep it with grad_accum 2 "
+        "(`launch --reshard` or TORCHRELAY_RESHARD=1 derives grad_accum)\n"
+        "W1207 07:16:06.115000 32578 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1\n"
+        "Traceback (most recent call last):\n"
+        + '  File "/venv/bin/torchrun", line 8, in <module>\n' * 30
+        + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    )
+    message, hint = said(log) or ("", None)
+    assert message == (
+        "resume refused: the training contract in /r/resume_contract.json differs in 2 field(s): "
+        "global_batch: 8 -> 16; world_size: 1 -> 2"
+    )
+    assert hint is not None and hint.startswith("continue with the same global batch: on 2 rank(s)")
+    (tmp_path / "rank1.log").write_text(
+        "x\ntorchrelay [rank 1]: training: rank 1 lost its peers (closed)\nend\n"
+    )
+    assert said(tmp_path / "rank1.log") == ("training: rank 1 lost its peers (closed)", None)
+    assert said(tmp_path / "none.log") is None

@@ -93,3 +93,29 @@ def test_certify_reproduces_the_recorded_updates_and_names_where_a_corrupt_check
         "checkpoint-8: NOT certified: the replay parts from the training at update 9 (rank(s) 0, 1)"
     ], (said.out, said.err[-3000:])
     assert read_certificate(run, 8)["certified"] is False
+
+
+def test_certify_chooses_by_the_updates_recorded_not_by_every_rank_that_ever_recorded(tmp_path: Path) -> None:
+    from torchrelay.audit.certify import choose, compare
+    from torchrelay.audit.runner import AuditError
+
+    # 4 ranks up to update 8, moved to 2 (launch --reshard): ranks 2 and 3 record nothing after it
+    moved = {r: {u: f"d{u}" for u in range(1, 9 if r > 1 else 13)} for r in range(4)}
+    assert choose(moved, [4, 8, 10], None, 2, tmp_path) == 10
+    assert choose(moved, [4, 8, 10], 10, 2, tmp_path) == 10
+    assert compare(moved, {0: moved[0], 1: moved[1]}, 11, 12) == (None, [], 4)
+    assert compare(moved, {0: moved[0], 1: {**moved[1], 12: "x"}}, 11, 12) == (12, [1], 4)
+    # replayed on 1 rank where the training had 2 after the checkpoint: not a parting, a wrong launch
+    with pytest.raises(
+        AuditError, match=r"update 11: the training recorded digests on 2 rank\(s\), the replay on 1"
+    ):
+        compare(moved, {0: moved[0]}, 11, 12)
+    # trained to 6 by a torchrelay without digests, then resumed: checkpoint-4 has none after it
+    older = {r: {u: f"d{u}" for u in range(7, 13)} for r in range(2)}
+    with pytest.raises(
+        AuditError, match=r"--checkpoint 4 --updates 1: the run recorded no digest of update 5 "
+    ):
+        choose(older, [4, 6, 8], 4, 1, tmp_path)
+    assert choose(older, [4, 6, 8], 6, 2, tmp_path) == 6
+    with pytest.raises(AuditError, match=r"no complete checkpoint has 1 recorded update\(s\) after it"):
+        choose(older, [4], None, 1, tmp_path)

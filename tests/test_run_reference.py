@@ -70,3 +70,11 @@ def test_every_public_attribute_is_on_the_reference_page_and_the_manifest_is_the
     assert not [a for a in seen["run"] if a not in listed], [a for a in seen["run"] if a not in listed]
     assert not [a for a in seen["step"] if a not in listed], [a for a in seen["step"] if a not in listed]
     assert "docs/RUN.md" in (REPO / "README.md").read_text()
+
+
+def test_the_readme_loop_divides_by_the_layout_s_grad_accum() -> None:
+    # A move to another world size derives another grad_accum (tests/test_elastic.py); the user's own config keeps
+    # the old one: dividing by it scaled the gradient after a move 2 -> 1 (found by a script of a reader's own).
+    skeleton = (REPO / "README.md").read_text().split("## The loop in one screen", 1)[1].split("```", 2)[1]
+    divided = re.findall(r"/\s*([\w.]+)\.grad_accum", skeleton)
+    assert divided == ["run.config"], divided

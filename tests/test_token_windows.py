@@ -103,3 +103,42 @@ def test_a_token_stream_run_resumes_bit_for_bit_with_another_worker_count(tmp_pa
                 o for m in range(2) for o in offsets[m * per_micro + rank * 4 : m * per_micro + rank * 4 + 4]
             ]
             assert row["window_sum"] == sum(mine), (rank, row)
+
+
+def test_a_window_past_its_file_or_a_wrong_dtype_is_refused_naming_the_line(tmp_path: Path) -> None:
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    # slots= beyond the 12 windows that fit: with replacement each slot is a draw; without, a short window
+    recs = _records(token_manifest([tmp_path / "t.bin"], tmp_path / "m.jsonl", block_size=8, slots=14))
+    assert TokenWindows(recs, block_size=8, replacement=True)[SampleContext(13, 0, 1, 1)][0].shape == (8,)
+    once = TokenWindows(recs, block_size=8, replacement=False)
+    assert once[SampleContext(11, 0, 1, 1)][2] == 88  # the last window that fits: tokens 88..96
+    for line in (12, 13):
+        with pytest.raises(ConfigError, match=rf"manifest line {line} \(t\.bin:{line}\): window {line} of "):
+            once[SampleContext(line, 0, 1, 1)]
+    wide = TokenWindows(
+        _records(tmp_path / "m.jsonl")[:12], block_size=16, replacement=False
+    )  # not the manifest's
+    with pytest.raises(ConfigError, match=r"block_size 16 ends past the file's 100 tokens"):
+        wide[SampleContext(6, 0, 1, 1)]
+    # a uint32 file read as uint16 (TokenWindows' default): the dtype named, not "another file"
+    np.arange(100, dtype=np.uint32).tofile(tmp_path / "w.bin")
+    recs = _records(token_manifest([tmp_path / "w.bin"], tmp_path / "w.jsonl", block_size=8, dtype="uint32"))
+    with pytest.raises(
+        ConfigError, match=r"w\.bin: 100 uint32 tokens as the manifest says, read as uint16"
+    ) as err:
+        TokenWindows(recs, block_size=8, replacement=True)[SampleContext(0, 0, 1, 1)]
+    assert "dtype='uint32'" in str(err.value.hint)
+
+
+def test_a_token_file_named_through_a_linked_data_root_stays_under_it(tmp_path: Path) -> None:
+    storage = tmp_path / "storage" / "owt"
+    storage.mkdir(parents=True)
+    np.arange(100, dtype=np.uint16).tofile(storage / "train.bin")
+    (tmp_path / "data").symlink_to(storage)  # data_root is the link, as on a cluster's /data -> /mnt/...
+    recs = _records(token_manifest([tmp_path / "data" / "train.bin"], tmp_path / "m.jsonl", block_size=8))
+    assert recs[0]["path"] == str(tmp_path / "data" / "train.bin")  # under data_root: prepare can re-point it
+    rel = Path("data") / "train.bin"
+    recs = _records(
+        token_manifest([tmp_path / "data" / ".." / "data" / "train.bin"], tmp_path / "n.jsonl", block_size=8)
+    )
+    assert recs[0]["path"] == str(tmp_path / rel)

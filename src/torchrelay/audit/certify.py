@@ -83,27 +83,73 @@ def read_certificate(run_dir: str | os.PathLike[str], update: int) -> dict[str, 
 
 def _choose(run_dir: Path, recorded: dict[int, dict[int, str]], checkpoint: int | None, updates: int) -> int:
     """The checkpoint to certify: the one asked for, else the newest complete one with `updates` recorded after."""
-    last = min((max(rows) for rows in recorded.values() if rows), default=0)
     complete = [c.update for c in RunDir(run_dir).checkpoints() if c.complete]
+    return choose(recorded, complete, checkpoint, updates, run_dir)
+
+
+def choose(
+    recorded: dict[int, dict[int, str]],
+    complete: list[int],
+    checkpoint: int | None,
+    updates: int,
+    where: Path,
+) -> int:
+    """The checkpoint whose `updates` following updates all have a recorded digest on some rank. Per update, not
+    per rank: a rank of an earlier, wider segment (a move 4 -> 2) records nothing after it, and the updates
+    before a resume by a torchrelay that records digests (an older run format) have none."""
+    have = {u for rows in recorded.values() for u in rows}
+    span = f"{min(have)}..{max(have)}" if have else "none"
+
+    def missing(c: int) -> int | None:
+        return next((u for u in range(c + 1, c + updates + 1) if u not in have), None)
+
     if checkpoint is not None:
         if checkpoint not in complete:
             raise AuditError(
-                f"{run_dir / checkpoint_name(checkpoint)}: no complete checkpoint there",
+                f"{where / checkpoint_name(checkpoint)}: no complete checkpoint there",
                 hint=f"choose one of: {', '.join(map(str, complete)) or 'none'}",
             )
-        if checkpoint + updates > last:
+        gap = missing(checkpoint)
+        if gap is not None:
             raise AuditError(
-                f"--checkpoint {checkpoint} --updates {updates}: the run recorded digests up to update {last} only",
-                hint="certify an earlier checkpoint, or fewer updates",
+                f"--checkpoint {checkpoint} --updates {updates}: the run recorded no digest of update {gap} "
+                f"(digests of updates {span})",
+                hint="certify a checkpoint the run trained past with per-update digests, or fewer updates",
             )
         return checkpoint
-    fits = [u for u in complete if u + updates <= last]
+    fits = [u for u in complete if missing(u) is None]
     if not fits:
         raise AuditError(
-            f"{run_dir}: no complete checkpoint has {updates} recorded update(s) after it (digests up to {last})",
+            f"{where}: no complete checkpoint has {updates} recorded update(s) after it (digests of updates {span})",
             hint="certify fewer updates, or train past the checkpoint first",
         )
     return max(fits)
+
+
+def compare(
+    recorded: dict[int, dict[int, str]], replayed: dict[int, dict[int, str]], first: int, last: int
+) -> tuple[int | None, list[int], int]:
+    """(the first update in first..last whose digest differs, its ranks, digests compared): each update on the
+    ranks that recorded it."""
+    compared = 0
+    for u in range(first, last + 1):
+        trained = sorted(r for r in recorded if u in recorded[r])
+        ran = sorted(r for r in replayed if u in replayed[r])
+        if ran and ran != trained:
+            # the replay ran on another world size: its digests are of other shards or none at all
+            raise AuditError(
+                f"update {u}: the training recorded digests on {len(trained)} rank(s), the replay on {len(ran)}",
+                hint=f"launch the replay on {len(trained)} rank(s) (TORCHRELAY_RESHARD=1 when the checkpoint was "
+                "saved on another number)",
+            )
+        ranks = []
+        for rank in trained:
+            compared += 1
+            if recorded[rank][u] != replayed.get(rank, {}).get(u):
+                ranks.append(rank)
+        if ranks:
+            return u, ranks, compared
+    return None, [], compared
 
 
 def _copy_run(run_dir: Path, update: int, dest: Path) -> None:
@@ -183,16 +229,7 @@ def certify(
         )
         seconds = time.monotonic() - started
         replayed = read_digests(replay)
-        first, ranks, compared = None, [], 0
-        for u in range(update + 1, update + updates + 1):
-            for rank in sorted(recorded):
-                want, got = recorded[rank].get(u), replayed.get(rank, {}).get(u)
-                compared += 1
-                if want != got:
-                    ranks.append(rank)
-            if ranks:
-                first = u
-                break
+        first, ranks, compared = compare(recorded, replayed, update + 1, update + updates)
         ran, trained = _numerics_of_update(replay, update + 1), _numerics_of_update(root, update + 1)
         same = (
             None

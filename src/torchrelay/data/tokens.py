@@ -68,7 +68,9 @@ def token_manifest(
     out = Path(out)
     with open(out, "w") as f:
         for name in files:
-            path = Path(name).resolve()  # absolute: a path under data_root is what prepare re-points
+            # absolute, links kept: a path under data_root (as the user names it, often through a link to the
+            # storage) is what prepare re-points; resolving the link would put it outside
+            path = Path(os.path.abspath(name))
             size = path.stat().st_size
             if size % itemsize:
                 raise ConfigError(f"{path}: {size} bytes is no whole number of {dtype} tokens")
@@ -115,7 +117,17 @@ class TokenWindows:
         rec = record if record is not None else self.records[ctx.index]
         if self.replacement:
             return window_offset(ctx.seed, ctx.epoch, ctx.index, int(rec["tokens"]) - self.block_size)
-        return int(rec["window"]) * self.block_size
+        start = int(rec["window"]) * self.block_size
+        if start + self.block_size + 1 > int(rec["tokens"]):
+            # a short or empty window would reach the model unnoticed (or fail in collate, far from its cause):
+            # token_manifest(slots=...) beyond the windows that fit, or another block_size than the manifest's
+            raise ConfigError(
+                f"manifest line {ctx.index} ({rec['id']}): window {rec['window']} of block_size {self.block_size} "
+                f"ends past the file's {rec['tokens']} tokens",
+                hint="without replacement a file holds (tokens - 1) // block_size windows: write the manifest "
+                "without slots= and with the same block_size, or train with replacement=True",
+            )
+        return start
 
     def __getitem__(self, ctx: SampleContext) -> tuple[torch.Tensor, torch.Tensor, int]:
         rec = self.records[ctx.index]
@@ -129,6 +141,13 @@ class TokenWindows:
         if data is None:
             data = np.memmap(path, dtype=DTYPES[self.dtype], mode="r")
             if len(data) != tokens:
+                size = len(data) * data.itemsize
+                for name, other in DTYPES.items():
+                    if name != self.dtype and size == tokens * np.dtype(other).itemsize:
+                        raise ConfigError(
+                            f"{path}: {tokens} {name} tokens as the manifest says, read as {self.dtype}",
+                            hint=f"give TokenWindows dtype={name!r}, the dtype token_manifest wrote it with",
+                        )
                 # an OSError: the loop reports it as a sample it could not read, naming the file (run/loop.py)
                 raise OSError(
                     f"{path}: {len(data)} {self.dtype} tokens, the manifest says {tokens}: another file than the "

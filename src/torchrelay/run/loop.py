@@ -6,6 +6,7 @@ saver saves.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -77,6 +78,28 @@ class Feed:
             return next(self._it)
         except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
             raise _sample_error(exc, update) from exc
+        except RelayError as exc:  # a refusal of the dataset's (TokenWindows): one line, a worker's too
+            said = _from_worker(exc, update)
+            if said is None:
+                raise
+            raise said from exc
+
+
+def _from_worker(exc: RelayError, update: int) -> RelayError | None:
+    """A RelayError a DataLoader worker raised, as torch raises it again in the rank (the same class, its message
+    the worker's whole traceback), back to its own message and hint; None for one raised in this process."""
+    text = exc.message
+    if "in DataLoader worker process" not in text.split("\n", 1)[0]:
+        return None
+    marker = f"\n{type(exc).__module__}.{type(exc).__qualname__}: "
+    at = text.rfind(marker)
+    if at < 0:
+        return None
+    message, _, hint = text[at + len(marker) :].partition("\n  hint: ")
+    said = copy.copy(exc)
+    said.message, said.hint = f"update {update}: {message.strip()}", hint.strip() or exc.hint
+    said.args = (said.message,)
+    return said
 
 
 class Step:
@@ -106,9 +129,24 @@ class Step:
         best validation loss, say). Call it on every rank at the same update, as a collective: the ranks agree,
         and one that wants it makes all of them save; returns whether they will. `reason` is recorded in the
         checkpoint's COMPLETE.json (`saved_now`) and shown by `status`."""
-        agreed = self._ranks.agree_max(f"step.save_now in update {self.update}", lambda: [1 if wanted else 0])
-        if agreed[0]:
-            self.saving = self.saving or (str(reason)[:200] or "save_now")
+        asked = [False]
+
+        def propose() -> list[int]:
+            asked[0] = bool(wanted)  # a tensor or numpy bool too; a failure here is agreed like any
+            return [1 if asked[0] else 0]
+
+        agreed = self._ranks.agree_max(
+            f"step.save_now in update {self.update}",
+            propose,
+            lost_hint="step.save_now is a collective: call it on every rank in the same update (wanted=False where "
+            "a rank wants no save)",
+        )
+        if agreed[0] and self.saving is None:
+            # Rank 0 writes COMPLETE.json: the reason recorded is that of the first rank that asked, not its own
+            # (the ranks' reasons differ when each names its own value; one that did not ask has none).
+            mine = (str(reason)[:200] or "save_now") if asked[0] else None
+            reasons = self._ranks.all_gather(f"step.save_now in update {self.update}", lambda: mine)
+            self.saving = next(r for r in reasons if r is not None)
         return self.saving is not None
 
     def micro_batches(self, model: torch.nn.Module | None = None) -> Iterator[tuple[int, Any]]:
