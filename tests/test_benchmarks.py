@@ -4,9 +4,11 @@ every benchmark imports, and every benchmark runs end to end at a toy size on th
 A benchmark that renamed nothing still broke once (`state.save.get_state_dict` was renamed and bench_save.py
 crashed at its first save, with nothing in the suite to say so): the names are resolved from each file's syntax,
 so a rename fails here in a second, not on the GPU host. The toy runs catch the rest (a changed signature, an
-option no longer read, a figure no longer written). Those that launch torchrun ranks are in the full suite only
-(the fast tier skips a test at its first launch); the others run one rank in their own process (RANK, WORLD_SIZE
-and MASTER_* set, no torchrun). GPU-only scripts (GPU_ONLY) run the part that needs no GPU."""
+option no longer read, a figure no longer written). Each runs in a fresh process, one rank without torchrun (RANK,
+WORLD_SIZE and MASTER_* set). Each costs a few CPU seconds (torch's import in a fresh interpreter), so the fast tier
+keeps one per part of the checkpoint core (save, load, persist, plan, verify, ...); the rest are marked `full`,
+and those that launch torchrun themselves are skipped by the fast tier (the launch tier). GPU-only scripts
+(GPU_ONLY) run the part that needs no GPU."""
 
 from __future__ import annotations
 
@@ -230,6 +232,7 @@ def test_bench_save_runs_at_a_toy_size_and_its_goals_are_judged(tmp_path: Path) 
         assert re.search(r"^\| save, main \|.*\| (met|\*\*not met\*\*) \|$", section, re.M), section
 
 
+@pytest.mark.full
 def test_the_save_and_load_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     """bench_save.py's loads (`--only load`): a torchrelay save, the cold-read floor, DCP's load and the verified
     resume of a state of a few kilobytes, every figure written to its JSON."""
@@ -281,6 +284,7 @@ def test_bench_step_overhead_runs_at_a_toy_size() -> None:
     )
 
 
+@pytest.mark.full
 def test_bench_loader_start_runs_at_a_toy_size() -> None:
     got = _last_json(
         _bench("bench_loader_start.py", "--context", "forkserver", "--workers", "1", "--records", "100")
@@ -372,6 +376,7 @@ def test_bench_hash_scaling_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert _positive(got["hash_one_Bps"], got["read_Bps"])
 
 
+@pytest.mark.full
 def test_bench_pack_runs_at_a_toy_size(tmp_path: Path) -> None:
     out = tmp_path / "pack.json"
     _bench("bench_pack.py", "--dir", tmp_path / "p", "--gb", "0.004", "--files", "2", "--trials", "1",
@@ -382,7 +387,7 @@ def test_bench_pack_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert _positive(*got["prepare"]["copy"], *got["prepare"]["hardlink"]), got["prepare"]
 
 
-@pytest.mark.full  # the fast tier skips these: fresh interpreters importing torch (or transformers), in turn
+@pytest.mark.full
 def test_bench_export_runs_at_a_toy_size(tmp_path: Path) -> None:
     out = tmp_path / "export.json"
     _bench("bench_export.py", "--dir", tmp_path / "e", "--gb", "0.004", "--hidden", "64", "--vocab", "100",
@@ -521,6 +526,7 @@ def test_bench_zoo_runs_at_a_toy_size(launches: None, tmp_path: Path) -> None:
 # --------------------------------------------------------------------- GPU-only: the part that needs no GPU
 
 
+@pytest.mark.full
 def test_bench_pin_refuses_in_a_line_without_a_gpu() -> None:
     import torch
 
@@ -532,6 +538,7 @@ def test_bench_pin_refuses_in_a_line_without_a_gpu() -> None:
     ), text
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("script", ["gpu_exactness.py", "gpu_rank_state.py"])
 def test_a_gpu_exactness_script_sets_up_its_run_on_the_cpu(script: str, tmp_path: Path) -> None:
     got = _last_json(_bench(script, "--out", tmp_path / "o", "--setup-only"))
@@ -540,6 +547,7 @@ def test_a_gpu_exactness_script_sets_up_its_run_on_the_cpu(script: str, tmp_path
     assert "total_updates" in config, config
 
 
+@pytest.mark.full
 def test_gpu_trainer_fsdp2_runs_the_tests_worker() -> None:
     """Its argument parsing: the worker it runs (tests/trainer_fsdp2.py; its gloo path is test_trainer_fsdp2's)."""
     text = _bench("gpu_trainer_fsdp2.py", "--help")
