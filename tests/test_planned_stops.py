@@ -85,7 +85,8 @@ def test_a_planned_stop_s_report_is_one_line_and_a_crash_s_is_kept_whole() -> No
 def test_plain_torchrun_users_get_the_ranks_exit_code_without_the_report(tmp_path: Path) -> None:
     script = tmp_path / "ends.py"
     script.write_text(
-        "import os, sys\nprint('rank', os.environ['RANK'], flush=True)\nsys.exit(int(sys.argv[1]))\n"
+        # one write each: two ranks' prints share the pipe and interleaved word by word ('rankrank 1')
+        "import os, sys\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\nsys.exit(int(sys.argv[1]))\n"
     )
     cmd = [sys.executable, "-m", "torchrelay.torchrun", "--nproc_per_node=2", str(script)]
     out = run_tree([*cmd, "4"], timeout=120, env=clean_env(), cwd=tmp_path)

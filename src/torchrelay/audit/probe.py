@@ -272,7 +272,9 @@ def dropout_modules() -> list[str]:
     """`<name> p=<p>` of each dropout module with p > 0 in the tracked model and the modules the script holds."""
     import torch
 
-    kinds = (torch.nn.modules.dropout._DropoutNd,)
+    from torchrelay.checkpoint.torch_compat import DropoutBase
+
+    kinds = (DropoutBase,)
     roots: list[tuple[str, Any]] = []
     tracked = getattr(_state.get("run"), "_tracked", None)
     if tracked is not None and tracked.model is not None:
