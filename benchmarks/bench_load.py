@@ -312,12 +312,6 @@ def main() -> None:
         "--file-bytes", type=int, default=0, help="SaveTuning.file_bytes for the save (0: default)"
     )
     ap.add_argument(
-        "--part-bytes",
-        type=int,
-        default=0,
-        help="sha256_parts.PART_BYTES for the save: a file's hash parts (0: default)",
-    )
-    ap.add_argument(
         "--warm",
         default="",
         help="comma-separated variants resumed once each with the files in the page cache",
@@ -407,8 +401,6 @@ def main() -> None:
     print(f"[load] state {nbytes / GB:.2f} GB in {len(current())} tensors; dir {base}", flush=True)
 
     save_tuning = SaveTuning(file_bytes=args.file_bytes) if args.file_bytes else SaveTuning()
-    if args.part_bytes:
-        sha256_parts.PART_BYTES = args.part_bytes
     out["part_bytes"] = sha256_parts.PART_BYTES
     ckpt, files, t_save = save_once(base, manifest, ddp, opt, dev, save_tuning)
     saved = [t.detach().clone() for t in current()]  # on the device: torch.equal runs there

@@ -75,12 +75,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
     ap.add_argument(
-        "--part-mib",
-        type=int,
-        default=0,
-        help="the save's SHA-256 part size (default: sha256_parts.PART_BYTES)",
-    )
-    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -88,8 +82,6 @@ def main() -> None:
         "default: the defaults alone, as 'resume')",
     )
     args = ap.parse_args()
-    if args.part_mib:
-        sha256_parts.PART_BYTES = args.part_mib << 20
     variants: dict[str, dict[str, Any]] = {}
     for text in args.variant:
         name, knobs = (text, BUILT_IN[text]) if text in BUILT_IN else parse_variant(text)

@@ -1089,7 +1089,9 @@ def test_an_atomic_write_never_writes_through_a_link_at_its_temporary(tmp_path: 
     ckpt = tmp_path / CKPT
     ckpt.mkdir()
     (ckpt / f"{TMP_PREFIX}{os.getpid()}").symlink_to(victim)
-    (tmp_path / f".{SUMS_NAME}.tmp").symlink_to(victim)
+    from torchrelay.util.durable import temp_prefix
+
+    (tmp_path / f"{temp_prefix(SUMS_NAME)}{os.getpid()}").symlink_to(victim)
     for write in (
         lambda: write_marker(ckpt, {"format": 1}, step="test"),
         lambda: write_sums(tmp_path / SUMS_NAME, [SumEntry("a", "0" * 64)]),

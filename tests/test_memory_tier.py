@@ -35,6 +35,9 @@ def test_the_save_decision_is_pure_and_durable_wins_over_memory() -> None:
     assert decide(SaveContext(3, 10)) == SaveVerdict(memory=True)
     assert decide(SaveContext(4, 10)) == SaveVerdict(durable=True)  # never both: the durable one is newer
     assert not decide(SaveContext(10, 10))  # the end of the schedule saves as a stop does
+    # step.save_now, agreed among the ranks, saves durably: at a memory update and at the schedule's end too
+    assert decide(SaveContext(3, 10, saving=True)) == SaveVerdict(durable=True)
+    assert decide(SaveContext(10, 10, saving=True)) == SaveVerdict(durable=True)
     assert not SaveDecision(save_every=4, retention=LatestN(2)).decide(SaveContext(3, 10))  # no memory tier
     every3 = SaveDecision(save_every=8, retention=EveryN(5), memory_every=3).decide
     assert [u for u in range(1, 16) if every3(SaveContext(u, 16)).memory] == [3, 6, 9, 12]

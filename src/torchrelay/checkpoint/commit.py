@@ -21,7 +21,7 @@ from torchrelay import kill_points
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, inventory_entry, list_files, write_inventory
-from torchrelay.checkpoint.retention import PreservationPolicy, decide
+from torchrelay.checkpoint.retention import AnyOf, PreservationPolicy, SavedNow, decide
 from torchrelay.checkpoint.storage import CheckpointStorage, as_storage
 from torchrelay.checkpoint.storage import wait_deletions as wait_deletions  # the segment's end waits for them
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
@@ -178,8 +178,9 @@ def _nearly_full(path: Path) -> bool:
 def _retain(storage: CheckpointStorage, retention: PreservationPolicy) -> None:
     """Delete the complete checkpoints the policy does not preserve; never the newest, never an incomplete or
     handed-off one (the fork guard's marker must stay where `pack` put it)."""
-    complete = [c.update for c in storage.list_complete() if c.complete and not c.handed_off]
-    doomed = decide(retention, complete).deleted
+    complete = {c.update: c for c in storage.list_complete() if c.complete and not c.handed_off}
+    asked = SavedNow(frozenset(u for u, c in complete.items() if c.saved_now))  # step.save_now's, kept
+    doomed = decide(AnyOf((retention, asked)), list(complete)).deleted
     if doomed:
         storage.delete(doomed)
 

@@ -14,10 +14,12 @@ from torchrelay.checkpoint.retention import PreservationPolicy
 
 @dataclass(frozen=True, slots=True)
 class SaveContext:
-    """What the decision sees: the update just done and where the schedule ends."""
+    """What the decision sees: the update just done, where the schedule ends, and whether the ranks agreed to save
+    it (step.save_now)."""
 
     update: int
     total_updates: int
+    saving: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +36,18 @@ class SaveVerdict:
 @dataclass(frozen=True, slots=True)
 class SaveDecision:
     """Every `save_every` updates durably, and at the updates retention keeps (a checkpoint to keep has to exist
-    first); every `memory_every` updates into the memory tier (0: no memory tier)."""
+    first), and whenever the ranks agreed to (step.save_now, the last update too); every `memory_every` updates
+    into the memory tier (0: no memory tier)."""
 
     save_every: int
     retention: PreservationPolicy
     memory_every: int = 0
 
     def decide(self, ctx: SaveContext) -> SaveVerdict:
-        """The verdict for `ctx`; never at the end of the schedule (a stop's save covers it)."""
+        """The verdict for `ctx`; never at the end of the schedule unless asked (a stop's save covers it)."""
         u = ctx.update
+        if ctx.saving:
+            return SaveVerdict(durable=True)
         if u <= 0 or u >= ctx.total_updates:
             return SaveVerdict()
         if u % self.save_every == 0 or self.retention.saves_at(u):

@@ -173,11 +173,12 @@ class Saver:
         nothing is the same run, and a checkpoint of an optimizer that never stepped would hold a made-up step."""
         return self.last != done and done > 0
 
-    def save(self, update: int, tier: str = DURABLE) -> Path | None:
+    def save(self, update: int, tier: str = DURABLE, saved_now: str | None = None) -> Path | None:
         """checkpoint-<update>: logs made durable, the state copied into host buffers, then the commit protocol
         across ranks and retention, on the persist thread (`async_save`) or before returning. `tier` MEMORY: into
         the memory tier, the logs handed to the OS only (they outlive the processes as the tier does); None when
-        the node has no room for it (said once)."""
+        the node has no room for it (said once). `saved_now`: why step.save_now asked (COMPLETE.json's
+        `saved_now`; retention keeps it)."""
         self._wait_persist()  # the buffers are reused: a save due while one persists waits for it
         memory = tier == MEMORY
         if memory and not self._memory_fits():
@@ -196,9 +197,15 @@ class Saver:
             "segment": self._segment,
         }
         tracked = self._tracked
-        info = {"contract_sha256": self._contract_sha, "segment": self._segment, "created": time.time()}
+        info: dict[str, Any] = {
+            "contract_sha256": self._contract_sha,
+            "segment": self._segment,
+            "created": time.time(),
+        }
         if memory:
             info |= self._binding().info()
+        if saved_now is not None:  # asked for by step.save_now: retention keeps it (checkpoint/retention.py)
+            info["saved_now"] = saved_now
         if is_engine(tracked.model):
             # A DeepSpeed engine writes its files itself, with collectives on the training's process group: the
             # whole save runs here, on the training thread, as with async_save false.
