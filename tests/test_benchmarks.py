@@ -470,6 +470,13 @@ def test_bench_trainer_resume_workers_runs_at_a_toy_size(tmp_path: Path) -> None
         assert 0 < times["imported"] < times["train"] < times["first_update_done"], row
 
 
+def test_bench_zero_reshard_runs_at_a_toy_size() -> None:
+    """A ZeRO-2 state of 20,000 elements cut for 4 ranks, resharded for 2 and proven."""
+    (row,) = [json.loads(x) for x in _bench("bench_zero_reshard.py", "--elements", "2e4").splitlines() if x]
+    assert (row["elements"], row["old"], row["new"]) == (20000, 4, 2), row
+    assert _positive(row["state_MiB"], row["reshard_s_slowest_rank"], row["MiB_per_s"]), row
+
+
 # ----------------------------------------------------- torchrun launches: in the full suite only (the launch tier)
 
 
@@ -534,6 +541,16 @@ def test_bench_zoo_runs_at_a_toy_size(launches: None, tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())
     assert row["member"] == "dropout" and row["equal"] is True and len(row["stops"]) == 1, row
     assert row["tensors"] > 0 and _positive(row["seconds"]), row
+
+
+def test_bench_certify_runs_at_a_toy_size(launches: None) -> None:
+    """A 4-update run on 2 ranks, one and two of its updates replayed from its checkpoint at update 2."""
+    rows = [json.loads(x) for x in _bench("bench_certify.py", "--updates", "4", "--replay", "1,2").splitlines()
+            if x.startswith("{")]  # fmt: skip
+    replays = [r for r in rows if "replayed" in r]
+    assert [(r["replayed"], r["certified"]) for r in replays] == [(1, True), (2, True)], rows
+    # the per-update figure is a difference of two timings: at this size it may come out either side of 0
+    assert _positive(*(r["seconds"] for r in replays)) and isinstance(rows[-1]["per_update_s"], float), rows
 
 
 # --------------------------------------------------------------------- GPU-only: the part that needs no GPU

@@ -66,6 +66,7 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, last:
         opt.step()
 
 
+@pytest.mark.full  # loads (on a fresh machine: builds) DeepSpeed's C++ op: 90 s in the fast tier on a busy host
 def test_cpu_adam_tracked_in_a_plain_loop_steps_on_bit_exact(tmp_path: Path) -> None:
     """Before the fix only the ZeRO engine's CPU Adam was replayed: a plain loop's DeepSpeedCPUAdam, loaded by
     torchrelay into a fresh process's optimizer, took its first step with pow-computed beta powers and parted from
