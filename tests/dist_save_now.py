@@ -3,6 +3,7 @@ ask differently. Prints one `CHECK name ok|FAIL detail` line per property; the t
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -20,7 +21,9 @@ failures = 0
 def check(name: str, ok: bool, detail: str = "") -> None:
     global failures
     failures += not ok
-    print(f"CHECK {name}@{dist.get_rank()} {'ok' if ok else 'FAIL ' + detail}", flush=True)
+    # one write: two ranks' prints share the pipe and interleaved ('okCHECK name@0 ok', the newline after)
+    sys.stdout.flush()
+    os.write(1, f"CHECK {name}@{dist.get_rank()} {'ok' if ok else 'FAIL ' + detail}\n".encode())
 
 
 def step(update: int) -> Step:
