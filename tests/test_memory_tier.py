@@ -22,6 +22,7 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision, SaveVerdict
 from torchrelay.checkpoint.retention import EveryN, LatestN
 from torchrelay.checkpoint.tiers import capacity, memory_root
+from torchrelay.digests import read_digests
 from torchrelay.ledger import prove
 from torchrelay.proctree import Tree
 from torchrelay.summary import summarize
@@ -101,6 +102,15 @@ def _kill_at(example: dict[str, Path], run: Path, update: int, **kw: Any) -> int
     return _last_logged(run)
 
 
+def _assert_same_digests(baseline: Path, run: Path) -> None:
+    """Every update's parameter digest, on every rank, as the uninterrupted run's: those up to each resumed
+    checkpoint were on disk before the kill (the saves hand the digest log to the OS as they do the others)."""
+    want, got = read_digests(baseline), read_digests(run)
+    missing = {r: sorted(set(want[r]) - set(got.get(r, {}))) for r in want}
+    assert not any(missing.values()), f"updates without a digest per rank: {missing}"
+    assert got == want
+
+
 def _finish(example: dict[str, Path], run: Path, **kw: Any) -> subprocess.CompletedProcess[str]:
     out = launch(example["code"], run, **kw)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -153,6 +163,7 @@ def test_sigkill_resumes_from_memory_and_a_flipped_byte_falls_back_to_durable(
     assert "resuming from the memory tier" in out.stdout + out.stderr
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
+    _assert_same_digests(baseline, run)
     assert prove(run).ok
     assert not root.exists()  # a finished run's memory tier is given back
 
@@ -189,4 +200,5 @@ def test_random_kills_lose_at_most_k_updates_and_end_bit_exact(
     assert lost and max(lost) <= 2, lost
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
+    _assert_same_digests(baseline, run)
     assert prove(run).ok

@@ -11,8 +11,9 @@ transfer, so an update costs one host synchronization, not one per tensor; the h
 short hex digest.
 
 `train/digests-rank<r>.jsonl`: `{"u": update, "params": hex, "n": tensors}` per update, trimmed at a resume
-as the metric and exposure logs are (lines past the checkpoint go to train/recovery-history/); a reader still
-takes the last line of each update.
+as the metric and exposure logs are (lines past the checkpoint go to train/recovery-history/), and like them on
+disk up to a checkpoint before it is committed (a kill lost the buffered ones); a reader still takes the last line
+of each update.
 """
 
 from __future__ import annotations

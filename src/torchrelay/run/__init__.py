@@ -147,7 +147,8 @@ class Run:
             segment=self.segment.segment,
             order=self.order,
             global_batch=self.global_batch,
-            logs=(self.metrics_log, self.exposures_log),
+            # every log a resume trims at its checkpoint is on disk up to it before the checkpoint counts
+            logs=(self.metrics_log, self.exposures_log, self._digests),
             # a stop saves durably even at the update a memory checkpoint holds (the node may not come back)
             saved=self.start_update
             if self.resume_from is not None and self.segment.resumed_tier != "memory"
