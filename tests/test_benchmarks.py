@@ -243,7 +243,7 @@ def test_the_save_and_load_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert any(name.startswith("torchrelay resume") for name in got["loads"]), got["loads"]
 
 
-@pytest.mark.full  # eight processes of train_lm.py, two of them SIGKILLed: about 80 s on a busy machine
+@pytest.mark.full  # eight processes of train_lm.py, two of them SIGKILLed: 22 s idle, about 80 s on a busy machine
 def test_bench_memory_tier_runs_at_a_toy_size(tmp_path: Path) -> None:
     """bench_memory_tier.py: a plain loop, memory and durable saves every update, and the restarts from each tier
     after a SIGKILL (each asserts the tier it resumed from), every figure in its JSON."""
