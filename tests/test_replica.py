@@ -102,9 +102,9 @@ def _parts(mem: Path, sub: str = "") -> list[Path]:
 def test_a_wiped_node_resumes_from_its_partners_replica_and_a_flipped_byte_falls_back(
     example: dict[str, Path],
     baseline: Path,
-    nodes: Nodes,
+    nodes: Nodes,  # noqa: F811
     tmp_path: Path,
-    memories: list[Path],  # noqa: F811
+    memories: list[Path],
 ) -> None:
     run, logs = tmp_path / "run", tmp_path / "logs"
     paced = {"memory_every": 1, "params.min_update_s": 0.3}
