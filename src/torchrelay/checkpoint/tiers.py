@@ -70,8 +70,9 @@ class Binding:
             "grad_accum": self.grad_accum,
         }
 
-    def mismatch(self, doc: dict[str, Any], segments: set[str]) -> str | None:
-        """The first binding `doc` (a memory checkpoint's inventory) breaks, or None."""
+    def mismatch(self, doc: dict[str, Any], segments: set[str], host: str | None = None) -> str | None:
+        """The first binding `doc` (a memory checkpoint's inventory) breaks, or None; `host`: the node it must
+        have been written on (this one's by default; a partner's replica names its source node's)."""
         want = {
             "tier": MEMORY,
             "lineage": self.lineage,
@@ -80,7 +81,7 @@ class Binding:
             "world_size": self.world_size,
             "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
-            "host": socket.gethostname(),
+            "host": host or socket.gethostname(),
         }
         for key, value in want.items():
             if doc.get(key) != value:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from torchrelay import rng
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
+from torchrelay.checkpoint.replica import settle_after_open
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
 from torchrelay.config import RelayConfig
 from torchrelay.contract import canonical_json
@@ -124,6 +125,11 @@ class Run:
         self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None
+        # several nodes: each node's memory loses the futures past this update; the chosen parts are assembled
+        assembled = settle_after_open(
+            self.dir.path, self.segment.lineage, self.rank, self.world_size, self.start_update, opened.plan
+        )
+        self.resume_from = assembled or self.resume_from
         rederive = (
             rank_stream_seed(self.config.seed, self.start_update, self.rank, self.world_size)
             if self.layout_change
@@ -135,7 +141,7 @@ class Run:
             self.rank,
             rederive,
             self.config.load_tuning,
-            verified=self.segment.resumed_tier == "memory",
+            verified=self.segment.resumed_tier in ("memory", "replica"),
         )
         self._saver = Saver(
             self.dir.path,
@@ -151,7 +157,7 @@ class Run:
             logs=(self.metrics_log, self.exposures_log, self._digests),
             # a stop saves durably even at the update a memory checkpoint holds (the node may not come back)
             saved=self.start_update
-            if self.resume_from is not None and self.segment.resumed_tier != "memory"
+            if self.resume_from is not None and self.segment.resumed_tier not in ("memory", "replica")
             else None,
             estimate=first_estimate(opened.last_save_s),
             lineage=self.segment.lineage,

@@ -15,13 +15,15 @@ from typing import Any
 
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
+from torchrelay.checkpoint.replica import choose as choose_nodes
+from torchrelay.checkpoint.replica import replica_dir
 from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, choose_memory, memory_root
 from torchrelay.config import RelayConfig
 from torchrelay.contract import build_contract, write_contract
 from torchrelay.errors import ConfigError
 from torchrelay.history import close_crashed, new_id, read_history, write_history
 from torchrelay.identity import running_files, tree_note
-from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL
+from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL, checkpoint_name
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.numerics import check_resume
@@ -54,6 +56,9 @@ class Start:
     numerics_change: dict[str, Any] | None = None
     gate: str = ""  # the line that says which resume gate passed
     tier: str | None = None  # the tier the checkpoint came from (checkpoint/tiers.py); None: a new run
+    plan: list[int] | None = (
+        None  # several nodes: the node holding each node's memory part (checkpoint/replica.py)
+    )
 
 
 def create_run(
@@ -135,6 +140,7 @@ def reopen_run(
     reshard: bool,
     numerics: dict[str, Any],
     asked_by: str = "reshard",
+    holdings: list[dict[str, Any]] | None = None,
 ) -> Start:
     """A run that exists: its contract rebuilt and compared (only runtime fields may change), the checkpoint to
     resume chosen, and the directory repaired where a crash left it (temporaries, an unclosed segment, logs past
@@ -174,7 +180,7 @@ def reopen_run(
         logger.warning(f"[torchrelay] warning: {code_note}")
     rd.remove_stale_temps()
     history = read_history(rd.path)
-    tier = _newest_across_tiers(rd.path, cfg, check, world_size, history)
+    tier = _newest_across_tiers(rd.path, cfg, check, world_size, history, holdings)
     update, ckpt = tier.update, tier.checkpoint
     numerics_change = None
     if ckpt is not None and update < cfg.total_updates:  # refused before any write
@@ -232,8 +238,9 @@ def reopen_run(
         notes=notes,
         layout_change=layout_change,
         numerics_change=numerics_change,
-        gate=check.passed[-1] if tier.tier == DURABLE else f"resuming from the memory tier: {ckpt}",
+        gate=check.passed[-1] if tier.tier == DURABLE else f"resuming from the {tier.tier} tier: {ckpt}",
         tier=tier.tier if ckpt is not None else None,
+        plan=tier.plan,
     )
 
 
@@ -243,10 +250,16 @@ class _Tiered:
     update: int
     tier: str
     refused: list[str]
+    plan: list[int] | None = None
 
 
 def _newest_across_tiers(
-    run_dir: Path, cfg: RelayConfig, check: Any, world_size: int, history: list[dict[str, Any]]
+    run_dir: Path,
+    cfg: RelayConfig,
+    check: Any,
+    world_size: int,
+    history: list[dict[str, Any]],
+    holdings: list[dict[str, Any]] | None = None,
 ) -> _Tiered:
     """The checkpoint a resume takes: this node's newest verified memory checkpoint when it is newer than the
     durable tier's (checkpoint/tiers.py), else the durable one; each refused candidate in one line, logged."""
@@ -262,6 +275,8 @@ def _newest_across_tiers(
         grad_accum=cfg.grad_accum,
     )
     segments = {str(s.get("segment")) for s in history}
+    if holdings is not None:  # several nodes: each node's part, own or the partner's replica
+        return _across_nodes(run_dir, lineage, holdings, binding, check, segments)
     choice = choose_memory(memory_root(lineage, run_dir), binding, check.update, segments)
     for line in choice.refused:
         logger.warning(f"[torchrelay] {line}; the next tier is used")
@@ -269,6 +284,29 @@ def _newest_across_tiers(
         return _Tiered(check.checkpoint, check.update, DURABLE, choice.refused)
     logger.info(f"[torchrelay] resuming from the memory tier: {choice.checkpoint} (update {choice.update})")
     return _Tiered(choice.checkpoint, choice.update, MEMORY, choice.refused)
+
+
+def _across_nodes(
+    run_dir: Path,
+    lineage: str,
+    holdings: list[dict[str, Any]],
+    binding: Binding,
+    check: Any,
+    segments: set[str],
+) -> _Tiered:
+    picked = choose_nodes(holdings, binding, check.update, segments)
+    for line in picked.refused:
+        logger.warning(f"[torchrelay] {line}; the next tier is used")
+    if picked.update is None:
+        return _Tiered(check.checkpoint, check.update, DURABLE, picked.refused)
+    where = memory_root(lineage, run_dir)  # rank 0's node: its part (or a replica) names the save's seconds
+    held = where if picked.plan[0] == 0 else replica_dir(where, 0)
+    logger.info(
+        f"[torchrelay] resuming from the {picked.tier} tier: update {picked.update}, parts {picked.plan}"
+    )
+    return _Tiered(
+        held / checkpoint_name(picked.update), picked.update, picked.tier, picked.refused, picked.plan
+    )
 
 
 def last_segment(history: list[dict[str, Any]]) -> str | None:

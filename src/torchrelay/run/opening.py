@@ -19,6 +19,7 @@ from typing import Any
 
 from torchrelay import __version__, envvars
 from torchrelay.checkpoint.persist import stall_seconds
+from torchrelay.checkpoint.replica import nodes_of, survey
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.ended import Ended
@@ -49,6 +50,7 @@ class Settled:
     last_save_s: float | None  # how long that checkpoint took to save
     manifest_sha256: str  # the manifest's, so that the other ranks read only its index
     tier: str | None = None  # the tier the checkpoint came from (checkpoint/tiers.py)
+    plan: list[int] | None = None  # several nodes: the node holding each node's memory part (replica.py)
 
 
 @dataclass(slots=True)
@@ -70,6 +72,7 @@ class Opened:
     order: GlobalOrder
     metrics_log: RankLog
     exposures_log: ExposureLog
+    plan: list[int] | None = None  # several nodes: the node holding each node's memory part (replica.py)
 
 
 class SegmentOpener:
@@ -118,10 +121,17 @@ class SegmentOpener:
         # Rank 0 validates and opens the directory; the outcome, or whatever it raised, reaches every rank
         # (util/collective.py). Rank 0 records a refused launch and lets go of the lock before any rank raises.
         ranks = collective.ranks()
+        holdings = None
+        if nodes_of(self.rank, self.world_size).nodes > 1:  # what each node's memory holds, verified there
+            with ranks.phase("reading the memory tiers"):
+                gathered_parts = ranks.all_gather(
+                    "reading the memory tiers", lambda: survey(self.dir.path, self.rank, self.world_size)
+                )
+            holdings = [h for h in gathered_parts if h is not None]
         try:
             with ranks.phase("opening the run", settle=self._settle, name_rank=False, end=False):
                 outcome: Settled = ranks.broadcast(
-                    "opening the run", lambda: self.open_directory(config, overrides)
+                    "opening the run", lambda: self.open_directory(config, overrides, holdings)
                 )
         except BaseException:
             self.unlock()  # an interrupt is not shared, and not recorded: the lock goes all the same
@@ -218,6 +228,7 @@ class SegmentOpener:
                 exposures_path(self.dir.train_dir, self.rank),
                 exposure_widths(config.total_updates, config.grad_accum, len(manifest)),
             ),
+            plan=settled.plan,
         )
 
     def _manifest_path(self, cfg: RelayConfig) -> Path:
@@ -229,7 +240,12 @@ class SegmentOpener:
         own = not Path(cfg.manifest).is_absolute() or Path(cfg.manifest) == self.dir.manifest_path
         return self.dir.path if own else None
 
-    def open_directory(self, config: RelayConfig | None, overrides: dict[str, Any]) -> Settled:
+    def open_directory(
+        self,
+        config: RelayConfig | None,
+        overrides: dict[str, Any],
+        holdings: list[dict[str, Any]] | None = None,
+    ) -> Settled:
         """Rank 0: create a new run, or reopen it (check the contract, choose the checkpoint to resume)."""
         rd = self.dir
         if config is None and not rd.exists():
@@ -248,6 +264,7 @@ class SegmentOpener:
                 reshard=self.reshard,
                 numerics=numerics,
                 asked_by=self.asked_by,
+                holdings=holdings,
             )
         else:
             assert config is not None
@@ -263,6 +280,7 @@ class SegmentOpener:
             last_save_s=start.last_save_s,
             manifest_sha256=start.manifest.sha256(),
             tier=start.tier,
+            plan=start.plan,
         )
 
     def _segment(self, start: Start, numerics: dict[str, Any]) -> Segment:

@@ -28,6 +28,7 @@ from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision
+from torchrelay.checkpoint.replica import commit_parts, nodes_of, said_once
 from torchrelay.checkpoint.retention import LatestN, PreservationPolicy, policy_for
 from torchrelay.checkpoint.storage import LocalStorage, as_storage
 from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, capacity, forget, memory_storage, node_free
@@ -91,12 +92,20 @@ class Saver:
         self._memory_sized = False
         self._memory_last = -1  # the newest update in the memory tier this segment
         self._lineage = lineage
-        if config.memory_every > 0 and lineage and hosts > 1:
+        # Several nodes (LOCAL_WORLD_SIZE): each node's part with a replica on its partner (checkpoint/replica.py),
+        # sent over the persist's gloo group.
+        self._nodes = nodes_of(rank, world_size).nodes
+        if config.memory_every > 0 and lineage and hosts > self._nodes:
             if rank == 0:
-                logger.warning(f"[torchrelay] memory tier off: the ranks run on {hosts} nodes and it keeps one "
-                               "node's memory (no partner replica yet); the durable tier saves as before")  # fmt: skip
+                logger.warning(f"[torchrelay] memory tier off: the ranks run on {hosts} hosts but LOCAL_WORLD_SIZE "
+                               f"says {self._nodes} node(s); the durable tier saves as before")  # fmt: skip
+        elif config.memory_every > 0 and lineage and self._nodes > 1 and not config.async_save:
+            if rank == 0:
+                logger.warning("[torchrelay] memory tier off: its replica to a partner node travels on the "
+                               "background save's group; set async_save true")  # fmt: skip
         elif config.memory_every > 0 and lineage:
             self._memory = memory_storage(lineage, run_dir)
+            said_once(rank, world_size)
         self.policy = SaveDecision(
             config.save_every, self._retention, config.memory_every if self._memory else 0
         )
@@ -275,8 +284,9 @@ class Saver:
 
         def persist() -> None:
             _sync_logs(unsynced)
-            _, seconds = commit_checkpoint(
-                where,
+            parts = memory and self._nodes > 1  # several nodes: a part per node, replicated (replica.py)
+            _, seconds = (commit_parts if parts else commit_checkpoint)(
+                as_storage(where).root if parts else where,  # type: ignore[arg-type]
                 update,
                 write,
                 rank=self._rank,

@@ -1,0 +1,442 @@
+"""The memory tier on several nodes: each node's part in its own memory, a replica of it on the partner node.
+
+Node n is ranks [n*L, (n+1)*L) of a launch with L = LOCAL_WORLD_SIZE ranks a node; its partner is node n+1 mod
+nodes. A memory save writes each rank's files into its own node's memory root (tiers.memory_root), and each node's
+first rank publishes its node's part there: the files its ranks wrote, an inventory of them (sizes, SHA-256) with
+the durable tier's bindings, and `part` (node, nodes, the digest of the whole checkpoint's file list), the marker
+last. Then each node's first rank sends its part through the save's gloo group to its partner's, which writes it
+under replica-node<n>/ of its memory root, verified against the inventory, its marker last: a replication cut by a
+kill leaves a temporary, removed and never chosen. One node: no partner, nothing replicated.
+
+At open every node's first rank verifies what its node holds (its parts and its replicas: sizes and SHA-256), and
+rank 0 chooses the newest update whose every node's part is there verified (own first, else the partner's
+replica), all naming the same checkpoint; a refused one in one line naming the file, the next tier then used. The
+chosen parts are then assembled in each node's memory (resume-<update>/, the part held there linked, the others
+sent by their holders), checked against their inventory, and the ranks load that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchrelay.checkpoint.inventory import (
+    INVENTORY,
+    inventory_entry,
+    list_files,
+    validate_complete,
+    write_inventory,
+)
+from torchrelay.checkpoint.retention import PreservationPolicy
+from torchrelay.checkpoint.storage import LocalStorage
+from torchrelay.checkpoint.tiers import MEMORY, Binding, memory_root
+from torchrelay.errors import CheckpointError, IntegrityError, RelayError, one_line
+from torchrelay.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
+from torchrelay.log import logger
+
+REPLICA = "replica"
+RESUME_PREFIX = "resume-"
+
+
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """Where a rank sits: its node, how many nodes, ranks a node."""
+
+    node: int
+    nodes: int
+    local: int
+
+    @property
+    def leader(self) -> int:
+        """The node's first rank (it publishes, sends and receives for the node)."""
+        return self.node * self.local
+
+    @property
+    def partner(self) -> int:
+        return (self.node + 1) % self.nodes
+
+    @property
+    def source(self) -> int:
+        """The node whose replica this node holds."""
+        return (self.node - 1) % self.nodes
+
+
+def nodes_of(rank: int, world_size: int) -> Nodes:
+    """The launch's nodes by LOCAL_WORLD_SIZE (torchrun's; 1 node when unset or not a divisor)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "") or world_size)
+    except ValueError:
+        local = world_size
+    if local <= 0 or world_size % local:
+        local = world_size
+    return Nodes(rank // local, world_size // local, local)
+
+
+def replica_dir(root: Path, source: int) -> Path:
+    return root / f"replica-node{source}"
+
+
+def _digest(entries: list[dict[str, Any]]) -> str:
+    """The whole checkpoint's identity: its sorted file list with sizes and SHA-256."""
+    rows = sorted((e["path"], e["size"], e["sha256"]) for e in entries)
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def _retain(folder: Path, retention: PreservationPolicy) -> None:
+    from torchrelay.checkpoint.commit import _retain as retain  # imports torch
+
+    retain(LocalStorage(folder, spare=False), retention)
+
+
+# ------------------------------------------------------------------------------------------------ saving
+def commit_parts(
+    root: Path,
+    update: int,
+    write: Callable[[Path, Callable[[str], None] | None], dict[str, tuple[str, int]] | None],
+    *,
+    rank: int,
+    world_size: int,
+    info: dict[str, Any],
+    retention: PreservationPolicy,
+    group: Any,
+    started: float,
+) -> tuple[Path, float]:
+    """A memory save on several nodes: each node's part published in its memory, then replicated to its partner
+    (the save's stall covers both; the persist thread runs it). Every rank calls it; one failure is every rank's."""
+    from torchrelay.checkpoint.commit import _complete_entries  # imports torch
+    from torchrelay.util import collective
+
+    where = nodes_of(rank, world_size)
+    lead = rank == where.leader
+    peers = collective.ranks(group)
+    name = f"saving memory {checkpoint_name(update)}"
+    staged: list[Path] = []
+
+    def settle(_err: RelayError) -> None:
+        for tmp in staged:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    with peers.phase(name, settle=settle, end=False):
+        tmp = root / peers.broadcast(
+            name, lambda: f"{TMP_CHECKPOINT_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
+        )
+        tmp.mkdir(parents=True, exist_ok=True)  # every node stages in its own memory
+        if lead:
+            staged.append(tmp)
+        written = peers.agree(name, lambda: write(tmp, None))
+        mine = None if written is None else [inventory_entry(rel, *d) for rel, d in written.items()]
+        gathered = peers.all_gather(name, lambda: mine)
+
+        def my_part() -> list[dict[str, Any]] | None:
+            if not lead:
+                return None
+            reported = [e for r in range(rank, rank + where.local) for e in (gathered[r] or [])]
+            return _complete_entries(tmp, reported)
+
+        parts = peers.all_gather(name, my_part)
+        whole = [e for p in parts if p for e in p]
+        part_info = {"node": where.node, "nodes": where.nodes, "checkpoint_sha256": _digest(whole),
+                     "files": len(whole)}  # fmt: skip
+        seconds = time.perf_counter() - started
+        final = root / checkpoint_name(update)
+        if lead:
+
+            def marker(st: Path) -> None:
+                write_inventory(st, parts[rank] or [], update=update, save_seconds=round(seconds, 4),
+                                world_size=world_size, **info, part=part_info)  # fmt: skip
+
+            final = LocalStorage(root, spare=False).publish(tmp, update, marker)
+            staged.clear()
+            _retain(root, retention)
+        peers.exchange(name)  # every node's part is published
+    if where.nodes > 1:
+        _replicate(root, update, final, where, lead, peers, group, retention)
+    return final, time.perf_counter() - started
+
+
+def _replicate(
+    root: Path,
+    update: int,
+    final: Path,
+    where: Nodes,
+    lead: bool,
+    peers: Any,
+    group: Any,
+    retention: PreservationPolicy,
+) -> None:
+    """Each node's first rank sends its published part to its partner's and writes the part it receives."""
+    name = f"replicating memory {checkpoint_name(update)} to node {where.partner}"
+    staged: list[Path] = []
+
+    def settle(_err: RelayError) -> None:
+        for tmp in staged:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    with peers.phase(name, settle=settle):
+        if not lead:
+            return
+        payload = _pack(final)
+        got = _swap(payload, where.partner * where.local, where.source * where.local, group)
+        folder = replica_dir(root, where.source)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = folder / f"{TMP_CHECKPOINT_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
+        staged.append(tmp)
+        doc = _unpack(got, tmp)
+        held = {"held_on": socket.gethostname(), "node": where.node}
+        doc["replica"] = held
+        LocalStorage(folder, spare=False).publish(tmp, update, lambda st: _write_doc(st, doc))
+        staged.clear()
+        _retain(folder, retention)
+
+
+def _write_doc(folder: Path, doc: dict[str, Any]) -> None:
+    info = {k: v for k, v in doc.items() if k not in ("files", "format")}
+    write_inventory(folder, doc["files"], **info)
+
+
+def _pack(folder: Path) -> bytes:
+    """A published part as one buffer: its inventory's length (8 bytes), the inventory, then its files in the
+    inventory's order."""
+    doc = (folder / INVENTORY).read_bytes()
+    files = json.loads(doc)["files"]
+    chunks = [len(doc).to_bytes(8, "little"), doc]
+    chunks += [(folder / e["path"]).read_bytes() for e in files]
+    return b"".join(chunks)
+
+
+def _unpack(data: bytes, tmp: Path) -> dict[str, Any]:
+    """Write a received part into `tmp` (its inventory not yet), each file checked against its entry."""
+    n = int.from_bytes(data[:8], "little")
+    doc: dict[str, Any] = json.loads(data[8 : 8 + n])
+    at = 8 + n
+    tmp.mkdir(parents=True, exist_ok=True)
+    for entry in doc["files"]:
+        body = data[at : at + entry["size"]]
+        at += entry["size"]
+        if len(body) != entry["size"] or hashlib.sha256(body).hexdigest() != entry["sha256"]:
+            raise IntegrityError(f"{tmp / entry['path']}: the bytes received do not match its SHA-256")
+        path = tmp / entry["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+    return doc
+
+
+def _swap(payload: bytes, to: int, frm: int, group: Any) -> bytes:
+    """Send `payload` to rank `to` and receive one from rank `frm` at once (a ring: no pair waits on another)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        raise CheckpointError(
+            "the memory tier's replica travels over a gloo group: set async_save true (its persist has one)"
+        )
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    other = torch.zeros(1, dtype=torch.int64)
+    _wait(dist.isend(size, to, group=group), dist.irecv(other, frm, group=group))
+    out = torch.empty(int(other.item()), dtype=torch.uint8)
+    send = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if payload
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    _wait(dist.isend(send, to, group=group), dist.irecv(out, frm, group=group))
+    return out.numpy().tobytes()
+
+
+def _wait(*ops: Any) -> None:
+    for op in ops:
+        if op is not None:
+            op.wait()
+
+
+# ------------------------------------------------------------------------------------------------ resuming
+def survey(run_dir: Path, rank: int, world_size: int) -> dict[str, Any] | None:
+    """A node's first rank at open: every part and replica its memory holds, each verified (sizes, SHA-256)."""
+    from torchrelay.checkpoint.commit import clean_stale  # imports torch
+
+    where = nodes_of(rank, world_size)
+    if rank != where.leader:
+        return None
+    try:
+        lineage = json.loads((run_dir / "lineage.json").read_text())["lineage"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"node": where.node, "host": socket.gethostname(), "parts": []}
+    root = memory_root(lineage, run_dir)
+    parts: list[dict[str, Any]] = []
+    folders = [(where.node, root), (where.source, replica_dir(root, where.source))]
+    for source, folder in folders:
+        if not folder.is_dir():
+            continue
+        clean_stale(folder)  # a save or a replication cut by a kill
+        for info in LocalStorage(folder, spare=False).list_complete():
+            what = (
+                f"{'replica of node ' + str(source) if source != where.node else 'memory'} {info.path.name}"
+            )
+            item: dict[str, Any] = {"source": source, "held_by": where.node, "update": info.update, "doc": {}}
+            if not info.complete:
+                item["why"] = f"{what} on {socket.gethostname()} refused: {info.reason[:200]}"
+            else:
+                try:
+                    doc = validate_complete(info.path, hashes=True)
+                    item["doc"] = {k: v for k, v in doc.items() if k != "files"}
+                    item["why"] = None
+                except (RelayError, OSError) as exc:
+                    why = exc.message if isinstance(exc, RelayError) else one_line(exc)
+                    item["why"] = f"{what} on {socket.gethostname()} refused: {why[:300]}"
+            parts.append(item)
+    return {"node": where.node, "host": socket.gethostname(), "parts": parts}
+
+
+@dataclass(frozen=True, slots=True)
+class NodesChoice:
+    """The update a multi-node resume takes from memory (None: the durable tier), which node holds each node's
+    part (`plan[n]`), the tier (MEMORY: every part its own node's; REPLICA: one or more from a partner)."""
+
+    update: int | None
+    plan: list[int]
+    tier: str
+    refused: list[str]
+
+
+def choose(
+    holdings: list[dict[str, Any]], binding: Binding, durable_update: int, segments: set[str]
+) -> NodesChoice:
+    """Rank 0: the newest update past `durable_update` whose every node's part is held verified, bound to this run,
+    all naming one checkpoint; own part first, then the partner's replica."""
+    nodes = len(holdings)
+    refused: list[str] = []
+    ups = sorted(
+        {p["update"] for h in holdings for p in h["parts"] if p["update"] > durable_update}, reverse=True
+    )
+    for update in ups:
+        plan: list[int] = []
+        digests: set[str] = set()
+        for m in range(nodes):
+            held = None
+            for holder in (m, (m + 1) % nodes):
+                item = next(
+                    (p for p in holdings[holder]["parts"] if p["source"] == m and p["update"] == update), None
+                )
+                if item is None or (holder != m and nodes == 1):
+                    continue
+                why = item["why"] or _bad(item, holdings[holder]["host"], binding, segments, m, nodes)
+                if why:
+                    refused.append(why)
+                    continue
+                held = holder
+                digests.add(item["doc"]["part"]["checkpoint_sha256"])
+                break
+            if held is not None:  # every node is looked at: each refused part is said
+                plan.append(held)
+        if len(plan) == nodes and len(digests) == 1:
+            tier = MEMORY if plan == list(range(nodes)) else REPLICA
+            return NodesChoice(update, plan, tier, refused)
+        if len(plan) == nodes:
+            refused.append(
+                f"memory {checkpoint_name(update)} refused: its nodes' parts name different checkpoints"
+            )
+    return NodesChoice(None, [], "durable", refused)
+
+
+def _bad(
+    item: dict[str, Any], host: str, binding: Binding, segments: set[str], node: int, nodes: int
+) -> str | None:
+    doc = item["doc"]
+    kind = "memory" if item["held_by"] == node else f"replica of node {node}"
+    name = f"{kind} {checkpoint_name(item['update'])} on {host} refused"
+    part = doc.get("part") or {}
+    if part.get("node") != node or part.get("nodes") != nodes:
+        return f"{name}: it is node {part.get('node')!r} of {part.get('nodes')!r}, not node {node} of {nodes}"
+    # a part names the host that wrote it; a replica is checked where it is held
+    wrote_on = doc.get("host") if "replica" in doc else host
+    if "replica" in doc and (doc["replica"] or {}).get("held_on") != host:
+        return f"{name}: it was received on {(doc['replica'] or {}).get('held_on')!r}"
+    bad = binding.mismatch(doc, segments, host=wrote_on)
+    return f"{name}: {bad}" if bad else None
+
+
+def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size: int, update: int,
+                      plan: list[int] | None) -> Path | None:  # fmt: skip
+    """Every rank after a multi-node open: each node's memory loses what lies past the update resumed from (a
+    future the resume threw away); with a `plan`, the chosen parts are assembled in each node's memory and its
+    path returned (every rank waits for them)."""
+    from torchrelay.util import collective
+
+    where = nodes_of(rank, world_size)
+    if lineage is None or where.nodes == 1:
+        return None
+    root = memory_root(lineage, run_dir)
+    lead = rank == where.leader
+    peers = collective.ranks()
+    name = f"assembling memory {checkpoint_name(update)}"
+    with peers.phase(name):
+        if lead and root.is_dir():
+            for folder in (root, replica_dir(root, where.source)):
+                for info in LocalStorage(folder, spare=False).list_complete() if folder.is_dir() else []:
+                    if info.update > update:
+                        shutil.rmtree(info.path, ignore_errors=True)
+            for old in root.glob(f"{RESUME_PREFIX}*"):
+                shutil.rmtree(old, ignore_errors=True)
+        if plan is None:
+            return None
+        out = root / f"{RESUME_PREFIX}{update}"
+        tmp = root / f"{TMP_CHECKPOINT_PREFIX}{RESUME_PREFIX}{update}-{os.getpid()}"
+        docs: list[dict[str, Any]] = []
+        for m, holder in enumerate(plan):
+            here = _held(root, m, holder, update) if where.node == holder else None
+            box = [_pack(here) if here is not None and rank == where.leader else None]
+            src = holder * where.local
+            _broadcast(box, src)
+            if not lead:
+                continue
+            if here is not None:  # held on this node: linked, it was verified at open
+                doc = json.loads((here / INVENTORY).read_text())
+                for e in doc["files"]:
+                    (tmp / e["path"]).parent.mkdir(parents=True, exist_ok=True)
+                    os.link(here / e["path"], tmp / e["path"])
+            else:
+                assert box[0] is not None
+                doc = _unpack(box[0], tmp)
+            docs.append(doc)
+        if lead:
+            entries = [e for d in docs for e in d["files"]]
+            want = docs[0]["part"]["checkpoint_sha256"]
+            if _digest(entries) != want or set(list_files(tmp)) != {e["path"] for e in entries}:
+                raise IntegrityError(
+                    f"{tmp}: the assembled parts are not the checkpoint their inventories name"
+                )
+            fields = {k: v for k, v in docs[0].items() if k not in ("files", "format", "part", "replica")}
+            write_inventory(tmp, entries, **fields)
+            if out.exists():
+                shutil.rmtree(out)
+            os.rename(tmp, out)
+    logger.info(f"[torchrelay] memory {checkpoint_name(update)} assembled from nodes {plan} in {out}")
+    return out
+
+
+def _held(root: Path, source: int, holder: int, update: int) -> Path:
+    folder = root if source == holder else replica_dir(root, source)
+    return folder / checkpoint_name(update)
+
+
+def _broadcast(box: list[Any], src: int) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(box, src=src)
+
+
+def said_once(rank: int, world_size: int) -> None:
+    """One line (rank 0) when the memory tier runs on one node: no partner, nothing replicated."""
+    if rank == 0 and nodes_of(rank, world_size).nodes == 1:
+        logger.info("[torchrelay] memory tier on one node: no partner node, nothing replicated")
