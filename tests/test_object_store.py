@@ -122,6 +122,7 @@ def test_pack_verify_prepare_through_the_store(
         if k != "HANDED_OFF.json":
             assert _files(dest / "checkpoint-4")[k] == v, k
     assert not list(tmp_path.glob(".prepared.store-bundle-*")), "the download is removed"
+    assert json.loads((dest / "REBASE_RECORD.json").read_text())["bundle"] == url
 
     secret = s3_server.secret_key.encode()
     for root in (run, dest, tmp_path):

@@ -50,6 +50,11 @@ def prepare_from_store(
                 hint=f"nothing was prepared; `torchrelay verify {url}` lists every problem",
             )
         # the download is ours and temporary: its files are hardlinked into the run directory, not copied again
-        return prepare(staging, replace(options, copy_mode="hardlink"), on_bytes=on_bytes, on_files=on_files)
+        return prepare(
+            staging,
+            replace(options, copy_mode="hardlink", origin=str(url)),
+            on_bytes=on_bytes,
+            on_files=on_files,
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
