@@ -29,10 +29,11 @@ from torchrelay.kill_points import kill_point
 from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.storage.base import ObjectStore, open_store
+from torchrelay.storage.transfer import upload_hashed
 from torchrelay.storage.url import StoreURL
 from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import ByteCallback, default_jobs
-from torchrelay.util.sha256_parts import PART_BYTES, PartHasher
+from torchrelay.util.sha256_parts import PART_BYTES
 from torchrelay.util.sums import SUMS_NAME, SumEntry, format_sums
 
 
@@ -180,22 +181,15 @@ def upload_files(
     files: dict[str, dict[str, object]] = {}
 
     def one(rel: str, digest: str | None) -> None:
-        hasher = PartHasher(PART_BYTES)
-
-        def on_part(data: bytes) -> None:
-            hasher.update(data)
-            if on_bytes:
-                on_bytes(len(data))
-
-        size = store.upload_file(url.key(rel), staging / rel, part_bytes=PART_BYTES, on_part=on_part)
-        if digest is not None and hasher.hexdigest() != digest.lower():
+        size, sha, states = upload_hashed(store, url.key(rel), staging / rel, on_bytes=on_bytes)
+        if digest is not None and sha != digest.lower():
             raise IntegrityError(
                 f"{staging / rel}: changed while the bundle was uploaded (its SHA-256 is no longer SHA256SUMS's)",
                 hint="nothing was committed; pack again into a new prefix",
             )
-        entry: dict[str, object] = {"size": size, "sha256": hasher.hexdigest()}
-        if hasher.states is not None:
-            entry["parts"] = {"bytes": PART_BYTES, "states": hasher.states}
+        entry: dict[str, object] = {"size": size, "sha256": sha}
+        if states is not None:
+            entry["parts"] = {"bytes": PART_BYTES, "states": states}
         files[rel] = entry
 
     todo: list[tuple[str, str | None]] = [(e.path, e.sha256) for e in entries]

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +20,11 @@ from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.storage.base import ObjectInfo, ObjectStore
+from torchrelay.storage.transfer import read_objects
 from torchrelay.storage.url import StoreURL
 from torchrelay.util import sha256_parts
 from torchrelay.util.hashing import ByteCallback
-from torchrelay.util.sha256_parts import MIN_PART_BYTES, PART_BYTES, part_count
+from torchrelay.util.sha256_parts import MIN_PART_BYTES, part_count
 from torchrelay.util.sums import SUMS_LIMIT, SUMS_NAME, parse_sums
 
 PARTS_REL = (
@@ -137,7 +135,19 @@ def read_store_bundle(
             report.problems.append(f"{url.child(rel)}: MISSING (listed in {SUMS_NAME}, not in the store)")
         else:
             todo.append((rel, digest, listed[rel]))
-    _check_objects(store, url, todo, parts_doc, jobs, dest, on_bytes, report, known)
+    failed = read_objects(
+        store,
+        [(rel, d, o, parts_doc.get(rel)) for rel, d, o in todo],
+        jobs=jobs,
+        dest=dest,
+        on_bytes=on_bytes,
+    )
+    for rel, digest, obj in todo:
+        if rel in failed:
+            report.problems.append(f"{url.child(rel)}: FAILED ({failed[rel]})")
+        else:
+            known[rel] = (digest, obj.size)
+            report.bytes += obj.size
     _check_inventories(store, url, listed, known, report)
     report.files = len(known)
     report.seconds = time.perf_counter() - started
@@ -177,84 +187,6 @@ def _parts_doc(store: ObjectStore, url: StoreURL, listed: dict[str, ObjectInfo])
             continue
         good[rel] = (step, states)
     return good
-
-
-def _check_objects(
-    store: ObjectStore,
-    url: StoreURL,
-    todo: list[tuple[str, str, ObjectInfo]],
-    parts_doc: dict[str, Any],
-    jobs: int,
-    dest: Path | None,
-    on_bytes: ByteCallback | None,
-    report: StoreReport,
-    known: dict[str, tuple[str, int]],
-) -> None:
-    """Every object's parts on `jobs` threads: with its states, any part at any time (each checked alone);
-    without, its parts in order on one thread, hashed whole."""
-    lock = threading.Lock()
-    failed: dict[str, str] = {}
-    fds: dict[str, int] = {}
-    if dest is not None:
-        for rel, _, obj in todo:
-            path = dest / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            os.ftruncate(fd, obj.size)
-            fds[rel] = fd
-
-    def arrived(rel: str, offset: int, data: bytes) -> None:
-        if rel in fds:
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(fds[rel], view, offset)
-                view, offset = view[n:], offset + n
-        if on_bytes:
-            on_bytes(len(data))
-
-    def part(rel: str, digest: str, obj: ObjectInfo, k: int) -> None:
-        step, states = parts_doc[rel]
-        want = min(step, obj.size - k * step)
-        data = store.get_range(obj.key, k * step, want, etag=obj.etag or None)
-        if not sha256_parts.check_part(data, k, step, states, digest):
-            with lock:
-                failed.setdefault(rel, f"part {k} (bytes {k * step}-{k * step + want - 1}) does not match")
-            return
-        arrived(rel, k * step, data)
-
-    def whole(rel: str, digest: str, obj: ObjectInfo) -> None:
-        h = hashlib.sha256()
-        for k in range(part_count(obj.size, PART_BYTES)):
-            want = min(PART_BYTES, obj.size - k * PART_BYTES)
-            data = store.get_range(obj.key, k * PART_BYTES, want, etag=obj.etag or None) if want else b""
-            h.update(data)
-            arrived(rel, k * PART_BYTES, data)
-        if h.hexdigest() != digest:
-            with lock:
-                failed[rel] = f"sha256 {h.hexdigest()} != recorded {digest}"
-
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="store-read") as pool:
-            futures = []
-            for rel, digest, obj in sorted(todo, key=lambda t: -t[2].size):  # largest first
-                if rel in parts_doc:
-                    step = parts_doc[rel][0]
-                    futures += [
-                        pool.submit(part, rel, digest, obj, k) for k in range(part_count(obj.size, step))
-                    ]
-                else:
-                    futures.append(pool.submit(whole, rel, digest, obj))
-            for fu in futures:
-                fu.result()  # a store failure (one line, after its retries) ends the read
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    for rel, digest, obj in todo:
-        if rel in failed:
-            report.problems.append(f"{url.child(rel)}: FAILED ({failed[rel]})")
-        else:
-            known[rel] = (digest, obj.size)
-            report.bytes += obj.size
 
 
 def _check_inventories(
