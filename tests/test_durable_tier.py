@@ -1,0 +1,158 @@
+"""A run's durable tier in a real S3-compatible store (SeaweedFS, tests/s3_server.py; TORCHRELAY_DURABLE): each
+committed checkpoint copied with its inventory object last, retention in the store only after a newer commit, one
+writer per prefix, and a resume that lacks the newest checkpoint downloading it verified. The launch test
+SIGKILLs a real 2-rank job while its sync process is uploading, loses the local checkpoints, and ends bit for bit
+with the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from helpers import assert_same_final_state, assert_same_logs, launch, launch_bg
+from s3_server import S3Server
+from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.errors import ForkRefused, IntegrityError
+from torchrelay.proctree import Tree
+from torchrelay.storage import durable
+from torchrelay.storage.url import parse_url
+
+pytestmark = pytest.mark.s3
+
+
+def _keys(bucket: str, prefix: str) -> list[str]:
+    s3 = boto3.client("s3", endpoint_url=os.environ["TORCHRELAY_S3_ENDPOINT"])
+    return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+def _run(base: Path, checkpoints: list[int]) -> Path:
+    from scale_run import make_run
+
+    return make_run(
+        base, samples=2048, updates=6, ranks=1, micro=4, checkpoints=checkpoints, segment_updates=6
+    )
+
+
+def test_sync_commits_last_keeps_one_writer_and_restores_verified(tmp_path: Path, s3_bucket: str) -> None:
+    run = _run(tmp_path / "a", [2, 4, 6])
+    url = parse_url(f"s3://{s3_bucket}/tier")
+    local = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))  # what retention kept
+    assert len(local) >= 2 and local[-1] == 6, local
+    notes = durable.sync(run, url)
+    assert notes == [f"checkpoint-{u} copied to {url}" for u in local]
+    keys = _keys(s3_bucket, "tier/")
+    assert "tier/WRITER.json" in keys and all(f"tier/checkpoint-{u}/{INVENTORY}" in keys for u in local)
+    assert durable.sync(run, url) == [], "nothing new"
+
+    # local retention dropped the older one: the store follows, since checkpoint-6 is committed there
+    old = local[-2]
+    shutil.rmtree(run / f"checkpoint-{old}")
+    assert durable.sync(run, url) == [
+        f"checkpoint-{old} removed from {url} (checkpoint-6 is committed there)"
+    ]
+    assert not [k for k in _keys(s3_bucket, "tier/") if k.startswith(f"tier/checkpoint-{old}/")]
+
+    # a second run into the same prefix is refused, never interleaved
+    other = _run(tmp_path / "b", [2])
+    with pytest.raises(ForkRefused, match="durable tier of another run"):
+        durable.sync(other, url)
+
+    # the local checkpoints lost: the resume's restore downloads the newest, verified, into place
+    saved = {p.name: p.read_bytes() for p in (run / "checkpoint-6").iterdir() if p.is_file()}
+    for ckpt in run.glob("checkpoint-*"):
+        shutil.rmtree(ckpt)
+    assert durable.restore(run, url) == f"checkpoint-6 restored from {url}, verified part by part"
+    assert {p.name: p.read_bytes() for p in (run / "checkpoint-6").iterdir() if p.is_file()} == saved
+    assert durable.restore(run, url) is None, "nothing to do once the newest is here"
+
+    # an object of the store's newest changed: the restore refuses it and leaves nothing behind
+    shutil.rmtree(run / "checkpoint-6")
+    s3 = boto3.client("s3", endpoint_url=os.environ["TORCHRELAY_S3_ENDPOINT"])
+    victim = next(k for k in _keys(s3_bucket, "tier/checkpoint-6/") if not k.endswith(INVENTORY))
+    body = bytearray(s3.get_object(Bucket=s3_bucket, Key=victim)["Body"].read())
+    body[len(body) // 2] ^= 1
+    s3.put_object(Bucket=s3_bucket, Key=victim, Body=bytes(body))
+    with pytest.raises(IntegrityError, match="was not restored"):
+        durable.restore(run, url)
+    assert not (run / "checkpoint-6").exists() and not list(run.glob(".checkpoint-6.restore-tmp"))
+
+
+def test_an_uncommitted_upload_is_ignored_and_removed_after_a_newer_commit(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    """Prefixes without COMPLETE.json (syncs killed mid-upload) are no checkpoints: a restore ignores them; one
+    older than a commit is removed by the sync that commits, a newer one (an upload maybe in flight) is left."""
+    run = _run(tmp_path, [6])
+    url = parse_url(f"s3://{s3_bucket}/half")
+    s3 = boto3.client("s3", endpoint_url=os.environ["TORCHRELAY_S3_ENDPOINT"])
+    for update in (2, 8):
+        s3.put_object(Bucket=s3_bucket, Key=f"half/checkpoint-{update}/stray.distcp", Body=b"a killed upload")
+    assert durable.restore(run, url) is None, "nothing is committed in the store"
+    durable.sync(run, url)
+    keys = _keys(s3_bucket, "half/")
+    assert f"half/checkpoint-6/{INVENTORY}" in keys
+    assert not [k for k in keys if "checkpoint-2/" in k] and "half/checkpoint-8/stray.distcp" in keys
+    shutil.rmtree(run / "checkpoint-6")
+    assert durable.restore(run, url) == f"checkpoint-6 restored from {url}, verified part by part"
+    assert not (run / "checkpoint-8").exists()
+
+
+def _sync_alive(tree: Tree) -> bool:
+    tree.collect()
+    for proc in tree.alive():
+        try:
+            if durable.MODULE in " ".join(proc.cmdline()):
+                return True
+        except Exception:  # noqa: BLE001, S112 - a process that just ended
+            continue
+    return False
+
+
+def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
+    example: dict[str, Path], baseline: Path, tmp_path: Path, s3_bucket: str, s3_server: S3Server
+) -> None:
+    from kill_campaign import kill_job
+
+    run = tmp_path / "run"
+    env = {"TORCHRELAY_DURABLE": f"s3://{s3_bucket}/job", "TORCHRELAY_S3_ENDPOINT": s3_server.endpoint}
+    sets = {"save_every": 2}
+    kills = 0
+    for _ in range(6):
+        if kills == 3:
+            break
+        proc = launch_bg(example["code"], run, config=example["config"], sets=sets, env=env)
+        tree = Tree(proc.pid)
+        deadline = time.time() + 240
+        while proc.poll() is None and time.time() < deadline and not _sync_alive(tree):
+            time.sleep(0.005)
+        if proc.poll() is None and time.time() < deadline:
+            kill_job(tree, proc)  # a sync process was uploading: it dies with the job
+            kills += 1
+        else:
+            proc.communicate(timeout=60)
+            break
+    assert kills >= 2, "no launch was killed during an upload"
+    committed = sorted(
+        int(k.split("/")[1].split("-")[1]) for k in _keys(s3_bucket, "job/") if k.endswith("/" + INVENTORY)
+    )
+    assert committed, "nothing reached the store"
+    # the node's scratch is lost: every local checkpoint goes; the resume downloads the store's newest
+    for ckpt in run.glob("checkpoint-*"):
+        shutil.rmtree(ckpt)
+    out = launch(example["code"], run, config=example["config"], sets=sets, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"restored from s3://{s3_bucket}/job, verified part by part" in out.stdout + out.stderr
+    assert assert_same_final_state(baseline, run, 16) > 10
+    assert_same_logs(baseline, run)
+    assert f"job/checkpoint-16/{INVENTORY}" in _keys(s3_bucket, "job/"), (
+        "the last checkpoint reached the store"
+    )
+    lease = json.loads(boto3.client("s3", endpoint_url=s3_server.endpoint).get_object(
+        Bucket=s3_bucket, Key="job/WRITER.json")["Body"].read())  # fmt: skip
+    assert lease["run_dir"] == str(run)
