@@ -153,6 +153,8 @@ def reopen_run(
     clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
     # TORCHRELAY_DURABLE: the store's newest committed checkpoint, downloaded verified when this directory lacks it
     restored = restore_durable(rd.path)
+    if restored:
+        logger.info(f"[torchrelay] {restored}")
     # The script and the modules it imported from the code directory, tracked by git or not.
     # Names and sizes only here: every rank hashes the files it loads as it reads them (run.track), so no
     # rank waits while this one reads the whole checkpoint
