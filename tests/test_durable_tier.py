@@ -133,7 +133,7 @@ def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     run = tmp_path / "run"
     env = {"TORCHRELAY_DURABLE": f"s3://{s3_bucket}/job", "TORCHRELAY_S3_ENDPOINT": s3_server.endpoint}
     sets = {"save_every": 2}
-    kills, lost_at = 0, None
+    kills, lost_at, out = 0, None, ""
     for _ in range(8):
         proc = launch_bg(example["code"], run, config=example["config"], sets=sets, env=env)
         tree = Tree(proc.pid)
@@ -166,3 +166,6 @@ def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     lease = json.loads(boto3.client("s3", endpoint_url=s3_server.endpoint).get_object(
         Bucket=s3_bucket, Key="job/WRITER.json")["Body"].read())  # fmt: skip
     assert lease["run_dir"] == str(run)
+    secret = s3_server.secret_key.encode()
+    leaked = [p for p in run.rglob("*") if p.is_file() and secret in p.read_bytes()]
+    assert not leaked and secret not in out.encode(), f"the secret is in {leaked}"
