@@ -349,3 +349,38 @@ def test_the_store_benchmark_runs_at_toy_size(tmp_path: Path, s3_bucket: str, s3
     result = measure(s3_server.endpoint, s3_bucket, tmp_path, size=40 << 20, jobs=4, rounds=1)
     for key in ("upload_relay", "upload_plain", "download_relay", "download_plain"):
         assert result[f"{key}_s"] > 0 and result[f"{key}_gbps"] > 0, result
+
+
+@pytest.mark.s3
+def test_a_pack_whose_uploads_fail_leaves_nothing_committed_and_no_hand_off(
+    tmp_path: Path,
+    s3_bucket: str,
+    s3_server: S3Server,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the fault proxy: a few 503s on the uploads are retried and the pack commits; a store that keeps
+    failing ends the pack in one line naming the object, its objects deleted, the checkpoint not handed off."""
+    run = _run(tmp_path)
+    pack = ["pack", str(run), "", "--code-dir", str(run.parent / "code"), "--allow-dirty"]
+    with FaultProxy(s3_server.endpoint) as proxy:
+        monkeypatch.setenv("TORCHRELAY_S3_ENDPOINT", proxy.endpoint)
+        monkeypatch.setenv("TORCHRELAY_S3_ATTEMPTS", "3")
+        proxy.faults = Faults(fail_503=40, match=r"^PUT ")
+        pack[2] = f"s3://{s3_bucket}/down"
+        code, out, err = _cli(capsys, *pack)
+        assert (
+            code == 1 and "SlowDown (HTTP 503) after 3 attempt(s)" in err and f"s3://{s3_bucket}/down" in err
+        )
+        assert len(err.strip().splitlines()) == 2, err
+        assert not (run / "checkpoint-4" / "HANDED_OFF.json").exists(), "a failed pack hands nothing off"
+        assert not _objects(s3_bucket, "down/"), "the failed pack's objects are deleted"
+        assert not list(run.parent.glob(".*store-pack*"))
+
+        proxy.faults = Faults(fail_503=3, match=r"^PUT ")
+        pack[2] = f"s3://{s3_bucket}/flaky"
+        code, out, err = _cli(capsys, *pack)
+        assert code == 0 and "PACK_OK" in out and proxy.faults.fail_503 == 0, out + err
+    monkeypatch.setenv("TORCHRELAY_S3_ENDPOINT", s3_server.endpoint)
+    code, out, err = _cli(capsys, "verify", f"s3://{s3_bucket}/flaky")
+    assert code == 0 and "VERIFY_OK" in out, out + err
