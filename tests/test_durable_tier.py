@@ -9,17 +9,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import boto3
 import pytest
 
-from helpers import assert_same_final_state, assert_same_logs, launch_bg, segments
+from helpers import assert_same_final_state, assert_same_logs, segments
 from s3_server import S3Server
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import ForkRefused, IntegrityError
-from torchrelay.proctree import Tree
 from torchrelay.storage import durable
 from torchrelay.storage.url import parse_url
 
@@ -103,64 +101,24 @@ def test_an_uncommitted_upload_is_ignored_and_removed_after_a_newer_commit(
     assert not (run / "checkpoint-8").exists()
 
 
-def _uploading(bucket: str, prefix: str) -> bool:
-    """Whether some checkpoint-N/ under `prefix` has objects but no COMPLETE.json yet."""
-    keys = _keys(bucket, prefix)
-    started = {k.split("/")[1] for k in keys if k.count("/") >= 2}
-    return any(f"{prefix}{name}/{INVENTORY}" not in keys for name in started)
-
-
-def _committed(bucket: str) -> list[int]:
-    return [int(k.split("/")[1].split("-")[1]) for k in _keys(bucket, "job/") if k.endswith("/" + INVENTORY)]
-
-
-def _sync_alive(tree: Tree) -> bool:
-    tree.collect()
-    for proc in tree.alive():
-        try:
-            if durable.MODULE in " ".join(proc.cmdline()):
-                return True
-        except Exception:  # noqa: BLE001, S112 - a process that just ended
-            continue
-    return False
-
-
 def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     example: dict[str, Path], baseline: Path, tmp_path: Path, s3_bucket: str, s3_server: S3Server
 ) -> None:
-    from kill_campaign import kill_job
+    from durable_campaign import keys, run_campaign
 
     run = tmp_path / "run"
-    env = {"TORCHRELAY_DURABLE": f"s3://{s3_bucket}/job", "TORCHRELAY_S3_ENDPOINT": s3_server.endpoint}
-    sets = {"save_every": 2}
-    kills, lost_at, out = 0, None, ""
-    for _ in range(8):
-        proc = launch_bg(example["code"], run, config=example["config"], sets=sets, env=env)
-        tree = Tree(proc.pid)
-        deadline = time.time() + 240
-        # killed once a sync process is running and the store holds part of a checkpoint not committed yet (after
-        # the first kill, only once some checkpoint is committed there: the run must get somewhere)
-        while proc.poll() is None and time.time() < deadline and kills < 3:
-            if _sync_alive(tree) and _uploading(s3_bucket, "job/") and (kills == 0 or _committed(s3_bucket)):
-                break
-            time.sleep(0.005)
-        if proc.poll() is not None or time.time() >= deadline or kills >= 3:
-            out = proc.communicate(timeout=300)[0]
-            assert proc.returncode == 0, out[-4000:]
-            break
-        kill_job(tree, proc)  # a sync process was uploading: it dies with the job
-        kills += 1
-        if kills == 2:
-            # the node's scratch is lost: every local checkpoint goes; the next launch downloads the store's newest
-            lost_at = max(_committed(s3_bucket))
-            for ckpt in run.glob("checkpoint-*"):
-                shutil.rmtree(ckpt)
-    assert kills == 3 and lost_at is not None, f"{kills} launch(es) killed during an upload"
+    out = run_campaign(
+        example["code"], example["config"], run, bucket=s3_bucket, prefix="job/", endpoint=s3_server.endpoint,
+        kills=3, lose_after=2, sets={"save_every": 1},
+    )  # fmt: skip
+    assert out.returncode == 0, out.output[-4000:]
+    assert out.kills == 3 and out.lost_at is not None, out
+    lost_at = out.lost_at
     restored = f"checkpoint-{lost_at} restored from s3://{s3_bucket}/job, verified part by part"
     assert any(restored in seg.get("notes", []) for seg in segments(run)), segments(run)
     assert assert_same_final_state(baseline, run, 16) > 10
     assert_same_logs(baseline, run)
-    assert f"job/checkpoint-16/{INVENTORY}" in _keys(s3_bucket, "job/"), (
+    assert f"job/checkpoint-16/{INVENTORY}" in keys(s3_bucket, "job/"), (
         "the last checkpoint reached the store"
     )
     lease = json.loads(boto3.client("s3", endpoint_url=s3_server.endpoint).get_object(
@@ -168,4 +126,4 @@ def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     assert lease["run_dir"] == str(run)
     secret = s3_server.secret_key.encode()
     leaked = [p for p in run.rglob("*") if p.is_file() and secret in p.read_bytes()]
-    assert not leaked and secret not in out.encode(), f"the secret is in {leaked}"
+    assert not leaked and secret not in out.output.encode(), f"the secret is in {leaked}"
