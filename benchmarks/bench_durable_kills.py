@@ -1,4 +1,4 @@
-"""The durable tier under many kills: a real 2-rank job of the example (48 updates, a save every 2) SIGKILLed
+"""The durable tier under many kills: a real 2-rank job of the example (64 updates, a save every update) SIGKILLed
 --kills times while its sync is uploading (tests/durable_campaign.py), its local checkpoints deleted after kill
 --lose-after, then run to its end; the final state is compared bit for bit with an uninterrupted run of the same
 configuration, on SeaweedFS on 127.0.0.1 (tests/s3_server.py).
@@ -36,14 +36,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--lose-after", type=int, default=10)
-    parser.add_argument("--updates", type=int, default=48)
+    parser.add_argument("--updates", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-durable-") as tmp:
         base = Path(tmp)
         code = make_code_repo(base / "code")
         root, manifest = make_data(base / "data")
         config = write_config(base / "lm.yaml", manifest, root, total_updates=args.updates)
-        sets = {"save_every": 2}
+        sets = {"save_every": 1}
         baseline = base / "baseline"
         done = launch(code, baseline, config=config, sets=sets)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

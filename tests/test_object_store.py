@@ -65,6 +65,18 @@ def test_a_url_is_never_taken_for_a_path(
     assert sorted(os.listdir(tmp_path)) == [], "a URL was taken for a path"
 
 
+def test_a_launch_command_given_to_audit_keeps_its_urls() -> None:
+    """audit's LAUNCH is another program's command line: its URLs are that program's business."""
+    from torchrelay.cli import _refuse_urls, build_parser
+
+    for argv in (
+        ["audit", "RUN", "--", "torchrun", "train.py", "--data", "s3://bucket/shards"],
+        ["audit", "RUN", "torchrun", "train.py", "--data=s3://bucket/shards"],
+    ):
+        args = build_parser("audit").parse_args(argv)
+        _refuse_urls("audit", argv, args)  # nothing refused
+
+
 def test_store_urls_are_parsed_strictly() -> None:
     url = parse_url("s3://my-bucket/runs/a/")
     assert (url.bucket, url.prefix, str(url), url.key("SHA256SUMS")) == (

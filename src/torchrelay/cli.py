@@ -110,8 +110,11 @@ def _refuse_urls(verb: str, argv: list[str], args: argparse.Namespace) -> None:
         for dest in STORE_ARGS.get(verb, ())
         if isinstance(getattr(args, dest, None), str) and scheme_of(getattr(args, dest)) in SCHEMES
     ]
+    rest = getattr(args, "launch", None)  # audit's launch command: another program's arguments, not ours
+    if isinstance(rest, list) and rest and argv[-len(rest) :] == rest:
+        argv = argv[: -len(rest)]
     for token in argv:
-        if token == "--":  # what follows is another program's command line (audit's launch)
+        if token == "--":  # what follows is another program's command line
             return
         for value in (token, token.partition("=")[2]):
             scheme = scheme_of(value)
