@@ -396,3 +396,48 @@ def test_a_pack_whose_uploads_fail_leaves_nothing_committed_and_no_hand_off(
     monkeypatch.setenv("TORCHRELAY_S3_ENDPOINT", s3_server.endpoint)
     code, out, err = _cli(capsys, "verify", f"s3://{s3_bucket}/flaky")
     assert code == 0 and "VERIFY_OK" in out, out + err
+
+
+@pytest.mark.s3
+@pytest.mark.skipif(
+    __import__("shutil").which("ssh-keygen") is None,
+    reason="ssh-keygen (openssh-client) is not installed and could not be (scripts/env.sh installs it as root)",
+)
+def test_a_signed_bundle_in_the_store_verifies_only_against_its_signer(
+    tmp_path: Path, s3_bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+
+    signers = {}
+    for name in ("alice", "mallory"):
+        key = tmp_path / name
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)], check=True
+        )
+        signers[name] = tmp_path / f"{name}_signers"
+        signers[name].write_text(
+            f'{name} namespaces="torchrelay-bundle" {key.with_suffix(".pub").read_text()}'
+        )
+    run = _run(tmp_path)
+    url = f"s3://{s3_bucket}/signed"
+    argv = [
+        "pack",
+        str(run),
+        url,
+        "--code-dir",
+        str(run.parent / "code"),
+        "--allow-dirty",
+        "--sign",
+        str(tmp_path / "alice"),
+    ]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 0 and f"signed: {url}/SHA256SUMS.sig" in out, out + err
+    code, out, err = _cli(capsys, "verify", url, "--allowed-signers", str(signers["alice"]))
+    assert code == 0 and "signed by alice" in out and "VERIFY_OK" in out, out + err
+    code, out, err = _cli(capsys, "verify", url, "--allowed-signers", str(signers["mallory"]))
+    assert code == 2 and "VERIFY_OK" not in out, out + err
+    dest = tmp_path / "prepared"
+    code, out, err = _cli(
+        capsys, "prepare", url, "--run-dir", str(dest), "--allowed-signers", str(signers["mallory"])
+    )
+    assert code == 2 and not dest.exists(), out + err
