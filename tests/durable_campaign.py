@@ -105,6 +105,7 @@ def run_campaign(
         tree = Tree(proc.pid)
         deadline = time.time() + launch_timeout
         partial: list[str] = []
+        stale = set(uploading(bucket, prefix))  # left by earlier kills: not this launch's uploads
         seen: float | None = None  # when this launch's sync process was first seen alive
         delay = random.uniform(0.0, 1.0)
         # killed while a sync process runs: at once where the store holds part of an uncommitted checkpoint, else
@@ -113,7 +114,7 @@ def run_campaign(
         while proc.poll() is None and time.time() < deadline and out.kills < kills:
             if sync_alive(tree) and (out.kills == 0 or committed(bucket, prefix)):
                 seen = seen if seen is not None else time.time()
-                partial = uploading(bucket, prefix)
+                partial = [n for n in uploading(bucket, prefix) if n not in stale]
                 if partial or time.time() - seen >= delay:
                     break
             else:

@@ -96,6 +96,9 @@ def test_an_uncommitted_upload_is_ignored_and_removed_after_a_newer_commit(
     keys = _keys(s3_bucket, "half/")
     assert f"half/checkpoint-6/{INVENTORY}" in keys
     assert not [k for k in keys if "checkpoint-2/" in k] and "half/checkpoint-8/stray.distcp" in keys
+    # a later kill's leftover, older than the newest commit: the next sync removes it before anything else
+    s3.put_object(Bucket=s3_bucket, Key="half/checkpoint-4/stray.distcp", Body=b"a killed upload")
+    assert durable.sync(run, url) == [f"checkpoint-4: an upload that never committed removed from {url}"]
     shutil.rmtree(run / "checkpoint-6")
     assert durable.restore(run, url) == f"checkpoint-6 restored from {url}, verified part by part"
     assert not (run / "checkpoint-8").exists()

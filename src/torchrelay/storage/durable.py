@@ -133,6 +133,14 @@ def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None =
     stored = stored_checkpoints(store, url)
     committed = {u for u, objs in stored.items() if INVENTORY in objs}
     notes = []
+    # Leftovers of killed uploads older than the newest commit go first: a sync killed again mid-way still
+    # leaves the store no more littered than it found it.
+    newest = max(committed, default=None)
+    for update, objs in sorted(stored.items()):
+        if newest is not None and update < newest and update not in committed:
+            store.delete([o.key for o in objs.values()])
+            notes.append(f"checkpoint-{update}: an upload that never committed removed from {url}")
+    stored = {u: objs for u, objs in stored.items() if newest is None or u >= newest or u in committed}
     local = list_checkpoints(run_dir)
     for info in local:
         if info.complete and info.update not in committed:
