@@ -30,6 +30,7 @@ from helpers import (
     segments,
     write_config,
 )
+from s3_proxy import FaultProxy, Faults
 
 
 def main() -> int:
@@ -37,6 +38,7 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--lose-after", type=int, default=10)
     parser.add_argument("--updates", type=int, default=64)
+    parser.add_argument("--put-delay", type=float, default=0.2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-durable-") as tmp:
         base = Path(tmp)
@@ -52,16 +54,20 @@ def main() -> int:
             os.environ.update(server.env())
             boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket="durable")
             run = base / "run"
-            out = run_campaign(
-                code, config, run, bucket="durable", prefix="job/", endpoint=server.endpoint,
-                kills=args.kills, lose_after=args.lose_after, sets=sets,
-            )  # fmt: skip
+            # through a proxy holding each upload request --put-delay seconds (a slow store): the kills land
+            # while part of a checkpoint is in the store and its commit is not
+            with FaultProxy(server.endpoint, Faults(delay_s=args.put_delay, match=r"^PUT ")) as proxy:
+                out = run_campaign(
+                    code, config, run, bucket="durable", prefix="job/", endpoint=proxy.endpoint,
+                    kills=args.kills, lose_after=args.lose_after, sets=sets, fallback_s=10.0,
+                )  # fmt: skip
             assert out.returncode == 0, out.output[-4000:]
             restored = [n for seg in segments(run) for n in seg.get("notes", []) if "restored from" in n]
             tensors = assert_same_final_state(baseline, run, args.updates)
             assert_same_logs(baseline, run)
             result = {
                 "kills": out.kills,
+                "kills_seen_mid_upload": sum(bool(k["uploading"]) for k in out.kill_moments),
                 "launches": out.launches,
                 "lost_local_checkpoints_at": out.lost_at,
                 "restored": restored,

@@ -92,10 +92,12 @@ def run_campaign(
     lose_after: int,
     sets: dict[str, Any],
     launch_timeout: float = 240,
+    fallback_s: float = 1.0,
 ) -> Outcome:
     """Launch, kill during an upload, relaunch ... `kills` times (after the first, only once some checkpoint is
     committed: the run must get somewhere), deleting every local checkpoint after kill `lose_after`; then one
-    launch to its end."""
+    launch to its end. A kill lands where an upload of this launch is seen in the store, else up to `fallback_s`
+    seconds into a sync process."""
     env = {"TORCHRELAY_DURABLE": f"s3://{bucket}/{prefix.rstrip('/')}", "TORCHRELAY_S3_ENDPOINT": endpoint}
     out = Outcome()
     started = time.perf_counter()
@@ -107,7 +109,7 @@ def run_campaign(
         partial: list[str] = []
         stale = set(uploading(bucket, prefix))  # left by earlier kills: not this launch's uploads
         seen: float | None = None  # when this launch's sync process was first seen alive
-        delay = random.uniform(0.0, 1.0)
+        delay = random.uniform(0.0, fallback_s)
         # killed while a sync process runs: at once where the store holds part of an uncommitted checkpoint, else
         # after a random delay into the sync (after the first kill, only once some checkpoint is committed there:
         # the run must get somewhere)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +25,7 @@ class Faults:
     truncate: int = 0  # cut this many matching GET bodies to half (the Content-Length still says the whole)
     match: str = ".*"
     list_extra_key: str | None = None  # inserted into every ListObjectsV2 answer
+    delay_s: float = 0.0  # every matching request waits this long before it is forwarded (a slow store)
     before: Callable[[str, str], None] | None = None  # (method, path) -> None, run before forwarding
     seen: list[str] = field(default_factory=list)
 
@@ -78,6 +80,8 @@ class FaultProxy:
             body = _read_chunked(h)
         if self.faults.before is not None:
             self.faults.before(h.command, h.path)
+        if self.faults.delay_s and re.search(self.faults.match, line):
+            time.sleep(self.faults.delay_s)
         if self._take("fail_503", line):
             payload = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>injected</Message></Error>'
             h.send_response(503)

@@ -108,14 +108,19 @@ def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     example: dict[str, Path], baseline: Path, tmp_path: Path, s3_bucket: str, s3_server: S3Server
 ) -> None:
     from durable_campaign import keys, run_campaign
+    from s3_proxy import FaultProxy, Faults
 
     run = tmp_path / "run"
-    out = run_campaign(
-        example["code"], example["config"], run, bucket=s3_bucket, prefix="job/", endpoint=s3_server.endpoint,
-        kills=3, lose_after=2, sets={"save_every": 1},
-    )  # fmt: skip
+    # the job reaches the store through a proxy that holds each upload request 0.2 s (a slow store): a sync
+    # takes seconds, so the kills land while part of a checkpoint is in the store and its commit is not
+    with FaultProxy(s3_server.endpoint, Faults(delay_s=0.2, match=r"^PUT ")) as proxy:
+        out = run_campaign(
+            example["code"], example["config"], run, bucket=s3_bucket, prefix="job/", endpoint=proxy.endpoint,
+            kills=3, lose_after=2, sets={"save_every": 1}, fallback_s=10.0,
+        )  # fmt: skip
     assert out.returncode == 0, out.output[-4000:]
     assert out.kills == 3 and out.lost_at is not None, out
+    assert sum(bool(k["uploading"]) for k in out.kill_moments) >= 2, out.kill_moments
     lost_at = out.lost_at
     restored = f"checkpoint-{lost_at} restored from s3://{s3_bucket}/job, verified part by part"
     assert any(restored in seg.get("notes", []) for seg in segments(run)), segments(run)
