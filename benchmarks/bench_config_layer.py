@@ -144,8 +144,13 @@ def main() -> None:
     ap.add_argument(
         "--deps", action="append", default=[], help="a folder with pydantic and msgspec (PYTHONPATH)"
     )
+    ap.add_argument("--peers", default="pydantic,msgspec", help="the peers to measure, comma-separated")
     args = ap.parse_args()
     DEPS.extend(args.deps)
+    left_out = [name for name in PEERS if name.split()[0] not in args.peers.split(",")]
+    for name in left_out:
+        MODELS.pop(name)
+        VALIDATE.pop(name)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     print(f"import CPU time, median of {args.runs} fresh interpreters, interleaved (ms; ratio to the floor)")
     times: dict[str, list[float]] = {name: [] for name in MODELS}

@@ -13,7 +13,7 @@ Steps run in the order given (`--steps`), each `MODE:SET`:
 - `del:A`     delete set A and sync (its blocks go back to the file system, its discards sent, where mounted so);
 - `rm:A`      delete set A and go on at once (as retention's deletion does: the discards go with the next commit);
 - `fall:A`    new files whose blocks are reserved first (posix_fallocate), then written;
-- `kick:A`    new files, writeback started every 64 MiB as the persist does (persist.KICK_BYTES);
+- `kick:A`    new files, writeback started every 64 MiB as the persist does (SaveTuning.kick_bytes);
 - `drop`      drop the page cache of every set still on disk (fadvise DONTNEED, no root needed).
 
 `python benchmarks/bench_disk_rounds.py --dir /root/disk --gb 14.5 --steps new:A,new:B,over:A,del:A,new:C,...`
@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -91,7 +92,10 @@ def write_set(folder: Path, sizes: list[int], block: bytes, mode: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--dir", type=Path, required=True, help="a folder on the disk to measure (made, then removed)"
+        "--dir",
+        type=Path,
+        required=True,
+        help="a folder on the disk to measure (the sets go in a new folder in it, removed at the end)",
     )
     ap.add_argument("--gb", type=float, default=14.5, help="bytes of one set, in GB (a checkpoint's size)")
     ap.add_argument("--files", type=int, default=16, help="files (streams) of one set")
@@ -100,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     total = int(args.gb * GB)
     sizes = [total // args.files] * args.files
-    root = args.dir
-    root.mkdir(parents=True, exist_ok=True)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-disk-rounds-", dir=args.dir))  # removed at the end, not --dir
     block = os.urandom(64 * MiB)
     print(f"[disk] {machine()}", flush=True)
     print(

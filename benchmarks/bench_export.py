@@ -21,10 +21,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-from benchlib import append_results, command_line, wait_quiet
+from benchlib import wait_quiet
 
 MB = 10**6
 
@@ -85,7 +84,10 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and exports")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument(
+        "--quiet-wait", type=float, default=30.0, help="seconds to wait for an idle machine first"
+    )
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     ckpt = args.dir / "checkpoint-1"
@@ -97,7 +99,7 @@ def main() -> int:
         )  # fmt: skip
         tensors, layers, largest = (int(x) for x in gen.stdout.split())
         ckpt_bytes = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
-        busy = wait_quiet(30.0)
+        busy = wait_quiet(args.quiet_wait)
         cli = [sys.executable, "-m", "torchrelay", "export"]
         base = measure([sys.executable, "-c", "import torch, torchrelay.export"])
         fp32 = measure([*cli, str(ckpt), str(args.dir / "out-fp32"), "--max-shard-size", "1GB"])
@@ -133,14 +135,12 @@ def main() -> int:
     ]
     for line in lines:
         print(line)
-    if not args.no_record:
-        append_results(
-            "export peak memory vs checkpoint size",
-            command_line(),
-            lines,
+    if args.json:
+        args.json.write_text(json.dumps(
             {"checkpoint_bytes": ckpt_bytes, "largest_tensor": largest, "import": base, "export_fp32": fp32,
-             "export_bf16": bf16, "load_whole": whole, "recorded": time.time()},
-        )  # fmt: skip
+             "export_bf16": bf16, "load_whole": whole, "check_ok": check.returncode == 0},
+            indent=1,
+        ))  # fmt: skip
     return 0 if check.returncode == 0 else 1
 
 

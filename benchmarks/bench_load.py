@@ -5,24 +5,23 @@ The state (`--layers` x Linear(width, width) + AdamW after one step, DDP on one 
 then, in this process: the cold read of the checkpoint's tensor files (`--streams` threads, pages dropped with
 posix_fadvise: bench_save's floor), DCP save + cold load of the same state (unless --no-dcp), one warm resume that
 is not counted (imports, CUDA streams), and a cold resume (Run.open + run.track) for each variant of
-checkpoint/verified_read.py's knobs. Before each resume every tensor of the model and optimizer is zeroed; after it each
+LoadTuning's fields (tuning.py). Before each resume every tensor of the model and optimizer is zeroed; after it each
 must be `torch.equal` to its value at the save. Each row prints the wall time, its ratio to the cold read and to
 DCP load, and the load's own timings (seconds summed over the threads that spend them).
 
     PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_load.py --device cuda \\
         --backend nccl --layers 72 --width 4096 --dir /root --json $OUT/load.json
     PYTHONPATH=src torchrun --standalone --nproc_per_node=1 benchmarks/bench_load.py --device cpu \\
-        --backend gloo --layers 4 --width 512 --file-bytes 1000000 --variant 'one file:LOAD_BUFFER=1'
+        --backend gloo --layers 4 --width 512 --file-bytes 1000000 --variant 'one file:load_buffer=1'
 
-A variant is `name:KNOB=VALUE,KNOB=VALUE` over the module's defaults (VALUE: an integer, with K, M or G for
+A variant is `name:KNOB=VALUE,KNOB=VALUE` over LoadTuning's defaults (VALUE: an integer, with K, M or G for
 powers of 1024, or true/false); `--variants a,b` runs only those of the built-in ones.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +52,8 @@ from bench_save import (  # noqa: E402
 from benchlib import cpu_seconds, drop_caches  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
-from torchrelay.checkpoint import dcp_io, persist, verified_read  # noqa: E402
+from torchrelay.checkpoint import dcp_io, verified_read  # noqa: E402
+from torchrelay.tuning import LoadTuning, SaveTuning  # noqa: E402
 from torchrelay.util import sha256_parts  # noqa: E402
 from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
 
@@ -95,12 +94,6 @@ def machine_cpu() -> dict[str, float]:
 def cpu_delta(before: dict[str, float]) -> dict[str, float]:
     now = machine_cpu()
     return {f"machine_{k}_s": round(now[k] - before[k], 2) for k in before if k in now}
-
-
-def _lower_priority(nice: int) -> None:
-    """A pool thread's initializer (the NICE setting): this thread's nice value raised by `nice` (Linux)."""
-    with contextlib.suppress(AttributeError, OSError):  # not Linux: the default priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 class SideWork:
@@ -211,101 +204,34 @@ def pattern_read(files: list[Path], streams: int, at_once: int, chunk: int = 16 
     return took
 
 
-KNOBS = (
-    "READ_STREAMS",
-    "_CHUNK",
-    "FILL_FIRST",
-    "LOAD_BUFFER",
-    "MEMORY_SHARE",
-    "PARSE_THREADS",
-    "FILES_AT_ONCE",
-    "REUSE_SLABS",
-    "ROOMS_AHEAD",
-    "PIN_SLABS",
-    "HASH_THREADS",
-    "PER_FILE_READER",
-    "LARGEST_FIRST",
-    "FADVISE",
-    "HUGE_PAGES",
-    "USE_PARTS",
-    "FREE_LATER",
-    "DIRECT_IO",
-    "PREFAULT",
-    "READERS_HASH_LAST",
-    "PARTIAL_READS",
-)
-# Variants' settings the benchmark applies itself, not verified_read's knobs (issue 22 round 14: do the load's
-# own threads slow its reads?): NICE, the nice value of the load's hash and parse threads (Linux: per thread);
-# SWITCH_INTERVAL, the interpreter's GIL switch interval during the resume (seconds; 0.005 by default).
-BENCH_KNOBS = ("NICE", "SWITCH_INTERVAL")
+# A variant's knobs: LoadTuning's fields, passed in the resume's configuration (none patches the library).
+KNOBS = tuple(f.name for f in dataclasses.fields(LoadTuning))
+# Set by the benchmark itself: SWITCH_INTERVAL, the interpreter's GIL switch interval during the resume (seconds).
+BENCH_KNOBS = ("SWITCH_INTERVAL",)
 CONTROL = "cold-read"  # --control-floor's row: a cold read measured where a variant would be
-# The load as issue 22's second round left it: the 16 threads share the chunks of the first 3 files, within 4 GiB.
-SHARED_CHUNKS = {
-    "PER_FILE_READER": False,
-    "LOAD_BUFFER": 4 << 30,
-    "LARGEST_FIRST": False,
-    "FADVISE": False,
-    "HUGE_PAGES": False,
-}
-PER_FILE = {"PER_FILE_READER": True, "LOAD_BUFFER": 0, "LARGEST_FIRST": True, "FADVISE": True}
-# Each over the module's defaults (names without commas: --variants takes a list). "before" is the load as it was
-# before slabs and spread reads: a fresh buffer per file, the earliest file's chunks first. "shared-chunks": the
-# threads always share the chunks of a few files (the default until 2026-12-06); "default": a thread per file
-# where the buffer holds a file for each thread, else shared chunks; "per-file": a thread per file always, as many
-# at once as threads and MEMORY_SHARE of MemAvailable allow.
-# (Slabs from cudaHostAlloc were measured on the H200 host and were slower: RESULTS.md; "pinned" registers them.)
+# The threads share the chunks of the first files, within 4 GiB; or a thread per file, the budget from MemAvailable.
+SHARED_CHUNKS = {"per_file_reader": False, "load_buffer": 4 << 30}
+PER_FILE = {"per_file_reader": True, "load_buffer": 0}
+# Each over LoadTuning's defaults (names without commas: --variants takes a list). "before": a fresh buffer per
+# file, the earliest file's chunks first. "default": a thread per file where the buffer holds a file for each
+# thread, else shared chunks.
 BUILT_IN: dict[str, dict[str, Any]] = {
-    "before": {**SHARED_CHUNKS, "FILES_AT_ONCE": 1, "REUSE_SLABS": False},
-    "shared-chunks": SHARED_CHUNKS,  # reused slabs, 3 files at once, 4 GiB
-    "default": {},  # the module's defaults
-    "per-file": PER_FILE,  # a thread per file, front to back, the budget from MemAvailable
-    "per-file-4GiB": {
-        **PER_FILE,
-        "LOAD_BUFFER": 4 << 30,
-    },  # the fallback when memory is short: 4 files at once
-    "per-file-plan-order": {**PER_FILE, "LARGEST_FIRST": False},
-    "per-file-no-fadvise": {**PER_FILE, "FADVISE": False},
-    "per-file-huge-pages": {**PER_FILE, "HUGE_PAGES": True},
-    "per-file-8-hash": {**PER_FILE, "HASH_THREADS": 8},
-    "per-file-readers-hash": {
-        **PER_FILE,
-        "HASH_THREADS": 0,
-    },  # each file's reading thread hashes it as it goes
-    "per-file-8-streams": {
-        **PER_FILE,
-        "READ_STREAMS": 8,
-    },  # 8 files at once: the next 8 read while the first are copied
-    "per-file-16-parse": {
-        **PER_FILE,
-        "PARSE_THREADS": 16,
-    },  # the copies of files that end together, spread wider
-    "parse-4": {"PARSE_THREADS": 4},  # the default before 2026-12-02 (16 since: RESULTS.md)
-    "at-once-8": {"FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},  # shared chunks of 8 files at once
-    "fill-first": {"FILL_FIRST": True},  # every reader on the earliest file: files end one after another
-    # the files' SHA-256 states ignored (USE_PARTS off): each file hashed in order and used once all of it matched,
-    # as before the parts (the default checks each part and copies each item once its parts matched)
-    "whole-files": {"USE_PARTS": False},
-    "fill-first-whole-files": {"FILL_FIRST": True, "USE_PARTS": False},
-    "free-before-return": {"FREE_LATER": False},
-    "huge-pages": {
-        "HUGE_PAGES": True
-    },  # slabs of 2 MiB pages: fewer faults as the reads land  # the slabs unmapped before the reader returns, as before
-    "streams-32": {"READ_STREAMS": 32},  # more reads in flight (the disk's queue)
-    "chunk-64": {"_CHUNK": 64 << 20},  # fewer, longer reads
-    "hash-8": {"HASH_THREADS": 8},
-    "fadvise": {"FADVISE": True},  # POSIX_FADV_SEQUENTIAL on each file: a larger readahead window
-    # the last parts queued for the hash threads, as before round 15 (default: each hashed by its reading thread)
-    "pool-hashes-last": {"READERS_HASH_LAST": False},
-    "pinned": {"PIN_SLABS": True},  # slabs page-locked by registration, copies a DMA each (issue 22)
-    # O_DIRECT reads into page-aligned slabs: no page-cache copy, nothing left in the page cache (chunks found in
-    # it when a file is opened are read from it)
-    "direct": {"DIRECT_IO": True},
-    # each new slab's pages faulted in by a thread from its end while the reads fill it from the front
-    "prefault": {"PREFAULT": True},
-    "prefault-per-file": {**PER_FILE, "PREFAULT": True},
-    "direct-at-once-8": {"DIRECT_IO": True, "FILES_AT_ONCE": 8, "LOAD_BUFFER": 8 << 30},
-    "direct-per-file": {**PER_FILE, "DIRECT_IO": True},
-    "direct-chunk-64": {"DIRECT_IO": True, "_CHUNK": 64 << 20},
+    "before": {**SHARED_CHUNKS, "files_at_once": 1, "reuse_slabs": False},
+    "shared-chunks": SHARED_CHUNKS,
+    "default": {},
+    "per-file": PER_FILE,
+    "per-file-4GiB": {**PER_FILE, "load_buffer": 4 << 30},  # the fallback when memory is short
+    "per-file-8-hash": {**PER_FILE, "hash_threads": 8},
+    "per-file-readers-hash": {**PER_FILE, "hash_threads": 0},  # each file's reading thread hashes it
+    "per-file-8-streams": {**PER_FILE, "read_streams": 8},
+    "parse-4": {"parse_threads": 4},
+    "at-once-8": {"files_at_once": 8, "load_buffer": 8 << 30},  # shared chunks of 8 files at once
+    "whole-files": {"use_parts": False},  # each file hashed in order, used once all of it matched
+    "free-before-return": {"free_later": False},
+    "streams-32": {"read_streams": 32},  # more reads in flight (the disk's queue)
+    "chunk-64": {"chunk_bytes": 64 << 20},  # fewer, longer reads
+    "hash-8": {"hash_threads": 8},
+    "pool-hashes-last": {"readers_hash_last": False},  # the last parts queued for the hash threads
 }
 
 
@@ -382,12 +308,8 @@ def main() -> None:
     ap.add_argument("--no-tc", action="store_true", help="skip torch_checkpointing's save + cold load")
     ap.add_argument("--variant", action="append", default=[], help="name:KNOB=VALUE,... (repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of cold resumes, the variants alternating")
-    ap.add_argument("--file-bytes", type=int, default=0, help="persist.FILE_BYTES for the save (0: default)")
     ap.add_argument(
-        "--part-bytes",
-        type=int,
-        default=0,
-        help="sha256_parts.PART_BYTES for the save: a file's hash parts (0: default)",
+        "--file-bytes", type=int, default=0, help="SaveTuning.file_bytes for the save (0: default)"
     )
     ap.add_argument(
         "--warm",
@@ -439,7 +361,7 @@ def main() -> None:
     if args.variant and not args.variants:
         variants = {}
     variants.update(parse_variant(v) for v in args.variant)
-    defaults = {k: getattr(verified_read, k) for k in KNOBS}
+    defaults = dataclasses.asdict(LoadTuning())
 
     for key, value in (
         ("RANK", "0"),
@@ -478,12 +400,9 @@ def main() -> None:
     }
     print(f"[load] state {nbytes / GB:.2f} GB in {len(current())} tensors; dir {base}", flush=True)
 
-    if args.file_bytes:
-        persist.FILE_BYTES = args.file_bytes
-    if args.part_bytes:
-        sha256_parts.PART_BYTES = args.part_bytes
+    save_tuning = SaveTuning(file_bytes=args.file_bytes) if args.file_bytes else SaveTuning()
     out["part_bytes"] = sha256_parts.PART_BYTES
-    ckpt, files, t_save = save_once(base, manifest, ddp, opt, dev)
+    ckpt, files, t_save = save_once(base, manifest, ddp, opt, dev, save_tuning)
     saved = [t.detach().clone() for t in current()]  # on the device: torch.equal runs there
     sizes = [f.stat().st_size for f in files]
     print(
@@ -515,21 +434,13 @@ def main() -> None:
     plain_load = dcp_io.load
     switch_interval = sys.getswitchinterval()
 
-    def set_knobs(knobs: dict[str, Any]) -> None:
-        """verified_read's knobs at the module's defaults, `knobs` over them."""
-        for key, value in {**defaults, **knobs}.items():
-            if key not in BENCH_KNOBS:
-                setattr(verified_read, key, value)
-        nice = int(knobs.get("NICE", 0))
-        verified_read.ThreadPoolExecutor = (  # type: ignore[misc]
-            functools.partial(ThreadPoolExecutor, initializer=_lower_priority, initargs=(nice,))
-            if nice
-            else ThreadPoolExecutor
-        )
+    def tuning_of(knobs: dict[str, Any]) -> LoadTuning:
+        """LoadTuning's defaults, `knobs` over them; the switch interval of the interpreter set as they say."""
         sys.setswitchinterval(float(knobs.get("SWITCH_INTERVAL", 0)) or switch_interval)
+        return LoadTuning(**{k: v for k, v in knobs.items() if k not in BENCH_KNOBS})
 
     def resume(knobs: dict[str, Any], cold: bool) -> dict[str, Any]:
-        set_knobs(knobs)
+        tuning = tuning_of(knobs)
         with torch.no_grad():
             for t in current():
                 t.zero_()
@@ -541,7 +452,9 @@ def main() -> None:
         used = cpu_seconds()
         machine_before = machine_cpu()
         t0 = time.perf_counter()
-        r = tr.Run.open(base / "run", None, code_dir=base / "code")
+        r = tr.Run.open(
+            base / "run", None, code_dir=base / "code", overrides={"load_tuning": dataclasses.asdict(tuning)}
+        )
         t_open = time.perf_counter() - t0
         try:
             r.track(model=ddp, optimizer=opt)
@@ -599,7 +512,7 @@ def main() -> None:
             )
             if args.busy_floor:
                 machine_before = machine_cpu()
-                hashers, copiers = defaults["HASH_THREADS"], defaults["PARSE_THREADS"]
+                hashers, copiers = defaults["hash_threads"], defaults["parse_threads"]
                 with SideWork(nbytes / round_floor, nbytes, hashers, copiers, dev) as side:
                     busy = cold_read(files, args.streams)
                 out.setdefault("round_busy_floors_s", []).append(busy)
@@ -619,9 +532,9 @@ def main() -> None:
                 out.setdefault("round_direct_floors_s", []).append(direct_floor)
                 print(f"[load] round {i + 1}: cold read by O_DIRECT {direct_floor:.3f} s", flush=True)
             if args.pattern_floor:
-                set_knobs({})  # the default load's knobs, not the last variant's
-                at_once = verified_read.files_at_once(max(sizes), verified_read.load_budget())
-                pattern = pattern_read(files, defaults["READ_STREAMS"], at_once, defaults["_CHUNK"])
+                tuning = tuning_of({})  # the default load's knobs, not the last variant's
+                at_once = verified_read.files_at_once(tuning, max(sizes), verified_read.load_budget(tuning))
+                pattern = pattern_read(files, tuning.read_streams, at_once, tuning.chunk_bytes)
                 out.setdefault("round_pattern_floors_s", []).append(pattern)
                 out["pattern_at_once"] = at_once
                 print(
@@ -679,7 +592,7 @@ def main() -> None:
                         )
     finally:
         dcp_io.load = plain_load  # type: ignore[assignment]
-        set_knobs({})
+        tuning_of({})  # the interpreter's switch interval back
     out["rows"] = dict(rows)
     floor_after = cold_read(files, args.streams)  # the disk may drift over a run: the floor again, last
     out["cold_read_after_s"] = floor_after

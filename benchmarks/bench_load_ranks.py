@@ -26,6 +26,7 @@ the same, so the disk's own spread is seen beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -49,7 +50,8 @@ from bench_save import GB, cold_read, load_with_stats  # noqa: E402
 from benchlib import cpu_seconds, drop_cache  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
-from torchrelay.checkpoint import dcp_io, verified_read  # noqa: E402
+from torchrelay.checkpoint import dcp_io  # noqa: E402
+from torchrelay.tuning import LoadTuning  # noqa: E402
 from torchrelay.util import sha256_parts  # noqa: E402
 
 
@@ -73,27 +75,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
     ap.add_argument(
-        "--part-mib",
-        type=int,
-        default=0,
-        help="the save's SHA-256 part size (default: sha256_parts.PART_BYTES)",
-    )
-    ap.add_argument(
         "--variant",
         action="append",
         default=[],
-        help="name:KNOB=VALUE,... over verified_read's defaults, or a bench_load.py built-in's name (repeatable; "
+        help="name:KNOB=VALUE,... over LoadTuning's defaults, or a bench_load.py built-in's name (repeatable; "
         "default: the defaults alone, as 'resume')",
     )
     args = ap.parse_args()
-    if args.part_mib:
-        sha256_parts.PART_BYTES = args.part_mib << 20
     variants: dict[str, dict[str, Any]] = {}
     for text in args.variant:
         name, knobs = (text, BUILT_IN[text]) if text in BUILT_IN else parse_variant(text)
         variants[name] = knobs
     variants = variants or {"resume": {}}
-    defaults = {k: getattr(verified_read, k) for k in KNOBS}
+    defaults = dataclasses.asdict(LoadTuning())
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -186,8 +180,7 @@ def main() -> None:
     plain_load = dcp_io.load
 
     def resume(knobs: dict[str, Any]) -> dict[str, Any]:
-        for key, value in {**defaults, **knobs}.items():
-            setattr(verified_read, key, value)
+        tuned = {"load_tuning": {**defaults, **{k: v for k, v in knobs.items() if k in KNOBS}}}
         with torch.no_grad():
             for t in current():
                 t.zero_()
@@ -197,7 +190,7 @@ def main() -> None:
 
         def go() -> None:
             t0 = time.monotonic()
-            opened[0] = tr.Run.open(base / "run", None, code_dir=base / "code")
+            opened[0] = tr.Run.open(base / "run", None, code_dir=base / "code", overrides=tuned)
             opened[1] = time.monotonic() - t0
             opened[0].track(model=model, optimizer=opt)
 
@@ -250,8 +243,6 @@ def main() -> None:
                     print(line, flush=True)
     finally:
         dcp_io.load = plain_load  # type: ignore[assignment]
-        for key, value in defaults.items():
-            setattr(verified_read, key, value)
     out["variants"] = variants
     out["rounds"] = rounds
     if rank == 0:

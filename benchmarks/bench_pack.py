@@ -20,8 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchlib import (
-    append_results,
-    command_line,
     drop_caches,
     median,
     run_cmd,
@@ -105,7 +103,7 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=3.0)
     ap.add_argument("--files", type=int, default=50)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--cold-trials", type=int, default=2)
     ap.add_argument(
         "--quiet-wait", type=float, default=60.0, help="seconds to wait for an idle machine per step"
@@ -217,19 +215,19 @@ def main() -> int:
             f"{median(prep['hardlink']):.2f} s (both verify every byte first, then copy/link and re-hash)",
         ]
         print("\n".join(lines))
-        if not args.no_record:
-            append_results(
-                "pack / prepare",
-                command_line(),
-                lines,
-                {
-                    "bytes": total,
-                    "files": args.files,
-                    **results,
-                    "synced": synced,
-                    "cold": cold,
-                    "prepare": prep,
-                },
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "bytes": total,
+                        "files": args.files,
+                        **results,
+                        "synced": synced,
+                        "cold": cold,
+                        "prepare": prep,
+                    },
+                    indent=1,
+                )
             )
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -10,7 +10,7 @@ how many full collections a persist saw; the seconds are this machine's.
 
 Variants (`--variants`):
 - `off`: the collector as the process has it (torchrelay before issue 22's GC work).
-- `freeze`: run/saver.py's FREEZE_GC: the heap frozen after the segment's first update, unfrozen at close (kept).
+- `freeze`: SaveTuning.freeze_gc: the heap frozen after the segment's first update, unfrozen at close (kept).
 - `defer`: no full collection during a persist (the generation-2 threshold raised while one is in flight, put back
   by the training thread after it): a candidate, not kept.
 - `disable`: gc.disable() while a persist is in flight, enabled again by the training thread after it: a
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import torchrelay as tr
-from torchrelay.run import saver as saver_mod
+from torchrelay.tuning import SaveTuning
 
 VARIANTS = ("off", "freeze", "defer", "disable")
 
@@ -92,13 +92,18 @@ def build_state(layers: int, width: int) -> tuple[nn.Module, torch.optim.Optimiz
 
 def launch(variant: str, base: Path, args: argparse.Namespace, rec: Recorder) -> dict[str, Any]:
     """One segment of a run under `variant`: every update timed, every collection recorded."""
-    saver_mod.FREEZE_GC = variant == "freeze"
     thresholds, enabled = gc.get_threshold(), gc.isenabled()
     total = args.saves * args.save_every + args.tail
     manifest = base / "manifest.jsonl"
     manifest.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(total + 8)))
     cfg = tr.RelayConfig(
-        seed=0, micro_batch=1, total_updates=total, save_every=args.save_every, manifest=str(manifest), keep=2
+        seed=0,
+        micro_batch=1,
+        total_updates=total,
+        save_every=args.save_every,
+        manifest=str(manifest),
+        keep=2,
+        save_tuning=SaveTuning(freeze_gc=variant == "freeze"),
     )
     model, opt = build_state(args.layers, args.width)
     x = torch.randn(8, args.width)
@@ -272,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(folder, ignore_errors=True)
     finally:
         gc.callbacks.remove(rec)
-        saver_mod.FREEZE_GC = True
         shutil.rmtree(base, ignore_errors=True)
     out["rows"] = rows
     out["load_after"] = os.getloadavg()

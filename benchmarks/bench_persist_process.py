@@ -8,7 +8,8 @@ thread's interpreter) and `process` (the default: a writer process per rank, che
 update is timed from its start to the next one's, its loss read back (`.item()`, as a loop that logs does: the GPU's
 work is in the time); updates that held a save's stall are counted apart. Reported per launch: the median update
 outside saves, and of the updates while a persist was in flight their worst and median as multiples of it and how
-many took over 1.1x; the stall (the update that saved) as a multiple too; each persist's seconds.
+many took over 1.1x; the stall (the update that saved) as a multiple too; each persist's seconds (one still in
+flight when the next save began, which waited for it, or at the end is counted, untimed).
 
 CPU: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_persist_process.py --json out.json`
 GPU: `PYTHONPATH=src python3 benchmarks/bench_persist_process.py --device cuda --layers 72 --width 4096 \
@@ -59,6 +60,7 @@ def launch(variant: str, base: Path, args: argparse.Namespace) -> dict[str, Any]
     times: list[float] = []
     kinds: list[str] = []  # "save": the update held a save's stall; "persist": one was in flight; ""
     persists: list[float] = []
+    untimed = 0  # persists still in flight when the next save began (it waited for them) or at the end
     last_saved, started = saver.last, None
     writer_pid = None
     try:
@@ -76,6 +78,7 @@ def launch(variant: str, base: Path, args: argparse.Namespace) -> dict[str, Any]
                 kinds.append("save" if saved else prev[1])
             persisting = saver.persisting
             if saved:
+                untimed += started is not None
                 started = now
             elif started is not None and not persisting:
                 persists.append(now - started)  # committed during the update before this one
@@ -92,7 +95,14 @@ def launch(variant: str, base: Path, args: argparse.Namespace) -> dict[str, Any]
     finally:
         run.close()
         os.environ.pop(envvars.PERSIST_WRITER.name, None)
-    return {"times": times, "kinds": kinds, "persists": persists, "writer_pid": writer_pid}
+    untimed += started is not None
+    return {
+        "times": times,
+        "kinds": kinds,
+        "persists": persists,
+        "untimed": untimed,
+        "writer_pid": writer_pid,
+    }
 
 
 def summarize(variant: str, got: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +121,7 @@ def summarize(variant: str, got: dict[str, Any]) -> dict[str, Any]:
         "over_1_1x_during_persist": sum(r > 1.1 for r in during),
         "stall_x": [round(s, 2) for s in stalls],
         "persist_s": [round(s, 3) for s in got["persists"]],
+        "persists_untimed": got["untimed"],
     }
 
 

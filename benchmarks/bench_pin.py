@@ -118,6 +118,10 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)  # child-hostalloc's process
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "bench_pin.py: needs a CUDA GPU (it page-locks host memory beside a GPU loop); run it on a GPU host"
+        )
     if args.child:
         torch.cuda.init()
         t0 = time.perf_counter()

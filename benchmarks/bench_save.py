@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import inspect
@@ -55,8 +56,9 @@ from benchlib import drop_cache
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
-from torchrelay.checkpoint import host_stage, persist
+from torchrelay.checkpoint import host_stage
 from torchrelay.run import saver
+from torchrelay.tuning import SaveTuning
 
 GB = 1e9
 
@@ -142,8 +144,8 @@ def main() -> None:
         "--launch",
         action="append",
         default=[],
-        help="a launch before the main one: NAME:SAVES[:KNOB=VALUE,...] over host_stage/persist's knobs, SAVE_EVERY "
-        f"({', '.join(LAUNCH_KNOBS)}), e.g. 'before:6:TOUCH_WITHOUT_GIL=0,DROP_AFTER_FSYNC=0' (repeatable)",
+        help="a launch before the main one: NAME:SAVES[:KNOB=VALUE,...] over SaveTuning's fields, SAVE_EVERY "
+        f"({', '.join(LAUNCH_KNOBS)}), e.g. 'before:6:pin_by_register=0,pin_pace=1' (repeatable)",
     )
     ap.add_argument(
         "--first-probe",
@@ -374,11 +376,9 @@ def main() -> None:
         env_before = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         own = {k: v for k, v in knobs.items() if k not in env and k != "SAVE_EVERY"}
-        before = {k: getattr(LAUNCH_KNOBS[k], k) for k in own}
-        for k, v in own.items():
-            setattr(LAUNCH_KNOBS[k], k, v)
         try:
-            cfg_v = cfg.replace(save_every=knobs["SAVE_EVERY"]) if "SAVE_EVERY" in knobs else cfg
+            cfg_v = cfg.replace(save_tuning=dataclasses.replace(cfg.save_tuning, **own))
+            cfg_v = cfg_v.replace(save_every=knobs["SAVE_EVERY"]) if "SAVE_EVERY" in knobs else cfg_v
             run_v = tr.Run.open(base / f"run-{name}", cfg_v, code_dir=base / "code")
             run_v.track(model=ddp, optimizer=opt)
             var = Launch(run_v, update, dev)
@@ -388,8 +388,6 @@ def main() -> None:
             run_v._saver.close()
             wait_deletions()
         finally:
-            for k, v in before.items():
-                setattr(LAUNCH_KNOBS[k], k, v)
             for k, was in env_before.items():
                 if was is None:
                     os.environ.pop(k, None)
@@ -446,13 +444,15 @@ def main() -> None:
     run_a._saver.close()
     out["sync_and_async_files_identical"] = same
     if args.old_launch:  # the same launch with the buffers from cudaHostAlloc (before issue 22), one save
-        host_stage.PIN_BY_REGISTER = False
-        # torch keeps freed pinned blocks for reuse: the floors' and the peers' would serve this launch at once
-        # (2026-12-01: update 2 at 1.0x), which is not what a fresh launch sees
+        # torch keeps freed pinned blocks for reuse: the floors' and the peers' would serve this launch at once,
+        # which is not what a fresh launch sees
         empty = getattr(torch._C, "_host_emptyCache", None)
         if empty is not None:
             empty()
-        run_o = tr.Run.open(base / "run-old", cfg.replace(save_every=40), code_dir=base / "code")
+        old_cfg = cfg.replace(
+            save_every=40, save_tuning=dataclasses.replace(cfg.save_tuning, pin_by_register=False)
+        )
+        run_o = tr.Run.open(base / "run-old", old_cfg, code_dir=base / "code")
         run_o.track(model=ddp, optimizer=opt)
         old = Launch(run_o, update, dev)
         old.run(1)
@@ -460,7 +460,6 @@ def main() -> None:
         run_o._end_segment(old.done)
         run_o._saver.close()
         shutil.rmtree(base / "run-old")
-        host_stage.PIN_BY_REGISTER = True
     # the disk's floor again, after every save: a virtual disk's sustained rate may be below its burst rate
     again = [t.detach().cpu() for t in tensors]
     disk_after = write_streams(args.files, [memoryview(h.view(-1).view(torch.uint8).numpy()) for h in again])
@@ -502,21 +501,8 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-LAUNCH_KNOBS: dict[str, Any] = {
-    "PIN_PACE": host_stage,
-    "TOUCH_WITHOUT_GIL": host_stage,
-    "TOUCH_THREADS": host_stage,
-    "PIN_BY_REGISTER": host_stage,
-    "PIN_MIN_BYTES": host_stage,
-    "PIN_PIECE_BYTES": host_stage,
-    "DROP_AFTER_FSYNC": persist,
-    "KICK_BYTES": persist,
-    "PERSIST_STREAMS": persist,
-    "BACKGROUND_NICE": host_stage,
-    "SYNC_LOGS_IN_STALL": saver,
-    "SPILL_TO_DEVICE": host_stage,
-    "DEFER_THREADS": host_stage,
-}
+# a launch's knobs: SaveTuning's fields, passed in the run's configuration (none patches the library)
+LAUNCH_KNOBS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SaveTuning)}
 
 
 def plain_probe(update: Callable[[], float], dev: str, idle: float, n: int = 60) -> dict[str, Any]:
@@ -560,8 +546,14 @@ def parse_launch(spec: str) -> tuple[str, int, dict[str, Any]]:
             continue
         if key not in LAUNCH_KNOBS:
             raise SystemExit(f"--launch {spec!r}: {key!r} is not one of {', '.join(LAUNCH_KNOBS)}")
-        current = getattr(LAUNCH_KNOBS[key], key)
-        knobs[key] = bool(int(value)) if isinstance(current, bool) else int(value)
+        current = LAUNCH_KNOBS[key]
+        knobs[key] = (
+            bool(int(value))
+            if isinstance(current, bool)
+            else float(value)
+            if isinstance(current, float)
+            else int(value)
+        )
     return name, int(saves), knobs
 
 
@@ -681,7 +673,7 @@ def stall_phases() -> Any:
 
     # (where, what, the phase it counts as): each replaced by a timed call of itself for the launch's length
     timed = [
-        (state_save, "get_state_dict", "state_dict"),
+        (state_save, "state_dicts", "state_dict"),
         (host_stage.HostStage, "copy_tree", "copies_issued"),
         (rng, "capture", "rng"),
         (state_save.Snapshot, "plan", "plan"),
@@ -795,7 +787,7 @@ class Launch:
                 t0 = time.perf_counter()
                 self.saver.save(self.done)
                 info["stall_s"], info["t0"] = time.perf_counter() - t0, t0
-                # copies left to the persist (host_stage.SPILL_TO_DEVICE): buffers not obtained by this save
+                # copies left to the persist (SaveTuning.spill_to_device): buffers not obtained by this save
                 info["deferred"] = self.saver._stage.deferred
                 info["phases_ms"] = {k: round(v * 1e3, 2) for k, v in _PHASES.items()}
                 _PHASES = None
@@ -1004,11 +996,22 @@ def make_state(
 
 
 def save_once(
-    base: Path, manifest: Path, ddp: nn.Module, opt: torch.optim.Optimizer, dev: str
+    base: Path,
+    manifest: Path,
+    ddp: nn.Module,
+    opt: torch.optim.Optimizer,
+    dev: str,
+    tuning: SaveTuning | None = None,
 ) -> tuple[Path, list[Path], float]:
     """checkpoint-1 of base/run, saved inline by torchrelay: its folder, its tensor files, the seconds it took."""
     cfg = tr.RelayConfig(
-        seed=0, micro_batch=1, total_updates=1000, save_every=1000, manifest=str(manifest), async_save=False
+        seed=0,
+        micro_batch=1,
+        total_updates=1000,
+        save_every=1000,
+        manifest=str(manifest),
+        async_save=False,
+        save_tuning=tuning or SaveTuning(),
     )
     run = tr.Run.open(base / "run", cfg, code_dir=base / "code")
     run.track(model=ddp, optimizer=opt)
@@ -1046,7 +1049,7 @@ def loads_only(
     out: dict[str, Any],
     nbytes: int,
 ) -> None:
-    from torchrelay.checkpoint import dcp_io, verified_read
+    from torchrelay.checkpoint import dcp_io
 
     dev = args.device
     rows: dict[str, float] = {}
@@ -1083,15 +1086,15 @@ def loads_only(
     breakdown: dict[str, dict[str, float]] = {}
     runs = [("cold", streams) for streams in args.read_streams] + [("warm", args.read_streams[0])]
     for how, streams in runs:
-        if hasattr(verified_read, "READ_STREAMS"):
-            verified_read.READ_STREAMS = streams
         if len(args.read_streams) > 1:
             how = f"{how}, {streams} reads in flight"
         if how.startswith("cold"):
             drop_cache(ckpt)
         sync(dev)
         t0 = time.perf_counter()
-        run = tr.Run.open(base / "run", None, code_dir=base / "code")
+        # the reads in flight: a runtime field of the run's configuration (LoadTuning)
+        tuned = {"load_tuning.read_streams": streams}
+        run = tr.Run.open(base / "run", None, code_dir=base / "code", overrides=tuned)
         t_open = time.perf_counter() - t0
         run.track(model=ddp, optimizer=opt)
         sync(dev)

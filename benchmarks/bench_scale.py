@@ -6,8 +6,8 @@ The run is written without training, as the library writes it: the run is create
 its index kept, contract last), then each of `--ranks` ranks' metric and exposure logs are written line by line as
 `Run` writes them (the exposures from the run's own `GlobalOrder`), checkpoints are committed through
 `checkpoint.commit` with a tiny model, and history.jsonl gets one segment per `--segment-updates` updates. The
-newest checkpoint is a few hundred updates older than the logs (a job killed after its last save), so opening the
-run trims them as a real resume does.
+newest checkpoint is 0.3-1.3 x `--save-every` updates older than the logs (a job killed after its last save), so
+opening the run trims them as a real resume does.
 
 Measured (each in its own process, peak RSS of that process; `import torchrelay` included):
 - open:        `Run.open` of the existing run (rank 0: contract, manifest digest + its index, checkpoint, trim, history)
@@ -20,8 +20,8 @@ Measured (each in its own process, peak RSS of that process; `import torchrelay`
                command (`python -m torchrelay.ledger_prover RUN N`), then `ledger --full` and `ledger` (from the proof)
 - big_create, big_open, big_open_rank: the same for a manifest of `--big-samples` samples (10 M)
 `--only create` measures only the big manifest: its pass alone (`Manifest.load`, numpy only; with `--one-process`
-also without reader processes), creating a run from it, reopening it and a rank, each with the reader processes'
-count and the largest one's peak RSS; no training run is written.
+also without reader processes: one core), with the reader processes' count and the largest one's peak RSS, then
+creating a run from it, reopening it and a rank; no training run is written.
 Goals (issue 11): each <= 5 s and <= 1 GB at 495,287 samples / 20,000 updates; a 10 M-sample manifest opens in
 <= 15 s with <= 1.5 GB per rank.
 """
@@ -87,17 +87,20 @@ order.global_batch_indices(0)
 print("samples", len(m), "seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
 """
 )
-# The manifest's reader processes (see torchrelay.manifest.readers) each append their own VmHWM to $BENCH_READER_HWM.
+# The manifest's reader processes (torchrelay.manifest.readers): the library starts one per core this process may
+# use (its affinity, as under taskset or Slurm), so $BENCH_CORES narrows the affinity, not the library. In a scan
+# they are the process's only children, waited for, so RUSAGE_CHILDREN's peak RSS is the largest reader's (a
+# create has other children: its readers are the scan's, the same pass).
 _READERS = """
-import os
-import torchrelay.manifest.readers as _M
-if os.environ.get("BENCH_READER_HWM") and hasattr(_M, "_READER"):  # (not in a version without readers)
-    _M._READER += (
-        "; import os; open(os.environ['BENCH_READER_HWM'], 'a').write("
-        "[x for x in open('/proc/self/status') if x.startswith('VmHWM:')][0].split()[1] + ' ')"
-    )
-if os.environ.get("BENCH_READERS"):
-    _M._MAX_READERS = int(os.environ["BENCH_READERS"])
+import os, resource
+if os.environ.get("BENCH_CORES"):
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: int(os.environ["BENCH_CORES"])])
+
+
+def _readers():
+    from torchrelay.manifest.readers import reader_count
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return f"readers {reader_count() if peak else 0} reader_peak_kib {peak}"
 """
 _SCAN = (
     _HWM
@@ -108,12 +111,11 @@ t0 = time.perf_counter()
 import torchrelay.manifest as M
 m = M.Manifest.load(sys.argv[1], sys.argv[2])
 print("samples", len(m), m.fingerprint(), "seconds", round(time.perf_counter() - t0, 2),
-      "hwm_kib", _hwm())
+      "hwm_kib", _hwm(), _readers())
 """
 )
 _CREATE = (
     _HWM
-    + _READERS
     + """
 import sys, time
 t0 = time.perf_counter()
@@ -185,14 +187,14 @@ def measure_big(base: Path, samples: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _readers_measure(args: list[str], readers: int | None = None) -> dict[str, Any]:
-    """`measure`, with the peak RSS of the largest of the manifest's reader processes and their count."""
-    with tempfile.NamedTemporaryFile("r") as hwm:
-        env = {"BENCH_READER_HWM": hwm.name, **({"BENCH_READERS": str(readers)} if readers else {})}
-        out = measure(args, env)
-        peaks = [int(x) for x in hwm.read().split()]
-    out["readers"] = len(peaks)
-    out["reader_peak_rss_mib"] = round(max(peaks) / 1024, 1) if peaks else None
+def _readers_measure(args: list[str], cores: int | None = None) -> dict[str, Any]:
+    """`measure`, with the count of the manifest's reader processes and the peak RSS of the largest."""
+    out = measure(args, {"BENCH_CORES": str(cores)} if cores else None)
+    words = out["out"].split()
+    if "readers" in words:
+        out["readers"] = int(words[words.index("readers") + 1])
+        peak = int(words[words.index("reader_peak_kib") + 1])
+        out["reader_peak_rss_mib"] = round(peak / 1024, 1) if peak else None
     return out
 
 
@@ -215,7 +217,7 @@ def measure_create(base: Path, samples: int, *, one_process: bool) -> dict[str, 
     scan = [sys.executable, "-c", _SCAN, str(manifest), "/data/lingbot"]
     out["scan"] = _readers_measure(scan)
     if one_process:
-        out["scan_one_process"] = _readers_measure(scan, readers=1)
+        out["scan_one_process"] = _readers_measure(scan, cores=1)
     if importlib.util.find_spec("torch") is None:
         out["create"] = "skipped: no torch here"
         return out
@@ -224,9 +226,7 @@ def measure_create(base: Path, samples: int, *, one_process: bool) -> dict[str, 
     (code / "train.py").write_text("# the synthetic run's script\n")
     run_dir = base / "run"
     cfg = _config(manifest, 100, 32, 32).to_dict()
-    out["create"] = _readers_measure(
-        [sys.executable, "-c", _CREATE, str(run_dir), str(code), json.dumps(cfg)]
-    )
+    out["create"] = measure([sys.executable, "-c", _CREATE, str(run_dir), str(code), json.dumps(cfg)])
     data = run_dir / "data"
     sha = Manifest.load(data / "manifest.jsonl", "/data/lingbot", index=data / "manifest.index.npz").sha256()
     out["open"] = measure([sys.executable, "-c", _OPEN, str(run_dir), str(code)])
@@ -242,6 +242,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=20_000)
     parser.add_argument("--ranks", type=int, default=32)
     parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=1000, help="updates between the 3 checkpoints")
     parser.add_argument("--big-samples", type=int, default=10_000_000, help="0: skip the big manifest")
     parser.add_argument(
         "--out", type=Path, default=None, help="where to build the runs (default: a temp dir)"
@@ -283,14 +284,17 @@ def main() -> None:
     results: dict[str, Any] = {"samples": args.samples, "updates": args.updates, "ranks": args.ranks}
     try:
         t0 = time.perf_counter()
-        last_save = args.updates - args.updates % 1000 - (1000 if args.updates % 1000 < 300 else 0)
+        every = args.save_every  # the newest checkpoint 0.3-1.3 x `every` older than the logs
+        last_save = (
+            args.updates - args.updates % every - (every if args.updates % every < every * 3 // 10 else 0)
+        )
         run_dir = make_run(
             base / "lingbot",
             samples=args.samples,
             updates=args.updates,
             ranks=args.ranks,
             micro=args.micro,
-            checkpoints=[last_save - 2000, last_save - 1000, last_save],
+            checkpoints=[last_save - 2 * every, last_save - every, last_save],
             segment_updates=max(1, args.updates // 10),
             total_updates=args.updates + 5000,
         )

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 import torchrelay as tr
 from torchrelay.data.loader import RankBatches
+from torchrelay.data.order import GlobalOrder
 
 
 class Ones(torch.utils.data.Dataset):
@@ -68,8 +69,10 @@ def main() -> None:
     grad = torch.zeros(1024, device="cuda" if args.backend == "nccl" else "cpu")
     for rep in range(args.repeats):
         # --- plain: the same batches through a plain DataLoader, no torchrelay in the loop
-        with tr.Run.open(base / f"plain-{rep}", cfg) as run:
-            order = run.order
+        # the run's order, built as Run.open builds it (a run opened and left would end in error)
+        order = GlobalOrder(
+            num_samples=100_000, seed=cfg.seed, global_batch=cfg.global_batch_for(world), kind=cfg.sampler
+        )
         batches = RankBatches(order, 0, args.updates, rank, world, 4, 2)
         loader = DataLoader(Ones(), batch_sampler=batches, num_workers=0)
         it = iter(loader)

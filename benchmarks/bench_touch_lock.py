@@ -109,7 +109,7 @@ def _obtain(mode: str, n: int, kept: list[Any], spent: dict[str, float]) -> None
         pool.shutdown()
 
 
-def run(mode: str, gb: float) -> dict[str, Any]:
+def run(mode: str, gb: float, floor_s: float) -> dict[str, Any]:
     n = int(gb * (1 << 30)) // BUF
     kept: list[Any] = []
     spent = {"obtain_s": 0.0, "register_s": 0.0}
@@ -120,7 +120,7 @@ def run(mode: str, gb: float) -> dict[str, Any]:
     t_start = time.perf_counter()
     if bg is not None:
         bg.start()
-    while (bg is not None and bg.is_alive()) or (bg is None and time.perf_counter() - t_start < 5.0):
+    while (bg is not None and bg.is_alive()) or (bg is None and time.perf_counter() - t_start < floor_s):
         t0 = time.perf_counter()
         m = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         m[:: PAGE * 16] = b"\1" * len(range(0, 1 << 20, PAGE * 16))
@@ -157,6 +157,7 @@ def main() -> int:
     ap.add_argument("--modes", default="none,private,memfd-touch,memfd-fallocate")
     ap.add_argument("--json", default="")
     ap.add_argument("--pieces", type=int, default=1, help="registrations per 64 MiB buffer")
+    ap.add_argument("--floor-seconds", type=float, default=5.0, help="how long mode none measures")
     args = ap.parse_args()
     global PIECES
     PIECES = args.pieces
@@ -166,7 +167,7 @@ def main() -> int:
     with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
         print(json.dumps({"pieces": PIECES, "shmem_enabled": f.read().strip()}), flush=True)
     for mode in args.modes.split(","):
-        r = run(mode, args.gb)
+        r = run(mode, args.gb, args.floor_seconds)
         kept.append(r.pop("_kept"))  # memory no later mode reuses
         print(json.dumps(r), flush=True)
         out.append(r)

@@ -43,9 +43,10 @@ MAX_STEPS = 400_000  # the schedule both sides are told: far past every position
 
 
 def _env(src: Path | None = None) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("TORCHRELAY_", "SLURM_", "RANK", "WORLD_"))
-    }
+    # a fresh process of world size 1 (or torchrun's own): none of the launcher's variables of the caller, whose
+    # LOCAL_RANK would make the Trainer start a process group on the caller's MASTER_PORT
+    drop = ("TORCHRELAY_", "SLURM_", "RANK", "WORLD_", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "GROUP_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     src = src or HERE.parents[1] / "src"
     env["PYTHONPATH"] = f"{src}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

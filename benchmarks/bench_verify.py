@@ -11,6 +11,7 @@ same SHA256SUMS, and a cold-cache verify when the page cache can be dropped.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,6 @@ import time
 from pathlib import Path
 
 from benchlib import (
-    append_results,
-    command_line,
     drop_caches,
     hash_speed_one_thread,
     median,
@@ -43,7 +42,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="keep the synthetic bundle")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument(
         "--quiet-wait", type=float, default=60.0, help="seconds to wait for an idle machine per trial"
     )
@@ -123,8 +122,8 @@ def main() -> int:
             "cold_verify_Bps": cold,
             "cold_read_Bps": cold_read,
         }
-        if not args.no_record:
-            append_results("verify", command_line(), lines, data)
+        if args.json:
+            args.json.write_text(json.dumps(data, indent=1))
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)

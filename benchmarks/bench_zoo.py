@@ -1,7 +1,8 @@
 """Time `torchrelay audit` of the zoo: each member alone, then all of them composed in one script.
 
 Every audit runs examples/zoo/zoo.py under torchrun (2 ranks), 12 updates, stops after 1, 6 and 11 (the default
-placement: early, middle, late), state compared at the first checkpoint after each resume and at the end.
+placement: early, middle, late; `--updates`, `--stops`), state compared at the first checkpoint after each resume
+and at the end.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py                  # CPU members, gloo
     PYTHONPATH=src python benchmarks/bench_zoo.py --members syncbn,bn_ddp --device cuda  # on 2 GPUs, NCCL
@@ -25,10 +26,12 @@ ZOO = Path(__file__).resolve().parents[1] / "examples" / "zoo" / "zoo.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def audit(member: str, work: Path, device: str) -> dict[str, object]:
+def audit(member: str, work: Path, device: str, updates: int = 12, stops: int = 3) -> dict[str, object]:
     os.environ["ZOO_DEVICE"] = device
     launch = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.5", str(ZOO)]
-    spec = AuditSpec(launch=[*launch, "--member", member], updates=12, stops=3, work_dir=work, timeout_s=900)
+    spec = AuditSpec(
+        launch=[*launch, "--member", member], updates=updates, stops=stops, work_dir=work, timeout_s=900
+    )
     started = time.monotonic()
     verdict = run_audit(spec)
     return {
@@ -53,13 +56,15 @@ def main() -> int:
     ap.add_argument("--combined", default="all", help="the composed run to audit last ('' to skip)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--updates", type=int, default=12, help="updates of each audited run")
+    ap.add_argument("--stops", type=int, default=3, help="stops of each audit")
     args = ap.parse_args()
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="torchrelay-bench-zoo-") as tmp:
         names = [m for m in args.members.split(",") if m] + ([args.combined] if args.combined else [])
         for i, member in enumerate(names):
-            row = audit(member, Path(tmp) / f"w{i}", args.device)
+            row = audit(member, Path(tmp) / f"w{i}", args.device, args.updates, args.stops)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\nmachine: {machine()}; load average {os.getloadavg()[0]:.1f}")

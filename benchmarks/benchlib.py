@@ -1,21 +1,18 @@
-"""Shared pieces of the handoff benchmarks: a synthetic multi-GB run, timing, machine facts, RESULTS.md."""
+"""Shared pieces of the handoff benchmarks: a synthetic multi-GB run, timing, machine facts."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import resource
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 MiB = 1 << 20
 
 
@@ -151,23 +148,6 @@ def run_cmd(cmd: list[str] | str, cwd: Path | None = None) -> float:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-def append_results(title: str, command: str, lines: list[str], data: dict[str, object]) -> None:
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = [f"\n## {title} — {stamp}\n", f"Machine: {machine()}  ", f"Command: `{command}`\n"]
-    text += [f"- {line}" for line in lines]
-    text.append(
-        "\n<details><summary>raw</summary>\n\n```json\n" + json.dumps(data, indent=1) + "\n```\n</details>\n"
-    )
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in this folder; newest last.\n")
-    with open(RESULTS, "a") as f:
-        f.write("\n".join(text))
-
-
-def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
 
 
 def _cpu_times() -> tuple[int, int]:

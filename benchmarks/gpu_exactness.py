@@ -4,6 +4,8 @@ uninterrupted versus stopped twice (by request file, and with the loader's worke
     PYTHONPATH=src:tests python3 benchmarks/gpu_exactness.py --nproc 2 --out /tmp/gpu-exact [--parallel fsdp2]
 
 Prints one JSON object: tensors compared, whether all are torch.equal, ledger verdict, update times.
+GPU only (NCCL, CUDA kernels); the suite runs `--setup-only` on the CPU, and the same resume on gloo is
+tests/test_exact_resume.py's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/gpu-exact"))
     parser.add_argument("--updates", type=int, default=40)
     parser.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument(
+        "--setup-only", action="store_true", help="write the code, data and config, then stop (no GPU needed)"
+    )
     args = parser.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -53,6 +58,9 @@ def main() -> int:
             "params.seq_len": 128,
         },
     )
+    if args.setup_only:
+        print(json.dumps({"code": str(code), "manifest": str(manifest), "config": str(config)}))
+        return 0
     t0 = time.time()
     straight, stopped = args.out / "straight", args.out / "stopped"
     out = launch(code, straight, nproc=args.nproc, config=config, timeout=900)

@@ -5,6 +5,8 @@
 
 Prints one JSON object per wrapper: what the checkpoints stored per rank, and whether every tensor (buffers and
 generator states included) of the first checkpoint after the resume and of the last is torch.equal.
+GPU only (NCCL; SyncBatchNorm); the suite runs `--setup-only` on the CPU, and the CPU wrappers' resume is
+tests/test_rank_state.py's.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/tmp/gpu-rank-state"))
     parser.add_argument("--updates", type=int, default=12)
     parser.add_argument("--parallel", nargs="+", default=["syncbn", "ddp", "fsdp2"])
+    parser.add_argument(
+        "--setup-only", action="store_true", help="write the code, data and config, then stop (no GPU needed)"
+    )
     args = parser.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -74,6 +79,9 @@ def main() -> int:
         save_every=1,
         **{"params.d_model": 64, "params.seq_len": 64},
     )
+    if args.setup_only:
+        print(json.dumps({"code": str(code), "manifest": str(manifest), "config": str(config)}))
+        return 0
     ok = True
     for parallel in args.parallel:
         result = one(args.out, code, config, parallel, args.updates)

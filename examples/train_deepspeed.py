@@ -29,11 +29,12 @@ from torchrelay.config import parse_assignments
 class TinyLM(nn.Module):
     """Predicts the next byte from the current one and a running context: small, but every part trains."""
 
-    def __init__(self, d_model: int) -> None:
+    def __init__(self, d_model: int, dropout: float = 0.1) -> None:
         super().__init__()
         self.tok = nn.Embedding(256, d_model)
         self.mix = nn.Linear(d_model, d_model)
-        self.drop = nn.Dropout(0.1)  # draws from the RNG, which torchrelay restores per rank
+        # draws from the RNG, which torchrelay restores per rank (and re-derives at a move: docs/ELASTIC.md)
+        self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(d_model, 256)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,10 @@ def main() -> int:
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--updates", type=int, default=12)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument(
+        "--offload", action="store_true", help="ZeRO-Offload: the optimizer on the CPU (DeepSpeedCPUAdam)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="runtime override")
     args = parser.parse_args()
 
@@ -81,6 +86,8 @@ def main() -> int:
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.zero_stage},
     }
+    if args.offload:
+        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     cfg = tr.RelayConfig(
         seed=1234,
         micro_batch=4,  # = train_micro_batch_size_per_gpu
@@ -91,21 +98,36 @@ def main() -> int:
         data_root=args.data_root,
         save_every=4,
         pins=[f"deepspeed=={deepspeed.__version__}"],  # continued only with the DeepSpeed that began it
-        params={"lr": args.lr, "d_model": 32, "seq_len": 64, "deepspeed": ds_config, "min_update_s": 0},
+        params={
+            "lr": args.lr,
+            "d_model": 32,
+            "seq_len": 64,
+            "dropout": args.dropout,
+            "deepspeed": ds_config,
+            "min_update_s": 0,
+        },
         runtime_params=["min_update_s"],  # pacing for demos and stop tests: never changes a bit
     )
     try:
         with tr.Run.open(args.run_dir, cfg, overrides=parse_assignments(args.set)) as run:
             p = run.config.params
             torch.manual_seed(run.config.seed)
-            model = TinyLM(p["d_model"])
-            opt = torch.optim.AdamW(model.parameters(), lr=p["lr"])  # torch's AdamW: no compiled op needed
+            model = TinyLM(p["d_model"], p.get("dropout", 0.1))
+            offload = "offload_optimizer" in p["deepspeed"]["zero_optimization"]
+            if offload:  # DeepSpeed's compiled CPU Adam, as ZeRO-Offload wants
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                opt = DeepSpeedCPUAdam(model.parameters(), lr=p["lr"], adamw_mode=True)
+            else:
+                opt = torch.optim.AdamW(
+                    model.parameters(), lr=p["lr"]
+                )  # torch's AdamW: no compiled op needed
             sched = torch.optim.lr_scheduler.LambdaLR(
                 opt, tr.warmup_cosine(cfg.total_updates, cfg.warmup_updates)
             )
-            engine, _, _, _ = deepspeed.initialize(
-                model=model, optimizer=opt, lr_scheduler=sched, config=p["deepspeed"]
-            )
+            # The accumulation is the layout's: after a move to another world size it is the run's derived one.
+            ds = {**p["deepspeed"], "gradient_accumulation_steps": run.config.grad_accum}
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)
             run.track(model=engine)  # restores model, ZeRO partitions, scheduler, counters when resuming
 
             loader = run.dataloader(SourceBytes(run.manifest.records, p["seq_len"]))
@@ -117,7 +139,7 @@ def main() -> int:
                     loss = F.cross_entropy(logits.reshape(-1, 256), xs[:, 1:].reshape(-1))
                     engine.backward(loss)  # scaled by 1 / gradient_accumulation_steps
                     engine.step()  # steps optimizer and scheduler on the update's last micro-batch only
-                    total += loss.item() / cfg.grad_accum
+                    total += loss.item() / run.config.grad_accum  # the layout's, after a move too
                 step.log(loss=total, lr=sched.get_last_lr()[0])
                 time.sleep(max(0.0, p["min_update_s"] - (time.perf_counter() - started)))
         return run.exit_code

@@ -85,6 +85,21 @@ def lm_loss(model: nn.Module, xs: torch.Tensor, lengths: torch.Tensor) -> torch.
     return F.cross_entropy(logits[valid], targets[valid])
 
 
+def make_optimizers(model: nn.Module, p: dict) -> list[torch.optim.Optimizer]:
+    """AdamW on everything, or (params.optimizer muon, LingBot's) torch.optim.Muon on the blocks' matrices and
+    AdamW on the rest."""
+    lr = p["lr"]
+    if p.get("optimizer", "adamw") != "muon":
+        return [torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=p["weight_decay"])]
+    named = list(model.named_parameters())
+    matrices = [t for n, t in named if t.ndim == 2 and ".blocks." in f".{n}"]
+    rest = [t for n, t in named if not (t.ndim == 2 and ".blocks." in f".{n}")]
+    muon = torch.optim.Muon(
+        matrices, lr=p.get("muon_lr", lr), weight_decay=p["weight_decay"], adjust_lr_fn="match_rms_adamw"
+    )
+    return [muon, torch.optim.AdamW(rest, lr=lr, weight_decay=p["weight_decay"])]
+
+
 def load_config(path: Path | None) -> tr.RelayConfig | None:
     if path is None:
         return None
@@ -145,21 +160,30 @@ def main() -> int:
                 getattr(torch, p.get("dtype", "float32")),  # float64: the layout-change test's precision
             )
             if p.get("parallel", "ddp") == "fsdp2":
-                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+                # params.mixed bf16: LingBot's policy, bf16 compute with fp32 gradient reduction and fp32 shards
+                mp = (
+                    MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                    if p.get("mixed") == "bf16"
+                    else MixedPrecisionPolicy()
+                )
                 for block in model.blocks.layers:
-                    fully_shard(block)
-                fully_shard(model)
+                    fully_shard(block, mp_policy=mp)
+                fully_shard(model, mp_policy=mp)
             else:
                 model = nn.parallel.DistributedDataParallel(
                     model, device_ids=[device.index] if cuda else None
                 )
-            opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
             cfg = run.config
-            sched = torch.optim.lr_scheduler.LambdaLR(
-                opt, tr.warmup_cosine(cfg.total_updates, cfg.warmup_updates)
-            )
-            run.track(model=model, optimizer=opt, scheduler=sched)
+            lr_shape = tr.warmup_cosine(cfg.total_updates, cfg.warmup_updates)
+            opts = make_optimizers(model, p)
+            scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_shape) for o in opts]
+            opt = opts[0] if len(opts) == 1 else opts
+            if len(scheds) == 1:
+                run.track(model=model, optimizer=opt, scheduler=scheds[0])
+            else:
+                run.track(model=model, optimizer=opt, **{f"scheduler{i}": s for i, s in enumerate(scheds)})
 
             loader = run.dataloader(SourceBytes(run.manifest.records, p["seq_len"]), collate_fn=collate)
             pace = float(p.get("min_update_s", 0))
@@ -171,17 +195,22 @@ def main() -> int:
                     raise RuntimeError(f"crash_at_update={step.update} (test hook)")
                 total = 0.0
                 # Given the model, gradients are reduced only in the last micro-batch (DDP no_sync, FSDP2).
-                for _micro, (xs, lengths) in step.micro_batches(model):
+                for micro, (xs, lengths) in step.micro_batches(model):
+                    if step.update == p.get("skip_update") and micro == 0 and run.rank == 0:
+                        xs, lengths = xs[1:], lengths[1:]  # a test hook: one sample left out, a real change
                     xs, lengths = xs.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
                     loss = lm_loss(model, xs, lengths) / cfg.grad_accum
                     if step.update == p.get("nan_at_update"):
                         loss = loss * math.nan
                     loss.backward()
                     total += loss.item()
-                lr = sched.get_last_lr()[0]
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
+                lr = scheds[0].get_last_lr()[0]
+                for o, sch in zip(opts, scheds, strict=True):
+                    for group in o.param_groups:  # a test hook: the learning rate scaled (a real change)
+                        group["lr"] *= p.get("lr_scale", 1.0)
+                    o.step()
+                    sch.step()
+                    o.zero_grad(set_to_none=True)
                 step.log(loss=total, lr=lr)
                 if pace > 0:  # a slower update, never a different one
                     time.sleep(max(0.0, pace - (time.perf_counter() - started)))

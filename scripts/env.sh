@@ -21,6 +21,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$CONSTRAIN
   # DS_BUILD_OPS=0: deepspeed's sdist builds a pure-Python wheel (measured: 37 s on the shared 2-core VM at load 10)
   DS_BUILD_OPS=0 "$VENV/bin/pip" install -q --disable-pip-version-check -c "$CONSTRAINTS" \
     -e "$ROOT[dev]" 2>&1 | grep -v "is ignored" >&2 || true
+  # torchtitan without its dependencies (datasets, wandb, tensorboard...: its trainer's, not its checkpointer's)
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps torchtitan==0.3.0 2>&1 | grep -v "is ignored" >&2 || true
   "$VENV/bin/python" -c "import torch, torchrelay, matplotlib, pytest, transformers, deepspeed, accelerate" >/dev/null
   touch "$STAMP"
   FRESH=1

@@ -130,7 +130,7 @@ def run_campaign(
         out.kills += 1
         out.kill_moments.append({"launch": out.launches, "uploading": partial})
         if out.kills == lose_after:
-            out.lost_at = max(committed(bucket, prefix))
+            out.lost_at = max(committed(bucket, prefix), default=None)  # none yet at a first kill
             for ckpt in run.glob("checkpoint-*"):
                 shutil.rmtree(ckpt)
     out.seconds = time.perf_counter() - started

@@ -451,24 +451,32 @@ def test_export_of_the_example_model_streams_equal_tensors(
         export_weights(kept_run, tmp_path / "typo", ExportOptions(drop=["hea"]))
 
 
+@pytest.fixture(scope="module")
+def hf_run(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A transformers Llama (from a config, random init) with a training-only head, trained on 2 ranks: (the code
+    repo, the run, the folder holding its config.json and probe)."""
+    pytest.importorskip("transformers")
+    base = tmp_path_factory.mktemp("hf")
+    code = make_code_repo(base / "code", scripts=("train_lm.py", "train_hf.py", "hf_parity.py"))
+    config = write_config(
+        base / "lm.yaml", example["manifest"], example["root"], total_updates=3, save_every=3
+    )
+    run, hf = base / "run", base / "hf"
+    cmd = [*torchrun_cmd(code, run, 2, config, script="train_hf.py"), "--hf-out", str(hf)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=code)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return code, run, hf
+
+
 def test_export_of_a_hugging_face_model_loads_with_from_pretrained(
-    example: dict[str, Path], tmp_path: Path
+    hf_run: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    """A transformers Llama (from a config, random init) with a training-only head, trained on 2 ranks."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     from torchrelay.checkpoint.reader import load_tensors
 
-    code = make_code_repo(tmp_path / "code", scripts=("train_lm.py", "train_hf.py"))
-    config = write_config(
-        tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=3, save_every=3
-    )
-    run, hf = tmp_path / "run", tmp_path / "hf"
-    cmd = [*torchrun_cmd(code, run, 2, config, script="train_hf.py"), "--hf-out", str(hf)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=code)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-
+    _code, run, hf = hf_run
     export = tmp_path / "export"
     args = [
         "export",
@@ -495,6 +503,57 @@ def test_export_of_a_hugging_face_model_loads_with_from_pretrained(
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits
     assert torch.equal(logits, probe["logits"])
+
+
+def test_export_parity_holds_for_the_right_names_and_fails_a_wrong_rename(
+    hf_run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--parity 4: float32 equal logits, bf16 within the KL tolerance, both recorded with the numerics identity; a
+    --rename that strips the wrong prefix fails in one line, exit 2, and writes no export."""
+    code, run, hf = hf_run
+    base = ["export", str(run)]
+    same = ["--drop", "state_head", "--include", str(hf / "config.json")]
+    hooks = ["--parity", "4", "--parity-hooks", str(code / "hf_parity.py")]
+    assert main([*base, str(tmp_path / "fp32"), *same, "--rename", "lm=", *hooks]) == 0
+    said = capsys.readouterr().out
+    assert "parity: 4 samples of the run, float32: equal logits" in said, said
+    record = json.loads((tmp_path / "fp32" / "torchrelay_export.json").read_text())["parity"]
+    assert record["mode"] == "exact" and record["unequal_samples"] == 0 and record["max_abs"] == 0.0
+    assert record["numerics"]["torch"] == torch.__version__ and len(record["numerics_fingerprint"]) == 12
+    assert len(set(record["indices"])) == 4 and record["hooks"]["file"] == "hf_parity.py"
+
+    assert main([*base, str(tmp_path / "bf16"), *same, "--rename", "lm=", "--dtype", "bf16", *hooks]) == 0
+    record = json.loads((tmp_path / "bf16" / "torchrelay_export.json").read_text())["parity"]
+    assert (
+        record["mode"] == "tolerance" and record["dtype"] == "bfloat16" and record["tolerance"]["kl"] == 0.01
+    )
+    assert record["max_abs"] > 0 and 0 <= record["kl"] < 0.01
+    capsys.readouterr()
+    # the same bf16 export held to a tolerance it cannot meet
+    strict = [*base, str(tmp_path / "strict"), *same, "--rename", "lm=", "--dtype", "bf16", *hooks]
+    assert main([*strict, "--parity-kl", "0", "--parity-max-abs", "0"]) == 2
+    assert "export parity (bfloat16): KL" in capsys.readouterr().err and not (tmp_path / "strict").exists()
+
+    # 'lm.model=' strips one level too many: the names load nowhere in the serving model
+    wrong = tmp_path / "wrong"
+    assert main([*base, str(wrong), *same, "--rename", "lm.model=", *hooks]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith(
+        "torchrelay export: error: from_pretrained of the export leaves"
+    )
+    assert "unset" in err[0] and err[1].startswith("  hint: check --rename"), err
+    assert not wrong.exists() and not list(tmp_path.glob(".wrong.export-tmp-*"))
+    # a float32 export whose logits differ from training's in one ulp is not equal
+    (code / "off_by_ulp.py").write_text(
+        "import torch\nfrom hf_parity import inputs, training_model, training_logits as plain\n"
+        "def training_logits(model, feed):\n    out = plain(model, feed)\n"
+        "    return torch.nextafter(out, torch.full_like(out, float('inf')))\n"
+    )
+    off = ["--parity", "2", "--parity-hooks", str(code / "off_by_ulp.py")]
+    assert main([*base, str(tmp_path / "off"), *same, "--rename", "lm=", *off]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "export parity: 2 of 2 samples give other logits than the training model (float32" in err[0], err
+    assert not (tmp_path / "off").exists()
 
 
 MEMORY_PROBE = """

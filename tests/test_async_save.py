@@ -21,6 +21,7 @@ from torchrelay.checkpoint.inventory import read_inventory, validate_complete
 from torchrelay.checkpoint.persist import canonical_safetensors
 from torchrelay.errors import IntegrityError
 from torchrelay.stop import write_request
+from torchrelay.tuning import SaveTuning
 
 
 def _config(example: dict[str, Path], **changes: Any) -> RelayConfig:
@@ -239,15 +240,13 @@ def test_several_files_per_rank_load_one_at_a_time_within_the_buffer(
 ) -> None:
     """A rank's tensors split over several files; a resume with room for one file at a time still reads them all,
     in DCP's order, without waiting on itself, and restores every value."""
-    from torchrelay.checkpoint import persist, verified_read
-
-    monkeypatch.setattr(persist, "FILE_BYTES", 128)
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 1)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     write_request(run_dir, at_update=2)
     saved: dict[str, torch.Tensor] = {}
-    with Run.open(run_dir, _config(example, total_updates=3), code_dir=example["code"]) as run:
+    # files of 128 bytes, and a load buffer of 1 byte: room for one file at a time
+    tuned = _config(example, total_updates=3, save_tuning={"file_bytes": 128}, load_tuning={"load_buffer": 1})
+    with Run.open(run_dir, tuned, code_dir=example["code"]) as run:
         _loop(
             run,
             lambda u: (
@@ -276,8 +275,7 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
 
     from torchrelay.checkpoint import persist
 
-    monkeypatch.setattr(persist, "FILE_BYTES", 4096)
-    monkeypatch.setattr(persist, "KICK_BYTES", 1024)  # the writeback started every few writes
+    tuning = SaveTuning(file_bytes=4096, kick_bytes=1024)  # the writeback started every few writes
     monkeypatch.setenv(persist.STREAMS_ENV, "2")
     writing: set[int] = (
         set()
@@ -313,7 +311,8 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
         def save(
             out: Path = out, digests: dict[str, tuple[str, int]] = digests, bg: bool = background
         ) -> None:
-            dcp.save(state, storage_writer=persist.HashingWriter(out, digests, background=bg), no_dist=True)
+            writer = persist.HashingWriter(out, digests, background=bg, tuning=tuning)
+            dcp.save(state, storage_writer=writer, no_dist=True)
 
         if background:  # on a thread of its own, as the persist runs it
             worker = threading.Thread(target=save)
@@ -349,7 +348,7 @@ def test_the_split_save_writes_the_files_dcp_save_writes(
 
     from torchrelay.checkpoint import dcp_save, persist
 
-    monkeypatch.setattr(persist, "FILE_BYTES", 16 << 10)  # several files per rank
+    tuning = SaveTuning(file_bytes=16 << 10)  # several files per rank
 
     g = torch.Generator().manual_seed(1)
     doc = {
@@ -360,9 +359,9 @@ def test_the_split_save_writes_the_files_dcp_save_writes(
     one, two = tmp_path / "dcp", tmp_path / "split"
     d1: dict[str, tuple[str, int]] = {}
     d2: dict[str, tuple[str, int]] = {}
-    dcp.save(doc, storage_writer=persist.HashingWriter(one, d1), no_dist=True)
+    dcp.save(doc, storage_writer=persist.HashingWriter(one, d1, tuning=tuning), no_dist=True)
     planned = dcp_save.plan(doc)
-    planned.write(two, d2)
+    planned.write(two, d2, tuning=tuning)
     names = sorted(p.name for p in one.iterdir())
     assert names == sorted(p.name for p in two.iterdir()) and ".metadata" in names
     assert sum(n.endswith(".distcp") for n in names) > 1

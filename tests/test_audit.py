@@ -11,10 +11,11 @@ import pytest
 from helpers import TORCHRUN, make_code_repo
 from torchrelay.audit import (
     DATA_ORDER,
-    NONDETERMINISM,
+    NOT_RESTORED,
     RANK_STATE,
     RNG,
     UNREGISTERED,
+    UNSEEDED,
     AuditError,
     AuditSpec,
     last_verdict,
@@ -36,7 +37,9 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def code(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A git repo with the good example and the broken ones next to it (they import its model and data)."""
-    return make_code_repo(tmp_path_factory.mktemp("audit") / "code", ("train_lm.py", *BROKEN))
+    return make_code_repo(
+        tmp_path_factory.mktemp("audit") / "code", ("train_lm.py", *BROKEN, "broken/forgotten_value.py")
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -139,6 +142,28 @@ def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
     assert (tmp_path / "work" / "interrupted" / "AUDIT.json").is_file()
 
 
+def test_a_number_a_stateful_forgets_to_restore_is_not_equal_by_its_key(code, example, tmp_path):
+    # nanoGPT's best_val_loss in a registered stateful whose load_state_dict forgets it: no tensor and no logged
+    # value differs, the restored number does.
+    spec = AuditSpec(
+        launch=launch_cmd(code, "broken/forgotten_value.py", example["config"]),
+        updates=6,
+        stop_at=[4],
+        work_dir=tmp_path / "work",
+    )
+    verdict = run_audit(spec)
+    assert not verdict.equal and verdict.metrics_equal and verdict.ledger_equal
+    assert verdict.tensors_first_update == 5 and verdict.values_compared > 10
+    # The loss differs by rank, so the number is kept per rank: each rank's is named, with both values.
+    names = sorted(t["name"] for t in verdict.top_tensors)
+    assert names == ["state/best@rank0.best_val_loss", "state/best@rank1.best_val_loss"], verdict.top_tensors
+    assert all(t["note"].endswith(" vs 1000000000.0") for t in verdict.top_tensors)
+    assert verdict.cause == NOT_RESTORED, verdict.causes
+    assert "uninterrupted-again" not in verdict.run_dirs
+    # the parameters never part: the per-update digests of all 6 updates agree
+    assert verdict.digests_compared == 6 and verdict.digests_first_update is None
+
+
 def test_audit_explains_a_launch_that_does_not_stop(tmp_path, capsys):
     # A command that never opens the run: the audit says which segment, what history says, and shows the log.
     cmd = [sys.executable, "-c", "print('no torchrelay here'); raise SystemExit(3)"]
@@ -158,14 +183,31 @@ def test_audit_refuses_a_used_work_dir(tmp_path, capsys):
     assert "the audit's work directory is not empty" in capsys.readouterr().err
 
 
-def test_a_run_that_does_not_repeat_itself_is_confirmed_by_a_second_run(code, example, tmp_path):
-    # The augmentation generator is seeded from the OS: even two uninterrupted runs differ from update 1.
+# An unseeded stream differs between two launches from update 1: named as such from the probe's digests at the
+# start of update 1, without a second run, and never "non-deterministic kernels" (issue 50).
+UNSEEDED_VARIANTS = {
+    # a generator of the script's own, seeded from the OS
+    "torch.Generator": ("augment = torch.Generator()\n" + " " * 12 + "augment.seed()", None),
+    # the global `random`, reseeded from the OS after Run.open, drawn from in every micro-step
+    "random (global)": (
+        "import random\n"
+        + " " * 12
+        + "random.seed()\n"
+        + " " * 12
+        + "augment = torch.Generator().manual_seed(1)",
+        "torch.full(xs.shape, random.randrange(256))",
+    ),
+}
+
+
+@pytest.mark.parametrize("stream", list(UNSEEDED_VARIANTS))
+def test_an_unseeded_stream_is_named_from_the_first_update(code, example, tmp_path, stream):
     source = (code / "broken" / "unregistered_generator.py").read_text()
     seeded = "augment = torch.Generator().manual_seed(cfg.seed + dist.get_rank())"
-    assert seeded in source
-    (code / "broken" / "unseeded.py").write_text(
-        source.replace(seeded, "augment = torch.Generator()\n" + " " * 12 + "augment.seed()")
-    )
+    drawn = "torch.randint(0, 256, xs.shape, generator=augment)"
+    assert seeded in source and drawn in source
+    setup, noise = UNSEEDED_VARIANTS[stream]
+    (code / "broken" / "unseeded.py").write_text(source.replace(seeded, setup).replace(drawn, noise or drawn))
     spec = AuditSpec(
         launch=launch_cmd(code, "broken/unseeded.py", example["config"]),
         updates=4,
@@ -174,11 +216,10 @@ def test_a_run_that_does_not_repeat_itself_is_confirmed_by_a_second_run(code, ex
     )
     verdict = run_audit(spec)
     assert not verdict.equal and verdict.metrics_first_update == 1
-    assert verdict.cause == NONDETERMINISM
-    assert "a second uninterrupted run already differs from the first" in verdict.causes[0]["evidence"]
-    assert (
-        "uninterrupted-again" in verdict.run_dirs
-    )  # launched only because the evidence alone could not tell
+    assert verdict.cause == UNSEEDED and len(verdict.causes) == 1, verdict.causes
+    assert f"{stream} start update 1 in another state" in verdict.causes[0]["evidence"], verdict.causes
+    assert "uninterrupted-again" not in verdict.run_dirs  # the probe's evidence sufficed
+    assert verdict.digests_first_update == 1  # the parameters part after the first update
 
 
 def test_probe_finds_the_scripts_own_random_streams_only() -> None:

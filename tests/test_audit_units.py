@@ -304,3 +304,200 @@ def test_state_tensors_name_state_that_differs_by_rank(tmp_path):
     assert [c.name for c in causes] == [RANK_STATE] and "the logs agree but 1 tensor(s) differ" in causes[
         0
     ].evidence
+
+
+class _BestLoss:
+    """nanoGPT's `best_val_loss` kept in a registered stateful; `forget` makes its load_state_dict drop it."""
+
+    def __init__(self, best: float, evals: int = 3, tag: str = "val") -> None:
+        self.best, self.evals, self.tag = best, evals, tag
+
+    def state_dict(self) -> dict[str, object]:
+        return {"best_val_loss": self.best, "evals": self.evals, "meta": {"tag": self.tag, "hist": [1, 2]}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.best, self.evals = state["best_val_loss"], state["evals"]  # type: ignore[assignment]
+
+
+def _saved(path: Path, holder: _BestLoss, lr: float = 0.1) -> Path:
+    from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
+    from torchrelay.checkpoint.state import save_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    path.mkdir(parents=True)
+    torch.manual_seed(1)
+    save_state(path, rank=0, model=model, optimizer=opt, statefuls={"best": holder}, loop={"update": 4})
+    write_inventory(path, inventory_entries(path, list_files(path)), update=4)
+    return path
+
+
+def test_a_forgotten_number_of_a_registered_stateful_is_named_by_its_key(tmp_path):
+    from torchrelay.audit.compare import compare_checkpoints
+
+    a = _saved(tmp_path / "a", _BestLoss(3.975))
+    same = compare_checkpoints(a, _saved(tmp_path / "same", _BestLoss(3.975)))
+    assert same.equal and same.values_compared >= 6 and same.compared >= 3  # values and tensors, rng included
+    b = _saved(tmp_path / "b", _BestLoss(1e9))
+    found = compare_checkpoints(a, b)
+    assert [d.name for d in found.differing] == ["state/best.best_val_loss"]
+    assert found.differing[0].note == "value 3.975 vs 1000000000.0"
+    # a string in a nested container, an int, the optimizer's param groups: each named by its path
+    c = _saved(tmp_path / "c", _BestLoss(3.975, evals=4, tag="train"), lr=0.2)
+    names = {d.name for d in compare_checkpoints(a, c).differing}
+    assert {"state/best.evals", "state/best.meta.tag", "optim.param_groups.0.lr"} <= names
+    # -0.0 is not 0.0, as for tensors; within --atol a number may differ
+    d = _saved(tmp_path / "d", _BestLoss(3.975 + 1e-9))
+    assert compare_checkpoints(a, d, atol=1e-6).equal and not compare_checkpoints(a, d).equal
+
+
+def test_a_value_that_only_a_stateful_lost_at_the_resume_is_named_not_restored():
+    from torchrelay.audit import NOT_RESTORED
+
+    diff = TensorDiff("state/best.best_val_loss", 1e9, "value 3.975 vs 1000000000.0")
+    other = TensorDiff("state/best@rank1.best_val_loss", 1e9, "value 3.5 vs 1000000000.0")
+    ev = Evidence(
+        stops=[4],
+        metrics=LogComparison(what="metrics"),
+        ledger=LogComparison(what="ledger"),
+        tensors=TensorComparison(compared=10, differing=[diff, other], values_compared=5),
+        tensors_at=5,
+        final_equal=False,
+    )
+    causes = diagnose(ev, rerun=lambda: pytest.fail("the evidence suffices: no rerun"))
+    assert causes[0].name == NOT_RESTORED
+    assert "state/best.best_val_loss (value 3.975 vs 1000000000.0)" in causes[0].evidence
+    assert "the registered best saved these values" in causes[0].evidence
+
+
+def test_a_stream_unseeded_in_both_launches_is_named_without_a_second_run():
+    from torchrelay.audit import UNSEEDED
+    from torchrelay.audit.compare import StreamComparison
+
+    # Both runs' first launches hold the global `random` in another state at the start of update 1.
+    streams = StreamComparison(at={1: (0, ["random (global)"]), 2: (0, ["random (global)"])})
+    ev = Evidence(stops=[4], metrics=_parted(1), ledger=_parted(None), tensors=_tensors(), streams=streams)
+    causes = diagnose(ev, rerun=lambda: pytest.fail("the probe's evidence suffices"))
+    assert [c.name for c in causes] == [UNSEEDED]
+    assert "random (global) start update 1 in another state in two launches" in causes[0].evidence
+    # Every stream alike at update 1 and a second run differs: then, and only then, the launches do not repeat.
+    alike = StreamComparison(at={1: (2, [])})
+    ev = Evidence(stops=[4], metrics=_parted(1), ledger=_parted(None), tensors=_tensors(), streams=alike)
+    causes = diagnose(ev, rerun=lambda: "update 1 differs")
+    assert causes[0].name == NONDETERMINISM
+    assert "the global generators start update 1 in the same state" in causes[0].evidence
+
+
+def test_no_cause_is_guessed_where_the_evidence_names_none():
+    from torchrelay.audit import UNKNOWN
+
+    # Parting mid-segment with no second run to tell: "unknown", with the first differing values; no dropout.
+    ev = Evidence(
+        stops=[4],
+        metrics=_parted(7),
+        ledger=_parted(None),
+        tensors=_tensors(),
+        tensors_at=8,
+        final_equal=False,
+    )
+    causes = diagnose(ev, rerun=None)
+    assert [c.name for c in causes] == [UNKNOWN]
+    assert "first differing values in checkpoint-8: model.w by 0.1" in causes[0].evidence
+    # At a resume without the probe: a restarted stream, never dropout (the model may have none).
+    ev = Evidence(stops=[4], metrics=_parted(5), ledger=_parted(None), tensors=_tensors())
+    assert all("dropout" not in c.evidence for c in diagnose(ev))
+
+
+def test_the_probes_global_generators_tell_unseeded_streams_and_the_updates_that_draw(tmp_path):
+    from torchrelay.audit.compare import compare_streams
+
+    def write(run: str, rows: list[dict[str, object]]) -> Path:
+        folder = tmp_path / run
+        folder.mkdir()
+        (folder / "streams-rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
+
+    base = {"random": "r1", "numpy": "n1", "torch": "t1"}
+    a = write(
+        "a",
+        [
+            {"update": 1, "streams": [], "globals": base, "dropout": []},
+            {"update": 2, "streams": [], "globals": {**base, "random": "r2"}, "dropout": []},
+        ],
+    )
+    b = write(
+        "b",
+        [
+            {"update": 1, "streams": [], "globals": {**base, "random": "x1"}, "dropout": []},
+            {"update": 2, "streams": [], "globals": {**base, "random": "x2"}, "dropout": []},
+        ],
+    )
+    found = compare_streams(a, b)
+    assert found.unseeded() == ["random (global)"]  # the two fresh launches hold `random` apart at update 1
+    assert found.drawn == ["random"]  # an update draws from it (torch's stays)
+    assert found.dropout == []  # the probe looked: no dropout module
+    assert compare_streams(tmp_path / "none", tmp_path / "none").dropout is None  # no probe: nothing claimed
+
+
+def test_the_probe_lists_dropout_that_draws_and_digests_the_global_generators():
+    import random
+
+    from torchrelay.audit.probe import dropout_modules, global_streams
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.25), torch.nn.Dropout(0.0))
+    assert "net.1 p=0.25" in dropout_modules() and not any(m.startswith("net.2") for m in dropout_modules())
+    before = global_streams()
+    assert {"random", "numpy", "torch"} <= set(before)
+    random.random()
+    after = global_streams()
+    assert after["random"] != before["random"] and after["torch"] == before["torch"]
+    del net
+
+
+def test_the_audit_names_the_first_update_after_which_the_parameters_part(tmp_path):
+    from torchrelay.audit.compare import compare_digests
+
+    def write(run: str, digests: dict[int, list[str]]) -> Path:
+        (tmp_path / run / "train").mkdir(parents=True)
+        for rank, rows in digests.items():
+            lines = [json.dumps({"u": u, "params": d, "n": 4}) for u, d in enumerate(rows, start=1)]
+            (tmp_path / run / "train" / f"digests-rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+        return tmp_path / run
+
+    a = write("a", {0: ["a1", "a2", "a3", "a4"], 1: ["b1", "b2", "b3", "b4"]})
+    assert compare_digests(a, write("same", {0: ["a1", "a2", "a3", "a4"], 1: ["b1", "b2", "b3", "b4"]})).equal
+    parted = compare_digests(a, write("b", {0: ["a1", "a2", "a3", "x4"], 1: ["b1", "b2", "y3", "y4"]}))
+    assert (parted.first_update, parted.rank) == (3, 1)
+    assert parted.detail == "the parameters after update 3 differ on rank(s) 1"
+
+
+def test_a_refused_segment_is_said_by_the_rank_s_own_line_not_torchrun_s_report(tmp_path: Path) -> None:
+    from torchrelay.audit.runner import said
+
+    # the head of a real log: certify replaying a 1-rank checkpoint on 2 ranks without TORCHRELAY_RESHARD
+    log = tmp_path / "certify-segment1.log"
+    log.write_text(
+        "torchrelay: resume refused: the training contract in /r/resume_contract.json differs in 2 field(s):\n"
+        "  global_batch: 8 -> 16\n"
+        "  world_size: 1 -> 2\n"
+        "  hint: continue with the same global batch: on 2 rank(s) with micro_batch 2 keep it with grad_accum 2 "
+        "(`launch --reshard` or TORCHRELAY_RESHARD=1 derives grad_accum)\n"
+        "W1207 07:16:06.115000 32578 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1\n"
+        "Traceback (most recent call last):\n"
+        + '  File "/venv/bin/torchrun", line 8, in <module>\n' * 30
+        + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    )
+    message, hint = said(log) or ("", None)
+    assert message == (
+        "resume refused: the training contract in /r/resume_contract.json differs in 2 field(s): "
+        "global_batch: 8 -> 16; world_size: 1 -> 2"
+    )
+    assert hint is not None and hint.startswith("continue with the same global batch: on 2 rank(s)")
+    (tmp_path / "rank1.log").write_text(
+        "x\ntorchrelay [rank 1]: training: rank 1 lost its peers (closed)\nend\n"
+    )
+    assert said(tmp_path / "rank1.log") == ("training: rank 1 lost its peers (closed)", None)
+    assert said(tmp_path / "none.log") is None

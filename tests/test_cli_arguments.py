@@ -55,6 +55,8 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -
         (["validate", "{run}", "--cmd", "true", "--timeout", "-1"], ["argument --timeout: must be a finite number"]),
         (["validate", "{run}", "--cmd", "true", "--budget", "inf"], ["argument --budget: must be a finite number"]),
         (["audit", "--updates", "1", "--", "true"], ["argument --updates: must be in [2, 999999999999999999], got 1"]),
+        (["certify", "{run}", "--updates", "0", "--", "true"], ["argument --updates: must be in [1, 999999999999999999], got 0"]),
+        (["certify", "--checkpoint", "-1", "{run}", "--", "true"], ["argument --checkpoint: must be in [0, "]),
         (["audit", "--updates", str(10**30), "--", "true"], ["argument --updates: must be in [2, "]),
         (["audit", "--stops", "-2", "--", "true"], ["argument --stops: must be in [1, 999999999999999999], got -2"]),
         (["audit", "--stop-at=-3,2", "--", "true"], ["argument --stop-at: must be in [1, 999999999999999999], got -3"]),
@@ -84,7 +86,7 @@ def test_stop_refuses_a_job_id_that_is_no_id_and_never_echoes_its_control_charac
     )
     assert "\x1b" not in err
     assert not (run / "REQUEST_STOP").exists()  # read back, it would have stopped any job, not none
-    assert main(["stop", str(run), "--job", "123_4", "--at-update", "6"]) == 0
+    assert main(["stop", str(run), "--job", "123_4", "--at-update", "12"]) == 0  # the run is at 8
     assert "wrote" in capsys.readouterr().out and '"job": "123_4"' in (run / "REQUEST_STOP").read_text()
 
 

@@ -53,6 +53,7 @@ VERBS = [
     ["launch", "{p}"],
     ["sbatch", "{p}"],
     ["audit", "--work-dir", "{p}", "--", "python", "{tmp}/never-started.py"],
+    ["certify", "{p}", "--", "python", "{tmp}/never-started.py"],
     ["validate", "{p}", "--cmd", "true"],
     ["export", "{p}", "{tmp}/exported"],
 ]

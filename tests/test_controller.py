@@ -4,6 +4,7 @@ the memory guard stops (or kills) and says so — each with the real CLI, real t
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,30 @@ def test_failing_user_check_starts_nothing(example: dict[str, Path], tmp_path: P
     assert "mask-cache" in outcome["message"]
 
 
+def test_the_budget_counts_from_the_command_s_start(example: dict[str, Path], tmp_path: Path) -> None:
+    # `launch --budget 122` took 133 s (issue 51): the seconds before the controller ran (imports, a busy machine)
+    # were not counted. A process that spends 4 s before the CLI's main has that much less of its budget.
+    run = tmp_path / "run"
+    check = {
+        "name": "stop-here",
+        "run": "exit 7",
+    }  # nothing is launched: the attempt's header is what is read
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], example["config"], run, preflight={"checks": [check]}
+    )
+    code = (
+        "import sys, time\ntime.sleep(4)\nfrom torchrelay.cli import main\n"
+        f"sys.exit(main(['launch', {str(plan)!r}, '--budget', '100']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env()
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    left = re.search(r"attempt 01 \((\d+)s left\)", out.stderr)
+    assert left is not None, out.stderr
+    assert int(left.group(1)) <= 96, out.stderr
+
+
 def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Path) -> None:
     """A smoke that crashes and one that goes NaN (the example's test hooks), launched side by side."""
     cases = {
@@ -169,9 +194,9 @@ def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Pat
 
 
 def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, Path], tmp_path: Path) -> None:
-    # 2000 updates paced to >= 20 ms each take >= 40 s on any machine, far more than either budget of 20 s. The
-    # budget counts from the controller's start: 10 s was all spent starting up on a loaded machine (a stop at
-    # update 0, nothing to save), so the budget leaves room for a slow start and still stops long before the end.
+    # 2000 updates paced to >= 20 ms each take >= 40 s on any machine, more than either budget of 30 s. The
+    # budget counts from the command's start: 10-20 s were spent starting up on a loaded machine (a stop at
+    # update 0, nothing to save), so the budget leaves room for a slow start and still stops before the end.
     config = write_config(
         tmp_path / "lm.yaml",
         example["manifest"],
@@ -187,15 +212,21 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
     )
     for number, sets in ((1, []), (2, ["--set", "train.overrides.num_workers=1"])):
         t0 = time.time()
-        out = launch_cli(plan, "--budget", "20", *sets)
+        out = launch_cli(plan, "--budget", "30", *sets)
         took = time.time() - t0
         assert out.returncode == 3, out.stdout + out.stderr
+        # a planned stop reads as one: not torchrun's traceback and FAILED box (issue 51)
+        assert "ChildFailedError" not in out.stderr and "FAILED" not in out.stderr, out.stderr[-3000:]
+        assert "torchrun: 2 rank(s) ended with a planned stop, exit 3 (budget)" in out.stdout, out.stdout[
+            -3000:
+        ]
+        assert "ChildFailedError" not in out.stdout and "FAILED" not in out.stdout, out.stdout[-3000:]
         seg = segments(run)[-1]
         # The promise is the run's: its last checkpoint committed and its segment closed before the deadline it was
         # given. Process start-up and teardown around it are the machine's (a loaded 2-core host adds tens of
         # seconds), so the wall clock only guards against a run that ignored the budget altogether.
         assert seg["deadline"] is not None and seg["stopped"] <= seg["deadline"], seg
-        assert took < 20 + 120, f"the budget of 20 s was ignored: {took:.1f}s"
+        assert took < 30 + 120, f"the budget of 30 s was ignored: {took:.1f}s"
         assert seg["ended"] == "budget" and seg["exit_code"] == 3 and 0 < seg["last_update"] < 2000, seg
         ckpt = latest_complete(run)
         assert ckpt is not None and ckpt.name == f"checkpoint-{seg['last_update']}"
@@ -405,3 +436,49 @@ def test_launch_on_too_few_devices_runs_the_fallback_as_a_run_of_its_own(
     assert json.loads(capsys.readouterr().out)["fallback"] == recorded
     assert main(["status", str(fallback_run)]) == 0
     assert "launched as" in capsys.readouterr().out
+
+
+def test_launch_moves_the_run_in_place_only_when_asked_and_records_who_asked(
+    example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 ranks -> 1 (the plan's in-place fallback, `--devices 1`) -> 2 (`launch --reshard`): one run, the global
+    batch kept, each move in history.jsonl with who asked, and `status` showing it; unasked, the move is refused."""
+    from torchrelay.cli import main
+    from torchrelay.stop import write_request
+
+    config = write_config(tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=4)
+    run = tmp_path / "run"
+    fallback = {"name": "one-rank", "in_place": True, "nproc_per_node": 1}
+    plan = write_plan(
+        tmp_path / "plan.yaml", example["code"], config, run, smoke={"when": "never"}, fallbacks=[fallback]
+    )
+    run.mkdir()
+    write_request(run, at_update=2)
+    out = launch_cli(plan)
+    assert out.returncode == 4, out.stdout + out.stderr
+    unasked = launch_cli(plan, "--set", "train.nproc_per_node=1", "--set", "fallbacks=[]")
+    refusal = " ".join(unasked.stderr.split())
+    assert unasked.returncode == 2 and "world_size: 2 -> 1" in refusal, refusal
+    assert "`launch --reshard` or TORCHRELAY_RESHARD=1 derives grad_accum" in refusal
+    write_request(run, at_update=3)
+    out = launch_cli(plan, "--devices", "1")
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "the same run continued in place on 1 rank(s)" in " ".join(out.stderr.split())
+    out = launch_cli(plan, "--reshard")
+    assert out.returncode == 0, out.stdout + out.stderr
+    segs = segments(run)
+    assert [(s["world_size"], s["last_update"]) for s in segs] == [(2, 2), (1, 3), (2, 4)]
+    moves = [s["layout_change"] for s in segs[1:]]
+    assert [m["asked_by"] for m in moves] == [
+        "launch fallback 'one-rank' (in place), attempt 3",
+        "launch --reshard, attempt 4",
+    ]
+    assert [(m["from"]["grad_accum"], m["to"]["grad_accum"], m["global_batch"]) for m in moves] == [
+        (2, 4, 16),
+        (4, 2, 16),
+    ]
+    assert prove(run).ok
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "layout change at update 3 (launch --reshard, attempt 4): 1 rank(s)" in shown, shown

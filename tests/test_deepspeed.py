@@ -154,9 +154,12 @@ def test_changed_zero_stage_and_lr_are_refused_naming_the_fields(ds: dict[str, P
 
 
 def test_another_world_size_is_refused_before_deepspeed_reads_a_file(tmp_path: Path) -> None:
-    """This process is one rank; the record says two: refused before the engine (None here) is touched."""
-    record = {"dir": DS_DIR, "tag": DS_TAG, "zero_stage": 2, "world_size": 2, "global_steps": 4}
-    with pytest.raises(ConfigError, match=r"(?s)partitioned over 2 ranks, this launch has 1.*universal"):
+    """This process is one rank; a ZeRO-3 record says two: refused before the engine (None here) is touched
+    (ZeRO-1/2 partitions are resharded instead: tests/test_zero_reshard.py)."""
+    record = {"dir": DS_DIR, "tag": DS_TAG, "zero_stage": 3, "world_size": 2, "global_steps": 4}
+    with pytest.raises(
+        ConfigError, match=r"(?s)ZeRO stage 3 state is partitioned over 2 ranks, this launch has 1"
+    ):
         load_engine(None, tmp_path / "checkpoint-4", record)
     with pytest.raises(CheckpointError, match="holds no DeepSpeed engine state"):
         load_engine(None, tmp_path / "checkpoint-4", None)

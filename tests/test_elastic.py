@@ -331,8 +331,8 @@ def test_a_real_change_at_the_move_is_outside_with_a_cause(moves: dict[str, Path
         assert audit.ledger.differing and causes == ["a changed micro-batch"], audit.causes
     else:
         assert audit.ledger.equal  # the ledger cannot see these: only the drift can
-        assert causes[:2] == ["per-rank random numbers", "per-rank buffers"], audit.causes
-        assert "tr.sample_dropout" in audit.causes[0]["fix"]
+        # The net's dropout has p 0: dropout is never the cause; its BatchNorm statistics are kept per rank.
+        assert causes[:2] == ["per-rank buffers", "a hyper-parameter computed from the layout"], audit.causes
 
 
 def test_exact_mode_is_bit_for_bit_after_moving_2_1_4(tmp_path: Path) -> None:
@@ -505,15 +505,35 @@ def test_the_drift_rules_on_the_tensors_of_each_wrapper() -> None:
 
 
 def test_the_likely_cause_of_an_outside_drift() -> None:
-    outside = Drift("float32", 4, [TensorDrift("model.w", "parameter", 1e4)], 1e-3, 0.0, True)
+    from torchrelay.audit.compare import StreamComparison
+
+    outside = Drift(
+        "float32",
+        4,
+        [TensorDrift("model.w", "parameter", 1e4), TensorDrift("model.b", "parameter", 0.0)],
+        1e-3,
+        0.0,
+        True,
+    )
+    # Nothing seen inside the processes: dropout is not named, the first differing tensors are, and "unknown".
     causes = likely_causes(LedgerDiff(8, []), {8: outside})
+    assert [c["name"] for c in causes] == ["unknown", "a hyper-parameter computed from the layout"]
+    assert "outside first: model.w; bit-equal: model.b" in causes[0]["evidence"], causes[0]
+    # A model without dropout (the probe looked): never blamed on dropout, and the evidence says so.
+    plain = StreamComparison(dropout=[], drawn=[])
+    causes = likely_causes(LedgerDiff(8, []), {8: outside}, plain)
+    assert causes[0]["name"] == "unknown" and "the model holds no dropout" in causes[0]["evidence"]
+    # Dropout held, and updates draw from torch's generator: dropout named, with the module.
+    dropped = StreamComparison(dropout=["model.drop p=0.1"], drawn=["torch"])
+    causes = likely_causes(LedgerDiff(8, []), {8: outside}, dropped)
     assert [c["name"] for c in causes] == [
         "per-rank random numbers",
         "a hyper-parameter computed from the layout",
     ]
     assert (
         "tr.sample_dropout" in causes[0]["fix"]
-        and "1 of 1 parameter tensors outside" in causes[0]["evidence"]
+        and "1 of 2 parameter tensors outside" in causes[0]["evidence"]
+        and "model.drop p=0.1" in causes[0]["evidence"]
     )
     regrouped = LedgerDiff(
         8, [5], "update 5: the same samples, split into other micro-batches (micro_batch changed)"

@@ -486,3 +486,188 @@ def test_a_garbage_sha256sums_is_one_line_and_exit_2(
         if damaged:  # a refusal (stderr) or a failed check (stdout, a line per file): both name SHA256SUMS
             assert code == 2 and "SHA256SUMS" in out + err, (label, code, out, err)
         assert not (tmp_path / "run").exists()
+
+
+# --- every field of every record, the cases generated from its schema ------------------------------------------
+
+
+@dataclass
+class FieldOutcome:
+    cases: int = 0
+    refused: int = 0  # one line naming the file and the field
+    tracebacks: int = 0
+    silent: int = 0  # a value out of its schema accepted
+    findings: list[str] | None = None
+
+    def judge(self, label: str, read: Callable[[], object], names: tuple[str, ...]) -> None:
+        """`read` must refuse in one line (its first) naming each of `names` (the file, the field)."""
+        self.cases += 1
+        try:
+            read()
+        except RelayError as exc:
+            first = str(exc).splitlines()[0]
+            if all(n in first for n in names):
+                self.refused += 1
+            else:
+                self.findings.append(f"{label}: refusal does not name {names}: {first[:300]}")  # type: ignore[union-attr]
+        except BaseException:  # noqa: BLE001 - the point: any other exception is a finding
+            self.tracebacks += 1
+            self.findings.append(f"{label}: {traceback.format_exc(limit=-2)}")  # type: ignore[union-attr]
+        else:
+            self.silent += 1
+            self.findings.append(f"{label}: accepted")  # type: ignore[union-attr]
+
+    def accepted(self, label: str, read: Callable[[], object]) -> None:
+        """A value inside its schema: `read` takes it."""
+        try:
+            read()
+        except BaseException as exc:  # noqa: BLE001
+            self.findings.append(f"{label}: a valid value refused: {exc}")  # type: ignore[union-attr]
+
+
+def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Path) -> None:
+    """Cases generated from each record's schema (tests/schema_cases.py): for every field of the contract, a
+    history segment, REBASE_RECORD.json (its layout change too), measurements.json and the index's meta, and for
+    every environment variable: another type, NaN, Infinity, negative, huge, an overlong string, a path that
+    climbs out. Each must be one line naming the file and the field (the index, a cache: read again)."""
+    import numpy as np
+
+    from schema_cases import env_cases, field_cases, small
+    from test_hostile_records import make_run
+    from torchrelay import envvars
+    from torchrelay.contract import CONTRACT_SCHEMA
+    from torchrelay.controller.attempts import Attempts
+    from torchrelay.costmodel import MEASUREMENTS_SCHEMA
+    from torchrelay.history import SEGMENT_SCHEMA
+    from torchrelay.manifest import Manifest, index_path
+    from torchrelay.manifest.core import INDEX_META_SCHEMA
+    from torchrelay.manifest.scan import scan
+    from torchrelay.resume_check import PREPARE_RECORD_SCHEMA, prepared_layout
+
+    out = FieldOutcome(findings=[])
+    counts: dict[str, int] = {}
+    run = make_run(tmp_path / "c")
+    fixture = json.loads((run / CONTRACT_FILE).read_text())["fields"]
+    contract = {
+        **fixture,
+        **small(CONTRACT_SCHEMA),
+        "params.lr": 0.1,
+        "versions.numpy": "2",
+        "external.t.sha256": "0",
+    }
+    prefixed = {"params.lr": CONTRACT_SCHEMA.prefixes["params."], "versions.numpy": CONTRACT_SCHEMA.prefixes["versions."],
+                "external.t.sha256": CONTRACT_SCHEMA.prefixes["external."]}  # fmt: skip
+
+    def write_contract(fields: dict[str, Any]) -> None:
+        (run / CONTRACT_FILE).write_text(
+            json.dumps({"format": 1, "fields": fields, "sha256": contract_sha256(fields)})
+        )
+
+    write_contract(contract)
+    out.accepted("contract", lambda: load_contract(run))
+    before = out.cases
+    for field, label, doc in field_cases({**CONTRACT_SCHEMA, **prefixed}, contract):
+        write_contract(doc)
+        out.judge(
+            f"contract {field} [{label}]", lambda: load_contract(run), (CONTRACT_FILE, f"fields.{field}")
+        )
+    counts["contract"] = out.cases - before
+
+    history = tmp_path / "h"
+    history.mkdir()
+    segment = small(SEGMENT_SCHEMA)
+    (history / "history.jsonl").write_text(json.dumps(segment) + "\n")
+    out.accepted("segment", lambda: read_history(history))
+    before = out.cases
+    for field, label, doc in field_cases(SEGMENT_SCHEMA, segment):
+        (history / "history.jsonl").write_text(json.dumps(doc) + "\n")
+        out.judge(
+            f"history {field} [{label}]", lambda: read_history(history), ("history.jsonl", f"field '{field}")
+        )
+    counts["history segment"] = out.cases - before
+
+    prepared = tmp_path / "p"
+    prepared.mkdir()
+    record = small(PREPARE_RECORD_SCHEMA)
+    record["layout_change"]["at_update"] = 3
+    (prepared / "REBASE_RECORD.json").write_text(json.dumps(record))
+    out.accepted("rebase", lambda: prepared_layout(prepared, 3))
+    before = out.cases
+    for field, label, doc in field_cases(PREPARE_RECORD_SCHEMA, record):
+        (prepared / "REBASE_RECORD.json").write_text(json.dumps(doc))
+        out.judge(f"REBASE_RECORD {field} [{label}]", lambda: prepared_layout(prepared, 3),
+                  ("REBASE_RECORD.json", f"field '{field}"))  # fmt: skip
+    counts["REBASE_RECORD.json"] = out.cases - before
+
+    attempts = Attempts(tmp_path / "a" / "run")
+    (attempts.root / "attempt_01").mkdir(parents=True)
+    target = attempts.root / "attempt_01" / "measurements.json"
+    measured = small(MEASUREMENTS_SCHEMA)
+    target.write_text(json.dumps(measured))
+    out.accepted("measurements", attempts.latest_measurements)
+    before = out.cases
+    for field, label, doc in field_cases(MEASUREMENTS_SCHEMA, measured):
+        target.write_text(json.dumps(doc))
+        out.judge(
+            f"measurements {field} [{label}]",
+            attempts.latest_measurements,
+            ("measurements.json", f"field '{field}"),
+        )
+    counts["measurements.json"] = out.cases - before
+
+    validated = tmp_path / "v"
+    (validated / "validation" / "checkpoint-8").mkdir(parents=True)
+    target = validated / "validation" / "checkpoint-8" / "record.json"
+    from torchrelay.validation_records import RECORD_SCHEMA, read_records
+
+    valid = {**small(RECORD_SCHEMA), "update": 8, "checkpoint": "checkpoint-8"}
+    target.write_text(json.dumps(valid))
+    out.accepted("validation record", lambda: read_records(validated))
+    before = out.cases
+    for field, label, doc in field_cases(RECORD_SCHEMA, valid):
+        target.write_text(json.dumps(doc))
+        out.judge(
+            f"validation {field} [{label}]",
+            lambda: read_records(validated),
+            ("record.json", f"field '{field}"),
+        )
+    counts["validation record.json"] = out.cases - before
+
+    # the index is a cache: a meta out of its schema is not believed, the lines are read (no refusal to say)
+    data = tmp_path / "i"
+    data.mkdir()
+    manifest = data / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps({"id": f"s{i}", "length": i + 1}) + "\n" for i in range(20)))
+    scan(manifest, "", workers=1).save_index(index_path(manifest))
+    arrays = dict(np.load(index_path(manifest), allow_pickle=False))
+    meta = json.loads(str(arrays["meta"]))
+    before = out.cases
+    for field, label, doc in field_cases(INDEX_META_SCHEMA, meta):
+        np.savez(index_path(manifest), **{**arrays, "meta": np.array(json.dumps(doc))})
+        out.cases += 1
+        try:
+            m = Manifest.load(manifest, "", index=index_path(manifest))
+            if m.indexed:
+                out.silent += 1
+                out.findings.append(f"index meta {field} [{label}]: believed")  # type: ignore[union-attr]
+            else:
+                out.refused += 1
+        except BaseException:  # noqa: BLE001
+            out.tracebacks += 1
+            out.findings.append(f"index meta {field} [{label}]: {traceback.format_exc(limit=-2)}")  # type: ignore[union-attr]
+    counts["index meta"] = out.cases - before
+
+    before = out.cases
+    for var in envvars.ALL:
+        for label, text, refused in env_cases(var):
+            env = {var.name: text}
+            if refused:
+                out.judge(f"{var.name} [{label}]", lambda v=var, e=env: v.get(e), (f"{var.name}=",))  # type: ignore[misc]
+            else:
+                out.accepted(f"{var.name} [{label}]", lambda v=var, e=env: v.get(e))  # type: ignore[misc]
+    counts["environment variables"] = out.cases - before
+
+    print(f"{out.cases} cases ({counts}): {out.refused} one-line refusals, {out.tracebacks} tracebacks, "
+          f"{out.silent} silent accepts")  # fmt: skip
+    assert not out.findings, f"{len(out.findings)} of {out.cases}:\n" + "\n".join(out.findings[:40])
+    assert out.cases > 600 and out.refused == out.cases

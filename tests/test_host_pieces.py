@@ -1,4 +1,4 @@
-"""A host buffer page-locked in pieces (checkpoint/host_stage.py, PIN_PIECE_BYTES): the cuts cover the mapping
+"""A host buffer page-locked in pieces (checkpoint/host_stage.py, SaveTuning.pin_piece_bytes): the cuts cover the mapping
 exactly, each inside one piece of the address space, and a copy cut at them puts every byte where one copy would,
 for every dtype, shape and layout a state holds. The registrations themselves need CUDA
 (tests/test_host_stage_cuda.py); the cutting and the copying run here."""

@@ -1,5 +1,5 @@
 """The host buffers of CUDA tensors (checkpoint/host_stage.py), where a GPU is: a save that comes before the
-reservation obtained every buffer leaves the rest to the persist (clones on the device, SPILL_TO_DEVICE), and what
+reservation obtained every buffer leaves the rest to the persist (clones on the device, spill_to_device), and what
 the persist then writes is the state at the save, not the state after it. Skipped without CUDA (the CPU VM); run
 on the GPU machine (`PYTHONPATH=src python -m pytest tests/test_host_stage_cuda.py`)."""
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torchrelay.checkpoint import host_stage
+from torchrelay.tuning import SaveTuning
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -19,14 +20,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _live(n: int = 24, numel: int = 1 << 20) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(7)
     live = {f"w{i}": torch.randn(numel, device="cuda", generator=gen) for i in range(n)}
-    live["bias"] = torch.randn(300, device="cuda", generator=gen)  # under PIN_MIN_BYTES: never deferred
+    live["bias"] = torch.randn(300, device="cuda", generator=gen)  # under pin_min_bytes: never deferred
     live["t"] = torch.randn(64, 4096, device="cuda", generator=gen).t()  # not contiguous
     return live
 
 
-def _saved_at_once(live: dict[str, torch.Tensor], shared: bool) -> tuple[host_stage.HostStage, Any]:
+def _saved_at_once(
+    live: dict[str, torch.Tensor], shared: bool, tuning: SaveTuning | None = None
+) -> tuple[host_stage.HostStage, Any]:
     """A stage whose reservation has just begun, and a save's copies of `live` into it, landed."""
-    stage = host_stage.HostStage(shared=shared)
+    stage = host_stage.HostStage(shared=shared, tuning=tuning)
     stage.reserve(host_stage.specs_of(live))
     copies = stage.copy_tree("s", live)
     stage.synchronize()
@@ -35,16 +38,13 @@ def _saved_at_once(live: dict[str, torch.Tensor], shared: bool) -> tuple[host_st
 
 @pytest.mark.parametrize("fillers", [1, 3], ids=["one-filler", "three-fillers"])
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
-def test_a_save_before_the_buffers_copies_the_state_at_the_save(
-    shared: bool, fillers: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The reservation is paced (PIN_PACE), so a copy right after it starts finds most buffers missing: those are
+def test_a_save_before_the_buffers_copies_the_state_at_the_save(shared: bool, fillers: int) -> None:
+    """The reservation is paced (pin_pace), so a copy right after it starts finds most buffers missing: those are
     cloned on the device, the live tensors then change (the loop goes on), and `finish_deferred` still puts the
-    values of the save's moment into page-locked buffers (filled by one thread or by DEFER_THREADS)."""
-    monkeypatch.setattr(host_stage, "DEFER_THREADS", fillers)
+    values of the save's moment into page-locked buffers (filled by one thread or by `defer_threads`)."""
     live = _live()
     want = {k: v.cpu() for k, v in live.items()}
-    stage, copies = _saved_at_once(live, shared)
+    stage, copies = _saved_at_once(live, shared, SaveTuning(defer_threads=fillers))
     deferred = stage.deferred
     assert deferred > 0, "the reservation obtained every buffer before the save: nothing was deferred"
     for v in live.values():
@@ -65,11 +65,10 @@ def test_a_save_before_the_buffers_copies_the_state_at_the_save(
     stage.release()
 
 
-def test_without_room_on_the_device_the_stall_obtains_the_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SPILL_HEADROOM of the whole device: no clone fits, and the copies are exact, nothing left to the persist."""
-    monkeypatch.setattr(host_stage, "SPILL_HEADROOM", 1.0)
+def test_without_room_on_the_device_the_stall_obtains_the_buffers() -> None:
+    """`spill_headroom` of the whole device: no clone fits, and the copies are exact, nothing left to the persist."""
     live = _live(8)
-    stage, copies = _saved_at_once(live, shared=True)
+    stage, copies = _saved_at_once(live, shared=True, tuning=SaveTuning(spill_headroom=1.0))
     assert stage.deferred == 0
     assert all(torch.equal(copies[k], live[k].cpu()) for k in live)
     stage.release()
@@ -129,16 +128,12 @@ def test_a_loop_saving_before_its_buffers_resumes_exactly(tmp_path: Path) -> Non
         dist.destroy_process_group()
 
 
-def test_buffers_registered_in_pieces_take_asynchronous_copies_exactly(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """PIN_PIECE_BYTES of 4 MiB: each large buffer is several registrations, every one held; the copies into it
+def test_buffers_registered_in_pieces_take_asynchronous_copies_exactly() -> None:
+    """`pin_piece_bytes` of 4 MiB: each large buffer is several registrations, every one held; the copies into it
     (one per piece, asynchronous) land every byte, and the next save's copies reuse the same buffers."""
-    monkeypatch.setattr(host_stage, "PIN_PIECE_BYTES", 4 << 20)
-    monkeypatch.setattr(host_stage, "PIN_PACE", 1)
     live = {f"w{i}": torch.randn(3 * (1 << 20) + 7 * i, device="cuda") for i in range(6)}  # 12 MiB + a few
     live["t"] = torch.randn(1024, 4096, device="cuda").t()  # 16 MiB, not contiguous
-    stage = host_stage.HostStage()
+    stage = host_stage.HostStage(tuning=SaveTuning(pin_piece_bytes=4 << 20, pin_pace=1))
     stage.reserve(host_stage.specs_of(live))
     stage.join()
     copies = stage.copy_tree("s", live)
@@ -189,7 +184,6 @@ def test_a_save_before_the_reservation_began_joins_both_threads() -> None:
 def test_a_piece_cuda_refuses_leaves_the_buffer_registered_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second piece's registration refused: the first is given back, the buffer registered in one piece, and
     its copies are exact."""
-    monkeypatch.setattr(host_stage, "PIN_PIECE_BYTES", 4 << 20)
     real = host_stage._Locked.register_range
     refused: list[int] = []
 

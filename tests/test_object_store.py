@@ -354,16 +354,6 @@ def test_a_pack_killed_before_its_commit_is_rolled_back_and_one_killed_after_is_
 
 
 @pytest.mark.s3
-def test_the_store_benchmark_runs_at_toy_size(tmp_path: Path, s3_bucket: str, s3_server: S3Server) -> None:
-    """benchmarks/bench_s3.py's measurement at 40 MiB: all four transfers run and report a speed."""
-    from s3_measure import measure
-
-    result = measure(s3_server.endpoint, s3_bucket, tmp_path, size=40 << 20, jobs=4, rounds=1)
-    for key in ("upload_relay", "upload_plain", "download_relay", "download_plain"):
-        assert result[f"{key}_s"] > 0 and result[f"{key}_gbps"] > 0, result
-
-
-@pytest.mark.s3
 def test_a_pack_whose_uploads_fail_leaves_nothing_committed_and_no_hand_off(
     tmp_path: Path,
     s3_bucket: str,

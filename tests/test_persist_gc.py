@@ -1,4 +1,4 @@
-"""The garbage collector during a run (run/saver.py, FREEZE_GC): after a segment's first update the heap is out of
+"""The garbage collector during a run (run/saver.py, SaveTuning.freeze_gc): after a segment's first update the heap is out of
 the collector's reach, so a full collection during a persist walks only what is new; the user's settings and
 whatever became garbage meanwhile are given back when the Run closes."""
 

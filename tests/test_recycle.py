@@ -19,7 +19,7 @@ import torch
 
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
 from torchrelay import RelayConfig, Run
-from torchrelay.checkpoint import persist, recycle
+from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import clean_stale, commit_checkpoint, stale_bytes, wait_deletions
 from torchrelay.checkpoint.host_stage import HostStage
@@ -28,6 +28,7 @@ from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.writer_process import WriterProcess
 from torchrelay.controller.preflight import PreflightFailed, PreflightReport, check_disk
 from torchrelay.layout import SPARE_CHECKPOINT, checkpoint_name
+from torchrelay.tuning import SaveTuning
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -44,7 +45,7 @@ def _save(
 ) -> Any:
     """One rank's checkpoint files, written on a thread as the Saver's persist does; {relative path: digest}."""
     model, opt = _model(seed)
-    stage = stage or HostStage()
+    stage = stage or HostStage(tuning=SEVERAL_FILES)
     snap = ckpt_state.capture_state(
         rank=0, model=model, optimizer=opt, statefuls={}, loop={"update": 1}, stage=stage
     )
@@ -62,10 +63,8 @@ def _save(
     return out["d"]
 
 
-@pytest.fixture(autouse=True)
-def _several_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Files of 1 MiB: a small model's state in several files, as a large one's is."""
-    monkeypatch.setattr(persist, "FILE_BYTES", 1 << 20)
+# Files of 1 MiB: a small model's state in several files, as a large one's is.
+SEVERAL_FILES = SaveTuning(file_bytes=1 << 20)
 
 
 def _distcp(folder: Path) -> dict[str, Path]:
@@ -95,7 +94,7 @@ def test_a_save_writes_over_the_spare_files_and_its_bytes_are_a_new_files(
     inodes = {n: p.stat().st_ino for n, p in files.items()}
     other = run / SPARE_CHECKPOINT / "model" / "__1_0.distcp"  # another rank's: never this rank's to take
     other.write_bytes(b"rank 1")
-    stage = HostStage(shared=writer == "process")
+    stage = HostStage(shared=writer == "process", tuning=SEVERAL_FILES)
     process = WriterProcess(stage) if writer == "process" else None
     try:
         digests = _save(run / ".tmp-checkpoint-7-1-1", seed=1, process=process, stage=stage)
@@ -162,6 +161,7 @@ def _config(example: dict[str, Path]) -> RelayConfig:
         save_every=1,
         keep=2,
         async_save=False,  # each checkpoint committed when its update returns: the hook sees it
+        save_tuning=SEVERAL_FILES,
     )
 
 

@@ -129,7 +129,8 @@ def test_runtime_only_is_field_metadata_and_batch_spec_extends_the_plans_slurm_s
 ) -> None:
     assert RUNTIME_FIELDS == (
         "manifest", "data_root", "num_workers", "save_every", "keep", "keep_every", "keep_updates",
-        "async_save", "external_files", "runtime_params", "strict_numerics", "strict_code",
+        "async_save", "external_files", "runtime_params", "strict_numerics", "strict_code", "save_tuning",
+        "load_tuning",
     )  # fmt: skip
     cfg = RelayConfig.from_dict(BASE)
     assert (

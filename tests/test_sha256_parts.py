@@ -29,7 +29,11 @@ from torchrelay.checkpoint.persist import HashingWriter
 from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.state import load_state, save_state
 from torchrelay.errors import IntegrityError
+from torchrelay.tuning import LoadTuning
 from torchrelay.util import sha256_parts
+
+# The LoadTuning fields a test sets (monkeypatch.setitem: undone after it), passed to every load below.
+TUNING: dict[str, Any] = {}
 
 MIB = 1 << 20
 pytestmark = pytest.mark.skipif(
@@ -93,7 +97,7 @@ def _load(model: Path, state: dict[str, torch.Tensor], expected: dict) -> tuple[
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        verified = dcp_io.load(target, model, no_dist=True, expected=expected)
+        verified = dcp_io.load(target, model, no_dist=True, expected=expected, tuning=LoadTuning(**TUNING))
     return target, verified
 
 
@@ -113,7 +117,7 @@ def _checked_parts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_file_written_by_the_persist_loads_part_by_part_and_every_value_is_right(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)  # four chunks a part, arriving out of order
+    monkeypatch.setitem(TUNING, "chunk_bytes", 256 << 10)  # four chunks a part, arriving out of order
     model, state, expected = _written(tmp_path, monkeypatch)
     (name, (sha, size, (part, states))), *_ = expected.items()
     assert part == MIB and len(states) == sha256_parts.part_count(size, MIB) - 1 >= 5
@@ -165,9 +169,9 @@ def test_the_parts_of_the_last_reads_are_hashed_by_the_reading_threads_themselve
     take), a reading thread hashes the parts its chunk completed itself (the hash threads would take the last
     reads' parts, which arrive together, in turns); the parts before go to the hash threads. A changed byte in
     such a part still fails the load, naming the part, and its item is never parsed."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 256 << 10)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
-    monkeypatch.setattr(verified_read, "PER_FILE_READER", per_file)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 256 << 10)
+    monkeypatch.setitem(TUNING, "read_streams", 4)
+    monkeypatch.setitem(TUNING, "per_file_reader", per_file)
     model, state, expected = _written(tmp_path, monkeypatch)
     ((name, (_sha, size, (_part, states))),) = expected.items()
     last = len(states)
@@ -203,7 +207,7 @@ def test_the_parts_of_the_last_reads_are_hashed_by_the_reading_threads_themselve
     # the last read's part: no queue behind the hash threads; while reads were still to be handed out, those
     assert by[last].startswith("torchrelay-read-") and by[0].startswith("torchrelay-hash_"), by
     # as before: every part on the hash threads
-    monkeypatch.setattr(verified_read, "READERS_HASH_LAST", False)
+    monkeypatch.setitem(TUNING, "readers_hash_last", False)
     by.clear()
     target, _ = _load(model, state, expected)
     assert all(torch.equal(target[k], v) for k, v in state.items())
@@ -238,7 +242,7 @@ def test_forged_states_over_good_bytes_fail_and_a_plain_sha256_still_loads(
     target, verified = _load(model, state, {name: (sha, size)})
     assert verified == {name} and all(torch.equal(target[k], v) for k, v in state.items())
     # and the reader told to ignore them (USE_PARTS off): the whole-file SHA-256 is what it checks
-    monkeypatch.setattr(verified_read, "USE_PARTS", False)
+    monkeypatch.setitem(TUNING, "use_parts", False)
     target, verified = _load(model, state, {name: (sha, size, (part, tuple(forged)))})
     assert verified == {name} and all(torch.equal(target[k], v) for k, v in state.items())
 
@@ -356,8 +360,8 @@ def test_a_rank_needing_a_few_items_of_a_file_reads_and_checks_only_their_parts(
     verified (the load checks a file no rank read whole after it: state/load.py). A changed byte elsewhere in
     the file is not its concern; one in a part it uses fails it before the item is parsed. Reads larger than a
     part ask for one part each: no byte of a part it does not use is read."""
-    monkeypatch.setattr(verified_read, "_CHUNK", chunk)
-    monkeypatch.setattr(verified_read, "PER_FILE_READER", per_file)
+    monkeypatch.setitem(TUNING, "chunk_bytes", chunk)
+    monkeypatch.setitem(TUNING, "per_file_reader", per_file)
     model, state, expected = _written(tmp_path, monkeypatch)
     ((name, (_sha, size, (part, _states))),) = expected.items()
     offset, length = _span(model, "w5")
@@ -389,7 +393,7 @@ def test_a_rank_needing_a_few_items_of_a_file_reads_and_checks_only_their_parts(
     # without PARTIAL_READS the file is read and checked whole, as before
     data[offset + length // 2] ^= 0x40
     path.write_bytes(data)
-    monkeypatch.setattr(verified_read, "PARTIAL_READS", False)
+    monkeypatch.setitem(TUNING, "partial_reads", False)
     checked.clear()
     target, verified, stats = _load_stats(model, only, expected)
     assert torch.equal(target["w5"], state["w5"]) and verified == {name}
@@ -404,5 +408,7 @@ def _load_stats(
     stats: dict[str, float] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        verified = dcp_io.load(target, model, no_dist=True, expected=expected, stats=stats)
+        verified = dcp_io.load(
+            target, model, no_dist=True, expected=expected, stats=stats, tuning=LoadTuning(**TUNING)
+        )
     return target, verified, stats

@@ -36,6 +36,7 @@ from helpers import (
 )
 from torchrelay.audit import RNG, verdict_for_run
 from torchrelay.audit.compare import load_checkpoint_tensors
+from torchrelay.audit.values import rng_tensors
 from torchrelay.cli import main
 from torchrelay.ledger import prove
 
@@ -139,11 +140,14 @@ def test_audit_of_the_unchanged_example_is_equal(code: Path, audited: tuple[dict
         f"optim.{p}.{s}" for p in params - {"lm_head.weight"} for s in ("exp_avg", "exp_avg_sq", "step")
     }
     assert len(params) == 17 and names == {f"model.{p}" for p in params} | moments  # lm_head is tied to wte
+    # ... and each rank's generator states (python, numpy, torch CPU: audit/values.py)
+    compared = len(names) + len(rng_tensors(interrupted / "checkpoint-2"))
+    assert compared == len(names) + 6 and verdict["values_compared"] > 20  # the scheduler's, param groups'
     assert [
         (c["update"], c["after_stop"], c["compared"], c["differing"]) for c in verdict["checkpoints"]
     ] == [
-        (2, 1, len(names), 0),
-        (U, 11, len(names), 0),
+        (2, 1, compared, 0),
+        (U, 11, compared, 0),
     ]
     assert verdict["tensors_equal"] and verdict["metrics_equal"] and verdict["ledger_equal"]
     # The audit gave each run its own directory (TORCHRELAY_RUN_DIR wins over --output-dir) and kept the verdict.

@@ -4,8 +4,6 @@ file's bytes into their tensors. No process group: these are the library's own f
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -22,11 +20,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
-from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
+from torchrelay.errors import ConfigError, IntegrityError
+from torchrelay.tuning import LoadTuning
+
+# The LoadTuning fields a test sets (monkeypatch.setitem: undone after it), passed to every load below.
+TUNING: dict[str, Any] = {}
 
 
 def _saved(tmp_path: Path, files: int) -> tuple[Path, dict[str, torch.Tensor], dict[str, tuple[str, int]]]:
@@ -68,7 +69,9 @@ def _load_stats(
     stats: dict[str, float] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        verified = dcp_io.load(target, model, no_dist=True, expected=expected, stats=stats)
+        verified = dcp_io.load(
+            target, model, no_dist=True, expected=expected, stats=stats, tuning=LoadTuning(**TUNING)
+        )
     return target, verified, stats
 
 
@@ -95,12 +98,12 @@ def _parses(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 def test_files_read_in_many_chunks_at_once_load_every_value_and_are_each_verified(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)  # every file in many chunks, completed out of order
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 8)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)  # every file in many chunks, completed out of order
+    monkeypatch.setitem(TUNING, "read_streams", 8)
     model, state, expected = _saved(tmp_path, files=3)
     assert len(expected) == 3
     for budget in (1, 1 << 30):  # one file in memory at a time; all at once
-        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
+        monkeypatch.setitem(TUNING, "load_buffer", budget)
         target, verified = _load(model, state, expected)
         assert verified == set(expected)
         for key, value in state.items():
@@ -114,7 +117,7 @@ def test_files_read_in_many_chunks_at_once_load_every_value_and_are_each_verifie
 def test_a_damaged_file_is_never_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A byte changed, a byte cut or a byte added: the file is refused naming it, and torch.load never sees a
     byte of it (one file, so any torch.load call would be of that file)."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 4096)
     model, state, expected = _saved(tmp_path, files=1)
     (name,) = expected
     shard = model / name
@@ -193,9 +196,9 @@ def _count_slabs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
 
     class Counted(verified_read._Slab):
-        def __init__(self, size: int, pinned: bool = False) -> None:
+        def __init__(self, size: int) -> None:
             sizes.append(size)
-            super().__init__(size, pinned)
+            super().__init__(size)
 
     monkeypatch.setattr(verified_read, "_Slab", Counted)
     return sizes
@@ -207,23 +210,23 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     """More files than the buffer holds: their bytes go into at most LOAD_BUFFER // slab slabs, allocated once
     and reused by the next files (each page touched once, not once per file); every value loads. Without reuse
     (REUSE_SLABS off) each file has a buffer of its own, as before."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)  # the files the plan reads (a file of empty tensors is not read)
     assert len(read) >= 6
     largest = max(expected[name][1] for name in read)
     monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 3 * largest + 1)  # room for three: two read at once
+    monkeypatch.setitem(TUNING, "load_buffer", 3 * largest + 1)  # room for three: two read at once
     buffers = _count_slabs(monkeypatch)
     for files_at_once in (1, 3):
-        monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
+        monkeypatch.setitem(TUNING, "files_at_once", files_at_once)
         buffers.clear()
         target, verified = _load(model, state, expected)
         assert verified == read
         assert all(torch.equal(target[k], v) for k, v in state.items())
         # three slabs at most for all the files (fewer if a file was done before the next one came)
         assert 1 <= len(buffers) <= 3 and set(buffers) == {verified_read._aligned(largest)}, buffers
-    monkeypatch.setattr(verified_read, "REUSE_SLABS", False)
+    monkeypatch.setitem(TUNING, "reuse_slabs", False)
     buffers.clear()
     target, _ = _load(model, state, expected)
     assert all(torch.equal(target[k], v) for k, v in state.items())
@@ -236,13 +239,13 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
     """A budget that holds every file: the slabs are still at most the files read at once plus ROOMS_AHEAD, each
     reused by the next files (memory touched for the first time is the dear part of a read); a negative
     ROOMS_AHEAD takes a new slab for each file while the budget allows, as before. Every value loads either way."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)
     assert len(read) >= 6
     largest = max(expected[name][1] for name in read)
     monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 100 * largest)
+    monkeypatch.setitem(TUNING, "load_buffer", 100 * largest)
     buffers = _count_slabs(monkeypatch)
     loads: list[verified_read._Load] = []
 
@@ -253,21 +256,19 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
 
     monkeypatch.setattr(verified_read, "_Load", Seen)
     slab = verified_read._aligned(largest)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    monkeypatch.setitem(TUNING, "read_streams", 4)
     # a thread per file (the budget holds a file for each): the files read at once are the reading threads
     for ahead in (0, 1):
-        monkeypatch.setattr(verified_read, "ROOMS_AHEAD", ahead)
+        monkeypatch.setitem(TUNING, "rooms_ahead", ahead)
         buffers.clear()
         target, verified = _load(model, state, expected)
         assert verified == read and all(torch.equal(target[k], v) for k, v in state.items())
         assert loads[-1]._per_file and loads[-1]._budget == (4 + ahead) * slab
         assert 1 <= len(buffers) <= 4 + ahead
-    monkeypatch.setattr(
-        verified_read, "PER_FILE_READER", False
-    )  # the threads share the chunks of a few files
+    monkeypatch.setitem(TUNING, "per_file_reader", False)  # the threads share the chunks of a few files
     for files_at_once, ahead in ((1, 1), (2, 1), (2, 0), (1, 3)):
-        monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
-        monkeypatch.setattr(verified_read, "ROOMS_AHEAD", ahead)
+        monkeypatch.setitem(TUNING, "files_at_once", files_at_once)
+        monkeypatch.setitem(TUNING, "rooms_ahead", ahead)
         buffers.clear()
         target, verified = _load(model, state, expected)
         assert verified == read
@@ -277,8 +278,8 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
     # slabs of several small files: whole slabs, two at least (one is reused only once all its files are done)
     monkeypatch.setattr(verified_read, "_SLAB", 4 * largest)
     for files_at_once, ahead in ((1, 1), (8, 1)):
-        monkeypatch.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
-        monkeypatch.setattr(verified_read, "ROOMS_AHEAD", ahead)
+        monkeypatch.setitem(TUNING, "files_at_once", files_at_once)
+        monkeypatch.setitem(TUNING, "rooms_ahead", ahead)
         target, _ = _load(model, state, expected)
         assert all(torch.equal(target[k], v) for k, v in state.items())
         big = loads[-1]._slab_size
@@ -286,7 +287,7 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
         rooms = (files_at_once + ahead) * slab  # of the largest file
         assert loads[-1]._budget == max(2, -(-rooms // big)) * big, (files_at_once, loads[-1]._budget / big)
     monkeypatch.setattr(verified_read, "_SLAB", largest)
-    monkeypatch.setattr(verified_read, "ROOMS_AHEAD", -1)
+    monkeypatch.setitem(TUNING, "rooms_ahead", -1)
     buffers.clear()
     target, _ = _load(model, state, expected)
     assert all(torch.equal(target[k], v) for k, v in state.items())
@@ -313,8 +314,8 @@ def test_a_size_the_file_does_not_have_is_refused_before_memory_is_sized_by_it(
 
 def test_a_load_with_no_file_to_read_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank whose plan reads nothing (no file, so no largest file to size the slabs by): no slab, no error."""
-    monkeypatch.setattr(verified_read, "ROOMS_AHEAD", 1)
-    load = verified_read._Load(Path("."), {}, {}, None, None)
+    monkeypatch.setitem(TUNING, "rooms_ahead", 1)
+    load = verified_read._Load(Path("."), {}, {}, None, None, LoadTuning(**TUNING))
     load.run()
     assert load._slabs == [] and load.verified == set()
 
@@ -325,10 +326,10 @@ def test_reads_spread_over_the_first_files_at_once() -> None:
 
     def order(files_at_once: int) -> list[tuple[str, int]]:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(verified_read, "FILES_AT_ONCE", files_at_once)
-            load = verified_read._Load(Path("."), {}, {}, None, None)
+            mp.setitem(TUNING, "files_at_once", files_at_once)
+            load = verified_read._Load(Path("."), {}, {}, None, None, LoadTuning(**TUNING))
         load._reading = [
-            verified_read._File(name, Path(name), 3 * verified_read._CHUNK - 1, None, [])
+            verified_read._File(name, Path(name), 3 * LoadTuning().chunk_bytes - 1, None, [])
             for name in ("a", "b", "c")
         ]
         load._admitted_all = True
@@ -346,14 +347,14 @@ def test_a_damaged_file_among_many_is_refused_before_any_of_its_items_is_parsed(
 ) -> None:
     """Reads spread over several files, slabs reused: one damaged file of eight is refused naming it, and none of
     its bytes reaches the parser, whichever of the others did."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
-    monkeypatch.setattr(verified_read, "FILES_AT_ONCE", 3)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
+    monkeypatch.setitem(TUNING, "read_streams", 4)
+    monkeypatch.setitem(TUNING, "files_at_once", 3)
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)
     largest = max(expected[name][1] for name in read)
     monkeypatch.setattr(verified_read, "_SLAB", largest)
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 4 * largest)
+    monkeypatch.setitem(TUNING, "load_buffer", 4 * largest)
     names = sorted(read)
     parsed: list[Path] = []
     real_parse = verified_read._parse_item
@@ -386,21 +387,21 @@ def test_the_buffer_is_a_share_of_the_memory_available_over_the_ranks_of_the_nod
     a LOAD_BUFFER set wins; a LOCAL_WORLD_SIZE that is not a count is refused naming it."""
     available = verified_read._mem_available()
     assert available is not None and available > 0  # Linux: /proc/meminfo has it
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 0)
-    monkeypatch.setattr(verified_read, "MEMORY_SHARE", 0.5)
+    monkeypatch.setitem(TUNING, "load_buffer", 0)
+    monkeypatch.setitem(TUNING, "memory_share", 0.5)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    one = verified_read.load_budget()
+    one = verified_read.load_budget(LoadTuning(**TUNING))
     assert abs(one - available // 2) < available // 20  # MemAvailable moves a little between the two reads
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    eight = verified_read.load_budget()
+    eight = verified_read.load_budget(LoadTuning(**TUNING))
     assert abs(eight - available // 16) < available // 20
     assert eight < one
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 12345)
-    assert verified_read.load_budget() == 12345
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 0)
+    monkeypatch.setitem(TUNING, "load_buffer", 12345)
+    assert verified_read.load_budget(LoadTuning(**TUNING)) == 12345
+    monkeypatch.setitem(TUNING, "load_buffer", 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE='two'"):
-        verified_read.load_budget()
+        verified_read.load_budget(LoadTuning(**TUNING))
 
 
 def _reads_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
@@ -424,17 +425,16 @@ def _reads_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
     return seen
 
 
-def test_each_file_is_read_front_to_back_by_one_thread_largest_first(
+def test_each_file_is_read_front_to_back_by_one_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """PER_FILE_READER: as the cold-read floor, every file is read by a single thread in increasing offsets (one
-    stream the kernel's readahead can follow), the largest files taken first, and every value loads verified."""
-    monkeypatch.setattr(verified_read, "PER_FILE_READER", True)  # a setting (the default shares chunks)
-    monkeypatch.setattr(verified_read, "LARGEST_FIRST", True)
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 3)
+    """`per_file_reader`: as the cold-read floor, every file is read by a single thread in increasing offsets (one
+    stream the kernel's readahead can follow), and every value loads verified."""
+    monkeypatch.setitem(TUNING, "per_file_reader", True)  # a setting (the default shares chunks)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
+    monkeypatch.setitem(TUNING, "read_streams", 3)
     model, state, expected = _saved(tmp_path, files=8)
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", 1 << 30)
+    monkeypatch.setitem(TUNING, "load_buffer", 1 << 30)
     seen = _reads_seen(monkeypatch)
     target, verified = _load(model, state, expected)
     assert all(torch.equal(target[k], v) for k, v in state.items())
@@ -447,10 +447,6 @@ def test_each_file_is_read_front_to_back_by_one_thread_largest_first(
         assert len({t for t, _ in reads}) == 1, name  # one thread for the whole file
         offsets = [o for _, o in reads]
         assert offsets == sorted(offsets) and offsets[0] == 0, name  # front to back
-    first = [name for _, name, _ in seen]
-    started = sorted(by_file, key=first.index)
-    sizes = [expected[n][1] for n in started]
-    assert sizes[0] == max(sizes)  # the largest file is the first one taken
 
 
 def test_the_threads_read_a_file_each_where_the_buffer_holds_one_for_each_else_share_a_few_files(
@@ -460,24 +456,24 @@ def test_the_threads_read_a_file_each_where_the_buffer_holds_one_for_each_else_s
     floor does, wherever the buffer holds a file of the largest size for every thread (or every file, where they
     are fewer); a buffer that holds fewer has the threads share the chunks of the first few files. Either way
     every value loads verified."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 3)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
+    monkeypatch.setitem(TUNING, "read_streams", 3)
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)
     largest = verified_read._aligned(max(expected[name][1] for name in read))
-    assert verified_read.reads_per_file(8, largest, 3 * largest)
-    assert not verified_read.reads_per_file(8, largest, 3 * largest - 1)
+    assert verified_read.reads_per_file(LoadTuning(**TUNING), 8, largest, 3 * largest)
+    assert not verified_read.reads_per_file(LoadTuning(**TUNING), 8, largest, 3 * largest - 1)
     assert verified_read.reads_per_file(
-        2, largest, 2 * largest
+        LoadTuning(**TUNING), 2, largest, 2 * largest
     )  # fewer files than threads: each file its own
     monkeypatch.setattr(verified_read, "_SLAB", largest)
     for budget, per_file in ((3 * largest, True), (2 * largest, False)):
-        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
+        monkeypatch.setitem(TUNING, "load_buffer", budget)
         seen = _reads_seen(monkeypatch)
         target, verified = _load(model, state, expected)
         monkeypatch.undo()  # os.open and os.preadv back; the settings again below
-        monkeypatch.setattr(verified_read, "_CHUNK", 1024)
-        monkeypatch.setattr(verified_read, "READ_STREAMS", 3)
+        monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
+        monkeypatch.setitem(TUNING, "read_streams", 3)
         monkeypatch.setattr(verified_read, "_SLAB", largest)
         assert verified == read and all(torch.equal(target[k], v) for k, v in state.items())
         threads: dict[str, set[str]] = {}
@@ -492,13 +488,13 @@ def test_short_of_memory_the_files_are_read_fewer_at_once_and_still_all_verified
 ) -> None:
     """A buffer that holds one file at a time (memory short): the reading threads take files one after another,
     never two held at once, and a damaged file is still refused before it is parsed."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
+    monkeypatch.setitem(TUNING, "read_streams", 4)
     model, state, expected = _saved(tmp_path, files=4)
     _, read = _load(model, state, expected)
     largest = max(expected[name][1] for name in read)
     monkeypatch.setattr(verified_read, "_SLAB", largest)
-    monkeypatch.setattr(verified_read, "LOAD_BUFFER", largest)  # room for one file
+    monkeypatch.setitem(TUNING, "load_buffer", largest)  # room for one file
     seen = _reads_seen(monkeypatch)
     target, verified = _load(model, state, expected)
     assert verified == read and all(torch.equal(target[k], v) for k, v in state.items())
@@ -521,8 +517,8 @@ def test_bytes_changed_on_disk_during_the_load_are_caught_or_never_parsed(
 ) -> None:
     """Each file's thread reads it once into memory, which is hashed and then parsed: a change on disk after its
     first read is caught by the hash, and a change after its last read reaches nothing (never read again)."""
-    monkeypatch.setattr(verified_read, "_CHUNK", 1024)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 2)
+    monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
+    monkeypatch.setitem(TUNING, "read_streams", 2)
     model, state, expected = _saved(tmp_path, files=1)
     (name,) = expected
     shard = model / name
@@ -574,135 +570,6 @@ direct_io = pytest.mark.skipif(
 
 
 @direct_io
-def test_direct_reads_take_cold_bytes_from_the_disk_and_warm_ones_from_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """DIRECT_IO: a file not in the page cache is read by O_DIRECT, whole blocks into page-aligned slabs (its
-    size is no multiple of a block: the last block is read whole into the room after it, which no other file
-    holds); a file in the page cache is taken from it. Every value equal, every file verified, either way."""
-    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
-    monkeypatch.setattr(verified_read, "_CHUNK", 8192)  # many chunks a file, read by many threads at once
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
-    model, state, expected = _saved(tmp_path, files=3)
-    files = sorted(model.glob("*.distcp"))
-    assert any(p.stat().st_size % 4096 for p in files)
-    total = sum(p.stat().st_size for p in files)
-    probe = os.open(files[0], os.O_RDONLY | os.O_DIRECT)  # this filesystem takes O_DIRECT (ext4, xfs, tmpfs)
-    os.close(probe)
-    for budget in (
-        1,
-        1 << 30,
-    ):  # one file at a time (slabs reused), all at once (files side by side in a slab)
-        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
-        _uncached(files)
-        target, verified, stats = _load_stats(model, state, expected)
-        assert verified == set(expected)
-        assert all(target[k].dtype == v.dtype and torch.equal(target[k], v) for k, v in state.items())
-        assert stats["bytes_direct"] == total, budget  # every byte from the disk
-        for p in files:
-            p.read_bytes()  # now in the page cache
-        target, verified, stats = _load_stats(model, state, expected)
-        assert verified == set(expected) and all(torch.equal(target[k], v) for k, v in state.items())
-        assert stats["bytes_direct"] == 0, budget
-
-
-@direct_io
-@pytest.mark.parametrize("uncached", [True, False], ids=["from-disk", "from-page-cache"])
-def test_a_damaged_file_read_by_o_direct_is_never_parsed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uncached: bool
-) -> None:
-    """The damages of test_a_damaged_file_is_never_parsed, read by O_DIRECT from the disk and from the page
-    cache: a byte cut or added at the end is found though the reads are whole blocks past it (a block-sized file
-    cut to a block less included), a byte changed fails the hash; no byte of the file is parsed."""
-    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
-    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
-    model, state, expected = _saved(tmp_path, files=1)
-    (name,) = expected
-    shard = model / name
-    good = shard.read_bytes()
-    parsed = _parses(monkeypatch)
-    mid = len(good) // 2
-    blocks = len(good) // 4096 * 4096
-    damaged = {
-        "changed": (good[:mid] + bytes([good[mid] ^ 1]) + good[mid + 1 :], "does not match its SHA-256"),
-        "cut": (good[:-1], f"has {len(good) - 1} bytes, the inventory says {len(good)}"),
-        "cut to whole blocks": (good[:blocks], f"has {blocks} bytes, the inventory says {len(good)}"),
-        "added": (good + b"\0", f"has more than {len(good)} bytes"),
-        "a block added": (good + b"\0" * 4096, f"has more than {len(good)} bytes"),
-    }
-    for how, (data, message) in damaged.items():
-        shard.write_bytes(data)
-        if uncached:
-            _uncached([shard])
-        with pytest.raises(IntegrityError, match=message) as info:
-            _load(model, state, expected)
-        assert str(shard) in str(info.value), how
-        assert parsed == [], how
-    shard.write_bytes(good)
-    _uncached([shard])
-    target, verified, stats = _load_stats(model, state, expected)
-    assert parsed and verified == {name} and all(torch.equal(target[k], v) for k, v in state.items())
-    assert stats["bytes_direct"] == len(good)
-
-
-@direct_io
-def test_o_direct_refused_by_a_read_goes_on_through_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A filesystem that opens with O_DIRECT and refuses its reads (EINVAL: a block larger than 4 KiB, a network
-    filesystem): the load goes on through the page cache and every file is verified; any other error is the
-    load's."""
-    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
-    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
-    model, state, expected = _saved(tmp_path, files=2)
-    files = sorted(model.glob("*.distcp"))
-    real = os.preadv
-    refused: list[int] = []
-
-    def refuse_direct(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(fd)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", refuse_direct)
-    _uncached(files)
-    target, verified, stats = _load_stats(model, state, expected)
-    assert refused and verified == set(expected) and stats["bytes_direct"] == 0
-    assert all(torch.equal(target[k], v) for k, v in state.items())
-
-    def fail_direct(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", fail_direct)
-    _uncached(files)
-    with pytest.raises(CheckpointException, match="Input/output error"):  # DCP's, as any other failure
-        _load(model, state, expected)
-
-
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="madvise(MADV_POPULATE_WRITE): Linux")
-def test_slabs_prefaulted_ahead_of_the_reads_hold_exactly_the_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """PREFAULT: a thread faults in each slab's pages from its end while the reads fill it from the front (the
-    same pages at once, slabs reused by later files): no byte a read put there is changed, every file verified
-    and every value equal, in one slab or many, from torch.empty's memory and from page-aligned mappings."""
-    monkeypatch.setattr(verified_read, "PREFAULT", True)
-    monkeypatch.setattr(verified_read, "_PREFAULT_STEP", 4096)  # a page a step: many steps among the reads
-    monkeypatch.setattr(verified_read, "_CHUNK", 4096)
-    monkeypatch.setattr(verified_read, "READ_STREAMS", 4)
-    model, state, expected = _saved(tmp_path, files=4)
-    for budget, direct in ((1, False), (1 << 30, False), (1, True)):
-        monkeypatch.setattr(verified_read, "LOAD_BUFFER", budget)
-        monkeypatch.setattr(verified_read, "DIRECT_IO", direct)
-        target, verified, stats = _load_stats(model, state, expected)
-        assert verified == set(expected), budget
-        assert all(target[k].dtype == v.dtype and torch.equal(target[k], v) for k, v in state.items())
-        assert stats["prefault"] > 0, budget  # this kernel has MADV_POPULATE_WRITE (5.14+)
-
-
 def test_a_slab_gives_its_pages_back_when_freed_unless_a_view_of_it_is_still_held(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -743,32 +610,6 @@ def test_a_slab_gives_its_pages_back_when_freed_unless_a_view_of_it_is_still_hel
 
 
 @direct_io
-def test_a_file_replaced_between_its_two_opens_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """DIRECT_IO opens each file twice (through the page cache, and by O_DIRECT): a file put in its place between
-    the two (a rename over it) is refused, naming it, before a byte of either is read."""
-    monkeypatch.setattr(verified_read, "DIRECT_IO", True)
-    model, state, expected = _saved(tmp_path, files=1)
-    (name,) = expected
-    shard = model / name
-    real_open = os.open
-    swapped: list[int] = []
-
-    def swap_before_the_direct_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if flags & os.O_DIRECT and not swapped:
-            other = shard.with_name("planted")
-            other.write_bytes(shard.read_bytes())  # the same bytes, another file
-            os.replace(other, shard)
-            swapped.append(1)
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", swap_before_the_direct_open)
-    with pytest.raises(UnsafeInput, match="was replaced while it was opened") as info:
-        _load(model, state, expected)
-    assert str(shard) in str(info.value) and swapped
-
-
 def test_a_script_that_exits_right_after_a_load_waits_for_the_slabs_to_be_freed(tmp_path: Path) -> None:
     """The slabs are freed on a thread after the load returns (FREE_LATER); a script that loads and exits at once
     waits for that thread instead of being torn down under it (a daemon thread freeing a slab's tensor during the

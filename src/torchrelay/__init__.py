@@ -10,18 +10,21 @@ __all__ = [
     "Run",
     "SampleContext",
     "Step",
+    "TokenWindows",
     "__version__",
     "agree",
     "install_excepthook",
     "sample_dropout",
     "sample_generator",
     "sample_seed",
+    "token_manifest",
     "warmup_cosine",
 ]
 
 if TYPE_CHECKING:
     from torchrelay.config import RelayConfig
     from torchrelay.data.sample import SampleContext, sample_dropout, sample_generator, sample_seed
+    from torchrelay.data.tokens import TokenWindows, token_manifest
     from torchrelay.errors import install_excepthook
     from torchrelay.lr_shape import warmup_cosine
     from torchrelay.run import Run, Step
@@ -42,6 +45,8 @@ _LAZY = {
     "sample_dropout": "data.sample",
     "sample_generator": "data.sample",
     "sample_seed": "data.sample",
+    "TokenWindows": "data.tokens",
+    "token_manifest": "data.tokens",
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchrelay.errors import ConfigError, install_excepthook
+from torchrelay.tuning import LoadTuning, SaveTuning
 from torchrelay.util import schema
 
 SAMPLERS = ("shuffled", "length_bucketed")
@@ -65,9 +66,26 @@ class RelayConfig:
     # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
     # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
     strict_code: bool = field(default=False, metadata=RUNTIME)
+    # how fast saves and loads go (tuning.py): no byte saved or loaded changes, so they may differ per segment
+    save_tuning: SaveTuning = field(
+        default_factory=SaveTuning,
+        metadata={**RUNTIME, "doc": "threads and buffers of a save (docs/CONFIG.md)"},
+    )
+    load_tuning: LoadTuning = field(
+        default_factory=LoadTuning,
+        metadata={**RUNTIME, "doc": "threads and buffers of a load (docs/CONFIG.md)"},
+    )
 
     def __post_init__(self) -> None:
-        install_excepthook()  # a refusal below reaches the script's user as one line (errors.py), not a traceback
+        try:
+            self._validate()
+        except ConfigError:
+            # only on the error path: a script's refusal reaches its user as one line (errors.py); building a
+            # valid configuration changes nothing process-wide
+            install_excepthook()
+            raise
+
+    def _validate(self) -> None:
         schema.check(self, "config")
         if self.warmup_updates > self.total_updates:
             raise ConfigError(
@@ -97,12 +115,12 @@ class RelayConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> RelayConfig:
         """Build from a dict (YAML or JSON), naming unknown (with a did-you-mean), missing and mistyped fields."""
-        install_excepthook()  # as in __post_init__: its refusals too are one line
         known = sorted(f.name for f in dataclasses.fields(cls))
         hint = f"torchrelay fields are {known}; put your own hyper-parameters under 'params'"
         try:
             return schema.build(cls, data, source, hint=hint)
         except ConfigError as exc:
+            install_excepthook()  # as in __post_init__: its refusals too are one line
             if source == "config" or source in exc.message:
                 raise
             raise ConfigError(f"{source}: {exc.message}", hint=exc.hint) from None  # say which file

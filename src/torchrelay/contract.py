@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,8 @@ from torchrelay.layout import CONTRACT_FILE
 from torchrelay.manifest import Manifest, index_root
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
-from torchrelay.util.records import read_json
+from torchrelay.util.records import Field, Optional, Schema, check, read_json
+from torchrelay.util.schema import INT_LIMIT, hints
 
 CONTRACT_FORMAT = 1
 # A plain source tree (an extracted `git archive`) knows its tree hash but not its commit: the commit is
@@ -22,7 +24,79 @@ CONTRACT_FORMAT = 1
 _OPTIONAL_WHEN_UNKNOWN = ("code.commit",)
 # Fields added after contracts were first written (format 1 all along): a contract without them is compared
 # without them, so a run made before them still resumes; code.dirty then keeps its old sense (tracked files only).
-LATER_FIELDS = ("code.untracked", "code.modified", "code.program", "code.changed", "data.sha256")
+LATER_FIELDS = (
+    "code.untracked",
+    "code.modified",
+    "code.program",
+    "code.changed",
+    "data.sha256",
+    "data.lengths_sha256",
+)
+
+
+# What a field of a recorded contract may hold. A contract is re-hashed by whoever edits it, so its hash proves no
+# value: each is checked before status, ledger, prepare or a resume computes with it (global_batch 0 divided by
+# zero, Infinity overflowed an int). The configuration's fields take their rules from RelayConfig's own metadata.
+_COUNT = 1 << 40  # updates, samples, a batch: more than any run, far below what an int64 or an array holds
+_HEX = Field(str, length=128)
+_NONE = type(None)
+_PATH_LIMIT = 4096  # PATH_MAX
+_CODE_MAP = Field(
+    dict,
+    items=1 << 20,
+    keys=Field(str, length=_PATH_LIMIT, path=True),
+    values=Field((str, _NONE), length=128),
+)
+
+
+def _config_rule(name: str) -> Field:
+    """A contract field's rule from RelayConfig's annotation and metadata (`min`, `max`, `choices`)."""
+    f = next(f for f in dataclasses.fields(RelayConfig) if f.name == name)
+    hint, meta = hints(RelayConfig)[name], f.metadata
+    if hint is int:  # a count is at most _COUNT (a product of three stays an int64); a seed any int64
+        return Field(int, low=meta.get("min"), high=meta.get("max", INT_LIMIT if name == "seed" else _COUNT))
+    if hint is str:
+        return Field(str, choices=tuple(meta["choices"]) if meta.get("choices") else None)
+    if hint is bool:
+        return Field(bool)
+    if hint == list[int]:
+        return Field([int], low=0, high=_COUNT)
+    return Field([str])  # pins
+
+
+CONTRACT_SCHEMA = Schema(
+    {
+        **{
+            f.name: Optional(_config_rule(f.name))
+            for f in dataclasses.fields(RelayConfig)
+            if f.name not in RUNTIME_FIELDS and f.name != "params"
+        },
+        "world_size": Optional(Field(int, low=1, high=1 << 20)),
+        "global_batch": Optional(Field(int, low=1, high=_COUNT)),
+        "schedule.total_updates": Optional(Field(int, low=1, high=_COUNT)),
+        "schedule.warmup_updates": Optional(Field(int, low=0, high=_COUNT)),
+        "data.fingerprint": Optional(Field(str, length=200)),
+        "data.samples": Optional(Field(int, low=1, high=_COUNT)),
+        "data.sha256": Optional(Field((str, _NONE), length=128)),
+        "data.lengths_sha256": Optional(Field(str, length=128)),
+        "code.commit": Optional(Field((str, _NONE), length=128)),
+        "code.tree": Optional(Field((str, _NONE), length=128)),
+        "code.dirty": Optional(Field(bool)),
+        "code.dirty_sha256": Optional(Field((str, _NONE), length=128)),
+        "code.untracked": Optional(_CODE_MAP),
+        "code.modified": Optional(_CODE_MAP),
+        "code.program": Optional(Field([str], items=1 << 20, length=_PATH_LIMIT, path=True)),
+        "code.changed": Optional(
+            Field((dict, _NONE), items=1 << 20, keys=_CODE_MAP.keys, values=_CODE_MAP.values)
+        ),
+    },
+    prefixes={
+        "versions.": Field((str, _NONE), length=200),
+        "external.": Field(str, length=128),
+        # the user's own hyper-parameters: any JSON value, finite, of a sane size
+        "params.": Field((str, int, float, bool, _NONE, list, dict), size=1 << 20, length=1 << 20),
+    },
+)
 
 
 def contract_manifest(
@@ -55,10 +129,22 @@ def contract_manifest(
         if data_root is None or any(m.written_under(data_root) for m in tried):
             continue
         found = Manifest.load(path, data_root, index=index, root=root, bound_sha256=bound)
+        if found.indexed and not _lengths_vouched(found, fields):
+            found = Manifest.load(path, data_root, index=None, root=root)
         if found.fingerprint() == fields.get("data.fingerprint"):
             return found
         tried.append(found)
     return tried[0]
+
+
+def _lengths_vouched(manifest: Manifest, fields: dict[str, Any]) -> bool:
+    """Whether the lengths an index gave are the ones the contract records (`data.lengths_sha256`), all of them:
+    the index spot-checks a spread of lengths against the lines, which a forger who knows the spread passes. A
+    contract written before the field vouches for none a length-bucketed sampler uses (the lines are read)."""
+    recorded = fields.get("data.lengths_sha256")
+    if not isinstance(recorded, str):
+        return fields.get("sampler") != "length_bucketed"
+    return manifest.lengths_sha256() == recorded
 
 
 def contract_sha256(fields: dict[str, Any]) -> str:
@@ -102,6 +188,7 @@ def build_contract(
         "data.fingerprint": manifest.fingerprint(),
         "data.samples": len(manifest),
         "data.sha256": _bound_sha256(manifest, known),
+        "data.lengths_sha256": manifest.lengths_sha256(),
         **{f"code.{k}": v for k, v in code.items()},
         "versions.python": pinned["python"],
         "versions.torch": pinned["torch"],
@@ -206,6 +293,7 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise IntegrityError(
             f"{path}: the contract's fields do not match its recorded sha256 (edited by hand?)"
         )
+    check(data["fields"], CONTRACT_SCHEMA, source=f"{path} (the training contract)", prefix="fields.")
     return data
 
 

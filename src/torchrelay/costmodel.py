@@ -8,6 +8,20 @@ from datetime import datetime
 from typing import Any
 
 from torchrelay.errors import ConfigError
+from torchrelay.util.records import Field, Optional, Schema
+
+_SECONDS = Field(float, low=0, high=1e7)  # at most 116 days: longer than any job's limit
+# measurements.json of an attempt (controller/attempts.py): a value of another type, NaN, negative or huge was
+# used as it came (a NaN reached the ranks as TORCHRELAY_SAVE_ESTIMATE_S), and is refused naming its field.
+MEASUREMENTS_SCHEMA = Schema(
+    {
+        "update_s": Optional(_SECONDS),
+        "save_s": Optional(_SECONDS),
+        "startup_s": Optional(_SECONDS),
+        "checkpoint_bytes": Optional(Field(int, low=0, high=1 << 60)),
+        "source": Optional(Field(str, length=64)),
+    }
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -130,6 +130,12 @@ class StoreError(RelayError):
     """An object store failed (unreachable, 5xx or throttling past the bounded retries, a body cut short)."""
 
 
+class ParityError(RelayError):
+    """An export does not compute what the training model computes (`export --parity`); no export is written."""
+
+    exit_code = EXIT_REFUSED
+
+
 class CheckpointError(RelayError):
     """No usable checkpoint, or a checkpoint that cannot be written or read."""
 
@@ -197,7 +203,8 @@ def _short(value: object, limit: int = 120) -> str:
 # that was installed before (a traceback: it is a bug, or the user's own error).
 _previous_hook = None
 # Until a Run opens in this process, a configuration error comes from the script's own configuration, which is
-# the same on every rank: rank 0 says it for all. From Run.open on, a rank may fail alone and says so itself.
+# the same on every rank: the first rank to meet it says it for all (`_first_to_say`). From Run.open on, a rank
+# may fail alone and says so itself.
 _before_run = True
 
 
@@ -215,6 +222,14 @@ def run_opening() -> None:
     """Run.open has started in this process: from here a rank's error may be its own (see _excepthook)."""
     global _before_run
     _before_run = False
+
+
+def mark_shared(exc: RelayError) -> RelayError:
+    """Every rank raises this error alike, before any of them talks to another: whichever rank's excepthook runs
+    first prints it, the others stay quiet (a rank that left it to rank 0 exited first, and torchrun ended rank 0
+    before it printed: no line in 4 launches of 5)."""
+    exc.shared = True  # type: ignore[attr-defined]
+    return exc
 
 
 def mark_reported(exc: RelayError) -> RelayError:
@@ -239,8 +254,11 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     if not isinstance(exc, RelayError):
         (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
         return
-    if rank != 0 and _before_run and isinstance(exc, ConfigError):
-        mark_reported(exc)  # rank 0 says it
+    if getattr(exc, "shared", False) or (_before_run and isinstance(exc, ConfigError)):
+        if _first_to_say(rank):
+            rank = 0  # said for every rank: no rank's name on it
+        else:
+            mark_reported(exc)  # another rank of this launch said it
     # The process's own stderr: torch.distributed's init_process_group wraps this hook and points sys.stderr at a
     # buffer while it runs (to prefix each line with the rank), which it writes out only after the hook returns.
     report(exc, rank, sys.__stderr__ or sys.stderr)
@@ -277,6 +295,47 @@ def _lost_peers(exc: BaseException, rank: int) -> RelayError:
         f"training: rank {rank} lost its peers ({text})",
         hint="another rank ended: its output says why",
     )
+
+
+def _first_to_say(rank: int) -> bool:
+    """Whether this rank is the first of its launch on this host to say an error every rank meets alike: the one
+    that creates a marker named after the launch (`_launch_key`) wins. Outside a launcher it knows, rank 0 says it
+    for all, as before. Where no marker can be made, every rank says it (twice is better than never)."""
+    key = _launch_key()
+    if key is None:
+        return rank == 0
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"torchrelay-{os.getuid()}")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
+        if info.st_uid != os.getuid() or not os.path.isdir(folder) or os.path.islink(folder):
+            return True
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        os.close(os.open(os.path.join(folder, f"said-{key}"), flags, 0o600))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+
+
+def _launch_key() -> str | None:
+    """A name for this launch shared by its ranks on this host: torchrun's agent (the parent of every local rank,
+    with its start time, since a pid is used again) and restart, or Slurm's job step; None under no launcher."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        agent = os.getppid()
+        try:
+            with open(f"/proc/{agent}/stat", "rb") as f:
+                started = f.read().rsplit(b")", 1)[1].split()[19].decode()
+        except (OSError, IndexError, UnicodeDecodeError):
+            started = "0"
+        return f"torchrun-{agent}-{started}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    if job and step and "SLURM_PROCID" in os.environ:
+        return f"slurm-{job}-{step}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    return None
 
 
 def _env_rank() -> int:

@@ -12,9 +12,10 @@ from typing import Any, Final
 
 from torchrelay.ended import Ended
 from torchrelay.layout import HISTORY_FILE
+from torchrelay.reshard import LAYOUT_CHANGE_SCHEMA
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import read_records
-from torchrelay.util.records import Optional, Schema
+from torchrelay.util.records import Field, Optional, Schema, fit
 
 
 class _Absent(Enum):
@@ -89,18 +90,28 @@ class Segment:
 
 
 _NONE = type(None)
-# The types of what status, report and a bundle's README show of a segment: each may be absent (a record another
-# version wrote), none may be of another type (a hand edit, a forged bundle): util/records.check.
+_COUNT = 1 << 40  # updates: more than any run (contract.py)
+_TIME = Field((float, _NONE), low=0, high=1e12)  # unix seconds
+_ID = Field((str, _NONE), length=200)
+# The types and bounds of what status, report and a bundle's README show of a segment: each may be absent (a
+# record another version wrote), none may be of another type or out of its bounds (a hand edit, a forged bundle):
+# util/records.check. The bounds together keep a line far below the reader's LINE_LIMIT, and `write_history`
+# fits each segment into them (a value echoed from elsewhere is cut, never written past what this reader takes).
 SEGMENT_SCHEMA = Schema({
     name: Optional(rule)
     for name, rule in {
-        "segment": (str, _NONE), "parent": (str, _NONE), "lineage": (str, _NONE), "parent_lineage": (str, _NONE),
-        "job": (str, _NONE), "command": [str], "hosts": [str], "world_size": (int, _NONE), "first_update": int,
-        "last_update": (int, _NONE), "resumed_from": (int, _NONE), "started": (float, _NONE),
-        "contract_sha256": (str, _NONE), "code": (dict, _NONE), "versions": (dict, _NONE),
-        "runtime_changes": (dict, _NONE), "notes": [str], "ended": (str, _NONE), "exit_code": (int, _NONE),
-        "stopped": (float, _NONE), "deadline": (float, _NONE), "ranks_by_host": (dict, _NONE),
-        "layout_change": (dict, _NONE), "numerics": (dict, _NONE), "numerics_change": (dict, _NONE),
+        "segment": _ID, "parent": _ID, "lineage": _ID, "parent_lineage": _ID, "job": _ID,
+        "command": Field([str], items=1024), "hosts": Field([str], items=1 << 14, length=255),
+        "world_size": Field((int, _NONE), low=1, high=1 << 20), "first_update": Field(int, low=0, high=_COUNT),
+        "last_update": Field((int, _NONE), low=0, high=_COUNT),
+        "resumed_from": Field((int, _NONE), low=0, high=_COUNT), "started": _TIME,
+        "contract_sha256": Field((str, _NONE), length=128), "code": Field((dict, _NONE), size=8 << 20),
+        "versions": Field((dict, _NONE), size=64 << 10), "runtime_changes": Field((dict, _NONE), size=1 << 20),
+        "notes": Field([str], items=1024), "ended": Field((str, _NONE), length=64),
+        "exit_code": Field((int, _NONE), low=-(1 << 16), high=1 << 16), "stopped": _TIME, "deadline": _TIME,
+        "ranks_by_host": Field((dict, _NONE), size=8 << 20),
+        "layout_change": Field((dict, _NONE), fields=LAYOUT_CHANGE_SCHEMA),
+        "numerics": Field((dict, _NONE), size=64 << 10), "numerics_change": Field((dict, _NONE), size=256 << 10),
     }.items()
 })  # fmt: skip
 
@@ -112,8 +123,10 @@ def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def write_history(run_dir: Path, segments: list[dict[str, Any]]) -> None:
-    """Rewrite the whole (small) file atomically."""
-    atomic_write_text(run_dir / HISTORY_FILE, "".join(json.dumps(s, sort_keys=True) + "\n" for s in segments))
+    """Rewrite the whole (small) file atomically, each segment fitted into SEGMENT_SCHEMA's bounds (what
+    read_history accepts)."""
+    lines = (json.dumps(fit(s, SEGMENT_SCHEMA), sort_keys=True) + "\n" for s in segments)
+    atomic_write_text(run_dir / HISTORY_FILE, "".join(lines))
 
 
 def new_id() -> str:

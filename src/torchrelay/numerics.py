@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from torchrelay.util.records import clip
+
 FORMAT = 1
 
 # The fields compared, in the order a difference is told, with the name it is told by.
@@ -128,11 +130,24 @@ def describe(identity: Mapping[str, Any]) -> str:
 def differences(
     before: Mapping[str, Any], now: Mapping[str, Any], *, skip: Iterable[str] = ()
 ) -> dict[str, list[Any]]:
-    """{field: [before, now]} for each compared field that differs, in LABELS order."""
+    """{field: [before, now]} for each compared field that differs, in LABELS order; a value is echoed at most
+    SHOWN characters long (a segment's numerics come from its file: a 25 MB string echoed three times into the
+    next segment's `numerics_change` made a line history.jsonl's reader refuses)."""
     left_out = set(skip)
     return {
-        k: [before.get(k), now.get(k)] for k in LABELS if k not in left_out and before.get(k) != now.get(k)
+        k: [_echo(before.get(k)), _echo(now.get(k))]
+        for k in LABELS
+        if k not in left_out and before.get(k) != now.get(k)
     }
+
+
+SHOWN = 200  # characters of a value that a comparison repeats
+
+
+def _echo(value: Any) -> Any:
+    if isinstance(value, str | int | float | bool) or value is None:
+        return clip(value, SHOWN) if isinstance(value, str) else value
+    return clip(json.dumps(value), SHOWN)  # a record of another shape: its text, cut
 
 
 def tell(differ: Mapping[str, list[Any]]) -> str:
@@ -235,7 +250,7 @@ def _on(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    return "none" if value is None else str(value)
+    return "none" if value is None else clip(str(value), SHOWN)
 
 
 # Set by the training program, not by the machine: `prepare` (which runs outside it) does not compare them.

@@ -5,7 +5,8 @@ hyper-parameters and the precision: all in the resume contract. The layout is ho
 the world size and the micro-batch x gradient-accumulation split, with micro_batch x grad_accum x world_size =
 global_batch. A layout change keeps the global batch, so every update sees the same samples (data/order.py cuts
 each global batch into micro-batches and ranks without the world size); it is accepted only when asked for
-(TORCHRELAY_RESHARD=1, `Run.open(reshard=True)` or `prepare --world-size N`) and recorded as the segment's
+(`torchrelay launch --reshard`, a plan's `train.reshard` or in-place fallback, TORCHRELAY_RESHARD=1,
+`Run.open(reshard=True)` or `prepare --world-size N`) and recorded as the segment's
 `layout_change` in history.jsonl; only `prepare` also writes it into REBASE_RECORD.json (an in-place move writes no
 such file). A change of the global batch is another run and is refused. What a move keeps exactly and what it
 changes: docs/ELASTIC.md.
@@ -23,6 +24,7 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.errors import ContractMismatch
+from torchrelay.util.records import Field, Optional, Schema
 
 RESHARD_ENV = envvars.RESHARD.name
 LAYOUT_FIELDS = ("world_size", "micro_batch", "grad_accum")
@@ -59,6 +61,12 @@ class Layout:
 def reshard_asked(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
     """TORCHRELAY_RESHARD=1 (or true/yes): this launch may continue the run on another layout."""
     return bool(envvars.RESHARD.get(environ))
+
+
+def reshard_asker(environ: dict[str, str] | os._Environ[str] | None = None) -> str:
+    """Who asked for this launch's layout change, as history.jsonl records it (`asked_by`): the controller's
+    TORCHRELAY_RESHARD_BY (`launch --reshard, attempt 3`), else "reshard" (the variable or `Run.open`)."""
+    return envvars.RESHARD_BY.text(environ) or "reshard"
 
 
 def contract_layout(fields: dict[str, Any]) -> Layout:
@@ -154,7 +162,8 @@ def refuse_global_batch(
             f"{recorded} ({original.product()}), this launch's is {new.product()} "
             f"({', '.join(changed) or 'no factor changed'}); a different global batch is a different run"
         ),
-        hint=f"continue with the same global batch: {fits} (TORCHRELAY_RESHARD=1 derives grad_accum)",
+        hint=f"continue with the same global batch: {fits} (`launch --reshard` or TORCHRELAY_RESHARD=1 derives "
+        "grad_accum)",
     )
 
 
@@ -172,9 +181,33 @@ def refuse_unasked(path: str, current: Layout, new: Layout) -> ContractMismatch:
             f"the layout changes from {current} to {new} with the same global batch {new.global_batch}: "
             "a layout change is accepted only when asked for"
         ),
-        hint=f"launch with the checkpoint's layout ({current}), or ask for the change: {RESHARD_ENV}=1 for this "
-        "launch, or `torchrelay prepare BUNDLE --world-size N` (docs/ELASTIC.md)",
+        hint=f"launch with the checkpoint's layout ({current}), or ask for the change: `torchrelay launch PLAN "
+        f"--reshard`, {RESHARD_ENV}=1 for this launch, or `torchrelay prepare BUNDLE --world-size N` "
+        "(docs/ELASTIC.md)",
     )
+
+
+_COUNT = 1 << 40  # a batch or an update: more than any run (contract.py)
+LAYOUT_SCHEMA = Schema(
+    {
+        "world_size": Field(int, low=1, high=1 << 20),
+        "micro_batch": Field(int, low=1, high=_COUNT),
+        "grad_accum": Field(int, low=1, high=_COUNT),
+    }
+)
+# A `layout_change` as history.jsonl and REBASE_RECORD.json hold it (change_record): what a resume, status and
+# prepare compute with is checked before (a world size of Infinity overflowed an int).
+LAYOUT_CHANGE_SCHEMA = Schema(
+    {
+        "from": Optional(Field(dict, fields=LAYOUT_SCHEMA)),
+        "to": Field(dict, fields=LAYOUT_SCHEMA),
+        "global_batch": Optional(Field(int, low=1, high=_COUNT)),
+        "at_update": Optional(Field(int, low=0, high=_COUNT)),
+        "asked_by": Optional(Field(str, length=64)),
+        "rng": Optional(Field(str, length=200)),
+        "notes": Optional(Field([str], items=64)),
+    }
+)
 
 
 def change_record(old: Layout, new: Layout, update: int, how: str, notes: list[str]) -> dict[str, Any]:

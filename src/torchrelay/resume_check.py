@@ -23,6 +23,7 @@ from torchrelay.errors import ConfigError, ContractMismatch, ForkRefused, RelayE
 from torchrelay.layout import PREPARE_RECORD
 from torchrelay.manifest import Manifest
 from torchrelay.reshard import (
+    LAYOUT_CHANGE_SCHEMA,
     LAYOUT_FIELDS,
     Layout,
     change_record,
@@ -35,7 +36,7 @@ from torchrelay.reshard import (
 )
 from torchrelay.rundir import RunDir
 from torchrelay.util.dotted import flatten
-from torchrelay.util.records import read_json
+from torchrelay.util.records import Field, Optional, Schema, read_json
 
 
 @dataclass(slots=True)
@@ -95,6 +96,7 @@ def validate_resume(
     code_files: list[str] | tuple[str, ...] = (),
     reshard: bool = False,
     explicit: set[str] | frozenset[str] = frozenset(),
+    asked_by: str = "reshard",
 ) -> ResumeCheck:
     """Recompute the contract and compare, pass the schedule gate, pick and verify the newest checkpoint.
 
@@ -102,7 +104,8 @@ def validate_resume(
     code_files: the running program's files (identity.running_files), when the trainer itself checks.
     reshard: this launch may change the layout (world size, micro_batch x grad_accum) with the same global batch
     (reshard.py); `prepare --world-size` asks for it on the run it prepares. explicit: the config keys the launch
-    overrode on purpose (a split the script merely repeats is the run's current one).
+    overrode on purpose (a split the script merely repeats is the run's current one). asked_by: who asked for
+    the move, recorded as its `asked_by` (reshard.reshard_asker).
     """
     rd = RunDir(run_dir)
     stored = rd.load_config()
@@ -159,7 +162,7 @@ def validate_resume(
     change = None
     if new != current:
         notes += _per_rank_on_layout_change(ckpt, state)
-        change = change_record(current, new, update, "prepare" if by_prepare else "reshard", notes)
+        change = change_record(current, new, update, "prepare" if by_prepare else asked_by, notes)
         passed.append(f"layout change accepted: {current} -> {new}, global batch {new.global_batch} kept")
     if ckpt is not None and doc is not None:
         checked = "verified" if deep else "listed with their sizes (hashed as they are loaded)"
@@ -231,11 +234,19 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
     """What a checkpoint stored per rank cannot follow its ranks to another layout: statefuls that differed by rank
     (a per-rank generator, a counter) are refused; model and optimizer tensors that differed (buffers no wrapper
     synchronizes) are taken from rank 0, as DDP itself broadcasts them; returns the note saying so."""
-    if state.get("deepspeed") is not None:
-        raise ConfigError(
-            f"{ckpt}: holds a DeepSpeed engine's checkpoint (ZeRO partitions of its own), which torchrelay does not "
-            "reshard to another layout",
-            hint="keep the world size, or convert it with DeepSpeed's universal checkpoint first",
+    engine = state.get("deepspeed")
+    notes = []
+    if engine is not None:
+        stage = engine.get("zero_stage") if isinstance(engine, dict) else None
+        if stage not in (1, 2):
+            raise ConfigError(
+                f"{ckpt}: holds a DeepSpeed ZeRO stage {stage} engine's checkpoint (its parameters partitioned "
+                "over the ranks), which torchrelay does not reshard to another layout",
+                hint="keep the world size; ZeRO-1/2 checkpoints are resharded (docs/ELASTIC.md)",
+            )
+        notes.append(
+            f"DeepSpeed ZeRO-{stage} optimizer partitions resharded for the new ranks at load, proven bit for bit "
+            "(fp32 masters and both moments gathered)"
         )
     per_rank = state.get("per_rank") or {}
     statefuls = list(per_rank.get("statefuls") or [])
@@ -248,15 +259,35 @@ def _per_rank_on_layout_change(ckpt: Path | None, state: dict[str, Any]) -> list
         )
     tensors = [*(per_rank.get("model") or []), *(per_rank.get("optim") or [])]
     if not tensors:
-        return []
+        return notes
     shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
-    return [f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
+    return [*notes, f"tensors stored per rank ({shown}) taken from rank 0 for every new rank"]
+
+
+_NONE = type(None)
+# REBASE_RECORD.json as `prepare` writes it (handoff/prepare.py): what a resume and a second prepare use of it.
+PREPARE_RECORD_SCHEMA = Schema(
+    {
+        "format": Optional(Field(int, low=1, high=1)),
+        "bundle_lineage": Optional(Field((str, _NONE), length=200)),
+        "parent_lineage": Optional(Field((str, _NONE), length=200)),
+        "checkpoint": Optional(Field((str, _NONE), length=255, path=True)),
+        "update": Optional(Field((int, _NONE), low=0, high=1 << 40)),
+        "contract_sha256": Optional(Field((str, _NONE), length=128)),
+        "time": Optional(Field((str, _NONE), length=64)),
+        "changes": Optional(Field((dict, _NONE), size=1 << 20)),
+        "layout_change": Optional(Field((dict, _NONE), fields=LAYOUT_CHANGE_SCHEMA)),
+        "proofs": Optional(Field([str], items=1024)),
+        "numerics": Optional(Field((dict, _NONE), size=256 << 10)),
+        "originals": Optional(Field([str], items=16, path=True)),
+    }
+)
 
 
 def _prepare_record(path: Path) -> Any:
     """REBASE_RECORD.json read the guarded way, or None without one; a damaged one is refused (ConfigError)."""
     try:
-        return read_json(path, what="prepare's record", root=path.parent)
+        return read_json(path, what="prepare's record", root=path.parent, schema=PREPARE_RECORD_SCHEMA)
     except FileNotFoundError:
         return None
     except (OSError, RelayError) as exc:  # unreadable, not UTF-8, not JSON, too deep, a link, a pipe

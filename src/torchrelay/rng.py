@@ -122,5 +122,12 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # every CUDA device too
 
 
+def seed_script_streams(seed: int) -> None:
+    """Seed Python's `random` and numpy's global generator (not torch's: the script seeds it, and its model's
+    initialization depends on it) from one integer: each launch opens with them in the same state."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+
+
 def rank_file(ckpt_dir: Path, rank: int) -> Path:
     return ckpt_dir / "rng" / f"rank-{rank}.safetensors"

@@ -4,15 +4,21 @@ The batch script asks for a warning signal to the batch shell (`--signal=B:USR1@
 steps would get it), traps it and forwards it to the controller, which forwards it to the training ranks; they save
 and exit 5. A clean stop that did not finish the run (controller exit 3 or 5) requeues the job with
 `scontrol requeue`; the requeued job appends to the same log and resumes, one history segment per job.
+
+Every value a plan or a flag puts into the script is hostile until checked: a control character is refused (a
+newline ends an `#SBATCH` line and the next one runs in the job); an `#SBATCH` value is written as sbatch's own
+parser of those lines reads it back (`directive_value`), a line of the shell body through `shlex.quote`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -30,10 +36,72 @@ STALE_WARNING_S = 10
 PER_NODE_LIMIT = 1024
 NODES_LIMIT = 65_536
 PER_NODE = {"min": 0, "max": PER_NODE_LIMIT}
+# sbatch reads `#SBATCH` lines itself, without a shell (src/sbatch/opt.c, `_get_argument`): whitespace ends an
+# argument, `"` and `'` quote (older releases: `"` only), a backslash escapes the next character (inside quotes
+# too), an unquoted `#` starts a comment (older releases: a `#` anywhere), and a line holding `hetjob` or `packjob`
+# anywhere, in any case, starts another component of a heterogeneous job. A value with none of these is written as
+# it is; one with a space, a quoting or a non-ASCII character inside `"..."`, each of `\ " ' #` escaped (read back
+# the same by either parser); one naming a component is refused.
+_DIRECTIVE_QUOTED = frozenset("\\\"'#")
+_COMPONENT_WORDS = ("hetjob", "packjob")
+DIRECTIVE_LIMIT = 4096  # characters of one value: a path at most (PATH_MAX), far past any name or size
+_EXTRA_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9_-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class SlurmError(RelayError):
     """A Slurm command failed or answered something unexpected."""
+
+
+def _shown(value: str, limit: int = 60) -> str:
+    """`value` as a refusal shows it: quoted, its control characters escaped, a long one cut."""
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def refuse_control(value: str, where: str) -> str:
+    """`value`, refused (one line naming `where`) when it holds a control character: C0 (a newline, a carriage
+    return, NUL), DEL, C1, or a Unicode line or paragraph separator."""
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{where} {_shown(value)} holds the control character {bad!r}, which no line of a batch script can "
+            "hold (a newline would end it, and the rest run as a command)",
+            hint=f"remove it from {where}",
+        )
+    return value
+
+
+def directive_value(value: str, where: str) -> str:
+    """`value` written for an `#SBATCH` line, as sbatch's own parser reads it back as one argument (see
+    _DIRECTIVE_QUOTED); refused, naming `where`, when no writing can: a control character, a component word,
+    a value longer than any path."""
+    refuse_control(value, where)
+    if len(value) > DIRECTIVE_LIMIT:
+        raise ConfigError(f"{where} is {len(value):,} characters long, more than {DIRECTIVE_LIMIT:,}")
+    word = next((w for w in _COMPONENT_WORDS if w in value.lower()), None)
+    if word is not None:
+        raise ConfigError(
+            f"{where} {_shown(value)} holds {word!r}, which sbatch reads in an #SBATCH line as the start "
+            "of another component of a heterogeneous job",
+            hint=f"choose another value for {where}",
+        )
+    # non-ASCII too: in a single-byte locale sbatch's isspace() may take a byte of its UTF-8 for a space
+    if not any(c.isspace() or not c.isascii() or c in _DIRECTIVE_QUOTED for c in value):
+        return value
+    return '"' + "".join("\\" + c if c in _DIRECTIVE_QUOTED else c for c in value) + '"'
+
+
+def extra_directive(option: str, where: str) -> str:
+    """One `slurm.extra` item (`--exclusive`, `--constraint=a100`) as one `#SBATCH` argument: the option's name as
+    it is, its value through `directive_value`."""
+    name, eq, value = option.partition("=")
+    refuse_control(option, where)
+    if not _EXTRA_OPTION.fullmatch(name):
+        raise ConfigError(
+            f"{where} {_shown(option)} is not one sbatch option (--name or --name=value)",
+            hint="one option per item, its value after '=': --constraint=a100, not -C a100",
+        )
+    return name + (eq + directive_value(value, where) if eq else "")
 
 
 def run_command(argv: Sequence[str]) -> str:
@@ -131,6 +199,7 @@ class BatchSpec(SlurmSpec):
 
     def __post_init__(self) -> None:
         schema.check(self, "sbatch")
+        self._check_text()
         if self.signal_s < 1:
             raise ConfigError(
                 f"sbatch: the warning signal must come >= 1 s before the end, got {self.signal_s}"
@@ -142,6 +211,33 @@ class BatchSpec(SlurmSpec):
                 f"{self.signal_s}s before the end",
                 hint="raise --time or lower slurm.signal_s",
             )
+
+    def _check_text(self) -> None:
+        """Refuse, naming the field, a value the script could not hold as one argument: each `#SBATCH` value as
+        render_batch_script writes it (directive_value), every value of the shell body free of control characters
+        (shlex.quote keeps a newline inside quotes, but a job's argv is no place for one), an env name a word."""
+        for name in ("job_name", "time", "mem", "partition", "account", "output"):
+            directive_value(getattr(self, name), f"slurm.{name}")
+        if not self.output:
+            directive_value(self.default_log, "run_dir")
+        for i, option in enumerate(self.extra):
+            extra_directive(option, f"slurm.extra[{i}]")
+        paths = {"plan": self.plan_path, "run_dir": self.run_dir, "workdir": self.workdir}
+        for where, text in [(k, str(v)) for k, v in paths.items()] + [("train.python", self.python)]:
+            refuse_control(text, where)
+        for i, item in enumerate(self.sets):
+            refuse_control(item, f"--set[{i}]")
+        for i, item in enumerate(self.launch_args):
+            refuse_control(item, f"launch_args[{i}]")
+        for key, value in self.env.items():
+            if not _ENV_NAME.fullmatch(key):
+                raise ConfigError(f"env name {_shown(key)} is not a shell variable name")
+            refuse_control(value, f"env.{key}")
+
+    @property
+    def default_log(self) -> str:
+        """The job's log when slurm.output names none: beside the run directory, appended by every requeued job."""
+        return str(self.run_dir.parent / f"{self.run_dir.name}.slurm-%j.out")
 
     @classmethod
     def from_request(cls, request: SlurmSpec, **changes: Any) -> BatchSpec:
@@ -185,31 +281,31 @@ def time_limit_minutes(text: str) -> float:
 def render_batch_script(spec: BatchSpec) -> str:
     """The batch script text; every path is absolute so the requeued job does not depend on a cwd."""
     q = shlex.quote
-    log = spec.output or str(spec.run_dir.parent / f"{spec.run_dir.name}.slurm-%j.out")
+    d = directive_value  # spec checked them all (BatchSpec._check_text): here only written
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={spec.job_name}",
-        f"#SBATCH --time={spec.time}",
+        f"#SBATCH --job-name={d(spec.job_name, 'slurm.job_name')}",
+        f"#SBATCH --time={d(spec.time, 'slurm.time')}",
         f"#SBATCH --nodes={spec.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --signal=B:USR1@{spec.signal_s}",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --output={log}",
+        f"#SBATCH --output={d(spec.output, 'slurm.output') if spec.output else d(spec.default_log, 'run_dir')}",
     ]
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
     if spec.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={spec.cpus_per_task}")
-    for flag, value in (("--mem", spec.mem), ("--partition", spec.partition), ("--account", spec.account)):
-        if value:
-            lines.append(f"#SBATCH {flag}={value}")
-    lines += [f"#SBATCH {opt}" for opt in spec.extra]
+    for flag, name in (("--mem", "mem"), ("--partition", "partition"), ("--account", "account")):
+        if getattr(spec, name):
+            lines.append(f"#SBATCH {flag}={d(getattr(spec, name), f'slurm.{name}')}")
+    lines += [f"#SBATCH {extra_directive(opt, f'slurm.extra[{i}]')}" for i, opt in enumerate(spec.extra)]
     launch = [spec.python, "-m", "torchrelay", "launch", str(spec.plan_path)]
     for item in spec.sets:
         launch += ["--set", item]
     launch += spec.launch_args
-    exports = "".join(f"export {k}={q(v)}\n" for k, v in sorted(spec.env.items()))
+    exports = "".join(f"export {k}={q(v)}\n" for k, v in sorted(spec.env.items()))  # names: words (checked)
     body = f"""
 # Written by `torchrelay sbatch`. Runs the plan's controller: preflight, smoke, formal run (budget-aware).
 set -u

@@ -146,10 +146,12 @@ def _validation(run_dir: Path) -> dict[str, Any]:
 def _kept_because(cfg: RelayConfig, ckpts: list[CheckpointInfo]) -> dict[int, str]:
     """Why retention keeps each checkpoint (the policy of the stored configuration), or what happens to it."""
     eligible = [c.update for c in ckpts if c.complete and not c.handed_off]
-    verdict = decide(policy_for(cfg), eligible)
+    verdict = decide(policy_for(cfg, [c.update for c in ckpts if c.saved_now]), eligible)
     out = dict(verdict.kept)
     out.update({u: "deleted at the next save" for u in verdict.deleted})
     for c in ckpts:
+        if c.saved_now and c.update in verdict.kept and c.saved_now != "save_now":  # the script's reason too
+            out[c.update] = out[c.update].replace("save_now", f"save_now ({c.saved_now})", 1)
         if c.handed_off:
             out[c.update] = "handed off (the fork guard keeps it)"
         elif c.damaged:

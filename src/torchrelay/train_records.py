@@ -25,7 +25,7 @@ TIMING_KEYS = ("update_time", "time", "samples_per_s")
 METRIC_SCHEMA = Schema(
     {"update": int}
 )  # what every metric record holds (util/records.check), the rest is the user's
-_RANK_LOG = re.compile(r"^(metrics|exposures)-rank(\d+)\.jsonl$")
+_RANK_LOG = re.compile(r"^(metrics|exposures|digests)-rank(\d+)\.jsonl$")  # trimmed at a resume
 
 
 def refuse_linked_logs(train_dir: Path) -> None:

@@ -38,16 +38,18 @@ from torchrelay.lock import RunLock
 from torchrelay.rundir import RunDir
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_hex
-from torchrelay.util.records import read_json, read_json_or_none
+from torchrelay.util.records import fit, read_json, read_json_or_none
 from torchrelay.util.safepath import ensure_inside, open_writable
 from torchrelay.validation_records import (
     KEPT,
     LOG,
     METRICS,
+    METRICS_LIMIT,
     PENDING,
     RECORD,
     RECORD_FORMAT,
     RECORD_LIMIT,
+    RECORD_SCHEMA,
     ValidationRecord,
     folder,
     read_records,
@@ -298,7 +300,7 @@ def _run_command(
         from torchrelay.export import ExportOptions, export_weights
 
         try:
-            export_weights(ckpt, out / WEIGHTS, spec.export or ExportOptions())
+            export_weights(ckpt, out / WEIGHTS, spec.export or ExportOptions(), owned=out)
         except RelayError as exc:
             record.reason = f"exporting the weights for the command failed: {exc.message}"
             return _finish(out, record, clock)
@@ -381,13 +383,17 @@ def _read_metrics(path: Path) -> tuple[dict[str, Any] | None, str]:
         return None, f"{path.name} is not valid JSON: {str(exc).splitlines()[0]}"
     if not isinstance(data, dict) or not data:
         return None, f"{path.name} must hold a non-empty JSON object of metrics, got {type(data).__name__}"
+    size = len(json.dumps(data))
+    if size > METRICS_LIMIT:  # echoed into record.json, which its reader would then refuse
+        return None, f"{path.name} holds {size:,} bytes of metrics, more than {METRICS_LIMIT:,}"
     return data, ""
 
 
 def _finish(out: Path, record: ValidationRecord, clock: Callable[[], float]) -> ValidationRecord:
     record.ended = clock()
     record.seconds = round(record.ended - record.started, 3)
-    atomic_write_text(out / RECORD, json.dumps(record.to_dict(), indent=1, sort_keys=True) + "\n")
+    doc = fit(record.to_dict(), RECORD_SCHEMA)  # what validation_records.read_records takes
+    atomic_write_text(out / RECORD, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return record
 
 

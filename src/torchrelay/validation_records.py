@@ -15,7 +15,7 @@ from torchrelay.errors import ConfigError, RecordError
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.durable import remove_temps, temp_prefix
-from torchrelay.util.records import Optional, check, read_json
+from torchrelay.util.records import Field, Optional, Schema, check, read_json
 from torchrelay.util.safepath import is_inside
 
 RECORD = "record.json"
@@ -69,27 +69,31 @@ class ValidationRecord:
         return self.status in DONE
 
 
-_NUMBER = Optional(float)
-# The fields status, report and pack read of a record, with their types (the rest are shown as they are).
-RECORD_SCHEMA = {
-    "update": int,
-    "checkpoint": str,
-    "command": str,
-    "status": str,
-    "reason": Optional(str),
-    "exit_code": Optional((int, type(None))),
-    "metrics": Optional((dict, type(None))),
-    "started": _NUMBER,
-    "ended": _NUMBER,
-    "seconds": _NUMBER,
-    "attempt": Optional(int),
-    "host": Optional(str),
-    "cwd": Optional(str),
-    "code": Optional(dict),
-    "inventory_sha256": Optional(str),
-    "contract_sha256": Optional((str, type(None))),
-    "format": Optional(int),
-}
+_NONE = type(None)
+_TIME = Optional(Field(float, low=0, high=1e12))  # unix seconds
+METRICS_LIMIT = 1 << 20  # bytes of JSON of a command's metrics: a page of numbers, far below RECORD_LIMIT
+# The fields status, report and pack read of a record, with their types and bounds (the rest are shown as they
+# are). `_finish` (validation.py) fits what it writes into them: a command line or a reason echoed from elsewhere
+# is cut, never written past what this reader takes.
+RECORD_SCHEMA = Schema({
+    "update": Field(int, low=0, high=1 << 40),
+    "checkpoint": Field(str, length=255, path=True),
+    "command": Field(str, length=1 << 16),
+    "status": Field(str, length=64),
+    "reason": Optional(Field(str, length=1 << 16)),
+    "exit_code": Optional(Field((int, _NONE), low=-(1 << 16), high=1 << 16)),
+    "metrics": Optional(Field((dict, _NONE), size=METRICS_LIMIT)),
+    "started": _TIME,
+    "ended": _TIME,
+    "seconds": Optional(Field(float, low=-1e12, high=1e12)),  # (a wall clock may step back)
+    "attempt": Optional(Field(int, low=0, high=1 << 20)),
+    "host": Optional(Field(str, length=255)),
+    "cwd": Optional(Field(str)),
+    "code": Optional(Field(dict, size=1 << 20)),
+    "inventory_sha256": Optional(Field(str, length=128)),
+    "contract_sha256": Optional(Field((str, _NONE), length=128)),
+    "format": Optional(Field(int, low=0, high=1 << 20)),
+})  # fmt: skip
 
 
 PENDING_SCHEMA = {"left": Optional(dict), "missing": Optional(dict), "command": Optional(str)}

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from torchrelay.audit.diagnose import CAUSES, DATA_ORDER, NONDETERMINISM, RANK_STATE, RNG, UNREGISTERED
+from torchrelay.audit.diagnose import (
+    CAUSES,
+    DATA_ORDER,
+    NONDETERMINISM,
+    NOT_RESTORED,
+    RANK_STATE,
+    RNG,
+    UNKNOWN,
+    UNREGISTERED,
+    UNSEEDED,
+)
 from torchrelay.audit.runner import AuditError
 from torchrelay.audit.verdict import Verdict, describe, last_verdict, shown_for_run, verdict_for_run
 
@@ -10,9 +20,12 @@ __all__ = [
     "CAUSES",
     "DATA_ORDER",
     "NONDETERMINISM",
+    "NOT_RESTORED",
     "RANK_STATE",
     "RNG",
+    "UNKNOWN",
     "UNREGISTERED",
+    "UNSEEDED",
     "AuditError",
     "AuditPlan",
     "AuditSpec",

@@ -19,6 +19,7 @@ from torchrelay.util.jsonl import iter_records
 TIMING_KEYS = frozenset({"update_time", "time", "samples_per_s"})
 
 TensorLoader = Callable[[Path], Mapping[str, torch.Tensor]]
+ValueLoader = Callable[[Path], Mapping[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class TensorComparison:
 
     compared: int = 0
     differing: list[TensorDiff] = field(default_factory=list)
+    values_compared: int = (
+        0  # besides the tensors: the restored values that are not tensors (audit/values.py)
+    )
 
     @property
     def equal(self) -> bool:
@@ -120,11 +124,31 @@ def load_checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def compare_checkpoints(
-    a: Path, b: Path, atol: float = 0.0, loader: TensorLoader | None = None
+    a: Path,
+    b: Path,
+    atol: float = 0.0,
+    loader: TensorLoader | None = None,
+    values: ValueLoader | None = None,
 ) -> TensorComparison:
-    """Compare the tensors of two checkpoint directories."""
-    load = loader or load_checkpoint_tensors
-    return compare_tensors(load(a), load(b), atol)
+    """Compare everything two checkpoint directories restore: every tensor, each rank's generators, and every
+    other value (numbers, strings, containers of statefuls, the optimizer's param groups, the loop's position;
+    audit/values.py).
+
+    A custom tensor `loader` compares only what it loads, unless `values` is given too."""
+    from torchrelay.audit.values import align_ranks, load_checkpoint_values, rng_tensors, value_differences
+
+    def everything(ckpt: Path) -> Mapping[str, torch.Tensor]:
+        return load_checkpoint_tensors(ckpt) | rng_tensors(ckpt)
+
+    load = loader or everything
+    result = compare_tensors(*align_ranks(load(a), load(b)), atol)
+    load_values = values or (load_checkpoint_values if loader is None else None)
+    if load_values is not None:
+        va, vb = align_ranks(load_values(a), load_values(b))
+        result.values_compared = len(set(va) | set(vb))
+        result.differing += [TensorDiff(k, d, note) for k, d, note in value_differences(va, vb, atol)]
+        result.differing.sort(key=lambda d: (-d.max_abs, d.name))
+    return result
 
 
 def _close(x: Any, y: Any, atol: float) -> bool:
@@ -266,6 +290,11 @@ class StreamComparison:
     # uninterrupted run there, and (rank, name) of those the interrupted run starts that update with otherwise
     across_ranks: dict[int, list[str]] = field(default_factory=dict)
     lost: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    # The global generators (`random`, numpy, torch, CUDA) an update draws from: their state moved between the
+    # starts of updates 1 and 2 of the uninterrupted run; None where the probe did not record both.
+    drawn: list[str] | None = None
+    # The dropout modules (p > 0) the processes held; None where the probe did not look.
+    dropout: list[str] | None = None
 
     def differing(self, update: int) -> list[str]:
         return self.at.get(update, (0, []))[1]
@@ -281,16 +310,23 @@ class StreamComparison:
     def seen(self, update: int) -> bool:
         return update in self.at
 
+    def unseeded(self) -> list[str]:
+        """The streams that start update 1 in another state in the two runs: both were fresh launches of the
+        same script, so these were seeded from the OS (or the clock), not from the run's seed."""
+        return sorted(set(self.differing(1)))
+
 
 def compare_streams(a_probe: Path, b_probe: Path) -> StreamComparison:
     """Compare the probe's stream digests at each (rank, update) both runs recorded (see probe.py)."""
-    from torchrelay.audit.probe import read_streams, read_tensors
+    from torchrelay.audit.probe import read_dropout, read_globals, read_streams, read_tensors
 
     result = StreamComparison()
     a_rows, b_rows = read_streams(a_probe), read_streams(b_probe)
+    a_globals, b_globals = read_globals(a_probe), read_globals(b_probe)
     for rank, update in sorted(set(a_rows) & set(b_rows)):
         a_streams, b_streams = list(a_rows[(rank, update)]), list(b_rows[(rank, update)])
-        differ = []
+        ga, gb = a_globals.get((rank, update), {}), b_globals.get((rank, update), {})
+        differ = [f"{name} (global)" for name in sorted(set(ga) & set(gb)) if ga[name] != gb[name]]
         for stream in b_streams:  # a multiset difference: the same stream may exist twice
             if stream in a_streams:
                 a_streams.remove(stream)
@@ -299,6 +335,15 @@ def compare_streams(a_probe: Path, b_probe: Path) -> StreamComparison:
         count, before = result.at.get(update, (0, []))
         result.at[update] = (count + len(b_rows[(rank, update)]), before + differ)
     _compare_state_tensors(result, read_tensors(a_probe), read_tensors(b_probe))
+    ranks = {rank for rank, _ in a_globals}
+    if any((r, 1) in a_globals and (r, 2) in a_globals for r in ranks):
+        result.drawn = sorted({
+            name
+            for r in ranks
+            for name, digest in a_globals.get((r, 1), {}).items()
+            if (r, 2) in a_globals and a_globals[(r, 2)].get(name) != digest
+        })  # fmt: skip
+    result.dropout = read_dropout(a_probe)
     return result
 
 
@@ -323,3 +368,18 @@ def _compare_state_tensors(
         ]
         if lost:
             result.lost.setdefault(update, []).extend(lost)
+
+
+def compare_digests(a_dir: Path, b_dir: Path) -> LogComparison:
+    """Compare the per-update digests of the parameters (train/digests-rank*.jsonl, digests.py): the first update
+    after which the two runs hold other parameters on some rank, among the updates both recorded."""
+    from torchrelay.digests import first_parting, read_digests
+
+    a, b = read_digests(a_dir), read_digests(b_dir)
+    result = LogComparison(what="digests")
+    result.compared_updates = max((u for rows in a.values() for u in rows), default=0)
+    update, ranks = first_parting(a, b)
+    if update is not None:
+        result.first_update, result.rank, result.keys = update, ranks[0], ["params"]
+        result.detail = f"the parameters after update {update} differ on rank(s) {', '.join(map(str, ranks))}"
+    return result

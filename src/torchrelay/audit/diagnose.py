@@ -16,7 +16,10 @@ DATA_ORDER = "data order not restored"
 NONDETERMINISM = "non-deterministic kernels"
 UNREGISTERED = "state not registered with torchrelay"
 RANK_STATE = "state that differs by rank restored from one copy"
-CAUSES = (RNG, DATA_ORDER, NONDETERMINISM, UNREGISTERED, RANK_STATE)
+NOT_RESTORED = "state saved but not restored by its load_state_dict"
+UNSEEDED = "random stream not seeded from the run's seed"
+UNKNOWN = "unknown"
+CAUSES = (RNG, DATA_ORDER, NONDETERMINISM, UNREGISTERED, RANK_STATE, NOT_RESTORED, UNSEEDED, UNKNOWN)
 
 # Metric keys that a learning-rate schedule writes; a difference here first points at the scheduler.
 LR_KEYS = ("lr", "learning_rate")
@@ -50,6 +53,7 @@ class Evidence:
     streams: StreamComparison | None = None  # the probe's random-stream digests where segments began
     tensors_at: int | None = None  # the checkpoint `tensors` compares (the first that differs, else the last)
     final_equal: bool = True  # the last checkpoint's tensors are equal (a difference may have faded by then)
+    digests: LogComparison | None = None  # the parameters' per-update digests (digests.py)
 
     @property
     def resumes(self) -> list[int]:
@@ -68,6 +72,10 @@ FIXES = {
     RANK_STATE: "let each rank save its own values: track the module or object with run.track(...) and have its "
     "state_dict() return this rank's values (not rank 0's, not a mean over ranks); torchrelay stores what differs "
     "between ranks once per rank (docs/FORMATS.md)",
+    NOT_RESTORED: "make the object's load_state_dict(state) set every value its state_dict() returns",
+    UNSEEDED: "seed it from the run's seed (torch.Generator().manual_seed(cfg.seed + rank), random.Random(seed)); "
+    "do not reseed the global generators from the OS or the clock after Run.open (docs/LOOP.md)",
+    UNKNOWN: "compare the first differing values named here; `torchrelay audit --keep` keeps both runs to look",
 }
 
 
@@ -117,6 +125,41 @@ def _lost_state(streams: StreamComparison | None, update: int, parted_at: str) -
     ]
 
 
+def _not_restored(ev: Evidence, parted_at: str) -> list[Cause]:
+    """A registered stateful whose saved values differ at the first checkpoint after a resume while nothing else
+    there does: it was saved (the checkpoint holds it) but its load_state_dict left it as the new process made it."""
+    at = ev.tensors_at
+    if at is None or at not in ev.resumes or ev.tensors.equal:
+        return []
+    names = [d.name for d in ev.tensors.differing]
+    if not all(n.startswith("state/") for n in names):
+        return []
+    shown = [f"{d.name} ({d.note})" if d.note else d.name for d in ev.tensors.differing]
+    holders = sorted({n.removeprefix("state/").split(".", 1)[0].split("@rank")[0] for n in names})
+    return [
+        _cause(
+            NOT_RESTORED,
+            f"{parted_at}; in {checkpoint_name(at)}, the first after a resume, only registered state differs: "
+            f"{_names(shown)}, while every model and optimizer tensor is equal: the registered "
+            f"{', '.join(holders)} saved these values and the resume did not bring them back",
+        )
+    ]
+
+
+def _first_values(ev: Evidence) -> str:
+    """The first differing values the comparison found, for a cause that the evidence cannot name."""
+    shown = [
+        f"{d.name} ({d.note})" if d.note else f"{d.name} by {d.max_abs:.3g}" for d in ev.tensors.differing
+    ]
+    at = f" in {checkpoint_name(ev.tensors_at)}" if ev.tensors_at is not None else ""
+    parted = (
+        f"; the parameters first part after update {ev.digests.first_update} (per-update digests)"
+        if ev.digests is not None and not ev.digests.equal
+        else ""
+    )
+    return parted + (f"; first differing values{at}: {_names(shown, 3)}" if shown else "")
+
+
 def _lr_first(metrics: LogComparison) -> int | None:
     found = [metrics.first_by_key[k] for k in LR_KEYS if k in metrics.first_by_key]
     return min(found) if found else None
@@ -138,7 +181,8 @@ def _confirm_nondeterminism(rerun: Rerun | None, before: str) -> list[Cause] | N
 
 def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
     """The likely causes, most likely first; empty when the runs are equal."""
-    if ev.metrics.equal and ev.ledger.equal and ev.tensors.equal:
+    digests_equal = ev.digests is None or ev.digests.equal
+    if ev.metrics.equal and ev.ledger.equal and ev.tensors.equal and digests_equal:
         return []  # a differing validation loader, say, does not make training differ
     first_stop = min(ev.stops) if ev.stops else None
     own = ev.own_batches
@@ -151,6 +195,20 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
     # 1. Parting before any stop cannot be caused by resuming: the two runs were still the same launch.
     if first is not None and first_stop is not None and first <= first_stop:
         where = f"the runs part at update {first}, before the first stop after update {first_stop}"
+        unseeded = ev.streams.unseeded() if ev.streams is not None else []
+        if unseeded:
+            return [
+                _cause(
+                    UNSEEDED,
+                    f"{where}; {_names(unseeded)} start update 1 in another state in two launches of the same "
+                    "script: seeded from the OS's entropy (or the clock), so every launch draws other numbers",
+                )
+            ]
+        if ev.streams is not None and ev.streams.seen(1):
+            where += (
+                "; every random stream the script holds and the global generators start update 1 in the same "
+                "state in both launches"
+            )
         confirmed = _confirm_nondeterminism(rerun, where)
         if confirmed:
             return confirmed
@@ -203,7 +261,7 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             f"{keys} part at update {first}, the first update after a resume, with equal ledgers and LR"
         )
         streams = ev.streams
-        by_tensors = _lost_state(streams, first, parted_at)
+        by_tensors = _lost_state(streams, first, parted_at) or _not_restored(ev, parted_at)
         if by_tensors:
             return by_tensors
         if streams is not None and streams.differing(first):
@@ -235,7 +293,8 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
         return [
             _cause(
                 RNG,
-                f"{parted_at}: a random stream (generator, dropout, augmentation) restarted instead of continuing",
+                f"{parted_at}: a random stream (a generator the script holds, an augmentation's) restarted "
+                "instead of continuing",
             ),
             _cause(UNREGISTERED, f"or non-random state read at update {first} was not restored"),
         ]
@@ -243,6 +302,11 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
     # 5. Parting later in a segment, or only in the saved tensors: rerun to separate noise from lost state.
     if first is not None:
         where = f"the runs part at update {first}, after a resume but not at one ({ev.metrics.detail})"
+    elif ev.tensors.equal and ev.digests is not None and not ev.digests.equal:
+        where = (
+            f"the logs and the compared checkpoints agree, but {ev.digests.detail} (the per-update digests): "
+            "the difference faded before the next compared checkpoint"
+        )
     else:
         top = ev.tensors.differing[0]
         in_ckpt = f" in {checkpoint_name(ev.tensors_at)}" if ev.tensors_at is not None else ""
@@ -258,9 +322,47 @@ def diagnose(ev: Evidence, rerun: Rerun | None = None) -> list[Cause]:
             by_tensors = _lost_state(ev.streams, resume, where)
             if by_tensors:
                 return by_tensors
+    by_values = _not_restored(ev, where)
+    if by_values:
+        return by_values
     confirmed = _confirm_nondeterminism(rerun, where)
     if confirmed:
         return confirmed
-    return [_cause(UNREGISTERED, where + ": state that is used only later was not restored")] + (
-        [] if confirmed == [] else [_cause(NONDETERMINISM, "or kernels that are not deterministic")]
-    )
+    if confirmed is None:  # no second run to tell lost state from a launch that does not repeat itself
+        return [_cause(UNKNOWN, where + _first_values(ev))]
+    return [_cause(UNREGISTERED, where + ": state that is used only later was not restored")]
+
+
+def layout_dropout_cause(streams: StreamComparison | None, spread: str) -> dict[str, str] | None:
+    """For a move to another world size that is outside its tolerance with the same samples: dropout, named only
+    when the processes held a dropout module with p > 0 and an update drew from torch's generator (whose per-rank
+    streams a move re-derives); None otherwise."""
+    if streams is None or not streams.dropout:
+        return None
+    if streams.drawn is not None and not any(n == "torch" or n.startswith("cuda") for n in streams.drawn):
+        return None
+    drew = " and an update draws from torch's generator" if streams.drawn else ""
+    return {
+        "name": "per-rank random numbers",
+        "evidence": f"{spread}; the ledger is the same, the model holds dropout ({_names(streams.dropout, 3)}){drew}: "
+        "a rank's torch RNG is re-derived at a move, so dropout draws other masks",
+        "fix": "draw dropout per sample with tr.sample_dropout (docs/ELASTIC.md), or set p to 0",
+    }
+
+
+def layout_unknown_cause(
+    spread: str, first: list[str], equal: list[str], streams: StreamComparison | None
+) -> dict[str, str]:
+    """The plain answer when no cause fits the evidence: what differs first, what stayed bit-equal, what was ruled out."""
+    ruled = []
+    if streams is not None and streams.dropout == []:
+        ruled.append("the model holds no dropout")
+    if streams is not None and streams.drawn == []:
+        ruled.append("no update draws from a global generator")
+    return {
+        "name": UNKNOWN,
+        "evidence": f"{spread}; the ledger is the same; outside first: {_names(first, 3)}"
+        + (f"; bit-equal: {_names(equal, 3)}" if equal else "")
+        + (f"; {', '.join(ruled)}" if ruled else ""),
+        "fix": FIXES[UNKNOWN],
+    }

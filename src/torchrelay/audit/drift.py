@@ -39,6 +39,20 @@ measured 0.9 eps for that bias in both float32 and float64, against 5e6 eps and 
 tensor. Elements whose gradient is exactly nil (a ReLU unit that never fires, an embedding row never drawn) fall
 under the same rule; they move apart by nothing anyway. An optimizer without a second moment (SGD) does not
 amplify noise, and nothing is set aside.
+
+Why a step that depends on the layout has its own term. torch.optim.Muon's Newton-Schulz step on a matrix that FSDP2
+shards rounds otherwise on another number of ranks (audit/step_probe.py): 2 to 8 % of the step, in bfloat16, far
+past eps. The audit takes that step at both layouts from the state at the move and measures its rounding rho; each
+parameter's bound then adds LAYOUT_FACTOR x rho x ||a - m|| (the rounding comes back with every update, in
+proportion to the step), with rho the measured rounding on the stepped matrices and, on every other parameter,
+that rounding times one step's relative size on the matrices (what of it reaches their gradient), from the second
+update after the move on (the first update's gradients are taken from the same weights on both layouts). Elements whose
+RMS gradient is under bfloat16's eps of the model's are then rounding noise (the step runs in bfloat16). Measured
+on the LingBot-shaped example (FSDP2, bf16 compute, fp32 reduce, Muon on the matrices and AdamW on the rest, 2 ->
+1 -> 2 ranks, compared 8 updates after the first move): a correct move at 0.55 of the bound (rho 0.076), the
+learning rate 1 % higher at 1.7, one sample left out at 6.5; the margin is that narrow because a 1 % change moves
+the AdamW parameters only 3 to 10 times further than Muon's rounding does, and the matrices themselves cannot tell
+them apart at all (the layout's rounding there is larger than 1 %).
 """
 
 from __future__ import annotations
@@ -51,11 +65,15 @@ from typing import Any
 
 import torch
 
+from torchrelay.audit.step_probe import StepRounding
 from torchrelay.rundir import RunDir
 from torchrelay.train_records import rank_logs
 from torchrelay.util.jsonl import iter_records
 
 TOLERANCE_FACTOR = 100.0
+# A layout-dependent step's measured rounding spreads over a run within this factor (module docstring).
+LAYOUT_FACTOR = 3.0
+_BF16_EPS = float(torch.finfo(torch.bfloat16).eps)
 # A parameter whose RMS gradient is at most this many eps of the whole model's received only rounding noise.
 NOISE_FACTOR = 1000.0
 
@@ -121,6 +139,7 @@ class Drift:
     params_rel_l2: float  # the whole model's relative L2, for information
     optimizer_rel_l2: float
     reference: bool  # whether the parameters at the move were known (else the step term is left out)
+    rounding: str = ""  # a layout-dependent step's measured rounding, when the bound holds it (step_probe.py)
 
     @property
     def judged(self) -> list[TensorDrift]:
@@ -166,6 +185,8 @@ class Drift:
             head += "; buffers differ by design: " + ", ".join(
                 f"{t.name} ({t.detail or f'{t.drift:.2g} relative'})" for t in buffers[:4]
             )
+        if self.rounding:
+            head += f"; {self.rounding}"
         return (
             head
             + f"; whole model {self.params_rel_l2:.3g} relative, optimizer state {self.optimizer_rel_l2:.3g}"
@@ -222,7 +243,11 @@ def _model_rms(moments: dict[str, torch.Tensor], params: set[str]) -> float:
 
 
 def measure_drift(
-    ckpt_a: Path, ckpt_b: Path, updates_since_change: int, reference: Path | None = None
+    ckpt_a: Path,
+    ckpt_b: Path,
+    updates_since_change: int,
+    reference: Path | None = None,
+    rounding: StepRounding | None = None,
 ) -> Drift:
     """The drift between two checkpoints of the same update; `reference`: run a's checkpoint at the move (its
     parameters there give the size of the optimizer's own step since). See the module's docstring for the rule."""
@@ -230,9 +255,26 @@ def measure_drift(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        ta, tb = dict(load_tensors(ckpt_a)), dict(load_tensors(ckpt_b))
-        tm = dict(load_tensors(reference)) if reference is not None else {}
-    return drift_of(ta, tb, updates_since_change, tm)
+        ta, tb = _named(ckpt_a, load_tensors(ckpt_a)), _named(ckpt_b, load_tensors(ckpt_b))
+        tm = _named(reference, load_tensors(reference)) if reference is not None else {}
+    return drift_of(ta, tb, updates_since_change, tm, rounding)
+
+
+def _named(ckpt: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors with a DeepSpeed ZeRO-1/2 engine's flat partitions (`optim@rank<r>.…`, another
+    number of them on each layout) replaced by the optimizer state per parameter (zero_reshard.named_state)."""
+    if not any(k.startswith("optim@rank") for k in tensors):
+        return dict(tensors)
+    from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG, safe_load
+    from torchrelay.checkpoint.state import read_trainer_state
+    from torchrelay.checkpoint.zero_reshard import named_state
+
+    record = read_trainer_state(ckpt).get("deepspeed") or {}
+    if record.get("zero_stage") not in (1, 2):
+        return dict(tensors)
+    folder = ckpt / str(record.get("dir", DS_DIR)) / str(record.get("tag", DS_TAG))
+    kept = {k: v for k, v in tensors.items() if not k.startswith("optim@rank")}
+    return kept | named_state(folder, safe_load)
 
 
 def drift_of(
@@ -240,8 +282,11 @@ def drift_of(
     tensors_b: dict[str, torch.Tensor],
     updates_since_change: int,
     reference: dict[str, torch.Tensor] | None = None,
+    rounding: StepRounding | None = None,
 ) -> Drift:
-    """measure_drift on checkpoints' flat tensors (`model.…`, `optim.…`, per rank `…@rank<r>`)."""
+    """measure_drift on checkpoints' flat tensors (`model.…`, `optim.…`, per rank `…@rank<r>`); `rounding`: the
+    measured rounding of a step that depends on the layout (step_probe.py), held in each parameter's bound."""
+    layout = rounding is not None and rounding.applies
     ta, tb, tm = split_ranks(tensors_a), split_ranks(tensors_b), split_ranks(reference or {})
     k = max(1, updates_since_change)
     moments = _second_moments(ta)
@@ -272,15 +317,17 @@ def drift_of(
                 continue
             dtype = va[0].dtype
             eps = torch.finfo(dtype).eps
+            noise = max(NOISE_FACTOR * eps, _BF16_EPS) if layout else NOISE_FACTOR * eps
+            rho = rounding.rho(name, k) if rounding is not None else 0.0
             x, y = a.double(), b.double()
             m = _merged(tm[name]).double() if name in tm and tm[name][0].shape == a.shape else x
             # Elements whose RMS gradient is rounding noise: Adam normalizes it into full-size steps (module doc).
             quiet = torch.zeros(x.shape, dtype=torch.bool)
             if name in moments and model_rms > 0 and moments[name].shape == a.shape:
-                quiet = moments[name].clamp(min=0).sqrt() <= NOISE_FACTOR * eps * model_rms
+                quiet = moments[name].clamp(min=0).sqrt() <= noise * model_rms
             keep = ~quiet
             diff, step, size = _norm((x - y)[keep]), _norm((x - m)[keep]), _norm(x[keep])
-            scale = eps * (k * step + size)
+            scale = eps * (k * step + size) + rho * step * LAYOUT_FACTOR / TOLERANCE_FACTOR
             units = 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
             pairs.append((x, y))
             n_quiet = int(quiet.sum())
@@ -308,6 +355,7 @@ def drift_of(
         params_rel_l2=_rel_l2(pairs),
         optimizer_rel_l2=_rel_l2(optim),
         reference=bool(tm),
+        rounding=rounding.line() if layout and rounding is not None else "",
     )
 
 

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from torchrelay.audit import diagnose
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
+from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
+from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.layout import checkpoint_name
 from torchrelay.rundir import RunDir
 from torchrelay.util.records import read_json_or_none
+
+if TYPE_CHECKING:
+    from torchrelay.audit.compare import StreamComparison
 
 _NPROC = ("--nproc_per_node", "--nproc-per-node")
 
@@ -95,6 +101,11 @@ class LayoutAudit:
                 if self.exact
                 else "WITHIN TOLERANCE: the same samples in the same updates; the parameters differ by "
                 "reduction order only"
+                + (
+                    " and the optimizer's measured rounding"
+                    if any(d.rounding for d in self.drift.values())
+                    else ""
+                )
             )
         else:
             out.append(
@@ -109,7 +120,9 @@ class LayoutAudit:
         return out
 
 
-def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str, str]]:
+def likely_causes(
+    ledger: LedgerDiff, drift: dict[int, Drift], facts: StreamComparison | None = None
+) -> list[dict[str, str]]:
     """What most likely moved the run beyond rounding, from what the comparison saw (likeliest first)."""
     if not ledger.equal:
         if "micro_batch changed" in ledger.detail:
@@ -138,31 +151,31 @@ def likely_causes(ledger: LedgerDiff, drift: dict[int, Drift]) -> list[dict[str,
         f", from {checkpoint_name(first)}" if first else ""
     )
     per_rank = sorted({t.name for d in drift.values() for t in d.tensors if "per rank" in t.detail})
-    causes = [
-        {
-            "name": "per-rank random numbers",
-            "evidence": f"{spread}; the ledger is the same, so the forward itself changed: a rank's torch RNG is "
-            "re-derived at a move, so nn.Dropout (or torch.rand on it) draws other masks",
-            "fix": "draw dropout per sample with tr.sample_dropout (docs/ELASTIC.md), or set p to 0",
-        },
-        {
-            "name": "per-rank buffers",
-            "evidence": (
-                f"stored per rank: {', '.join(per_rank[:3])}; each rank's statistics come from its own "
-                "micro-batches, so a forward that reads them (eval mode, a loss on them) changes with the layout"
-                if per_rank
-                else "no buffer is stored per rank here"
-            ),
-            "fix": "use SyncBatchNorm (CUDA) or GroupNorm/LayerNorm, or keep running statistics out of the loss",
-        },
+    # Named only from evidence: dropout where the processes held it (the audit's probe), per-rank buffers where
+    # some were stored per rank; else what differs first, and "unknown" (audit/diagnose.py).
+    dropout = diagnose.layout_dropout_cause(facts, spread)
+    causes = [dropout] if dropout else []
+    if per_rank:
+        causes.append(
+            {
+                "name": "per-rank buffers",
+                "evidence": f"stored per rank: {', '.join(per_rank[:3])}; each rank's statistics come from its own "
+                "micro-batches, so a forward that reads them (eval mode, a loss on them) changes with the layout",
+                "fix": "use SyncBatchNorm (CUDA) or GroupNorm/LayerNorm, or keep running statistics out of the loss",
+            }
+        )
+    if not causes:
+        at = drift[first] if first is not None else next(iter(drift.values()))
+        worst = sorted((t for t in at.judged if t.drift > TOLERANCE_FACTOR), key=lambda t: -t.drift)
+        same = [t.name for t in at.judged if t.drift == 0.0]
+        causes.append(diagnose.layout_unknown_cause(spread, [t.name for t in worst], same, facts))
+    causes.append(
         {
             "name": "a hyper-parameter computed from the layout",
             "evidence": "a learning rate scaled by world_size, or a loss divided by a fixed accumulation count",
             "fix": "compute them from the global batch (cfg.global_batch_for) or cfg.grad_accum as the run has it",
-        },
-    ]
-    if not per_rank:
-        causes.pop(1)
+        }
+    )
     return causes
 
 
@@ -172,26 +185,44 @@ def _elastic_exact(run_dir: Path) -> bool:
     return isinstance(cfg, dict) and cfg.get("elastic") == "exact"
 
 
-def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points: list[int]) -> LayoutAudit:
+def layout_verdict(
+    a: Path,
+    b: Path,
+    worlds: list[int],
+    stops: list[int],
+    points: list[int],
+    rounding: StepRounding | None = None,
+) -> LayoutAudit:
     """Compare an uninterrupted run `a` with the same run relayed across world sizes `b` (moved after each stop)
-    at checkpoints `points`: the ledgers, then each parameter's drift (or every bit, under elastic: exact)."""
-    from torchrelay.audit.compare import compare_checkpoints
+    at checkpoints `points`: the ledgers, then each parameter's drift (or every bit, under elastic: exact);
+    `rounding`: a layout-dependent step's rounding measured before (else measured here from `a` at the move)."""
+    from torchrelay.audit.compare import compare_checkpoints, load_checkpoint_tensors
 
     ledger = compare_ledgers(a, b)
     reference = RunDir(a).checkpoint(stops[0])
-    ref = reference if (reference / "model").is_dir() else None
+    # the parameters at the move: DCP's model folder, or a DeepSpeed engine's files
+    ref = reference if (reference / "model").is_dir() or (reference / DS_DIR).is_dir() else None
     compared = [p for p in points if p > stops[0]]
+    exact = _elastic_exact(a)
+    # A step that depends on the layout (Muon on sharded matrices) is taken at each world size from the state at
+    # the move: its own rounding joins each parameter's bound (audit/step_probe.py).
+    if rounding is None and ref is not None and not exact:
+        rounding = measure_step_rounding(ref, worlds)
     drift = {
-        p: measure_drift(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p), p - stops[0], ref)
+        p: measure_drift(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p), p - stops[0], ref, rounding)
         for p in compared
     }
-    exact = _elastic_exact(a)
     bits = {}
     if exact:
         bits = {
             p: [
                 d.name
-                for d in compare_checkpoints(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p)).differing
+                for d in compare_checkpoints(
+                    # the tensors only: generators and per-rank values are the layout's own
+                    RunDir(a).checkpoint(p),
+                    RunDir(b).checkpoint(p),
+                    loader=load_checkpoint_tensors,
+                ).differing
             ]
             for p in compared
         }
@@ -205,7 +236,11 @@ def layout_verdict(a: Path, b: Path, worlds: list[int], stops: list[int], points
         bit_differing=bits,
     )
     if not audit.ok:
-        audit.causes = likely_causes(ledger, drift)
+        from torchrelay.audit.compare import compare_streams
+
+        probe = a.parent / "probe"  # run_layout_audit's probe records, where it ran one
+        facts = compare_streams(probe / a.name, probe / b.name) if probe.is_dir() else None
+        audit.causes = likely_causes(ledger, drift, facts)
     return audit
 
 
@@ -233,7 +268,12 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
     # The first stop's checkpoint too: the parameters at the move, from which the optimizer's own step is measured.
     keep = sorted({*points, stops[0]})
     others = {k: v for k, v in spec.vary.items() if k != "world_size"}
+    from torchrelay.audit import probe
+
     env = dict(os.environ)
+    # The probe looks inside the processes (dropout modules, which generators an update draws from) for the cause.
+    env[probe.STREAMS_AT_ENV] = "1,2"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe.SITE_DIR), env.get("PYTHONPATH")) if p)
     straight = run_segments(
         "uninterrupted",
         with_world_size(spec.launch, worlds[0]),
@@ -241,7 +281,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
         work / "logs",
         [target],
         vary={k: v[:1] for k, v in others.items()},
-        env=env,
+        env=env | {probe.ENV: str(work / "probe" / "uninterrupted")},
         launcher=subprocess_launcher,
         timeout_s=spec.timeout_s,
         on_segment=on_segment,
@@ -254,7 +294,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
         work / "logs",
         [*stops, target],
         vary=others,
-        env=env | {RESHARD_ENV: "1"},
+        env=env | {RESHARD_ENV: "1", probe.ENV: str(work / "probe" / "interrupted")},
         argv_for=lambda i: with_world_size(spec.launch, worlds[i % len(worlds)]),
         launcher=subprocess_launcher,
         timeout_s=spec.timeout_s,

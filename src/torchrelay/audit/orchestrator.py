@@ -177,7 +177,11 @@ def run_audit(
         env = dict(os.environ)
         if spec.probe:
             env[probe.ENV] = str(work / "probe" / name)
-            env[probe.STREAMS_AT_ENV] = ",".join(str(stop + 1) for stop in stops)
+            # Update 1 (both runs fresh launches: a stream that differs there was never seeded), update 2 (which
+            # global generators an update draws from) and the first update of each continued segment.
+            env[probe.STREAMS_AT_ENV] = ",".join(
+                str(u) for u in sorted({1, 2, *(stop + 1 for stop in stops)})
+            )
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe.SITE_DIR), env.get("PYTHONPATH")) if p)
         return run_segments(
             name,
@@ -208,6 +212,7 @@ def run_audit(
     ignore = frozenset(spec.ignore_keys)
     metrics = compare.compare_metrics(a, b, spec.atol, ignore)
     ledger = compare.compare_ledgers(a, b)
+    digests = compare.compare_digests(a, b)
     own = compare.compare_own_batches(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
     own_loaders = probe.samplers(work / "probe" / "interrupted")
     streams = compare.compare_streams(work / "probe" / "uninterrupted", work / "probe" / "interrupted")
@@ -226,9 +231,10 @@ def run_audit(
         streams=streams if spec.probe else None,
         tensors_at=tensors_at,
         final_equal=by_point[target].equal,
+        digests=digests,
     )
     causes = diagnose.diagnose(evidence, rerun if spec.confirm_nondeterminism else None)
-    equal = tensors.equal and metrics.equal and ledger.equal
+    equal = tensors.equal and metrics.equal and ledger.equal and digests.equal
     script = find_script(spec.launch)
     history = read_history(b)
     result = verdict.Verdict(
@@ -243,6 +249,7 @@ def run_audit(
         ignored_keys=sorted(ignore),
         tensors_equal=tensors.equal,
         tensors_compared=tensors.compared,
+        values_compared=tensors.values_compared,
         tensors_differing=len(tensors.differing),
         top_tensors=[
             {"name": d.name, "max_abs": d.max_abs, "note": d.note} for d in tensors.differing[:TOP_TENSORS]
@@ -253,6 +260,7 @@ def run_audit(
                 "update": point,
                 "after_stop": point - 1 if point - 1 in stops else None,
                 "compared": t.compared,
+                "values": t.values_compared,
                 "differing": len(t.differing),
                 "top": t.differing[0].name if t.differing else None,
             }
@@ -265,6 +273,9 @@ def run_audit(
         ledger_equal=ledger.equal,
         ledger_first_update=ledger.first_update,
         ledger_detail=ledger.detail,
+        digests_compared=digests.compared_updates,
+        digests_first_update=digests.first_update,
+        digests_detail=digests.detail,
         own_loaders=own_loaders,
         own_batches_equal=own.equal,
         own_batches_first_update=own.first_update,

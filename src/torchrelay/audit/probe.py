@@ -246,11 +246,55 @@ def state_tensors() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def global_streams() -> dict[str, str]:
+    """{name: digest} of the global generators torchrelay seeds or restores: Python's `random`, numpy's, torch's
+    CPU generator and each CUDA device's. Two launches that start update 1 with one in another state drew it
+    from the OS; one that moves between the starts of two updates is drawn from during an update."""
+    import random
+
+    import torch
+
+    states: dict[str, bytes] = {
+        "random": repr(random.getstate()).encode(),
+        "torch": bytes(torch.get_rng_state().numpy().tobytes()),
+    }
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        states["numpy"] = repr(numpy.random.get_state(legacy=False)).encode()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"cuda:{i}"] = bytes(state.numpy().tobytes())
+    return {k: hashlib.sha256(v).hexdigest()[:20] for k, v in sorted(states.items())}
+
+
+def dropout_modules() -> list[str]:
+    """`<name> p=<p>` of each dropout module with p > 0 in the tracked model and the modules the script holds."""
+    import torch
+
+    kinds = (torch.nn.modules.dropout._DropoutNd,)
+    roots: list[tuple[str, Any]] = []
+    tracked = getattr(_state.get("run"), "_tracked", None)
+    if tracked is not None and tracked.model is not None:
+        roots.append(("model", tracked.model))
+    roots += [(n, o) for n, o in _script_roots() if isinstance(o, torch.nn.Module)]
+    found: dict[int, str] = {}
+    for root_name, root in roots:
+        for name, module in root.named_modules():
+            if isinstance(module, kinds) and float(getattr(module, "p", 0.0)) > 0 and id(module) not in found:
+                found[id(module)] = f"{root_name}.{name}".rstrip(".") + f" p={module.p:g}"
+    return sorted(found.values())
+
+
 def _record_streams(update: int) -> None:
     rank = os.environ.get("RANK", "0")
     line: dict[str, Any] = {"update": update, "streams": random_streams()}
     with contextlib.suppress(Exception):  # the stream digests stand on their own
         line["tensors"] = state_tensors()
+    with contextlib.suppress(Exception):
+        line["globals"] = global_streams()
+    with contextlib.suppress(Exception):
+        line["dropout"] = dropout_modules()
     _append(f"streams-rank{rank}.jsonl", line)
 
 
@@ -290,6 +334,27 @@ def read_tensors(folder: Path) -> dict[tuple[int, int], dict[str, str]]:
             if isinstance(row.get("tensors"), dict):
                 out[(rank, int(row["update"]))] = {str(k): str(v) for k, v in row["tensors"].items()}
     return out
+
+
+def read_globals(folder: Path) -> dict[tuple[int, int], dict[str, str]]:
+    """`{(rank, update): {generator: digest}}` of the global generators at the start of each recorded update."""
+    out: dict[tuple[int, int], dict[str, str]] = {}
+    for path in sorted(folder.glob("streams-rank*.jsonl")) if folder.is_dir() else []:
+        rank = int(path.stem.removeprefix("streams-rank"))
+        for row in read_records(path):
+            if isinstance(row.get("globals"), dict):
+                out[(rank, int(row["update"]))] = {str(k): str(v) for k, v in row["globals"].items()}
+    return out
+
+
+def read_dropout(folder: Path) -> list[str] | None:
+    """The dropout modules (p > 0) any recorded scan saw; None when no scan recorded them."""
+    seen: set[str] | None = None
+    for path in sorted(folder.glob("streams-rank*.jsonl")) if folder.is_dir() else []:
+        for row in read_records(path):
+            if isinstance(row.get("dropout"), list):
+                seen = (seen or set()) | {str(x) for x in row["dropout"]}
+    return None if seen is None else sorted(seen)
 
 
 def read(folder: Path) -> dict[int, list[tuple[int, str]]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -147,6 +148,31 @@ def _tail(log: Path, lines: int = 25) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
+_SAID = re.compile(r"^torchrelay(?: \[rank \d+\])?: ")
+
+
+def said(log: Path) -> tuple[str, str | None] | None:
+    """The first one-line message a rank printed in a segment's log (`torchrelay: ...`) and its hint, or None:
+    what a refused or failed segment says, far above the tail that torchrun's own failure report fills."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for i, line in enumerate(lines):
+        if _SAID.match(line):
+            hint, details = None, []  # its indented lines: the fields a refusal names, then the hint
+            for more in lines[i + 1 :]:
+                if not more.startswith("  "):
+                    break
+                if more.startswith("  hint: "):
+                    hint = more.removeprefix("  hint: ").strip()
+                else:
+                    details.append(more.strip())
+            message = line.split(": ", 1)[1].strip()
+            return " ".join([message, "; ".join(details[:4])]).strip(), hint
+    return None
+
+
 def _last_segment(run_dir: Path) -> tuple[str | None, int | None]:
     """How the newest segment in history.jsonl ended, and its last update."""
     from torchrelay.history import read_history
@@ -208,9 +234,12 @@ def run_segments(
         last = index == len(stop_after) - 1
         stopped = ended == "request" or (last and ended == "finished")
         if not stopped or last_update != stop:
+            what = f"{name} run, segment {index + 1}: asked to stop after update {stop}, the launch exited {code}"
+            found = said(log) if ended in ("refused", "error") else None
+            if found is not None:  # the rank's own line, not the tail of torchrun's report
+                raise AuditError(f"{what}: {found[0]} (log {log})", hint=found[1])
             raise AuditError(
-                f"{name} run, segment {index + 1}: asked to stop after update {stop}, the launch exited {code} and "
-                f"history.jsonl says it ended {ended!r} at update {last_update}; log {log}:\n{_tail(log)}",
+                f"{what} and history.jsonl says it ended {ended!r} at update {last_update}; log {log}:\n{_tail(log)}",
                 hint="run the command by hand with TORCHRELAY_RUN_DIR set; it must use torchrelay.Run, reach "
                 "--updates before its total_updates, and reach run.steps() before its first update boundary",
             )

@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from rich.table import Table
 from torchrelay.layout import checkpoint_label
 from torchrelay.numerics import describe as describe_numerics
 from torchrelay.numerics import fingerprint
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_json
 from torchrelay.util.records import read_json_or_none
 
@@ -41,11 +41,15 @@ class Verdict:
     ignored_keys: list[str] = field(default_factory=list)
     tensors_equal: bool = True
     tensors_compared: int = 0
+    values_compared: int = (
+        0  # restored values that are not tensors: statefuls' numbers, strings, param groups
+    )
     tensors_differing: int = 0
     top_tensors: list[dict[str, Any]] = field(default_factory=list)  # {"name", "max_abs", "note"}
     tensors_first_update: int | None = None  # the first compared checkpoint whose tensors differ
     # one per compared checkpoint: {"update", "after_stop" (the stop it is the first checkpoint after, or null),
-    # "compared", "differing", "top" (the most differing tensor's name, or null)}
+    # "compared" (tensors), "values" (other restored values), "differing" (of both), "top" (the most differing
+    # tensor's or value's name, or null)}
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     metrics_equal: bool = True
     metrics_first_update: int | None = None
@@ -54,6 +58,10 @@ class Verdict:
     ledger_equal: bool = True
     ledger_first_update: int | None = None
     ledger_detail: str = ""
+    # the parameters' per-update digests (digests.py): the first update after which they differ, None if never
+    digests_compared: int = 0  # updates both runs recorded a digest for (0: none recorded)
+    digests_first_update: int | None = None
+    digests_detail: str = ""
     own_loaders: list[str] = field(default_factory=list)  # sampler classes of the script's own DataLoaders
     own_batches_equal: bool = True
     own_batches_first_update: int | None = None
@@ -93,6 +101,8 @@ class Verdict:
             )
         where = self.metrics_first_update or self.ledger_first_update
         part = f" from update {where}" if where else ""
+        if self.digests_first_update is not None:
+            part += f"; parameters part after update {self.digests_first_update}"
         return f"NOT equal{part}; likely cause: {self.cause or 'unknown'}; {holds_for(self.numerics)}"
 
 
@@ -120,7 +130,8 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
     table.add_row(
         "tensors",
         _mark(verdict.tensors_equal),
-        f"{verdict.tensors_compared} compared, {verdict.tensors_differing} differ"
+        f"{verdict.tensors_compared} tensors and {verdict.values_compared} values "
+        f"compared, {verdict.tensors_differing} differ"
         + (f" in {checkpoint_label(verdict.tensors_first_update)}" if verdict.tensors_first_update else "")
         + (f" (atol {verdict.atol:g})" if verdict.atol else " (bit for bit)"),
     )
@@ -129,7 +140,7 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         table.add_row(
             f"  {checkpoint_label(point['update'])}",
             _mark(not point["differing"]),
-            f"{after}: {point['compared']} tensors"
+            f"{after}: {point['compared']} tensors, {point.get('values', 0)} values"
             + (f", {point['differing']} differ, most {point['top']}" if point["differing"] else ""),
         )
     table.add_row(
@@ -146,6 +157,14 @@ def render_table(verdict: Verdict, console: Console | None = None) -> None:
         if verdict.ledger_equal
         else f"first part at update {verdict.ledger_first_update}: {verdict.ledger_detail}",
     )
+    if verdict.digests_compared:
+        table.add_row(
+            "update digests",
+            _mark(verdict.digests_first_update is None),
+            f"the parameters after each of {verdict.digests_compared} updates"
+            if verdict.digests_first_update is None
+            else f"first part after update {verdict.digests_first_update}: {verdict.digests_detail}",
+        )
     if verdict.own_loaders:
         table.add_row(
             "own DataLoaders",
@@ -199,11 +218,7 @@ def _path_key(script_path: str | Path) -> str:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")  # fsynced, then its folder
 
 
 def save(verdict: Verdict) -> list[Path]:

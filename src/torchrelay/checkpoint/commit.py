@@ -22,7 +22,7 @@ from torchrelay import kill_points
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, inventory_entry, list_files, write_inventory
-from torchrelay.checkpoint.retention import PreservationPolicy, decide
+from torchrelay.checkpoint.retention import AnyOf, PreservationPolicy, SavedNow, decide
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.checkpoint.state.records import MODEL_DIR
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
@@ -184,8 +184,9 @@ def _retain(run_dir: Path, retention: PreservationPolicy) -> None:
     """Delete the complete checkpoints the policy does not preserve; never the newest, never an incomplete or
     handed-off one (the fork guard's marker must stay where `pack` put it)."""
     complete = {c.update: c for c in list_checkpoints(run_dir) if c.complete and not c.handed_off}
+    asked = SavedNow(frozenset(u for u, c in complete.items() if c.saved_now))  # step.save_now's, kept
     newest = None  # `deleted` is oldest first
-    for update in decide(retention, complete).deleted:
+    for update in decide(AnyOf((retention, asked)), complete).deleted:
         newest = run_dir / f"{DELETING_PREFIX}{update}-{os.getpid()}"
         os.rename(complete[update].path, newest)
     # The newest retired one's tensor files are written over by the next save (a DeepSpeed engine's, written by

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import mmap
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ from torchrelay.checkpoint.inventory import safe_relpath
 from torchrelay.checkpoint.items import _parse_item, _refuse_transforms
 from torchrelay.checkpoint.verified_read import SafeReader
 from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput
+from torchrelay.tuning import LoadTuning
 from torchrelay.util.gcpause import no_collections
+from torchrelay.util.safepath import open_regular
 
 __all__ = ["SafeReader", "load", "read_metadata", "read_tensor", "save"]
 
@@ -47,17 +50,21 @@ def load(
     expected: dict[str, tuple[Any, ...]] | None = None,
     stats: dict[str, float] | None = None,
     metadata: Metadata | None = None,
+    tuning: LoadTuning | None = None,
 ) -> set[str]:
     """Fill `state`'s tensors in place from `directory`. With `expected` ({name: (SHA-256, size)} of the files
     in `directory`, or (SHA-256, size, (part size, states)) for a file whose inventory entry lists its SHA-256
     states: util/sha256_parts.py), each file read is verified as it is read; returns the names of the files verified.
     `stats`, if given, receives the seconds each phase took, summed over its threads (read, hash, parse, copy).
-    `metadata`: `directory`'s, already read by the caller with read_metadata (not parsed a second time)."""
+    `metadata`: `directory`'s, already read by the caller with read_metadata (not parsed a second time).
+    `tuning`: threads, buffers and reads of the verified reader (none of it changes a byte loaded)."""
     began = time.perf_counter()
     if metadata is None:
         metadata = read_metadata(directory)  # refuse a tampered file before DCP opens anything
     checked = time.perf_counter()
-    reader = SafeReader(str(directory), expected, metadata)  # which DCP then plans with: it is parsed once
+    reader = SafeReader(
+        str(directory), expected, metadata, tuning
+    )  # which DCP then plans with: it is parsed once
     try:
         with no_collections():  # the plan's and the reads' objects: no walk of the whole heap among them
             dcp.load(state, storage_reader=reader, no_dist=no_dist)
@@ -122,7 +129,8 @@ def _read_chunk(
     _refuse_transforms(info, source, key)
     path = safe_relpath(model_dir, info.relative_path, source)
     short = f"{path}: ends before the {info.length} bytes of {key!r} at {info.offset}"
-    with open(path, "rb", buffering=0) as f:
+    fd, _ = open_regular(path, what="checkpoint tensor file", root=model_dir)  # a pipe in its place: refused
+    with os.fdopen(fd, "rb", buffering=0) as f:
         if f.seek(0, io.SEEK_END) < info.offset + info.length:
             raise CheckpointError(short)
         # the item's bytes are read into memory of their own and the tensor views them in place (as the verified

@@ -2,9 +2,8 @@
 flight, and the write, which may run later on the persist thread.
 
 `dcp.save` plans and writes in one call. Planning is pure Python over every tensor (flatten the document, one write
-item per tensor, gather the plans on the coordinator, dedup replicated tensors, build the metadata, scatter): for a
-432-tensor state it held the GIL for 0.1-0.3 s on the persist thread, and the update the loop ran meanwhile took
-1.4-4.5 x as long. Here the training thread plans while it would otherwise only wait for the copies to land, so the
+item per tensor, gather the plans on the coordinator, dedup replicated tensors, build the metadata, scatter): on the
+persist thread it held the GIL the loop's update needed for long enough to slow that update severalfold. Here the training thread plans while it would otherwise only wait for the copies to land, so the
 persist thread runs nothing but the writers. With one process the plan needs no collective at all (DCP still
 gathered over the default group, NCCL on a GPU, from the persist thread).
 
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torchrelay.checkpoint.persist import Digests, HashingWriter
+from torchrelay.tuning import SaveTuning
 from torchrelay.util import collective
 
 if (
@@ -95,12 +95,13 @@ class PlannedSave:
         background: bool = False,
         process: WriterProcess | None = None,
         spare: Path | None = None,
+        tuning: SaveTuning | None = None,
     ) -> None:
         """Write this rank's files into `directory` (each hashed into `digests` as written, fsynced); the
         coordinator then writes `.metadata`. `background`: on the persist thread (see HashingWriter); `process`:
         this rank's files by that writer process instead (writer_process.py), the same bytes; `spare`: a folder of
         spare files written over instead of new ones (recycle.py)."""
-        writer = HashingWriter(directory, digests, background=background, spare=spare)
+        writer = HashingWriter(directory, digests, background=background, spare=spare, tuning=tuning)
         _set_up(writer, self._ranks)
 
         def write_local() -> list[Any]:

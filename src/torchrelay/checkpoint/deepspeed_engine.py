@@ -10,8 +10,9 @@ DeepSpeed writes pickles (`torch.save`). They are read back only from a checkpoi
 inventory at open, for a run whose contract matched, and with `torch.load(weights_only=True)` admitting the three
 DeepSpeed classes its optimizer shards hold (`LOADABLE`): never DeepSpeed's own `weights_only=False`.
 
-A ZeRO optimizer is partitioned over the data-parallel ranks that saved it, so a ZeRO checkpoint continues only
-on that world size (DeepSpeed's universal checkpoint, which reshards, is not supported).
+A ZeRO-1/2 optimizer is partitioned over the data-parallel ranks that saved it; on another world size (a layout
+change, docs/ELASTIC.md) its partitions are resharded for the new ranks and the move proven (zero_reshard.py).
+ZeRO-3 continues only on the world size that saved it.
 """
 
 from __future__ import annotations
@@ -75,8 +76,17 @@ def _flatten(config: Any) -> dict[str, Any]:
     return flatten(config) if isinstance(config, dict) else {}
 
 
+# The layout's share of a DeepSpeed configuration: a move to another world size derives them (docs/ELASTIC.md),
+# and check_engine holds them against the run's own micro_batch and grad_accum instead.
+LAYOUT_KEYS = ("gradient_accumulation_steps", "train_batch_size")
+
+
 def _math(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in _flatten(config).items() if k.split(".")[0] not in RUNTIME_KEYS}
+    return {
+        k: v
+        for k, v in _flatten(config).items()
+        if k.split(".")[0] not in RUNTIME_KEYS and k not in LAYOUT_KEYS
+    }
 
 
 def check_engine(engine: Any, optimizer: Any, config: Any) -> None:
@@ -195,11 +205,11 @@ def load_engine(engine: Any, ckpt_dir: Path, record: dict[str, Any] | None) -> N
             hint="continue the run with the model and optimizer it was saved with",
         )
     saved_world = record.get("world_size")
-    if saved_world != world_size:
+    if saved_world != world_size and record.get("zero_stage") not in (1, 2):
         raise ConfigError(
-            f"{ckpt_dir.name}: its ZeRO optimizer is partitioned over {saved_world} ranks, this launch has "
-            f"{world_size}: a DeepSpeed ZeRO run continues only on the world size that saved it",
-            hint=f"launch {saved_world} ranks (torchrelay does not convert DeepSpeed's universal checkpoints)",
+            f"{ckpt_dir.name}: its ZeRO stage {record.get('zero_stage')} state is partitioned over {saved_world} "
+            f"ranks, this launch has {world_size}: only ZeRO-1/2 optimizer partitions are resharded",
+            hint=f"launch {saved_world} ranks",
         )
     stage = int(engine.zero_optimization_stage())
     if record.get("zero_stage") != stage:
@@ -208,17 +218,11 @@ def load_engine(engine: Any, ckpt_dir: Path, record: dict[str, Any] | None) -> N
             f"{stage} (params.{PARAMS_KEY}.zero_optimization.stage)",
             hint="continue with the DeepSpeed configuration the run was made with",
         )
-    previous = engine.checkpoint_engine
-    engine.checkpoint_engine = _VerifiedLoads(previous, ckpt_dir / DS_DIR)
-    try:
-        path, _ = engine.load_checkpoint(
-            str(ckpt_dir / DS_DIR),
-            tag=str(record.get("tag", DS_TAG)),
-            load_optimizer_states=True,
-            load_lr_scheduler_states=True,
-        )
-    finally:
-        engine.checkpoint_engine = previous
+    tag = str(record.get("tag", DS_TAG))
+    if saved_world != world_size:
+        path = _load_resharded(engine, ckpt_dir, tag, rank, world_size)
+    else:
+        path = _load(engine, ckpt_dir / DS_DIR, tag)
     if path is None:
         raise CheckpointError(f"{ckpt_dir / DS_DIR}: DeepSpeed found no checkpoint to load (rank {rank})")
     replay_cpu_adam(getattr(engine.optimizer, "optimizer", None))
@@ -227,6 +231,67 @@ def load_engine(engine: Any, ckpt_dir: Path, record: dict[str, Any] | None) -> N
             f"{ckpt_dir}: the engine resumed at global step {engine.global_steps}, the record says "
             f"{record.get('global_steps')}"
         )
+
+
+def _load(engine: Any, root: Path, tag: str) -> Any:
+    """engine.load_checkpoint of `root`, every read a weights_only load of a file inside it."""
+    previous = engine.checkpoint_engine
+    engine.checkpoint_engine = _VerifiedLoads(previous, root)
+    try:
+        path, _ = engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    finally:
+        engine.checkpoint_engine = previous
+    return path
+
+
+def _load_resharded(engine: Any, ckpt_dir: Path, tag: str, rank: int, world_size: int) -> Any:
+    """A ZeRO-1/2 checkpoint of another world size: its partitions cut for this one into a folder beside the
+    checkpoint (rank r writes its own), loaded, proven equal to the old ones gathered, and the folder removed."""
+    from torchrelay.checkpoint import zero_reshard
+
+    optimizer = engine.optimizer
+    if not hasattr(optimizer, "single_partition_of_fp32_groups"):
+        raise ConfigError(
+            f"{ckpt_dir.name}: this engine's optimizer ({type(optimizer).__name__}) keeps no ZeRO-1/2 flat "
+            "partitions torchrelay reshards",
+            hint="keep the world size the checkpoint was saved with",
+        )
+    folder = ckpt_dir.parent / f".zero-reshard-{ckpt_dir.name}"
+    if rank == 0:
+        zero_reshard.remove(folder)
+    _barrier()
+    sizes = [int(t.numel()) for t in optimizer.single_partition_of_fp32_groups]
+    verified = _VerifiedLoads(engine.checkpoint_engine, ckpt_dir / DS_DIR)
+    whole = zero_reshard.reshard_folder(
+        ckpt_dir / DS_DIR / tag, folder / tag, rank, world_size, sizes, verified.load
+    )
+    _barrier()
+    try:
+        path = _load(engine, folder, tag)
+        parts: list[Any] = [None] * world_size
+        if world_size > 1:
+            dist.all_gather_object(parts, zero_reshard.live_state(optimizer))
+        else:
+            parts = [zero_reshard.live_state(optimizer)]
+        differ = whole.equal(zero_reshard.assemble(parts))
+        if differ:
+            raise CheckpointError(
+                f"{ckpt_dir.name}: the ZeRO partitions moved to {world_size} ranks differ from the saved ones "
+                f"({', '.join(differ[:4])})",
+                hint="keep the world size the checkpoint was saved with, and report this",
+            )
+    finally:
+        _barrier()
+        if rank == 0:
+            zero_reshard.remove(folder)
+    return path
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def replay_cpu_adam(optimizer: Any) -> None:

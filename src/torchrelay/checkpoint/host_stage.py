@@ -1,6 +1,6 @@
 """Host buffers a save copies the state into: one per tensor, allocated once (page-locked for CUDA tensors, so the
 copy is a DMA at bus speed) and reused by every save. `HostStage.reserve` obtains them on a background thread ahead
-of the first save, paced so that the loop's CUDA calls never wait for it (PIN_PACE), and without the GIL: a
+of the first save, paced so that the loop's CUDA calls never wait for it (`SaveTuning.pin_pace`), and without the GIL: a
 touch of a buffer's pages runs in torch (which releases it), never in Python.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from torchrelay.checkpoint.torch_compat import dtensor_like, dtensor_local
+from torchrelay.tuning import SaveTuning
 
 # Nice value of the background threads (Linux: per thread). The loop keeps its core when cores are short.
 BACKGROUND_NICE = 10
@@ -35,48 +36,10 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-# How the buffers become page-locked (issue 22; benchmarks/bench_pin.py, RESULTS.md). cudaHostAlloc on a thread
-# blocks every CUDA call of the training thread for the whole allocation: 14.5 GB took 6-8 s on the H200 host, and
-# the update after the first one waited for all of it (77-102x its time). A registration (cudaHostRegister) of
-# memory already touched blocks the other threads' launches too, but only for its own length (17-28 GB/s: a few ms
-# per 64 MiB buffer; a thread waiting for the GPU is not held up). So each buffer is an anonymous mapping of its
-# own, advised to use huge pages, touched and then registered by one background thread at nice 10, one piece a
-# call (PIN_PIECE_BYTES), each call followed by PIN_PACE - 1 times its length asleep: in the real loop (DDP, NCCL,
-# 2026-12-04) no update over 1.1x, ready after 14-15 s for 14.5 GB (23-30 s on a fresh VM, whose never-touched
-# memory registers slower). A save asked for before that leaves the rest to the persist (below).
-PIN_PACE = 10
-# A save asked for before the reservation is done: the tensors whose buffers are not obtained yet are copied on the
-# device into spare device memory (a clone: device-to-device, a few ms for gigabytes), and the persist thread faults
-# their buffers in and copies the clones into them (pageable), off the loop, before it writes; a thread then
-# page-locks them, paced as the reservation is, before the next save's copies (`finish_deferred`). Without it, the
-# save's stall obtained the rest itself: on a fresh H200 host the first save at update 200 (16.5 s in) stalled
-# 1.95x the copy (RESULTS.md, issue 22 round five). Only when the
-# device has the room, past SPILL_HEADROOM of its memory left free (the loop's own peak is already held by torch's
-# allocator, so the clones take memory the loop does not use); else, and off CUDA, the stall obtains them as before.
-SPILL_TO_DEVICE = True
-SPILL_HEADROOM = 0.05
-# Threads that fault in the deferred buffers and copy the clones into them (`finish_deferred`), each its own
-# buffers. On fresh H200 hosts one thread (its shared buffers faulted in by TOUCH_THREADS) filled 3.5-6.7 GB at
-# 2.6-2.9 GB/s, with no update over 1.08x meanwhile; four filled 3.5 GB at 4.8 GB/s (that first save's persist 0.97
-# of the write floor instead of 0.72) but two updates during it took 1.12x and 1.18x (RESULTS.md tenth round): one.
-DEFER_THREADS = 1
-# Smaller buffers come from torch's pinned allocator (cudaHostAlloc of a few KiB holds the other threads' CUDA
-# calls for microseconds), not a mapping each. Left pageable, their synchronous copies (144 biases of 16 KiB) made
-# the stall 0.30-0.32 s where all-pinned buffers gave 0.27 s.
-PIN_MIN_BYTES = 1 << 20
-# False: torch's pinned allocator (cudaHostAlloc), as before issue 22 (the benchmarks compare the two). Measured and
-# left (benchmarks/bench_touch_lock.py, RESULTS.md seventh round): a memfd's pages allocated by fallocate instead of
-# touched make the registration map them under the mmap lock (the training thread's own mmap calls held 28-40 ms a
-# buffer, against 3 ms touched). A buffer registered in pieces takes a copy per piece (PIN_PIECE_BYTES below): one
-# copy spanning two registrations failed (the seventh round's).
-PIN_BY_REGISTER = True
+# Buffers are page-locked by cudaHostRegister of mappings of their own, in pieces with pauses between them, on a
+# background thread: cudaHostAlloc on a thread holds every CUDA call of the training thread for the whole
+# allocation, a registration only for its own length (SaveTuning: pin_pace, pin_piece_bytes, pin_min_bytes).
 _PAGE = mmap.PAGESIZE
-# A buffer is page-locked in pieces of this many bytes (cut at multiples of it in the address space), one
-# registration each, the pause after each: a registration holds the training thread's launches for its own length,
-# and on a fresh machine's first launch a 64 MiB buffer's took 12-22 ms, long enough to make 2 updates 1.24-1.51x
-# (RESULTS.md, ninth round). A copy into such a buffer is one cudaMemcpyAsync per piece (a copy may not span two
-# registrations: `copy_in_pieces`). 0: each buffer whole, as before.
-PIN_PIECE_BYTES = 4 << 20
 
 
 def pieces(base: int, size: int, piece: int) -> list[tuple[int, int]]:
@@ -111,46 +74,35 @@ def copy_in_pieces(
         into[off : off + n].copy_(come[off : off + n], non_blocking=non_blocking)
 
 
-# True: a buffer's pages are faulted in by a torch fill, which releases the GIL. False: by a memoryview
-# assignment, which held it for the whole touch, and the loop's next launch waited: 11 of the 111 updates before
-# the buffers were ready took 1.10-1.18x with it, none with the fill (benchmarks/RESULTS.md, issue 22).
-TOUCH_WITHOUT_GIL = True
-
-
 def touch(tensor: torch.Tensor) -> None:
     """Fault in every page of a flat uint8 host tensor (one byte written per page): a registration then only
     pins them, and a read into it faults nothing."""
-    if TOUCH_WITHOUT_GIL:
-        tensor[::_PAGE].fill_(0)
-    else:
-        view = tensor.numpy().data.cast("B")
-        view[::_PAGE] = bytes(len(range(0, len(view), _PAGE)))
+    tensor[::_PAGE].fill_(
+        0
+    )  # a torch fill releases the GIL: the loop's next launch does not wait for the touch
 
 
-# Threads that fault in a shared buffer's pages together (each a contiguous share of it). A memfd's pages are small
-# (shmem has no huge pages unless the administrator allows them), and on the H200 host one thread faulted them in at
-# 1.6 GB/s against 4.9 GB/s for the huge-paged private mappings: 14.5 GB of shared buffers were then not ready before
-# a first save 16.6 s into the launch (it finished them in its stall: 2.79 s, 10.6x the copy). The faults release
-# the GIL (a torch fill), and the threads run at the background's priority.
-TOUCH_THREADS = 4
-_touch_pool: Any = None
+# A memfd's pages are small (shmem rarely has huge pages): one thread faulting them in was too slow to have the
+# buffers ready before a first save, so a shared buffer is touched by several (SaveTuning.touch_threads).
+_touch_pools: dict[int, Any] = {}
 _touch_pool_lock = threading.Lock()
 
 
-def touch_shared(tensor: torch.Tensor) -> None:
-    """`touch`, by TOUCH_THREADS threads at once, each a page-aligned share of the buffer."""
-    global _touch_pool
-    threads = max(1, TOUCH_THREADS)
+def touch_shared(tensor: torch.Tensor, threads: int = 4) -> None:
+    """`touch`, by `threads` threads at once, each a page-aligned share of the buffer."""
+    threads = max(1, threads)
     pages = -(-tensor.numel() // _PAGE)
     if threads == 1 or pages < 2 * threads:
         touch(tensor)
         return
     with _touch_pool_lock:
-        if _touch_pool is None:
+        pool = _touch_pools.get(threads)
+        if pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            _touch_pool = ThreadPoolExecutor(threads, "torchrelay-touch", initializer=lower_priority)
-        pool = _touch_pool
+            pool = _touch_pools[threads] = ThreadPoolExecutor(
+                threads, "torchrelay-touch", initializer=lower_priority
+            )
     share = -(-pages // threads) * _PAGE
     parts = [tensor[i : i + share] for i in range(0, tensor.numel(), share)]
     for done in [pool.submit(touch, part) for part in parts]:
@@ -236,7 +188,7 @@ class _Locked:
             self.fd = None
 
 
-# Buffers under PIN_MIN_BYTES of a shared stage are cut from slabs of this size (one memfd each, one registration),
+# Buffers under `pin_min_bytes` of a shared stage are cut from slabs of this size (one memfd each, one registration),
 # not a memfd each: a state has hundreds of small tensors (biases, norms), and each mapping costs the writer a
 # descriptor. Each buffer keeps a storage of exactly its own bytes (DCP's writer would clone a larger one).
 SLAB_BYTES = 16 << 20
@@ -293,8 +245,9 @@ class HostStage:
     """Host copies of a state's tensors in buffers allocated once and reused by every save. `shared`: every
     buffer lives in a memfd mapping (`shared_maps`) that a writer process can map too."""
 
-    def __init__(self, *, shared: bool = False) -> None:
+    def __init__(self, *, shared: bool = False, tuning: SaveTuning | None = None) -> None:
         self.shared = shared
+        self.tuning = tuning or SaveTuning()
         self._slabs = _Slabs()
         self._bufs: dict[str, torch.Tensor] = {}
         self._locked: dict[str, _Locked] = {}
@@ -308,12 +261,12 @@ class HostStage:
         self._quit = threading.Event()  # the stage is released: every background thread ends after its buffer
         # Buffers the reservation obtained, by (shape, dtype, pinned), not yet given to a key: a copy takes one of
         # its tensor's kind. Kinds, not names: the names a save copies under (DCP's, a rank's own tensors under
-        # per_rank) are known only at the save, and asking DCP for them cost the loop 6-11 ms (RESULTS.md).
+        # per_rank) are known only at the save, and asking DCP for them then would stall the loop.
         self._pool: dict[Spec, list[_Entry]] = {}
         self._could_spill = (
-            False  # the reservation holds CUDA tensors: a save may cut it short (SPILL_TO_DEVICE)
+            False  # the reservation holds CUDA tensors: a save may cut it short (spill_to_device)
         )
-        self._room: int | None = None  # device bytes the clones of this save may still take (SPILL_TO_DEVICE)
+        self._room: int | None = None  # device bytes the clones of this save may still take (spill_to_device)
         # key: its tensor's clone on the device, until `finish_deferred` copies it into key's buffer
         self._deferred: dict[str, torch.Tensor] = {}
         self.allocated_bytes = 0
@@ -324,15 +277,22 @@ class HostStage:
         return t.device.type == "cuda" and torch.cuda.is_available()
 
     def _pause(self, seconds: float) -> None:
-        """PIN_PACE's pause after a registration of `seconds`, cut short when a save waits."""
+        """`pin_pace`'s pause after a registration of `seconds`, cut short when a save waits."""
         if not self._hurry.is_set():
-            self._hurry.wait((PIN_PACE - 1) * seconds)
+            self._hurry.wait((self.tuning.pin_pace - 1) * seconds)
+
+    def _touch(self, locked: _Locked, threads: int | None = None) -> None:
+        """Fault in a buffer's own mapping (a shared one by `touch_threads` threads, or `threads`)."""
+        if locked.fd is None:
+            touch(locked.tensor)
+        else:
+            touch_shared(locked.tensor, self.tuning.touch_threads if threads is None else threads)
 
     def _lock_pages(self, locked: _Locked, pace: bool) -> None:
-        """Fault in a buffer's own mapping, then page-lock it in PIN_PIECE_BYTES pieces (PIN_PACE's pause after
-        each, when `pace`)."""
-        (touch_shared if locked.fd is not None else touch)(locked.tensor)
-        if not locked.lock(PIN_PIECE_BYTES, self._pause if pace else None):
+        """Fault in a buffer's own mapping, then page-lock it in `pin_piece_bytes` pieces (`pin_pace`'s pause
+        after each, when `pace`)."""
+        self._touch(locked)
+        if not locked.lock(self.tuning.pin_piece_bytes, self._pause if pace else None):
             self.unlocked += 1
 
     def _make(self, spec: Spec, pace: bool, defer: bool = False) -> _Entry:
@@ -344,16 +304,16 @@ class HostStage:
         small: bool | None = None
         if self.shared and nbytes == 0:  # no bytes to share (the writer is sent the empty tensor itself)
             buf = torch.empty(shape, dtype=dtype)
-        elif self.shared and nbytes < PIN_MIN_BYTES:
+        elif self.shared and nbytes < self.tuning.pin_min_bytes:
             with self._lock:
                 flat, small = self._slabs.take(nbytes, pinned)
             buf = flat.view(dtype).view(shape)
-        elif self.shared or (pinned and PIN_BY_REGISTER and nbytes >= PIN_MIN_BYTES):
+        elif self.shared or (pinned and self.tuning.pin_by_register and nbytes >= self.tuning.pin_min_bytes):
             locked = _Locked(nbytes, shared=self.shared)
             if pinned and not defer:
                 self._lock_pages(locked, pace)
             elif not defer:  # a shared buffer of a CPU tensor: faulted in, never page-locked
-                touch_shared(locked.tensor)
+                self._touch(locked)
             buf = locked.tensor[:nbytes].view(dtype).view(shape)
         elif pinned:
             t0 = time.perf_counter()
@@ -435,13 +395,13 @@ class HostStage:
 
     def _end_reservation(self) -> None:
         """A save is here: the reservation thread ends after the buffer it is on where its copies could be left
-        to the persist (SPILL_TO_DEVICE: CUDA tensors), else it obtains the rest without pauses; `_lock_later`'s
+        to the persist (`spill_to_device`: CUDA tensors), else it obtains the rest without pauses; `_lock_later`'s
         thread registers the rest without pauses (a copy into its buffers needs them)."""
         with self._lock:
             threads = list(self._threads)
         if not threads:
             return
-        if SPILL_TO_DEVICE and self._could_spill and torch.cuda.is_available():
+        if self.tuning.spill_to_device and self._could_spill and torch.cuda.is_available():
             self._stop.set()
         self._hurry.set()
         for thread in threads:
@@ -452,12 +412,14 @@ class HostStage:
         self._room = None  # asked again at this save's first clone
 
     def _spill(self, key: str, src: torch.Tensor) -> torch.Tensor | None:
-        """key's copy left to the persist (see SPILL_TO_DEVICE): its buffer's mapping and a clone of `src` on
-        the device; None where that cannot be had (the copy then obtains its buffer now)."""
+        """key's copy left to the persist: its buffer's mapping and a clone of `src` on the device; None where that
+        cannot be had (the copy then obtains its buffer now). Only where the device has the room, past
+        `spill_headroom` of its memory left free (the loop's own peak is already held by torch's allocator)."""
         nbytes = src.numel() * src.element_size()
+        tuning = self.tuning
         if (
-            not (SPILL_TO_DEVICE and self._pinned(src) and (self.shared or PIN_BY_REGISTER))
-            or nbytes < PIN_MIN_BYTES
+            not (tuning.spill_to_device and self._pinned(src) and (self.shared or tuning.pin_by_register))
+            or nbytes < tuning.pin_min_bytes
         ):
             return None
         if self._room is None:
@@ -465,7 +427,7 @@ class HostStage:
                 free, total = torch.cuda.mem_get_info(src.device)
             except RuntimeError:
                 free, total = 0, 1
-            self._room = int(free - SPILL_HEADROOM * total)
+            self._room = int(free - tuning.spill_headroom * total)
         if nbytes > self._room:
             return None
         try:
@@ -485,26 +447,27 @@ class HostStage:
 
     def finish_deferred(self) -> None:
         """Fault in the buffers a save left to the persist and copy each tensor's clone into its own, pageable and
-        synchronous, a piece (PIN_PIECE_BYTES) a copy, on a stream of its own (DEFER_THREADS: by several threads
-        at once, each its own buffers); drop the clones; then page-lock those buffers on a thread of their own, paced as the reservation
-        is (the next save's copies wait for it, without its pauses). On the persist thread, before a byte is
-        written. Registering them here first, paced, took 12.8 s on a fresh H200 host: its persist 30.6 s, and the
-        next save's stall waited for it (4.9 s, RESULTS.md tenth round)."""
+        synchronous, a piece (`pin_piece_bytes`) a copy, on a stream of its own (`defer_threads`: by several
+        threads at once, each its own buffers); drop the clones; then page-lock those buffers on a thread of their
+        own, paced as the reservation is (the next save's copies wait for it, without its pauses). On the persist
+        thread, before a byte is written: registering them first, paced, would make the persist and the next
+        save's stall wait for it."""
         deferred = dict(self._deferred)  # `deferred` stays counted until every copy landed
         if not deferred:
             return
         device = next(iter(deferred.values())).device
         keys = list(deferred)
-        threads = max(1, min(DEFER_THREADS, len(keys)))
+        threads = max(1, min(self.tuning.defer_threads, len(keys)))
+        piece = self.tuning.pin_piece_bytes
 
         def fill(share: list[str]) -> None:
             stream = torch.cuda.Stream(device=device)
             with torch.cuda.stream(stream):
                 for key in share:
                     locked = self._locked[key]
-                    # one thread: its shared buffers faulted in by TOUCH_THREADS; more: each its own buffers
-                    (touch_shared if locked.fd is not None and threads == 1 else touch)(locked.tensor)
-                    cuts = pieces(locked.tensor.data_ptr(), locked.size, PIN_PIECE_BYTES)
+                    # one thread: its shared buffers faulted in by `touch_threads`; more: each its own buffers
+                    self._touch(locked, None if threads == 1 else 1)
+                    cuts = pieces(locked.tensor.data_ptr(), locked.size, piece)
                     copy_in_pieces(self._bufs[key], deferred[key], cuts, non_blocking=False)
                 stream.synchronize()
 
@@ -521,7 +484,7 @@ class HostStage:
         deferred.clear()
 
     def _lock_later(self, todo: list[_Locked]) -> None:
-        """Page-lock `todo` (buffers already faulted in and filled) on a background thread with PIN_PACE's pauses;
+        """Page-lock `todo` (buffers already faulted in and filled) on a background thread with `pin_pace`'s pauses;
         the next save's `_end_reservation` lets it finish without them (it never stops short: a buffer a copy
         will use is locked before the copy)."""
 
@@ -530,14 +493,14 @@ class HostStage:
             for locked in todo:
                 if self._quit.is_set():  # released: nothing will copy into them
                     return
-                if not locked.lock(PIN_PIECE_BYTES, self._pause):
+                if not locked.lock(self.tuning.pin_piece_bytes, self._pause):
                     self.unlocked += 1
 
         self._start(register)
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it). A tensor
-        with no buffer yet may be left to the persist (SPILL_TO_DEVICE): the buffer returned then holds its values
+        with no buffer yet may be left to the persist (`spill_to_device`): the buffer returned then holds its values
         only after `finish_deferred`."""
         self._end_reservation()
         if _is_dtensor(t):

@@ -19,7 +19,7 @@ from torchrelay.util import sha256_parts
 from torchrelay.util.durable import temp_prefix
 from torchrelay.util.hashing import default_jobs, sha256_many
 from torchrelay.util.records import read_json
-from torchrelay.util.safepath import check_relative
+from torchrelay.util.safepath import check_relative, is_inside
 from torchrelay.util.sha256_parts import MIN_PART_BYTES, part_count
 
 INVENTORY = "COMPLETE.json"
@@ -84,7 +84,6 @@ def safe_relpath(root: Path, rel: object, source: Path) -> Path:
     if any(part in ("..", "") for part in rel.split("/")):
         raise UnsafeInput(f"{source}: path {rel!r} contains '..' or an empty part; refusing it")
     full = root / rel
-    real_root = root.resolve()
     cur = root
     for part in rel.split("/"):
         cur = cur / part
@@ -93,7 +92,7 @@ def safe_relpath(root: Path, rel: object, source: Path) -> Path:
                 raise UnsafeInput(f"{source}: path {rel!r} goes through the symbolic link {cur}; refusing it")
         except FileNotFoundError:
             break
-    if not str(full.resolve()).startswith(str(real_root) + os.sep):
+    if not is_inside(root, full) or Path(os.path.realpath(full)) == Path(os.path.realpath(root)):
         raise UnsafeInput(f"{source}: path {rel!r} leaves {root}; refusing it")
     return full
 

@@ -5,18 +5,17 @@ hashed, fsynced and committed on a thread of its own while training goes on.
   background thread ahead of the first save without stalling the loop.
 - `HashingWriter`: DCP's FileSystemWriter whose files are hashed from the very bytes written to them (no read
   back), and spread over several files per rank, so that writing and SHA-256 run on as many cores as files
-  (one SHA-256 stream runs at about disk speed, 1.4 GB/s: one file per rank would halve the rate).
+  (one SHA-256 stream runs at about disk speed: one file per rank would halve the rate).
 - `Persister`: one background job at a time. A save asked for while one persists waits for it (the buffers are
   reused, so two saves never overlap); its error reaches the training thread at the next save, stop or close.
 
 The loop shares the interpreter with the persist: every Python-level step of the writer (torch.save's pickling,
 its ~40 small writes per tensor) holds the GIL the training thread needs to launch its next kernel. So DCP's plan
 is made during the stall (dcp_save.py), the background threads run at a lower CPU priority, write small pieces in
-batches, and at most `PERSIST_STREAMS` of them write at once (the file count stays a function of the tensors
-alone; only the concurrency varies). A file's fsync needs no slot, and its writeback starts as it is written
-(KICK_BYTES): the disk works while the writers fill the page cache. The process's GIL switch interval is left as
-it is: with the plan off the persist thread, a shorter one measured no better on the H200 host (benchmarks/
-RESULTS.md, issue 22).
+batches, and at most `SaveTuning.persist_streams` of them write at once (the file count stays a function of the
+tensors alone; only the concurrency varies). A file's fsync needs no slot, and its writeback starts as it is written
+(`kick_bytes`): the disk works while the writers fill the page cache. The process's GIL switch interval is left as
+it is: with the plan off the persist thread, a shorter one did no better.
 
 The bytes written are the same whether the job runs on the background thread or inline (`async_save: false`):
 both go through the same staging and the same writer.
@@ -44,24 +43,14 @@ from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority
 from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.tuning import SaveTuning
 from torchrelay.util.meminfo import meminfo_kib
 from torchrelay.util.sha256_parts import PartHasher
 
-# Per-rank DCP files: about one per 256 MiB of tensors, at most 16 (a core each), at most one per tensor.
-FILE_BYTES = 256 << 20
+# Per-rank DCP files: about one per `SaveTuning.file_bytes` of tensors, at most 16 (a core each), one per tensor at
+# most. Dropping a file's pages after its fsync was tried: no faster, and a resume after a crash reads the cache.
 MAX_FILES = 16
-# Files a rank writes at once in the background; the others wait their turn. Eight streams of SHA-256 (1.3 GB/s
-# each on the H200 host) outrun its disk (1.8 GB/s) while leaving the GIL to the loop more often than sixteen.
 STREAMS_ENV = envvars.PERSIST_STREAMS.name
-PERSIST_STREAMS = 8
-# Every this many bytes a file's writeback is started (0: left to the kernel until the fsync). On the H200 host,
-# 3 saves each: committed after 7.0-9.0 s with it, 7.8-9.4 s without (benchmarks/RESULTS.md).
-KICK_BYTES = 64 << 20
-# True: once a file is fsynced its (clean) pages are dropped from the page cache. Measured on the H200 host
-# (benchmarks/RESULTS.md, issue 22), 6 saves each: the cache then stayed at 16.5 GB where it grew to 53 GB without,
-# but the persist was no faster (0.87-1.00 of the write floor with it, 0.94-1.03 without), and a resume on the same
-# machine after a crash reads what is cached at memory speed. So the kernel keeps them.
-DROP_AFTER_FSYNC = False
 # Writes smaller than this are gathered (torch.save's zip headers, pickles, padding) and hashed and written together.
 _SMALL = 256 << 10
 _BATCH = 1 << 20
@@ -95,7 +84,7 @@ class _HashingStream(io.RawIOBase):
         on_written: Callable[[], None] | None = None,
         on_bytes: Callable[[int], None] | None = None,
         cut: bool = False,
-        kick: int = KICK_BYTES,
+        kick: int = 64 << 20,
     ) -> None:
         super().__init__()
         self._cut = cut  # a spare file written over (recycle.py): cut to the bytes written before its fsync
@@ -103,7 +92,7 @@ class _HashingStream(io.RawIOBase):
         self._f, self._n, self._on_close = f, 0, on_close
         self._on_written, self._on_bytes = on_written, on_bytes
         self._pending = bytearray()
-        self._kicked = 0  # bytes handed to the kernel's writeback so far (KICK_BYTES)
+        self._kicked = 0  # bytes handed to the kernel's writeback so far (`kick`)
         self._kick_every = kick  # 0: no kick
         self.synced = False  # the writer asked for the descriptor (to fsync it): every byte is written
 
@@ -180,21 +169,28 @@ class _HashingStream(io.RawIOBase):
         super().close()
 
 
-def persist_streams() -> int:
-    """How many files a rank writes at once in the background (TORCHRELAY_PERSIST_STREAMS, else PERSIST_STREAMS)."""
+def persist_streams(tuning: SaveTuning) -> int:
+    """How many files a rank writes at once in the background (TORCHRELAY_PERSIST_STREAMS, else the tuning's)."""
     streams = envvars.PERSIST_STREAMS.get()
-    return PERSIST_STREAMS if streams is None else max(1, streams)
+    return tuning.persist_streams if streams is None else max(1, streams)
+
+
+def kick_bytes(tuning: SaveTuning) -> int:
+    """Every how many bytes a file's writeback is started (TORCHRELAY_PERSIST_KICK_BYTES, else the tuning's)."""
+    kick = envvars.PERSIST_KICK_BYTES.get()
+    return tuning.kick_bytes if kick is None else max(0, kick)
 
 
 class _HashingFileSystem(FileSystem):
-    def __init__(self, sink: Digests, background: bool, spare: Path | None = None) -> None:
+    def __init__(self, sink: Digests, background: bool, spare: Path | None, tuning: SaveTuning) -> None:
         super().__init__()
         self.sink = sink
         self.spare = spare  # a folder of spare files to write over (recycle.py), or None
-        kick = envvars.PERSIST_KICK_BYTES.get()  # once per write, in the process that writes (the writer too)
-        self._kick = KICK_BYTES if kick is None else max(0, kick)
+        self._kick = kick_bytes(tuning)  # once per write, in the process that writes (the writer too)
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(persist_streams()) if background else None  # None: inline
+        self._slots = (
+            threading.BoundedSemaphore(persist_streams(tuning)) if background else None
+        )  # None: inline
         # What a watcher reads to tell a write that progresses from one that is stuck (the writer process's
         # heartbeat, writer_child.py): bytes handed to the kernel plus files fsynced, and the fsyncs in flight.
         self.progress = 0
@@ -261,9 +257,6 @@ class _HashingFileSystem(FileSystem):
                             self.syncing -= 1
                             self.progress += 1
                             self.moved_at = time.monotonic()
-                if DROP_AFTER_FSYNC and stream.synced:
-                    with contextlib.suppress(AttributeError, OSError):  # best effort: only the cache's size
-                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             free()
 
@@ -277,15 +270,22 @@ class _HashingFileSystem(FileSystem):
 class HashingWriter(dcp.FileSystemWriter):
     """FileSystemWriter (fsynced files) that records each file's SHA-256 and size in `digests` as it writes it,
     and splits a rank's tensors over several files (a function of the tensors alone, never of the machine).
-    `background`: it runs beside the training loop (lower priority, at most `persist_streams()` files at once);
+    `background`: it runs beside the training loop (lower priority, at most `persist_streams` files at once);
     never set it for a write on the training thread, whose priority it would lower for good. `spare`: a folder
     whose files of the same names are written over instead of new ones (recycle.py)."""
 
     def __init__(
-        self, path: Path, digests: Digests, *, background: bool = False, spare: Path | None = None
+        self,
+        path: Path,
+        digests: Digests,
+        *,
+        background: bool = False,
+        spare: Path | None = None,
+        tuning: SaveTuning | None = None,
     ) -> None:
         super().__init__(str(path), sync_files=True)
-        self._hashing = _HashingFileSystem(digests, background, spare)
+        self.tuning = tuning or SaveTuning()
+        self._hashing = _HashingFileSystem(digests, background, spare, self.tuning)
         self.fs = self._hashing
         self.files: int | None = None  # set: this many files (the writer process is told the parent's count)
 
@@ -301,7 +301,7 @@ class HashingWriter(dcp.FileSystemWriter):
         self._hashing.on_piece = hook
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        self.thread_count = self.files or file_count(plan)
+        self.thread_count = self.files or file_count(plan, self.tuning)
         watch: _Watch | None = getattr(_persisting, "watch", None)  # on a Persister's thread: its deadline
         if watch is None or self._hashing._slots is None:
             return super().write_data(plan, planner)
@@ -314,10 +314,10 @@ class HashingWriter(dcp.FileSystemWriter):
             watch.writing = None
 
 
-def file_count(plan: Any) -> int:
+def file_count(plan: Any, tuning: SaveTuning) -> int:
     """How many files a rank's final plan (once DCP has given each replicated tensor to one rank) is split into."""
     sizes = [_item_bytes(item) for item in plan.items if item.tensor_data is not None]
-    return min(MAX_FILES, max(1, math.ceil(sum(sizes) / FILE_BYTES)), max(1, len(sizes)))
+    return min(MAX_FILES, max(1, math.ceil(sum(sizes) / tuning.file_bytes)), max(1, len(sizes)))
 
 
 def _item_bytes(item: Any) -> int:

@@ -4,10 +4,9 @@ A checkpoint's tensor files have the same names and nearly the same sizes from s
 a function of the tensors alone). Rather than deleting a retired checkpoint and allocating as many new blocks for
 the next one, retention keeps its folder as the run's one spare (`.spare-checkpoint`), and each rank's writer moves
 the spare file of the name it is about to create into the new checkpoint and writes over its blocks, then cuts it
-to the bytes written. On the H200 host's virtual disk (ext4 mounted with `discard`) 14.5 GB written over existing
-files took 6.1-7.2 s against 8.2-8.9 s into new ones, in the same call: new blocks cost the file system's
-allocation and the host's backing, and a deletion sends 14.5 GB of discards (benchmarks/RESULTS.md, issue 22
-ninth round). PostgreSQL recycles its WAL segments for the same reason.
+to the bytes written. Writing over existing blocks is faster than new ones (new blocks cost the file system's
+allocation and the host's backing, and a deletion sends discards on a disk mounted with `discard`); PostgreSQL
+recycles its WAL segments for the same reason.
 
 What is written is the same: every byte of the file is written and hashed as a new file's is, and the file is cut
 to its length before its fsync. A spare is taken only if it is a regular file with one link, in real folders of

@@ -69,6 +69,20 @@ class Explicit:
 
 
 @dataclass(frozen=True, slots=True)
+class SavedNow:
+    """The checkpoints the loop saved because the script asked (step.save_now), as their inventories say: kept
+    like keep_updates, through every later segment."""
+
+    updates: frozenset[int]
+
+    def preserve(self, updates: Sequence[int]) -> dict[int, str]:
+        return {u: "save_now" for u in updates if u in self.updates}
+
+    def saves_at(self, update: int) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
 class Final:
     """The checkpoint at the end of the schedule (the loop always writes it)."""
 
@@ -106,14 +120,16 @@ class Retention:
     deleted: list[int]
 
 
-def policy_for(cfg: RelayConfig) -> AnyOf:
-    """The run's preservation policy from its (runtime) configuration fields."""
+def policy_for(cfg: RelayConfig, saved_now: Iterable[int] = ()) -> AnyOf:
+    """The run's preservation policy from its (runtime) configuration fields, and the updates step.save_now
+    saved (`saved_now`, from the checkpoints' inventories)."""
     return AnyOf(
         (
             LatestN(cfg.keep),
             EveryN(cfg.keep_every),
             Explicit(frozenset(cfg.keep_updates)),
             Final(cfg.total_updates),
+            SavedNow(frozenset(saved_now)),
         )
     )
 

@@ -23,6 +23,7 @@ class CheckpointInfo:
     # Its inventory is there but unreadable, of another update or not what write_inventory writes: tampering or
     # corruption, never an interrupted save (which writes COMPLETE.json last, or not at all).
     damaged: bool = False
+    saved_now: str = ""  # why step.save_now asked for it (its inventory's `saved_now`): retention keeps it
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
@@ -40,12 +41,15 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
             ok = doc.get("update") == update
             reason = "" if ok else f"{INVENTORY} names update {doc.get('update')}"
             size = sum(int(f.get("size", 0)) for f in doc["files"]) if ok else 0
+            asked = doc.get("saved_now") if ok else None
+            saved_now = asked[:200] if isinstance(asked, str) else ""
         except (IntegrityError, UnsafeInput) as exc:  # damaged, or no regular file: never chosen
-            ok, reason, size = False, exc.message, 0
+            ok, reason, size, saved_now = False, exc.message, 0, ""
         except OSError as exc:  # a folder or an unreadable file where COMPLETE.json belongs
-            ok, reason, size = False, f"{child / INVENTORY}: {exc.strerror or exc}", 0
+            ok, reason, size, saved_now = False, f"{child / INVENTORY}: {exc.strerror or exc}", 0, ""
         damaged = not ok and os.path.lexists(child / INVENTORY)
-        out.append(CheckpointInfo(update, child, ok, reason, size, (child / HANDED_OFF).exists(), damaged))
+        handed_off = (child / HANDED_OFF).exists()
+        out.append(CheckpointInfo(update, child, ok, reason, size, handed_off, damaged, saved_now))
     return sorted(out, key=lambda c: c.update)
 
 

@@ -59,7 +59,7 @@ def tensor_layout(stream: IO[bytes]) -> tuple[Any, int | None]:
     """What a torch.save archive holds, read weights_only without reading its bytes (a tensor's dtype, shape,
     strides and storage offset, its storage on the meta device or allocated and left unread), and where that
     storage's bytes lie in the archive (None if unknown): the verified reader then views the verified bytes in
-    place instead of copying them (one copy less, RESULTS.md)."""
+    place instead of copying them (one copy less)."""
     if _meta_load_says_where():
         meta = torch.load(stream, map_location="meta", weights_only=True)
         if not isinstance(meta, torch.Tensor):

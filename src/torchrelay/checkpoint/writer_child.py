@@ -25,8 +25,8 @@ from typing import Any
 # terminal) reaches the writer too: the parent saves once more on its way out, and its writer must live to write
 # that checkpoint. It ends with its parent instead (the parent-death signal, EOF). Ignored before the imports
 # below (torch's: seconds of CPU on a small host): a stop during them killed a writer just started, and the stop's
-# save waited for another's start-up (20-24 s of a 2-rank signal stop on the idle 2-core VM, past torchrun's 30 s
-# grace on a loaded one). Found in the suite: a writer ended by the SIGTERM of a signal stop failed that stop's save.
+# save waited for another's start-up, past torchrun's grace on a loaded host (a writer ended by the SIGTERM of a
+# signal stop failed that stop's save).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 if __name__ == "__main__":
     for _sig in STOP_SIGNALS:
@@ -38,6 +38,7 @@ from torchrelay.checkpoint.dcp_save import set_up_writer  # noqa: E402
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE  # noqa: E402
 from torchrelay.checkpoint.persist import HashingWriter, writeback_kib  # noqa: E402
 from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
+from torchrelay.tuning import SaveTuning  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1
 
@@ -101,7 +102,10 @@ def _write(
     job = {**job, **pickle.loads(job["payload"])}  # noqa: S301 - the parent's own job (WriterProcess.prepare)
     finishes = job.get("metadata") is not None
     spare = None if job["spare"] is None else Path(job["spare"])
-    writer = HashingWriter(Path(job["directory"]), digests, background=True, spare=spare)
+    tuning = SaveTuning(
+        persist_streams=job["streams"], kick_bytes=job["kick"]
+    )  # the parent's (WriterProcess._job)
+    writer = HashingWriter(Path(job["directory"]), digests, background=True, spare=spare, tuning=tuning)
     set_up_writer(writer, job["coordinator"], job["rank"])
     writer.files = job["files"]
     # crash tests only (kill_points.STALL): stopped inside a write, left to the parent's deadline

@@ -3,8 +3,8 @@ process's interpreter runs nothing of the write while a checkpoint persists.
 
 A persist thread shares the training thread's GIL: torch.save's pickling of every item, its ~40 small writes per
 tensor and DCP's writer loop each hold it for a slice, and the loop's next kernel launch waits for the slice to end
-(issue 22: updates during a persist took up to 1.23-2.07x the median on the H200 host, 1.98-3.30x on the CPU VM,
-with garbage collections already out of the way). torch_checkpointing and DCP's process-based async save move the
+(updates during a persist were measurably slower, with garbage collections already out of the way).
+torch_checkpointing and DCP's process-based async save move the
 write to another process for the same reason.
 
 How it works: the host buffers a save copies into live in memfd mappings (host_stage.py, `HostStage(shared=True)`),
@@ -38,7 +38,7 @@ from typing import Any
 
 from torchrelay import envvars
 from torchrelay.checkpoint.host_stage import HostStage, SharedMap
-from torchrelay.checkpoint.persist import beat_seconds, file_count, stall_seconds
+from torchrelay.checkpoint.persist import beat_seconds, file_count, kick_bytes, persist_streams, stall_seconds
 from torchrelay.errors import CheckpointError, ConfigError
 
 CHILD_MODULE = "torchrelay.checkpoint.writer_child"
@@ -48,8 +48,8 @@ PROCESS, THREAD, AUTO = "process", "thread", "auto"
 
 
 # `auto` gives a rank a writer process only with this many cores per local rank: the writer's start-up (an import
-# of torch, 1.5-3 s of CPU) and its writers then run beside the loop without taking its core. On the 2-core CPU VM
-# two ranks and their two writers starting at once made a 20 s budget stop late (tests/test_controller.py).
+# of torch: seconds of CPU) and its writers then run beside the loop without taking its core; with fewer, two ranks
+# and their two writers starting at once made a budget stop late (tests/test_controller.py).
 PROCESS_MIN_CORES = 4
 
 
@@ -201,9 +201,8 @@ class WriterProcess:
     ) -> bytes | None:
         """The job of `plan` as the writer will read it (every item resolved to where its bytes are), pickled: made
         on the training thread during the save's stall, while the copies into the buffers are in flight (it reads
-        the buffers' addresses, never their bytes), so that the persist thread only sends it. About 10-40 ms of
-        interpreter time for 432 tensors, which at a persist's start held the GIL the loop's next update needed
-        (that update took 1.10-1.20x on the H200 host). None when an item lies outside the shared mappings: its
+        the buffers' addresses, never their bytes), so that the persist thread only sends it: made there, its
+        interpreter time held the GIL the loop's next update needed. None when an item lies outside the shared mappings: its
         bytes are read at the write, once the copies have landed. `metadata`: the save's DCP metadata when this
         rank's results are all it needs (one rank): the writer then writes `.metadata` itself (see `write`)."""
         return self._job(planner, plan, rank=rank, coordinator=coordinator, outside=False, metadata=metadata)
@@ -218,7 +217,9 @@ class WriterProcess:
             return None
         job = {
             "plan": plan,
-            "files": file_count(plan),
+            "files": file_count(plan, self._stage.tuning),
+            "streams": persist_streams(self._stage.tuning),
+            "kick": kick_bytes(self._stage.tuning),
             "items": items,
             "rank": rank,
             "coordinator": coordinator,
@@ -233,9 +234,8 @@ class WriterProcess:
         """Write this rank's DCP files of `plan` into `directory` in the writer; DCP's write results, and each
         file's digest added to `digests`. `prepared`: this plan's job from `prepare`. A job that carries the
         save's metadata (`prepare`'s, or `metadata` here) has the writer write `.metadata` too, from its own
-        results (`finished` is then true): the metadata's pickle and fsync are then not the persist thread's
-        (DCP's finish held the GIL for 10.6 ms there, and an update of the loop took 1.10x: RESULTS.md, issue 22
-        round six). `spare`: a folder of spare files to write over (recycle.py). Raises CheckpointError (one line)
+        results (`finished` is then true): the metadata's pickle and fsync are then not the persist thread's,
+        whose GIL the loop shares. `spare`: a folder of spare files to write over (recycle.py). Raises CheckpointError (one line)
         if the writer fails or dies."""
         self.finished = False
         if (
@@ -304,7 +304,7 @@ class WriterProcess:
     def close(self) -> None:
         """End the writer (EOF on its socket) and reap it; it finishes no job, since none is in flight then. A
         writer still starting is killed at once: it holds nothing yet, and it reads its socket only once its
-        imports are done (a 2-rank signal stop on the loaded 2-core VM waited 10 s here for them, then killed it)."""
+        imports are done (a signal stop on a loaded host would wait for them here)."""
         try:
             started = self.ready()
         except (OSError, ValueError):  # closed already

@@ -24,6 +24,15 @@ def run(args: argparse.Namespace) -> int:
             "same_contract": report.same_contract,
             "contract": [[d.key, d.a, d.b] for d in report.contract],
             "runtime": [[d.key, d.a, d.b] for d in report.runtime],
+            # per side: what its own files hold against its own contract (a resume of it refuses any)
+            "sides": {
+                name: {
+                    "config_drift": [list(d) for d in side.drift],
+                    "data_drift": [list(d) for d in side.data_drift],
+                    "data_problem": side.data_problem,
+                }
+                for name, side in (("a", report.a), ("b", report.b))
+            },
         }
         print(json.dumps(out, indent=1, default=str))
     else:

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 from torchrelay.commands.argtypes import update
-from torchrelay.errors import EXIT_FINISHED
-from torchrelay.export import ExportOptions, export_weights, parse_rename, parse_size
+from torchrelay.errors import EXIT_FINISHED, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,9 +38,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="5GB",
         help="split the weights into files of at most this size (default 5GB)",
     )
+    parser.add_argument(
+        "--parity", type=int, default=None, metavar="N",
+        help="load the export with from_pretrained and compare its logits with the training model's on the run's "
+        "first N samples (float32: equal; lower: --parity-kl); a failure writes nothing, exit 2",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parity-hooks", type=Path, default=None, metavar="FILE",
+        help="Python file defining training_model(config), inputs(config, record), training_logits(model, inputs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parity-kl", type=float, default=1e-2, metavar="NATS",
+        help="below float32: the largest mean KL(training || export) per position (default 0.01)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parity-max-abs", type=float, default=None, metavar="X",
+        help="below float32: also hold the largest |logit error| to X (default: recorded only)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: it imports torch (~2 s), which `export --help` does not need
+    from torchrelay.export import ExportOptions, ParityOptions, export_weights, parse_rename, parse_size
+
+    parity = None
+    if args.parity is not None or args.parity_hooks is not None:
+        if args.parity is None or args.parity_hooks is None:
+            raise ConfigError("export --parity N and --parity-hooks FILE go together")
+        parity = ParityOptions(
+            samples=args.parity, hooks=args.parity_hooks, kl=args.parity_kl, max_abs=args.parity_max_abs
+        )
     options = ExportOptions(
         format=args.format,
         dtype=args.dtype,
@@ -50,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_bytes=parse_size(args.max_shard_size),
         include=list(args.include),
         checkpoint=args.checkpoint,
+        parity=parity,
     )
     result = export_weights(args.source, args.out, options)
     print(
@@ -64,5 +91,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if result.renamed:
         print(f"renamed {len(result.renamed)} (see torchrelay_export.json)")
+    if result.parity is not None:
+        p = result.parity
+        said = "equal logits" if p["mode"] == "exact" else f"KL {p['kl']:.3g}, max |error| {p['max_abs']:.3g}"
+        print(f"parity: {p['samples']} samples of the run, {p['dtype']}: {said} (torchrelay_export.json)")
     print("EXPORT_OK")
     return EXIT_FINISHED

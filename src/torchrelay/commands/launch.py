@@ -7,7 +7,6 @@ from pathlib import Path
 
 from torchrelay.commands.argtypes import count, seconds
 from torchrelay.config import parse_assignments
-from torchrelay.controller.launcher import LaunchRequest, launch
 from torchrelay.costmodel import parse_deadline
 from torchrelay.slurm import PER_NODE_LIMIT
 
@@ -21,7 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadline", default=None, help="stop cleanly by this time (unix seconds or ISO 8601)"
     )
     parser.add_argument(
-        "--budget", type=seconds, default=None, metavar="SECONDS", help="stop cleanly within this"
+        "--budget",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="stop cleanly within this, counted from the command's start",
     )
     parser.add_argument(
         "--devices",
@@ -31,14 +34,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices per node this allocation has (default: the GPUs CUDA sees); fewer than the plan's "
         "train.nproc_per_node runs its first fallback that fits",
     )
+    parser.add_argument(
+        "--reshard",
+        action="store_true",
+        help="continue the run in place on this plan's world size even where its checkpoint has another, with the "
+        "same global batch (grad_accum derived; recorded in history.jsonl, docs/ELASTIC.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: the controller imports torch (~2 s), which `launch --help` does not need
+    from torchrelay.controller.launcher import LaunchRequest, launch, process_started
+
     request = LaunchRequest(
         plan_path=args.plan,
         sets=parse_assignments(args.set),
         deadline=parse_deadline(args.deadline) if args.deadline else None,
         budget_s=args.budget,
+        started=process_started(),
         devices=args.devices,
+        reshard=args.reshard,
     )
     return launch(request).exit_code

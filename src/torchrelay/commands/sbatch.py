@@ -9,7 +9,15 @@ from pathlib import Path
 from torchrelay.commands.argtypes import count
 from torchrelay.config import parse_assignments
 from torchrelay.controller.plan import load_plan
-from torchrelay.slurm import NODES_LIMIT, PER_NODE_LIMIT, BatchSpec, render_batch_script, submit
+from torchrelay.slurm import (
+    NODES_LIMIT,
+    PER_NODE_LIMIT,
+    BatchSpec,
+    directive_value,
+    refuse_control,
+    render_batch_script,
+    submit,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,9 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a flag's value is named as the flag, before the plan's own fields are (BatchSpec names those)
+    for flag in ("time", "partition", "account"):
+        if getattr(args, flag) is not None:
+            directive_value(getattr(args, flag), f"--{flag}")
+    for item in args.set:
+        refuse_control(item, "--set")
+    refuse_control(str(args.plan), "the plan's path")
     sets = parse_assignments(args.set)
     plan = load_plan(args.plan, sets)
     s = plan.slurm
+    refuse_control(plan.run_dir, "run_dir")  # before `name`, which defaults to its last part
+    if not s.job_name:
+        directive_value(plan.name, "name")  # the job's name is relay-NAME
     spec = BatchSpec.from_request(
         s,
         plan_path=args.plan.resolve(),

@@ -80,12 +80,13 @@ def _last_exit(run_dir: str) -> int:
             field="exit_code",
             hint="the file is damaged or not what it should be; restore it from a copy",
         )
-    if last.get("ended") == "refused":  # no update ran: say why instead
-        why = next(iter(last.get("notes") or []), "")
-        print(
-            f"segment {visible(last.get('segment'))}: refused (exit {code}): "
-            f"{visible(str(why).splitlines()[0]) if why else '-'}"
-        )
+    if (
+        last.get("ended") == "refused"
+    ):  # no update ran: say why instead, every line of it (a contract's fields)
+        notes = last.get("notes") or []
+        why = str(notes[-1]) if notes else ""  # the refusal is the segment's last note
+        lines = [visible(line) for line in why.splitlines()] or ["-"]
+        print(f"segment {visible(last.get('segment'))}: refused (exit {code}): " + "\n".join(lines))
         return int(code)
     print(
         f"segment {visible(last.get('segment'))}: ended {visible(last.get('ended'))} "
@@ -103,6 +104,35 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_finite(v) for v in value]
     return value
+
+
+NOTE_CHARS = 100  # of each note in the segments table; `status --json` and history.jsonl hold them whole
+
+
+def _short(text: str, limit: int = NOTE_CHARS) -> str:
+    """The first line of `text`, cut at a word boundary with an ellipsis past `limit` characters."""
+    line = text.strip().split("\n", 1)[0]
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0] if " " in line[:limit] else line[:limit]
+    return cut.rstrip(",;:") + " …"
+
+
+def _notes_cell(seg: dict[str, Any]) -> str:
+    """A segment's notes as the table shows them: runtime changes as `field old -> new`, each note's first line."""
+    parts = []
+    changes = seg.get("runtime_changes")
+    if isinstance(changes, dict) and changes:
+        shown_changes = []
+        for key, value in changes.items():
+            pair = value if isinstance(value, list | tuple) and len(value) == 2 else ("?", value)
+            shown_changes.append(f"{key} {_short(str(pair[0]), 30)} -> {_short(str(pair[1]), 30)}")
+        parts.append("runtime: " + ", ".join(shown_changes))
+    oom = seg.get("ooms") or {}
+    if isinstance(oom, dict) and (oom.get("caught") or oom.get("fatal")):
+        parts.append(f"OOMs: {oom.get('caught', 0)} caught, {oom.get('fatal', 0)} fatal")
+    parts += [_short(str(note)) for note in seg.get("notes") or []]
+    return "; ".join(parts)
 
 
 def _updates(seg: dict[str, object]) -> str:
@@ -206,13 +236,7 @@ def run(args: argparse.Namespace) -> int:
     for col in ("#", "segment", "job", "hosts", "world", "updates", "ended", "numerics", "notes"):
         g.add_column(col)
     for i, seg in enumerate(s["segments"], 1):
-        notes = "; ".join(seg.get("notes") or [])
-        oom = seg.get("ooms") or {}
-        if oom.get("caught") or oom.get("fatal"):
-            notes = f"OOMs: {oom.get('caught', 0)} caught, {oom.get('fatal', 0)} fatal; " + notes
-        if seg.get("runtime_changes"):
-            notes = f"runtime: {seg['runtime_changes']} " + notes
-        notes = shown(notes[:80])
+        notes = shown(_notes_cell(seg))
         g.add_row(
             str(i),
             shown(str(seg["segment"] or "-")),

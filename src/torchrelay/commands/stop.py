@@ -7,9 +7,11 @@ from pathlib import Path
 
 from torchrelay.commands.argtypes import job_id, update
 from torchrelay.contract import load_contract
+from torchrelay.controller.supervisor import last_logged_update
 from torchrelay.errors import ConfigError
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
+from torchrelay.train_records import metrics_path
 from torchrelay.util.shown import visible
 
 
@@ -45,8 +47,21 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         load_contract(run_dir)  # a damaged contract is no run to stop: refused naming the file
+        if args.at_update is not None:
+            _refuse_past(run_dir, args.at_update)
     path = write_request(args.run_dir, job=args.job, at_update=args.at_update)
     when = f"after update {args.at_update}" if args.at_update else "at the next update boundary"
     who = f"job {args.job}" if args.job else "whichever job runs it"
     print(f"wrote {visible(path)}: {who} will save a complete checkpoint and stop {when}")
     return 0
+
+
+def _refuse_past(run_dir: Path, at_update: int) -> None:
+    """A request for an update the run has done already would stop it at its next boundary, not there."""
+    metrics = metrics_path(RunDir(run_dir).train_dir, 0)
+    done = last_logged_update(metrics)
+    if done is not None and at_update <= done:
+        raise ConfigError(
+            f"stop --at-update {at_update}: the run is past it, at update {done} ({visible(metrics)})",
+            hint=f"pass an update after {done}, or leave out --at-update to stop at the next boundary",
+        )

@@ -18,7 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs", type=count(1, JOBS_LIMIT), default=None, help="hashing threads (default: one per core)"
     )
-    parser.add_argument("--quiet", action="store_true", help="print only failures and the verdict")
+    # its own name: the global -q (before the verb) is `quiet`, which this flag's default would overwrite
+    parser.add_argument(
+        "--quiet", dest="verify_quiet", action="store_true", help="print only failures and the verdict"
+    )
     add_trust_arguments(parser)
 
 
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     sums = report.sums
     for line in report.problems():
         print(visible(line))  # names the bundle's files (and SHA256SUMS's): an ESC in a name is shown as text
-    if not args.quiet:
+    if not args.verify_quiet:
         rate = sums.total_bytes / sums.seconds / 1e9 if sums.seconds > 0 else 0.0
         print(
             f"{len(sums.checks)} files, {sums.total_bytes / 1e9:.3f} GB in {sums.seconds:.2f} s ({rate:.2f} GB/s); "

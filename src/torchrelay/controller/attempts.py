@@ -27,11 +27,12 @@ from typing import Any
 import yaml
 
 from torchrelay.controller.plan import plan_diff
+from torchrelay.costmodel import MEASUREMENTS_SCHEMA
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.layout import ATTEMPTS_DIR
 from torchrelay.rundir import RunDir
 from torchrelay.util.durable import atomic_write_text
-from torchrelay.util.records import read_json, read_yaml
+from torchrelay.util.records import Schema, check, read_json, read_yaml
 
 FROZEN_PLAN = "plan.frozen.yaml"
 _NAME = re.compile(r"^attempt_(\d+)$")
@@ -90,12 +91,17 @@ class Attempt:
         atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
         return path
 
-    def read_json(self, name: str) -> Any:
-        """An attempt's record, None when there is none or it is damaged (an attempt killed mid-way)."""
+    def read_json(self, name: str, schema: Schema | None = None) -> Any:
+        """An attempt's record, None when there is none or it is damaged (an attempt killed mid-way); with
+        `schema`, a record whose fields break it is refused (RecordError naming the file and field): values are
+        written whole, so one out of range was put there by someone else."""
         try:
-            return read_json(self.path / name, what=name, root=self.path)
+            data = read_json(self.path / name, what=name, root=self.path)
         except (OSError, RelayError):
             return None
+        if schema is not None:
+            check(data, schema, source=f"{self.path / name} ({name})")
+        return data
 
     def finish(self, outcome: Outcome) -> Path:
         """Write outcome.json (with this attempt's notes)."""
@@ -177,7 +183,7 @@ class Attempts:
     def latest_measurements(self) -> dict[str, Any] | None:
         """measurements.json of the newest attempt that has one (a later attempt may skip the smoke)."""
         for attempt in reversed(self.all()):
-            data = attempt.read_json("measurements.json")
+            data = attempt.read_json("measurements.json", MEASUREMENTS_SCHEMA)
             if isinstance(data, dict):
                 return data
         return None
@@ -185,11 +191,16 @@ class Attempts:
 
 def describe_fallback(fallback: dict[str, Any]) -> str:
     """One line saying which fallback ran instead of which plan, and why."""
+    how = (
+        f"the same run continued in place on {fallback.get('nproc_per_node')} rank(s) per node, global batch kept"
+        if fallback.get("in_place") is True
+        else f"{fallback.get('nproc_per_node')} rank(s) per node in a run of its own (not a continuation of "
+        f"{fallback.get('primary_run_dir')})"
+    )
     return (
         f"fallback {fallback.get('fallback')!r} of plan {fallback.get('plan')!r}: the allocation has "
         f"{fallback.get('devices')} device(s) per node, the plan needs {fallback.get('primary_nproc_per_node')}; "
-        f"{fallback.get('nproc_per_node')} rank(s) per node in a run of its own (not a continuation of "
-        f"{fallback.get('primary_run_dir')})"
+        + how
     )
 
 

@@ -7,6 +7,7 @@ controller's exit code — 0 finished, 3 budget, 4 request, 5 signal, 6 memory, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
+from torchrelay import envvars
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.controller.argv import training_argv
@@ -68,12 +70,17 @@ class LaunchRequest:
     plan_path: Path
     sets: dict[str, Any] = field(default_factory=dict)
     deadline: float | None = None  # unix seconds
-    budget_s: float | None = None  # seconds from now
+    budget_s: float | None = None  # seconds from `started`
+    started: float | None = (
+        None  # unix time the command started (None: now); `torchrelay launch` passes its own
+    )
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     clock: Callable[[], float] = time.time
     time_left: Callable[[str], float | None] | None = None  # job id -> end time; default asks squeue
     # devices per node this allocation has (`--devices`); None: the GPUs CUDA sees (none: the primary plan runs)
     devices: int | None = None
+    # `--reshard`: the formal run may continue the run on another world size (the plan's train.reshard)
+    reshard: bool = False
 
 
 class Controller:
@@ -92,7 +99,8 @@ class Controller:
     # ------------------------------------------------------------------------------------------ the stages
     def run(self) -> Outcome:
         started = self.req.clock()
-        deadline = self._deadline(started)
+        # A budget counts from the command's start: the seconds of importing and loading the plan are the user's.
+        deadline = self._deadline(started if self.req.started is None else min(started, self.req.started))
         attempt, diff = self.attempts.start(self.plan.to_dict(), self.req.sets)
         left_s = deadline - self.req.clock() if deadline is not None else None
         self.show.attempt(self.plan.name, attempt.number, attempt.path, diff, left_s)
@@ -299,6 +307,13 @@ class Controller:
             extra["TORCHRELAY_DEADLINE"] = f"{training_deadline:.3f}"
         if cost.measurements.save_s:
             extra["TORCHRELAY_SAVE_ESTIMATE_S"] = f"{cost.measurements.save_s:.3f}"
+        if plan.train.reshard:
+            extra[envvars.RESHARD.name] = "1"
+            extra[envvars.RESHARD_BY.name] = f"{self._reshard_asker()}, attempt {attempt.number}"
+            attempt.note(
+                f"asked for a layout change: the run may continue on {plan.train.world_size} rank(s) with the same "
+                f"global batch ({self._reshard_asker()})"
+            )
         self.show.formal_start(plan.run_path, plan.train.world_size)
         launched = self.req.clock()
         # The training stops itself before the deadline; past it (plus a grace for the save) it is stopped.
@@ -328,6 +343,14 @@ class Controller:
         return outcome
 
     # ------------------------------------------------------------------------------------------ helpers
+    def _reshard_asker(self) -> str:
+        """Who allowed this attempt to move the run to another world size (the move's `asked_by`)."""
+        if self.req.reshard:
+            return "launch --reshard"
+        if self.plan.fallback_of.get("in_place"):
+            return f"launch fallback {self.plan.fallback_of.get('fallback')!r} (in place)"
+        return "plan train.reshard"
+
     def _deadline(self, now: float) -> float | None:
         slurm_end = None
         if self.job:
@@ -458,6 +481,16 @@ def _saved_update(run_dir: Path) -> int:
     return complete[-1] if complete else 0
 
 
+def process_started() -> float:
+    """The unix time this process started (the `--budget` of `torchrelay launch` counts from it)."""
+    import psutil
+
+    try:
+        return float(psutil.Process().create_time())
+    except (psutil.Error, OSError):  # no /proc: the budget counts from now
+        return time.time()
+
+
 def visible_devices() -> int | None:
     """The GPUs this process may use (CUDA_VISIBLE_DEVICES applied), or None without CUDA."""
     import torch
@@ -469,11 +502,15 @@ def launch(request: LaunchRequest, console: Console | None = None) -> Outcome:
     """Run one attempt of the plan and return its outcome (exit code in `outcome.exit_code`).
 
     With fewer devices per node than the plan's train.nproc_per_node, the attempt runs the plan's first fallback
-    that fits (a run of its own, in its own run directory), recorded in the attempt's fallback.json.
+    that fits (a run of its own in its own run directory, or the same run continued in place), recorded in the
+    attempt's fallback.json. `request.reshard` (or the plan's train.reshard) lets the formal run continue the run
+    on another world size with the same global batch.
     One controller per run: a second launch of the same run directory is refused (RunBusy, exit 2) before it
     records an attempt or starts anything; so is a plan whose memory limits or run directory cannot be used.
     """
     plan = load_plan(request.plan_path, request.sets)
+    if request.reshard:
+        plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, reshard=True))
     devices = request.devices if request.devices is not None else visible_devices()
     plan = plan.for_devices(devices)
     # Everything that can refuse the plan before the lock and the attempt are written beside its run directory.

@@ -20,6 +20,7 @@ slurm: {time: "04:00:00", nodes: 1, gpus_per_node: 8, signal_s: 300}
 validate: {run: "python tools/validate.py --checkpoint {checkpoint} --out {metrics}", updates: [4000, 8000]}
 fallbacks:                        # when the allocation has fewer devices per node than train.nproc_per_node
   - {name: gpu4, run_dir: runs/lm-4gpu, nproc_per_node: 4, args: [--config, configs/lm4.yaml]}
+  - {name: gpu2, in_place: true, nproc_per_node: 2}   # the same run continued on 2 ranks, same global batch
 ```
 """
 
@@ -80,6 +81,8 @@ class TrainSpec:
     srun: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict, metadata=AS_STR)
+    # the formal run may continue the run on another world size with the same global batch (docs/ELASTIC.md)
+    reshard: bool = False
 
     def __post_init__(self) -> None:
         schema.check(self, "plan.train")
@@ -161,23 +164,27 @@ class MemorySpec:
 
 @dataclass(kw_only=True, slots=True)
 class FallbackSpec:
-    """Another configuration for an allocation with fewer devices per node than `train` needs: a run of its own.
+    """Another configuration for an allocation with fewer devices per node than `train` needs.
 
-    Its run directory is its own (a new run with its own contract, never a continuation of the primary's: another
-    rank count changes the global batch or the reduction order). args, overrides: the primary's unless given.
+    A run of its own in its own run directory (its own contract), or with `in_place` the primary's run continued
+    on fewer ranks with the same global batch (grad_accum derived; a move recorded in history.jsonl,
+    docs/ELASTIC.md). args, overrides: the primary's unless given.
     """
 
     name: str
-    run_dir: str
+    run_dir: str = ""
     nproc_per_node: int = field(metadata=PROCS_PER_NODE)
+    in_place: bool = False
     args: list[str] | None = None
     overrides: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to train.env
 
     def __post_init__(self) -> None:
         schema.check(self, "plan.fallbacks")
-        if not self.name or not self.run_dir:
-            raise ConfigError("plan fallbacks: every fallback needs a 'name' and its own 'run_dir'")
+        if not self.name or not (self.run_dir or self.in_place):
+            raise ConfigError(
+                "plan fallbacks: every fallback needs a 'name', and its own 'run_dir' or 'in_place: true'"
+            )
 
 
 EXPORT_KEYS = ("dtype", "drop", "rename", "include")
@@ -255,7 +262,13 @@ class Plan:
         for f in self.fallbacks:
             if names.count(f.name) > 1:
                 raise ConfigError(f"plan fallbacks: names must be unique, {f.name!r} is repeated")
-            if Path(f.run_dir) == Path(self.run_dir):
+            if f.in_place and f.run_dir and Path(f.run_dir) != Path(self.run_dir):
+                raise ConfigError(
+                    f"plan fallbacks[{f.name!r}]: in_place continues the primary's run, but run_dir names "
+                    f"{f.run_dir}",
+                    hint="drop its run_dir (in place), or drop in_place (a run of its own)",
+                )
+            if not f.in_place and Path(f.run_dir) == Path(self.run_dir):
                 raise ConfigError(
                     f"plan fallbacks[{f.name!r}]: its run_dir is the primary's; a fallback is a new run",
                     hint="give it a run directory of its own (its contract differs: another rank count)",
@@ -287,6 +300,7 @@ class Plan:
             args=list(fits.args) if fits.args is not None else list(t.args),
             overrides=dict(fits.overrides) if fits.overrides is not None else dict(t.overrides),
             env={**t.env, **fits.env},
+            reshard=t.reshard or fits.in_place,
         )
         why = {
             "fallback": fits.name,
@@ -295,9 +309,11 @@ class Plan:
             "primary_nproc_per_node": need,
             "devices": devices,
             "nproc_per_node": fits.nproc_per_node,
+            **({"in_place": True} if fits.in_place else {}),
         }
+        run_dir = self.run_dir if fits.in_place else fits.run_dir
         return dataclasses.replace(
-            self, run_dir=fits.run_dir, name=fits.name, train=train, fallbacks=[], fallback_of=why
+            self, run_dir=run_dir, name=fits.name, train=train, fallbacks=[], fallback_of=why
         )
 
     @property
@@ -343,7 +359,7 @@ class Plan:
             if isinstance(data.get(key), str):
                 data[key] = str((base / os.path.expandvars(data[key])).resolve())
         for fb in data.get("fallbacks") or []:
-            if isinstance(fb, dict) and isinstance(fb.get("run_dir"), str):
+            if isinstance(fb, dict) and isinstance(fb.get("run_dir"), str) and fb["run_dir"]:
                 fb["run_dir"] = str((base / os.path.expandvars(fb["run_dir"])).resolve())
         if "workdir" not in data:
             data["workdir"] = str(base)

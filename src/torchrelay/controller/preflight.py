@@ -323,7 +323,15 @@ def check_contract(plan: Plan, report: PreflightReport) -> tuple[dict[str, Any],
     # Sizes only: the ranks hash every checkpoint file themselves when they open the run; hashing a 70 GiB
     # checkpoint twice would cost minutes of the allocation. The script is part of the code whether git tracks
     # it or not; the modules it imports are the run's recorded ones (the ranks check what they import).
-    check = validate_resume(rd.path, cfg, plan.train.world_size, code_dir, deep=False, code_files=[script])
+    check = validate_resume(
+        rd.path,
+        cfg,
+        plan.train.world_size,
+        code_dir,
+        deep=False,
+        code_files=[script],
+        reshard=plan.train.reshard,
+    )
     report.add("contract", "; ".join(check.passed))
     note = tree_note(check.code_changes, commit=check.recorded["fields"].get("code.commit") is not None)
     if note:

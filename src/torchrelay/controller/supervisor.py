@@ -26,6 +26,7 @@ from typing import IO, Any
 import psutil
 
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
+from torchrelay.controller.torchrun import TorchrunOutput
 from torchrelay.errors import RelayError
 from torchrelay.history import read_history
 from torchrelay.log import logger
@@ -205,13 +206,14 @@ class Supervisor:
 def _pump(stream: IO[str] | None, out: IO[str], tail: collections.deque[str]) -> None:
     if stream is None:
         return
+    # The tail keeps every line (the outcome reads torchrun's exit codes in it); what is shown leaves out torchrun's
+    # failure report of a planned stop (controller/torchrun.py). TorchrunOutput survives a closed output: the child
+    # is drained to its end and never blocks.
+    shown = TorchrunOutput(out)
     for line in stream:
         tail.append(line.rstrip("\n"))
-        try:
-            out.write(line)
-            out.flush()
-        except (OSError, ValueError):
-            pass  # our own output is gone (closed terminal); keep draining so the child never blocks
+        shown.write(line)
+    shown.close()
 
 
 class SignalRelay:

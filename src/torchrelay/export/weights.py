@@ -8,6 +8,7 @@ and `model.safetensors.index.json`), `torchrelay_export.json` (where the weights
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -27,7 +28,9 @@ from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
+from torchrelay.destinations import refuse_inside_runs, refuse_nested
 from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.export.parity import ParityOptions, check_parity
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
 from torchrelay.layout import checkpoint_label, parse_checkpoint_name
 from torchrelay.rundir import RunDir
@@ -71,6 +74,8 @@ class ExportOptions:
         default_factory=list
     )  # files copied beside the weights (config.json, tokenizer)
     checkpoint: int | None = None  # of a run directory; None: its newest complete one
+    # compare the export, loaded with from_pretrained, with the training model on the run's samples (parity.py)
+    parity: ParityOptions | None = None
 
     def __post_init__(self) -> None:
         if self.format != "safetensors":
@@ -103,6 +108,7 @@ class ExportResult:
     dropped: list[str]
     renamed: dict[str, str]
     seconds: float
+    parity: dict[str, Any] | None = None
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -202,6 +208,30 @@ def _shards(slots: list[TensorSlot], limit: int) -> list[list[TensorSlot]]:
     return out or [[]]
 
 
+def export_code(code: dict[str, Any]) -> dict[str, Any] | None:
+    """The contract's code identity in the export's documented fields {commit, tree, dirty, dirty_sha256}, plus
+    `files` ({path: sha256} of the program files no commit holds). Outside git (or with files git does not track)
+    `dirty_sha256` is the SHA-256 of those files' canonical listing, so the four fields name the code alone; an
+    empty tree (a plain directory holding only the program) is null."""
+    if not code:
+        return None
+    files: dict[str, Any] = {}
+    for key in ("untracked", "modified"):
+        part = code.get(key)
+        if isinstance(part, dict):
+            files.update({str(k): v for k, v in part.items()})
+    digest = code.get("dirty_sha256")
+    if digest is None and files:
+        digest = hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return {
+        "commit": code.get("commit"),
+        "tree": code.get("tree") or None,
+        "dirty": bool(code.get("dirty")),
+        "dirty_sha256": digest,
+        "files": dict(sorted(files.items())),
+    }
+
+
 def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> dict[str, Any]:
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
@@ -219,13 +249,16 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
         "contract_sha256": contract.get("sha256") or inventory.get("contract_sha256"),
         "segment": inventory.get("segment"),
         "lineage": lineage.get("lineage") if isinstance(lineage, dict) else None,
-        "code": {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")} or None,
+        "code": export_code({k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}),
         "versions": {k.removeprefix("versions."): v for k, v in fields.items() if k.startswith("versions.")},
     }
 
 
-def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportResult:
-    """Write the model weights of `source` (run directory, bundle or checkpoint) into the new folder `out`."""
+def export_weights(
+    source: Path, out: Path, options: ExportOptions, owned: Path | None = None
+) -> ExportResult:
+    """Write the model weights of `source` (run directory, bundle or checkpoint) into the new folder `out`;
+    `owned`: a run's folder torchrelay writes itself (validation's), in which `out` may lie."""
     started = time.perf_counter()
     ckpt, holder = resolve_checkpoint(Path(source), options.checkpoint)
     inventory = validate_complete(ckpt)  # a damaged checkpoint is refused, naming the file
@@ -236,6 +269,9 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
             f"{ckpt / DS_DIR} OUT --tag zero (on a copy; it runs DeepSpeed's code)",
         )
     out = Path(out)
+    # as pack and prepare refuse their destination: an export inside a checkpoint made every resume refuse it
+    refuse_nested(ckpt, "checkpoint", out, "export folder")
+    refuse_inside_runs(out, "export folder", owned)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not empty", hint="choose a new export folder")
     for path in options.include:
@@ -292,18 +328,27 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         for path in options.include:
             shutil.copyfile(path, tmp / path.name)
             sums.append(SumEntry(path.name, sha256_hex(tmp / path.name)))
+        # before the provenance and the rename: an export that fails its parity is not written
+        parity = check_parity(tmp, ckpt, holder, options.parity) if options.parity is not None else None
         renamed = {k: v for k, v in mapping.items() if k != v}
         provenance = {
             "format": EXPORT_FORMAT,
             "tool": f"torchrelay {__version__}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source": _provenance(ckpt, holder, inventory),
-            "options": {**asdict(options), "include": [p.name for p in options.include]},
+            "options": {
+                **asdict(options),
+                "include": [p.name for p in options.include],
+                "parity": None
+                if options.parity is None
+                else {**asdict(options.parity), "hooks": options.parity.hooks.name},
+            },
             "tensors": len(slots),
             "total_bytes": total,
             "files": [s.path for s in sums],
             "dropped": dropped,
             "renamed": renamed,
+            **({"parity": parity} if parity is not None else {}),
         }
         _write(tmp / PROVENANCE, provenance)
         sums.append(SumEntry(PROVENANCE, sha256_hex(tmp / PROVENANCE)))
@@ -326,6 +371,7 @@ def export_weights(source: Path, out: Path, options: ExportOptions) -> ExportRes
         dropped=dropped,
         renamed=renamed,
         seconds=time.perf_counter() - started,
+        parity=parity,
     )
 
 

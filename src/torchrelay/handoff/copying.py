@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from torchrelay.errors import ConfigError
 from torchrelay.util.hashing import ByteCallback, default_jobs, sha256_file, thread_buffer
-from torchrelay.util.safepath import is_inside, open_regular
+from torchrelay.util.safepath import open_regular
 
 # Errors that mean "this filesystem pair cannot hardlink"; anything else is a real failure.
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
@@ -190,16 +189,3 @@ def through_link(dest: Path) -> Path:
     if dest.is_symlink() and dest.is_dir():
         return Path(os.path.realpath(dest))
     return dest
-
-
-def refuse_nested(source: Path, source_what: str, dest: Path, dest_what: str) -> None:
-    """Refuse a destination that is the source, lies inside it or holds it (links followed): the copy would
-    write into what it reads (a run prepared inside its bundle fails the bundle's next verify)."""
-    if is_inside(source, dest):
-        inside = "is" if os.path.realpath(source) == os.path.realpath(dest) else "lies inside"
-        problem = f"the {dest_what} {dest} {inside} the {source_what} {source}"
-    elif is_inside(dest, source):
-        problem = f"the {source_what} {source} lies inside the {dest_what} {dest}"
-    else:
-        return
-    raise ConfigError(problem, hint=f"choose a {dest_what} outside the {source_what} (and not holding it)")

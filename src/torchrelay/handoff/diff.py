@@ -1,4 +1,9 @@
-"""`diff`: the contract (and runtime configuration) difference between two runs, checkpoints or bundles."""
+"""`diff`: the contract (and runtime configuration) difference between two runs, checkpoints or bundles.
+
+It compares what a resume would: the recorded contracts, config.json against its own contract, and the samples each
+side's own manifest lists (`data.fingerprint`, `data.samples`, read from the manifest as a resume reads it), so a
+side whose manifest was replaced under an unchanged contract is not "identical".
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ from typing import Any
 
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.config import is_runtime_key
-from torchrelay.contract import CONTRACT_FILE, contract_diff, load_contract
-from torchrelay.errors import ConfigError, IntegrityError
+from torchrelay.contract import CONTRACT_FILE, contract_diff, contract_manifest, load_contract
+from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.rundir import Bundle, RunDir
 from torchrelay.util.dotted import flatten
@@ -31,6 +36,18 @@ class Side:
     # contract fields whose value config.json no longer holds (key, recorded, configured): a resume of this side
     # recomputes its contract from config.json and refuses it
     drift: tuple[tuple[str, Any, Any], ...] = ()
+    # the data fields a resume recomputes from this side's own manifest (under config.json's data_root):
+    # {data.fingerprint, data.samples}; those that differ from its contract (key, recorded, read); or why the
+    # manifest cannot be read
+    data: dict[str, Any] = field(default_factory=dict)
+    data_drift: tuple[tuple[str, Any, Any], ...] = ()
+    data_problem: str | None = None
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a resume of this side would accept its own files (config.json, a manifest) as its contract. (A
+        data drift is not counted: read under the data_root a launch passes, the manifest may match.)"""
+        return not self.drift and self.data_problem is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +71,7 @@ class DiffReport:
 
     @property
     def same_contract(self) -> bool:
-        return not self.contract and not self.a.drift and not self.b.drift
+        return not self.contract and self.a.resumable and self.b.resumable
 
 
 def load_side(path: Path) -> Side:
@@ -89,6 +106,7 @@ def load_side(path: Path) -> Side:
     if checkpoint is not None:
         kind = f"checkpoint of a {kind}"
     fields, flat = dict(contract["fields"]), flatten(config)
+    data, problem = _data_as_resumed(root, fields, flat)
     return Side(
         path,
         kind,
@@ -98,7 +116,33 @@ def load_side(path: Path) -> Side:
         checkpoint,
         checkpoint_contract,
         tuple((k, fields[k], v) for k, v in sorted(_configured(fields, flat).items()) if v != fields[k]),
+        data,
+        tuple((k, fields[k], v) for k, v in sorted(data.items()) if v != fields[k]),
+        problem,
     )
+
+
+def _data_as_resumed(
+    root: Path, fields: dict[str, Any], flat_config: dict[str, Any]
+) -> tuple[dict[str, Any], str | None]:
+    """The data fields of the contract as a resume recomputes them from the side's own copy of its manifest
+    (data/manifest.jsonl, read under config.json's data_root; its index believed only for the bytes the contract
+    binds), and None; or {} and why that copy cannot be read. Only the side's own copy: a path config.json names
+    elsewhere is not read."""
+    rd = RunDir(root)
+    data_root = flat_config.get("data_root")
+    try:
+        manifest = contract_manifest(
+            rd.manifest_path,
+            [data_root if isinstance(data_root, str) else ""],
+            fields,
+            index=rd.manifest_index_path,
+            root=rd.path,
+        )
+    except (RelayError, OSError, ValueError) as exc:
+        return {}, str(getattr(exc, "message", exc))
+    found = {"data.fingerprint": manifest.fingerprint(), "data.samples": len(manifest)}
+    return {k: v for k, v in found.items() if k in fields}, None
 
 
 # The layout: a reshard writes the new split into config.json, and the resume compares it by its own rule.
@@ -119,7 +163,8 @@ def diff(a_path: Path, b_path: Path) -> DiffReport:
     """Field-by-field difference between two sides: contract fields, then runtime configuration fields."""
     a, b = load_side(a_path), load_side(b_path)
     report = DiffReport(a, b)
-    for key, old, new in contract_diff(a.fields, b.fields):
+    # each side's data as its manifest holds it, not as its contract says (a replaced manifest, a forged contract)
+    for key, old, new in contract_diff({**a.fields, **a.data}, {**b.fields, **b.data}):
         report.contract.append(FieldDiff(key, old, new, runtime=False))
     params = _runtime_params(a.config) + _runtime_params(b.config)
     for key in sorted(set(a.config) | set(b.config)):
@@ -153,13 +198,25 @@ def format_report(report: DiffReport) -> list[str]:
                 "refused"
             )
             lines.extend(f"  {k}: {_short(old)} -> {_short(new)}" for k, old, new in side.drift)
+        if side.data_drift:
+            lines.append(
+                f"note: {side.path}/data/manifest.jsonl, read under config.json's data_root, lists other samples "
+                "than its own contract: a resume under that data_root is refused"
+            )
+            lines.extend(f"  {k}: {_short(old)} -> {_short(new)}" for k, old, new in side.data_drift)
+        if side.data_problem is not None:
+            lines.append(
+                f"{side.path}: its manifest cannot be read, a resume of it is refused: {side.data_problem}"
+            )
     if report.contract:
         lines.append(f"contract fields that differ ({len(report.contract)}): one cannot continue the other")
         lines.extend(f"  {d.key}: {_short(d.a)} -> {_short(d.b)}" for d in report.contract)
     elif report.same_contract:
         lines.append("contract: identical (one can continue the other)")
     else:
-        lines.append("contract: identical, but a resume is refused (config.json differs from the contract)")
+        lines.append(
+            "contract: identical, but a resume is refused (config.json or the manifest differs from the contract)"
+        )
     if report.runtime:
         lines.append(f"runtime-only fields that differ ({len(report.runtime)}): allowed between segments")
         lines.extend(f"  {d.key}: {_short(d.a)} -> {_short(d.b)}  [runtime]" for d in report.runtime)

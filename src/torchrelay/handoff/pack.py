@@ -27,9 +27,10 @@ from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.contract import load_contract
+from torchrelay.destinations import refuse_nested
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, PathError
 from torchrelay.handoff.bundle_readme import render_readme
-from torchrelay.handoff.copying import CopyResult, copy_many, refuse_nested, through_link
+from torchrelay.handoff.copying import CopyResult, copy_many, through_link
 from torchrelay.handoff.signing import bundle_digest, check_key, sign
 from torchrelay.handoff.source import write_source
 from torchrelay.history import new_id, read_history

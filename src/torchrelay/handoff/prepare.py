@@ -18,6 +18,7 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.config import RelayConfig
+from torchrelay.destinations import refuse_nested
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.handoff.assemble import (
     Hooks,
@@ -27,7 +28,7 @@ from torchrelay.handoff.assemble import (
     copy_source_manifest,
     numerics_here,
 )
-from torchrelay.handoff.copying import refuse_nested, through_link
+from torchrelay.handoff.copying import through_link
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
@@ -37,12 +38,13 @@ from torchrelay.kill_points import kill_point
 from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.resume_check import ResumeCheck, validate_resume
+from torchrelay.resume_check import PREPARE_RECORD_SCHEMA, ResumeCheck, validate_resume
 from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.durable import atomic_write_bytes, atomic_write_text, fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.records import check
 
 # Keys prepare owns itself: the manifest always lives in the run directory.
 _MANAGED = {
@@ -256,16 +258,31 @@ def _prepare_into(
     if options.check_files:
         failures.extend(check_files(new_manifest, hooks, proofs))
 
-    # 2. External files: each must hash to the identity the contract recorded.
+    # 2. External files: each must hash to the identity the contract recorded. A path only the bundle's
+    # config.json names (not --set here) is the packing cluster's: read only for a name the contract records, and
+    # its digest never shown unless it is the contract's (else any file's digest could be asked for by a bundle).
+    named_here = _external_names(options.sets)
     for name, path in sorted(new_cfg.external_files.items()):
         want = fields.get(f"external.{name}.sha256")
+        ours = name in named_here
+        if not ours and not isinstance(want, str):
+            failures.append(
+                f"external file {name!r}: config.json names {path}, but the contract records no "
+                f"external.{name}.sha256; nothing was read (set external_files.{name}=PATH to name it here)"
+            )
+            continue
         if not Path(path).is_file():
             failures.append(f"external file {name!r}: {path} does not exist (set external_files.{name}=PATH)")
             continue
         got = sha256_file(Path(path))[0]
-        if got != want:
+        if got != want and ours:
             failures.append(
                 f"external file {name!r}: {path} has SHA-256 {got}, the run was trained with {want}"
+            )
+        elif got != want:
+            failures.append(
+                f"external file {name!r}: {path} (the bundle's config.json names it) does not have the SHA-256 "
+                f"the run was trained with, {want} (set external_files.{name}=PATH to this cluster's copy)"
             )
         else:
             proofs.append(f"external file {name}: {path} SHA-256 {got} = contract external.{name}.sha256")
@@ -376,6 +393,13 @@ def _prepare_into(
     )
 
 
+def _external_names(sets: dict[str, Any]) -> set[str]:
+    """The external files `--set` names a path for here (`external_files.NAME=PATH`, or the whole mapping)."""
+    names = {k.split(".", 1)[1] for k in sets if k.startswith("external_files.")}
+    whole = sets.get("external_files")
+    return names | (set(whole) if isinstance(whole, dict) else set())
+
+
 def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
     """A prepare killed mid-way leaves only its temporary sibling; the next one removes it."""
     if parent.is_dir():
@@ -404,7 +428,11 @@ def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | Non
         return None
     record_path = RunDir(run_dir).prepare_record_path
     if record_path.is_file():
-        record = read_record(record_path, "the rebase record")
+        record = check(
+            read_record(record_path, "the rebase record"),
+            PREPARE_RECORD_SCHEMA,
+            source=f"{record_path} (the rebase record)",
+        )
         if record.get("bundle_lineage") == info.get("lineage"):
             return record
         raise ConfigError(

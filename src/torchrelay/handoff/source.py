@@ -46,10 +46,25 @@ class SourceInfo:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+# A git that never answers (a hung credential helper, a dead network mount) must not hang `pack`; an archive or a
+# bundle of a large history is given minutes.
+GIT_TIMEOUT_S = 600.0
+
+
 def _git(code_dir: Path, *args: str, binary: bool = False) -> subprocess.CompletedProcess[Any]:
-    return subprocess.run(
-        ["git", "-C", str(code_dir), *args], capture_output=True, text=not binary, check=False
-    )
+    try:
+        return subprocess.run(
+            ["git", "-C", str(code_dir), *args],
+            capture_output=True,
+            text=not binary,
+            check=False,
+            timeout=GIT_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"{code_dir}: `git {args[0] if args else ''}` did not finish in {GIT_TIMEOUT_S:g} s",
+            hint="check that git answers in that checkout (a credential helper, a network mount), then try again",
+        ) from None
 
 
 def write_source(

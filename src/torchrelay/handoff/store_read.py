@@ -8,7 +8,6 @@ prefix is an incomplete upload and nothing of it is used."""
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.checkpoint.inventory import INVENTORY, beside_inventory, read_inventory
-from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.errors import IntegrityError, RecordError, UnsafeInput
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.storage.base import ObjectInfo, ObjectStore
@@ -24,6 +23,7 @@ from torchrelay.storage.transfer import read_objects
 from torchrelay.storage.url import StoreURL
 from torchrelay.util import sha256_parts
 from torchrelay.util.hashing import ByteCallback
+from torchrelay.util.records import parse_json
 from torchrelay.util.sha256_parts import MIN_PART_BYTES, part_count
 from torchrelay.util.sums import SUMS_LIMIT, SUMS_NAME, parse_sums
 
@@ -165,8 +165,10 @@ def _parts_doc(store: ObjectStore, url: StoreURL, listed: dict[str, ObjectInfo])
     if PARTS_REL not in listed or not sha256_parts.available():
         return {}
     try:
-        doc = json.loads((store.get(url.key(PARTS_REL), PARTS_LIMIT) or b"{}").decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        doc = parse_json(
+            store.get(url.key(PARTS_REL), PARTS_LIMIT) or b"{}", source=str(url.child(PARTS_REL))
+        )
+    except RecordError:
         return {}
     files = doc.get("files") if isinstance(doc, dict) else None
     good: dict[str, Any] = {}

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from torchrelay.errors import UnsafeInput
 from torchrelay.identity.files import (
     SKIP_DIRS,
     changed_from_manifest,
@@ -59,8 +60,9 @@ def code_identity(
         }
     root = Path(code_dir).resolve()
     skip = Path(run_dir).resolve() if run_dir is not None else None
-    was_untracked = _paths_of(known, "code.untracked")
-    was_modified = _paths_of(known, "code.modified")
+    # the recorded contract's own paths (with or without git): each inside the code directory, or refused unread
+    was_untracked = _paths_of(known, "code.untracked", root)
+    was_modified = _paths_of(known, "code.modified", root)
     was_program = [str(p) for p in (known or {}).get("code.program") or [] if isinstance(p, str)]
     # A contract written before `code.program` existed keeps its sense of a plain tree: only what it recorded.
     legacy = known is not None and "code.program" not in known
@@ -88,8 +90,8 @@ def code_identity(
     commit = (known or {}).get("code.commit")
     if commit is None and not legacy:  # no commit anywhere: every file of the program is there by content
         was_untracked = sorted(set(was_untracked) | set(program))
-    untracked = {rel: sha256_or_none(_inside(root, rel)) for rel in was_untracked}
-    modified = {rel: sha256_or_none(_inside(root, rel)) for rel in was_modified}
+    untracked = {rel: sha256_or_none(root / rel) for rel in was_untracked}
+    modified = {rel: sha256_or_none(root / rel) for rel in was_modified}
     tree = git_tree_of_dir(root, frozenset(was_untracked), skip, runs=commit is not None)
     ours = set(was_untracked) | set(was_modified)
     changed: dict[str, str | None] | None
@@ -143,17 +145,30 @@ def _relative(root: Path, paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     return out
 
 
-def _paths_of(known: Mapping[str, Any] | None, key: str) -> list[str]:
+def _paths_of(known: Mapping[str, Any] | None, key: str, root: Path) -> list[str]:
+    """The paths a recorded contract's field names ({path: sha256}), each a path inside root; one that is not
+    (absolute, with a `..`, through a link out of root) is refused naming the field, before any file is read: its
+    digest, printed in the contract's difference, would tell the content of any file the trainer can read."""
     value = (known or {}).get(key)
-    return sorted(str(k) for k in value) if isinstance(value, dict) else []
-
-
-def _inside(root: Path, rel: str) -> Path:
-    """root/rel, or a path that never reads (root/..) when rel is absolute or leads out of root."""
-    joined = root / rel
-    if Path(rel).is_absolute() or not os.path.realpath(joined).startswith(str(root) + os.sep):
-        return root / ".."
-    return joined
+    if not isinstance(value, dict):
+        return []
+    prefix = str(root) + os.sep
+    for rel in value:
+        text = str(rel)
+        parts = Path(text).parts
+        if (
+            not text
+            or Path(text).is_absolute()
+            or ".." in parts
+            or "\0" in text
+            or not os.path.realpath(root / text).startswith(prefix)
+        ):
+            raise UnsafeInput(
+                f"contract field {key}: {text[:200]!r} is not a path inside the code directory {root} "
+                "(absolute, '..', or a link out of it); nothing was read",
+                hint="the contract is damaged or forged: restore the run's resume_contract.json (or the bundle)",
+            )
+    return sorted(str(k) for k in value)
 
 
 def _against_head(root: Path, rels: list[str]) -> tuple[dict[str, str | None], dict[str, str | None]]:

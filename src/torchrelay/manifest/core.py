@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import mmap
@@ -16,8 +17,9 @@ from typing import Any, overload
 
 import numpy as np
 
-from torchrelay.errors import ConfigError, DiskFull
+from torchrelay.errors import ConfigError, DiskFull, RecordError
 from torchrelay.util.hashing import sha256_file
+from torchrelay.util.records import Field, Schema, check, parse_json
 from torchrelay.util.safepath import ensure_inside, open_regular
 
 ROOT_TOKEN = "${DATA_ROOT}"
@@ -115,6 +117,7 @@ class Manifest:
         "_fingerprint",
         "_lengths",
         "_bad_length",
+        "_lengths_digest",
     )
 
     def __init__(
@@ -131,6 +134,7 @@ class Manifest:
         self.path, self.data_root, self.raw_sha256 = path, data_root, raw_sha256
         self.records = Records(path, starts, sizes)
         self._fingerprint, self._lengths, self._bad_length = fingerprint, lengths, bad_length
+        self._lengths_digest: str | None = None
         self.indexed = False  # read from a saved index, not from the lines
         self.index_current = False  # the saved index describes these bytes: nothing to write again
 
@@ -283,6 +287,19 @@ class Manifest:
             return np.ones(len(self), dtype=np.int64)
         return self._lengths
 
+    def lengths_sha256(self) -> str:
+        """SHA-256 of the per-sample lengths as the sampler uses them (int64, little-endian; a bad `length`: of
+        its message), recorded in the contract (`data.lengths_sha256`): a saved index's lengths are believed only
+        when they give it (contract.contract_manifest), checked whole, not at a spread of positions (10 M samples:
+        see docs/FORMATS.md for the cost)."""
+        if self._lengths_digest is None:
+            if self._bad_length is not None:
+                digest = hashlib.sha256(f"bad_length:{self._bad_length}".encode()).hexdigest()
+            else:
+                digest = hashlib.sha256(np.ascontiguousarray(self.lengths(), dtype="<i8").data).hexdigest()
+            self._lengths_digest = digest
+        return self._lengths_digest
+
     def id_of(self, i: int) -> str:
         """The `id` of sample i (read from its line)."""
         return str(self.records[i]["id"])
@@ -336,11 +353,37 @@ def index_root(index: str | os.PathLike[str]) -> str | None:
         if not Path(index).is_file():
             return None
         with np.load(index, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
+            if not _header_fits(z, "meta", None):
+                return None
+            meta = _meta(str(z["meta"]), index)
     except _INDEX_UNREADABLE:
         return None
     root = meta.get("root") if isinstance(meta, dict) else None
     return root if isinstance(root, str) else None
+
+
+_NONE = type(None)
+# The index's meta (save_index): a cache's, so one out of its schema only means the lines are read again.
+INDEX_META_SCHEMA = Schema(
+    {
+        "format": Field(int, low=INDEX_FORMAT, high=INDEX_FORMAT),
+        "sha256": Field(str, length=128),
+        "file_size": Field(int, low=0, high=1 << 50),
+        "root": Field(str),
+        "fingerprint": Field(str, length=200),
+        "samples": Field(int, low=0, high=1 << 40),
+        "bad_length": Field((str, _NONE), length=1 << 16),
+    }
+)
+
+
+def _meta(text: str, index: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The index's meta checked against INDEX_META_SCHEMA, or None (nesting past the parser's bound included:
+    a RecursionError was a traceback in `ledger`, `status --ledger` and the resume)."""
+    try:
+        return check(parse_json(text, source=f"{index} meta"), INDEX_META_SCHEMA, source=f"{index} meta")
+    except RecordError:
+        return None
 
 
 def _check_run_copy(path: Path, root: Path, index: Path | None) -> None:
@@ -387,8 +430,8 @@ def _read_index(index: Path, path: Path, data_root: str, sha256: str | None) -> 
             # sample, and a sample is a line of the manifest, so there are no more of them than its bytes.
             if not _header_fits(z, "meta", None):
                 return None
-            meta = json.loads(str(z["meta"]))
-            if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
+            meta = _meta(str(z["meta"]), index)
+            if meta is None:
                 return None
             file_size = path.stat().st_size
             if meta.get("root") != _root_prefix(data_root) or meta.get("file_size") != file_size:

@@ -8,17 +8,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+# Figures made without pyplot (which picks a process-wide backend, a display's where there is one): each Figure
+# draws on its own Agg canvas, so importing this module changes nothing for the user's own plots.
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
 
-matplotlib.use("Agg")  # headless: reports are drawn on login nodes and CI machines without a display
-
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
-
-from torchrelay.report.series import RunSeries  # noqa: E402
-from torchrelay.util.durable import atomic_write_bytes  # noqa: E402
+from torchrelay.report.series import RunSeries
+from torchrelay.util.durable import atomic_write_bytes
 
 SEGMENT_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#E45756", "#72B7B2", "#9D755D", "#EECA3B"]
 DPI = 110
@@ -106,7 +105,7 @@ def _legend_handles(series: RunSeries) -> list[Any]:
         for s in series.segments
     ]
     if series.checkpoints:
-        handles.append(plt.Line2D([], [], color="0.2", marker="v", ls=":", label="complete checkpoint"))
+        handles.append(Line2D([], [], color="0.2", marker="v", ls=":", label="complete checkpoint"))
     return handles
 
 
@@ -239,7 +238,6 @@ def _finish(fig: Any, series: RunSeries, path: Path) -> Path:
     if handles:
         fig.legend(handles=handles, loc="lower center", ncol=min(2, len(handles)), fontsize=8, frameon=False)
     _save(fig, path)
-    plt.close(fig)
     return path
 
 
@@ -248,7 +246,8 @@ def draw_overview(series: RunSeries, path: Path) -> Path:
     panels = panels_for(series)
     rows = len(panels)
     height = 2.4 * rows + _legend_inches(series) + 0.8
-    fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(12, height))
+    fig = Figure(figsize=(12, height))
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
     for ax, (title, drawer) in zip(axes, panels.values()):
         drawer(ax, series)
         _decorate(ax, series, labels=ax is axes[0])
@@ -263,7 +262,8 @@ def draw_panel(name: str, series: RunSeries, path: Path) -> Path:
     """One quantity against the update, with the same segment shading and checkpoint marks."""
     title, drawer = panels_for(series)[name]
     height = 4.0 + _legend_inches(series)
-    fig, ax = plt.subplots(figsize=(10, height))
+    fig = Figure(figsize=(10, height))
+    ax = fig.subplots()
     drawer(ax, series)
     _decorate(ax, series, labels=True)
     ax.set_title(f"{title} — {series.run_dir.name}", fontsize=11, loc="left", pad=16)
@@ -275,7 +275,8 @@ def draw_panel(name: str, series: RunSeries, path: Path) -> Path:
 def draw_validation(series: RunSeries, path: Path, max_metrics: int = 6) -> Path:
     """Each validation metric against the checkpoint's update (as the LingBot card's table); failed ones marked."""
     names = series.validation_metrics()[:max_metrics] or ["(no numeric metric)"]
-    fig, axes = plt.subplots(len(names), 1, sharex=True, figsize=(10, 2.8 * len(names) + 0.8), squeeze=False)
+    fig = Figure(figsize=(10, 2.8 * len(names) + 0.8))
+    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)
     failed = [p.update for p in series.validation if p.status != "ok"]
     for ax, name in zip(axes[:, 0], names):
         points = [(p.update, p.metrics[name]) for p in series.validation if name in p.metrics]
@@ -298,5 +299,4 @@ def draw_validation(series: RunSeries, path: Path, max_metrics: int = 6) -> Path
     fig.suptitle(f"{series.run_dir.name}: validation of {len(series.validation)} checkpoint(s)", fontsize=11)
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return path

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrelay import rng
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
 from torchrelay.config import RelayConfig
 from torchrelay.contract import canonical_json
 from torchrelay.data.loader import RelayLoader
+from torchrelay.digests import DigestLog, digests_path
 from torchrelay.ended import Ended, ended_of
 from torchrelay.errors import (
     EXIT_ERROR,
@@ -35,10 +37,10 @@ from torchrelay.errors import (
 from torchrelay.history import upsert
 from torchrelay.identity import find_code_dir
 from torchrelay.log import ensure_voice, logger, set_rank
-from torchrelay.reshard import rank_stream_seed, reshard_asked
+from torchrelay.reshard import rank_stream_seed, reshard_asked, reshard_asker
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.loop import Loop, Step
-from torchrelay.run.opening import SegmentOpener
+from torchrelay.run.opening import SegmentOpener, start_over
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
 from torchrelay.train_records import record_oom
@@ -94,13 +96,23 @@ class Run:
         self.code_dir = Path(code_dir) if code_dir else find_code_dir()
         self.exit_code, self.ended, self._closed = EXIT_ERROR, Ended.RUNNING, False
         self._opener = SegmentOpener(
-            run_dir, rank=self.rank, world_size=self.world_size, code_dir=self.code_dir, reshard=reshard
+            run_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            code_dir=self.code_dir,
+            reshard=reshard,
+            asked_by=reshard_asker(),
         )
         opened = self._opener.open(config, overrides)
         self.dir = self._opener.dir
         self.config, self.contract_sha, self.segment = opened.config, opened.contract_sha, opened.segment
         self.resume_from, self.start_update, self.gate = opened.resume_from, opened.start_update, opened.gate
         self.hosts, self.ranks_by_host = opened.hosts, opened.ranks_by_host
+        # Python's `random` and numpy's global generator start from the OS's entropy in every process: a script
+        # that draws from them would differ between two uninterrupted runs. Seeded here, per rank, in every
+        # launch (a resume then restores the saved streams right before its first update); a script that wants
+        # its own seeds sets them after Run.open (docs/LOOP.md).
+        rng.seed_script_streams(rank_stream_seed(self.config.seed, 0, self.rank, self.world_size))
         self.manifest, self.order = opened.manifest, opened.order
         self.global_batch = opened.global_batch
         self.metrics_log, self.exposures_log = opened.metrics_log, opened.exposures_log
@@ -108,6 +120,8 @@ class Run:
         # A relaunch of a finished run trains nothing and records nothing (steps() says so).
         self._finished_before = self.start_update >= self.config.total_updates
         self._tracked = Tracked()
+        # the parameters' digest after every update (digests.py): runs compared update by update
+        self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None
         rederive = (
@@ -115,7 +129,9 @@ class Run:
             if self.layout_change
             else None
         )
-        self._restore = Restore(self.resume_from, self.start_update, self.rank, rederive)
+        self._restore = Restore(
+            self.resume_from, self.start_update, self.rank, rederive, self.config.load_tuning
+        )
         self._saver = Saver(
             self.dir.path,
             self.config,
@@ -153,6 +169,9 @@ class Run:
             agreement=self._agreement,
             announce=(self.gate, f"TRAINING_CONTRACT {self.contract_sha}"),
             notes=self._notes,
+            on_refusal=self._start_over,
+            tracked=self._tracked,
+            digests=self._digests,
         )
         if self.rank == 0 and not self._finished_before:
             self.segment.hosts = self.hosts
@@ -162,6 +181,13 @@ class Run:
                 left = deadline.at - time.time()
                 logger.info(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})")
             upsert(self.dir.path, self.segment.to_dict())
+
+    @property
+    def manifest_path(self) -> Path:
+        """The manifest this run reads, the file `run.manifest` was read from: the run's own copy
+        (RUN_DIR/data/manifest.jsonl), its paths re-pointed by `prepare --set data_root=...`; not the file
+        `config.manifest` named when the run was made (docs/RUN.md)."""
+        return Path(self.manifest.path)
 
     def track(
         self,
@@ -255,6 +281,7 @@ class Run:
         self._saver.close()  # the segment's end is recorded only once its last checkpoint is complete
         self.metrics_log.close()
         self.exposures_log.close()
+        self._digests.close()
         if self.rank == 0 and not (self._finished_before and self.ended == Ended.FINISHED):
             seg = self.segment
             seg.ended, seg.exit_code, seg.stopped = self.ended, self.exit_code, time.time()
@@ -286,7 +313,8 @@ class Run:
             self.exit_code = error.exit_code if isinstance(error, RelayError) else EXIT_ERROR
             self.ended = Ended.REFUSED if self.exit_code == EXIT_REFUSED else Ended.ERROR
             if error is not None:
-                self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:300]}")
+                # whole (a contract refusal is several lines): `status --last-exit` shows it
+                self._notes.append(f"rank {self.rank}: {type(error).__name__}: {str(error)[:2000]}")
             else:  # the script left run.steps (a break, a return) before the schedule's end or an agreed stop
                 why = "the script left run.steps before the schedule's end or an agreed stop"
                 self._notes.append(f"rank {self.rank}: {why}")
@@ -303,6 +331,13 @@ class Run:
         if held is not None and error is held:
             raise held
         return self.exit_code
+
+    def _start_over(self, error: RelayError) -> None:
+        """A refusal agreed in the loop before any checkpoint: the run directory holds the refused settings (its
+        contract), so a launch with the hint's other setting would be refused again, as a change. The hint says
+        so (on every rank, before rank 0 says it)."""
+        if self._saver.last < 0:
+            start_over(error, self.dir.path)
 
     def __enter__(self) -> Run:
         return self

@@ -133,6 +133,7 @@ def reopen_run(
     code_dir: Path | None,
     reshard: bool,
     numerics: dict[str, Any],
+    asked_by: str = "reshard",
 ) -> Start:
     """A run that exists: its contract rebuilt and compared (only runtime fields may change), the checkpoint to
     resume chosen, and the directory repaired where a crash left it (temporaries, an unclosed segment, logs past
@@ -167,6 +168,7 @@ def reopen_run(
         deep=False,
         reshard=reshard,
         explicit=set(overrides),
+        asked_by=asked_by,
     )
     assert check.config is not None
     cfg = check.config  # with the layout this launch runs with

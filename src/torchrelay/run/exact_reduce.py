@@ -26,11 +26,14 @@ all-gather holds world_size subtree sums; DDP's own all-reduce is not used. benc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from torchrelay.checkpoint.torch_compat import BatchNormBase, DropoutBase
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, RelayError
+from torchrelay.util import collective
 
 EXACT = "exact"  # the value of config field `elastic` that turns this on
 
@@ -95,17 +98,25 @@ class ExactReduction:
     tree, combined over the ranks in the same tree and written back as the mean, the same bits on any layout."""
 
     def __init__(
-        self, rank: int, world_size: int, grad_accum: int, group: dist.ProcessGroup | None = None
+        self,
+        rank: int,
+        world_size: int,
+        grad_accum: int,
+        group: dist.ProcessGroup | None = None,
+        on_refusal: Callable[[RelayError], None] | None = None,
     ) -> None:
         check_layout(world_size, grad_accum)
         self.rank, self.world_size, self.grad_accum, self.group = rank, world_size, grad_accum, group
+        self._on_refusal = on_refusal
         self._checked: set[int] = set()
         self._leaves: list[list[torch.Tensor | None]] = []
 
     def params(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
         """The model's trainable parameters, the model checked once."""
         if id(model) not in self._checked:
-            check_model(model)
+            # Agreed (one exchange, once): every rank refuses the same model, and the refusal is said once.
+            with collective.phase("step.micro_batches", name_rank=False, settle=self._on_refusal):
+                check_model(model)
             self._checked.add(id(model))
         return [p for p in model.parameters() if p.requires_grad]
 

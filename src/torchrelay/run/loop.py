@@ -6,6 +6,7 @@ saver saves.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -17,11 +18,12 @@ import torch
 from torchrelay.config import RelayConfig
 from torchrelay.data.loader import RankBatches, RelayLoader
 from torchrelay.data.order import GlobalOrder
+from torchrelay.digests import DigestLog
 from torchrelay.errors import EXIT_FINISHED, ConfigError, PathError, RelayError, from_exception
 from torchrelay.log import logger
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.exact_reduce import EXACT, ExactReduction
-from torchrelay.run.restore import Restore
+from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver
 from torchrelay.train_records import ExposureLog, RankLog
 from torchrelay.util import collective
@@ -76,12 +78,34 @@ class Feed:
             return next(self._it)
         except OSError as exc:  # the dataset could not read a sample (in this process or in a worker)
             raise _sample_error(exc, update) from exc
+        except RelayError as exc:  # a refusal of the dataset's (TokenWindows): one line, a worker's too
+            said = _from_worker(exc, update)
+            if said is None:
+                raise
+            raise said from exc
+
+
+def _from_worker(exc: RelayError, update: int) -> RelayError | None:
+    """A RelayError a DataLoader worker raised, as torch raises it again in the rank (the same class, its message
+    the worker's whole traceback), back to its own message and hint; None for one raised in this process."""
+    text = exc.message
+    if "in DataLoader worker process" not in text.split("\n", 1)[0]:
+        return None
+    marker = f"\n{type(exc).__module__}.{type(exc).__qualname__}: "
+    at = text.rfind(marker)
+    if at < 0:
+        return None
+    message, _, hint = text[at + len(marker) :].partition("\n  hint: ")
+    said = copy.copy(exc)
+    said.message, said.hint = f"update {update}: {message.strip()}", hint.strip() or exc.hint
+    said.args = (said.message,)
+    return said
 
 
 class Step:
     """One update: its micro-batches and what the loop logs about it."""
 
-    __slots__ = ("update", "_feed", "_accum", "_ids", "metrics", "_exact")
+    __slots__ = ("update", "_feed", "_accum", "_ids", "metrics", "_exact", "_ranks", "saving")
 
     def __init__(
         self,
@@ -97,6 +121,33 @@ class Step:
         self._ids: list[list[int]] = []
         self.metrics: dict[str, Any] = {}
         self._exact = exact
+        self._ranks = ranks or collective.ranks()
+        self.saving: str | None = None  # why every rank saves after this update (save_now), or None
+
+    def save_now(self, wanted: bool = True, reason: str = "save_now") -> bool:
+        """Ask every rank to save a checkpoint after this update, kept by retention like `keep_updates` (a new
+        best validation loss, say). Call it on every rank at the same update, as a collective: the ranks agree,
+        and one that wants it makes all of them save; returns whether they will. `reason` is recorded in the
+        checkpoint's COMPLETE.json (`saved_now`) and shown by `status`."""
+        asked = [False]
+
+        def propose() -> list[int]:
+            asked[0] = bool(wanted)  # a tensor or numpy bool too; a failure here is agreed like any
+            return [1 if asked[0] else 0]
+
+        agreed = self._ranks.agree_max(
+            f"step.save_now in update {self.update}",
+            propose,
+            lost_hint="step.save_now is a collective: call it on every rank in the same update (wanted=False where "
+            "a rank wants no save)",
+        )
+        if agreed[0] and self.saving is None:
+            # Rank 0 writes COMPLETE.json: the reason recorded is that of the first rank that asked, not its own
+            # (the ranks' reasons differ when each names its own value; one that did not ask has none).
+            mine = (str(reason)[:200] or "save_now") if asked[0] else None
+            reasons = self._ranks.all_gather(f"step.save_now in update {self.update}", lambda: mine)
+            self.saving = next(r for r in reasons if r is not None)
+        return self.saving is not None
 
     def micro_batches(self, model: torch.nn.Module | None = None) -> Iterator[tuple[int, Any]]:
         """(micro_step, batch) for each of the update's gradient-accumulation steps.
@@ -143,8 +194,12 @@ class Loop:
         agreement: StopAgreement,
         announce: tuple[str, ...],
         notes: list[str],
+        on_refusal: Callable[[RelayError], None] | None = None,
+        tracked: Tracked | None = None,
+        digests: DigestLog | None = None,
     ) -> None:
         self._config = config
+        self._tracked, self._digests = tracked, digests  # the parameters' digest after each update
         self._order = order
         self._rank = rank
         self._world_size = world_size
@@ -156,6 +211,7 @@ class Loop:
         self._agreement = agreement
         self._announce = announce  # this rank's lines before its first update (the gate, the contract)
         self._notes = notes  # the segment's notes, shared with the Run
+        self._on_refusal = on_refusal  # amends a refusal agreed in the loop before any rank says it
         self._last_flush = 0.0
         self.current: int | None = None  # the update in progress (what a caught OOM is counted against)
         self._ranks = collective.ranks()  # the training thread's exchanges (util/collective.py)
@@ -183,7 +239,11 @@ class Loop:
             logger.warning(f"[torchrelay] {note}")
             self._notes.append(note)
         # Refused here, before the first update, on every rank alike (a layout the canonical sum cannot cover).
-        exact = ExactReduction(self._rank, self._world_size, cfg.grad_accum) if cfg.elastic == EXACT else None
+        exact = (
+            ExactReduction(self._rank, self._world_size, cfg.grad_accum, on_refusal=self._on_refusal)
+            if cfg.elastic == EXACT
+            else None
+        )
         it = Feed(loader.start(batches, cfg.seed, context), self._ranks)
         saver = self._saver
         done = self._start
@@ -210,8 +270,8 @@ class Loop:
                 done += 1
                 if not it.failed:  # a rank that holds a failure logs nothing it did not read
                     self._record(step, dt)
-                if saver.due(done):
-                    saver.save(done)
+                if saver.due(done) or step.saving is not None:
+                    saver.save(done, saved_now=step.saving)
         finally:
             it.close()  # stops loader workers (a Step the script still holds keeps only the Feed)
 
@@ -223,12 +283,16 @@ class Loop:
         self._metrics_log.write(rec)
         for micro, ids in enumerate(step._ids):
             self._exposures_log.write_exposure(step.update, micro, ids)
+        if self._digests is not None and self._tracked is not None:
+            self._digests.record(step.update, self._tracked.model)
         # Lines past the newest checkpoint are trimmed on resume anyway, so flushing about twice a second
         # (and durably before every save) loses nothing a resume needs and keeps syscalls out of the loop.
         now = time.perf_counter()
         if now - self._last_flush > 0.5:
             self._metrics_log.flush()
             self._exposures_log.flush()
+            if self._digests is not None:
+                self._digests.flush()
             self._last_flush = now
 
 

@@ -22,7 +22,7 @@ from torchrelay.checkpoint.persist import stall_seconds
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.ended import Ended
-from torchrelay.errors import EXIT_REFUSED, ConfigError, RelayError, mark_reported
+from torchrelay.errors import EXIT_REFUSED, ConfigError, RelayError, mark_reported, mark_shared
 from torchrelay.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
 from torchrelay.identity import fingerprint_differences, fingerprint_summary, node_fingerprint, versions
 from torchrelay.lock import RunLock
@@ -82,9 +82,11 @@ class SegmentOpener:
         world_size: int,
         code_dir: Path | None,
         reshard: bool = False,
+        asked_by: str = "reshard",
     ) -> None:
         self.rank = rank
         self.reshard = reshard  # this launch may change the layout (reshard.py)
+        self.asked_by = asked_by  # who asked, as the move's record says
         self.world_size = world_size
         self.code_dir = code_dir
         self.lock: RunLock | None = None
@@ -99,6 +101,7 @@ class SegmentOpener:
         """Open the segment (every rank); raises the same RelayError on every rank when any rank failed."""
         overrides = dict(overrides or {})
         try:
+            envvars.check(envvars.TRAINING)
             overrides.update(envvars.OVERRIDES.get())
         except ConfigError as exc:
             raise self._everywhere(exc) from None
@@ -138,6 +141,8 @@ class SegmentOpener:
             return socket.gethostname(), summary
 
         def settle(err: RelayError) -> None:  # a failure of the local part, recorded by rank 0
+            if outcome.checkpoint is None:  # nothing saved: the directory keeps this launch's settings
+                start_over(err, self.dir.path)
             self._settle(err, segment=replace(segment, hosts=[socket.gethostname()]))
 
         try:
@@ -241,6 +246,7 @@ class SegmentOpener:
                 code_dir=self.code_dir,
                 reshard=self.reshard,
                 numerics=numerics,
+                asked_by=self.asked_by,
             )
         else:
             assert config is not None
@@ -292,8 +298,9 @@ class SegmentOpener:
 
     # ------------------------------------------------------------------------------------- refusing
     def _everywhere(self, err: RelayError) -> RelayError:
-        """An error every rank raises alike before any collective: rank 0 says it, the others stay quiet."""
-        return mark_reported(err) if self.rank != 0 else err
+        """An error every rank raises alike before any collective: the first rank to reach its excepthook says
+        it, the others stay quiet (errors.mark_shared)."""
+        return mark_shared(err)
 
     def _settle(self, err: RelayError, segment: Segment | None = None) -> None:
         """Every rank, once the ranks agreed that opening failed: rank 0 records the launch and unlocks."""
@@ -378,3 +385,13 @@ def _other_node(gathered: list[tuple[str, dict[str, Any] | None]]) -> ConfigErro
                 "with rank 0's and launch again",
             )
     return None
+
+
+def start_over(error: RelayError, run_dir: Path) -> None:
+    """A refusal of a run with no checkpoint yet: its directory holds the refused launch's settings (its
+    contract), so a launch with the setting the hint asks for would be refused again, as a change. The hint says
+    how to start over (every rank amends it before rank 0 says it)."""
+    if error.exit_code != EXIT_REFUSED or "to start over" in (error.hint or ""):
+        return
+    again = f"no checkpoint was saved in {run_dir}, which keeps this launch's settings: to start over with others, remove it"
+    error.hint = f"{error.hint}; {again}" if error.hint else again

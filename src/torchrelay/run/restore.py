@@ -17,6 +17,7 @@ from torchrelay import rng
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
 from torchrelay.errors import RecordError
+from torchrelay.tuning import LoadTuning
 
 
 @dataclass(slots=True)
@@ -41,8 +42,16 @@ class Tracked:
 class Restore:
     """Restores one rank from the checkpoint rank 0 chose (nothing when the segment starts a new run)."""
 
-    def __init__(self, checkpoint: Path | None, update: int, rank: int, rederive: int | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: Path | None,
+        update: int,
+        rank: int,
+        rederive: int | None = None,
+        tuning: LoadTuning | None = None,
+    ) -> None:
         self.checkpoint = checkpoint
+        self._tuning = tuning
         self.update = update
         self._rank = rank
         # After a layout change: the seed this rank's generators are derived from (reshard.rank_stream_seed), since
@@ -61,6 +70,7 @@ class Restore:
             statefuls=tracked.statefuls,
             verify=True,
             resharded=self._rederive is not None,
+            tuning=self._tuning,
         )
         if loop.get("update") != self.update or isinstance(loop.get("update"), bool):
             # its inventory names one update, its state another: edited, or another checkpoint's file

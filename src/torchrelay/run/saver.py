@@ -40,23 +40,12 @@ from torchrelay.train_records import RankLog
 from torchrelay.util import collective
 from torchrelay.util.records import read_json_or_none
 
-# After a segment's first update every object the process then holds (torch's and transformers' modules, the
-# model, the optimizer's state) is moved out of the garbage collector's reach (gc.freeze) until the Saver closes
-# (gc.unfreeze). A full collection stops every thread, the training thread included, for as long as it walks the
-# heap: hundreds of thousands of objects that never die (issue 22: 0.14-0.19 s on the H200 host, on the persist's
-# threads as on the training thread). Frozen, a full collection walks only what was made since: on the CPU VM, in a
-# real loop with transformers imported, 10,063-10,337 objects instead of 370,245-370,524, and it stopped the loop for
-# 0.07-0.10 s instead of 0.82-1.53 s (benchmarks/bench_persist_gc.py; RESULTS.md, issue 22 goal 3). Disabling the
-# collector during a persist instead only moved the whole walk to the training thread's first collection after it.
-# Young garbage is collected first (a cheap generation-1 collection), so that only cycles already older than two
-# collections stay held until the close. Left alone when the collector is off. A process that froze objects itself
-# is frozen further, and nothing is unfrozen at the close (a thaw would take the process's own objects too): on the
-# H200 host's Python something had frozen 375 objects before the run, the heap then stayed in reach, and a full
-# collection of 0.18 s on the persist thread made an update 2.88x the median (RESULTS.md, issue 22 fourth round).
-FREEZE_GC = True
-# True: the logs are fsynced in the save's stall, before the loop goes on (as before issue 22's fourth round; the
-# benchmark compares the two). False: their fsync runs first in the persist, still before the commit.
-SYNC_LOGS_IN_STALL = False
+# After a segment's first update every object the process then holds (torch's modules, the model, the optimizer's
+# state) is moved out of the garbage collector's reach (gc.freeze, `SaveTuning.freeze_gc`) until the Saver closes: a
+# full collection stops every thread, the loop's included, for as long as it walks the heap, and frozen it walks only
+# what was made since. Young garbage is collected first, so only cycles older than two collections stay held until
+# the close. A process that froze objects itself is frozen further and never unfrozen here (a thaw would take its
+# own objects too). The logs' fsync runs first in the persist, not in the save's stall.
 
 
 class Saver:
@@ -98,16 +87,16 @@ class Saver:
         # DeepSpeed engines (which write their own files), TORCHRELAY_PERSIST_WRITER=thread, and where memfd or
         # the process cannot be had.
         self._use_process = self._background and writer_mode() == PROCESS and can_share()
-        self._stage = HostStage(shared=self._use_process)
+        self._tuning = config.save_tuning
+        self._stage = HostStage(shared=self._use_process, tuning=self._tuning)
         self._writer: WriterProcess | None = None
         self._persister = Persister(background=self._background)
         self._reserved = False
         self._dues = 0  # calls of due() so far
         self._froze: bool | None = None  # None until the first update: whether this Saver froze the heap
         # Whether closing unfreezes it: nothing was frozen before. Asked here, not at the first update:
-        # gc.get_freeze_count() walks the whole permanent generation (CPython keeps no count), and on the H200
-        # host, in a process whose earlier Run had frozen 278,838 objects, it made the first update's due() 23 ms
-        # (1.29x the median; RESULTS.md, issue 22 round five).
+        # gc.get_freeze_count() walks the whole permanent generation (CPython keeps no count), which would lengthen
+        # that update.
         self._thaw = gc.get_freeze_count() == 0
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
@@ -121,12 +110,12 @@ class Saver:
         """Whether the update just done saves: every `save_every`, or one that retention keeps (not the last:
         the end of the schedule saves as a stop does). After a segment's first update (the optimizer holds its
         state from its first step on) it also starts allocating the host buffers saves copy into, on a thread,
-        and freezes the collector's heap (FREEZE_GC). The three are spread over the segment's first three
-        updates, each after its own: on the H200 host all three after the first update made it 1.24-1.49x the
-        median (13-41 ms); a save due before they are done obtains what it needs in its stall."""
+        and freezes the collector's heap (`freeze_gc`). The three are spread over the segment's first three
+        updates, each after its own, so that no one update carries all three; a save due before they are done
+        obtains what it needs in its stall."""
         self._dues += 1
         if self._froze is None:
-            self._froze = FREEZE_GC and gc.isenabled()
+            self._froze = self._tuning.freeze_gc and gc.isenabled()
             if self._froze:
                 gc.collect(1)
                 gc.freeze()  # O(1): the generations' lists are moved to the permanent one, nothing is walked
@@ -164,7 +153,7 @@ class Saver:
         nothing is the same run, and a checkpoint of an optimizer that never stepped would hold a made-up step."""
         return self.last != done and done > 0
 
-    def save(self, update: int) -> Path:
+    def save(self, update: int, saved_now: str | None = None) -> Path:
         """checkpoint-<update>: logs made durable, the state copied into host buffers, then the commit protocol
         across ranks and retention, on the persist thread (`async_save`) or before returning."""
         self._wait_persist()  # the buffers are reused: a save due while one persists waits for it
@@ -180,7 +169,13 @@ class Saver:
             "segment": self._segment,
         }
         tracked = self._tracked
-        info = {"contract_sha256": self._contract_sha, "segment": self._segment, "created": time.time()}
+        info: dict[str, Any] = {
+            "contract_sha256": self._contract_sha,
+            "segment": self._segment,
+            "created": time.time(),
+        }
+        if saved_now is not None:  # asked for by step.save_now: retention keeps it (checkpoint/retention.py)
+            info["saved_now"] = saved_now
         if is_engine(tracked.model):
             # A DeepSpeed engine writes its files itself, with collectives on the training's process group: the
             # whole save runs here, on the training thread, as with async_save false.
@@ -197,6 +192,7 @@ class Saver:
                     statefuls=tracked.statefuls,
                     loop=loop,
                     kill_hook=hook,
+                    tuning=self._tuning,
                 ),
                 rank=self._rank,
                 world_size=self._world_size,
@@ -237,15 +233,12 @@ class Saver:
                 planned.prepare(process)  # and the writer's job of it: the persist thread only sends it
             self._stage.synchronize()
         # The logs up to this update must be on disk before the checkpoint is committed, not before the loop goes
-        # on: each log's lines go to the OS here, and its fsync (a journal commit, 5-15 ms on a virtio disk) runs
+        # on: each log's lines go to the OS here, and its fsync (a journal commit) runs
         # first in the persist, not in the loop's stall.
         unsynced = [log.sync_later() for log in self._logs]
-        if SYNC_LOGS_IN_STALL:
-            _sync_logs(unsynced)
-            unsynced = []
 
         def write(tmp: Path, hook: Any) -> Any:
-            # copies a save before the buffers were all obtained left to the persist (host_stage.SPILL_TO_DEVICE):
+            # copies a save before the buffers were all obtained left to the persist (`spill_to_device`):
             # inside the commit protocol, whose failures reach every rank
             self._stage.finish_deferred()
             return ckpt_state.write_snapshot(

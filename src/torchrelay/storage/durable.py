@@ -27,7 +27,7 @@ from pathlib import Path
 from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY, part_states, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.errors import ForkRefused, IntegrityError, RelayError, UnsafeInput, one_line
+from torchrelay.errors import ForkRefused, IntegrityError, RecordError, RelayError, UnsafeInput, one_line
 from torchrelay.layout import parse_checkpoint_name
 from torchrelay.log import logger
 from torchrelay.rundir import RunDir
@@ -35,7 +35,7 @@ from torchrelay.storage.base import ObjectInfo, ObjectStore, open_store
 from torchrelay.storage.transfer import read_objects, upload_hashed
 from torchrelay.storage.url import StoreURL, parse_url
 from torchrelay.util.durable import fsync_dir
-from torchrelay.util.records import read_json_or_none
+from torchrelay.util.records import parse_json, read_json_or_none
 
 LEASE = "WRITER.json"
 MODULE = "torchrelay.storage.durable"
@@ -60,8 +60,8 @@ def acquire_lease(store: ObjectStore, url: StoreURL, run_dir: Path) -> None:
     if store.put_if_absent(url.key(LEASE), (json.dumps(doc, sort_keys=True) + "\n").encode()):
         return
     try:
-        other = json.loads((store.get(url.key(LEASE), 1 << 20) or b"{}").decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        other = parse_json(store.get(url.key(LEASE), 1 << 20) or b"{}", source=str(url.child(LEASE)))
+    except RecordError:
         other = {}
     if isinstance(other, dict) and other.get("lineage") == lineage and lineage:
         return  # this run, resumed: its own lease

@@ -1,5 +1,5 @@
 """The S3 backend (AWS or any S3-compatible store) through boto3: the client chosen by measurement
-(benchmarks/RESULTS.md, "Object storage"), credentials from the standard AWS chain, the endpoint from
+(benchmarks/RESULTS.md, bench_s3.py), credentials from the standard AWS chain, the endpoint from
 TORCHRELAY_S3_ENDPOINT or AWS_ENDPOINT_URL. No message ever holds a credential: errors are built here from the
 error code and the URL only."""
 

@@ -181,8 +181,11 @@ class Ranks:
         self._pending: BaseException | None = None  # this rank's own exception while it is being agreed
 
     # ------------------------------------------------------------------------------------- the exchange
-    def exchange(self, name: str, failure: Failure | None = None, ints: Sequence[int] = ()) -> list[int]:
-        """Every rank's `ints` reduced by MAX (at most WIDTH); raises the agreed error when any rank failed."""
+    def exchange(
+        self, name: str, failure: Failure | None = None, ints: Sequence[int] = (), lost_hint: str = ""
+    ) -> list[int]:
+        """Every rank's `ints` reduced by MAX (at most WIDTH); raises the agreed error when any rank failed.
+        `lost_hint`: what to check first when the peers never come (a call some ranks skip)."""
         if self.alone:
             return list(ints)
         held: tuple[Failure, BaseException] | None = getattr(_local, "deferred", None)
@@ -200,7 +203,7 @@ class Ranks:
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as exc:  # noqa: BLE001 - a peer died or hung: said in one line
-            raise self._lost(name, failure, exc) from None
+            raise self._lost(name, failure, exc, lost_hint) from None
         if int(t[0]) == 0:
             return [int(v) for v in t[1 : 1 + len(ints)]]
         return self._raise(name, failure)
@@ -227,7 +230,7 @@ class Ranks:
             dist.barrier(group=self.group)
         raise _agreed(err)
 
-    def _lost(self, name: str, failure: Failure | None, exc: BaseException) -> RelayError:
+    def _lost(self, name: str, failure: Failure | None, exc: BaseException, first: str = "") -> RelayError:
         """What a rank raises when the exchange itself failed (a peer ended or did not answer in time)."""
         if failure is not None:
             return _agreed(agreed_error(_current(name).name, [failure]))  # type: ignore[return-value]
@@ -235,7 +238,8 @@ class Ranks:
         return _agreed(  # type: ignore[return-value]
             RelayError(
                 f"{_current(name).name}: rank {self.rank} lost its peers ({text})",
-                hint=f"another rank ended or did not answer within {envvars.COLLECTIVE_TIMEOUT_S.get():g} s: its output says why "
+                hint=(first and f"{first}; or ")
+                + f"another rank ended or did not answer within {envvars.COLLECTIVE_TIMEOUT_S.get():g} s: its output says why "
                 "(TORCHRELAY_COLLECTIVE_TIMEOUT_S sets the wait)",
             )
         )
@@ -302,12 +306,12 @@ class Ranks:
         self.exchange(name)
         return value  # type: ignore[return-value]
 
-    def agree_max(self, name: str, fn: Callable[[], Sequence[int]]) -> list[int]:
+    def agree_max(self, name: str, fn: Callable[[], Sequence[int]], lost_hint: str = "") -> list[int]:
         """`fn()` (at most WIDTH integers) on every rank; their MAX over ranks, in one all-reduce."""
         value, failure = self._attempt(name, fn)
         if failure is not None:
             self._fail(name, failure)
-        return self.exchange(name, ints=value or ())
+        return self.exchange(name, ints=value or (), lost_hint=lost_hint)
 
     def all_gather(self, name: str, fn: Callable[[], T]) -> list[T]:
         """`fn()` on every rank; every rank's value, in rank order, once every rank succeeded."""

@@ -18,6 +18,7 @@ The bounds (docs/FORMATS.md):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -124,57 +125,228 @@ def read_json_or_none(
         return None
 
 
-# --- schemas: the fields a record must have, and their types -------------------------------------------------
+# --- schemas: the fields a record must have, their types and their ranges ---------------------------------------
+
+# A string field's length at most, unless its rule says otherwise: an id, a name, a digest, a host, a line of text.
+STRING_LIMIT = 4096
+# An array field's items at most, unless its rule says otherwise.
+ITEMS_LIMIT = 4096
 
 
 @dataclass(frozen=True, slots=True)
 class Optional:
-    """A field that may be absent (and, when it is there, has one of `types`)."""
+    """A field that may be absent (and, when it is there, has one of `types`, or follows a `Field`)."""
 
-    types: Any  # a type, a tuple of types or [type]
+    types: Any  # a type, a tuple of types, [type] or a Field
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """A field's whole rule: its types and what its value may be. A number is finite, within [low, high] and
+    above `above`; a string at most `length` characters (and with `path`, a relative path that stays inside its
+    root: no absolute path, no `..`, no NUL); an array at most `items` items, each following this rule; an object
+    at most `size` bytes of JSON, its own fields checked by `fields` (a Schema), or, as a map of at most `items`
+    entries, each key by `keys` and each value by `values`. Types as in `check`."""
+
+    types: Any
+    low: float | None = None
+    high: float | None = None
+    above: float | None = None
+    length: int = STRING_LIMIT
+    items: int = ITEMS_LIMIT
+    path: bool = False
+    size: int | None = None
+    fields: Mapping[str, Any] | None = None
+    choices: tuple[Any, ...] | None = None
+    keys: Field | None = None  # an object that maps names (at most `items`) to values: each key's rule
+    values: Field | None = None  # and each value's
 
 
 class Schema(dict[str, Any]):
     """A record's fields and their rules (see `check`), with its required fields worked out once: a log of
-    200,000 records is checked at the cost of the fields each holds."""
+    200,000 records is checked at the cost of the fields each holds. `prefixes`: the rule of a field not named
+    but whose name starts with one of them (a contract's `params.lr`, `versions.numpy`)."""
 
-    def __init__(self, fields: Mapping[str, Any]) -> None:
+    def __init__(self, fields: Mapping[str, Any], prefixes: Mapping[str, Any] | None = None) -> None:
         super().__init__(fields)
         self.required = tuple(name for name, rule in fields.items() if not isinstance(rule, Optional))
+        self.prefixes = dict(prefixes or {})
 
 
-def check(doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None = None) -> dict[str, Any]:
+def check(
+    doc: Any, schema: Mapping[str, Any], *, source: str, line: int | None = None, prefix: str = ""
+) -> dict[str, Any]:
     """`doc` as a JSON object with every field of `schema` present and of its type, else one RecordError naming
-    `source`, `line` and the field. A rule is a type, a tuple of types, `[type]` (an array of such values) or
-    `Optional(rule)` (may be absent); an int is never a bool, a float may be an int."""
+    `source`, `line` and the field. A rule is a type, a tuple of types, `[type]` (an array of such values), a
+    `Field` (types and range) or `Optional(rule)` (may be absent); an int is never a bool, a float may be an int.
+    `prefix`: where `doc` lies in its record (`layout_change.to.`), for the field's name."""
     if not isinstance(doc, dict):
+        if prefix:
+            raise RecordError(
+                source, f"a JSON {_kind(doc)}, not an object", line=line, field=prefix[:-1], hint=_HINT
+            )
         raise RecordError(source, f"holds a JSON {_kind(doc)}, not an object", line=line, hint=_HINT)
     required = schema.required if isinstance(schema, Schema) else Schema(schema).required
     for name in required:
         if name not in doc:
-            raise RecordError(source, "missing", line=line, field=name, hint=_HINT)
-    for name in doc if len(doc) <= len(schema) else schema:
+            raise RecordError(source, "missing", line=line, field=prefix + name, hint=_HINT)
+    prefixes = schema.prefixes if isinstance(schema, Schema) else {}
+    for name in doc if prefixes or len(doc) <= len(schema) else schema:
         rule = schema.get(name) if name in doc else None
+        if rule is None and prefixes and name in doc:
+            rule = next((r for p, r in prefixes.items() if name.startswith(p)), None)
         if rule is None:
             continue
         types = rule.types if isinstance(rule, Optional) else rule
-        if _past_64_bits(doc[name]):
+        value, where = doc[name], prefix + name
+        if isinstance(types, Field):
+            _check_field(value, types, source=source, line=line, where=where)
+            continue
+        if _past_64_bits(value):
             raise RecordError(
                 source,
-                f"an integer of {len(str(abs(doc[name])))} digits, past 64 bits",
+                f"an integer of {len(str(abs(value)))} digits, past 64 bits",
                 line=line,
-                field=name,
+                field=where,
                 hint=_HINT,
             )
-        if not _is(doc[name], types):
+        if not _is(value, types):
             raise RecordError(
                 source,
-                f"a JSON {_kind(doc[name])}, not {_names(types)}",
+                f"a JSON {_kind(value)}, not {_names(types)}",
                 line=line,
-                field=name,
+                field=where,
                 hint=_HINT,
             )
     return doc
+
+
+def _check_field(value: Any, rule: Field, *, source: str, line: int | None, where: str) -> None:
+    """One value against its Field rule: RecordError naming the field and what is wrong with the value."""
+
+    def refuse(problem: str) -> RecordError:
+        return RecordError(source, problem, line=line, field=where, hint=_HINT)
+
+    if _past_64_bits(value):
+        raise refuse(f"an integer of {len(str(abs(value)))} digits, past 64 bits")
+    types = rule.types
+    if isinstance(types, list):  # an array of values, each following the rest of the rule
+        if not isinstance(value, list):
+            raise refuse(f"a JSON {_kind(value)}, not {_names(types)}")
+        if len(value) > rule.items:
+            raise refuse(f"an array of {len(value)} items, more than {rule.items}")
+        item = dataclasses.replace(rule, types=types[0])
+        for i, v in enumerate(value):
+            _check_field(v, item, source=source, line=line, where=f"{where}[{i}]")
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise refuse(f"{value!r}, not a finite number")
+    if not _is(value, types):
+        raise refuse(f"a JSON {_kind(value)}, not {_names(types)}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if rule.low is not None and value < rule.low:
+            raise refuse(f"{value!r}, below its least {rule.low:g}")
+        if rule.above is not None and value <= rule.above:
+            raise refuse(f"{value!r}, not above {rule.above:g}")
+        if rule.high is not None and value > rule.high:
+            raise refuse(f"{value!r}, above its most {rule.high:g}")
+    elif isinstance(value, str):
+        if len(value) > rule.length:
+            raise refuse(f"a string of {len(value):,} characters, longer than {rule.length:,}")
+        if rule.path:
+            problem = path_problem(value)
+            if problem:
+                raise refuse(f"{shown(value)} {problem}")
+    elif isinstance(value, dict):
+        if rule.size is not None:
+            size = len(json.dumps(value))
+            if size > rule.size:
+                raise refuse(f"an object of {size:,} bytes of JSON, more than {rule.size:,}")
+        if rule.fields is not None:
+            check(value, rule.fields, source=source, line=line, prefix=where + ".")
+        if rule.keys is not None or rule.values is not None:
+            if len(value) > rule.items:
+                raise refuse(f"an object of {len(value)} entries, more than {rule.items}")
+            for key, v in value.items():
+                if rule.keys is not None:
+                    _check_field(key, rule.keys, source=source, line=line, where=f"{where}[{shown(key, 40)}]")
+                if rule.values is not None:
+                    _check_field(v, rule.values, source=source, line=line, where=f"{where}[{shown(key, 40)}]")
+    elif isinstance(value, list) and rule.size is not None:
+        size = len(json.dumps(value))
+        if size > rule.size:
+            raise refuse(f"an array of {size:,} bytes of JSON, more than {rule.size:,}")
+    if rule.choices is not None and value not in rule.choices:
+        raise refuse(f"{shown(value)}, not one of {', '.join(map(repr, rule.choices))}")
+
+
+def fit(doc: dict[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `doc`, a record about to be written, cut into what `check` accepts of it under `schema`: a string
+    past its length clipped, an array past its items cut, an object past its size kept as the clipped JSON text of
+    its values, as many as fit. A writer calls it on what it echoes from elsewhere (another segment's numerics, a
+    command line, a message), so that no record it writes is one its own reader refuses. Types and numbers are the
+    writer's own: left as they are."""
+    out = dict(doc)
+    for name, value in doc.items():
+        rule = schema.get(name)
+        if rule is None and isinstance(schema, Schema):
+            rule = next((r for p, r in schema.prefixes.items() if name.startswith(p)), None)
+        rule = rule.types if isinstance(rule, Optional) else rule
+        if isinstance(rule, Field):
+            out[name] = _fitted(value, rule)
+    return out
+
+
+def _fitted(value: Any, rule: Field) -> Any:
+    if isinstance(value, str):
+        return clip(value, rule.length)
+    if isinstance(value, list):
+        item = dataclasses.replace(rule, types=rule.types[0] if isinstance(rule.types, list) else rule.types)
+        value = [_fitted(v, item) for v in value[: rule.items]]
+        while rule.size is not None and value and len(json.dumps(value)) > rule.size:
+            value = value[: len(value) // 2]
+        return value
+    if isinstance(value, dict):
+        if rule.fields is not None:
+            value = fit(value, rule.fields)
+        if rule.size is not None and len(json.dumps(value)) > rule.size:
+            kept: dict[str, Any] = {}
+            budget = rule.size - 2
+            for key, v in value.items():
+                # a scalar kept (a string cut), a container as its text, cut: a segment's code keeps its commit
+                kept_value = clip(v, 200) if isinstance(v, str) else v
+                if isinstance(v, dict | list):
+                    kept_value = clip(json.dumps(v), 200)
+                entry = {clip(str(key), 200): kept_value}
+                budget -= len(json.dumps(entry))
+                if budget < 0:
+                    break
+                kept.update(entry)
+            return kept
+    return value
+
+
+def path_problem(value: str) -> str | None:
+    """Why `value` is no path relative to and inside its root (absolute, `..`, NUL, empty), or None."""
+    if not value or "\x00" in value:
+        return "is no path (empty, or holds a NUL)"
+    if value.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:[/\\]", value):
+        return "is an absolute path; a record names a file relative to its root"
+    if ".." in re.split(r"[/\\]", value):
+        return "climbs out of its root (`..`)"
+    return None
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A value as a message shows it: repr, cut to `limit` characters (a record's string may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clip(text: str, limit: int = STRING_LIMIT) -> str:
+    """`text` cut to at most `limit` characters (ending in "..." when cut): what a writer echoes of a value it
+    read, so that what it writes stays within what its reader accepts."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _past_64_bits(value: Any) -> bool:

@@ -24,11 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-# The state is recorded every this many bytes (a multiple of SHA-256's 64-byte block): 16 MiB gives 865 states
-# for a 14.5 GB rank (about 60 KB of inventory) and parts that one core hashes in 13 ms. A load's last part is
-# hashed after its last read: on an H200 host (RESULTS.md, issue 22 round 13, side by side) the load ended
-# 0.035-0.079 s after its reads with 16 MiB parts, 0.082-0.143 s with 64 MiB (7-10 % of a 1.8 GB one-rank share's
-# load); on a second host, 16 MiB parts only, 0.05-0.16 s.
+# The state is recorded every this many bytes (a multiple of SHA-256's 64-byte block): small enough that a load's
+# tail (its last part, hashed after its last read) is short, large enough that the inventory stays small.
 PART_BYTES = 16 << 20
 MIN_PART_BYTES = 1 << 20  # the smallest part a reader accepts from an inventory (bounds the work per state)
 _BLOCK = 64

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from collections.abc import Iterable
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchrelay.errors import IntegrityError, UnsafeInput
-from torchrelay.util.durable import open_temp
+from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import ByteCallback, default_jobs, sha256_file
 from torchrelay.util.records import read_bounded
 from torchrelay.util.safepath import check_relative, ensure_inside, walk_files
@@ -131,13 +130,8 @@ def format_sums(entries: Iterable[SumEntry]) -> str:
 
 
 def write_sums(path: Path, entries: Iterable[SumEntry]) -> None:
-    """Write SHA256SUMS atomically (temporary file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with os.fdopen(open_temp(tmp), "w", encoding="utf-8") as f:
-        f.write(format_sums(entries))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write SHA256SUMS atomically (temporary file, fsync, rename, fsync of its folder)."""
+    atomic_write_text(path, format_sums(entries))
 
 
 def check_sums(

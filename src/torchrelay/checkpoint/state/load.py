@@ -36,6 +36,7 @@ from torchrelay.checkpoint.state.records import (
 )
 from torchrelay.checkpoint.state.trees import like_live, tree_of
 from torchrelay.errors import CheckpointError, IntegrityError
+from torchrelay.tuning import LoadTuning
 from torchrelay.util import collective
 from torchrelay.util.hashing import sha256_many
 from torchrelay.util.records import exists as records_exists
@@ -50,6 +51,7 @@ def load_state(
     statefuls: dict[str, Stateful],
     verify: bool = False,
     resharded: bool = False,
+    tuning: LoadTuning | None = None,
 ) -> dict[str, Any]:
     """Restore everything this rank holds from `ckpt_dir` (its own copy of what differs by rank); returns the loop state.
 
@@ -65,7 +67,7 @@ def load_state(
     # the ranks agree before entering them: none enters one that a failed rank will never join.
     peers = collective.ranks()
     with peers.phase(f"loading {ckpt_dir.name}"):
-        return _load_state(ckpt_dir, peers, rank, model, optimizer, statefuls, verify, resharded)
+        return _load_state(ckpt_dir, peers, rank, model, optimizer, statefuls, verify, resharded, tuning)
 
 
 def _load_state(
@@ -77,6 +79,7 @@ def _load_state(
     statefuls: dict[str, Stateful],
     verify: bool,
     resharded: bool,
+    tuning: LoadTuning | None = None,
 ) -> dict[str, Any]:
     inventory: dict[str, tuple[str, int]] = {}
     parts: dict[
@@ -122,7 +125,9 @@ def _load_state(
         peers.exchange(phase)
         read_by_me = {
             prefix + n
-            for n in dcp_io.load(target, ckpt_dir / MODEL_DIR, expected=expected or None, metadata=metadata)
+            for n in dcp_io.load(
+                target, ckpt_dir / MODEL_DIR, expected=expected or None, metadata=metadata, tuning=tuning
+            )
         }
         if has_own:
             mine = target[ranks.PER_RANK][str(source)]

@@ -30,6 +30,7 @@ from torchrelay.checkpoint.state.records import (
 )
 from torchrelay.checkpoint.state.trees import to_tree
 from torchrelay.checkpoint.writer_process import WriterProcess
+from torchrelay.tuning import SaveTuning
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Snapshot:
     shared_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: statefuls' tensors
     trainer_json: bytes | None = None  # rank 0: relay_state.json
     planned: dcp_save.PlannedSave | None = None  # the DCP save of tensors_doc, planned during the stall
+    tuning: SaveTuning = field(default_factory=SaveTuning)  # how the files are written (the stage's)
 
     def plan(self, group: Any = None) -> dcp_save.PlannedSave | None:
         """Plan the DCP save of the tensors with the other ranks (every rank calls it, once or again): on the
@@ -101,7 +103,12 @@ def capture_state(
     if model is not None:
         tensors_doc = stage.copy_tree("dcp", dcp_document(msd, otensors, per_rank, rank)[0])
     rng_tensors, rng_meta = rng.capture()
-    snap = Snapshot(rank=rank, tensors_doc=tensors_doc, rng=safetensors_save(rng_tensors, metadata=rng_meta))
+    snap = Snapshot(
+        rank=rank,
+        tensors_doc=tensors_doc,
+        rng=safetensors_save(rng_tensors, metadata=rng_meta),
+        tuning=stage.tuning,
+    )
     # A stateful's tensors may be the live ones (`.cpu()` of a CPU tensor is the tensor itself): copied too.
     if per_rank["statefuls"]:
         mine = {n: trees[n] for n in per_rank["statefuls"]}
@@ -129,8 +136,7 @@ def capture_state(
 def reserve(stage: HostStage, model: torch.nn.Module | None, optimizer: Any, rank: int) -> None:
     """Start allocating the host buffers a save of this model and optimizer (one, or several: a list) will copy
     into (background): one for each tensor of the model's state dict and of each optimizer's state, by kind (shape,
-    dtype, device), never by DCP's name (get_state_dict took 4-7 ms of the loop's update on the H200 host, its
-    document 4 more). A tensor it did not foresee gets its buffer at the save."""
+    dtype, device), never by DCP's name (asking DCP for the names would lengthen the loop's update). A tensor it did not foresee gets its buffer at the save."""
     if model is None or ds_engine.is_engine(model):  # an engine writes its own files (save_state)
         return
     optimizers = [] if optimizer is None else [optimizer] if hasattr(optimizer, "state") else list(optimizer)
@@ -156,7 +162,14 @@ def write_snapshot(
     planned = snap.plan(group)  # made during the stall already, unless saved in one go (save_state)
     if planned is not None:
         spare = recycle.spare_of(directory, MODEL_DIR)  # a retired checkpoint's files, written over
-        planned.write(directory / MODEL_DIR, written, background=background, process=process, spare=spare)
+        planned.write(
+            directory / MODEL_DIR,
+            written,
+            background=background,
+            process=process,
+            spare=spare,
+            tuning=snap.tuning,
+        )
     if kill_hook:
         kill_hook("shards")
     (directory / "rng").mkdir(exist_ok=True)
@@ -187,6 +200,7 @@ def save_state(
     statefuls: dict[str, Stateful],
     loop: dict[str, Any],
     kill_hook: Any = None,
+    tuning: SaveTuning | None = None,
 ) -> dict[str, tuple[str, int]]:
     """Capture and write this rank's part of a checkpoint into `directory` in one go (every rank calls it).
 
@@ -197,7 +211,7 @@ def save_state(
     if ds_engine.is_engine(model):
         engine, written = ds_engine.save_engine(model, directory)
         model, optimizer = None, None
-    stage = HostStage()
+    stage = HostStage(tuning=tuning)
     snap = capture_state(
         rank=rank,
         model=model,
