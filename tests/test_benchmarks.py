@@ -532,11 +532,12 @@ def test_bench_zoo_runs_at_a_toy_size(launches: None, tmp_path: Path) -> None:
 
 
 def test_bench_durable_kills_runs_at_a_toy_size(launches: None) -> None:
-    """One kill of a 6-update run while its sync uploads, the local checkpoints then lost, the run finished from
+    """One kill of an 8-update run while its sync uploads, the local checkpoints then lost, the run finished from
     the store and compared bit for bit with an uninterrupted one."""
-    got = _last_json(_bench("bench_durable_kills.py", "--kills", "1", "--lose-after", "1", "--updates", "6"))
+    got = _last_json(_bench("bench_durable_kills.py", "--kills", "1", "--lose-after", "1", "--updates", "8",
+                            "--pace", "0.3"))  # fmt: skip
     assert got["kills"] == 1 and got["launches"] == 2 and got["logs_equal"] is True, got
-    assert got["bit_exact_tensors"] > 0 and got["committed_in_store"][-1] == 6, got
+    assert got["bit_exact_tensors"] > 0 and got["committed_in_store"][-1] == 8, got
 
 
 # --------------------------------------------------------------------- GPU-only: the part that needs no GPU

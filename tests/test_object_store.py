@@ -364,6 +364,7 @@ def test_a_pack_whose_uploads_fail_leaves_nothing_committed_and_no_hand_off(
     """Through the fault proxy: a few 503s on the uploads are retried and the pack commits; a store that keeps
     failing ends the pack in one line naming the object, its objects deleted, the checkpoint not handed off."""
     run = _run(tmp_path)
+    capsys.readouterr()  # the run's making (its in-process close warns that it left run.steps): not the pack's
     pack = ["pack", str(run), "", "--code-dir", str(run.parent / "code"), "--allow-dirty"]
     with FaultProxy(s3_server.endpoint) as proxy:
         monkeypatch.setenv("TORCHRELAY_S3_ENDPOINT", proxy.endpoint)
