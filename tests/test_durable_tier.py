@@ -113,9 +113,9 @@ def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     run = tmp_path / "run"
     # the job reaches the store through a proxy that holds each upload request 0.2 s (a slow store): a sync
     # takes seconds, so the kills land while part of a checkpoint is in the store and its commit is not. Each
-    # update takes at least 0.3 s (the example's pace, a runtime parameter: the same bits): on an idle machine the
+    # update takes at least 0.6 s (the example's pace, a runtime parameter: the same bits): on an idle machine the
     # 16 updates ended before the first sync had started, and the campaign got one kill of its three
-    sets = {"save_every": 1, "params.min_update_s": 0.3}
+    sets = {"save_every": 1, "params.min_update_s": 0.6}
     with FaultProxy(s3_server.endpoint, Faults(delay_s=0.2, match=r"^PUT ")) as proxy:
         out = run_campaign(
             example["code"], example["config"], run, bucket=s3_bucket, prefix="job/", endpoint=proxy.endpoint,
