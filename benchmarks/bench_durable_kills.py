@@ -43,6 +43,8 @@ def main() -> int:
     # the example's least seconds an update takes (a runtime parameter: the same bits); unpaced on an idle
     # machine the run can end before a sync has started, and the campaign runs out of launches to kill
     parser.add_argument("--pace", type=float, default=0.0)
+    # checkpoints kept locally: one removed by retention before a sync copied it is skipped (docs/OBJECT_STORAGE.md)
+    parser.add_argument("--keep", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-durable-") as tmp:
         base = Path(tmp)
@@ -57,7 +59,7 @@ def main() -> int:
             os.environ.update(server.env())
             boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket="durable")
             run = base / "run"
-            sets = {"save_every": 1, "params.min_update_s": args.pace}
+            sets = {"save_every": 1, "keep": args.keep, "params.min_update_s": args.pace}
             # through a proxy holding each upload request --put-delay seconds (a slow store): the kills land
             # while part of a checkpoint is in the store and its commit is not
             with FaultProxy(server.endpoint, Faults(delay_s=args.put_delay, match=r"^PUT ")) as proxy:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -104,6 +105,46 @@ def test_an_uncommitted_upload_is_ignored_and_removed_after_a_newer_commit(
     assert not (run / "checkpoint-8").exists()
 
 
+class _RetentionMidCopy:
+    """The real store, but the second file of `victim` sent finds its checkpoint gone: the run's retention
+    removes an older checkpoint while a sync copies it."""
+
+    def __init__(self, store: Any, victim: Path) -> None:
+        self._store, self._victim, self._sent = store, victim, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def upload_file(self, key: str, path: Path, **kw: Any) -> int:
+        if path.is_relative_to(self._victim):
+            self._sent += 1
+            if self._sent == 2:
+                shutil.rmtree(self._victim)
+        return int(self._store.upload_file(key, path, **kw))
+
+
+def test_a_checkpoint_removed_by_retention_while_copied_is_skipped_and_the_next_committed(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    """A sync copies every local checkpoint the store lacks, oldest first; one that retention removes meanwhile
+    ended the sync (FileNotFoundError), so a run saving faster than the store took its checkpoints never had
+    one committed there. It is skipped, its part-copy removed, and the newer ones committed."""
+    from torchrelay.storage.base import open_store
+
+    run = _run(tmp_path, [2, 4, 6])
+    local = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
+    assert len(local) >= 2, local
+    url = parse_url(f"s3://{s3_bucket}/retained")
+    old = run / f"checkpoint-{local[0]}"
+    store = _RetentionMidCopy(open_store(url), old)
+    notes = durable.sync(run, url, store)
+    assert notes[0] == f"{old.name}: removed by the run's retention while it was copied; skipped", notes
+    assert notes[1:] == [f"checkpoint-{u} copied to {url}" for u in local[1:]]
+    keys = _keys(s3_bucket, "retained/")
+    assert not [k for k in keys if k.startswith(f"retained/{old.name}/")], keys
+    assert f"retained/checkpoint-6/{INVENTORY}" in keys
+
+
 def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     example: dict[str, Path], baseline: Path, tmp_path: Path, s3_bucket: str, s3_server: S3Server
 ) -> None:
@@ -113,9 +154,10 @@ def test_a_job_killed_while_uploading_resumes_from_the_store_bit_for_bit(
     run = tmp_path / "run"
     # the job reaches the store through a proxy that holds each upload request 0.2 s (a slow store): a sync
     # takes seconds, so the kills land while part of a checkpoint is in the store and its commit is not. Each
-    # update takes at least 0.6 s (the example's pace, a runtime parameter: the same bits): on an idle machine the
-    # 16 updates ended before the first sync had started, and the campaign got one kill of its three
-    sets = {"save_every": 1, "params.min_update_s": 0.6}
+    # update takes at least 0.5 s (the example's pace) and every checkpoint is kept locally (keep: 16), both
+    # runtime keys (the same bits): a checkpoint saved every update and removed by retention two updates later
+    # is gone before a sync of that store has copied it (skipped: no commit in the store before the run's end)
+    sets = {"save_every": 1, "keep": 16, "params.min_update_s": 0.5}
     with FaultProxy(s3_server.endpoint, Faults(delay_s=0.2, match=r"^PUT ")) as proxy:
         out = run_campaign(
             example["code"], example["config"], run, bucket=s3_bucket, prefix="job/", endpoint=proxy.endpoint,

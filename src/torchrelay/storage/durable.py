@@ -144,7 +144,17 @@ def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None =
     local = list_checkpoints(run_dir)
     for info in local:
         if info.complete and info.update not in committed:
-            upload_checkpoint(store, url, info.path)
+            try:
+                upload_checkpoint(store, url, info.path)
+            except (OSError, RelayError):
+                if (info.path / INVENTORY).is_file():
+                    raise
+                # The run's retention removed it while it was copied (a newer one is committed beside it): its
+                # part-copy goes and the next goes on; a sync that stopped here never committed any while a run
+                # saved faster than the store took its checkpoints.
+                store.delete([o.key for o in store.list_objects(url.key(f"{info.path.name}/"))])
+                notes.append(f"{info.path.name}: removed by the run's retention while it was copied; skipped")
+                continue
             committed.add(info.update)
             notes.append(f"{info.path.name} copied to {url}")
     newest = max(committed, default=None)
