@@ -11,6 +11,7 @@ import pytest
 
 from handoff_fixtures import packed_fixture  # noqa: F401 - `packed`: here, so the session builds it once, not per module
 from helpers import launch, make_code_repo, make_data, write_config
+from s3_server import S3Server
 
 
 @pytest.fixture(scope="session")
@@ -34,13 +35,42 @@ def baseline(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     return run
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real S3-compatible server (SeaweedFS, tests/s3_server.py) on 127.0.0.1 for the session; stopped at its end."""
+    import s3_server as server_module
+
+    server = server_module.start(tmp_path_factory.mktemp("s3-server"))
+    try:
+        yield server
+    finally:
+        server_module.stop(server)
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A new bucket on the session's server, with this process's environment pointed at it (the AWS chain)."""
+    import uuid
+
+    import boto3
+
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    name = f"relay-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server.endpoint).create_bucket(Bucket=name)
+    return name
+
+
 # The fast tier (`bash scripts/test.sh --fast`): every test that needs no launch of ranks. A test is in it until it
 # starts one: the first launch (torchrun or `python -m torch.distributed.run`, a Slurm job, the demo, ranks of
 # torch.multiprocessing.spawn) skips it, so a new test needs no marker to land in the right tier. The full suite,
 # with every launch, stays the proof. Two kinds are skipped before they start, so the tier stays a few minutes on a
 # busy 2-core machine: `slurm` tests (each launches a job, but its fixture first starts the daemons: 10-12 s), and
 # `full` tests, which launch no rank but start heavy real processes of their own (a rank's loader workers taking
-# signals: 35 s; a fresh interpreter importing transformers: 20 s).
+# signals: 35 s; a fresh interpreter importing transformers: 20 s). `s3` tests need the session's S3 server
+# (tests/s3_server.py: SeaweedFS, 4-15 s to start): full suite only too.
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", "demo.py")
 
 
@@ -74,6 +104,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.normpath(_get_build_directory("", verbose=False))
     config.addinivalue_line("markers", "full: starts heavy real processes (no rank): in the full suite only")
     config.addinivalue_line(
+        "markers", "s3: needs the session's real S3 server (tests/s3_server.py): full suite only"
+    )
+    config.addinivalue_line(
         "markers", "xdist_group(name): the tests pytest-xdist runs on one worker, in order"
     )
     if not config.getoption("--fast"):
@@ -101,6 +134,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.skip(reason="fast tier: this test launches a Slurm job"))
+        elif item.get_closest_marker("s3"):
+            item.add_marker(pytest.mark.skip(reason="fast tier: this test needs the S3 server (marked s3)"))
         elif item.get_closest_marker("full"):
             item.add_marker(
                 pytest.mark.skip(reason="fast tier: this test starts heavy processes (marked full)")

@@ -477,6 +477,14 @@ def test_bench_zero_reshard_runs_at_a_toy_size() -> None:
     assert _positive(row["state_MiB"], row["reshard_s_slowest_rank"], row["MiB_per_s"]), row
 
 
+@pytest.mark.full
+def test_bench_s3_runs_at_a_toy_size() -> None:
+    """8 MiB through the benchmark's own SeaweedFS (tests/s3_server.py): each of the four transfers reports a speed."""
+    got = _last_json(_bench("bench_s3.py", "--mib", "8", "--jobs", "2", "--rounds", "1"))
+    for key in ("upload_relay", "upload_plain", "download_relay", "download_plain"):
+        assert _positive(got[f"{key}_s"], got[f"{key}_gbps"]), got
+
+
 # ----------------------------------------------------- torchrun launches: in the full suite only (the launch tier)
 
 
@@ -551,6 +559,15 @@ def test_bench_certify_runs_at_a_toy_size(launches: None) -> None:
     assert [(r["replayed"], r["certified"]) for r in replays] == [(1, True), (2, True)], rows
     # the per-update figure is a difference of two timings: at this size it may come out either side of 0
     assert _positive(*(r["seconds"] for r in replays)) and isinstance(rows[-1]["per_update_s"], float), rows
+
+
+def test_bench_durable_kills_runs_at_a_toy_size(launches: None) -> None:
+    """One kill of an 8-update run while its sync uploads, the local checkpoints then lost, the run finished from
+    the store and compared bit for bit with an uninterrupted one."""
+    got = _last_json(_bench("bench_durable_kills.py", "--kills", "1", "--lose-after", "1", "--updates", "8",
+                            "--pace", "0.3"))  # fmt: skip
+    assert got["kills"] == 1 and got["launches"] == 2 and got["logs_equal"] is True, got
+    assert got["bit_exact_tensors"] > 0 and got["committed_in_store"][-1] == 8, got
 
 
 # --------------------------------------------------------------------- GPU-only: the part that needs no GPU

@@ -14,7 +14,7 @@ LAYERS = [
     ("kill_points", 0),
     ("layout", 1), ("rundir", 1), ("config", 1), ("contract", 1), ("identity", 1), ("manifest", 1),
     ("history", 1), ("train_records", 1), ("digests", 1), ("lock", 1), ("checkpoint", 1), ("rng", 1), ("lr_shape", 1), ("reshard", 1),
-    ("validation_records", 1), ("numerics", 1), ("tuning", 1), ("destinations", 1),
+    ("validation_records", 1), ("numerics", 1), ("tuning", 1), ("destinations", 1), ("storage", 1),
     ("data", 2), ("stop", 2), ("resume_check", 2), ("run", 2), ("ledger", 2), ("ledger_proof", 2), ("ledger_prover", 2), ("summary", 2), ("costmodel", 2),
     ("handoff", 3), ("slurm", 3), ("audit", 3), ("report", 3), ("export", 3), ("integrations", 3),
     ("controller", 4), ("validation", 4),

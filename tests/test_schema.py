@@ -178,7 +178,7 @@ def test_every_torchrelay_variable_is_declared_once_and_documented() -> None:
     for path in (REPO / "src" / "torchrelay").rglob("*.py"):
         if path.name == "envvars.py":
             continue  # the declarations themselves
-        used |= set(re.findall(r"TORCHRELAY_[A-Z_]*[A-Z]", path.read_text()))
+        used |= set(re.findall(r"TORCHRELAY_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
     assert used - set(names) == set(), "declare these in src/torchrelay/envvars.py"
     page = REPO / "docs" / "ENVIRONMENT.md"
     assert page.read_text() == envvars.markdown(), (

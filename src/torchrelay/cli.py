@@ -10,8 +10,9 @@ import sys
 from collections.abc import Sequence
 
 from torchrelay import __version__, envvars
-from torchrelay.errors import EXIT_ERROR, RelayError, from_exception
+from torchrelay.errors import EXIT_ERROR, ConfigError, RelayError, from_exception
 from torchrelay.log import configure
+from torchrelay.storage.url import SCHEMES, scheme_of
 from torchrelay.util.finalize import freeze_at_exit
 from torchrelay.util.shown import visible
 
@@ -32,6 +33,10 @@ VERBS: dict[str, str] = {
     "validate": "validate",
     "export": "export",
 }
+
+# verb -> the arguments that may name a store URL (s3://BUCKET/PREFIX); a `scheme://` argument anywhere else is
+# refused, never taken for a local path (`pack RUN s3://b/x` wrote a folder ./s3:/b/x and said PACK_OK)
+STORE_ARGS: dict[str, tuple[str, ...]] = {"pack": ("bundle",), "verify": ("bundle",), "prepare": ("bundle",)}
 
 HELP = {
     "status": "show a run: progress, exposures, loss, checkpoints, segments",
@@ -78,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the library's records (the rank in each): information on stdout, warnings on stderr, as the verbs print
     configure(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
     try:
+        _refuse_urls(args.verb, argv, args)
         return int(args._run(args))
     except BrokenPipeError:  # `torchrelay status --json | head`
         return 0
@@ -97,6 +103,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = "\n".join(map(visible, lines)) + (f"\n  hint: {visible(err.hint)}" if err.hint else "")
         print(f"torchrelay {args.verb}: error: {text}", file=sys.stderr)
         return err.exit_code
+
+
+def _refuse_urls(verb: str, argv: list[str], args: argparse.Namespace) -> None:
+    """One line for a `scheme://` argument (or `KEY=scheme://`) the verb does not take as a store URL."""
+    allowed = [
+        getattr(args, dest)
+        for dest in STORE_ARGS.get(verb, ())
+        if isinstance(getattr(args, dest, None), str) and scheme_of(getattr(args, dest)) in SCHEMES
+    ]
+    rest = getattr(args, "launch", None)  # audit's launch command: another program's arguments, not ours
+    if isinstance(rest, list) and rest and argv[-len(rest) :] == rest:
+        argv = argv[: -len(rest)]
+    for token in argv:
+        if token == "--":  # what follows is another program's command line
+            return
+        for value in (token, token.partition("=")[2]):
+            scheme = scheme_of(value)
+            if scheme is None:
+                continue
+            if value in allowed:
+                allowed.remove(value)
+                break
+            where = STORE_ARGS.get(verb)
+            raise ConfigError(
+                f"{value!r} is a {scheme}:// URL; `torchrelay {verb}` takes a local path there",
+                hint=(
+                    f"`torchrelay {verb}` takes {'/'.join(SCHEMES)}:// URLs only as {' or '.join(w.upper() for w in where)}"
+                    if where
+                    else "copy the data to a local path first"
+                ),
+            )
 
 
 def entry() -> None:

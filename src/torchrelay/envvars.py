@@ -270,6 +270,19 @@ TRACEBACK = Var(
     False,
     "a CLI verb shows the traceback of an error instead of its one-line message",
 )
+# --- object stores (storage/s3.py; credentials come from the standard AWS chain, never from here) ---------------
+S3_ENDPOINT = Var(
+    "TORCHRELAY_S3_ENDPOINT", "str", None, "the S3-compatible endpoint URL of s3:// URLs (wins over "
+    "AWS_ENDPOINT_URL; unset: AWS's own)",
+)  # fmt: skip
+DURABLE = Var(
+    "TORCHRELAY_DURABLE", "str", None, "a store URL (s3://BUCKET/PREFIX) that holds the run's durable tier: each "
+    "committed checkpoint is copied there, and a resume lacking the newest downloads it (docs/OBJECT_STORAGE.md)",
+)  # fmt: skip
+S3_ATTEMPTS = Var(
+    "TORCHRELAY_S3_ATTEMPTS", "int", 5, "attempts of one store request that met throttling, a 5xx or a cut body "
+    "(exponential backoff between them)",
+)  # fmt: skip
 # --- the audit, inside the audited script ------------------------------------------------------------------------
 AUDIT_PROBE = Var(
     "TORCHRELAY_AUDIT_PROBE", "path", None, "the folder the audit's probe writes rank<r>.jsonl into; unset: off",

@@ -126,6 +126,10 @@ class PathError(RelayError):
     exit_code = EXIT_REFUSED
 
 
+class StoreError(RelayError):
+    """An object store failed (unreachable, 5xx or throttling past the bounded retries, a body cut short)."""
+
+
 class ParityError(RelayError):
     """An export does not compute what the training model computes (`export --parity`); no export is written."""
 

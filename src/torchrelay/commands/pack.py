@@ -12,6 +12,7 @@ from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
 from torchrelay.lock import RunLock
 from torchrelay.rundir import Bundle
+from torchrelay.storage.url import parse_url, scheme_of
 from torchrelay.util import bars, schema
 
 
@@ -21,7 +22,9 @@ def _checkpoint(text: str) -> int | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="the stopped run directory")
-    parser.add_argument("bundle", type=Path, help="the bundle directory to write (new or empty)")
+    parser.add_argument(
+        "bundle", help="the bundle directory to write (new or empty), or s3://BUCKET/PREFIX (an empty prefix)"
+    )
     parser.add_argument(
         "--checkpoint", type=_checkpoint, default=None, metavar="N|latest", help="default: latest"
     )
@@ -38,18 +41,25 @@ def run(args: argparse.Namespace) -> int:
     RunLock(args.run_dir, "train").acquire().release()
     ckpt = checkpoint_to_pack(args.run_dir, options.checkpoint, guard=False)  # pack() itself guards
     total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+    url = parse_url(args.bundle) if scheme_of(args.bundle) else None
     with bars.byte_bar(f"pack {ckpt.name}", total) as advance:
-        result = pack(args.run_dir, args.bundle, options, on_bytes=advance)
+        if url is not None:
+            from torchrelay.handoff.store_pack import pack_to_store
+
+            result = pack_to_store(args.run_dir, url, options, on_bytes=advance)
+        else:
+            result = pack(args.run_dir, Path(args.bundle), options, on_bytes=advance)
+    where = str(url) if url is not None else str(result.bundle)
     for note in result.notes:
         print(f"recovered: {note}")
     for warning in result.warnings:
         print(f"WARNING: {warning}")
     rate = result.bytes / result.seconds / 1e9 if result.seconds else 0.0
     print(
-        f"packed update {result.update} into {result.bundle}: {result.files} files, {result.bytes / 1e9:.3f} GB "
+        f"packed update {result.update} into {where}: {result.files} files, {result.bytes / 1e9:.3f} GB "
         f"({result.linked} hardlinked) in {result.seconds:.2f} s ({rate:.2f} GB/s)"
     )
-    contract = Bundle(result.bundle).info_or_empty().get("contract_sha256")
+    contract = load_contract(args.run_dir)["sha256"]
     print(f"contract {contract} (the training prints it as TRAINING_CONTRACT)")
     print(f"bundle lineage {result.lineage}; {ckpt / HANDED_OFF} now refuses a second continuation here")
     print(f"BUNDLE_DIGEST sha256:{result.digest}")
@@ -59,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if result.signed:
         print(
-            f"signed: {Bundle(result.bundle).sig_path} (ssh-keygen -Y sign -n torchrelay-bundle with {args.sign})"
+            f"signed: {where}/{Bundle(result.bundle).sig_path.name} (ssh-keygen -Y sign -n torchrelay-bundle with {args.sign})"
         )
     print("PACK_OK")
     return EXIT_FINISHED

@@ -10,11 +10,14 @@ from torchrelay.config import parse_assignments
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import bundle_bytes
+from torchrelay.storage.url import parse_url, scheme_of
 from torchrelay.util import bars, schema
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", type=Path, help="the verified bundle directory")
+    parser.add_argument(
+        "bundle", help="the verified bundle directory, or s3://BUCKET/PREFIX (downloaded verified first)"
+    )
     schema.add_flags(parser, PrepareOptions, ["run_dir"])
     parser.add_argument(
         "--set",
@@ -31,10 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = schema.from_namespace(PrepareOptions, args, sets=parse_assignments(args.set))
-    total = 2 * bundle_bytes(args.bundle)  # verified once, then copied once
     try:
-        with bars.PrepareBars(total) as shown:
-            result = prepare(args.bundle, options, on_bytes=shown.on_bytes, on_files=shown.on_files)
+        if scheme_of(args.bundle):
+            from torchrelay.handoff.store_fetch import prepare_from_store
+
+            with bars.PrepareBars(0) as shown:  # downloaded + verified, then hardlinked and verified again
+                result = prepare_from_store(
+                    parse_url(args.bundle), options, on_bytes=shown.on_bytes, on_files=shown.on_files
+                )
+        else:
+            total = 2 * bundle_bytes(Path(args.bundle))  # verified once, then copied once
+            with bars.PrepareBars(total) as shown:
+                result = prepare(Path(args.bundle), options, on_bytes=shown.on_bytes, on_files=shown.on_files)
     except PrepareRefused as exc:
         print("PREFLIGHT: FAIL")
         for failure in exc.failures:

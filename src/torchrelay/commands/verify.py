@@ -8,12 +8,13 @@ from pathlib import Path
 from torchrelay.commands.argtypes import JOBS_LIMIT, count
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff.verify import bundle_bytes, verify_bundle
+from torchrelay.storage.url import StoreURL, parse_url, scheme_of
 from torchrelay.util import bars
 from torchrelay.util.shown import visible
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bundle", help="bundle directory (holds SHA256SUMS)")
+    parser.add_argument("bundle", help="bundle directory (holds SHA256SUMS), or s3://BUCKET/PREFIX")
     parser.add_argument(
         "--jobs", type=count(1, JOBS_LIMIT), default=None, help="hashing threads (default: one per core)"
     )
@@ -42,6 +43,8 @@ def add_trust_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if scheme_of(args.bundle):
+        return _run_in_store(args, parse_url(args.bundle))
     total = bundle_bytes(args.bundle)
     with bars.byte_bar("verify", total) as advance:
         report = verify_bundle(
@@ -67,4 +70,38 @@ def run(args: argparse.Namespace) -> int:
         print("VERIFY_OK")
         return EXIT_FINISHED
     print(f"VERIFY_FAILED: {len(report.problems())} problem(s)")
+    return EXIT_REFUSED
+
+
+def _run_in_store(args: argparse.Namespace, url: StoreURL) -> int:
+    """The bundle checked in the store, without a local copy (handoff/store_read.py)."""
+    from torchrelay.handoff.store_pack import store_jobs
+    from torchrelay.handoff.store_read import read_store_bundle
+    from torchrelay.storage.base import open_store
+
+    store = open_store(url, jobs=store_jobs(args.jobs))
+    with bars.byte_bar("verify", 0) as advance:
+        report = read_store_bundle(
+            store,
+            url,
+            jobs=store_jobs(args.jobs),
+            on_bytes=advance,
+            expect=args.expect,
+            allowed_signers=args.allowed_signers,
+        )
+    for line in report.problems:
+        print(visible(line))
+    if not args.quiet:
+        rate = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
+        print(
+            f"{report.files} objects, {report.bytes / 1e9:.3f} GB in {report.seconds:.2f} s ({rate:.2f} GB/s); "
+            f"{len(report.checkpoints)} checkpoint inventories checked (in {url}, no local copy)"
+        )
+    print(f"BUNDLE_DIGEST sha256:{report.digest}{' (= --expect)' if args.expect else ''}")
+    if report.signer is not None:
+        print(f"signed by {visible(report.signer)} (SHA256SUMS.sig, {args.allowed_signers})")
+    if report.ok:
+        print("VERIFY_OK")
+        return EXIT_FINISHED
+    print(f"VERIFY_FAILED: {len(report.problems)} problem(s)")
     return EXIT_REFUSED

@@ -82,6 +82,7 @@ class PrepareOptions:
     jobs: int | None = field(default=None, metadata={"doc": "hash/copy threads (default: one per core)"})
     expect: str | None = None  # the bundle digest the packer gave: anything else is refused
     allowed_signers: Path | None = None  # SHA256SUMS.sig must verify against one of these keys
+    origin: str | None = None  # where the bundle came from when not `bundle` itself (a store URL): recorded
     world_size: int | None = field(
         default=None,
         metadata={
@@ -369,7 +370,7 @@ def _prepare_into(
         "format": 1,
         "tool": f"torchrelay {__version__}",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "bundle": str(bundle.path),
+        "bundle": options.origin or str(bundle.path),
         "bundle_lineage": info.get("lineage"),
         "parent_lineage": info.get("parent_lineage"),
         "sums_sha256": report.digest,

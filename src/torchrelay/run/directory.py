@@ -31,6 +31,7 @@ from torchrelay.reshard import Layout
 from torchrelay.resume_check import keep_prepared, refuse_contract_overrides, schedule_gate, validate_resume
 from torchrelay.run.saver import last_save_seconds
 from torchrelay.rundir import RunDir
+from torchrelay.storage.durable import restore as restore_durable
 from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
@@ -159,6 +160,10 @@ def reopen_run(
     cfg = cfg.with_overrides(overrides) if overrides else cfg
     refuse_contract_overrides(stored, cfg, overrides)
     clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
+    # TORCHRELAY_DURABLE: the store's newest committed checkpoint, downloaded verified when this directory lacks it
+    restored = restore_durable(rd.path)
+    if restored:
+        logger.info(f"[torchrelay] {restored}")
     # The script and the modules it imported from the code directory, tracked by git or not.
     # Names and sizes only here: every rank hashes the files it loads as it reads them (run.track), so no
     # rank waits while this one reads the whole checkpoint
@@ -209,6 +214,8 @@ def reopen_run(
     reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None and tier.tier == DURABLE else None
     notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
     notes += tier.refused
+    if restored:
+        notes.append(restored)
     if reclaim_note:
         notes.append(reclaim_note)
     if repointed:

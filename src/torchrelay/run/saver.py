@@ -40,6 +40,7 @@ from torchrelay.layout import checkpoint_name
 from torchrelay.ledger_proof import ProofSpawner
 from torchrelay.log import logger
 from torchrelay.run.restore import Tracked
+from torchrelay.storage.durable import DurableSpawner, durable_url
 from torchrelay.train_records import RankLog
 from torchrelay.util import collective
 from torchrelay.util.records import read_json_or_none
@@ -133,6 +134,8 @@ class Saver:
         self._peers = collective.own_group() if world_size > 1 and self._background else None
         # Rank 0 starts the ledger's background prover after a commit (ledger_proof.py): a process, never work here.
         self._proofs = ProofSpawner(run_dir) if rank == 0 else None
+        # TORCHRELAY_DURABLE: rank 0 copies each committed checkpoint into the store, in a process of its own
+        self._durable = DurableSpawner(run_dir) if durable_url() is not None and rank == 0 else None
 
     def due(self, done: int) -> bool:
         """The loop's two calls in one: `after_update(done)`, then whether `policy` saves `done` durably."""
@@ -353,6 +356,8 @@ class Saver:
         """After checkpoint-<update> is committed (on the thread that committed it): the ledger's prover, maybe."""
         if self._proofs is not None:
             self._proofs.committed(update)
+        if self._durable is not None:
+            self._durable.committed(update)
 
     def budget_seconds(self) -> float:
         """What a stop now costs in saving, for the budget policy: the checkpoint in flight to finish, then one
@@ -409,6 +414,8 @@ class Saver:
             ):
                 forget(self._lineage, self._run_dir)  # the durable tier holds a newer (or the same) update
             wait_deletions()
+            if self._durable is not None and not self._persister.stuck:
+                self._durable.close()  # the newest checkpoint reaches the store before the run ends
 
 
 INLINE, THREAD = "inline", "thread"
