@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, format check, type check, then pytest (real torchrun processes, real Slurm if up).
-# `--fast`: the tier that launches no ranks (tests/conftest.py skips a test at its first launch), a few minutes.
+# `--fast`: the tier of the tests with no tier marker (launch, slurm, full, s3: tests/conftest.py), a few minutes.
 # `--floor`: in .venv-floor, on the lowest torch pyproject.toml declares (scripts/constraints-floor.txt): `--fast
 # --floor` is the fast tier on torch 2.8. Building that venv downloads PyPI's torch 2.8 with its CUDA libraries
 # (about 4.5 GB; 26 min on the shared VM, benchmarks/RESULTS.md), once.

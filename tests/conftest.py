@@ -63,14 +63,15 @@ def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     return name
 
 
-# The fast tier (`bash scripts/test.sh --fast`): every test that needs no launch of ranks. A test is in it until it
-# starts one: the first launch (torchrun or `python -m torch.distributed.run`, a Slurm job, the demo, ranks of
-# torch.multiprocessing.spawn) skips it, so a new test needs no marker to land in the right tier. The full suite,
-# with every launch, stays the proof. Two kinds are skipped before they start, so the tier stays a few minutes on a
-# busy 2-core machine: `slurm` tests (each launches a job, but its fixture first starts the daemons: 10-12 s), and
-# `full` tests, which launch no rank but start heavy real processes of their own (a rank's loader workers taking
-# signals: 35 s; a fresh interpreter importing transformers: 20 s). `s3` tests need the session's S3 server
-# (tests/s3_server.py: SeaweedFS, 4-15 s to start): full suite only too.
+# Two tiers, each test's declared by its markers. The fast tier (`bash scripts/test.sh --fast`) runs the unmarked
+# tests: they start no ranks. `launch` declares a test that starts ranks (torchrun or `python -m
+# torch.distributed.run`, the demo, ranks of torch.multiprocessing.spawn, a script that launches them); `slurm` a test
+# that launches a Slurm job (its fixture first starts the daemons: 10-12 s); `full` a test that launches no rank but
+# starts heavy real processes of its own (a rank's loader workers taking signals: 35 s; a fresh interpreter importing
+# transformers or DeepSpeed's op: 20-90 s); `s3` a test that needs the session's S3 server (tests/s3_server.py:
+# SeaweedFS, 4-15 s to start). The fast tier deselects all four before they start; the full suite runs everything
+# and stays the proof. The declaration is checked in both: an unmarked test that launches ranks fails, naming the
+# marker it needs, so no test lands in the wrong tier unnoticed.
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", "demo.py")
 
 
@@ -81,7 +82,11 @@ _LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", 
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--fast", action="store_true", help="skip every test at its first torchrun launch")
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the fast tier: only the tests with no tier marker (launch, slurm, full, s3)",
+    )
 
 
 def _launches(args: Any) -> bool:
@@ -109,30 +114,57 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "xdist_group(name): the tests pytest-xdist runs on one worker, in order"
     )
-    if not config.getoption("--fast"):
-        return
-    real = subprocess.Popen.__init__
+    config.addinivalue_line("markers", "launch: starts ranks (torchrun, spawn, the demo): the launch tier")
+    real_popen = subprocess.Popen.__init__
 
-    def refuse_launch(self: subprocess.Popen[Any], args: Any, *a: Any, **kw: Any) -> None:
+    def checked_popen(self: subprocess.Popen[Any], args: Any, *a: Any, **kw: Any) -> None:
         if _launches(args):
-            pytest.skip("fast tier: this test launches torchrun")
-        real(self, args, *a, **kw)
+            _require_launch_mark("launches torchrun")
+        real_popen(self, args, *a, **kw)
 
-    def refuse_spawn(*a: Any, **kw: Any) -> None:
-        pytest.skip("fast tier: this test spawns ranks")
-
-    # for the whole session, so a session fixture's launch (the shared baseline run) skips its users too
-    subprocess.Popen.__init__ = refuse_launch  # type: ignore[method-assign]
+    # for the whole session, so a session fixture's launch (the shared baseline run) is its first user's
+    subprocess.Popen.__init__ = checked_popen  # type: ignore[method-assign]
     import torch.multiprocessing
 
-    torch.multiprocessing.spawn = refuse_spawn  # type: ignore[assignment]
+    real_spawn = torch.multiprocessing.spawn
+
+    def checked_spawn(*a: Any, **kw: Any) -> Any:
+        _require_launch_mark("spawns ranks")
+        return real_spawn(*a, **kw)
+
+    torch.multiprocessing.spawn = checked_spawn  # type: ignore[assignment]
+
+
+_TIER_MARKS = ("launch", "slurm", "full", "s3")
+_running: list[pytest.Item] = []  # the test being run (its setup, call and teardown)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def _require_launch_mark(what: str) -> None:
+    """Fail the running test if it starts ranks without declaring it (outside a test: nothing to check)."""
+    if _running and not any(_running[-1].get_closest_marker(m) for m in _TIER_MARKS):
+        pytest.fail(
+            f"{_running[-1].nodeid} {what} but is not marked: add @pytest.mark.launch (or a module-level "
+            "`pytestmark = pytest.mark.launch`), so the fast tier leaves it out (tests/conftest.py)",
+            pytrace=False,
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.getoption("--fast"):
         return
     for item in items:
-        if item.get_closest_marker("slurm"):
+        if item.get_closest_marker("launch"):
+            item.add_marker(pytest.mark.skip(reason="fast tier: this test starts ranks (marked launch)"))
+        elif item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.skip(reason="fast tier: this test launches a Slurm job"))
         elif item.get_closest_marker("s3"):
             item.add_marker(pytest.mark.skip(reason="fast tier: this test needs the S3 server (marked s3)"))

@@ -184,6 +184,7 @@ def kept_run(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     return run
 
 
+@pytest.mark.launch
 def test_retention_keeps_the_listed_updates_and_the_latest_two(
     kept_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -202,6 +203,7 @@ def test_retention_keeps_the_listed_updates_and_the_latest_two(
     assert "kept because" in table and "keep_updates" in table
 
 
+@pytest.mark.launch
 def test_validation_runs_after_the_formal_run_and_records_each_checkpoint(kept_run: Path) -> None:
     records = read_records(kept_run)
     assert sorted(records) == [10, 20, 30]
@@ -226,6 +228,7 @@ def test_validation_runs_after_the_formal_run_and_records_each_checkpoint(kept_r
     assert outcome["validation"]["missing"] == {"40": "past the end of the schedule (30 updates)"}
 
 
+@pytest.mark.launch
 def test_a_second_launch_does_not_validate_again(kept_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = {u: r.started for u, r in read_records(kept_run).items()}
     segments_before = len(segments(kept_run))
@@ -287,6 +290,7 @@ def test_a_second_launch_does_not_validate_again(kept_run: Path, capsys: pytest.
     assert "<h2>Validation</h2>" in page and "checkpoint-20</td><td>failed" in page
 
 
+@pytest.mark.launch
 def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, tmp_path: Path) -> None:
     # the cost model: a validation (measured in this run, else the plan's estimate) and the margin must fit
     assert (
@@ -334,6 +338,7 @@ def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, 
     assert slow.attempt == silent.attempt + 1
 
 
+@pytest.mark.launch
 def test_validation_never_writes_through_a_link_out_of_the_run(
     kept_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -364,6 +369,7 @@ def test_validation_never_writes_through_a_link_out_of_the_run(
     assert not os.path.lexists(copy / "inside" / "weights") and os.listdir(outside) == ["mine"]
 
 
+@pytest.mark.launch
 def test_validation_records_travel_in_a_bundle(
     kept_run: Path, example: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -384,6 +390,7 @@ def test_validation_records_travel_in_a_bundle(
 
 
 # ------------------------------------------------------------------------------------------------ export
+@pytest.mark.launch
 def test_export_of_the_example_model_streams_equal_tensors(
     kept_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -468,6 +475,7 @@ def hf_run(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     return code, run, hf
 
 
+@pytest.mark.launch
 def test_export_of_a_hugging_face_model_loads_with_from_pretrained(
     hf_run: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
@@ -505,6 +513,7 @@ def test_export_of_a_hugging_face_model_loads_with_from_pretrained(
     assert torch.equal(logits, probe["logits"])
 
 
+@pytest.mark.launch
 def test_export_parity_holds_for_the_right_names_and_fails_a_wrong_rename(
     hf_run: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -427,6 +427,7 @@ def test_the_training_thread_plans_and_the_persist_thread_only_writes(
     validate_complete(tmp_path / "run" / "checkpoint-3")
 
 
+@pytest.mark.launch
 def test_a_failure_of_any_rank_in_the_plan_or_the_write_is_raised_on_every_rank(tmp_path: Path) -> None:
     """Two ranks over gloo: the split save writes what dcp.save would (the tensors equal on both ranks once); a
     failure in one rank's local plan, in the coordinator's global plan or in one rank's write is raised on both,

@@ -63,6 +63,7 @@ def launch_cmd(code: Path, script: str, config: Path) -> list[str]:
     ]
 
 
+@pytest.mark.launch
 def test_good_example_is_equal_with_three_stops(code, example, tmp_path, capsys):
     work = tmp_path / "work"
     cmd = launch_cmd(code, "train_lm.py", example["config"])
@@ -103,6 +104,7 @@ def test_good_example_is_equal_with_three_stops(code, example, tmp_path, capsys)
         _check_vary(work / "interrupted", {"seed": [1, 2]})
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("script", list(BROKEN))
 def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
     # Two updates past the stop, not four: a scheduler left out is restored with the optimizer's lr, so it shows in
@@ -142,6 +144,7 @@ def test_broken_example_fails_with_its_cause(code, example, tmp_path, script):
     assert (tmp_path / "work" / "interrupted" / "AUDIT.json").is_file()
 
 
+@pytest.mark.launch
 def test_a_number_a_stateful_forgets_to_restore_is_not_equal_by_its_key(code, example, tmp_path):
     # nanoGPT's best_val_loss in a registered stateful whose load_state_dict forgets it: no tensor and no logged
     # value differs, the restored number does.
@@ -200,6 +203,7 @@ UNSEEDED_VARIANTS = {
 }
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("stream", list(UNSEEDED_VARIANTS))
 def test_an_unseeded_stream_is_named_from_the_first_update(code, example, tmp_path, stream):
     source = (code / "broken" / "unregistered_generator.py").read_text()

@@ -7,7 +7,7 @@ so a rename fails here in a second, not on the GPU host. The toy runs catch the 
 option no longer read, a figure no longer written). Each runs in a fresh process, one rank without torchrun (RANK,
 WORLD_SIZE and MASTER_* set). Each costs a few CPU seconds (torch's import in a fresh interpreter), so the fast tier
 keeps one per part of the checkpoint core (save, load, persist, plan, verify, ...); the rest are marked `full`,
-and those that launch torchrun themselves are skipped by the fast tier (the launch tier). GPU-only scripts
+and those that launch torchrun themselves are marked `launch`. GPU-only scripts
 (GPU_ONLY) run the part that needs no GPU."""
 
 from __future__ import annotations
@@ -488,14 +488,8 @@ def test_bench_s3_runs_at_a_toy_size() -> None:
 # ----------------------------------------------------- torchrun launches: in the full suite only (the launch tier)
 
 
-@pytest.fixture
-def launches(request: pytest.FixtureRequest) -> None:
-    """The benchmark launches torchrun itself, out of the conftest's sight: the fast tier skips it here."""
-    if request.config.getoption("--fast"):
-        pytest.skip("fast tier: this benchmark launches torchrun")
-
-
-def test_bench_exact_reduce_runs_at_a_toy_size(launches: None) -> None:
+@pytest.mark.launch
+def test_bench_exact_reduce_runs_at_a_toy_size() -> None:
     text = _bench("bench_exact_reduce.py", "--nproc", "1", "--updates", "3", "--repeats", "1", "--width", "32",
                   "--accum", "2", "--micro-batch", "2")  # fmt: skip
     ratio = re.search(r"exact / default: update time ([\d.]+)x, peak RSS ([\d.]+)x", text)
@@ -503,7 +497,8 @@ def test_bench_exact_reduce_runs_at_a_toy_size(launches: None) -> None:
     assert re.search(r"^  exact +update +[\d.]+ ms", text, re.M), text
 
 
-def test_bench_micro_collective_runs_at_a_toy_size(launches: None) -> None:
+@pytest.mark.launch
+def test_bench_micro_collective_runs_at_a_toy_size() -> None:
     """This checkout against itself (--before the same src/), 12 updates: the medians of the last 2."""
     got = _last_json(_bench("bench_micro_collective.py", "--before", REPO / "src", "--updates", "12",
                             "--repeats", "1"))  # fmt: skip
@@ -512,7 +507,8 @@ def test_bench_micro_collective_runs_at_a_toy_size(launches: None) -> None:
         assert _positive(before, after, got[key]["ratio_after_to_before"]), got
 
 
-def test_bench_launch_end_runs_at_a_toy_size(launches: None) -> None:
+@pytest.mark.launch
+def test_bench_launch_end_runs_at_a_toy_size() -> None:
     text = _bench("bench_launch_end.py", "--before-src", REPO / "src", "--rounds", "1")
     for name in ("unchanged", "ranks", "ranks+agent"):
         row = re.search(
@@ -521,7 +517,8 @@ def test_bench_launch_end_runs_at_a_toy_size(launches: None) -> None:
         assert row and float(row[1]) > float(row[2]) > 0, (name, text)
 
 
-def test_bench_kill_runs_at_a_toy_size(launches: None, tmp_path: Path) -> None:
+@pytest.mark.launch
+def test_bench_kill_runs_at_a_toy_size(tmp_path: Path) -> None:
     """One kill of a 6-update run, its resume, the run finished and compared with an uninterrupted one."""
     _bench("bench_kill.py", "--kills", "1", "--updates", "6", "--seed", "3", "--out", tmp_path / "k")
     got = json.loads((tmp_path / "k" / "kills.json").read_text())
@@ -530,7 +527,8 @@ def test_bench_kill_runs_at_a_toy_size(launches: None, tmp_path: Path) -> None:
     assert s["corrupt_resumes"] == s["refusals"] == s["leftovers"] == 0, s
 
 
-def test_bench_zoo_runs_at_a_toy_size(launches: None, tmp_path: Path) -> None:
+@pytest.mark.launch
+def test_bench_zoo_runs_at_a_toy_size(tmp_path: Path) -> None:
     """One member audited with one stop."""
     out = tmp_path / "zoo.json"
     _bench(
@@ -551,7 +549,8 @@ def test_bench_zoo_runs_at_a_toy_size(launches: None, tmp_path: Path) -> None:
     assert row["tensors"] > 0 and _positive(row["seconds"]), row
 
 
-def test_bench_certify_runs_at_a_toy_size(launches: None) -> None:
+@pytest.mark.launch
+def test_bench_certify_runs_at_a_toy_size() -> None:
     """A 4-update run on 2 ranks, one and two of its updates replayed from its checkpoint at update 2."""
     rows = [json.loads(x) for x in _bench("bench_certify.py", "--updates", "4", "--replay", "1,2").splitlines()
             if x.startswith("{")]  # fmt: skip
@@ -561,7 +560,8 @@ def test_bench_certify_runs_at_a_toy_size(launches: None) -> None:
     assert _positive(*(r["seconds"] for r in replays)) and isinstance(rows[-1]["per_update_s"], float), rows
 
 
-def test_bench_durable_kills_runs_at_a_toy_size(launches: None) -> None:
+@pytest.mark.launch
+def test_bench_durable_kills_runs_at_a_toy_size() -> None:
     """One kill of an 8-update run while its sync uploads, the local checkpoints then lost, the run finished from
     the store and compared bit for bit with an uninterrupted one."""
     got = _last_json(_bench("bench_durable_kills.py", "--kills", "1", "--lose-after", "1", "--updates", "8",

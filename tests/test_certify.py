@@ -68,6 +68,7 @@ def _corrupt_a_weight_and_rehash(ckpt: Path) -> str:
     return index.fqn
 
 
+@pytest.mark.launch
 def test_certify_reproduces_the_recorded_updates_and_names_where_a_corrupt_checkpoint_parts(
     baseline: Path, example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,6 +12,9 @@ from helpers import git, launch, segments
 from torchrelay.cli import main
 from torchrelay.stop import write_request
 
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
+
 
 @pytest.fixture(scope="module")
 def stopped(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -122,6 +122,7 @@ def test_memory_limits_from_plan_env_and_ram() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ real launches
+@pytest.mark.launch
 def test_failing_user_check_starts_nothing(example: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     check = {"name": "mask-cache", "run": "echo 'live vs cache: 3 of 50 frames differ' >&2; exit 7"}
@@ -162,6 +163,7 @@ def test_the_budget_counts_from_the_command_s_start(example: dict[str, Path], tm
     assert int(left.group(1)) <= 96, out.stderr
 
 
+@pytest.mark.launch
 def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Path) -> None:
     """A smoke that crashes and one that goes NaN (the example's test hooks), launched side by side."""
     cases = {
@@ -193,6 +195,7 @@ def test_bad_smoke_blocks_the_formal_run(example: dict[str, Path], tmp_path: Pat
         assert (outcome["ended"], outcome["stage"], outcome["updates_done"]) == ("smoke-failed", "smoke", 0)
 
 
+@pytest.mark.launch
 def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, Path], tmp_path: Path) -> None:
     # 4000 updates paced to >= 20 ms each take >= 80 s on any machine, more than both budgets of 30 s together
     # (2000 took 40 s: on a fast machine the second launch finished what the first left, exit 0). The
@@ -260,6 +263,7 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
     assert (outcome_of(run)["ended"], outcome_of(run)["stage"]) == ("refused", "preflight")
 
 
+@pytest.mark.launch
 def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     # A schedule far longer than the guard's reaction: with the example's 16 updates a loaded machine finished the
@@ -291,6 +295,7 @@ def test_memory_guard_soft_limit_stops_cleanly(example: dict[str, Path], tmp_pat
     assert any(n.startswith("host-memory guard: memory guard asked") for n in seg["notes"])
 
 
+@pytest.mark.launch
 def test_memory_guard_hard_limit_kills_the_tree(example: dict[str, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
     plan = write_plan(
@@ -319,6 +324,7 @@ sys.exit(child.wait())
 """
 
 
+@pytest.mark.launch
 def test_supervisor_forwards_stop_signals_to_the_ranks_and_reaps_stuck_ones(tmp_path: Path) -> None:
     ready = {"now": False}
     sup = Supervisor(
@@ -389,6 +395,7 @@ def test_a_fallback_is_chosen_by_the_devices_and_validated(tmp_path: Path) -> No
         Plan.from_dict({**base, "fallbacks": [{**fb, "gpus": 4}]}, tmp_path)
 
 
+@pytest.mark.launch
 def test_launch_on_too_few_devices_runs_the_fallback_as_a_run_of_its_own(
     example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -439,6 +446,7 @@ def test_launch_on_too_few_devices_runs_the_fallback_as_a_run_of_its_own(
     assert "launched as" in capsys.readouterr().out
 
 
+@pytest.mark.launch
 def test_launch_moves_the_run_in_place_only_when_asked_and_records_who_asked(
     example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

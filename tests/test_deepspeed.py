@@ -100,6 +100,7 @@ def engine_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, counters
 
 
+@pytest.mark.launch
 def test_zero2_request_handoff_is_bit_exact(ds: dict[str, Path], tmp_path: Path) -> None:
     """The plain loop stopped once and finished elsewhere (an engine's stop by a signal and by a budget: the Trainer
     + ZeRO-2 chain below)."""
@@ -143,6 +144,7 @@ def test_zero2_request_handoff_is_bit_exact(ds: dict[str, Path], tmp_path: Path)
     assert ledger.ok and ledger.exposures == ledger.distinct == U * 16
 
 
+@pytest.mark.launch
 def test_changed_zero_stage_and_lr_are_refused_naming_the_fields(ds: dict[str, Path]) -> None:
     out = launch_ds(ds["code"], ds["baseline"], ds, "--zero-stage", "3", "--lr", "0.01")
     assert out.returncode != 0
@@ -194,6 +196,7 @@ def test_engine_files_are_read_weights_only_and_inside_the_checkpoint(tmp_path: 
     assert torch.equal(loads.load(str(root / DS_TAG / "fine.pt"))["x"], torch.ones(2))
 
 
+@pytest.mark.launch
 def test_a_planted_pickle_in_one_ranks_partition_ends_both_ranks_at_once(
     ds: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -257,6 +260,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"code": code, "baseline": baseline}
 
 
+@pytest.mark.launch
 def test_trainer_zero2_stopped_killed_handed_off_ends_bit_exact(hf: dict[str, Path], tmp_path: Path) -> None:
     """Trainer(deepspeed=...) ZeRO-2 stopped by a request, killed inside a save, stopped by a signal late in the
     schedule and by a budget, with the loader's worker count changed, then packed, verified, prepared elsewhere and
@@ -332,6 +336,7 @@ def test_trainer_zero2_stopped_killed_handed_off_ends_bit_exact(hf: dict[str, Pa
     assert ledger.ok and ledger.exposures == U * 8 and ledger.distinct == 64 and ledger.repeats == 0
 
 
+@pytest.mark.launch
 def test_trainer_zero2_refuses_changed_lr_batch_and_stage_naming_the_fields(hf: dict[str, Path]) -> None:
     rc, out = launch_hf(hf["code"], hf["baseline"], "--lr", "0.002", "--grad-accum", "4", "--zero-stage", "3")
     assert rc != 0

@@ -6,7 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO, clean_env, segments
+
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
 
 
 def test_demo_stops_twice_continues_and_is_equal(tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ import pytest
 from helpers import assert_same_final_state, launch, segments
 from torchrelay.checkpoint.select import list_checkpoints
 
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
+
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)

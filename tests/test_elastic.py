@@ -87,6 +87,7 @@ def relayed(
     }
 
 
+@pytest.mark.launch
 def test_a_moved_run_sees_the_same_samples_and_drifts_only_by_rounding(relayed: dict[str, Any]) -> None:
     straight, moved, worlds = relayed["straight"], relayed["moved"], relayed["worlds"]
     segs = segments(moved)
@@ -126,6 +127,7 @@ def test_a_moved_run_sees_the_same_samples_and_drifts_only_by_rounding(relayed: 
     assert bias.detail.startswith("32 of 96 elements"), drift.line()  # the key third of q, k, v
 
 
+@pytest.mark.launch
 def test_status_and_report_show_the_layout_change(
     relayed: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -141,6 +143,7 @@ def test_status_and_report_show_the_layout_change(
     assert f"layout change at update {STOPS[1]} (reshard)" in page
 
 
+@pytest.mark.launch
 def test_a_layout_change_is_refused_unless_asked_and_another_global_batch_always(
     relayed: dict[str, Any], example: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -170,6 +173,7 @@ def test_a_layout_change_is_refused_unless_asked_and_another_global_batch_always
     assert (check.config.micro_batch, check.config.grad_accum) == (4, 1)
 
 
+@pytest.mark.launch
 def test_prepare_moves_a_bundle_to_one_rank_with_the_same_samples(
     packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -294,6 +298,7 @@ def _verdict(moves: dict[str, Path], name: str) -> Any:
     return layout_verdict(moves["straight"], moves[name], [2, 1], [NET_STOP], [NET_TOTAL])
 
 
+@pytest.mark.launch
 def test_a_correct_move_passes_per_tensor_with_the_noise_and_the_buffers_set_aside(
     moves: dict[str, Path],
 ) -> None:
@@ -318,6 +323,7 @@ def test_a_correct_move_passes_per_tensor_with_the_noise_and_the_buffers_set_asi
     assert "WITHIN TOLERANCE" in audit.lines()[-1]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("change", ["lr", "skip", "regroup"])
 def test_a_real_change_at_the_move_is_outside_with_a_cause(moves: dict[str, Path], change: str) -> None:
     audit = _verdict(moves, change)
@@ -335,6 +341,7 @@ def test_a_real_change_at_the_move_is_outside_with_a_cause(moves: dict[str, Path
         assert causes[:2] == ["per-rank buffers", "a hyper-parameter computed from the layout"], audit.causes
 
 
+@pytest.mark.launch
 def test_exact_mode_is_bit_for_bit_after_moving_2_1_4(tmp_path: Path) -> None:
     """`elastic: exact` through the audit: uninterrupted on 2 ranks against 2 -> 1 -> 4 (stops after 2 and 5)."""
     code = _net_repo(tmp_path / "code")

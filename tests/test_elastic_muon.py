@@ -107,6 +107,7 @@ def _verdict(moves: dict[str, Any], name: str, rounding: StepRounding | None = N
     return layout_verdict(runs["straight"], runs[name], list(WORLDS), list(STOPS), POINTS, given)
 
 
+@pytest.mark.launch
 def test_muon_on_fsdp2_shards_rounds_by_layout_and_the_audit_measures_it(muon_moves: dict[str, Any]) -> None:
     rounding: StepRounding = muon_moves["rounding"]
     print("\n" + rounding.line())
@@ -119,6 +120,7 @@ def test_muon_on_fsdp2_shards_rounds_by_layout_and_the_audit_measures_it(muon_mo
     assert 0 < rounding.displacement < 1
 
 
+@pytest.mark.launch
 def test_a_correct_muon_move_is_within_and_was_outside_without_the_optimizers_rounding(
     muon_moves: dict[str, Any],
 ) -> None:
@@ -134,6 +136,7 @@ def test_a_correct_muon_move_is_within_and_was_outside_without_the_optimizers_ro
     assert blind.drift[TOTAL].worst.drift > 10 * TOLERANCE_FACTOR, blind.drift[TOTAL].line()
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("change", list(WRONG))
 def test_a_wrong_muon_move_stays_outside(muon_moves: dict[str, Any], change: str) -> None:
     audit = _verdict(muon_moves, change)

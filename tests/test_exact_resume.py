@@ -28,6 +28,9 @@ from torchrelay.stop import write_request
 from torchrelay.summary import summarize
 from torchrelay.util.hashing import sha256_hex
 
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
+
 U = 16
 
 

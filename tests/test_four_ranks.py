@@ -110,6 +110,7 @@ def _seconds(started: tuple[float, float], what: str) -> None:
     print(f"{what}: {cpu:.0f} s CPU, {wall:.0f} s wall")
 
 
+@pytest.mark.launch
 def test_plain_loop_on_4_ranks_stopped_late_and_resumed_with_a_worker_is_bit_exact(
     example: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -152,6 +153,7 @@ def _hf(code: Path, run: Path, *args: str) -> tuple[int, str]:
     return out.returncode, out.stdout[-6000:] + out.stderr[-4000:]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(
     1500
 )  # three launches of 4 ranks that each import transformers and DeepSpeed: minutes under load

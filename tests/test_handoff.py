@@ -29,6 +29,9 @@ from torchrelay.resume_check import validate_resume
 from torchrelay.rundir import RunDir
 from torchrelay.stop import write_request
 
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
+
 
 def test_bundle_contents_and_readme(packed: Packed) -> None:
     b = packed.bundle

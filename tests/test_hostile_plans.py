@@ -44,6 +44,7 @@ def _nothing_written(folder: Path, *keep: str) -> None:
     assert sorted(p.name for p in folder.iterdir()) == sorted(keep)
 
 
+@pytest.mark.launch
 def test_an_alias_bomb_is_refused_at_once_naming_the_file(tmp_path: Path) -> None:
     plan = tmp_path / "bomb.yaml"
     plan.write_text(BOMB + BASE)

@@ -16,6 +16,7 @@ from torchrelay import RelayConfig, Run
 from torchrelay.errors import ConfigError
 
 
+@pytest.mark.launch
 def test_whole_job_sigkilled_inside_saves_resumes_exactly(
     example: dict[str, Path], baseline: Path, tmp_path: Path
 ) -> None:
@@ -129,6 +130,7 @@ def test_the_next_open_removes_half_written_files_of_a_killed_writer(
     assert (run_dir / ".REQUEST_STOP.tmp-7").exists() and (odd / "kept").read_text() == "mine"
 
 
+@pytest.mark.launch
 def test_pack_prepare_validate_export_sigkilled_while_writing_then_run_again(
     example: dict[str, Path], baseline: Path, tmp_path: Path
 ) -> None:

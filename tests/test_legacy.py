@@ -31,6 +31,9 @@ from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
 from torchrelay.ledger import prove
 
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
+
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "legacy-v0.1.0"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 BASE = Path(EXPECTED["base"])  # the data root of 0.1.0's run lay here; the manifest names it

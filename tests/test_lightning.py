@@ -60,6 +60,7 @@ def code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_code_repo(dest, scripts=("train_lightning.py",))
 
 
+@pytest.mark.launch
 def test_lightning_stopped_mid_epoch_three_ways_ends_bit_exact(code: Path, tmp_path: Path) -> None:
     ref = tmp_path / "uninterrupted"
     rc, out = _launch(code, ref)

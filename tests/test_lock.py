@@ -106,6 +106,7 @@ def test_a_pipe_at_the_lock_is_refused_without_blocking(tmp_path: Path) -> None:
         RunLock(tmp_path, "train").acquire()
 
 
+@pytest.mark.launch
 def test_second_writer_is_refused_while_the_run_trains(example: dict[str, Path], tmp_path: Path) -> None:
     config = write_config(
         tmp_path / "lm.yaml",
@@ -156,6 +157,7 @@ def test_second_writer_is_refused_while_the_run_trains(example: dict[str, Path],
     assert not state["running"] and state["trained_by"] is None and not state["ended_unrecorded"]
 
 
+@pytest.mark.launch
 def test_second_controller_is_refused_before_it_records_an_attempt(
     example: dict[str, Path], tmp_path: Path
 ) -> None:

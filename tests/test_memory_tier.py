@@ -117,6 +117,7 @@ def _finish(example: dict[str, Path], run: Path, **kw: Any) -> subprocess.Comple
     return out
 
 
+@pytest.mark.launch
 def test_sigkill_resumes_from_memory_and_a_flipped_byte_falls_back_to_durable(
     example: dict[str, Path], baseline: Path, tmp_path: Path, tier_runs: list[Path]
 ) -> None:
@@ -168,6 +169,7 @@ def test_sigkill_resumes_from_memory_and_a_flipped_byte_falls_back_to_durable(
     assert not root.exists()  # a finished run's memory tier is given back
 
 
+@pytest.mark.launch
 def test_random_kills_lose_at_most_k_updates_and_end_bit_exact(
     example: dict[str, Path], baseline: Path, tmp_path: Path, tier_runs: list[Path]
 ) -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from helpers import TORCHRUN, clean_env
+
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
 
 SCRIPT = Path(__file__).with_name("dist_micro_batches.py")
 CHECKS = (

@@ -127,6 +127,7 @@ def test_a_network_file_system_is_named_from_the_mount_table(tmp_path: Path) -> 
     )
 
 
+@pytest.mark.launch
 def test_launch_shows_the_cache_warning(example: dict[str, Path], tmp_path: Path) -> None:
     """Through `torchrelay launch` (stopped by a failing user check before anything starts)."""
     run = tmp_path / "run"
@@ -164,6 +165,7 @@ sys.exit(rank.wait())
 """
 
 
+@pytest.mark.launch
 def test_a_usr1_to_every_process_of_the_step_leaves_torchrun_to_wait_for_its_ranks(tmp_path: Path) -> None:
     """Slurm signals every process of a job step (srun forwarding it, `scancel --signal`), torchrun included."""
     ready, saved = tmp_path / "ready", tmp_path / "saved"
@@ -227,6 +229,7 @@ def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float = 300) -> list
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+@pytest.mark.launch
 def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
     example: dict[str, Path], nodes: Nodes, tmp_path: Path
 ) -> None:

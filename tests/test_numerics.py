@@ -47,6 +47,7 @@ def moved(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
     return {"run": run, "code": code, "strict": strict, "warned": warned}
 
 
+@pytest.mark.launch
 def test_a_resume_under_other_numerics_is_warned_recorded_and_shown(
     moved: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,6 +79,7 @@ def test_a_resume_under_other_numerics_is_warned_recorded_and_shown(
     }
 
 
+@pytest.mark.launch
 def test_strict_numerics_refuses_naming_the_field_and_loses_nothing(moved: dict[str, Any]) -> None:
     run, out = moved["run"], moved["strict"]
     refused = segments(run)[1]
@@ -92,6 +94,7 @@ def test_strict_numerics_refuses_naming_the_field_and_loses_nothing(moved: dict[
     assert segments(run)[2]["resumed_from"] == 4 and segments(run)[2]["first_update"] == 5
 
 
+@pytest.mark.launch
 def test_prepare_warns_on_a_machine_of_other_numerics(
     moved: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -184,6 +184,7 @@ def _ranks_child(rank: int, base: str) -> None:
     assert not failures, failures
 
 
+@pytest.mark.launch
 def test_ddp_and_fsdp2_resume_a_parameter_without_optimizer_state(tmp_path: Path) -> None:
     """Two gloo ranks: DDP (find_unused_parameters) and FSDP2 (the unused head sharded in a group of its own),
     saved through the commit protocol before the head had a gradient, resumed and stepped on: every tensor of

@@ -82,6 +82,7 @@ def test_a_planned_stop_s_report_is_one_line_and_a_crash_s_is_kept_whole() -> No
     assert ranks_exit(0, []) == 0 and ranks_exit(1, []) == 1 and ranks_exit(1, [-9]) == 137
 
 
+@pytest.mark.launch
 def test_plain_torchrun_users_get_the_ranks_exit_code_without_the_report(tmp_path: Path) -> None:
     script = tmp_path / "ends.py"
     script.write_text(
@@ -98,6 +99,7 @@ def test_plain_torchrun_users_get_the_ranks_exit_code_without_the_report(tmp_pat
     assert out.returncode == 1 and "ChildFailedError" in out.stderr and "ends.py FAILED" in out.stderr
 
 
+@pytest.mark.launch
 def test_a_refusal_in_the_loop_is_said_once_and_says_how_to_start_over(
     example: dict[str, Path], tmp_path: Path
 ) -> None:

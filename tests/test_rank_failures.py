@@ -19,6 +19,9 @@ import pytest
 
 from helpers import TORCHRUN, clean_env, run_tree, write_config
 
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
+
 # phase -> (exit code every rank raises with, what the one line says)
 EXPECTED = {
     "open": (

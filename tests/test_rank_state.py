@@ -270,6 +270,7 @@ def saved_by_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_what_differs_by_rank_is_stored_per_rank(saved_by_two_ranks: Path, wrapper: str) -> None:
     """The rule, wrapper by wrapper: equal on every rank, stored once; different, stored per rank and restored."""
@@ -306,6 +307,7 @@ SCRIPT = "exactness/rank_state.py"
 U, STOP = 8, 6
 
 
+@pytest.mark.launch
 def test_bn_ddp_and_per_rank_generators_resume_late_bit_for_bit(
     example: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -260,6 +260,7 @@ def test_a_schema_check_refuses_naming_the_nested_field() -> None:
 # --- a refusal before Run.open: said once --------------------------------------------------------------------------
 
 
+@pytest.mark.launch
 def test_a_refusal_before_run_open_is_said_once_by_the_first_rank(
     example: dict[str, Path], tmp_path: Path
 ) -> None:

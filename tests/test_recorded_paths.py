@@ -76,6 +76,7 @@ def _bundle_naming(packed: Packed, tmp_path: Path, path: Path, want: str | None)
     return bundle
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("want", [None, "0" * 64])
 def test_prepare_never_shows_the_digest_of_an_external_file_only_the_bundle_names(
     packed: Packed, tmp_path: Path, want: str | None

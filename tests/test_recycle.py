@@ -188,6 +188,7 @@ def _train(example: dict[str, Path], run_dir: Path, plant: bool = False) -> dict
     return seen
 
 
+@pytest.mark.launch
 def test_a_run_writes_each_save_over_the_checkpoint_it_retired_and_ends_as_without(
     example: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -265,6 +266,7 @@ def _born(path: Path) -> float:
     return float(out.stdout.strip() or 0)
 
 
+@pytest.mark.launch
 def test_two_ranks_killed_inside_a_save_over_spare_files_resume_bit_exact(
     example: dict[str, Path], baseline: Path, tmp_path: Path
 ) -> None:

@@ -42,6 +42,7 @@ def _case(seen: list[dict], name: str) -> list[tuple[str, int | None, bool]]:
     return [(s[name]["type"], s[name]["code"], s[name]["reported"]) for s in seen]
 
 
+@pytest.mark.launch
 def test_every_rank_raises_the_refusal_and_none_waits(opened: tuple[Path, str, list[dict]]) -> None:
     base, output, seen = opened
     assert _case(seen, "mismatch") == [("ContractMismatch", 2, True)] * 2
@@ -61,6 +62,7 @@ def test_every_rank_raises_the_refusal_and_none_waits(opened: tuple[Path, str, l
     assert all(s[c]["seconds"] < 20 for s in seen for c in s), seen
 
 
+@pytest.mark.launch
 def test_refusals_are_said_once_without_a_traceback(opened: tuple[Path, str, list[dict]]) -> None:
     base, output, seen = opened
     # torchrun prints a traceback of its own (ChildFailedError); no frame of the ranks may appear
@@ -87,6 +89,7 @@ def test_refusals_are_said_once_without_a_traceback(opened: tuple[Path, str, lis
     assert output.count("exitcode  : 2") == 2, output[-3000:]
 
 
+@pytest.mark.launch
 def test_refused_launches_are_recorded_unless_another_writer_holds_the_run(
     opened: tuple[Path, str, list[dict]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -99,6 +99,7 @@ def _parts(mem: Path, sub: str = "") -> list[Path]:
     return sorted((mem / sub).rglob("checkpoint-*/COMPLETE.json"))
 
 
+@pytest.mark.launch
 def test_a_wiped_node_resumes_from_its_partners_replica_and_a_flipped_byte_falls_back(
     example: dict[str, Path],
     baseline: Path,

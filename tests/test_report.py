@@ -82,10 +82,12 @@ def check_report(run_dir: Path, out: Path, n_segments: int) -> None:
         assert ckpt in page
 
 
+@pytest.mark.launch
 def test_report_of_a_two_segment_run(two_segments, tmp_path):
     check_report(two_segments, tmp_path / "report", 2)
 
 
+@pytest.mark.launch
 def test_report_of_a_four_segment_run(four_segments, tmp_path, capsys):
     check_report(four_segments, tmp_path / "report", 4)
     # The CLI is the same call plus printing; by default the report goes into RUN_DIR/report.
@@ -104,6 +106,7 @@ def test_report_refuses_a_run_without_metrics(tmp_path, capsys):
     assert "missing does not exist: no run directory there" in capsys.readouterr().err
 
 
+@pytest.mark.launch
 def test_a_torn_last_metrics_line_is_skipped(two_segments, tmp_path):
     # A killed writer leaves half a line; the report draws everything before it.
     copy = tmp_path / "run"

@@ -33,6 +33,7 @@ def code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
+@pytest.mark.launch
 def test_saved_now_checkpoints_are_kept_and_a_resume_from_one_is_exact(
     code: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -78,6 +79,7 @@ def test_retention_keeps_what_save_now_saved() -> None:
     assert verdict.kept == {4: "save_now", 8: "latest 2", 10: "latest 2"} and verdict.deleted == [2, 6]
 
 
+@pytest.mark.launch
 def test_an_export_of_a_run_outside_git_names_its_code_in_the_documented_fields(tmp_path: Path) -> None:
     # outside git the export carried code.tree "" and dirty true, the script's digest only under `untracked`
     # (issue 51); the documented fields are {commit, tree, dirty, dirty_sha256}

@@ -7,7 +7,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from helpers import TORCHRUN, clean_env
+
+# every test here starts ranks: the launch tier (tests/conftest.py)
+pytestmark = pytest.mark.launch
 
 SCRIPT = Path(__file__).with_name("dist_save_now.py")
 CHECKS = ("reason_of_the_asking_rank", "tensor_and_numpy_bool", "twice_keeps_the_first", "nobody_asks")

@@ -224,6 +224,7 @@ def _case(
     assert not (case / "scontrol.log").exists(), name
 
 
+@pytest.mark.launch
 def test_every_plan_string_field_and_sbatch_option_is_refused_or_quoted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

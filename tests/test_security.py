@@ -94,6 +94,7 @@ def test_the_payload_is_live(tmp_path: Path) -> None:
     assert marker.exists()
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("place", PLACES)
 def test_planted_pickle_never_runs(packed: Packed, tmp_path: Path, place: str) -> None:
     marker = tmp_path / "PWNED"
@@ -144,6 +145,7 @@ def _quiet(fn: object) -> object:
         return type(exc).__name__
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     "bad",
     ["/etc/passwd", "../outside.txt", "a/../../outside.txt", "ok/./../../x", ".git/config", "x/.git/HEAD"],
@@ -161,6 +163,7 @@ def test_unsafe_paths_in_sha256sums_are_refused(packed: Packed, tmp_path: Path, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.launch
 def test_symlink_out_of_the_bundle_is_refused(packed: Packed, tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
     shutil.copytree(packed.bundle, bundle)
@@ -180,6 +183,7 @@ def test_symlink_out_of_the_bundle_is_refused(packed: Packed, tmp_path: Path) ->
         verify_bundle(bundle)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("bad", ["../../outside.txt", "/etc/passwd"])
 def test_unsafe_paths_in_an_inventory_are_refused(packed: Packed, tmp_path: Path, bad: str) -> None:
     bundle = tmp_path / "bundle"
@@ -266,6 +270,7 @@ def _fake_git_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return log
 
 
+@pytest.mark.launch
 def test_a_planted_git_repository_in_the_source_never_runs(
     packed: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -295,6 +300,7 @@ def test_a_planted_git_repository_in_the_source_never_runs(
     assert not calls.exists(), f"prepare ran git: {calls.read_text()}"
 
 
+@pytest.mark.launch
 def test_prepare_and_recheck_run_no_git_at_all(
     packed: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -309,6 +315,7 @@ def test_prepare_and_recheck_run_no_git_at_all(
     assert not calls.exists(), f"verify or prepare ran git: {calls.read_text()}"
 
 
+@pytest.mark.launch
 def test_pack_and_prepare_into_a_link_to_an_empty_folder_fill_the_folder(
     packed: Packed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -523,6 +530,7 @@ def _real_metadata(packed: Packed) -> object:
     return dcp_io.read_metadata(packed.bundle / CKPT / "model")
 
 
+@pytest.mark.launch
 def test_metadata_of_the_wrong_shape_is_refused(packed: Packed, tmp_path: Path) -> None:
     """Only allow-listed classes, yet the wrong types where DCP expects others: refused, named, never a crash."""
     import copy
@@ -550,6 +558,7 @@ def test_metadata_of_the_wrong_shape_is_refused(packed: Packed, tmp_path: Path) 
         assert "Traceback" not in str(info.value), name
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     "escape", ["/dev/zero", "../../../outside.distcp", "__0_0.copy.distcp", "past-the-end"]
 )
@@ -578,6 +587,7 @@ def test_shard_paths_outside_the_checkpoint_or_its_inventory_are_refused(
     assert escape in str(info.value) or "bytes" in str(info.value)
 
 
+@pytest.mark.launch
 def test_recorded_code_paths_never_lead_prepare_out_of_the_source(packed: Packed, tmp_path: Path) -> None:
     """The contract's code.untracked names files by path; from a bundle, '../x' or '/dev/zero' must not be read."""
     from torchrelay.contract import contract_sha256
@@ -609,6 +619,7 @@ def _too_long(signum: int, frame: object) -> None:
     raise AssertionError("prepare read a recorded path without end (a device)")
 
 
+@pytest.mark.launch
 def test_only_top_level_checkpoints_are_checkpoints(packed: Packed, tmp_path: Path) -> None:
     """prepare copies the folders holding an inventory into the run dir: a forged one elsewhere is no checkpoint."""
     bundle = tmp_path / "bundle"

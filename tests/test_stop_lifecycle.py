@@ -438,6 +438,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.launch
 def test_timeouts_end_every_process_they_started(tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
     started = time.time()
@@ -485,6 +486,7 @@ time.sleep(1.0)
 """
 
 
+@pytest.mark.launch
 def test_the_supervisor_ends_what_outlives_its_command(tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
     sup = Supervisor(argv=[PYTHON, "-c", LEAVER, str(pidfile)], cwd=tmp_path, env=clean_env(), poll_s=0.05)
@@ -513,6 +515,7 @@ def _cmdline(proc: psutil.Process) -> str:
         return ""
 
 
+@pytest.mark.launch
 def test_a_restart_keeps_the_deadline_and_a_timeout_ends_every_process(
     example: dict[str, Path], tmp_path: Path
 ) -> None:

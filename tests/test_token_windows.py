@@ -66,6 +66,7 @@ def test_token_files_that_do_not_fit_are_refused(tmp_path: Path) -> None:
         TokenWindows(recs, block_size=4, replacement=True)[SampleContext(0, 0, 1, 1)]
 
 
+@pytest.mark.launch
 def test_a_token_stream_run_resumes_bit_for_bit_with_another_worker_count(tmp_path: Path) -> None:
     code = make_code_repo(tmp_path / "code", scripts=("train_tokens.py",))
     data = tmp_path / "data"

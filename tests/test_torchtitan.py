@@ -70,6 +70,7 @@ def code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_code_repo(dest, scripts=())
 
 
+@pytest.mark.launch
 def test_torchtitan_stopped_and_resumed_ends_bit_exact(code: Path, tmp_path: Path) -> None:
     data = _data(tmp_path / "data")
     ref_dump = tmp_path / "uninterrupted"
@@ -122,6 +123,7 @@ def test_torchtitan_options_that_choose_what_to_load_are_refused(setting: dict, 
         )
 
 
+@pytest.mark.launch
 def test_torchtitan_resumes_on_another_data_parallel_size(code: Path, tmp_path: Path) -> None:
     """What torchtitan's own checkpoint refuses: stopped on 2 ranks, finished on 1 (the Trainer's gradient
     accumulation 2 -> 4, the global batch kept); the ledger proves every window of the run's order, once."""

@@ -117,6 +117,7 @@ def baseline(audited: tuple[dict[str, Any], Path]) -> Path:
     return run
 
 
+@pytest.mark.launch
 def test_audit_of_the_unchanged_example_is_equal(code: Path, audited: tuple[dict[str, Any], Path]) -> None:
     verdict, work = audited
     example = (REPO / "examples" / "train_hf_trainer.py").read_bytes()
@@ -156,6 +157,7 @@ def test_audit_of_the_unchanged_example_is_equal(code: Path, audited: tuple[dict
     assert shown is not None and shown["verdict"].startswith("equal (12 updates, 2 stops)"), shown
 
 
+@pytest.mark.launch
 def test_audit_names_a_trainer_callbacks_own_generator(code: Path, tmp_path: Path) -> None:
     # The example plus a callback whose generator no checkpoint holds: the audit finds it, with one stop.
     rc, verdict = _audit(code, "broken/trainer_weight_noise.py", tmp_path, "--updates", "2", "--stop-at", "1")
@@ -173,6 +175,7 @@ def test_audit_names_a_trainer_callbacks_own_generator(code: Path, tmp_path: Pat
     assert "uninterrupted-again" not in verdict["run_dirs"]  # the probe's evidence sufficed
 
 
+@pytest.mark.launch
 def test_trainer_stopped_killed_handed_off_ends_bit_exact(code: Path, baseline: Path, tmp_path: Path) -> None:
     import subprocess
 
@@ -238,6 +241,7 @@ def test_trainer_stopped_killed_handed_off_ends_bit_exact(code: Path, baseline: 
     assert ours["code.program"] == [*theirs["code.program"], SCRIPT]
 
 
+@pytest.mark.launch
 def test_trainer_refuses_a_changed_learning_rate(code: Path, baseline: Path) -> None:
     rc, out = _launch(code, baseline, "--lr", "0.002")
     assert rc != 0 and "exitcode  : 2" in out, out
@@ -320,6 +324,7 @@ def _launch_manifest(code: Path, run_dir: Path, root: Path, manifest: Path, *ext
     return out.returncode, out.stdout + out.stderr
 
 
+@pytest.mark.launch
 def test_trainer_over_a_manifest_in_length_order_moved_rebased_and_resumed(tmp_path: Path) -> None:
     """RelayOptions(manifest, data_root, dataset, sampler='length_bucketed'): the manifest's fingerprint is the
     contract, `prepare --set data_root --check-files` moves the data (the old root and manifest gone), the script

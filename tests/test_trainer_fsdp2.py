@@ -15,6 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from helpers import segments
 from torchrelay.stop import write_request
 
@@ -64,6 +66,7 @@ def test_fsdp_settings_in_the_contract_without_runtime_ones() -> None:
     assert parallel_identity(ddp) is None and parallel_identity(None) is None
 
 
+@pytest.mark.launch
 def test_trainer_fsdp2_stopped_resumed_bit_exact(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 

@@ -172,6 +172,7 @@ def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "is not empty and holds no run" in capsys.readouterr().err
 
 
+@pytest.mark.launch
 def test_ledger_cli_fails_on_a_repeat(example: dict[str, Path], tmp_path: Path) -> None:
     """A real run's ledger passes; a duplicated exposure line makes `torchrelay ledger` exit 1."""
     from helpers import launch

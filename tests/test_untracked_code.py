@@ -53,6 +53,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.launch
 def test_an_untracked_script_is_in_the_contract(untracked_run: dict[str, Path]) -> None:
     fields = json.loads((untracked_run["run"] / "resume_contract.json").read_text())["fields"]
     script = untracked_run["code"] / "train_lm.py"
@@ -62,6 +63,7 @@ def test_an_untracked_script_is_in_the_contract(untracked_run: dict[str, Path]) 
     assert segments(untracked_run["run"])[-1]["code"]["untracked"] == {"train_lm.py": _sha256(script)}
 
 
+@pytest.mark.launch
 def test_a_changed_untracked_script_is_refused_naming_it(
     untracked_run: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -79,6 +81,7 @@ def test_a_changed_untracked_script_is_refused_naming_it(
     assert (segments(run)[-1]["ended"], segments(run)[-1]["exit_code"]) == ("refused", 2)
 
 
+@pytest.mark.launch
 def test_pack_carries_the_untracked_script_without_code_dir(
     untracked_run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -110,6 +113,7 @@ def test_pack_carries_the_untracked_script_without_code_dir(
     assert (tree / "README.txt").is_file()
 
 
+@pytest.mark.launch
 def test_pack_refuses_an_untracked_script_changed_since_training(
     untracked_run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -176,6 +180,7 @@ def test_a_contract_written_before_the_new_fields_still_compares_equal() -> None
 # in the segment, not refused, unless strict_code (issue 19 defects 1 and 6).
 
 
+@pytest.mark.launch
 def test_in_git_an_edited_file_never_imported_warns_an_edited_module_refuses(
     untracked_run: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -199,6 +204,7 @@ def test_in_git_an_edited_file_never_imported_warns_an_edited_module_refuses(
     assert fields["code.program"] == ["lm_extra.py", "train_lm.py"] and fields["code.changed"] == {}
 
 
+@pytest.mark.launch
 def test_outside_git_a_file_beside_the_script_warns_and_strict_code_refuses_it(
     example: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -225,6 +231,7 @@ def test_outside_git_a_file_beside_the_script_warns_and_strict_code_refuses_it(
     assert fields["code.untracked"] == {"train_lm.py": _sha256(code / "train_lm.py")}
 
 
+@pytest.mark.launch
 def test_a_bundle_of_this_repository_verifies_prepares_and_continues(
     example: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -101,6 +101,7 @@ def test_copy_while_hashing_and_links(tmp_path: Path) -> None:
     assert linked[0].linked and (root / "a.bin").stat().st_nlink == 2
 
 
+@pytest.mark.launch
 def test_byte_flipped_in_each_file_fails_verify_and_prepare(packed: Packed, tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
     shutil.copytree(packed.bundle, bundle)
@@ -146,6 +147,7 @@ def _forge(bundle: Path) -> None:
     write_sums(bundle / SUMS_NAME, [e for e in entries if e.path != "SHA256SUMS.sig"])
 
 
+@pytest.mark.launch
 def test_the_bundle_digest_names_the_packed_bundle(
     packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -176,6 +178,7 @@ def _keypair(path: Path, name: str) -> tuple[Path, str]:
     return path, f'{name} namespaces="torchrelay-bundle" {path.with_suffix(".pub").read_text().strip()}\n'
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(
     shutil.which("ssh-keygen") is None,
     reason="ssh-keygen (openssh-client) is not installed and could not be (scripts/env.sh installs it as root)",

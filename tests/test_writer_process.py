@@ -441,7 +441,8 @@ def test_a_persist_thread_stuck_in_a_write_fails_at_the_deadline_and_is_left_beh
             "complete checkpoint stays"
         ), message
         assert persister.stuck and persister.in_flight
-        assert stall <= took < stall + 10, took
+        # the stall counts from the last progress (the first piece), which may land before `started`
+        assert stall - 0.5 <= took < stall + 10, took
         started = time.monotonic()
         persister.wait()  # said once: the process is ending, nothing waits for the thread any more
         assert time.monotonic() - started < 0.5
@@ -526,6 +527,7 @@ def _one_ranks_write_fails_under_torchrun(
     return took
 
 
+@pytest.mark.launch
 def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resumes_exactly(
     example: dict[str, Path], baseline: Path, tmp_path: Path
 ) -> None:
@@ -542,6 +544,7 @@ def test_one_ranks_writer_killed_under_torchrun_ends_every_rank_and_the_run_resu
     )
 
 
+@pytest.mark.launch
 def test_one_ranks_writer_stopped_under_torchrun_ends_every_rank_at_the_deadline_and_the_run_resumes_exactly(
     example: dict[str, Path], baseline: Path, tmp_path: Path
 ) -> None:
@@ -564,6 +567,7 @@ def test_one_ranks_writer_stopped_under_torchrun_ends_every_rank_at_the_deadline
     print(f"STALLED_LAUNCH_S {took:.1f}")
 
 
+@pytest.mark.launch
 def test_one_ranks_persist_thread_stuck_under_torchrun_ends_every_rank_at_the_deadline_and_resumes_exactly(
     example: dict[str, Path], baseline: Path, tmp_path: Path
 ) -> None:

@@ -146,6 +146,7 @@ def test_a_folder_is_resharded_into_files_deepspeed_names(tmp_path: Path) -> Non
 # --- launched: examples/train_deepspeed.py moved 4 -> 2 -> 4 ranks in place ------------------------------------
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("offload", [False, True], ids=["zero2", "zero2-cpu-offload"])
 def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
     example: dict[str, Path], tmp_path: Path, offload: bool
@@ -235,6 +236,7 @@ def test_a_layout_change_accepts_zero2_and_refuses_zero3_naming_it(tmp_path: Pat
     assert "ZeRO-1/2 checkpoints are resharded" in (err.value.hint or "")
 
 
+@pytest.mark.launch
 def test_zero2_prepared_for_one_rank_from_a_bundle_of_two(example: dict[str, Path], tmp_path: Path) -> None:
     """`prepare --world-size 1` of a ZeRO-2 run stopped on 2 ranks: the first launch on 1 rank reshards and
     finishes it, the move recorded as asked by prepare, the ledger exact."""

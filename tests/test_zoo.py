@@ -34,6 +34,7 @@ def verdict_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
+@pytest.mark.launch
 def test_every_cpu_member_composed_is_equal_with_early_and_late_stops(tmp_path: Path) -> None:
     code = make_code_repo(tmp_path / "code", ("zoo/zoo.py", "zoo/samples.jsonl"))
     launch = [

@@ -431,6 +431,10 @@ def strategy(config: RelayConfig) -> str:
 
 def _state_bytes(tracked: Tracked) -> int:
     """The bytes of this rank's model and optimizer tensors (its own shard of a distributed tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    from torchrelay.checkpoint.torch_compat import dtensor_local
+
     total = 0
     docs = [tracked.model.state_dict() if tracked.model is not None else {}]
     if tracked.optimizer is not None:
@@ -443,7 +447,7 @@ def _state_bytes(tracked: Tracked) -> int:
         elif isinstance(item, list | tuple):
             stack.extend(item)
         elif isinstance(item, torch.Tensor):
-            local = getattr(item, "_local_tensor", item)
+            local = dtensor_local(item) if isinstance(item, DTensor) else item
             total += local.numel() * local.element_size()
     return total
 
