@@ -193,3 +193,50 @@ def test_part_and_replica_fields_of_a_held_inventory_are_one_line(
     assert held is not None and len(held["parts"]) == 1, held
     why = held["parts"][0]["why"]
     assert why and f"field '{field}" in why and "\n" not in why, why
+
+
+# ------------------------------------------------------------------------------- the decisions at open
+def test_the_tier_at_open_turns_off_for_a_deepspeed_engine_on_several_nodes_in_one_line() -> None:
+    """Before: a DeepSpeed engine's memory save on two nodes took the one-folder commit, which each node staged in
+    its own memory and rank 0 inventoried alone (a failure at the first memory save, mid-run)."""
+    from torchrelay.checkpoint.deepspeed_engine import declares_engine
+    from torchrelay.checkpoint.tiers import tier_at_open
+
+    ds = {"deepspeed": {"train_micro_batch_size_per_gpu": 2}}
+    trainer = {"training_args": {"deepspeed": {"zero_optimization": {"stage": 2}}}}
+    assert declares_engine(ds) and declares_engine(trainer) and not declares_engine({"lr": 1.0})
+    kw: dict[str, Any] = {"hosts": 2, "nodes": 2, "async_save": True}
+    on, line = tier_at_open(1, "L", deepspeed=declares_engine(ds), **kw)
+    assert not on and line is not None and "\n" not in line, line
+    assert line.startswith("memory tier off: a DeepSpeed engine") and "2 nodes" in line, line
+    assert tier_at_open(1, "L", deepspeed=False, **kw) == (True, None)
+    assert tier_at_open(1, "L", hosts=1, nodes=1, async_save=True, deepspeed=True) == (True, None)  # one node
+    assert tier_at_open(0, "L", deepspeed=True, **kw) == (False, None)  # not asked for: nothing said
+    on, line = tier_at_open(1, "L", hosts=2, nodes=2, async_save=False, deepspeed=False)
+    assert not on and line is not None and "async_save true" in line
+    on, line = tier_at_open(1, "L", hosts=2, nodes=1, async_save=True, deepspeed=False)
+    assert not on and line is not None and "LOCAL_WORLD_SIZE" in line
+
+
+def test_capacity_counts_each_node_s_part_and_the_replica_it_holds() -> None:
+    """Before: every rank's state summed against rank 0's node only: node 1, short of memory, was never asked,
+    and on two nodes neither node's count held the replica of its partner's part."""
+    from torchrelay.checkpoint.tiers import node_capacity
+
+    gib = 1 << 30
+    roomy = (100 * gib, 100 * gib)
+    # 2 nodes of 2 ranks, 1 GiB a rank: each node holds 2 GiB of its own and 2 GiB of its partner's a slot
+    per_rank = [(gib, *roomy), (gib, *roomy), (gib, 9 * gib, 100 * gib), (gib, 9 * gib, 100 * gib)]
+    keep, line = node_capacity(per_rank, 2, 2)  # 3 slots of 4 GiB = 12 GiB > node 1's 9 GiB of /dev/shm
+    assert keep == 1 and line is not None and "\n" not in line, line
+    assert "memory_keep 1: 2 + 1 slots of 4.00 GiB need 12.00 GiB" in line, line
+    assert "node 1 (its part and the replica of node 0's) has 9.00 GiB free in /dev/shm" in line, line
+    per_rank[2] = per_rank[3] = (gib, 100 * gib, 7 * gib)  # node 1's RAM short for 2 slots: off
+    keep, line = node_capacity(per_rank, 2, 2)
+    assert keep == 0 and line is not None and line.startswith("memory tier off for this segment"), line
+    assert "on node 1 (its part and the replica of node 0's)" in line, line
+    assert node_capacity([(gib, *roomy)] * 4, 2, 2) == (2, None)
+    # one node: the whole state, no replica, as before
+    keep, line = node_capacity([(2 * gib, 7 * gib, 100 * gib)] * 2, 2, 4)
+    assert keep == 0 and line is not None and "this node" in line, line
+    assert node_capacity([(2 * gib, 13 * gib, 100 * gib)] * 2, 2, 4)[0] == 2
