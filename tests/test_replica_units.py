@@ -240,3 +240,34 @@ def test_capacity_counts_each_node_s_part_and_the_replica_it_holds() -> None:
     keep, line = node_capacity([(2 * gib, 7 * gib, 100 * gib)] * 2, 2, 4)
     assert keep == 0 and line is not None and "this node" in line, line
     assert node_capacity([(2 * gib, 13 * gib, 100 * gib)] * 2, 2, 4)[0] == 2
+
+
+# ------------------------------------------------------------------------------------------------- status
+def test_status_lists_the_replicas_a_node_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `status` listed the node's own memory checkpoints only, never replica-node<n>/."""
+    from test_hostile_records import _cli, make_run
+    from torchrelay.summary import summarize
+
+    monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(tmp_path / "shm"))
+    run = make_run(tmp_path)
+    lineage = summarize(run)["lineages"][-1]
+    root = memory_root(lineage, run)
+    root.mkdir(parents=True)
+    _part(tmp_path, node=0).rename(root / "checkpoint-7")
+    assert keep_replica(root, UPDATE, _pack(_part(tmp_path, node=1)), source=1, node=0, retention=LatestN(1))
+    (replica_dir(root, 1) / "checkpoint-5").mkdir()  # a replica without its marker: listed incomplete
+    tier = summarize(run)["memory_tier"]
+    assert [c["update"] for c in tier["checkpoints"]] == [7], tier
+    assert [(r["source"], r["update"], r["complete"]) for r in tier["replicas"]] == [
+        (1, 5, False),
+        (1, 7, True),
+    ]
+    code, out, err = _cli(["status", "--json", str(run)])
+    assert code == 0 and json.loads(out)["memory_tier"]["replicas"][1]["source"] == 1, err
+    monkeypatch.setenv("COLUMNS", "250")
+    code, out, err = _cli(["status", str(run)])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert any("checkpoint-7" in x and "complete (replica-node1: node 1's part, held on this node)" in x
+               for x in lines), out[-3000:]  # fmt: skip
+    assert any("checkpoint-5" in x and "incomplete" in x and "replica-node1" in x for x in lines), out[-3000:]

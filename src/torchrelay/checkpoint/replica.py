@@ -38,7 +38,7 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.retention import PreservationPolicy
 from torchrelay.checkpoint.storage import LocalStorage
-from torchrelay.checkpoint.tiers import MEMORY, Binding, memory_root
+from torchrelay.checkpoint.tiers import MEMORY, REPLICA_PREFIX, Binding, memory_root
 from torchrelay.errors import CheckpointError, IntegrityError, RelayError, UnsafeInput, one_line
 from torchrelay.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
 from torchrelay.log import logger
@@ -84,7 +84,7 @@ def nodes_of(rank: int, world_size: int) -> Nodes:
 
 
 def replica_dir(root: Path, source: int) -> Path:
-    return root / f"replica-node{source}"
+    return root / f"{REPLICA_PREFIX}{source}"
 
 
 def _digest(entries: list[dict[str, Any]]) -> str:

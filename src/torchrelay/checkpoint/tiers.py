@@ -29,6 +29,7 @@ from torchrelay.errors import RelayError, one_line
 from torchrelay.layout import checkpoint_name
 
 MEMORY, DURABLE = "memory", "durable"
+REPLICA_PREFIX = "replica-node"  # replica-node<n>/: the replica of node n's parts a node holds (replica.py)
 
 
 def memory_root(lineage: str, run_dir: Path) -> Path:
@@ -233,9 +234,27 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
+def held_replicas(root: Path) -> list[tuple[int, Path]]:
+    """(source node, folder) of each replica folder this node's memory `root` holds (links are not followed)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        number = folder.name.removeprefix(REPLICA_PREFIX)
+        if folder.name.startswith(REPLICA_PREFIX) and number.isdigit() and not folder.is_symlink():
+            found.append((int(number), folder))
+    return sorted(found)
+
+
 def describe(root: Path) -> list[str]:
-    """`status`'s lines for the memory tier of this node: its complete checkpoints."""
+    """`status`'s lines for the memory tier of this node: its complete checkpoints, then the replicas it holds."""
     if not root.is_dir():
         return []
     ckpts = [c for c in LocalStorage(root, spare=False).list_complete() if c.complete]
-    return [f"memory tier ({root}): {', '.join(checkpoint_name(c.update) for c in ckpts) or 'none'}"]
+    lines = [f"memory tier ({root}): {', '.join(checkpoint_name(c.update) for c in ckpts) or 'none'}"]
+    for source, folder in held_replicas(root):
+        held = [c for c in LocalStorage(folder, spare=False).list_complete() if c.complete]
+        lines.append(
+            f"replica of node {source}: {', '.join(checkpoint_name(c.update) for c in held) or 'none'}"
+        )
+    return lines
