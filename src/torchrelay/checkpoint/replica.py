@@ -446,27 +446,26 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
             return None
         out = root / f"{RESUME_PREFIX}{update}"
         tmp = root / f"{TMP_CHECKPOINT_PREFIX}{RESUME_PREFIX}{update}-{os.getpid()}"
+        if lead:
+            root.mkdir(
+                parents=True, exist_ok=True, mode=0o700
+            )  # a replacement node's memory holds nothing yet
         docs: list[dict[str, Any]] = []
+        failed: BaseException | None = None
         for m, holder in enumerate(plan):
             here = _held(root, m, holder, update) if where.node == holder else None
             box = [_pack(here) if here is not None and rank == where.leader else None]
             src = holder * where.local
             _broadcast(box, src)
-            if not lead:
-                continue
-            if here is not None:  # held on this node: linked, it was verified at open
-                doc = check_inventory(json.loads((here / INVENTORY).read_text()), here / INVENTORY)
-                tmp.mkdir(exist_ok=True, mode=0o700)
-                for e in doc["files"]:
-                    path = resolve_inside(tmp, e["path"], source=str(here / INVENTORY))
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    os.link(resolve_inside(here, e["path"], source=str(here / INVENTORY)), path)
-            else:
-                got = box[0] if isinstance(box[0], bytes) else b""
-                sub = tmp.parent / f"{tmp.name}-node{m}"
-                doc = receive_part(got, sub, peer=f"node {holder} (rank {src})", node=m, update=update)
-                _merge(sub, tmp)
-            docs.append(doc)
+            if not lead or failed is not None:
+                continue  # a refused part is raised after every broadcast: no peer is left waiting in one
+            try:
+                docs.append(_assemble_part(box[0], here, tmp, peer=f"node {holder} (rank {src})", node=m,
+                                           update=update))  # fmt: skip
+            except (RelayError, OSError) as exc:
+                failed = exc
+        if failed is not None:
+            raise failed
         if lead:
             entries = [e for d in docs for e in d["files"]]
             want = docs[0]["part"]["checkpoint_sha256"]
@@ -481,6 +480,25 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
             os.rename(tmp, out)
     logger.info(f"[torchrelay] memory {checkpoint_name(update)} assembled from nodes {plan} in {out}")
     return out
+
+
+def _assemble_part(
+    got: Any, here: Path | None, tmp: Path, *, peer: str, node: int, update: int
+) -> dict[str, Any]:
+    """One node's part into the checkpoint being assembled in `tmp`: hard-linked where this node holds it (verified
+    at open), else from the bytes `peer` broadcast (receive_part's checks); its inventory."""
+    if here is not None:
+        doc = check_inventory(json.loads((here / INVENTORY).read_text()), here / INVENTORY)
+        tmp.mkdir(exist_ok=True, mode=0o700)
+        for e in doc["files"]:
+            path = resolve_inside(tmp, e["path"], source=str(here / INVENTORY))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.link(resolve_inside(here, e["path"], source=str(here / INVENTORY)), path)
+        return doc
+    sub = tmp.parent / f"{tmp.name}-node{node}"
+    doc = receive_part(got if isinstance(got, bytes) else b"", sub, peer=peer, node=node, update=update)
+    _merge(sub, tmp)
+    return doc
 
 
 def _merge(sub: Path, tmp: Path) -> None:
