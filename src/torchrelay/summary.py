@@ -9,7 +9,7 @@ from typing import Any
 from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.checkpoint.storage import LocalStorage
-from torchrelay.checkpoint.tiers import memory_root
+from torchrelay.checkpoint.tiers import held_replicas, memory_root
 from torchrelay.config import RelayConfig
 from torchrelay.contract import load_contract
 from torchrelay.history import read_history
@@ -135,16 +135,25 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
 
 
 def _memory_tier(run_dir: Path, every: int, lineage: str | None) -> dict[str, Any]:
-    """The memory tier as this node holds it (checkpoint/tiers.py): where, how often, its checkpoints."""
+    """The memory tier as this node holds it (checkpoint/tiers.py): where, how often, its checkpoints, and the
+    replicas of other nodes' parts it holds (checkpoint/replica.py)."""
     root = memory_root(lineage, run_dir) if lineage else None
     held = LocalStorage(root, spare=False).list_complete() if root is not None and root.is_dir() else []
+    replicas = [
+        {"source": source, **_held(c)}
+        for source, folder in (held_replicas(root) if root is not None else [])
+        for c in LocalStorage(folder, spare=False).list_complete()
+    ]
     return {
         "memory_every": every,
         "root": str(root) if root is not None else None,
-        "checkpoints": [
-            {"update": c.update, "complete": c.complete, "reason": c.reason, "bytes": c.size} for c in held
-        ],
+        "checkpoints": [_held(c) for c in held],
+        "replicas": replicas,
     }
+
+
+def _held(c: CheckpointInfo) -> dict[str, Any]:
+    return {"update": c.update, "complete": c.complete, "reason": c.reason, "bytes": c.size}
 
 
 def _validation(run_dir: Path) -> dict[str, Any]:

@@ -89,6 +89,22 @@ def _math(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _recorded(params: Any) -> tuple[Any, str]:
+    """The DeepSpeed configuration a run's contract records, and the field it is in."""
+    params = params if isinstance(params, dict) else {}
+    recorded, field = params.get(PARAMS_KEY), f"params.{PARAMS_KEY}"
+    trainer_args = params.get(TRAINER_ARGS)
+    if recorded is None and isinstance(trainer_args, dict) and isinstance(trainer_args.get(PARAMS_KEY), dict):
+        recorded, field = trainer_args[PARAMS_KEY], f"params.{TRAINER_ARGS}.{PARAMS_KEY}"
+    return recorded, field
+
+
+def declares_engine(params: Any) -> bool:
+    """Whether a run's params record a DeepSpeed configuration: the run tracks an engine (check_engine refuses one
+    the contract does not record), known at open, before the engine is."""
+    return isinstance(_recorded(params)[0], dict)
+
+
 def check_engine(engine: Any, optimizer: Any, config: Any) -> None:
     """Refuse an engine whose configuration is not the one the run's contract records (a RelayConfig), naming
     the field; and an optimizer tracked beside it (the engine saves its own)."""
@@ -98,10 +114,7 @@ def check_engine(engine: Any, optimizer: Any, config: Any) -> None:
             hint="track the engine alone: run.track(model=engine) (or with other statefuls by name)",
         )
     params, micro_batch, grad_accum = config.params, config.micro_batch, config.grad_accum
-    recorded, field = params.get(PARAMS_KEY), f"params.{PARAMS_KEY}"
-    trainer_args = params.get(TRAINER_ARGS)
-    if recorded is None and isinstance(trainer_args, dict) and isinstance(trainer_args.get(PARAMS_KEY), dict):
-        recorded, field = trainer_args[PARAMS_KEY], f"params.{TRAINER_ARGS}.{PARAMS_KEY}"
+    recorded, field = _recorded(params)
     if not isinstance(recorded, dict):
         raise ConfigError(
             "run.track(model=engine): the DeepSpeed configuration is not part of the run's contract",

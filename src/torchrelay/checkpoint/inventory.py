@@ -13,12 +13,12 @@ from typing import Any
 
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
-from torchrelay.errors import IntegrityError, UnsafeInput
+from torchrelay.errors import IntegrityError, RecordError, UnsafeInput
 from torchrelay.layout import LEDGER_PROOF, PREPARE_RECORD  # tolerated in a checkpoint
 from torchrelay.util import sha256_parts
 from torchrelay.util.durable import temp_prefix
 from torchrelay.util.hashing import default_jobs, sha256_many
-from torchrelay.util.records import read_json
+from torchrelay.util.records import Field, Optional, Schema, check, read_json, shown
 from torchrelay.util.safepath import check_relative, is_inside
 from torchrelay.util.sha256_parts import MIN_PART_BYTES, part_count
 
@@ -105,6 +105,28 @@ def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
         doc = read_json(path, what="checkpoint inventory")
     except FileNotFoundError as exc:
         raise IntegrityError(f"{path} is missing: the checkpoint is incomplete") from exc
+    return check_inventory(doc, path)
+
+
+# A memory tier's part and replica (checkpoint/replica.py): the fields a resume reads to choose and to assemble,
+# from a node's memory or received from its peer, each within its type and bounds (util/records.check).
+_NODE = Field(int, low=0, high=1 << 20)
+PART_SCHEMA = Schema({
+    "node": _NODE, "nodes": Field(int, low=1, high=1 << 20),
+    "checkpoint_sha256": Field(str, length=64), "files": Field(int, low=0, high=1 << 32),
+})  # fmt: skip
+REPLICA_SCHEMA = Schema({"held_on": Field(str, length=255), "node": _NODE})
+_TIER_FIELDS = Schema(
+    {
+        "part": Optional(Field(dict, fields=PART_SCHEMA)),
+        "replica": Optional(Field(dict, fields=REPLICA_SCHEMA)),
+    }
+)
+
+
+def check_inventory(doc: Any, path: Path | str) -> dict[str, Any]:
+    """An inventory document (read from `path`, or received from a peer named by `path`) as write_inventory
+    writes it; anything else is one IntegrityError naming `path` and the entry or field."""
     if (
         not isinstance(doc, dict)
         or doc.get("format") != INVENTORY_FORMAT
@@ -132,10 +154,16 @@ def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
             )
         if "parts" in item:
             _check_parts(path, i, item["parts"], size)
+    check(doc, _TIER_FIELDS, source=str(path))
+    digest = (doc.get("part") or {}).get("checkpoint_sha256")
+    if digest is not None and not _HEX64.match(digest):
+        raise RecordError(
+            str(path), f"{shown(digest)}, not a 64-digit hex SHA-256", field="part.checkpoint_sha256"
+        )
     return doc
 
 
-def _check_parts(path: Path, i: int, parts: object, size: int) -> None:
+def _check_parts(path: Path | str, i: int, parts: object, size: int) -> None:
     """An entry's part states as inventory_entry writes them: a part size (a multiple of 64 bytes, at least
     MIN_PART_BYTES) and one 64-digit hex state per boundary inside the file."""
     step = parts.get("bytes") if isinstance(parts, dict) else None

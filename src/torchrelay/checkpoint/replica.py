@@ -30,6 +30,7 @@ from typing import Any
 
 from torchrelay.checkpoint.inventory import (
     INVENTORY,
+    check_inventory,
     inventory_entry,
     list_files,
     validate_complete,
@@ -37,10 +38,12 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.retention import PreservationPolicy
 from torchrelay.checkpoint.storage import LocalStorage
-from torchrelay.checkpoint.tiers import MEMORY, Binding, memory_root
-from torchrelay.errors import CheckpointError, IntegrityError, RelayError, one_line
+from torchrelay.checkpoint.tiers import MEMORY, REPLICA_PREFIX, Binding, memory_root
+from torchrelay.errors import CheckpointError, IntegrityError, RelayError, UnsafeInput, one_line
 from torchrelay.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
 from torchrelay.log import logger
+from torchrelay.util.records import JSON_LIMIT, parse_json
+from torchrelay.util.safepath import check_relative, is_inside, refuse_link, resolve_inside
 
 REPLICA = "replica"
 RESUME_PREFIX = "resume-"
@@ -81,7 +84,7 @@ def nodes_of(rank: int, world_size: int) -> Nodes:
 
 
 def replica_dir(root: Path, source: int) -> Path:
-    return root / f"replica-node{source}"
+    return root / f"{REPLICA_PREFIX}{source}"
 
 
 def _digest(entries: list[dict[str, Any]]) -> str:
@@ -174,27 +177,48 @@ def _replicate(
 ) -> None:
     """Each node's first rank sends its published part to its partner's and writes the part it receives."""
     name = f"replicating memory {checkpoint_name(update)} to node {where.partner}"
-    staged: list[Path] = []
-
-    def settle(_err: RelayError) -> None:
-        for tmp in staged:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    with peers.phase(name, settle=settle):
+    with peers.phase(name):  # a refused replica is said and not kept (keep_replica): the save goes on
         if not lead:
             return
         payload = _pack(final)
         got = _swap(payload, where.partner * where.local, where.source * where.local, group)
-        folder = replica_dir(root, where.source)
+        keep_replica(root, update, got, source=where.source, node=where.node, retention=retention)
+
+
+def keep_replica(
+    root: Path,
+    update: int,
+    got: bytes,
+    *,
+    source: int,
+    node: int,
+    retention: PreservationPolicy,
+) -> Path | None:
+    """Write the part node `source` sent (`got`, every byte the peer's) as replica-node<source>/ of this node's
+    memory `root`, its marker last; a payload that is not a part of node `source` for `update` whose every file
+    lands inside the replica folder is refused in one line naming the peer and the field, nothing is kept, and a
+    resume takes the next tier as for a flipped byte (the save itself goes on)."""
+    peer = f"node {source}"
+    folder = replica_dir(root, source)
+    tmp = folder / f"{TMP_CHECKPOINT_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
+    try:
+        refuse_link(root, what="the memory tier's folder")
+        refuse_link(folder, what=f"the replica folder of {peer}")
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = folder / f"{TMP_CHECKPOINT_PREFIX}{update}-{os.getpid()}-{int(time.time() * 1000)}"
-        staged.append(tmp)
-        doc = _unpack(got, tmp)
-        held = {"held_on": socket.gethostname(), "node": where.node}
-        doc["replica"] = held
-        LocalStorage(folder, spare=False).publish(tmp, update, lambda st: _write_doc(st, doc))
-        staged.clear()
-        _retain(folder, retention)
+        if not is_inside(root, folder):  # a link on the way, planted after the check above
+            raise UnsafeInput(f"{folder} (the replica folder of {peer}) leads outside {root}")
+        doc = receive_part(got, tmp, peer=peer, node=source, update=update)
+        doc["replica"] = {"held_on": socket.gethostname(), "node": node}
+        published = LocalStorage(folder, spare=False).publish(tmp, update, lambda st: _write_doc(st, doc))
+    except (RelayError, OSError) as exc:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = exc.message if isinstance(exc, RelayError) else one_line(exc)
+        logger.warning(f"[torchrelay] replica of {peer} {checkpoint_name(update)} refused: {why[:400]}; not kept, "
+                       "a resume takes the next tier")  # fmt: skip
+        return None
+    _retain(folder, retention)
+    return published
 
 
 def _write_doc(folder: Path, doc: dict[str, Any]) -> None:
@@ -212,20 +236,50 @@ def _pack(folder: Path) -> bytes:
     return b"".join(chunks)
 
 
-def _unpack(data: bytes, tmp: Path) -> dict[str, Any]:
-    """Write a received part into `tmp` (its inventory not yet), each file checked against its entry."""
+def receive_part(data: bytes, tmp: Path, *, peer: str, node: int, update: int) -> dict[str, Any]:
+    """Write a part received from `peer` (as `_pack` makes it) into `tmp`, a folder made here (its inventory not
+    yet); its inventory, checked as one read from disk is. Every byte is the peer's: the inventory bounded and
+    checked field by field, `part` naming node `node` and `update`, each path relative and inside `tmp` (no
+    absolute path, no `..`, no link, none twice), the payload exactly the files listed, each file checked against
+    its entry; anything else is one line naming the peer and the field, and nothing is written outside `tmp`."""
+    source = f"the part received from {peer}"
+    if len(data) < 8:
+        raise IntegrityError(f"{source}: {len(data)} bytes, fewer than its 8-byte header")
     n = int.from_bytes(data[:8], "little")
-    doc: dict[str, Any] = json.loads(data[8 : 8 + n])
+    if n > min(JSON_LIMIT, len(data) - 8):
+        raise IntegrityError(f"{source}: its header says an inventory of {n:,} bytes, {len(data) - 8:,} came")
+    doc = check_inventory(parse_json(data[8 : 8 + n], source=source), source)
+    part = doc.get("part") or {}
+    if part.get("node") != node or doc.get("update") != update:
+        raise IntegrityError(f"{source}: field 'part.node' {part.get('node')!r} and 'update' "
+                             f"{str(doc.get('update'))[:20]!r}, not node {node}'s part of update {update}")  # fmt: skip
+    listed = sum(e["size"] for e in doc["files"])
+    if 8 + n + listed != len(data):
+        raise IntegrityError(
+            f"{source}: {len(data) - 8 - n:,} bytes of files came, field 'files' lists {listed:,}"
+        )
+    rels: set[str] = set()
+    for i, entry in enumerate(doc["files"]):
+        rel = check_relative(entry["path"], source=f"{source}, field 'files[{i}].path'").as_posix()
+        if rel in rels or rel == INVENTORY:
+            raise UnsafeInput(
+                f"{source}, field 'files[{i}].path': {rel!r} is listed twice or is the inventory"
+            )
+        rels.add(rel)
+    tmp.mkdir(mode=0o700)  # never one already there: nothing planted in it
     at = 8 + n
-    tmp.mkdir(parents=True, exist_ok=True)
-    for entry in doc["files"]:
+    for i, entry in enumerate(doc["files"]):
         body = data[at : at + entry["size"]]
         at += entry["size"]
-        if len(body) != entry["size"] or hashlib.sha256(body).hexdigest() != entry["sha256"]:
-            raise IntegrityError(f"{tmp / entry['path']}: the bytes received do not match its SHA-256")
-        path = tmp / entry["path"]
+        if hashlib.sha256(body).hexdigest() != entry["sha256"].lower():
+            raise IntegrityError(
+                f"{source}, field 'files[{i}]': the bytes of {entry['path']!r} do not match its SHA-256"
+            )
+        path = resolve_inside(tmp, entry["path"], source=f"{source}, field 'files[{i}].path'")
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
+        refuse_link(path.parent, what=f"a folder of {source}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
@@ -392,23 +446,26 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
             return None
         out = root / f"{RESUME_PREFIX}{update}"
         tmp = root / f"{TMP_CHECKPOINT_PREFIX}{RESUME_PREFIX}{update}-{os.getpid()}"
+        if lead:
+            root.mkdir(
+                parents=True, exist_ok=True, mode=0o700
+            )  # a replacement node's memory holds nothing yet
         docs: list[dict[str, Any]] = []
+        failed: BaseException | None = None
         for m, holder in enumerate(plan):
             here = _held(root, m, holder, update) if where.node == holder else None
             box = [_pack(here) if here is not None and rank == where.leader else None]
             src = holder * where.local
             _broadcast(box, src)
-            if not lead:
-                continue
-            if here is not None:  # held on this node: linked, it was verified at open
-                doc = json.loads((here / INVENTORY).read_text())
-                for e in doc["files"]:
-                    (tmp / e["path"]).parent.mkdir(parents=True, exist_ok=True)
-                    os.link(here / e["path"], tmp / e["path"])
-            else:
-                assert box[0] is not None
-                doc = _unpack(box[0], tmp)
-            docs.append(doc)
+            if not lead or failed is not None:
+                continue  # a refused part is raised after every broadcast: no peer is left waiting in one
+            try:
+                docs.append(_assemble_part(box[0], here, tmp, peer=f"node {holder} (rank {src})", node=m,
+                                           update=update))  # fmt: skip
+            except (RelayError, OSError) as exc:
+                failed = exc
+        if failed is not None:
+            raise failed
         if lead:
             entries = [e for d in docs for e in d["files"]]
             want = docs[0]["part"]["checkpoint_sha256"]
@@ -423,6 +480,39 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
             os.rename(tmp, out)
     logger.info(f"[torchrelay] memory {checkpoint_name(update)} assembled from nodes {plan} in {out}")
     return out
+
+
+def _assemble_part(
+    got: Any, here: Path | None, tmp: Path, *, peer: str, node: int, update: int
+) -> dict[str, Any]:
+    """One node's part into the checkpoint being assembled in `tmp`: hard-linked where this node holds it (verified
+    at open), else from the bytes `peer` broadcast (receive_part's checks); its inventory."""
+    if here is not None:
+        doc = check_inventory(json.loads((here / INVENTORY).read_text()), here / INVENTORY)
+        tmp.mkdir(exist_ok=True, mode=0o700)
+        for e in doc["files"]:
+            path = resolve_inside(tmp, e["path"], source=str(here / INVENTORY))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.link(resolve_inside(here, e["path"], source=str(here / INVENTORY)), path)
+        return doc
+    sub = tmp.parent / f"{tmp.name}-node{node}"
+    doc = receive_part(got if isinstance(got, bytes) else b"", sub, peer=peer, node=node, update=update)
+    _merge(sub, tmp)
+    return doc
+
+
+def _merge(sub: Path, tmp: Path) -> None:
+    """Move the files of a received part (`sub`, checked by receive_part) into the checkpoint being assembled."""
+    tmp.mkdir(exist_ok=True, mode=0o700)
+    for rel in list_files(sub):
+        dest = resolve_inside(tmp, rel, source=str(tmp))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(dest):
+            raise UnsafeInput(
+                f"{tmp}: {rel!r} comes in two nodes' parts; the assembled checkpoint is refused"
+            )
+        os.rename(sub / rel, dest)
+    shutil.rmtree(sub, ignore_errors=True)
 
 
 def _held(root: Path, source: int, holder: int, update: int) -> Path:

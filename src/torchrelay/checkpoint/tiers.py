@@ -29,6 +29,7 @@ from torchrelay.errors import RelayError, one_line
 from torchrelay.layout import checkpoint_name
 
 MEMORY, DURABLE = "memory", "durable"
+REPLICA_PREFIX = "replica-node"  # replica-node<n>/: the replica of node n's parts a node holds (replica.py)
 
 
 def memory_root(lineage: str, run_dir: Path) -> Path:
@@ -148,7 +149,9 @@ def forget(lineage: str | None, run_dir: Path) -> None:
             root.parent.rmdir()  # the lineage's folder, once no run directory of it has a memory tier here
 
 
-def capacity(total_bytes: int, keep: int, shm_free: int, ram_free: int) -> tuple[int, str | None]:
+def capacity(
+    total_bytes: int, keep: int, shm_free: int, ram_free: int, where: str = "this node"
+) -> tuple[int, str | None]:
     """How many memory checkpoints fit (`keep`, fewer, or 0: off), and the one line saying why when not `keep`.
     A save holds keep + 1 slots at its peak (the new one is published before retention deletes the oldest)."""
     room = min(shm_free, ram_free)
@@ -158,13 +161,56 @@ def capacity(total_bytes: int, keep: int, shm_free: int, ram_free: int) -> tuple
     need = _gib(total_bytes * (keep + 1))
     if fits >= 1:
         return int(fits), (
-            f"memory tier reduced to memory_keep {fits}: {keep} + 1 slots of {_gib(total_bytes)} need {need}, this "
-            f"node has {_gib(shm_free)} free in /dev/shm and {_gib(ram_free)} of RAM available"
+            f"memory tier reduced to memory_keep {fits}: {keep} + 1 slots of {_gib(total_bytes)} need {need}, {where} "
+            f"has {_gib(shm_free)} free in /dev/shm and {_gib(ram_free)} of RAM available"
         )
     return 0, (
         f"memory tier off for this segment: 2 slots of {_gib(total_bytes)} do not fit in {_gib(shm_free)} free in "
-        f"/dev/shm and {_gib(ram_free)} of RAM available; the durable tier saves as before"
+        f"/dev/shm and {_gib(ram_free)} of RAM available on {where}; the durable tier saves as before"
     )
+
+
+def node_capacity(per_rank: list[tuple[int, int, int]], local: int, keep: int) -> tuple[int, str | None]:
+    """`capacity` on every node of a launch of `local` ranks a node, from each rank's (state bytes, bytes free in
+    /dev/shm, RAM available): node n holds a slot of its own part (its ranks' states) and, on several nodes, one of
+    the replica of node n-1's part; the memory_keep every node can hold (retention is the same on each: a resume
+    needs every part of one update), and the line of the node that holds the fewest."""
+    nodes = len(per_rank) // local if 0 < local <= len(per_rank) and len(per_rank) % local == 0 else 1
+    local = len(per_rank) // nodes
+    parts = [sum(int(r[0]) for r in per_rank[n * local : (n + 1) * local]) for n in range(nodes)]
+    best: tuple[int, str | None] = (keep, None)
+    for n in range(nodes):
+        slot = parts[n] + (parts[(n - 1) % nodes] if nodes > 1 else 0)
+        where = (
+            "this node" if nodes == 1 else f"node {n} (its part and the replica of node {(n - 1) % nodes}'s)"
+        )
+        room = per_rank[n * local]
+        fits, line = capacity(slot, keep, int(room[1]), int(room[2]), where)
+        if fits < best[0]:
+            best = (fits, line)
+    return best
+
+
+def tier_at_open(
+    memory_every: int, lineage: str | None, *, hosts: int, nodes: int, async_save: bool, deepspeed: bool
+) -> tuple[bool, str | None]:
+    """Whether the memory tier runs this segment, and the one line saying why not where it was asked for: decided
+    once at open, from what every rank knows alike, so that no save fails mid-run."""
+    if memory_every <= 0 or not lineage:
+        return False, None
+    if hosts > nodes:
+        return False, (f"memory tier off: the ranks run on {hosts} hosts but LOCAL_WORLD_SIZE says {nodes} "
+                       "node(s); the durable tier saves as before")  # fmt: skip
+    if nodes > 1 and deepspeed:
+        # an engine writes its files itself, on the training's group, into one folder per rank set: no part per
+        # node, no replica; its save would fail on the second node's memory, which rank 0 cannot see
+        return False, ("memory tier off: a DeepSpeed engine (params.deepspeed) saves its own files and on "
+                       f"{nodes} nodes the tier needs a part per node and its replica; the durable tier saves as "
+                       "before (one node keeps the memory tier)")  # fmt: skip
+    if nodes > 1 and not async_save:
+        return False, ("memory tier off: its replica to a partner node travels on the background save's group; "
+                       "set async_save true")  # fmt: skip
+    return True, None
 
 
 def node_free() -> tuple[int, int]:
@@ -188,9 +234,27 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
+def held_replicas(root: Path) -> list[tuple[int, Path]]:
+    """(source node, folder) of each replica folder this node's memory `root` holds (links are not followed)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        number = folder.name.removeprefix(REPLICA_PREFIX)
+        if folder.name.startswith(REPLICA_PREFIX) and number.isdigit() and not folder.is_symlink():
+            found.append((int(number), folder))
+    return sorted(found)
+
+
 def describe(root: Path) -> list[str]:
-    """`status`'s lines for the memory tier of this node: its complete checkpoints."""
+    """`status`'s lines for the memory tier of this node: its complete checkpoints, then the replicas it holds."""
     if not root.is_dir():
         return []
     ckpts = [c for c in LocalStorage(root, spare=False).list_complete() if c.complete]
-    return [f"memory tier ({root}): {', '.join(checkpoint_name(c.update) for c in ckpts) or 'none'}"]
+    lines = [f"memory tier ({root}): {', '.join(checkpoint_name(c.update) for c in ckpts) or 'none'}"]
+    for source, folder in held_replicas(root):
+        held = [c for c in LocalStorage(folder, spare=False).list_complete() if c.complete]
+        lines.append(
+            f"replica of node {source}: {', '.join(checkpoint_name(c.update) for c in held) or 'none'}"
+        )
+    return lines

@@ -242,6 +242,14 @@ def run(args: argparse.Namespace) -> int:
             f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
             f"memory_keep (every {memory.get('memory_every')} updates)",
         )
+    for ck in memory.get("replicas") or []:
+        state = "complete" if ck["complete"] else f"[red]incomplete[/]: {shown(str(ck['reason']))}"
+        c.add_row(
+            checkpoint_name(ck["update"]),
+            f"{state} (replica-node{ck['source']}: node {ck['source']}'s part, held on this node)",
+            f"{ck['bytes'] / 1e6:.1f} MB" if ck["complete"] else "-",
+            "memory_keep",
+        )
     console.print(c)
     _print_validation(console, s["validation"])
     g = Table(title="segments" + (f" — {len(s['lineages'])} lineages" if len(s["lineages"]) > 1 else ""))

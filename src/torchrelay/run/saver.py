@@ -23,7 +23,7 @@ import torch
 from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_deletions
-from torchrelay.checkpoint.deepspeed_engine import is_engine
+from torchrelay.checkpoint.deepspeed_engine import declares_engine, is_engine
 from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.persist import Persister
@@ -31,7 +31,16 @@ from torchrelay.checkpoint.policy import SaveContext, SaveDecision
 from torchrelay.checkpoint.replica import commit_parts, nodes_of, said_once
 from torchrelay.checkpoint.retention import LatestN, PreservationPolicy, policy_for
 from torchrelay.checkpoint.storage import LocalStorage, as_storage
-from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, capacity, forget, memory_storage, node_free
+from torchrelay.checkpoint.tiers import (
+    DURABLE,
+    MEMORY,
+    Binding,
+    forget,
+    memory_storage,
+    node_capacity,
+    node_free,
+    tier_at_open,
+)
 from torchrelay.checkpoint.writer_process import PROCESS, WriterProcess, can_share, writer_mode
 from torchrelay.config import RelayConfig
 from torchrelay.data.order import GlobalOrder
@@ -86,25 +95,21 @@ class Saver:
         self._logs = logs
         # a checkpoint kept for later (keep_updates, keep_every) is written even between save_every's
         self._retention = policy_for(config)
-        # The memory tier (checkpoint/tiers.py): node-local, so only while every rank is on one node (a replica on
-        # a partner node is not built); the first memory save checks what it needs against what the node has.
+        # The memory tier (checkpoint/tiers.py): node-local; on several nodes (LOCAL_WORLD_SIZE) each node's part
+        # with a replica on its partner (checkpoint/replica.py), sent over the persist's gloo group. Whether it
+        # runs is decided here, once (tier_at_open); the first memory save checks what it needs against each node.
         self._memory: LocalStorage | None = None
         self._memory_keep = config.memory_keep
         self._memory_sized = False
         self._memory_last = -1  # the newest update in the memory tier this segment
         self._lineage = lineage
-        # Several nodes (LOCAL_WORLD_SIZE): each node's part with a replica on its partner (checkpoint/replica.py),
-        # sent over the persist's gloo group.
-        self._nodes = nodes_of(rank, world_size).nodes
-        if config.memory_every > 0 and lineage and hosts > self._nodes:
-            if rank == 0:
-                logger.warning(f"[torchrelay] memory tier off: the ranks run on {hosts} hosts but LOCAL_WORLD_SIZE "
-                               f"says {self._nodes} node(s); the durable tier saves as before")  # fmt: skip
-        elif config.memory_every > 0 and lineage and self._nodes > 1 and not config.async_save:
-            if rank == 0:
-                logger.warning("[torchrelay] memory tier off: its replica to a partner node travels on the "
-                               "background save's group; set async_save true")  # fmt: skip
-        elif config.memory_every > 0 and lineage:
+        where = nodes_of(rank, world_size)
+        self._nodes, self._local = where.nodes, where.local
+        on, why = tier_at_open(config.memory_every, lineage, hosts=hosts, nodes=self._nodes,
+                               async_save=config.async_save, deepspeed=declares_engine(config.params))  # fmt: skip
+        if why and rank == 0:
+            logger.warning(f"[torchrelay] {why}")
+        if on and lineage:
             self._memory = memory_storage(lineage, run_dir)
             said_once(rank, world_size)
         self.policy = SaveDecision(
@@ -330,9 +335,10 @@ class Saver:
         )
 
     def _memory_fits(self) -> bool:
-        """Whether the memory tier saves, its slots checked against the node once, at its first save: every rank's
-        state summed, against rank 0's /dev/shm and RAM (the ranks decide alike from the same numbers). Too little
-        room reduces `memory_keep` or turns the tier off, in one line, before a byte is written."""
+        """Whether the memory tier saves, its slots checked against every node once, at its first save: what each
+        node holds (its ranks' states, and on several nodes the replica of its partner's) against that node's
+        /dev/shm and RAM (the ranks decide alike from the same numbers). Too little room on any node reduces
+        `memory_keep` or turns the tier off, in one line naming the node, before a byte is written."""
         if self._memory is None:
             return False
         if self._memory_sized:
@@ -342,8 +348,9 @@ class Saver:
         mine = (_state_bytes(self._tracked), *node_free())
         with collective.ranks(group).phase("sizing the memory tier"):
             gathered = collective.ranks(group).all_gather("sizing the memory tier", lambda: mine)
-        total = sum(int(g[0]) for g in gathered)
-        keep, line = capacity(total, self._memory_keep, int(gathered[0][1]), int(gathered[0][2]))
+        keep, line = node_capacity(
+            [(int(g[0]), int(g[1]), int(g[2])) for g in gathered], self._local, self._memory_keep
+        )
         if line and self._rank == 0:
             logger.warning(f"[torchrelay] {line}")
         self._memory_keep = keep
