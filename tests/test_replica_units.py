@@ -271,3 +271,21 @@ def test_status_lists_the_replicas_a_node_holds(tmp_path: Path, monkeypatch: pyt
     assert any("checkpoint-7" in x and "complete (replica-node1: node 1's part, held on this node)" in x
                for x in lines), out[-3000:]  # fmt: skip
     assert any("checkpoint-5" in x and "incomplete" in x and "replica-node1" in x for x in lines), out[-3000:]
+
+
+def test_status_looks_for_the_memory_tier_under_the_newest_segment_s_lineage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the alphabetically last lineage of the history was taken, not the one the run trains under now (a
+    reclaim or a fork starts a new one), so status looked in another run's memory folder."""
+    from test_hostile_records import make_run
+    from torchrelay.summary import summarize
+
+    monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(tmp_path / "shm"))
+    run = make_run(tmp_path)
+    history = run / "history.jsonl"
+    last = json.loads(history.read_text().splitlines()[-1])
+    newer = "0" * len(last["lineage"])  # sorts before the first lineage
+    history.write_text(history.read_text() + json.dumps({**last, "lineage": newer}) + "\n")
+    tier = summarize(run)["memory_tier"]
+    assert tier["root"] == str(memory_root(newer, run)), tier

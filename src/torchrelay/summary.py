@@ -130,7 +130,9 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
     out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]
     out["validation"] = _validation(rd.path)
-    out["memory_tier"] = _memory_tier(rd.path, cfg.memory_every, lineages[-1] if lineages else None)
+    # the newest segment's lineage: the one the next save writes under (`lineages` is sorted, not in order)
+    current = next((s["lineage"] for s in reversed(history) if isinstance(s.get("lineage"), str)), None)
+    out["memory_tier"] = _memory_tier(rd.path, cfg.memory_every, current)
     return out
 
 
