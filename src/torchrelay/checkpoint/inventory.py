@@ -105,6 +105,11 @@ def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
         doc = read_json(path, what="checkpoint inventory")
     except FileNotFoundError as exc:
         raise IntegrityError(f"{path} is missing: the checkpoint is incomplete") from exc
+    return check_inventory(doc, path)
+
+
+def check_inventory(doc: object, path: Path | str) -> dict[str, Any]:
+    """`doc` (a parsed COMPLETE.json, read from `path`: a file or an object's URL) checked as read_inventory does."""
     if (
         not isinstance(doc, dict)
         or doc.get("format") != INVENTORY_FORMAT
@@ -135,7 +140,7 @@ def read_inventory(ckpt_dir: Path) -> dict[str, Any]:
     return doc
 
 
-def _check_parts(path: Path, i: int, parts: object, size: int) -> None:
+def _check_parts(path: Path | str, i: int, parts: object, size: int) -> None:
     """An entry's part states as inventory_entry writes them: a part size (a multiple of 64 bytes, at least
     MIN_PART_BYTES) and one 64-digit hex state per boundary inside the file."""
     step = parts.get("bytes") if isinstance(parts, dict) else None
