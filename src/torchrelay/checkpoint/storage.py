@@ -84,7 +84,7 @@ class CheckpointStorage(CheckpointStore, Protocol):
         ...
 
 
-class LocalStorage:
+class LocalStorage(CheckpointStorage):  # named, so that the type checker holds it to the seam
     """Checkpoints as folders of a local (or shared POSIX) file system: temporary folder, fsynced files,
     inventory last, rename, fsync of the parent. `spare`: retired tensor files are kept as the spare the next save
     writes over (recycle.py), the run directory's own economy; a memory tier has none."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from torchrelay.checkpoint.inventory import INVENTORY, check_inventory, part_states, read_inventory
 from torchrelay.checkpoint.select import CheckpointInfo
+from torchrelay.checkpoint.storage import CheckpointStore
 from torchrelay.errors import ForkRefused, IntegrityError, UnsafeInput
 from torchrelay.layout import checkpoint_name, parse_checkpoint_name
 from torchrelay.storage.base import ObjectInfo, ObjectStore
@@ -26,7 +27,7 @@ from torchrelay.util.records import parse_json
 MARKER_LIMIT = 1 << 30  # the largest COMPLETE.json read back
 
 
-class ObjectStorage:
+class ObjectStorage(CheckpointStore):  # named, so that the type checker holds it to the seam
     """The checkpoints under one store prefix (`url`), as `checkpoint-N/` objects beside the prefix's others."""
 
     def __init__(self, store: ObjectStore, url: StoreURL, *, jobs: int = 8) -> None:
