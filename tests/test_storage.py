@@ -1,17 +1,36 @@
 """The storage seam (checkpoint/storage.py) and the memory tier's choice (checkpoint/tiers.py), on real files and no
 process launch: what is staged is invisible until published, the marker is written last, retention deletes through
-`delete`; a memory checkpoint is chosen only when every file hashes to its inventory and every binding holds."""
+`delete`; a memory checkpoint is chosen only when every file hashes to its inventory and every binding holds. The
+seam's contract runs against the local file system and the object store (storage/checkpoints.py) on the real S3
+server (tests/s3_server.py)."""
 
 from __future__ import annotations
 
+import os
+import random
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
-from torchrelay.checkpoint.storage import CheckpointStorage, LocalStorage, as_storage, wait_deletions
+from torchrelay.checkpoint.inventory import (
+    INVENTORY,
+    inventory_entries,
+    inventory_entry,
+    list_files,
+    write_inventory,
+)
+from torchrelay.checkpoint.storage import (
+    CheckpointStorage,
+    CheckpointStore,
+    LocalStorage,
+    as_storage,
+    wait_deletions,
+)
 from torchrelay.checkpoint.tiers import Binding, choose_memory, forget, memory_root
+from torchrelay.errors import IntegrityError
+from torchrelay.util.sha256_parts import MIN_PART_BYTES, PartHasher
 
 
 def _publish(storage: LocalStorage, update: int, data: bytes, **info: object) -> Path:
@@ -105,3 +124,144 @@ def test_a_memory_checkpoint_of_another_host_is_refused(
     assert choice.refused == [
         f"memory checkpoint-5 refused: its host is 'elsewhere', this launch's is {socket.gethostname()!r}"
     ]
+
+
+# ------------------------------------------------------------------ the seam's contract, on each of its backends
+PART = MIN_PART_BYTES  # 1 MiB parts: a 2.5 MiB file has three, each with its recorded SHA-256 state
+
+
+def _contract_files(update: int) -> dict[str, bytes]:
+    rng = random.Random(update)
+    return {"model/part.bin": rng.randbytes(PART * 5 // 2), "meta.json": b'{"update": %d}' % update}
+
+
+def _stage_files(staged: Path, update: int) -> Callable[[Path], None]:
+    """Write update's files into `staged`; the marker that lists them with their part states."""
+    files = _contract_files(update)
+    entries = []
+    for rel, data in files.items():
+        (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staged / rel).write_bytes(data)
+        hasher = PartHasher(PART)
+        hasher.update(data)
+        parts = (PART, tuple(hasher.states)) if hasher.states and len(data) > PART else None
+        entries.append(inventory_entry(rel, hasher.hexdigest(), len(data), parts))
+    return lambda d: write_inventory(d, entries, update=update, world_size=1)
+
+
+def _local(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[CheckpointStore, Callable[[int], Path]]:
+    storage = LocalStorage(tmp_path / "run")
+    storage.root.mkdir()
+
+    return storage, storage.stage
+
+
+def _object(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[CheckpointStore, Callable[[int], Path]]:
+    from torchrelay.storage.base import open_store
+    from torchrelay.storage.checkpoints import ObjectStorage
+    from torchrelay.storage.url import parse_url
+
+    url = parse_url(f"s3://{request.getfixturevalue('s3_bucket')}/tier")
+    (tmp_path / "stage").mkdir()
+
+    def stage(update: int) -> Path:  # a store publishes a folder complete on a local disk
+        (tmp_path / "stage" / f"staged-{update}").mkdir()
+        return tmp_path / "stage" / f"staged-{update}"
+
+    return ObjectStorage(open_store(url), url), stage
+
+
+@pytest.mark.parametrize(
+    "backend", [_local, pytest.param(_object, marks=pytest.mark.s3)], ids=["local", "s3"]
+)
+def test_every_backend_keeps_the_seam_s_contract(
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    backend: Callable[..., tuple[CheckpointStore, Callable[[int], Path]]],
+) -> None:
+    """Publish with the marker last, list only what has one as complete, read a range across part boundaries,
+    delete: the same checks on the run directory's backend and the object store's."""
+    storage, stage = backend(tmp_path, request)
+    assert isinstance(storage, CheckpointStore)
+    assert isinstance(storage, CheckpointStorage) == (backend is _local)  # staging is a file system's only
+    for update in (1, 2, 3):
+        staged = stage(update)
+        marker = _stage_files(staged, update)
+        assert update not in [
+            c.update for c in storage.list_complete() if c.complete
+        ]  # nothing staged is visible
+        storage.publish(staged, update, marker)
+    assert [c.update for c in storage.list_complete() if c.complete] == [1, 2, 3]
+    assert [c.update for c in storage.list_complete()] == [1, 2, 3]
+
+    # a publish cut before its marker: never listed as complete, never read
+    staged = stage(4)
+    _stage_files(staged, 4)
+
+    def killed(d: Path) -> None:
+        raise OSError("killed before the inventory")
+
+    with pytest.raises(OSError, match="killed"):
+        storage.publish(staged, 4, killed)
+    assert [c.update for c in storage.list_complete() if c.complete] == [1, 2, 3]
+
+    # ranges: inside one part, across two part boundaries, at the end (fewer bytes), in a small file
+    data = _contract_files(2)["model/part.bin"]
+    for offset, length in ((10, 100), (PART - 7, PART + 14), (len(data) - 5, 100), (0, len(data))):
+        assert storage.read_range(2, "model/part.bin", offset, length) == data[offset : offset + length]
+    assert storage.read_range(3, "meta.json", 2, 6) == b"update"
+
+    storage.delete([1, 2])
+    wait_deletions()
+    assert [c.update for c in storage.list_complete() if c.complete] == [3]
+    assert storage.read_range(3, "model/part.bin", 0, 4) == _contract_files(3)["model/part.bin"][:4]
+
+
+@pytest.mark.s3
+def test_the_object_store_lists_an_upload_without_its_marker_as_incomplete_and_reads_only_verified_bytes(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    """A store has no rename: a publish killed after some objects went up leaves a prefix without COMPLETE.json,
+    which is listed incomplete and never read; bytes changed in the store after the commit are refused."""
+    import boto3
+
+    from torchrelay.storage.base import open_store
+    from torchrelay.storage.checkpoints import ObjectStorage
+    from torchrelay.storage.url import parse_url
+
+    url = parse_url(f"s3://{s3_bucket}/tier")
+    storage = ObjectStorage(open_store(url), url)
+    staged = tmp_path / "checkpoint-5"
+    staged.mkdir()
+    marker = _stage_files(staged, 5)
+    marker(staged)
+    storage.publish(staged, 5, lambda _: None)  # a committed local checkpoint: its marker is there
+
+    staged = tmp_path / "checkpoint-6"
+    staged.mkdir()
+    marker = _stage_files(staged, 6)
+
+    def lose_a_file(d: Path) -> None:  # the upload dies at the second file, the first already in the store
+        marker(d)
+        (d / "model" / "part.bin").unlink()
+
+    with pytest.raises(OSError):
+        storage.publish(staged, 6, lose_a_file)
+    listed = storage.list_complete()
+    assert [(c.update, c.complete) for c in listed] == [(5, True), (6, False)]
+    assert INVENTORY in listed[1].reason and listed[1].size > 0
+    with pytest.raises(IntegrityError, match="not committed"):
+        storage.read_range(6, "meta.json", 0, 4)
+
+    # one byte of the committed checkpoint changed in the store, its size the same: the part holding it is refused
+    s3 = boto3.client("s3", endpoint_url=os.environ["TORCHRELAY_S3_ENDPOINT"])
+    data = bytearray(_contract_files(5)["model/part.bin"])
+    data[PART + 3] ^= 1
+    s3.put_object(Bucket=s3_bucket, Key="tier/checkpoint-5/model/part.bin", Body=bytes(data))
+    fresh = ObjectStorage(open_store(url), url)
+    assert fresh.read_range(5, "model/part.bin", 0, 16) == bytes(data[:16])  # part 0 still matches
+    with pytest.raises(IntegrityError, match="do not match the SHA-256 states"):
+        fresh.read_range(5, "model/part.bin", PART, 16)
+    fresh.delete([5, 6])
+    assert fresh.list_complete() == []
+    assert [k["Key"] for k in s3.list_objects_v2(Bucket=s3_bucket).get("Contents", [])] == []

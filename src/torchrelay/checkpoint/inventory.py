@@ -125,8 +125,8 @@ _TIER_FIELDS = Schema(
 
 
 def check_inventory(doc: Any, path: Path | str) -> dict[str, Any]:
-    """An inventory document (read from `path`, or received from a peer named by `path`) as write_inventory
-    writes it; anything else is one IntegrityError naming `path` and the entry or field."""
+    """An inventory document (read from `path`: a file, an object's URL, or a peer's part named by `path`) as
+    write_inventory writes it; anything else is one IntegrityError naming `path` and the entry or field."""
     if (
         not isinstance(doc, dict)
         or doc.get("format") != INVENTORY_FORMAT

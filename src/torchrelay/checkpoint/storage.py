@@ -1,14 +1,21 @@
 """Where checkpoints live: the storage seam under the commit protocol (docs/CHECKPOINTS.md, "Storage").
 
 The commit protocol (commit.py) decides *what* a checkpoint is and *when* it counts; a backend only says *how*
-bytes reach a place and how a checkpoint becomes visible there. The interface is the six operations the protocol
-needs, no more: stage a temporary, write a part, finish a file, publish (the last act: marker, then the atomic
-switch), list what is complete, read a byte range, delete. Readers above it never see a checkpoint that was not
-published: `list_complete` answers only checkpoints whose inventory (COMPLETE.json) is there and readable.
+bytes reach a place and how a checkpoint becomes visible there. The seam is two Protocols:
 
-Two backends of one class today: the run directory (the durable tier) and the node-local memory tier
-(/dev/shm, checkpoint/tiers.py), which is a local file system too. An object store plugs in behind the same
-Protocol: its `publish` writes the inventory object last, and `list_complete` lists only what has one.
+- `CheckpointStore`, what every backend can do: publish a checkpoint with its marker (COMPLETE.json) as the last
+  act, list the checkpoints it holds (only one whose marker is there counts as complete), read a byte range of a
+  published file, delete published checkpoints.
+- `CheckpointStorage`, a store that is also a file system the save writes into: stage a temporary, write a part,
+  finish a file. Only a file-system backend has these, because the save's writers (dcp_io, the writer process, a
+  DeepSpeed engine) write files at paths, and only a file system has the atomic rename that makes a whole
+  temporary folder visible at once; an object store has neither, so it publishes a folder that is already
+  complete on a local disk, its objects first and the marker object last, by conditional put.
+
+Three backends: the run directory (`LocalStorage`, the durable tier), the node-local memory tier (a
+`LocalStorage` over /dev/shm, checkpoint/tiers.py), and an S3-compatible object store
+(storage/checkpoints.py's `ObjectStorage`, a run's durable tier in a store, storage/durable.py). Readers above
+the seam never see a checkpoint that was not published.
 """
 
 from __future__ import annotations
@@ -29,33 +36,16 @@ from torchrelay.util.durable import fsync_dir, remove_entry
 
 
 @runtime_checkable
-class CheckpointStorage(Protocol):
-    """The operations the commit protocol needs from a place that holds checkpoints."""
+class CheckpointStore(Protocol):
+    """What every backend can do with published checkpoints (a file system's or an object store's)."""
 
-    @property
-    def root(self) -> Path:
-        """Where its checkpoints are named (a directory; an object store's local mount point or prefix)."""
-        ...
-
-    def stage(self, update: int) -> Path:
-        """A fresh temporary for the save of `update`; nothing in it is visible to readers until `publish`."""
-        ...
-
-    def write_part(self, staged: Path, rel: str, data: bytes | memoryview) -> None:
-        """Write one file (or one part of an object) of a staged checkpoint."""
-        ...
-
-    def finish_file(self, path: Path) -> None:
-        """Make a written file durable in this backend (fsync; an upload's completion)."""
-        ...
-
-    def publish(self, staged: Path, update: int, write_marker: Callable[[Path], None]) -> Path:
-        """The last act of a save: `write_marker` writes the inventory into `staged`, then the checkpoint becomes
-        visible as `checkpoint-<update>` at once (a complete one of the same update is replaced); returns it."""
+    def publish(self, staged: Path, update: int, write_marker: Callable[[Path], None]) -> Path | str:
+        """The last act of a save: `write_marker` writes the inventory into the local folder `staged`, then the
+        checkpoint becomes visible as `checkpoint-<update>` (its marker last); returns where it is now."""
         ...
 
     def list_complete(self) -> list[CheckpointInfo]:
-        """Every checkpoint it holds, oldest first, each saying whether it is complete (see select.py)."""
+        """Every checkpoint it holds, oldest first, each saying whether it is complete (its marker is there)."""
         ...
 
     def read_range(self, update: int, rel: str, offset: int, length: int) -> bytes:
@@ -63,11 +53,38 @@ class CheckpointStorage(Protocol):
         ...
 
     def delete(self, updates: Sequence[int]) -> None:
-        """Retire these published checkpoints: invisible at once, their space freed later."""
+        """Retire these checkpoints: invisible at once (the marker goes first), their space freed later."""
         ...
 
 
-class LocalStorage:
+@runtime_checkable
+class CheckpointStorage(CheckpointStore, Protocol):
+    """A store that is also the file system a save writes into: the operations the commit protocol needs."""
+
+    @property
+    def root(self) -> Path:
+        """The directory its checkpoints are named in."""
+        ...
+
+    def stage(self, update: int) -> Path:
+        """A fresh temporary for the save of `update`; nothing in it is visible to readers until `publish`."""
+        ...
+
+    def write_part(self, staged: Path, rel: str, data: bytes | memoryview) -> None:
+        """Write one file of a staged checkpoint."""
+        ...
+
+    def finish_file(self, path: Path) -> None:
+        """Make a written file durable in this backend (fsync)."""
+        ...
+
+    def publish(self, staged: Path, update: int, write_marker: Callable[[Path], None]) -> Path:
+        """`CheckpointStore.publish` by an atomic rename of `staged` (a complete one of the same update is
+        replaced); returns the published folder."""
+        ...
+
+
+class LocalStorage(CheckpointStorage):  # named, so that the type checker holds it to the seam
     """Checkpoints as folders of a local (or shared POSIX) file system: temporary folder, fsynced files,
     inventory last, rename, fsync of the parent. `spare`: retired tensor files are kept as the spare the next save
     writes over (recycle.py), the run directory's own economy; a memory tier has none."""

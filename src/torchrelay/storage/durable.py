@@ -1,6 +1,8 @@
 """A run's durable tier in an object store (TORCHRELAY_DURABLE=s3://bucket/prefix): every committed checkpoint is
 copied there after its local commit, its inventory object (COMPLETE.json) written last, conditionally; a resume
-whose run directory lacks the store's newest committed checkpoint downloads it verified first.
+whose run directory lacks the store's newest committed checkpoint downloads it verified first. Every checkpoint
+operation goes through the storage seam's object-store backend (storage/checkpoints.py's `ObjectStorage`); what
+is decided here is when: which checkpoints to copy, which the store may drop, and who may write the prefix.
 
 - Commit: a checkpoint-N/ prefix without COMPLETE.json is no checkpoint; every reader here ignores it.
 - Retention: a checkpoint leaves the store only once a newer one is committed there, and only when the run
@@ -25,14 +27,13 @@ import time
 from pathlib import Path
 
 from torchrelay import envvars
-from torchrelay.checkpoint.inventory import INVENTORY, part_states, read_inventory
+from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.errors import ForkRefused, IntegrityError, RecordError, RelayError, UnsafeInput, one_line
-from torchrelay.layout import parse_checkpoint_name
+from torchrelay.errors import ForkRefused, RecordError, RelayError, one_line
 from torchrelay.log import logger
 from torchrelay.rundir import RunDir
-from torchrelay.storage.base import ObjectInfo, ObjectStore, open_store
-from torchrelay.storage.transfer import read_objects, upload_hashed
+from torchrelay.storage.base import ObjectStore, open_store
+from torchrelay.storage.checkpoints import ObjectStorage
 from torchrelay.storage.url import StoreURL, parse_url
 from torchrelay.util.durable import fsync_dir
 from torchrelay.util.records import parse_json, read_json_or_none
@@ -74,53 +75,6 @@ def acquire_lease(store: ObjectStore, url: StoreURL, run_dir: Path) -> None:
     )
 
 
-def stored_checkpoints(store: ObjectStore, url: StoreURL) -> dict[int, dict[str, ObjectInfo]]:
-    """The store's checkpoint-N/ prefixes: {N: {path inside the checkpoint: object}}; a key that could escape
-    its folder refuses the whole tier."""
-    found: dict[int, dict[str, ObjectInfo]] = {}
-    for obj in store.list_objects(url.key("") if url.prefix else ""):
-        rel = url.rel(obj.key)
-        head, _, inner = rel.partition("/")
-        update = parse_checkpoint_name(head)
-        if update is None or not inner:
-            continue  # WRITER.json and anything not a checkpoint's
-        if any(p in ("", ".", "..") for p in inner.split("/")) or "\\" in inner:
-            raise UnsafeInput(
-                f"{url}: the object key {obj.key!r} has a '..', '.' or empty part; refusing the durable tier",
-                hint="remove that object; torchrelay writes no such key",
-            )
-        found.setdefault(update, {})[inner] = obj
-    return found
-
-
-def upload_checkpoint(store: ObjectStore, url: StoreURL, ckpt: Path) -> None:
-    """Copy one complete local checkpoint into the store: every file its inventory lists (each held against its
-    entry as it is read), a killed earlier upload's leftovers removed, then COMPLETE.json last, conditionally."""
-    doc = read_inventory(ckpt)
-    raw = (ckpt / INVENTORY).read_bytes()
-    name = ckpt.name
-    before = {o.key for o in store.list_objects(url.key(f"{name}/"))}
-    sent: set[str] = set()
-    for entry in doc["files"]:
-        rel = entry["path"]
-        key = url.key(f"{name}/{rel}")
-        size, sha, _ = upload_hashed(store, key, ckpt / rel)
-        if size != entry["size"] or sha != str(entry["sha256"]).lower():
-            raise IntegrityError(
-                f"{ckpt / rel}: does not match {ckpt / INVENTORY} (read for the durable tier); it was not committed",
-                hint="the local checkpoint is damaged; the next checkpoint will be copied",
-            )
-        sent.add(key)
-    store.delete(sorted(before - sent - {url.key(f"{name}/{INVENTORY}")}))
-    if not store.put_if_absent(url.key(f"{name}/{INVENTORY}"), raw):
-        there = store.get(url.key(f"{name}/{INVENTORY}"), 1 << 30)
-        if there != raw:
-            raise ForkRefused(
-                f"{url.child(name + '/' + INVENTORY)}: another writer committed a different {name} here",
-                hint="give this run its own prefix in TORCHRELAY_DURABLE",
-            )
-
-
 def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None = None) -> list[str]:
     """Upload every complete local checkpoint the store lacks (oldest first), then apply retention there;
     returns what was done, one line each."""
@@ -130,43 +84,40 @@ def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None =
     store = store or open_store(url, jobs=JOBS)
     store.check_bucket()
     acquire_lease(store, url, run_dir)
-    stored = stored_checkpoints(store, url)
-    committed = {u for u, objs in stored.items() if INVENTORY in objs}
+    storage = ObjectStorage(store, url, jobs=JOBS)
+    stored = {c.update: c for c in storage.list_complete()}
+    committed = {u for u, c in stored.items() if c.complete}
     notes = []
     # Leftovers of killed uploads older than the newest commit go first: a sync killed again mid-way still
     # leaves the store no more littered than it found it.
     newest = max(committed, default=None)
-    for update, objs in sorted(stored.items()):
+    for update in sorted(stored):
         if newest is not None and update < newest and update not in committed:
-            store.delete([o.key for o in objs.values()])
+            storage.delete([update])
             notes.append(f"checkpoint-{update}: an upload that never committed removed from {url}")
-    stored = {u: objs for u, objs in stored.items() if newest is None or u >= newest or u in committed}
+    stored = {u: c for u, c in stored.items() if newest is None or u >= newest or u in committed}
     local = list_checkpoints(run_dir)
     for info in local:
         if info.complete and info.update not in committed:
             try:
-                upload_checkpoint(store, url, info.path)
+                storage.publish(info.path, info.update, lambda _: None)  # its COMPLETE.json is there
             except (OSError, RelayError):
                 if (info.path / INVENTORY).is_file():
                     raise
                 # The run's retention removed it while it was copied (a newer one is committed beside it): its
                 # part-copy goes and the next goes on; a sync that stopped here never committed any while a run
                 # saved faster than the store took its checkpoints.
-                store.delete([o.key for o in store.list_objects(url.key(f"{info.path.name}/"))])
+                storage.delete([info.update])
                 notes.append(f"{info.path.name}: removed by the run's retention while it was copied; skipped")
                 continue
             committed.add(info.update)
             notes.append(f"{info.path.name} copied to {url}")
     newest = max(committed, default=None)
     kept = {info.update for info in local}
-    for update, objs in sorted(stored.items()):
+    for update in sorted(stored):
         if newest is None or update >= newest or (update in committed and update in kept):
             continue
-        keys = [o.key for o in objs.values()]
-        commit = url.key(f"checkpoint-{update}/{INVENTORY}")
-        if commit in keys:  # the commit object first: a kill after it leaves an ignored prefix
-            store.delete([commit])
-        store.delete([k for k in keys if k != commit])
+        storage.delete([update])  # its commit object first: a kill after it leaves an ignored prefix
         notes.append(f"checkpoint-{update} removed from {url} (checkpoint-{newest} is committed there)")
     return notes
 
@@ -180,44 +131,19 @@ def restore(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | Non
         return None
     store = store or open_store(url, jobs=JOBS)
     store.check_bucket()
-    stored = stored_checkpoints(store, url)
-    committed = [u for u, objs in stored.items() if INVENTORY in objs]
+    storage = ObjectStorage(store, url, jobs=JOBS)
+    committed = [c.update for c in storage.list_complete() if c.complete]
     local = [c.update for c in list_checkpoints(run_dir) if c.complete]
     if not committed or max(committed) <= max(local, default=-1):
         return None
     update = max(committed)
-    objs = stored[update]
     name = f"checkpoint-{update}"
     final = run_dir / name
     tmp = run_dir / f".{name}.restore-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # a killed restore's
     tmp.mkdir()
     try:
-        raw = store.get(objs[INVENTORY].key, 1 << 30) or b""
-        (tmp / INVENTORY).write_bytes(raw)
-        doc = read_inventory(tmp)
-        if doc.get("update") != update:
-            raise IntegrityError(
-                f"{url.child(name + '/' + INVENTORY)}: names update {doc.get('update')}, not {update}"
-            )
-        todo = []
-        for entry in doc["files"]:
-            obj = objs.get(entry["path"])
-            if obj is None or obj.size != entry["size"]:
-                raise IntegrityError(
-                    f"{url.child(name + '/' + entry['path'])}: "
-                    + ("missing" if obj is None else f"{obj.size} bytes, {entry['size']} in its inventory")
-                    + " in the store",
-                    hint="the store's copy is damaged; resume from the local checkpoints, or restore an older one",
-                )
-            todo.append((entry["path"], str(entry["sha256"]).lower(), obj, part_states(entry)))
-        failed = read_objects(store, todo, jobs=JOBS, dest=tmp)
-        if failed:
-            rel, why = sorted(failed.items())[0]
-            raise IntegrityError(
-                f"{url.child(name + '/' + rel)}: {why}; the checkpoint was not restored",
-                hint="the store's copy is damaged; resume from the local checkpoints",
-            )
+        storage.download(update, tmp)
         for path in tmp.rglob("*"):
             if path.is_file():
                 fd = os.open(path, os.O_RDONLY)

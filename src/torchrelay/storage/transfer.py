@@ -90,6 +90,36 @@ def read_objects(
     return failed
 
 
+def read_range_verified(
+    store: ObjectStore,
+    obj: ObjectInfo,
+    digest: str,
+    parts: tuple[int, list[str]] | None,
+    offset: int,
+    length: int,
+) -> bytes | None:
+    """`length` bytes at `offset` of a listed object (fewer at its end), proven first: the whole recorded parts
+    that hold the range are read and each checked against its SHA-256 state (without states: the whole object
+    against its SHA-256). None when a part does not match; a store failure raises (one line)."""
+    end = min(obj.size, offset + max(0, length))
+    if offset < 0 or end <= offset:
+        return b""
+    step = parts[0] if parts is not None else max(obj.size, 1)
+    first, last = offset // step, (end - 1) // step
+    chunks = []
+    for k in range(first, last + 1):
+        want = min(step, obj.size - k * step)
+        data = store.get_range(obj.key, k * step, want, etag=obj.etag or None)
+        if parts is not None:
+            if not sha256_parts.check_part(data, k, step, parts[1], digest):
+                return None
+        elif hashlib.sha256(data).hexdigest() != digest:
+            return None
+        chunks.append(data)
+    joined = b"".join(chunks)
+    return joined[offset - first * step : end - first * step]
+
+
 def upload_hashed(
     store: ObjectStore, key: str, path: Path, *, on_bytes: ByteCallback | None = None
 ) -> tuple[int, str, list[str] | None]:
