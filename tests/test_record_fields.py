@@ -320,3 +320,19 @@ def test_a_segment_code_past_its_bound_keeps_its_commit_and_reads_back(tmp_path:
     (back,) = read_history(tmp_path)
     assert back["code"]["commit"] == "c" * 40 and back["code"]["tree"] == "t" * 40
     assert isinstance(back["code"]["changed"], str) and len(back["code"]["changed"]) <= 200
+
+
+def test_a_contract_of_code_outside_any_checkout_loads(tmp_path: Path) -> None:
+    """A run given no code directory records code.dirty as null (nothing to call dirty); the schema took only a
+    boolean, so every verb that read such a run's contract (pack, verify, status) refused it as damaged."""
+    from test_hostile_records import FIXTURE
+    from torchrelay.contract import build_contract, write_contract
+    from torchrelay.rundir import RunDir
+
+    source = RunDir(FIXTURE / "run")
+    cfg = source.load_config()
+    manifest = Manifest.load(source.path / "data" / "manifest.jsonl", str(FIXTURE / "data"))
+    contract = build_contract(cfg, 2, None, manifest)
+    assert contract["fields"]["code.dirty"] is None
+    write_contract(tmp_path, contract)
+    assert load_contract(tmp_path)["fields"]["code.dirty"] is None

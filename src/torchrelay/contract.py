@@ -81,7 +81,7 @@ CONTRACT_SCHEMA = Schema(
         "data.lengths_sha256": Optional(Field(str, length=128)),
         "code.commit": Optional(Field((str, _NONE), length=128)),
         "code.tree": Optional(Field((str, _NONE), length=128)),
-        "code.dirty": Optional(Field(bool)),
+        "code.dirty": Optional(Field((bool, _NONE))),  # null: no code directory, nothing to call dirty
         "code.dirty_sha256": Optional(Field((str, _NONE), length=128)),
         "code.untracked": Optional(_CODE_MAP),
         "code.modified": Optional(_CODE_MAP),
