@@ -223,6 +223,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.full  # a parent process and its writer process killed mid-save: 9 s
 def test_a_parent_killed_mid_save_takes_its_writer_with_it(tmp_path: Path) -> None:
     script = _PARENT.format(
         src=str(SRC),
@@ -340,6 +341,7 @@ def _large() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+@pytest.mark.full  # a writer process slowed past its deadline on purpose: 8.5 s
 def test_a_writer_slowed_but_progressing_is_never_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -454,6 +456,7 @@ def test_a_persist_thread_stuck_in_a_write_fails_at_the_deadline_and_is_left_beh
         stage.release()
 
 
+@pytest.mark.full  # a write slowed past its deadline on purpose: 24 s
 def test_a_persist_thread_slowed_but_progressing_is_never_given_up_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
