@@ -226,17 +226,25 @@ def _write_doc(folder: Path, doc: dict[str, Any]) -> None:
     write_inventory(folder, doc["files"], **info)
 
 
-def _pack(folder: Path) -> bytes:
+def _pack(folder: Path) -> bytearray:
     """A published part as one buffer: its inventory's length (8 bytes), the inventory, then its files in the
-    inventory's order."""
+    inventory's order. Each file is read straight into its place: the part is held once, not per file and again
+    joined (a node's whole state, while the training runs)."""
     doc = (folder / INVENTORY).read_bytes()
     files = json.loads(doc)["files"]
-    chunks = [len(doc).to_bytes(8, "little"), doc]
-    chunks += [(folder / e["path"]).read_bytes() for e in files]
-    return b"".join(chunks)
+    out = bytearray(8 + len(doc) + sum(int(e["size"]) for e in files))
+    out[:8], out[8 : 8 + len(doc)] = len(doc).to_bytes(8, "little"), doc
+    view, at = memoryview(out), 8 + len(doc)
+    for e in files:
+        with open(folder / e["path"], "rb") as f:
+            got = f.readinto(view[at : at + int(e["size"])])
+        if got != e["size"]:
+            raise CheckpointError(f"{folder / e['path']}: {got} bytes read, its inventory lists {e['size']}")
+        at += got
+    return out
 
 
-def receive_part(data: bytes, tmp: Path, *, peer: str, node: int, update: int) -> dict[str, Any]:
+def receive_part(data: bytes | bytearray, tmp: Path, *, peer: str, node: int, update: int) -> dict[str, Any]:
     """Write a part received from `peer` (as `_pack` makes it) into `tmp`, a folder made here (its inventory not
     yet); its inventory, checked as one read from disk is. Every byte is the peer's: the inventory bounded and
     checked field by field, `part` naming node `node` and `update`, each path relative and inside `tmp` (no
@@ -248,7 +256,7 @@ def receive_part(data: bytes, tmp: Path, *, peer: str, node: int, update: int) -
     n = int.from_bytes(data[:8], "little")
     if n > min(JSON_LIMIT, len(data) - 8):
         raise IntegrityError(f"{source}: its header says an inventory of {n:,} bytes, {len(data) - 8:,} came")
-    doc = check_inventory(parse_json(data[8 : 8 + n], source=source), source)
+    doc = check_inventory(parse_json(bytes(data[8 : 8 + n]), source=source), source)
     part = doc.get("part") or {}
     if part.get("node") != node or doc.get("update") != update:
         raise IntegrityError(f"{source}: field 'part.node' {part.get('node')!r} and 'update' "
@@ -286,7 +294,7 @@ def receive_part(data: bytes, tmp: Path, *, peer: str, node: int, update: int) -
     return doc
 
 
-def _swap(payload: bytes, to: int, frm: int, group: Any) -> bytes:
+def _swap(payload: bytes | bytearray, to: int, frm: int, group: Any) -> bytes:
     """Send `payload` to rank `to` and receive one from rank `frm` at once (a ring: no pair waits on another)."""
     import torch
     import torch.distributed as dist
@@ -299,11 +307,9 @@ def _swap(payload: bytes, to: int, frm: int, group: Any) -> bytes:
     other = torch.zeros(1, dtype=torch.int64)
     _wait(dist.isend(size, to, group=group), dist.irecv(other, frm, group=group))
     out = torch.empty(int(other.item()), dtype=torch.uint8)
-    send = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if payload
-        else torch.empty(0, dtype=torch.uint8)
-    )
+    # a bytearray (what _pack makes) is sent in place; frombuffer needs a writable buffer, so bytes are copied
+    writable = payload if isinstance(payload, bytearray) else bytearray(payload)
+    send = torch.frombuffer(writable, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
     _wait(dist.isend(send, to, group=group), dist.irecv(out, frm, group=group))
     return out.numpy().tobytes()
 
@@ -496,7 +502,9 @@ def _assemble_part(
             os.link(resolve_inside(here, e["path"], source=str(here / INVENTORY)), path)
         return doc
     sub = tmp.parent / f"{tmp.name}-node{node}"
-    doc = receive_part(got if isinstance(got, bytes) else b"", sub, peer=peer, node=node, update=update)
+    doc = receive_part(
+        got if isinstance(got, bytes | bytearray) else b"", sub, peer=peer, node=node, update=update
+    )
     _merge(sub, tmp)
     return doc
 
