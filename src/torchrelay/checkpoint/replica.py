@@ -188,7 +188,7 @@ def _replicate(
 def keep_replica(
     root: Path,
     update: int,
-    got: bytes,
+    got: bytes | bytearray | memoryview,
     *,
     source: int,
     node: int,
@@ -244,7 +244,9 @@ def _pack(folder: Path) -> bytearray:
     return out
 
 
-def receive_part(data: bytes | bytearray, tmp: Path, *, peer: str, node: int, update: int) -> dict[str, Any]:
+def receive_part(
+    data: bytes | bytearray | memoryview, tmp: Path, *, peer: str, node: int, update: int
+) -> dict[str, Any]:
     """Write a part received from `peer` (as `_pack` makes it) into `tmp`, a folder made here (its inventory not
     yet); its inventory, checked as one read from disk is. Every byte is the peer's: the inventory bounded and
     checked field by field, `part` naming node `node` and `update`, each path relative and inside `tmp` (no
@@ -294,7 +296,7 @@ def receive_part(data: bytes | bytearray, tmp: Path, *, peer: str, node: int, up
     return doc
 
 
-def _swap(payload: bytes | bytearray, to: int, frm: int, group: Any) -> bytes:
+def _swap(payload: bytes | bytearray, to: int, frm: int, group: Any) -> memoryview:
     """Send `payload` to rank `to` and receive one from rank `frm` at once (a ring: no pair waits on another)."""
     import torch
     import torch.distributed as dist
@@ -311,7 +313,7 @@ def _swap(payload: bytes | bytearray, to: int, frm: int, group: Any) -> bytes:
     writable = payload if isinstance(payload, bytearray) else bytearray(payload)
     send = torch.frombuffer(writable, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
     _wait(dist.isend(send, to, group=group), dist.irecv(out, frm, group=group))
-    return out.numpy().tobytes()
+    return memoryview(out.numpy().data)  # the received tensor's own bytes, not a copy of them
 
 
 def _wait(*ops: Any) -> None:
