@@ -214,6 +214,15 @@ def agent_exit_codes(log: Path) -> list[int]:
     return [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", log.read_text(errors="replace"))]
 
 
+def signalled_agents(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> list[int]:
+    """The exit codes of torchrun agents sent SIGTERM, each read as 1 where the agent shut its worker down and raised
+    its SignalException (its log says so) but then died of SIGABRT at interpreter exit: torchrun's own rendezvous
+    threads can abort it there (seen once in CI, under load). An abort before that stays -6 and fails the test."""
+    codes = wait_all(procs)
+    done = "SignalException: Process"
+    return [1 if c == -6 and done in log.read_text(errors="replace") else c for c, log in zip(codes, logs, strict=True)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -284,7 +293,7 @@ def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
         os.kill(holder["pid"], signal.SIGCONT)
     assert probe.returncode == 2, probe.stdout + probe.stderr
     assert f"is in use by a writer: pid {holder['pid']} on node-a" in probe.stderr
-    assert wait_all(second) == [1, 1]
+    assert signalled_agents(second, [logs / "node-a" / "node-a.log", logs / "node-a" / "node-b.log"]) == [1, 1]
     seg = segments(run)[-1]
     assert seg["ended"] == "signal" and 6 <= seg["last_update"] < U, seg
     assert seg["hosts"] == ["node-a", "node-b"] and not stale.exists()
@@ -312,7 +321,7 @@ def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
     wait_for_update(run, stopped_at + 1, third[0])
     for agent in third:
         os.kill(agent.pid, signal.SIGTERM)
-    assert wait_all(third) == [1, 1]
+    assert signalled_agents(third, [logs / "node-c" / "node-c.log", logs / "node-c" / "node-d.log"]) == [1, 1]
     seg = segments(run)[-1]
     assert seg["ended"] == "signal" and stopped_at < seg["last_update"] < U, seg
     assert seg["hosts"] == ["node-c", "node-d"] and seg["runtime_changes"]["num_workers"] == [0, 2]
