@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save as _safetensors_save
 
-from torchrelay.checkpoint.persist import canonical_safetensors
+from torchrelay.checkpoint.hashing_writer import canonical_safetensors
 from torchrelay.errors import CheckpointError, RecordError
 from torchrelay.util.records import Optional, check, read_json
 from torchrelay.util.records import exists as records_exists
