@@ -15,7 +15,7 @@ import torch
 
 from helpers import segments
 from torchrelay import RelayConfig, Run
-from torchrelay.checkpoint import hashing_writer, host_stage
+from torchrelay.checkpoint import hashing_writer, host_buffers, host_stage
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.hashing_writer import canonical_safetensors
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
@@ -144,13 +144,13 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     stage.reserve(host_stage.specs_of(live))
     copies = stage.copy_tree("t", live)
     assert all(torch.equal(copies[k], live[k]) and copies[k] is not live[k] for k in live)
-    assert nice == [max(os.getpriority(os.PRIO_PROCESS, 0), host_stage.BACKGROUND_NICE)] * 3, nice
+    assert nice == [max(os.getpriority(os.PRIO_PROCESS, 0), host_buffers.BACKGROUND_NICE)] * 3, nice
     assert stage.allocated_bytes == 300 * 7 * 4 + 5 * 8 + 4
     grown = stage.copy("t/w", torch.ones(301, 7))
     assert grown.shape == (301, 7) and bool((grown == 1).all())
     stage.release()
     assert stage.allocated_bytes == 0 and not stage._bufs
-    locked = host_stage._Locked(3 * 4096 + 12)
+    locked = host_buffers.Locked(3 * 4096 + 12)
     assert locked.tensor.untyped_storage().size() == 3 * 4096 + 12 and locked.size == 4 * 4096
 
 
@@ -324,7 +324,7 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
             peak[0] = 0  # inline, DCP writes every file at once
         written[out] = digests
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
-    assert len(nice) >= 4 and min(nice) >= min(host_stage.BACKGROUND_NICE, 19), nice
+    assert len(nice) >= 4 and min(nice) >= min(host_buffers.BACKGROUND_NICE, 19), nice
     assert peak[0] <= 2, peak
     a, b = (tmp_path / "bg-False", tmp_path / "bg-True")
     names = sorted(p.name for p in a.glob("*.distcp"))

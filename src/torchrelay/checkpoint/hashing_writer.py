@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchrelay import envvars
 from torchrelay.checkpoint import recycle
-from torchrelay.checkpoint.host_stage import lower_priority
+from torchrelay.checkpoint.host_buffers import lower_priority
 from torchrelay.tuning import SaveTuning
 from torchrelay.util.sha256_parts import PartHasher
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from torchrelay import envvars, kill_points
 from torchrelay.checkpoint.hashing_writer import PERSISTING, HashingFileSystem, Watch
-from torchrelay.checkpoint.host_stage import lower_priority
+from torchrelay.checkpoint.host_buffers import lower_priority
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.util.meminfo import meminfo_kib
 
