@@ -15,10 +15,10 @@ import torch
 
 from helpers import segments
 from torchrelay import RelayConfig, Run
-from torchrelay.checkpoint import host_stage, persist
+from torchrelay.checkpoint import hashing_writer, host_buffers, host_stage
 from torchrelay.checkpoint.dcp_io import read_metadata
+from torchrelay.checkpoint.hashing_writer import canonical_safetensors
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
-from torchrelay.checkpoint.persist import canonical_safetensors
 from torchrelay.errors import IntegrityError
 from torchrelay.stop import write_request
 from torchrelay.tuning import SaveTuning
@@ -144,13 +144,13 @@ def test_host_buffers_are_reserved_below_the_loop_copied_exactly_and_given_back(
     stage.reserve(host_stage.specs_of(live))
     copies = stage.copy_tree("t", live)
     assert all(torch.equal(copies[k], live[k]) and copies[k] is not live[k] for k in live)
-    assert nice == [max(os.getpriority(os.PRIO_PROCESS, 0), persist.BACKGROUND_NICE)] * 3, nice
+    assert nice == [max(os.getpriority(os.PRIO_PROCESS, 0), host_buffers.BACKGROUND_NICE)] * 3, nice
     assert stage.allocated_bytes == 300 * 7 * 4 + 5 * 8 + 4
     grown = stage.copy("t/w", torch.ones(301, 7))
     assert grown.shape == (301, 7) and bool((grown == 1).all())
     stage.release()
     assert stage.allocated_bytes == 0 and not stage._bufs
-    locked = host_stage._Locked(3 * 4096 + 12)
+    locked = host_buffers.Locked(3 * 4096 + 12)
     assert locked.tensor.untyped_storage().size() == 3 * 4096 + 12 and locked.size == 4 * 4096
 
 
@@ -273,17 +273,15 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
 
     import torch.distributed.checkpoint as dcp
 
-    from torchrelay.checkpoint import persist
-
     tuning = SaveTuning(file_bytes=4096, kick_bytes=1024)  # the writeback started every few writes
-    monkeypatch.setenv(persist.STREAMS_ENV, "2")
+    monkeypatch.setenv(hashing_writer.STREAMS_ENV, "2")
     writing: set[int] = (
         set()
     )  # files being written: from open until their bytes are all in (the fsync is free)
     nice: list[int] = []
     peak = [0]
     lock = threading.Lock()
-    real_init, real_fileno = persist._HashingStream.__init__, persist._HashingStream.fileno
+    real_init, real_fileno = hashing_writer._HashingStream.__init__, hashing_writer._HashingStream.fileno
 
     def init(self: Any, f: Any, on_close: Any, *args: Any, **kwargs: Any) -> None:
         with lock:
@@ -299,8 +297,8 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
                 writing.discard(id(self))
         return int(real_fileno(self))
 
-    monkeypatch.setattr(persist._HashingStream, "__init__", init)
-    monkeypatch.setattr(persist._HashingStream, "fileno", fileno)
+    monkeypatch.setattr(hashing_writer._HashingStream, "__init__", init)
+    monkeypatch.setattr(hashing_writer._HashingStream, "fileno", fileno)
     state = {f"t{i}": torch.arange(2048 + i, dtype=torch.float32) * (i + 1) for i in range(8)}
     loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     written: dict[Path, dict[str, tuple[str, int]]] = {}
@@ -311,7 +309,7 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
         def save(
             out: Path = out, digests: dict[str, tuple[str, int]] = digests, bg: bool = background
         ) -> None:
-            writer = persist.HashingWriter(out, digests, background=bg, tuning=tuning)
+            writer = hashing_writer.HashingWriter(out, digests, background=bg, tuning=tuning)
             dcp.save(state, storage_writer=writer, no_dist=True)
 
         if background:  # on a thread of its own, as the persist runs it
@@ -326,7 +324,7 @@ def test_background_writers_run_below_the_loop_a_few_files_at_a_time(
             peak[0] = 0  # inline, DCP writes every file at once
         written[out] = digests
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
-    assert len(nice) >= 4 and min(nice) >= min(persist.BACKGROUND_NICE, 19), nice
+    assert len(nice) >= 4 and min(nice) >= min(host_buffers.BACKGROUND_NICE, 19), nice
     assert peak[0] <= 2, peak
     a, b = (tmp_path / "bg-False", tmp_path / "bg-True")
     names = sorted(p.name for p in a.glob("*.distcp"))
@@ -346,7 +344,7 @@ def test_the_split_save_writes_the_files_dcp_save_writes(
 
     import torch.distributed.checkpoint as dcp
 
-    from torchrelay.checkpoint import dcp_save, persist
+    from torchrelay.checkpoint import dcp_save
 
     tuning = SaveTuning(file_bytes=16 << 10)  # several files per rank
 
@@ -359,7 +357,7 @@ def test_the_split_save_writes_the_files_dcp_save_writes(
     one, two = tmp_path / "dcp", tmp_path / "split"
     d1: dict[str, tuple[str, int]] = {}
     d2: dict[str, tuple[str, int]] = {}
-    dcp.save(doc, storage_writer=persist.HashingWriter(one, d1, tuning=tuning), no_dist=True)
+    dcp.save(doc, storage_writer=hashing_writer.HashingWriter(one, d1, tuning=tuning), no_dist=True)
     planned = dcp_save.plan(doc)
     planned.write(two, d2, tuning=tuning)
     names = sorted(p.name for p in one.iterdir())

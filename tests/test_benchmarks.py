@@ -116,17 +116,17 @@ def test_a_renamed_name_is_caught(tmp_path: Path) -> None:
     fake = tmp_path / "bench_fake.py"
     fake.write_text(
         "from torchrelay.checkpoint.state import save as state_save\n"
-        "from torchrelay.checkpoint import persist\n\n"
-        "def f():\n    return persist.HashingWriter, [(state_save, 'get_state_dict', 'state_dict')]\n"
+        "from torchrelay.checkpoint import hashing_writer\n\n"
+        "def f():\n    return hashing_writer.HashingWriter, [(state_save, 'get_state_dict', 'state_dict')]\n"
     )
     refs = dict(_references(fake))
     assert (
         "torchrelay.checkpoint.state.save.get_state_dict" in refs
-        and "torchrelay.checkpoint.persist.HashingWriter" in refs
+        and "torchrelay.checkpoint.hashing_writer.HashingWriter" in refs
     )
     with pytest.raises(AttributeError, match="get_state_dict"):
         _resolve("torchrelay.checkpoint.state.save.get_state_dict")
-    _resolve("torchrelay.checkpoint.persist.HashingWriter")
+    _resolve("torchrelay.checkpoint.hashing_writer.HashingWriter")
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])

@@ -10,7 +10,7 @@ import mmap
 import pytest
 import torch
 
-from torchrelay.checkpoint import host_stage
+from torchrelay.checkpoint import host_buffers
 
 PAGE = mmap.PAGESIZE
 
@@ -27,7 +27,7 @@ PAGE = mmap.PAGESIZE
     ],
 )
 def test_pieces_cover_the_mapping_once_each_inside_one_piece(base: int, size: int, piece: int) -> None:
-    cuts = host_stage.pieces(base, size, piece)
+    cuts = host_buffers.pieces(base, size, piece)
     assert cuts[0][0] == 0 and sum(n for _, n in cuts) == size
     assert all(off + n == nxt for (off, n), (nxt, _) in zip(cuts, cuts[1:], strict=False))
     assert all(n > 0 for _, n in cuts)
@@ -87,9 +87,9 @@ def test_a_copy_cut_at_the_pieces_is_the_whole_copy(
     nbytes = n * src.element_size()
     m, flat = _mapped(nbytes)
     dst = flat.view(dtype).view(src.shape)
-    cuts = host_stage.pieces(flat.data_ptr(), -(-nbytes // PAGE) * PAGE, 3 * PAGE)
+    cuts = host_buffers.pieces(flat.data_ptr(), -(-nbytes // PAGE) * PAGE, 3 * PAGE)
     assert len(cuts) > 3
-    host_stage.copy_in_pieces(dst, src, cuts, non_blocking=False)
+    host_buffers.copy_in_pieces(dst, src, cuts, non_blocking=False)
     whole = torch.empty(src.shape, dtype=dtype)
     whole.copy_(src)  # what one copy puts there (a conjugate or a negation applied)
     assert torch.equal(flat, whole.reshape(-1).view(torch.uint8)), "a byte differs from one whole copy"
@@ -102,7 +102,7 @@ def test_a_mapping_page_locked_nowhere_is_copied_whole_and_given_back() -> None:
     release has nothing to unregister."""
     if torch.cuda.is_available():
         pytest.skip("CUDA registers here: tests/test_host_stage_cuda.py covers it")
-    locked = host_stage._Locked(5 << 20)
+    locked = host_buffers.Locked(5 << 20)
     assert locked.lock(1 << 20) is False
     assert locked.cuts == [(0, locked.size)] and not locked.registered
     src = torch.arange((5 << 20) // 4, dtype=torch.float32)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchrelay.checkpoint import host_stage
+from torchrelay.checkpoint import host_buffers, host_stage
 from torchrelay.tuning import SaveTuning
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -184,18 +184,18 @@ def test_a_save_before_the_reservation_began_joins_both_threads() -> None:
 def test_a_piece_cuda_refuses_leaves_the_buffer_registered_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second piece's registration refused: the first is given back, the buffer registered in one piece, and
     its copies are exact."""
-    real = host_stage._Locked.register_range
+    real = host_buffers.Locked.register_range
     refused: list[int] = []
 
-    def refuse_second(self: host_stage._Locked, offset: int, length: int) -> bool:
+    def refuse_second(self: host_buffers.Locked, offset: int, length: int) -> bool:
         if offset > 0 and length < self.size and not refused:
             refused.append(offset)
             return False
         return real(self, offset, length)
 
-    monkeypatch.setattr(host_stage._Locked, "register_range", refuse_second)
-    locked = host_stage._Locked(20 << 20)
-    host_stage.touch(locked.tensor)
+    monkeypatch.setattr(host_buffers.Locked, "register_range", refuse_second)
+    locked = host_buffers.Locked(20 << 20)
+    host_buffers.touch(locked.tensor)
     assert locked.lock(4 << 20)
     assert refused and locked.cuts == [(0, locked.size)] and locked._held == [0]
     src = torch.randn(5 << 20, device="cuda")

@@ -15,7 +15,7 @@ import torchrelay
 from torchrelay.cli import main
 from torchrelay.controller.plan import load_plan
 from torchrelay.errors import RecordError
-from torchrelay.util.records import read_yaml
+from torchrelay.util.yaml_records import read_yaml
 
 # 700 bytes whose aliases expand to 9^9 values: every reader that walks the document (the depth check first) hung
 BOMB = "".join(

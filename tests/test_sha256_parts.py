@@ -19,13 +19,13 @@ import torch.distributed.checkpoint as dcp
 
 from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.commit import commit_checkpoint
+from torchrelay.checkpoint.hashing_writer import HashingWriter
 from torchrelay.checkpoint.inventory import (
     inventory_entry,
     read_inventory,
     validate_complete,
     write_inventory,
 )
-from torchrelay.checkpoint.persist import HashingWriter
 from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.state import load_state, save_state
 from torchrelay.errors import IntegrityError

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from torchrelay.errors import CheckpointError, RecordError
-from torchrelay.util.records import check, parse_json, read_safetensors
+from torchrelay.util.records import check, parse_json
+from torchrelay.util.safetensors_records import read_safetensors
 
 RNG_FORMAT = 1
 

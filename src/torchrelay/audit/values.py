@@ -108,7 +108,7 @@ def rng_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _rng_files(ckpt_dir: Path) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, str]]]:
-    from torchrelay.util.records import read_safetensors
+    from torchrelay.util.safetensors_records import read_safetensors
 
     folder = ckpt_dir / "rng"
     out = {}

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from torchrelay.checkpoint.persist import Digests, HashingWriter
+from torchrelay.checkpoint.hashing_writer import Digests, HashingWriter
 from torchrelay.tuning import SaveTuning
 from torchrelay.util import collective
 

@@ -6,221 +6,31 @@ touch of a buffer's pages runs in torch (which releases it), never in Python.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
-import os
 import threading
 import time
 from typing import Any
 
 import torch
 
+from torchrelay.checkpoint.host_buffers import (
+    PAGE,
+    Locked,
+    Slabs,
+    copy_in_pieces,
+    lower_priority,
+    pieces,
+    touch,
+    touch_shared,
+)
 from torchrelay.checkpoint.torch_compat import dtensor_like, dtensor_local
 from torchrelay.tuning import SaveTuning
-
-# Nice value of the background threads (Linux: per thread). The loop keeps its core when cores are short.
-BACKGROUND_NICE = 10
-
-
-def lower_priority() -> None:
-    """Lower the calling thread's CPU priority (Linux keeps a nice value per thread); best effort."""
-    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: it runs as it is
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
-
-
-# Buffers are page-locked by cudaHostRegister of mappings of their own, in pieces with pauses between them, on a
-# background thread: cudaHostAlloc on a thread holds every CUDA call of the training thread for the whole
-# allocation, a registration only for its own length (SaveTuning: pin_pace, pin_piece_bytes, pin_min_bytes).
-_PAGE = mmap.PAGESIZE
-
-
-def pieces(base: int, size: int, piece: int) -> list[tuple[int, int]]:
-    """[base, base + size) cut at the multiples of `piece` of the address (0: whole), as (offset from base,
-    length). A mapping's base is page-aligned, so every cut is a multiple of any element's size."""
-    if piece <= 0 or size <= 0:
-        return [(0, size)]
-    out, at = [], base
-    while at < base + size:
-        end = min(base + size, (at // piece + 1) * piece)
-        out.append((at - base, end - at))
-        at = end
-    return out
-
-
-def copy_in_pieces(
-    dst: torch.Tensor, src: torch.Tensor, cuts: list[tuple[int, int]], non_blocking: bool
-) -> None:
-    """`dst.copy_(src)` (dst a contiguous buffer over a mapping cut in `cuts`, by byte offsets), one copy per cut
-    that holds dst's bytes: an asynchronous copy into page-locked memory must lie within one registration."""
-    if len(cuts) <= 1:
-        dst.copy_(src, non_blocking=non_blocking)
-        return
-    # on the device: the flat byte view below needs one contiguous tensor, its conjugate or negation applied
-    src = src.resolve_conj().resolve_neg().contiguous()
-    nbytes = dst.numel() * dst.element_size()
-    into = dst.reshape(-1).view(torch.uint8)
-    come = src.reshape(-1).view(torch.uint8)
-    for off, n in cuts:
-        if off >= nbytes:
-            break
-        into[off : off + n].copy_(come[off : off + n], non_blocking=non_blocking)
-
-
-def touch(tensor: torch.Tensor) -> None:
-    """Fault in every page of a flat uint8 host tensor (one byte written per page): a registration then only
-    pins them, and a read into it faults nothing."""
-    tensor[::_PAGE].fill_(
-        0
-    )  # a torch fill releases the GIL: the loop's next launch does not wait for the touch
-
-
-# A memfd's pages are small (shmem rarely has huge pages): one thread faulting them in was too slow to have the
-# buffers ready before a first save, so a shared buffer is touched by several (SaveTuning.touch_threads).
-_touch_pools: dict[int, Any] = {}
-_touch_pool_lock = threading.Lock()
-
-
-def touch_shared(tensor: torch.Tensor, threads: int = 4) -> None:
-    """`touch`, by `threads` threads at once, each a page-aligned share of the buffer."""
-    threads = max(1, threads)
-    pages = -(-tensor.numel() // _PAGE)
-    if threads == 1 or pages < 2 * threads:
-        touch(tensor)
-        return
-    with _touch_pool_lock:
-        pool = _touch_pools.get(threads)
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = _touch_pools[threads] = ThreadPoolExecutor(
-                threads, "torchrelay-touch", initializer=lower_priority
-            )
-    share = -(-pages // threads) * _PAGE
-    parts = [tensor[i : i + share] for i in range(0, tensor.numel(), share)]
-    for done in [pool.submit(touch, part) for part in parts]:
-        done.result()
-
-
-class _Locked:
-    """One buffer's own mapping, page-locked by registration with CUDA until `release`. `shared`: a memfd's
-    (MAP_SHARED), which the writer process maps too (writer_process.py); else anonymous and private."""
-
-    def __init__(self, nbytes: int, *, shared: bool = False) -> None:
-        self.size = -(-nbytes // _PAGE) * _PAGE  # what is page-locked: the mapping's last page in full
-        self.fd: int | None = None
-        if shared:
-            self.fd = os.memfd_create("torchrelay-host", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, self.size)
-            # exactly the tensor's bytes, as below; shmem rarely has huge pages (THP off for it by default)
-            self.map = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
-        else:
-            # exactly the tensor's bytes: a larger storage would make DCP's writer clone the buffer first
-            self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            with contextlib.suppress(
-                AttributeError, OSError
-            ):  # huge pages: fewer faults, a faster registration
-                self.map.madvise(mmap.MADV_HUGEPAGE)
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.registered = False
-        self.cuts = [(0, self.size)]  # the registrations' (offset, length): `lock`'s pieces once registered
-        self._held: list[int] = []  # offsets registered
-
-    def register_range(self, offset: int, length: int) -> bool:
-        """cudaHostRegister of [offset, offset + length) of the mapping; False if CUDA refused."""
-        try:  # torch raises some of cudaHostRegister's errors and returns the others
-            ok = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr() + offset, length, 0)) == 0
-        except Exception:  # noqa: BLE001 - any refusal leaves the buffer pageable: slower copies, the same bytes
-            ok = False
-        if ok:
-            self._held.append(offset)
-        return ok
-
-    def lock(self, piece: int = 0, pause: Any = None) -> bool:
-        """Page-lock the mapping in pieces of `piece` bytes (`pieces`; 0: whole), calling `pause(seconds)` after
-        each registration; False if CUDA refused (the buffer stays pageable). A piece refused: the pieces taken are
-        given back and the mapping is registered whole instead."""
-        cuts = pieces(self.tensor.data_ptr(), self.size, piece)
-        for off, n in cuts:
-            t0 = time.perf_counter()
-            if not self.register_range(off, n):
-                self._unregister()
-                if len(cuts) == 1:
-                    return False
-                cuts = [(0, self.size)]
-                if not self.register_range(0, self.size):
-                    return False
-                break
-            if pause is not None:
-                pause(time.perf_counter() - t0)
-        self.cuts, self.registered = cuts, True
-        return True
-
-    def register(self) -> bool:
-        """Page-lock the whole mapping in one registration; False if CUDA refused."""
-        return self.lock(0)
-
-    def _unregister(self) -> None:
-        base = self.tensor.data_ptr()
-        for off in self._held:
-            with contextlib.suppress(RuntimeError):
-                torch.cuda.cudart().cudaHostUnregister(base + off)
-        self._held.clear()
-        self.cuts = [(0, self.size)]
-
-    def copy_from(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """`dst` (a view of this mapping from its start) := `src`: asynchronous, a copy per registration, if page-locked."""
-        copy_in_pieces(dst, src, self.cuts, non_blocking=self.registered)
-
-    def release(self) -> None:
-        if self.registered or self._held:
-            self.registered = False
-            self._unregister()
-        if self.fd is not None:  # the mapping itself lives on while a tensor over it does
-            os.close(self.fd)
-            self.fd = None
-
-
-# Buffers under `pin_min_bytes` of a shared stage are cut from slabs of this size (one memfd each, one registration),
-# not a memfd each: a state has hundreds of small tensors (biases, norms), and each mapping costs the writer a
-# descriptor. Each buffer keeps a storage of exactly its own bytes (DCP's writer would clone a larger one).
-SLAB_BYTES = 16 << 20
-_ALIGN = 64
-
-
-class _Slabs:
-    """Small buffers cut from shared slabs, each slab page-locked (when a CUDA tensor's buffer is in it)."""
-
-    def __init__(self) -> None:
-        self.slabs: list[_Locked] = []
-        self._used = SLAB_BYTES  # no slab yet
-
-    def take(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
-        """A flat uint8 tensor of `nbytes` in a slab, and whether it is page-locked."""
-        if self._used + nbytes > SLAB_BYTES:
-            slab = _Locked(SLAB_BYTES, shared=True)
-            touch(slab.tensor)
-            self.slabs.append(slab)
-            self._used = 0
-        slab = self.slabs[-1]
-        if pinned and not slab.registered:
-            slab.register()
-        buf = torch.frombuffer(slab.map, dtype=torch.uint8, count=nbytes, offset=self._used)
-        self._used += -(-nbytes // _ALIGN) * _ALIGN
-        return buf, slab.registered
-
-    def release(self) -> None:
-        for slab in self.slabs:
-            slab.release()
-        self.slabs.clear()
-        self._used = SLAB_BYTES
 
 
 class SharedMap:
@@ -237,7 +47,7 @@ Spec = tuple[tuple[int, ...], torch.dtype, bool]  # a buffer's kind: shape, dtyp
 class _Entry:
     """One obtained buffer: the tensor, its own mapping (if any), whether a slab's is page-locked (if cut from one)."""
 
-    def __init__(self, buf: torch.Tensor, locked: _Locked | None, small: bool | None, nbytes: int) -> None:
+    def __init__(self, buf: torch.Tensor, locked: Locked | None, small: bool | None, nbytes: int) -> None:
         self.buf, self.locked, self.small, self.nbytes = buf, locked, small, nbytes
 
 
@@ -248,9 +58,9 @@ class HostStage:
     def __init__(self, *, shared: bool = False, tuning: SaveTuning | None = None) -> None:
         self.shared = shared
         self.tuning = tuning or SaveTuning()
-        self._slabs = _Slabs()
+        self._slabs = Slabs()
         self._bufs: dict[str, torch.Tensor] = {}
-        self._locked: dict[str, _Locked] = {}
+        self._locked: dict[str, Locked] = {}
         self._small: dict[str, bool] = {}  # shared buffers cut from a slab: whether page-locked
         self._lock = threading.Lock()
         # the background threads obtaining or page-locking buffers (`reserve`, `_lock_later`): a first save before
@@ -281,14 +91,14 @@ class HostStage:
         if not self._hurry.is_set():
             self._hurry.wait((self.tuning.pin_pace - 1) * seconds)
 
-    def _touch(self, locked: _Locked, threads: int | None = None) -> None:
+    def _touch(self, locked: Locked, threads: int | None = None) -> None:
         """Fault in a buffer's own mapping (a shared one by `touch_threads` threads, or `threads`)."""
         if locked.fd is None:
             touch(locked.tensor)
         else:
             touch_shared(locked.tensor, self.tuning.touch_threads if threads is None else threads)
 
-    def _lock_pages(self, locked: _Locked, pace: bool) -> None:
+    def _lock_pages(self, locked: Locked, pace: bool) -> None:
         """Fault in a buffer's own mapping, then page-lock it in `pin_piece_bytes` pieces (`pin_pace`'s pause
         after each, when `pace`)."""
         self._touch(locked)
@@ -300,7 +110,7 @@ class HostStage:
         mapping only, untouched and pageable (`finish_deferred` touches and registers it)."""
         shape, dtype, pinned = spec
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        locked: _Locked | None = None
+        locked: Locked | None = None
         small: bool | None = None
         if self.shared and nbytes == 0:  # no bytes to share (the writer is sent the empty tensor itself)
             buf = torch.empty(shape, dtype=dtype)
@@ -309,7 +119,7 @@ class HostStage:
                 flat, small = self._slabs.take(nbytes, pinned)
             buf = flat.view(dtype).view(shape)
         elif self.shared or (pinned and self.tuning.pin_by_register and nbytes >= self.tuning.pin_min_bytes):
-            locked = _Locked(nbytes, shared=self.shared)
+            locked = Locked(nbytes, shared=self.shared)
             if pinned and not defer:
                 self._lock_pages(locked, pace)
             elif not defer:  # a shared buffer of a CPU tensor: faulted in, never page-locked
@@ -323,7 +133,7 @@ class HostStage:
         else:
             buf = torch.empty(shape, dtype=dtype)
             # the first touch of each page (a fault per page) happens here, not in the copy
-            buf.view(-1).view(torch.uint8)[::_PAGE].fill_(0)
+            buf.view(-1).view(torch.uint8)[::PAGE].fill_(0)
         return _Entry(buf, locked, small, nbytes)
 
     def _publish(self, key: str, entry: _Entry, *, counted: bool = False) -> torch.Tensor:
@@ -483,7 +293,7 @@ class HostStage:
         self._deferred.clear()  # the clones' memory goes back to torch's allocator once every copy from it is done
         deferred.clear()
 
-    def _lock_later(self, todo: list[_Locked]) -> None:
+    def _lock_later(self, todo: list[Locked]) -> None:
         """Page-lock `todo` (buffers already faulted in and filled) on a background thread with `pin_pace`'s pauses;
         the next save's `_end_reservation` lets it finish without them (it never stops short: a buffer a copy
         will use is locked before the copy)."""
@@ -584,4 +394,4 @@ def specs_of(obj: Any) -> list[Spec]:
     return []
 
 
-__all__ = ["BACKGROUND_NICE", "HostStage", "SharedMap", "lower_priority", "specs_of", "touch"]
+__all__ = ["HostStage", "SharedMap", "specs_of"]

@@ -35,8 +35,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402 - after the signals are ignored (above)
 
 from torchrelay.checkpoint.dcp_save import set_up_writer  # noqa: E402
-from torchrelay.checkpoint.host_stage import BACKGROUND_NICE  # noqa: E402
-from torchrelay.checkpoint.persist import HashingWriter, writeback_kib  # noqa: E402
+from torchrelay.checkpoint.hashing_writer import HashingWriter  # noqa: E402
+from torchrelay.checkpoint.host_buffers import BACKGROUND_NICE  # noqa: E402
+from torchrelay.checkpoint.persist import writeback_kib  # noqa: E402
 from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
 from torchrelay.tuning import SaveTuning  # noqa: E402
 

@@ -32,7 +32,8 @@ from torchrelay.errors import ConfigError, RelayError
 from torchrelay.layout import ATTEMPTS_DIR
 from torchrelay.rundir import RunDir
 from torchrelay.util.durable import atomic_write_text
-from torchrelay.util.records import Schema, check, read_json, read_yaml
+from torchrelay.util.records import Schema, check, read_json
+from torchrelay.util.yaml_records import read_yaml
 
 FROZEN_PLAN = "plan.frozen.yaml"
 _NAME = re.compile(r"^attempt_(\d+)$")

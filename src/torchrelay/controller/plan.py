@@ -38,7 +38,7 @@ from torchrelay.errors import ConfigError, RecordError
 from torchrelay.slurm import NODES_LIMIT, PER_NODE_LIMIT, SlurmSpec
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
-from torchrelay.util.records import read_yaml
+from torchrelay.util.yaml_records import read_yaml
 
 SMOKE_WHEN = ("always", "first", "never")
 # Mappings whose keys are the user's own (config overrides, environment variables), not plan fields.

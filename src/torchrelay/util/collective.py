@@ -49,96 +49,12 @@ import torch
 import torch.distributed as dist
 
 from torchrelay import envvars
-from torchrelay import errors as errors_module
-from torchrelay.errors import EXIT_ERROR, RelayError, from_exception, mark_reported, report
+from torchrelay.errors import RelayError, from_exception, mark_reported, report
+from torchrelay.util.failures import Failure, agreed_error, is_agreed, mark_agreed, unwrap
 
 T = TypeVar("T")
 
 WIDTH = 2  # integers an exchange carries beside the failure flag (the stop agreement's code and interval)
-_MAX_MESSAGE = 4000
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """One rank's failure as it travels to the others: small, picklable, whatever the exception was."""
-
-    rank: int
-    cls: str  # the RelayError subclass it is raised as
-    message: str  # the error's message: it names the file, field or update
-    hint: str | None
-    exit_code: int
-    bug: (
-        str | None
-    )  # the exception's type when it is not one of the library's own (its traceback stays there)
-    # A deferred failure's own phase: it names the error whichever exchange carries it.
-    phase: str | None = None
-
-    @classmethod
-    def of(cls, exc: BaseException, rank: int, name: str) -> Failure:
-        """`exc` raised on `rank` during phase `name` (DCP's exception names the rank it happened on)."""
-        rank, exc = _unwrap(exc, rank)
-        if isinstance(exc, RelayError) or _plain(exc):
-            err = from_exception(exc, name)
-            return cls(rank, type(err).__name__, err.message[:_MAX_MESSAGE], err.hint, err.exit_code, None)
-        text = str(exc).strip()
-        first = text.splitlines()[0][:500] if text else ""
-        return cls(rank, "RelayError", f"{type(exc).__name__}: {first}", None, EXIT_ERROR, type(exc).__name__)
-
-
-def _unwrap(exc: BaseException, rank: int = 0) -> tuple[int, BaseException]:
-    """DCP's CheckpointException carries each rank's own exception: (its rank, the first of the library's own
-    if any, else the first); any other exception as it is."""
-    failures = getattr(exc, "failures", None)
-    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
-        inner = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(failures.items())]
-        for r, candidate in inner:
-            if isinstance(candidate, RelayError) or _plain(candidate):
-                return int(r), candidate
-        if isinstance(inner[0][1], BaseException):
-            return int(inner[0][0]), inner[0][1]
-    return rank, exc
-
-
-def _plain(exc: BaseException) -> bool:
-    """An error one message explains: a path, a full disk, a file that is not text (see errors.from_exception)."""
-    return isinstance(exc, (OSError, UnicodeDecodeError))
-
-
-def agreed_error(name: str, failures: Sequence[Failure], *, name_rank: bool = True) -> RelayError:
-    """The error every rank raises when `failures` (in rank order) happened in phase `name`."""
-    first = failures[0]
-    if first.phase is not None:
-        name, name_rank = first.phase, True
-    cls_ = getattr(errors_module, first.cls, RelayError)
-    if not (isinstance(cls_, type) and issubclass(cls_, RelayError)):
-        cls_ = RelayError
-    inner = first.message.removeprefix(f"{name}: ")
-    hint = first.hint
-    if first.bug is not None:
-        message = f"{name} failed on rank {first.rank} with {inner}"
-        hint = hint or f"rank {first.rank}'s output holds the traceback"
-    elif name_rank or first.rank != 0:
-        message = f"{name} failed on rank {first.rank}: {inner}"
-    else:
-        message = first.message
-    others = sorted({f.rank for f in failures[1:]} - {first.rank})
-    if others:
-        shown = ", ".join(map(str, others[:8])) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
-        message += f" (rank{'s' if len(others) > 1 else ''} {shown} failed too)"
-    err = cls_.__new__(cls_)
-    RelayError.__init__(err, message, hint)
-    err.exit_code = first.exit_code
-    return err
-
-
-def _agreed(err: BaseException) -> BaseException:
-    err.agreed = True  # type: ignore[attr-defined]
-    return err
-
-
-def is_agreed(exc: BaseException) -> bool:
-    """Whether every rank raises `exc` already (an exchange of the protocol raised it)."""
-    return bool(getattr(exc, "agreed", False))
 
 
 @dataclass(slots=True)
@@ -228,14 +144,14 @@ class Ranks:
         # meanwhile changes nothing: the error stands.
         with contextlib.suppress(Exception):
             dist.barrier(group=self.group)
-        raise _agreed(err)
+        raise mark_agreed(err)
 
     def _lost(self, name: str, failure: Failure | None, exc: BaseException, first: str = "") -> RelayError:
         """What a rank raises when the exchange itself failed (a peer ended or did not answer in time)."""
         if failure is not None:
-            return _agreed(agreed_error(_current(name).name, [failure]))  # type: ignore[return-value]
+            return mark_agreed(agreed_error(_current(name).name, [failure]))  # type: ignore[return-value]
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        return _agreed(  # type: ignore[return-value]
+        return mark_agreed(  # type: ignore[return-value]
             RelayError(
                 f"{_current(name).name}: rank {self.rank} lost its peers ({text})",
                 hint=(first and f"{first}; or ")
@@ -269,7 +185,7 @@ class Ranks:
             if failure.bug is not None:
                 _settle(phase, agreed_error(phase.name, [failure], name_rank=phase.name_rank))
                 raise exc
-            err = exc if isinstance(exc, RelayError) else from_exception(_unwrap(exc)[1], phase.name)
+            err = exc if isinstance(exc, RelayError) else from_exception(unwrap(exc)[1], phase.name)
             if phase.hint is not None and err is not raw:
                 err.hint = phase.hint
             _settle(phase, err)
@@ -284,7 +200,7 @@ class Ranks:
             self.exchange(name, failure)
         except RelayError as err:
             if failure.bug is not None and original is not None:
-                raise _agreed(original) from None  # its traceback; the others raise `err` already
+                raise mark_agreed(original) from None  # its traceback; the others raise `err` already
             raise err from original
         raise AssertionError("an exchange with a failure always raises")  # pragma: no cover
 

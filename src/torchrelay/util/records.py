@@ -1,4 +1,5 @@
-"""The one reader of every record torchrelay keeps on disk: JSON, JSONL lines, safetensors headers, YAML plans.
+"""The one reader of every record torchrelay keeps on disk: JSON and JSONL lines here, YAML plans in yaml_records.py,
+safetensors headers in safetensors_records.py.
 
 Every byte of a run directory, a bundle or a plan may come from elsewhere (another cluster, a hand edit, a
 forger), so a reader here opens the file through `safepath.read_regular` (no symlink out of its root, no pipe or
@@ -23,14 +24,13 @@ import json
 import math
 import os
 import re
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torchrelay.errors import RecordError
-from torchrelay.util.safepath import open_regular, read_regular
+from torchrelay.util.safepath import read_regular
 from torchrelay.util.schema import INT_LIMIT
 
 JSON_LIMIT = 256 << 20  # no JSON file torchrelay writes comes near this
@@ -43,7 +43,7 @@ DEPTH_LIMIT = (
 # 10^9 values, which every reader of the plan (the depth check first) would walk.
 ALIAS_LIMIT = 100_000
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # what safetensors itself refuses above
-_HINT = "the file is damaged or not what it should be; restore it from a copy"
+DAMAGED_HINT = "the file is damaged or not what it should be; restore it from a copy"
 
 
 # --- JSON -----------------------------------------------------------------------------------------------------
@@ -55,16 +55,18 @@ def parse_json(data: bytes | str, *, source: str, depth: int = DEPTH_LIMIT) -> A
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as exc:
-        raise RecordError(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})", hint=_HINT) from None
+        raise RecordError(
+            source, f"not UTF-8 text ({exc.reason} at byte {exc.start})", hint=DAMAGED_HINT
+        ) from None
     try:
         doc = json.loads(text)
     except RecursionError:  # nesting past the C parser's own bound: the same refusal as past ours
-        raise RecordError(source, f"nested deeper than {depth} levels", hint=_HINT) from None
+        raise RecordError(source, f"nested deeper than {depth} levels", hint=DAMAGED_HINT) from None
     except ValueError as exc:  # JSONDecodeError, and an integer of more digits than Python converts
-        raise RecordError(source, f"not valid JSON ({str(exc)[:200]})", hint=_HINT) from None
+        raise RecordError(source, f"not valid JSON ({str(exc)[:200]})", hint=DAMAGED_HINT) from None
     # A document with fewer brackets than the bound cannot be deeper: most are, and cost one count.
     if text.count("[") + text.count("{") > depth and depth_of(doc, depth) > depth:
-        raise RecordError(source, f"nested deeper than {depth} levels", hint=_HINT)
+        raise RecordError(source, f"nested deeper than {depth} levels", hint=DAMAGED_HINT)
     return doc
 
 
@@ -183,13 +185,17 @@ def check(
     if not isinstance(doc, dict):
         if prefix:
             raise RecordError(
-                source, f"a JSON {_kind(doc)}, not an object", line=line, field=prefix[:-1], hint=_HINT
+                source,
+                f"a JSON {kind_of(doc)}, not an object",
+                line=line,
+                field=prefix[:-1],
+                hint=DAMAGED_HINT,
             )
-        raise RecordError(source, f"holds a JSON {_kind(doc)}, not an object", line=line, hint=_HINT)
+        raise RecordError(source, f"holds a JSON {kind_of(doc)}, not an object", line=line, hint=DAMAGED_HINT)
     required = schema.required if isinstance(schema, Schema) else Schema(schema).required
     for name in required:
         if name not in doc:
-            raise RecordError(source, "missing", line=line, field=prefix + name, hint=_HINT)
+            raise RecordError(source, "missing", line=line, field=prefix + name, hint=DAMAGED_HINT)
     prefixes = schema.prefixes if isinstance(schema, Schema) else {}
     for name in doc if prefixes or len(doc) <= len(schema) else schema:
         rule = schema.get(name) if name in doc else None
@@ -208,15 +214,15 @@ def check(
                 f"an integer of {len(str(abs(value)))} digits, past 64 bits",
                 line=line,
                 field=where,
-                hint=_HINT,
+                hint=DAMAGED_HINT,
             )
         if not _is(value, types):
             raise RecordError(
                 source,
-                f"a JSON {_kind(value)}, not {_names(types)}",
+                f"a JSON {kind_of(value)}, not {_names(types)}",
                 line=line,
                 field=where,
-                hint=_HINT,
+                hint=DAMAGED_HINT,
             )
     return doc
 
@@ -225,14 +231,14 @@ def _check_field(value: Any, rule: Field, *, source: str, line: int | None, wher
     """One value against its Field rule: RecordError naming the field and what is wrong with the value."""
 
     def refuse(problem: str) -> RecordError:
-        return RecordError(source, problem, line=line, field=where, hint=_HINT)
+        return RecordError(source, problem, line=line, field=where, hint=DAMAGED_HINT)
 
     if _past_64_bits(value):
         raise refuse(f"an integer of {len(str(abs(value)))} digits, past 64 bits")
     types = rule.types
     if isinstance(types, list):  # an array of values, each following the rest of the rule
         if not isinstance(value, list):
-            raise refuse(f"a JSON {_kind(value)}, not {_names(types)}")
+            raise refuse(f"a JSON {kind_of(value)}, not {_names(types)}")
         if len(value) > rule.items:
             raise refuse(f"an array of {len(value)} items, more than {rule.items}")
         item = dataclasses.replace(rule, types=types[0])
@@ -242,7 +248,7 @@ def _check_field(value: Any, rule: Field, *, source: str, line: int | None, wher
     if isinstance(value, float) and not math.isfinite(value):
         raise refuse(f"{value!r}, not a finite number")
     if not _is(value, types):
-        raise refuse(f"a JSON {_kind(value)}, not {_names(types)}")
+        raise refuse(f"a JSON {kind_of(value)}, not {_names(types)}")
     if isinstance(value, int | float) and not isinstance(value, bool):
         if rule.low is not None and value < rule.low:
             raise refuse(f"{value!r}, below its least {rule.low:g}")
@@ -367,7 +373,7 @@ def _is(value: Any, types: Any) -> bool:
     return isinstance(value, wanted)
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")
 
@@ -379,219 +385,6 @@ def _names(types: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
              float: "a number", type(None): "null"}  # fmt: skip
     return " or ".join(names.get(t, t.__name__) for t in wanted)
-
-
-# --- YAML -----------------------------------------------------------------------------------------------------
-
-
-def read_yaml(
-    path: str | os.PathLike[str], *, what: str, limit: int = YAML_LIMIT, follow: bool = False
-) -> Any:
-    """A YAML file (a plan) as untrusted input: bounded size, safe_load, bounded aliases and depth; one RecordError.
-    `follow`: the user named the path (a link of theirs is followed; a pipe or a device still is not read)."""
-    import yaml
-
-    source = f"{path} ({what})"
-    data = read_regular(path, limit, what=what, follow=follow)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RecordError(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})", hint=_HINT) from None
-    # PyYAML's scanner takes time in the square of flow nesting ([[[...): the brackets are counted first.
-    if _flow_depth(text) > DEPTH_LIMIT:
-        raise RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
-    deep = RecordError(source, f"nested deeper than {DEPTH_LIMIT} levels", hint="fix the YAML")
-    try:  # the reader checks every character as it is made: a NUL is refused there
-        loader = yaml.SafeLoader(text)
-    except yaml.YAMLError as exc:
-        raise RecordError(source, f"not valid YAML ({_yaml_problem(exc)})", hint="fix the YAML") from None
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _check_nodes(node, source)
-        doc = loader.construct_document(node) if node is not None else None
-    except RecursionError:  # PyYAML composes recursively: deep block nesting reaches the interpreter's bound
-        raise deep from None
-    except yaml.YAMLError as exc:
-        raise RecordError(source, f"not valid YAML ({_yaml_problem(exc)})", hint="fix the YAML") from None
-    except ValueError as exc:  # an integer of more digits than Python converts
-        raise RecordError(source, f"not YAML a plan holds ({str(exc)[:120]})", hint="fix the YAML") from None
-    finally:
-        loader.dispose()
-    if depth_of(doc, DEPTH_LIMIT) > DEPTH_LIMIT:
-        raise deep
-    return doc
-
-
-def _check_nodes(root: Any, source: str) -> None:
-    """Refuse a composed YAML document whose aliases expand it by more than ALIAS_LIMIT values or hold a node
-    inside itself, or with a key repeated in a mapping. Counted on the node graph, where an alias is the node it
-    names: each node is visited once, whatever its aliases expand to."""
-    import yaml
-
-    sizes: dict[int, int] = {}  # id(node) -> values it expands to, itself included
-    open_: set[int] = set()  # nodes being counted: meeting one again is a node inside itself
-
-    def size(node: Any) -> int:
-        key = id(node)
-        if key in sizes:
-            return sizes[key]
-        if key in open_:
-            raise RecordError(source, "an alias holds the node it names (a loop)", hint="fix the YAML")
-        open_.add(key)
-        if isinstance(node, yaml.SequenceNode):
-            total = 1 + sum(size(c) for c in node.value)
-        elif isinstance(node, yaml.MappingNode):
-            _unique_keys(node, source)
-            total = 1 + sum(size(k) + size(v) for k, v in node.value)
-        else:
-            total = 1
-        open_.discard(key)
-        sizes[key] = total
-        return total
-
-    expanded = size(root)
-    if expanded - len(sizes) > ALIAS_LIMIT:
-        raise RecordError(
-            source,
-            f"its aliases expand {len(sizes)} values to {expanded} (more than {ALIAS_LIMIT} added)",
-            hint="write the values out, or reuse fewer of them through anchors and aliases (&name, *name)",
-        )
-
-
-def _unique_keys(node: Any, source: str) -> None:
-    """Refuse a mapping node in which a plain key (`run_dir`) is written twice."""
-    import yaml
-
-    seen: set[tuple[str, str]] = set()
-    for key, _ in node.value:
-        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
-            continue
-        if (key.tag, key.value) in seen:
-            raise RecordError(
-                source,
-                f"key {key.value!r} is repeated at line {key.start_mark.line + 1}",
-                hint="keep one of them: YAML would silently use the last",
-            )
-        seen.add((key.tag, key.value))
-
-
-def _flow_depth(text: str) -> int:
-    """How deep YAML's flow brackets nest, at most (a bracket inside a quoted string counts too)."""
-    if text.count("[") + text.count("{") <= DEPTH_LIMIT:
-        return 0
-    depth = deepest = 0
-    for bracket in re.finditer(r"[\[\]{}]", text):
-        depth += 1 if bracket.group() in "[{" else -1
-        deepest = max(deepest, depth)
-        if deepest > DEPTH_LIMIT:
-            break
-    return deepest
-
-
-def _yaml_problem(exc: Exception) -> str:
-    """PyYAML's error in one line: its problem and where (its own text spans several, with the line quoted)."""
-    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
-    if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return " ".join(str(exc).split())[:300]
-
-
-# --- safetensors ----------------------------------------------------------------------------------------------
-
-# Bytes per element of each safetensors dtype (safetensors 0.4+): every one its writer writes (a stateful's complex64
-# or FNUZ float8 tensor too), or a checkpoint that holds one is refused as damaged at every resume.
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E5M2FNUZ": 1, "F8_E4M3FNUZ": 1, "I16": 2,
-    "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
-
-
-def safetensors_header(data: bytes, size: int, *, source: str) -> dict[str, Any]:
-    """The header of a safetensors file whose first bytes are `data` and whose size is `size`, checked before
-    anything is allocated: its length bounded, its JSON an object of tensors, each of a known dtype, a shape of
-    sizes, and offsets that lay the tensors back to back, each of its shape's size, ending at the file's end."""
-    if len(data) < 8:
-        raise RecordError(source, f"has {size} bytes, too few for a safetensors header", hint=_HINT)
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > SAFETENSORS_HEADER_LIMIT or 8 + length > size:
-        raise RecordError(
-            source,
-            f"claims a safetensors header of {length:,} bytes in a file of {size:,} (a pickle or a forgery?)",
-            hint=_HINT,
-        )
-    header = parse_json(data[8 : 8 + length], source=f"{source} header")
-    if not isinstance(header, dict):
-        raise RecordError(source, f"header is a JSON {_kind(header)}, not an object", hint=_HINT)
-    spans = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise RecordError(source, "is not an object of strings", field="__metadata__", hint=_HINT)
-            continue
-        where = f"tensor {name!r}"
-        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_SIZES:
-            raise RecordError(source, f"{where} has no known dtype", hint=_HINT)
-        shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(shape, list) or not all(_natural(d) for d in shape):
-            raise RecordError(source, f"{where}: shape {str(shape)[:80]} is not a list of sizes", hint=_HINT)
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(o) for o in offsets):
-            raise RecordError(
-                source, f"{where}: data_offsets {str(offsets)[:80]} are not two offsets", hint=_HINT
-            )
-        begin, end = offsets
-        if end - begin != math.prod(shape) * DTYPE_SIZES[entry["dtype"]]:
-            raise RecordError(
-                source,
-                f"{where}: data_offsets [{begin}, {end}] do not hold a {entry['dtype']} tensor of shape {shape}",
-                hint=_HINT,
-            )
-        spans.append((begin, end, name))
-    at = 0
-    for begin, end, name in sorted(spans):
-        if begin != at:
-            problem = "overlaps the tensor before it" if begin < at else "leaves a gap before it"
-            raise RecordError(source, f"tensor {name!r} at [{begin}, {end}] {problem}", hint=_HINT)
-        at = end
-    if 8 + length + at != size:
-        raise RecordError(
-            source, f"its tensors end at byte {8 + length + at:,}, the file at {size:,}", hint=_HINT
-        )
-    return header
-
-
-def _natural(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def read_safetensors(
-    path: str | os.PathLike[str], *, what: str, root: str | os.PathLike[str] | None = None
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file read as untrusted input: opened the safe way, its header checked
-    (`safetensors_header`) before safetensors allocates a byte; any other fault of the file is a RecordError too."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    source = f"{path} ({what})"
-    fd, size = open_regular(path, what=what, root=root)
-    try:
-        head = os.pread(fd, 8, 0)
-        if len(head) == 8:
-            (length,) = struct.unpack("<Q", head)
-            if length <= SAFETENSORS_HEADER_LIMIT and 8 + length <= size:
-                head += os.pread(fd, length, 8)
-        header = safetensors_header(head, size, source=source)
-        # The file checked is the file loaded: safetensors opens it again, by this descriptor where /proc has it.
-        by_fd = f"/proc/self/fd/{fd}"
-        try:
-            tensors = load_file(by_fd if os.path.exists(by_fd) else os.fspath(path))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise RecordError(
-                source, f"not a safetensors file safetensors reads ({str(exc)[:200]})", hint=_HINT
-            ) from None
-    finally:
-        os.close(fd)
-    return tensors, dict(header.get("__metadata__") or {})
 
 
 def exists(path: str | os.PathLike[str]) -> bool:

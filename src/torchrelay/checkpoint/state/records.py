@@ -11,10 +11,11 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save as _safetensors_save
 
-from torchrelay.checkpoint.persist import canonical_safetensors
+from torchrelay.checkpoint.hashing_writer import canonical_safetensors
 from torchrelay.errors import CheckpointError, RecordError
-from torchrelay.util.records import Optional, check, read_json, read_safetensors
+from torchrelay.util.records import Optional, check, read_json
 from torchrelay.util.records import exists as records_exists
+from torchrelay.util.safetensors_records import read_safetensors
 
 # Format 1: everything but the RNG from rank 0. Format 2 (written only when something differs by rank): adds
 # "per_rank" and the files it names. A checkpoint where nothing differs is still written as format 1.
@@ -130,5 +131,5 @@ def read_rank_statefuls(ckpt_dir: Path, rank: int) -> tuple[dict[str, Any], dict
 
 def read_tensors(path: Path, *, what: str, root: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file of the checkpoint `root`, none when there is no such file; its header is
-    checked before anything is allocated (util/records.read_safetensors)."""
+    checked before anything is allocated (util/safetensors_records.read_safetensors)."""
     return read_safetensors(path, what=what, root=root)[0] if records_exists(path) else {}

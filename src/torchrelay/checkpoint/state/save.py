@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torchrelay import rng
 from torchrelay.checkpoint import dcp_save, ranks, recycle
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
+from torchrelay.checkpoint.hashing_writer import write_bytes
 from torchrelay.checkpoint.host_stage import HostStage, specs_of
-from torchrelay.checkpoint.persist import write_bytes
 from torchrelay.checkpoint.state.document import dcp_document, split_optimizer, state_dicts
 from torchrelay.checkpoint.state.records import (
     MODEL_DIR,

@@ -10,7 +10,7 @@ import torch
 
 from torchrelay.errors import CheckpointError, RecordError
 
-# The dtypes a stateful's tensors are stored in (safetensors writes these, util/records.DTYPE_SIZES reads them).
+# The dtypes a stateful's tensors are stored in (safetensors writes these, util/safetensors_records.DTYPE_SIZES reads them).
 STORABLE_DTYPES = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e5m2fnuz,
     torch.float8_e4m3fnuz, torch.int16, torch.uint16, torch.float16, torch.bfloat16, torch.int32, torch.uint32,
