@@ -7,8 +7,9 @@ base learning rate, gradient accumulation 2, warmup then cosine down to 0.1x, Ze
 the shape of the G3A1 run (docs/DEEPSPEED.md). The optimizer the engine steps is DeepSpeed's CPU Adam over the two
 learning rates' param groups; its C++ op is compiled once by DeepSpeed (`CPUAdamBuilder().load()`, cached in
 ~/.cache/torch_extensions). Launch the same command again
-and it continues bit for bit (`--workers` may change; a ZeRO checkpoint continues only on the world size that saved
-it).
+and it continues bit for bit (`--workers` and `--save-steps` may change). With `--reshard` (RelayOptions(reshard=True)),
+TORCHRELAY_RESHARD=1 or `torchrelay launch --reshard` it continues on another number of ranks with the same global batch: gradient accumulation is
+derived from the run and the ZeRO partitions resharded (docs/ELASTIC.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback, TrainingArguments
 
-from torchrelay.integrations.transformers import RelayTrainer
+from torchrelay.integrations.transformers import RelayOptions, RelayTrainer
 
 VOCAB, SEQ, ADAPTER_LR = 64, 16, 10.0  # the adapter's learning rate, as a multiple of the base one
 
@@ -73,6 +74,9 @@ def main(callbacks: tuple[TrainerCallback, ...] = ()) -> int:
     cli.add_argument("--lr", type=float, default=1e-3)
     cli.add_argument("--updates", type=int, default=6)
     cli.add_argument("--workers", type=int, default=0)  # runtime-only
+    cli.add_argument("--save-steps", type=int, default=3)  # runtime-only
+    cli.add_argument("--offload", choices=("cpu", "none"), default="cpu")  # none: the engine's own Adam
+    cli.add_argument("--reshard", action="store_true")  # this launch may move the run to this number of ranks
     opt = cli.parse_args()
     args = TrainingArguments(
         output_dir=opt.output_dir,
@@ -85,7 +89,7 @@ def main(callbacks: tuple[TrainerCallback, ...] = ()) -> int:
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1},  # cosine down to 0.1x
         weight_decay=0.01,
-        save_steps=3,
+        save_steps=opt.save_steps,
         logging_steps=1,
         dataloader_num_workers=opt.workers,
         report_to="none",
@@ -95,7 +99,7 @@ def main(callbacks: tuple[TrainerCallback, ...] = ()) -> int:
             "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto",
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": opt.offload}},
         },
     )
     try:
@@ -114,7 +118,13 @@ def main(callbacks: tuple[TrainerCallback, ...] = ()) -> int:
         )
         for layer in model.model.layers:
             layer.self_attn.q_proj = Adapted(layer.self_attn.q_proj)
-        trainer = OffloadTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=list(callbacks))
+        trainer = OffloadTrainer(
+            model=model,
+            args=args,
+            train_dataset=Tokens(),
+            callbacks=list(callbacks),
+            relay=RelayOptions(reshard=opt.reshard or None),  # None: TORCHRELAY_RESHARD decides
+        )
         trainer.train()  # the engine's checkpoint (each rank's offloaded partition) goes into checkpoint-N/deepspeed/
         if dist.is_initialized():
             dist.barrier()  # no rank leaves while another still communicates

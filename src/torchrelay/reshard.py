@@ -28,6 +28,14 @@ from torchrelay.util.records import Field, Optional, Schema
 
 RESHARD_ENV = envvars.RESHARD.name
 LAYOUT_FIELDS = ("world_size", "micro_batch", "grad_accum")
+# Contract fields that repeat the run's grad_accum in a framework's own terms (a Trainer's TrainingArguments and the
+# DeepSpeed configuration it records): layout like grad_accum itself while the global batch is kept, since the
+# integration derives them from the run (integrations/transformers.py); with another global batch they are named.
+GRAD_ACCUM_MIRRORS = (
+    "params.training_args.gradient_accumulation_steps",
+    "params.training_args.deepspeed.gradient_accumulation_steps",
+    "params.deepspeed.gradient_accumulation_steps",
+)
 # What a layout change cannot carry over, and what replaces it (history.jsonl, `layout_change.rng`).
 RNG_REDERIVED = "re-derived per rank from (seed, update, rank, world size)"
 

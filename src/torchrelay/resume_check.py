@@ -23,6 +23,7 @@ from torchrelay.errors import ConfigError, ContractMismatch, ForkRefused, RelayE
 from torchrelay.layout import PREPARE_RECORD
 from torchrelay.manifest import Manifest
 from torchrelay.reshard import (
+    GRAD_ACCUM_MIRRORS,
     LAYOUT_CHANGE_SCHEMA,
     LAYOUT_FIELDS,
     Layout,
@@ -198,7 +199,9 @@ def _check_math_and_layout(
     the code's tree that are not the code (identity.code_changes)."""
     expected = {**recorded, **{k: v for k, v in current.to_dict().items() if k in recorded}}
     diffs, other = contract_changes(expected, recomputed, strict_code=strict_code)
-    math_diffs = [d for d in diffs if d[0] not in LAYOUT_FIELDS]
+    if not any(d[0] == "global_batch" for d in diffs):
+        diffs = [d for d in diffs if d[0] not in GRAD_ACCUM_MIRRORS]
+    math_diffs = [d for d in diffs if d[0] not in LAYOUT_FIELDS + GRAD_ACCUM_MIRRORS]
     if [d[0] for d in math_diffs] == ["global_batch"]:
         raise refuse_global_batch(str(path), contract_global_batch(recorded), current, new, diffs)
     if any(d[0].startswith("data.") for d in math_diffs):

@@ -142,6 +142,9 @@ class RelayOptions:
     # the run's order: "shuffled", or "length_bucketed" (global batches of similar manifest `length`)
     sampler: str = "shuffled"
     bucket_size: int = 64  # length_bucketed: batches sorted by length within this many global batches
+    # This launch may continue the run on another number of ranks with the same global batch (docs/ELASTIC.md);
+    # None reads TORCHRELAY_RESHARD (`torchrelay launch --reshard` sets it). Not part of the contract.
+    reshard: bool | None = None
 
     def __post_init__(self) -> None:
         if self.sampler not in SAMPLERS:
@@ -387,10 +390,12 @@ def relay_config(
     parallel: dict[str, Any] | None = None,
     *,
     samples: int | None = None,
+    global_batch: int | None = None,
 ) -> RelayConfig:
     """The RelayConfig of a Trainer run: the schedule and batch from TrainingArguments, the rest in params
     (`parallel`: the FSDP settings accelerate trains with, see parallel_identity; `samples`: the manifest's, when
-    RelayOptions names one: its fingerprint is the contract's data.fingerprint, the dataset may not be built yet)."""
+    RelayOptions names one: its fingerprint is the contract's data.fingerprint, the dataset may not be built yet;
+    `global_batch`: an existing run's, which an epoch schedule is counted in whatever this launch's world size)."""
     import accelerate
     import transformers
 
@@ -408,7 +413,7 @@ def relay_config(
             **({"fingerprint": options.dataset_fingerprint} if options.dataset_fingerprint else {}),
         }
     micro, accum = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
-    global_batch = micro * accum * world_size
+    global_batch = global_batch or micro * accum * world_size
     total = total_updates(args, samples, global_batch)
     per_epoch = max(1, samples // global_batch)
     limit = args.save_total_limit

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from torchrelay import envvars
+from torchrelay.contract import load_contract
 from torchrelay.data.loader import RelayLoader, start_forkserver
 from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
@@ -46,6 +47,7 @@ from torchrelay.integrations.hf_contract import (
 from torchrelay.layout import MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest, index_path
+from torchrelay.reshard import contract_global_batch
 from torchrelay.run import Run, Step
 from torchrelay.rundir import RunDir
 
@@ -234,10 +236,16 @@ class RelayTrainerMixin:
                 manifest,
                 parallel,
                 samples=samples,
+                global_batch=contract_global_batch(load_contract(run_dir)["fields"]) if existing else None,
             )
-            self.relay = Run.open(run_dir, cfg)
+            self.relay = Run.open(run_dir, cfg, reshard=options.reshard)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        try:
+            self._relay_accumulation(world_size)
+        except BaseException as exc:
+            self.relay.close(exc)
+            raise
         if options.manifest is not None:
             try:
                 if options.dataset is not None:  # from the run's own copy: the paths prepare rebased
@@ -249,6 +257,34 @@ class RelayTrainerMixin:
         # The schedule is the run's (on a resume, the recorded one, which the contract held equal).
         self.args.max_steps = self.relay.config.total_updates
         self.add_callback(RelayCallback(self))  # type: ignore[attr-defined]  # Trainer's
+
+    def _relay_accumulation(self, world_size: int) -> None:
+        """Trainer's accumulation (and the DeepSpeed configuration's) from the run's layout: on a launch that moved
+        the run to another world size the run derived grad_accum for the same global batch, and Trainer, its
+        DeepSpeed engine and torchrelay's loader must cut the same updates (the engine is checked when tracked)."""
+        cfg = self.relay.config
+        if cfg.micro_batch != int(self.args.per_device_train_batch_size):
+            raise ConfigError(
+                f"TrainingArguments.per_device_train_batch_size is {self.args.per_device_train_batch_size}, the "
+                f"run's micro_batch {cfg.micro_batch}",
+                hint="launch with the run's per_device_train_batch_size",
+            )
+        if cfg.grad_accum == int(self.args.gradient_accumulation_steps):
+            return
+        if self.relay.rank == 0:
+            logger.info(
+                f"[torchrelay] gradient_accumulation_steps {self.args.gradient_accumulation_steps} -> "
+                f"{cfg.grad_accum}: the run's global batch on {world_size} rank(s)"
+            )
+        self.args.gradient_accumulation_steps = cfg.grad_accum
+        ds = getattr(self.args, "hf_deepspeed_config", None)
+        if ds is None:
+            return
+        # Trainer filled the configuration's "auto" values from TrainingArguments when they were built; accelerate
+        # hands this same dict to deepspeed.initialize, so the derived values go into it here.
+        ds.config["gradient_accumulation_steps"] = cfg.grad_accum
+        if isinstance(ds.config.get("train_batch_size"), int):
+            ds.config["train_batch_size"] = cfg.micro_batch * cfg.grad_accum * world_size
 
     # ------------------------------------------------------------------ the stable API for subclasses
     def relay_options(self, options: RelayOptions) -> RelayOptions:
