@@ -25,10 +25,10 @@ import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
-from torchrelay import kill_points  # noqa: E402
-from torchrelay.config import parse_assignments  # noqa: E402
+from torchrelay.config.relay import parse_assignments  # noqa: E402
 from torchrelay.errors import RelayError  # noqa: E402
-from torchrelay.rundir import RunDir  # noqa: E402
+from torchrelay.paths.rundir import RunDir  # noqa: E402
+from torchrelay.util import kill_points  # noqa: E402
 
 
 class ByteLM(nn.Module):

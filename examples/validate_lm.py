@@ -23,7 +23,7 @@ from train_lm import ByteLM, SourceBytes, collate, lm_loss
 
 from torchrelay.checkpoint.reader import iter_model_tensors
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import RunDir
+from torchrelay.paths.rundir import RunDir
 
 
 def main() -> int:

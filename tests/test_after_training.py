@@ -34,18 +34,24 @@ from torchrelay.checkpoint.retention import (
 )
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
-from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract
+from torchrelay.config.relay import RelayConfig
 from torchrelay.controller.attempts import Attempts
 from torchrelay.controller.plan import Plan, load_plan
-from torchrelay.costmodel import validation_fits
+from torchrelay.controller.validation import (
+    ValidationSpec,
+    command_for,
+    run_one,
+    select,
+    validate_checkpoints,
+)
 from torchrelay.errors import ConfigError, UnsafeInput
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.manifest import Manifest
+from torchrelay.policy.costmodel import validation_fits
+from torchrelay.records.contract import build_contract
+from torchrelay.records.validation import read_pending, read_records
 from torchrelay.report import render
 from torchrelay.util.hashing import sha256_hex
-from torchrelay.validation import ValidationSpec, command_for, run_one, select, validate_checkpoints
-from torchrelay.validation_records import read_pending, read_records
 
 TOTAL = 30
 KEEP = {"total_updates": TOTAL, "warmup_updates": 2, "save_every": 5, "keep": 2, "keep_updates": [10, 20]}

@@ -34,14 +34,14 @@ from torchrelay.audit.drift import (
 )
 from torchrelay.audit.layout_audit import layout_verdict, likely_causes, with_world_size
 from torchrelay.audit.runner import AuditError
+from torchrelay.checkpoint.resume_check import validate_resume
 from torchrelay.cli import main
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import EXIT_REFUSED, ConfigError, ContractMismatch
-from torchrelay.ledger import prove
-from torchrelay.resume_check import validate_resume
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
 from torchrelay.run.exact_reduce import ExactReduction, check_layout, check_model
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
 
 TOTAL = 12
 STOPS = (4, 8)

@@ -14,9 +14,9 @@ import pytest
 
 from handoff_fixtures import STOP_AT, TOTAL, Packed
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
-from torchrelay import kill_points
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import read_marker
+from torchrelay.checkpoint.resume_check import validate_resume
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
 from torchrelay.errors import ConfigError, ForkRefused, RelayError
@@ -24,10 +24,10 @@ from torchrelay.handoff.diff import diff
 from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import verify_bundle
-from torchrelay.ledger import prove
-from torchrelay.resume_check import validate_resume
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
+from torchrelay.util import kill_points
 
 # every test here starts ranks: the launch tier (tests/conftest.py)
 pytestmark = pytest.mark.launch
@@ -261,7 +261,7 @@ def test_hardlink_prepare_shares_checkpoint_files(packed: Packed, tmp_path: Path
 def test_diff_names_contract_fields(
     packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torchrelay.contract import contract_sha256
+    from torchrelay.records.contract import contract_sha256
 
     other = tmp_path / "other"
     shutil.copytree(packed.bundle, other)
@@ -306,7 +306,7 @@ def test_reclaiming_the_source_starts_a_new_lineage_on_record(packed: Packed, tm
     seg = segments(source)[-1]
     assert seg["lineage"] == after["lineage"] and seg["command"][-4:-2] == ["--run-dir", str(source)]
     assert any(f"reclaimed checkpoint-{STOP_AT}" in note for note in seg["notes"])
-    from torchrelay.summary import summarize
+    from torchrelay.records.summary import summarize
 
     assert len(summarize(source)["lineages"]) == 2
     assert_same_final_state(packed.baseline, source, TOTAL)

@@ -32,8 +32,8 @@ from test_controller import launch_cli, outcome_of, write_plan
 from torchrelay.cli import main
 from torchrelay.controller.preflight import PreflightReport, check_node_local, filesystem_of
 from torchrelay.controller.supervisor import Supervisor
-from torchrelay.ledger import prove
-from torchrelay.stop import write_request
+from torchrelay.ledger.exposure import prove
+from torchrelay.policy.stop import write_request
 
 SHM = Path("/dev/shm")  # a real tmpfs on every Linux
 
@@ -220,7 +220,10 @@ def signalled_agents(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> 
     threads can abort it there (seen once in CI, under load). An abort before that stays -6 and fails the test."""
     codes = wait_all(procs)
     done = "SignalException: Process"
-    return [1 if c == -6 and done in log.read_text(errors="replace") else c for c, log in zip(codes, logs, strict=True)]
+    return [
+        1 if c == -6 and done in log.read_text(errors="replace") else c
+        for c, log in zip(codes, logs, strict=True)
+    ]
 
 
 def free_port() -> int:
@@ -293,7 +296,10 @@ def test_two_nodes_stop_resume_elsewhere_and_end_on_one_bit_exact(
         os.kill(holder["pid"], signal.SIGCONT)
     assert probe.returncode == 2, probe.stdout + probe.stderr
     assert f"is in use by a writer: pid {holder['pid']} on node-a" in probe.stderr
-    assert signalled_agents(second, [logs / "node-a" / "node-a.log", logs / "node-a" / "node-b.log"]) == [1, 1]
+    assert signalled_agents(second, [logs / "node-a" / "node-a.log", logs / "node-a" / "node-b.log"]) == [
+        1,
+        1,
+    ]
     seg = segments(run)[-1]
     assert seg["ended"] == "signal" and 6 <= seg["last_update"] < U, seg
     assert seg["hosts"] == ["node-a", "node-b"] and not stale.exists()

@@ -1,5 +1,5 @@
 """`torchrelay certify RUN [--checkpoint N] [--updates K] -- LAUNCH…`: replay K updates from a checkpoint and compare
-the parameters' digests after each with those the training recorded (digests.py).
+the parameters' digests after each with those the training recorded (records/digests.py).
 
 A checkpoint's inventory proves its bytes are the bytes that were written, not that they are the state the
 training held: a fault while staging (a host buffer copied wrong, memory corrupted before the hashing) leaves a
@@ -20,15 +20,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay import numerics
 from torchrelay.audit.runner import AuditError, Launcher, run_segments, subprocess_launcher
-from torchrelay.contract import load_contract
-from torchrelay.digests import read_digests
 from torchrelay.errors import ConfigError
-from torchrelay.history import read_history
-from torchrelay.layout import CONTRACT_FILE, checkpoint_name, parse_checkpoint_name
-from torchrelay.lock import LOCK_FILES
-from torchrelay.rundir import RunDir
+from torchrelay.identity import numerics
+from torchrelay.paths.layout import CONTRACT_FILE, checkpoint_name, parse_checkpoint_name
+from torchrelay.paths.lock import LOCK_FILES
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.digests import read_digests
+from torchrelay.records.history import read_history
 
 CERTIFIED_DIR = "certified"  # beside the checkpoints: one record per certified checkpoint
 CERTIFICATE_FORMAT = 1

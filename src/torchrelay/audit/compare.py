@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import rank_logs
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import rank_logs
 from torchrelay.util.jsonl import iter_records
 
 # Wall-clock keys differ between any two runs; they say nothing about resumability.
@@ -371,9 +371,9 @@ def _compare_state_tensors(
 
 
 def compare_digests(a_dir: Path, b_dir: Path) -> LogComparison:
-    """Compare the per-update digests of the parameters (train/digests-rank*.jsonl, digests.py): the first update
+    """Compare the per-update digests of the parameters (train/digests-rank*.jsonl, records/digests.py): the first update
     after which the two runs hold other parameters on some rank, among the updates both recorded."""
-    from torchrelay.digests import first_parting, read_digests
+    from torchrelay.records.digests import first_parting, read_digests
 
     a, b = read_digests(a_dir), read_digests(b_dir)
     result = LogComparison(what="digests")

@@ -14,8 +14,8 @@ from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
 from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR
-from torchrelay.layout import checkpoint_name
-from torchrelay.rundir import RunDir
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.records import read_json_or_none
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
     import tempfile
 
     from torchrelay.audit.orchestrator import comparison_points
-    from torchrelay.reshard import RESHARD_ENV
+    from torchrelay.records.reshard import RESHARD_ENV
 
     if len(worlds) < 2 or any(not isinstance(w, int) or w < 1 for w in worlds):
         raise AuditError(

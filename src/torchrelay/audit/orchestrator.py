@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay import numerics
 from torchrelay.audit import compare, diagnose, probe, verdict
 from torchrelay.audit.runner import (
     AuditError,
@@ -27,9 +26,10 @@ from torchrelay.audit.runner import (
 )
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import ConfigError
-from torchrelay.history import read_history
-from torchrelay.layout import checkpoint_name
-from torchrelay.rundir import RunDir
+from torchrelay.identity import numerics
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.history import read_history
 from torchrelay.util.hashing import sha256_or_none
 
 TOP_TENSORS = 5

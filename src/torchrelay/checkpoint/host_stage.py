@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from torchrelay.checkpoint.torch_compat import dtensor_like, dtensor_local
-from torchrelay.tuning import SaveTuning
+from torchrelay.config.tuning import SaveTuning
 
 # Nice value of the background threads (Linux: per thread). The loop keeps its core when cores are short.
 BACKGROUND_NICE = 10

@@ -39,11 +39,12 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE, HostStage, lower_priority
+from torchrelay.config import envvars
+from torchrelay.config.tuning import SaveTuning
 from torchrelay.errors import CheckpointError, ConfigError
-from torchrelay.tuning import SaveTuning
+from torchrelay.util import kill_points
 from torchrelay.util.meminfo import meminfo_kib
 from torchrelay.util.sha256_parts import PartHasher
 

@@ -38,7 +38,7 @@ from torchrelay.checkpoint.dcp_save import set_up_writer  # noqa: E402
 from torchrelay.checkpoint.host_stage import BACKGROUND_NICE  # noqa: E402
 from torchrelay.checkpoint.persist import HashingWriter, writeback_kib  # noqa: E402
 from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
-from torchrelay.tuning import SaveTuning  # noqa: E402
+from torchrelay.config.tuning import SaveTuning  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1
 

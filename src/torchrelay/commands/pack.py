@@ -7,11 +7,11 @@ from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.commands.argtypes import update
-from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
-from torchrelay.lock import RunLock
-from torchrelay.rundir import Bundle
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import Bundle
+from torchrelay.records.contract import load_contract
 from torchrelay.storage.url import parse_url, scheme_of
 from torchrelay.util import bars, schema
 

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from torchrelay.audit.verdict import shown_for_run
+from torchrelay.paths.rundir import RunDir
 from torchrelay.report import render
-from torchrelay.rundir import RunDir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,12 +6,12 @@ import argparse
 from pathlib import Path
 
 from torchrelay.commands.argtypes import job_id, update
-from torchrelay.contract import load_contract
 from torchrelay.controller.supervisor import last_logged_update
 from torchrelay.errors import ConfigError
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
+from torchrelay.records.contract import load_contract
+from torchrelay.records.train import metrics_path
 from torchrelay.util.shown import visible
 
 

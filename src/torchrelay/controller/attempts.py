@@ -27,10 +27,10 @@ from typing import Any
 import yaml
 
 from torchrelay.controller.plan import plan_diff
-from torchrelay.costmodel import MEASUREMENTS_SCHEMA
 from torchrelay.errors import ConfigError, RelayError
-from torchrelay.layout import ATTEMPTS_DIR
-from torchrelay.rundir import RunDir
+from torchrelay.paths.layout import ATTEMPTS_DIR
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import MEASUREMENTS_SCHEMA
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.records import Schema, check, read_json, read_yaml
 

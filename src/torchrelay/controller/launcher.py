@@ -19,9 +19,9 @@ from typing import Any
 
 from rich.console import Console
 
-from torchrelay import envvars
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.config import envvars
 from torchrelay.controller.argv import training_argv
 from torchrelay.controller.attempts import Attempt, Attempts, Outcome, describe_fallback
 from torchrelay.controller.console import LaunchConsole
@@ -37,8 +37,7 @@ from torchrelay.controller.supervisor import (
     last_logged_update,
     segment_ended,
 )
-from torchrelay.costmodel import CostModel, Measurements, earliest
-from torchrelay.ended import CLEAN_STOPS, exit_code_of
+from torchrelay.controller.validation import ValidationSpec, validate_checkpoints
 from torchrelay.errors import (
     EXIT_BUDGET,
     EXIT_ERROR,
@@ -48,14 +47,15 @@ from torchrelay.errors import (
     EXIT_SIGNAL,
     RelayError,
 )
-from torchrelay.history import read_history, upsert
-from torchrelay.layout import checkpoint_name
-from torchrelay.lock import RunLock
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import CostModel, Measurements, earliest
+from torchrelay.policy.stop import write_request
+from torchrelay.records.ended import CLEAN_STOPS, exit_code_of
+from torchrelay.records.history import read_history, upsert
+from torchrelay.records.train import metrics_path
 from torchrelay.util.safepath import open_writable
-from torchrelay.validation import ValidationSpec, validate_checkpoints
 
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
 STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
@@ -354,7 +354,7 @@ class Controller:
     def _deadline(self, now: float) -> float | None:
         slurm_end = None
         if self.job:
-            from torchrelay import slurm
+            from torchrelay.controller import slurm
 
             ask = self.req.time_left or (lambda job: slurm.job_end_time(job))
             try:

@@ -17,11 +17,11 @@ from typing import Any
 
 from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
-from torchrelay.history import read_history
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import Measurements
+from torchrelay.records.history import read_history
+from torchrelay.records.train import metrics_path
 from torchrelay.util.jsonl import iter_records
 
 # The last line of a Python traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ...".

@@ -28,12 +28,12 @@ import psutil
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
 from torchrelay.controller.torchrun import TorchrunOutput
 from torchrelay.errors import RelayError
-from torchrelay.history import read_history
 from torchrelay.log import logger
-from torchrelay.proctree import Tree, survivors
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
+from torchrelay.records.history import read_history
+from torchrelay.records.train import metrics_path
+from torchrelay.util.proctree import Tree, survivors
 from torchrelay.util.safepath import open_regular
 
 # How long after a forwarded clean-stop signal, or after the hard deadline, before the tree is killed.

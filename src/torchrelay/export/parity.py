@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from torchrelay import numerics
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.errors import ConfigError, ParityError, RelayError
-from torchrelay.ledger import order_and_contract
-from torchrelay.rundir import RunDir
+from torchrelay.identity import numerics
+from torchrelay.ledger.exposure import order_and_contract
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
 
 HOOKS = ("training_model", "inputs", "training_logits")

@@ -27,13 +27,13 @@ from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.contract import load_contract
-from torchrelay.destinations import refuse_inside_runs, refuse_nested
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.parity import ParityOptions, check_parity
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
-from torchrelay.layout import checkpoint_label, parse_checkpoint_name
-from torchrelay.rundir import RunDir
+from torchrelay.paths.destinations import refuse_inside_runs, refuse_nested
+from torchrelay.paths.layout import checkpoint_label, parse_checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
 from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json_or_none

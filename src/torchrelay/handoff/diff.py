@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.checkpoint.inventory import INVENTORY
-from torchrelay.config import is_runtime_key
-from torchrelay.contract import CONTRACT_FILE, contract_diff, contract_manifest, load_contract
+from torchrelay.config.relay import is_runtime_key
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.layout import parse_checkpoint_name
-from torchrelay.rundir import Bundle, RunDir
+from torchrelay.paths.layout import parse_checkpoint_name
+from torchrelay.paths.rundir import Bundle, RunDir
+from torchrelay.records.contract import CONTRACT_FILE, contract_diff, contract_manifest, load_contract
 from torchrelay.util.dotted import flatten
 from torchrelay.util.records import Schema, read_json, read_json_or_none
 

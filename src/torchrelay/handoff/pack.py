@@ -26,24 +26,24 @@ from torchrelay.checkpoint.handed_off import (
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.contract import load_contract
-from torchrelay.destinations import refuse_nested
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, PathError
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many, through_link
 from torchrelay.handoff.signing import bundle_digest, check_key, sign
 from torchrelay.handoff.source import write_source
-from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
-from torchrelay.kill_points import kill_point
-from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LEDGER_PROOF, MANIFEST_REL
-from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import Bundle, RunDir
-from torchrelay.train_records import copy_log, rank_logs, trim_copy
+from torchrelay.paths.destinations import refuse_nested
+from torchrelay.paths.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LEDGER_PROOF, MANIFEST_REL
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import Bundle, RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.history import new_id, read_history
+from torchrelay.records.train import copy_log, rank_logs, trim_copy
 from torchrelay.util.durable import fsync_dir, temp_prefix
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.records import read_json_or_none
 from torchrelay.util.safepath import walk_files
 from torchrelay.util.sums import SumEntry, format_sums, write_sums
@@ -417,7 +417,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     """Updates done/left, epoch, exposures, LR and mean losses at the stop, from the bundle's own copies."""
     summary: dict[str, Any] = {}
     try:
-        from torchrelay.summary import summarize  # type: ignore[import-not-found,unused-ignore]
+        from torchrelay.records.summary import summarize  # type: ignore[import-not-found,unused-ignore]
     except ImportError:  # the core's status summary is optional for packing; the basics follow below
         pass
     else:
@@ -455,7 +455,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     if lr is not None:
         summary.setdefault("lr", lr)
     try:
-        from torchrelay.ledger import prove
+        from torchrelay.ledger.exposure import prove
 
         summary.setdefault("ledger", prove(bundle_like).to_dict())
     except Exception as exc:  # noqa: BLE001 - as above

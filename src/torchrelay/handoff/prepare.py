@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import __version__
-from torchrelay.config import RelayConfig
-from torchrelay.destinations import refuse_nested
+from torchrelay.checkpoint.resume_check import PREPARE_RECORD_SCHEMA, ResumeCheck, validate_resume
+from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.handoff.assemble import (
     Hooks,
@@ -32,18 +32,18 @@ from torchrelay.handoff.copying import through_link
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
-from torchrelay.history import new_id
 from torchrelay.identity import tree_note
-from torchrelay.kill_points import kill_point
-from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.resume_check import PREPARE_RECORD_SCHEMA, ResumeCheck, validate_resume
-from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
+from torchrelay.paths.destinations import refuse_nested
+from torchrelay.paths.layout import CONFIG_FILE, MANIFEST_REL
+from torchrelay.paths.rundir import Bundle, BundleRecords, RunDir, read_record
+from torchrelay.records.history import new_id
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.durable import atomic_write_bytes, atomic_write_text, fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.records import check
 
 # Keys prepare owns itself: the manifest always lives in the run directory.

@@ -19,20 +19,20 @@ from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED, HANDED_OFF, PACKING, read_marker, write_marker
 from torchrelay.checkpoint.inventory import read_inventory
-from torchrelay.contract import load_contract
 from torchrelay.errors import ConfigError, ForkRefused, IntegrityError
 from torchrelay.handoff.pack import PackOptions, PackResult, _who, _write_bundle, checkpoint_to_pack, recover
 from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
 from torchrelay.handoff.store_read import PARTS_REL
-from torchrelay.history import new_id
-from torchrelay.kill_points import kill_point
-from torchrelay.lock import RunLock
-from torchrelay.rundir import RunDir
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.history import new_id
 from torchrelay.storage.base import ObjectStore, open_store
 from torchrelay.storage.transfer import upload_hashed
 from torchrelay.storage.url import StoreURL
 from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import ByteCallback, default_jobs
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.sha256_parts import PART_BYTES
 from torchrelay.util.sums import SUMS_NAME, SumEntry, format_sums
 

@@ -31,9 +31,8 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.data.loader import RelayLoader, start_forkserver
-from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import (
     RelayOptions,
@@ -43,11 +42,12 @@ from torchrelay.integrations.hf_contract import (
     relay_config,
     write_manifest,
 )
-from torchrelay.layout import MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest, index_path
+from torchrelay.paths.layout import MANIFEST_REL
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.ended import Ended
 from torchrelay.run import Run, Step
-from torchrelay.rundir import RunDir
 
 
 def _manifest_samples(run_dir: Path, options: RelayOptions, existing: bool) -> int:

@@ -10,11 +10,11 @@ from typing import Any
 
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
-from torchrelay.history import read_history
-from torchrelay.numerics import describe
-from torchrelay.reshard import describe_change
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, metric_float, rank_logs
+from torchrelay.identity.numerics import describe
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.history import read_history
+from torchrelay.records.reshard import describe_change
+from torchrelay.records.train import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, metric_float, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 from torchrelay.util.safepath import open_regular
 
@@ -215,7 +215,7 @@ def read_series(run_dir: str | Path) -> RunSeries:
 
 
 def _validation(run_dir: Path) -> list[ValidationPoint]:
-    from torchrelay.validation_records import read_records
+    from torchrelay.records.validation import read_records
 
     points = []
     for record in read_records(run_dir).values():

@@ -18,15 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrelay import rng
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
 from torchrelay.checkpoint.replica import settle_after_open
+from torchrelay.checkpoint.state import rng
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
-from torchrelay.config import RelayConfig
-from torchrelay.contract import canonical_json
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.loader import RelayLoader
-from torchrelay.digests import DigestLog, digests_path
-from torchrelay.ended import Ended, ended_of
 from torchrelay.errors import (
     EXIT_ERROR,
     EXIT_FINISHED,
@@ -35,16 +32,19 @@ from torchrelay.errors import (
     install_excepthook,
     run_opening,
 )
-from torchrelay.history import upsert
 from torchrelay.identity import find_code_dir
 from torchrelay.log import ensure_voice, logger, set_rank
-from torchrelay.reshard import rank_stream_seed, reshard_asked, reshard_asker
+from torchrelay.records.contract import canonical_json
+from torchrelay.records.digests import DigestLog, digests_path
+from torchrelay.records.ended import Ended, ended_of
+from torchrelay.records.history import upsert
+from torchrelay.records.reshard import rank_stream_seed, reshard_asked, reshard_asker
+from torchrelay.records.train import record_oom
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.loop import Loop, Step
 from torchrelay.run.opening import SegmentOpener, start_over
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
-from torchrelay.train_records import record_oom
 from torchrelay.util import collective
 from torchrelay.util.finalize import freeze_at_exit
 from torchrelay.util.jsonl import iter_records
@@ -69,7 +69,7 @@ class Run:
         """Create the run, or validate and resume it from its newest complete checkpoint (every rank).
 
         reshard: this launch may continue on another layout (world size, micro_batch x grad_accum) with the same
-        global batch (reshard.py); None reads TORCHRELAY_RESHARD.
+        global batch (records/reshard.py); None reads TORCHRELAY_RESHARD.
 
         A refusal reaches every rank as the same RelayError; rank 0 prints it once and records the launch in
         history.jsonl as a segment that ended `refused` (exit 2), unless another writer holds the run.
@@ -121,7 +121,7 @@ class Run:
         # A relaunch of a finished run trains nothing and records nothing (steps() says so).
         self._finished_before = self.start_update >= self.config.total_updates
         self._tracked = Tracked()
-        # the parameters' digest after every update (digests.py): runs compared update by update
+        # the parameters' digest after every update (records/digests.py): runs compared update by update
         self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None

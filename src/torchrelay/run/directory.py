@@ -17,22 +17,27 @@ from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.replica import choose as choose_nodes
 from torchrelay.checkpoint.replica import replica_dir
+from torchrelay.checkpoint.resume_check import (
+    keep_prepared,
+    refuse_contract_overrides,
+    schedule_gate,
+    validate_resume,
+)
 from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, choose_memory, memory_root
-from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract, write_contract
+from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import ConfigError
-from torchrelay.history import close_crashed, new_id, read_history, write_history
 from torchrelay.identity import running_files, tree_note
-from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL, checkpoint_name
+from torchrelay.identity.numerics import check_resume
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.numerics import check_resume
-from torchrelay.reshard import Layout
-from torchrelay.resume_check import keep_prepared, refuse_contract_overrides, schedule_gate, validate_resume
+from torchrelay.paths.layout import LINEAGE_FILE, MANIFEST_REL, checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import build_contract, write_contract
+from torchrelay.records.history import close_crashed, new_id, read_history, write_history
+from torchrelay.records.reshard import Layout
+from torchrelay.records.train import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.run.saver import last_save_seconds
-from torchrelay.rundir import RunDir
 from torchrelay.storage.durable import restore as restore_durable
-from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import Schema, read_json, read_json_or_none

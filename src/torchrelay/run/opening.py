@@ -17,23 +17,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torchrelay import __version__, envvars
+from torchrelay import __version__
 from torchrelay.checkpoint.persist import stall_seconds
 from torchrelay.checkpoint.replica import nodes_of, survey
-from torchrelay.config import RelayConfig
+from torchrelay.config import envvars
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.order import GlobalOrder
-from torchrelay.ended import Ended
 from torchrelay.errors import EXIT_REFUSED, ConfigError, RelayError, mark_reported, mark_shared
-from torchrelay.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
 from torchrelay.identity import fingerprint_differences, fingerprint_summary, node_fingerprint, versions
-from torchrelay.lock import RunLock
+from torchrelay.identity.numerics import gather
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.numerics import gather
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import Deadline, deadline_from_env, job_start
+from torchrelay.records.ended import Ended
+from torchrelay.records.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
+from torchrelay.records.train import ExposureLog, RankLog, exposure_widths, exposures_path, metrics_path
 from torchrelay.run.directory import Start, create_run, last_segment, read_lineage, reopen_run
-from torchrelay.rundir import RunDir
-from torchrelay.stop import Deadline, deadline_from_env, job_start
-from torchrelay.train_records import ExposureLog, RankLog, exposure_widths, exposures_path, metrics_path
 from torchrelay.util import collective
 
 
@@ -89,7 +90,7 @@ class SegmentOpener:
         asked_by: str = "reshard",
     ) -> None:
         self.rank = rank
-        self.reshard = reshard  # this launch may change the layout (reshard.py)
+        self.reshard = reshard  # this launch may change the layout (records/reshard.py)
         self.asked_by = asked_by  # who asked, as the move's record says
         self.world_size = world_size
         self.code_dir = code_dir

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from torchrelay import envvars
+import torchrelay.config.envvars as envvars
 from torchrelay import errors as errors_module
 from torchrelay.errors import EXIT_ERROR, RelayError, from_exception, mark_reported, report
 

@@ -2,7 +2,7 @@
 `torchrelay ledger` hashes the proven prefix of each log and reads only the tail (docs/FORMATS.md, LEDGER_PROOF.json).
 
 After a checkpoint's commit rank 0 may start a prover (`ProofSpawner`, TORCHRELAY_LEDGER_PROOF_BYTES): a process of
-its own at the lowest CPU priority, importing no torch (ledger_prover.py), that proves the logs up to the checkpoint's
+its own at the lowest CPU priority, importing no torch (ledger/prover.py), that proves the logs up to the checkpoint's
 update from the newest earlier proof and writes LEDGER_PROOF.json into the checkpoint's directory, atomically. So
 retention removes a proof with its checkpoint, and after a resume from an older checkpoint its proof still covers
 the logs (a proof is about bytes: the prefix it read, each log's length and SHA-256). A proof exists only for a
@@ -30,21 +30,21 @@ from typing import Any
 
 import numpy as np
 
-from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.config import envvars
 from torchrelay.data.order import ORDER_VERSION, GlobalOrder
 from torchrelay.errors import RelayError, one_line
-from torchrelay.layout import LEDGER_PROOF, TRAIN_DIR, parse_checkpoint_name
 from torchrelay.log import logger
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import rank_logs
+from torchrelay.paths.layout import LEDGER_PROOF, TRAIN_DIR, parse_checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import rank_logs
 from torchrelay.util.durable import atomic_write_bytes
 from torchrelay.util.records import read_bounded, read_json_or_none
 from torchrelay.util.safepath import open_regular
 
 PROOF_FORMAT = 1
 PROOF_KIND = "torchrelay ledger proof"
-PROVER_MODULE = "torchrelay.ledger_prover"
+PROVER_MODULE = "torchrelay.ledger.prover"
 # A proof holds a few hundred bytes a log and a bit a sample (compressed): 64 MiB is far past any run's.
 _MAX_BYTES = 64 << 20
 _HEX64 = frozenset("0123456789abcdef")
@@ -257,7 +257,7 @@ def proven_bytes(run_dir: Path) -> int:
 
 
 class ProofSpawner:
-    """Rank 0's: after a checkpoint's commit, starts a prover (`python -m torchrelay.ledger_prover RUN UPDATE`) when
+    """Rank 0's: after a checkpoint's commit, starts a prover (`python -m torchrelay.ledger.prover RUN UPDATE`) when
     the exposure logs grew by more than TORCHRELAY_LEDGER_PROOF_BYTES since the last one started. Called on the
     thread that committed (the persist thread for an async save): a few stats and at most one process start, which
     never fails the save."""

@@ -27,20 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.costmodel import validation_fits
+from torchrelay.config import envvars
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.identity import code_identity, find_code_dir
-from torchrelay.layout import checkpoint_name
-from torchrelay.lock import RunLock
-from torchrelay.rundir import RunDir
-from torchrelay.util.durable import atomic_write_text
-from torchrelay.util.hashing import sha256_hex
-from torchrelay.util.records import fit, read_json, read_json_or_none
-from torchrelay.util.safepath import ensure_inside, open_writable
-from torchrelay.validation_records import (
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import validation_fits
+from torchrelay.records.validation import (
     KEPT,
     LOG,
     METRICS,
@@ -55,6 +51,10 @@ from torchrelay.validation_records import (
     read_records,
     remove_stale_temps,
 )
+from torchrelay.util.durable import atomic_write_text
+from torchrelay.util.hashing import sha256_hex
+from torchrelay.util.records import fit, read_json, read_json_or_none
+from torchrelay.util.safepath import ensure_inside, open_writable
 
 if TYPE_CHECKING:  # the export pulls in torch; status and plans read validation records without it
     from torchrelay.export import ExportOptions

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
-from torchrelay.config import RelayConfig
-from torchrelay.contract import load_contract
+from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import IntegrityError
-from torchrelay.history import read_history
-from torchrelay.layout import (
+from torchrelay.manifest import INDEX_NAME
+from torchrelay.paths.layout import (
     ATTEMPTS_DIR,
     BUNDLE_INFO,
     CONFIG_FILE,
@@ -38,8 +37,9 @@ from torchrelay.layout import (
     checkpoint_name,
     parse_checkpoint_name,
 )
-from torchrelay.lock import LOCK_FILES
-from torchrelay.manifest import INDEX_NAME
+from torchrelay.paths.lock import LOCK_FILES
+from torchrelay.records.contract import load_contract
+from torchrelay.records.history import read_history
 from torchrelay.util.durable import remove_temps, temp_prefix
 from torchrelay.util.records import parse_json, read_json, read_json_or_none
 from torchrelay.util.safepath import check_relative, is_inside, read_regular, resolve_inside
@@ -93,7 +93,7 @@ class RunDir:
         return [p for u, p in sorted((u, p) for u, p in found if u is not None) if p.is_dir()]
 
     def validation_of(self, update: int) -> Path:
-        """The folder of the validation record of the checkpoint of `update` (validation_records.py's format)."""
+        """The folder of the validation record of the checkpoint of `update` (records/validation.py's format)."""
         return self.validation_dir / checkpoint_name(update)
 
     def exists(self) -> bool:

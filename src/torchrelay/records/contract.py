@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchrelay.config import RUNTIME_FIELDS, RelayConfig
+from torchrelay.config.relay import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.identity import CODE_FIELDS, code_changes, code_identity, versions
-from torchrelay.layout import CONTRACT_FILE
 from torchrelay.manifest import Manifest, index_root
+from torchrelay.paths.layout import CONTRACT_FILE
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
 from torchrelay.util.records import Field, Optional, Schema, check, read_json

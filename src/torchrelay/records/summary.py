@@ -10,13 +10,13 @@ from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.checkpoint.storage import LocalStorage
 from torchrelay.checkpoint.tiers import held_replicas, memory_root
-from torchrelay.config import RelayConfig
-from torchrelay.contract import load_contract
-from torchrelay.history import read_history
-from torchrelay.ledger import prove
-from torchrelay.lock import holder
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import (
+from torchrelay.config.relay import RelayConfig
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.lock import holder
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.history import read_history
+from torchrelay.records.train import (
     count_ooms,
     is_objective,
     last_records,
@@ -24,7 +24,7 @@ from torchrelay.train_records import (
     metrics_path,
     read_ooms,
 )
-from torchrelay.validation_records import read_pending, read_records
+from torchrelay.records.validation import read_pending, read_records
 
 
 def _mean(values: list[float]) -> float | None:
@@ -118,7 +118,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
             for s in history
         ],
         "lineages": lineages,
-        # Live holders of the run's locks (torchrelay.lock): who trains it and which controller launched it.
+        # Live holders of the run's locks (torchrelay.paths.lock): who trains it and which controller launched it.
         "trained_by": holder(rd.path, "train"),
         "launched_by": holder(rd.path, "launch"),
     }

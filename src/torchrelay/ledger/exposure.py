@@ -1,7 +1,7 @@
 """The exposure ledger: proof from the per-rank logs that every sample was seen exactly once, in order.
 
 `prove` reads every exposure (`full=True`), or, by default, starts from the newest checkpoint's LEDGER_PROOF.json
-whose prefixes the logs still hold (ledger_proof.py; written after a commit by ledger_prover.py) and reads only the
+whose prefixes the logs still hold (ledger/proof.py; written after a commit by ledger/prover.py) and reads only the
 tail after it. The report is the same either way: a proof exists only for a prefix in which every update is exact,
 and a tail that is not exact, or not readable the fast way, sends the ledger back to the whole proof, which words
 every problem as it always has."""
@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from torchrelay import ledger_proof
-from torchrelay.contract import contract_manifest, load_contract
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import IntegrityError, RelayError
-from torchrelay.layout import TRAIN_DIR
-from torchrelay.lock import holder
+from torchrelay.ledger import proof as ledger_proof
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import Exposures, rank_logs, read_exposures, read_exposures_from
+from torchrelay.paths.layout import TRAIN_DIR
+from torchrelay.paths.lock import holder
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import contract_manifest, load_contract
+from torchrelay.records.train import Exposures, rank_logs, read_exposures, read_exposures_from
 
 
 @dataclass(slots=True)
@@ -132,7 +132,7 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10, *, full: bool
 
     Streams: per-sample counters in numpy, one epoch at a time, never a Python object per exposure; 20 M exposures
     take seconds and a few hundred MB. Unless `full`, the newest checkpoint's proof that the logs still match
-    (ledger_proof.py) stands for the prefix it covers, and only the tail is read; the report is then the one the
+    (ledger/proof.py) stands for the prefix it covers, and only the tail is read; the report is then the one the
     whole proof gives (any tail that is not clean, or not readable the fast way, is proven in full).
     """
     root = Path(run_dir)

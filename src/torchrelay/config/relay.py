@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchrelay.config.tuning import LoadTuning, SaveTuning
 from torchrelay.errors import ConfigError, install_excepthook
-from torchrelay.tuning import LoadTuning, SaveTuning
 from torchrelay.util import schema
 
 SAMPLERS = ("shuffled", "length_bucketed")
@@ -71,7 +71,7 @@ class RelayConfig:
     # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
     # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
     strict_code: bool = field(default=False, metadata=RUNTIME)
-    # how fast saves and loads go (tuning.py): no byte saved or loaded changes, so they may differ per segment
+    # how fast saves and loads go (config/tuning.py): no byte saved or loaded changes, so they may differ per segment
     save_tuning: SaveTuning = field(
         default_factory=SaveTuning,
         metadata={**RUNTIME, "doc": "threads and buffers of a save (docs/CONFIG.md)"},
@@ -180,7 +180,7 @@ class RelayConfig:
         return self.micro_batch * self.grad_accum * world_size
 
 
-# The runtime-only fields, in declaration order (contract.py drops them from the contract).
+# The runtime-only fields, in declaration order (records/contract.py drops them from the contract).
 RUNTIME_FIELDS = schema.fields_with(RelayConfig, "runtime")
 
 
