@@ -58,6 +58,8 @@ _ALTERNATIVES = "|".join(
 DOTTED = re.compile(rf"\btorchrelay\.({_ALTERNATIVES})(?![\w])")
 SLASHED = re.compile(rf"\btorchrelay/({_NAMES})\.py\b")
 FROM = re.compile(r"^(\s*)from torchrelay import ([^\n()]+?)(\s*#.*)?$", re.M)
+# one module imported inside a line, as in the code of a `python -c` string
+INLINE = re.compile(rf"(?:(?<=[;\"'] )|(?<=[\"']))from torchrelay import ({_NAMES})\b(?! as)")
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".sh", ".cfg", ".yml", ".yaml", ".ini"}
 
 
@@ -85,7 +87,12 @@ def rewrite(text: str, python: bool) -> str:
     # Dotted names first: the lines `_from_line` writes name the new packages and must not be rewritten again.
     text = DOTTED.sub(lambda m: "torchrelay." + MAP[m.group(1)], text)
     text = SLASHED.sub(lambda m: "torchrelay/" + MAP[m.group(1)].replace(".", "/") + ".py", text)
-    return FROM.sub(_from_line, text) if python else text
+    if python:
+        text = FROM.sub(_from_line, text)
+        text = INLINE.sub(
+            lambda m: "from torchrelay.{} import {}".format(*MAP[m.group(1)].rsplit(".", 1)), text
+        )
+    return text
 
 
 def main(argv: list[str]) -> int:

@@ -34,7 +34,8 @@ from helpers import (
 )
 from torchrelay.checkpoint.commit import TMP_PREFIX
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.paths.lock import LOCK_FILES, holder
+from torchrelay.paths.layout import LOCK_FILES
+from torchrelay.paths.lock import holder
 from torchrelay.records.history import read_history
 from torchrelay.util.proctree import Tree
 

@@ -36,7 +36,7 @@ from torchrelay.audit.layout_audit import layout_verdict, likely_causes, with_wo
 from torchrelay.audit.runner import AuditError
 from torchrelay.checkpoint.resume_check import validate_resume
 from torchrelay.cli import main
-from torchrelay.config.relay import RelayConfig
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import EXIT_REFUSED, ConfigError, ContractMismatch
 from torchrelay.ledger.exposure import prove
 from torchrelay.paths.rundir import RunDir
@@ -149,7 +149,7 @@ def test_a_layout_change_is_refused_unless_asked_and_another_global_batch_always
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(relayed["straight"], run)
-    cfg = RunDir(run).load_config()
+    cfg = stored_config(RunDir(run))
     # not asked for: the checkpoint's layout, field by field
     with pytest.raises(ContractMismatch) as unasked:
         validate_resume(run, cfg.replace(grad_accum=4), 1, example["code"])

@@ -24,6 +24,7 @@ from torchrelay.checkpoint import dcp_io
 from torchrelay.checkpoint.handed_off import read_marker
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, validate_complete, write_inventory
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import EXIT_REFUSED, RelayError, from_exception
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.verify import check_inventory, verify_bundle
@@ -383,7 +384,11 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
     contract.write_text(json.dumps(doc))
     config = run_dir / "config.json"
     fuzz_file(
-        outcome, config, config.read_bytes(), {"load_config": lambda: RunDir(run_dir).load_config()}, SEED + 8
+        outcome,
+        config,
+        config.read_bytes(),
+        {"load_config": lambda: stored_config(RunDir(run_dir))},
+        SEED + 8,
     )
 
     request = run_dir / REQUEST_FILE

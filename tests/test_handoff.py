@@ -19,6 +19,7 @@ from torchrelay.checkpoint.handed_off import read_marker
 from torchrelay.checkpoint.resume_check import validate_resume
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError, ForkRefused, RelayError
 from torchrelay.handoff.diff import diff
 from torchrelay.handoff.pack import PackOptions, pack
@@ -97,7 +98,7 @@ def test_fork_guard_refuses_source_and_second_pack(packed: Packed, tmp_path: Pat
     with pytest.raises(ForkRefused, match="already handed off"):
         pack(packed.source, tmp_path / "again", PackOptions(code_dir=packed.code))
     # reclaiming is explicit, and then the trainer's validation lets it through
-    cfg = RunDir(packed.source).load_config()
+    cfg = stored_config(RunDir(packed.source))
     mp = pytest.MonkeyPatch()
     mp.setenv("TORCHRELAY_RECLAIM", "1")
     try:
@@ -363,7 +364,7 @@ def test_a_pack_killed_at_any_step_leaves_no_usable_bundle_without_its_record(
     """Defect: killed after the bundle's rename, before HANDED_OFF.json, a pack left a usable bundle and no fork
     guard (a second pack made a second lineage); killed inside the record's write, it wedged the trainer."""
     name = f"checkpoint-{STOP_AT}"
-    cfg = RunDir(packed.source).load_config()
+    cfg = stored_config(RunDir(packed.source))
     for step in PACK_STEPS:
         source = tmp_path / step.replace(":", "-") / "source"
         shutil.copytree(packed.source, source)

@@ -35,8 +35,9 @@ from helpers import REPO
 from torchrelay.checkpoint import state
 from torchrelay.checkpoint.reader import load_statefuls
 from torchrelay.cli import main
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import EXIT_REFUSED, RelayError
-from torchrelay.paths.lock import TRAIN_LOCK
+from torchrelay.paths.layout import TRAIN_LOCK
 from torchrelay.report.series import read_series
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.jsonl import LINE_LIMIT
@@ -1110,7 +1111,7 @@ def _killed_creation(tmp_path: Path) -> tuple[Any, Path]:
     """A configuration and a directory as a creation killed after its copy of the manifest left it."""
     from torchrelay.paths.rundir import RunDir
 
-    config = RunDir(FIXTURE / "run").load_config()
+    config = stored_config(RunDir(FIXTURE / "run"))
     config = config.replace(
         manifest=str(FIXTURE / "data" / "manifest.jsonl"), data_root=str(FIXTURE / "data" / "root")
     )
@@ -1142,6 +1143,7 @@ def _plant_data_folder(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyP
 
 def _plant_validation_log(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
     from torchrelay.controller import validation
+    from torchrelay.paths.rundir import RunDir
 
     run = tmp_path / "run"
     shutil.copytree(FIXTURE / "run", run, symlinks=True)
@@ -1152,7 +1154,7 @@ def _plant_validation_log(tmp_path: Path, victim: Path, monkeypatch: pytest.Monk
             log.symlink_to(victim)
 
     monkeypatch.setattr(validation, "_remove_weights", plant)
-    return lambda: validation.run_one(run, 8, validation.ValidationSpec(command="echo WRITTEN"))
+    return lambda: validation.run_one(RunDir(run), 8, validation.ValidationSpec(command="echo WRITTEN"))
 
 
 def _plant_smoke_log(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:

@@ -13,7 +13,7 @@ LAYERS = [
     ("util", 0), ("errors", 0), ("config.envvars", 0), ("records.ended", 0), ("log", 0),
     ("paths", 1), ("config", 1), ("records", 1), ("identity", 1), ("manifest", 1),
     ("checkpoint", 1), ("storage", 1),
-    ("data", 2), ("policy", 2), ("run", 2), ("ledger", 2), ("records.summary", 2),
+    ("data", 2), ("policy", 2), ("readers", 2), ("run", 2), ("ledger", 2), ("records.summary", 2),
     ("handoff", 3), ("audit", 3), ("report", 3), ("export", 3), ("integrations", 3),
     ("controller", 4),
     ("cli", 5), ("commands", 5), ("__main__", 5),

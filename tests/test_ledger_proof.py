@@ -38,7 +38,7 @@ def _prover(run: Path, update: int, *, arm: str | None = None) -> subprocess.Com
         cmd = [sys.executable, "-m", "torchrelay.ledger.prover", str(run), str(update)]
     else:  # a crash test's kill point, armed in the prover's own process
         code = (
-            "import sys; from torchrelay import kill_points; kill_points.arm(sys.argv[1]); "
+            "import sys; from torchrelay.util import kill_points; kill_points.arm(sys.argv[1]); "
             "from torchrelay.ledger.prover import main; sys.exit(main(sys.argv[2:]))"
         )
         cmd = [sys.executable, "-c", code, arm, str(run), str(update)]

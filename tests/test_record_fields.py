@@ -22,6 +22,7 @@ from schema_cases import at_bounds
 from test_hostile_records import _cli, make_run
 from torchrelay.checkpoint.resume_check import PREPARE_RECORD_SCHEMA, prepared_layout
 from torchrelay.config import envvars
+from torchrelay.config.relay import stored_config
 from torchrelay.controller.attempts import Attempts
 from torchrelay.errors import EXIT_REFUSED, ConfigError, RecordError
 from torchrelay.identity.numerics import check_resume
@@ -330,7 +331,7 @@ def test_a_contract_of_code_outside_any_checkout_loads(tmp_path: Path) -> None:
     from torchrelay.records.contract import build_contract, write_contract
 
     source = RunDir(FIXTURE / "run")
-    cfg = source.load_config()
+    cfg = stored_config(source)
     manifest = Manifest.load(source.path / "data" / "manifest.jsonl", str(FIXTURE / "data"))
     contract = build_contract(cfg, 2, None, manifest)
     assert contract["fields"]["code.dirty"] is None

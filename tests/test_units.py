@@ -18,7 +18,7 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.cli import main
-from torchrelay.config.relay import RelayConfig
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import (
     EXIT_BUDGET,
@@ -198,7 +198,7 @@ def test_non_utf8_run_files_are_named(tmp_path: Path) -> None:
     for name in ("config.json", "resume_contract.json", "history.jsonl"):
         (tmp_path / name).write_bytes(b"\xff\xfe\x80 not utf-8")
     with pytest.raises(IntegrityError, match=r"config.json \(the run's configuration\): not UTF-8 text"):
-        RunDir(tmp_path).load_config()
+        stored_config(RunDir(tmp_path))
     with pytest.raises(
         IntegrityError, match=r"resume_contract.json \(the training contract\): not UTF-8 text"
     ):

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.audit.runner import AuditError, Launcher, run_segments, subprocess_launcher
+from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import ConfigError
 from torchrelay.identity import numerics
-from torchrelay.paths.layout import CONTRACT_FILE, checkpoint_name, parse_checkpoint_name
-from torchrelay.paths.lock import LOCK_FILES
+from torchrelay.paths.layout import CONTRACT_FILE, LOCK_FILES, checkpoint_name, parse_checkpoint_name
 from torchrelay.paths.rundir import RunDir
 from torchrelay.records.contract import load_contract
 from torchrelay.records.digests import read_digests
@@ -83,7 +83,7 @@ def read_certificate(run_dir: str | os.PathLike[str], update: int) -> dict[str, 
 
 def _choose(run_dir: Path, recorded: dict[int, dict[int, str]], checkpoint: int | None, updates: int) -> int:
     """The checkpoint to certify: the one asked for, else the newest complete one with `updates` recorded after."""
-    complete = [c.update for c in RunDir(run_dir).checkpoints() if c.complete]
+    complete = [c.update for c in list_checkpoints(run_dir) if c.complete]
     return choose(recorded, complete, checkpoint, updates, run_dir)
 
 

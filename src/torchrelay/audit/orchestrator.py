@@ -25,6 +25,7 @@ from torchrelay.audit.runner import (
     subprocess_launcher,
 )
 from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError
 from torchrelay.identity import numerics
 from torchrelay.paths.layout import checkpoint_name
@@ -89,7 +90,7 @@ def _check_vary(run_dir: Path, vary: dict[str, list[Any]]) -> None:
     """Refuse, before the interrupted run, to vary a field the run's contract fixes (its resume would be refused)."""
     if not vary:
         return
-    cfg = RunDir(run_dir).load_config()
+    cfg = stored_config(RunDir(run_dir))
     for key in vary:
         dotted = key if key.startswith("params.") or key in cfg.to_dict() else f"params.{key}"
         if not cfg.is_runtime(dotted):

@@ -10,7 +10,7 @@ from typing import Any
 from torchrelay.checkpoint.handed_off import PACKING, RECLAIM_ENV, guarding_record
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
-from torchrelay.config.relay import RelayConfig
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import ConfigError, ContractMismatch, ForkRefused, RelayError
 from torchrelay.manifest import Manifest
 from torchrelay.paths.layout import PREPARE_RECORD
@@ -108,7 +108,7 @@ def validate_resume(
     the move, recorded as its `asked_by` (reshard.reshard_asker).
     """
     rd = RunDir(run_dir)
-    stored = rd.load_config()
+    stored = stored_config(rd)
     recorded = load_contract(rd.path)
     fields = recorded["fields"]
     ckpt = latest_complete(rd.path)

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchrelay.config.tuning import LoadTuning, SaveTuning
-from torchrelay.errors import ConfigError, install_excepthook
+from torchrelay.errors import ConfigError, IntegrityError, install_excepthook
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util import schema
+from torchrelay.util.records import read_json
 
 SAMPLERS = ("shuffled", "length_bucketed")
 ELASTIC_MODES = ("default", "exact")
@@ -182,6 +184,19 @@ class RelayConfig:
 
 # The runtime-only fields, in declaration order (records/contract.py drops them from the contract).
 RUNTIME_FIELDS = schema.fields_with(RelayConfig, "runtime")
+
+
+def stored_config(run_dir: RunDir) -> RelayConfig:
+    """The stored (live) configuration of a run, with the manifest pointing into the run directory."""
+    try:
+        data = read_json(run_dir.config_path, what="the run's configuration")
+    except FileNotFoundError as exc:
+        raise IntegrityError(
+            f"{run_dir.config_path} is missing: {run_dir.path} holds no torchrelay run"
+        ) from exc
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{run_dir.config_path} does not hold a JSON object")
+    return RelayConfig.from_dict(data, source=str(run_dir.config_path))
 
 
 def is_runtime_key(key: str, runtime_params: Iterable[str]) -> bool:

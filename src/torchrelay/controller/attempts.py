@@ -118,14 +118,15 @@ class Attempts:
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
-        self.final = RunDir(self.run_dir).attempts_dir
+        self.run = RunDir(self.run_dir)
+        self.final = self.run.attempts_dir
         self.staging = self.run_dir.parent / f".{self.run_dir.name}.{ATTEMPTS_DIR}"
         self.settle()
-        self.root = self.final if RunDir(self.run_dir).exists() or self.final.exists() else self.staging
+        self.root = self.final if self.run.exists() or self.final.exists() else self.staging
 
     def settle(self, attempt: Attempt | None = None) -> Attempt | None:
         """Move staged attempts into the run directory once it holds a run; returns `attempt` at its new place."""
-        if not self.staging.is_dir() or not RunDir(self.run_dir).exists():
+        if not self.staging.is_dir() or not self.run.exists():
             return attempt
         self.final.mkdir(exist_ok=True)
         for child in sorted(self.staging.iterdir()):

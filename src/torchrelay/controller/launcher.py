@@ -22,6 +22,7 @@ from rich.console import Console
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.config import envvars
+from torchrelay.config.relay import stored_config
 from torchrelay.controller.argv import training_argv
 from torchrelay.controller.attempts import Attempt, Attempts, Outcome, describe_fallback
 from torchrelay.controller.console import LaunchConsole
@@ -229,7 +230,7 @@ class Controller:
         if not spec.run or spec.update_list is None:
             return
         try:
-            cfg = RunDir(self.plan.run_path).load_config().with_overrides(self.plan.train.overrides)
+            cfg = stored_config(RunDir(self.plan.run_path)).with_overrides(self.plan.train.overrides)
         except RelayError:
             return  # a new run: its configuration is the training script's until it starts
         unsure = unpreserved(cfg, spec.update_list)
@@ -470,7 +471,7 @@ def _export_options(export: Any, workdir: Path) -> Any:
 
 def _total_updates(run_dir: Path) -> int | None:
     try:
-        return RunDir(run_dir).load_config().total_updates
+        return stored_config(RunDir(run_dir)).total_updates
     except RelayError:
         return None
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from torchrelay.checkpoint.commit import stale_bytes
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.config.relay import stored_config
 from torchrelay.controller.plan import CheckSpec, Plan
 from torchrelay.errors import EXIT_REFUSED, RelayError
 from torchrelay.identity import find_code_dir, tree_note
@@ -317,7 +318,7 @@ def check_contract(plan: Plan, report: PreflightReport) -> tuple[dict[str, Any],
     if not rd.exists():
         report.add("contract", f"{rd.path} holds no run yet: the formal run creates it", skipped=True)
         return None
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     if plan.train.overrides:
         cfg = cfg.with_overrides(plan.train.overrides)
     script = str(plan.work_path / plan.train.script)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError, ParityError, RelayError
 from torchrelay.identity import numerics
 from torchrelay.ledger.exposure import order_and_contract
@@ -138,7 +139,7 @@ def check_parity(out: Path, ckpt: Path, run_dir: Path | None, options: ParityOpt
             hint="add --include PATH/config.json (the serving model's config)",
         )
     hooks = _load_hooks(options.hooks)
-    config = RunDir(run_dir).load_config()
+    config = stored_config(RunDir(run_dir))
     order, manifest, _sha = order_and_contract(run_dir)
     indices = [int(i) for i in order.epoch_order(0)[: min(options.samples, len(manifest))]]
     dtype = _floating_dtype(out)

@@ -26,6 +26,7 @@ from torchrelay.checkpoint.handed_off import (
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, PathError
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many, through_link
@@ -163,7 +164,7 @@ def _pack(
     if options.sign is not None:
         check_key(options.sign)
     contract = load_contract(rd.path)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     notes = recover(rd.path, bundle)
     ckpt = checkpoint_to_pack(rd.path, options.checkpoint)
     inventory = read_inventory(ckpt)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED, HANDED_OFF, PACKING, read_marker, write_marker
 from torchrelay.checkpoint.inventory import read_inventory
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError, ForkRefused, IntegrityError
 from torchrelay.handoff.pack import PackOptions, PackResult, _who, _write_bundle, checkpoint_to_pack, recover
 from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
@@ -62,7 +63,7 @@ def _pack(
         check_key(options.sign)
     store.check_bucket()  # a missing bucket or refused credentials: said before any work
     contract = load_contract(rd.path)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     # a local pack's recovery (no local bundle here: a name that matches none) cleans the run's own temporaries
     notes = recover(rd.path, rd.path.parent / f".{rd.path.name}.store-pack")
     for stale in rd.path.parent.glob(f"{_staging_prefix(rd.path)}*"):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from torchrelay.config import envvars
+from torchrelay.config.relay import stored_config
 from torchrelay.data.loader import RelayLoader, start_forkserver
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import (
@@ -56,7 +57,7 @@ def _manifest_samples(run_dir: Path, options: RelayOptions, existing: bool) -> i
     if not existing:
         return len(Manifest.load(options.manifest or "", options.data_root))
     copy = RunDir(run_dir).manifest_path
-    cfg = RunDir(run_dir).load_config()
+    cfg = stored_config(RunDir(run_dir))
     return len(Manifest.load(copy, cfg.data_root, index=index_path(copy), root=run_dir))
 
 

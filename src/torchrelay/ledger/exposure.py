@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from torchrelay.config.relay import stored_config
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import IntegrityError, RelayError
 from torchrelay.ledger import proof as ledger_proof
@@ -62,7 +63,7 @@ def order_and_contract(run_dir: Path, *, bound: bool = True) -> tuple[GlobalOrde
     the contract recorded data.sha256 (not recorded: its resume reads every line, the ledger takes the index as
     before). The background prover of a live training passes False: that launch's rank 0 checked it at the open."""
     rd = RunDir(run_dir)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     contract = load_contract(run_dir)
     fields = contract["fields"]
     index = rd.manifest_index_path

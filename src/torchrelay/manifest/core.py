@@ -18,6 +18,7 @@ from typing import Any, overload
 import numpy as np
 
 from torchrelay.errors import ConfigError, DiskFull, RecordError
+from torchrelay.paths.layout import INDEX_NAME
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.records import Field, Schema, check, parse_json
 from torchrelay.util.safepath import ensure_inside, open_regular
@@ -25,7 +26,6 @@ from torchrelay.util.safepath import ensure_inside, open_regular
 ROOT_TOKEN = "${DATA_ROOT}"
 FINGERPRINT_VERSION = "fingerprint_v1"
 INDEX_FORMAT = 1
-INDEX_NAME = "manifest.index.npz"  # beside the run's copy, data/manifest.jsonl
 # A UTF-8 byte order mark opening the file (Windows tools write one): read past, no part of the first record. The
 # file's SHA-256 covers it (the bytes); the fingerprint, the records and the index's offsets do not.
 BOM = b"\xef\xbb\xbf"

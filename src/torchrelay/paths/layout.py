@@ -14,6 +14,11 @@ LINEAGE_FILE = "lineage.json"
 HISTORY_FILE = "history.jsonl"
 DATA_DIR = "data"
 MANIFEST_REL = f"{DATA_DIR}/manifest.jsonl"  # the run's copy of its manifest
+INDEX_NAME = (
+    "manifest.index.npz"  # the saved index of the manifest, beside the run's copy, data/manifest.jsonl
+)
+TRAIN_LOCK = ".torchrelay-train.lock"  # the training's writer lock (paths/lock.py)
+LOCK_FILES = frozenset({TRAIN_LOCK})
 TRAIN_DIR = "train"  # per-rank metric and exposure logs
 VALIDATION_DIR = "validation"  # one record per validated checkpoint (records/validation.py owns the format)
 ATTEMPTS_DIR = "attempts"  # the controller's record of each launch

@@ -10,7 +10,7 @@ from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.checkpoint.storage import LocalStorage
 from torchrelay.checkpoint.tiers import held_replicas, memory_root
-from torchrelay.config.relay import RelayConfig
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.ledger.exposure import prove
 from torchrelay.paths.lock import holder
 from torchrelay.paths.rundir import RunDir
@@ -39,7 +39,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     from every exposure line instead (`torchrelay ledger`: seconds and hundreds of MB at 20 M exposures).
     """
     rd = RunDir(run_dir)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     records = last_records(metrics_path(rd.train_dir, 0), window)
     done = records[-1]["update"] if records else 0
     recent = records

@@ -24,7 +24,7 @@ from torchrelay.checkpoint.resume_check import (
     validate_resume,
 )
 from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, choose_memory, memory_root
-from torchrelay.config.relay import RelayConfig
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import ConfigError
 from torchrelay.identity import running_files, tree_note
 from torchrelay.identity.numerics import check_resume
@@ -152,7 +152,7 @@ def reopen_run(
     resume chosen, and the directory repaired where a crash left it (temporaries, an unclosed segment, logs past
     that checkpoint); `config` None continues with the recorded configuration."""
     refuse_linked_logs(rd.train_dir)  # before anything is written: the logs are appended to and trimmed below
-    stored = rd.load_config()
+    stored = stored_config(rd)
     check_lineage(rd.path)
     cfg = config if config is not None else stored
     kept: list[str] = []
