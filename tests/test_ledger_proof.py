@@ -26,6 +26,7 @@ from torchrelay.cli import main
 from torchrelay.ledger import proof as ledger_proof
 from torchrelay.ledger.exposure import order_and_contract, prove
 from torchrelay.paths.layout import LEDGER_PROOF
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.train import rank_logs
 from torchrelay.util.durable import temp_prefix
 
@@ -95,9 +96,9 @@ def _same_as_full(run: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, An
 
 
 def _newest(run: Path) -> int | None:
-    order, _, contract_sha = order_and_contract(run)
+    order, _, contract_sha = order_and_contract(RunDir(run))
     logs = {p.name: p for p in rank_logs(run / "train", "exposures").values()}
-    proof = ledger_proof.newest(run, ledger_proof.identity(order, contract_sha), logs)
+    proof = ledger_proof.newest(RunDir(run), ledger_proof.identity(order, contract_sha), logs)
     return None if proof is None else proof.update
 
 

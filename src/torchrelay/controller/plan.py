@@ -36,6 +36,7 @@ from typing import Any
 
 from torchrelay.controller.slurm import NODES_LIMIT, PER_NODE_LIMIT, SlurmSpec
 from torchrelay.errors import ConfigError, RecordError
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.records import read_yaml
@@ -320,13 +321,16 @@ class Plan:
     def run_path(self) -> Path:
         return Path(self.run_dir)
 
+    @property
+    def run(self) -> RunDir:
+        """The run directory this plan trains, as the path model every reader of it takes."""
+        return RunDir(self.run_dir)
+
     def check_run_dir(self) -> None:
         """Refuse a run_dir that could not become this plan's run, before anything is written beside it (the
         controller's lock and attempts, the batch script): a file, or a directory that holds no torchrelay run and
         more than may come before one (what the training itself would refuse, after the launch wrote there)."""
-        from torchrelay.paths.rundir import RunDir
-
-        rd = RunDir(self.run_dir)
+        rd = self.run
         if not os.path.lexists(rd.path) or (rd.path.is_dir() and rd.exists()):
             return
         if not rd.path.is_dir():

@@ -245,13 +245,14 @@ class SignalRelay:
         return bool(self.received)
 
 
-def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
+def first_update_done(run: RunDir, since: float) -> Callable[[], bool]:
     """True once a segment started after `since` is running and rank 0 has logged its first update.
 
     Then the ranks' signal handlers are in place, and a stop makes progress: every job of a requeued chain moves
     the run forward by at least one update (no endless requeues that only restart), and no checkpoint is written
     at the update the segment resumed from.
     """
+    run_dir = run.path
     ready = False
 
     def check() -> bool:
@@ -264,7 +265,7 @@ def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
             if float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
         ]
         if mine:
-            last = last_logged_update(metrics_path(RunDir(run_dir).train_dir, 0))
+            last = last_logged_update(metrics_path(run.train_dir, 0))
             ready = last is not None and last >= int(mine[-1].get("first_update") or 1)
         return ready
 
@@ -292,8 +293,9 @@ def last_logged_update(path: Path) -> int | None:
     return None
 
 
-def segment_ended(run_dir: Path, since: float) -> Callable[[], bool]:
+def segment_ended(run: RunDir, since: float) -> Callable[[], bool]:
     """True once a history segment started after `since` has recorded how it ended."""
+    run_dir = run.path
 
     def ended() -> bool:
         return any(
@@ -320,7 +322,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         limits = MemoryLimits(
             soft_bytes=int(args.soft_gib * GIB), hard_bytes=int(max(args.hard_gib, args.soft_gib) * GIB)
         )
-    run_dir = Path(args.run_dir) if args.run_dir else None
+    run = RunDir(args.run_dir) if args.run_dir else None
+    run_dir = run.path if run else None
     started = time.time()
     sup = Supervisor(
         argv=command,
@@ -329,8 +332,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         run_dir=run_dir,
         limits=limits,
         job=os.environ.get("SLURM_JOB_ID"),
-        ranks_ready=first_update_done(run_dir, started) if run_dir else (lambda: True),
-        segment_ended=segment_ended(run_dir, started) if run_dir else (lambda: False),
+        ranks_ready=first_update_done(run, started) if run else (lambda: True),
+        segment_ended=segment_ended(run, started) if run else (lambda: False),
     )
     with SignalRelay() as relay:
         relay.current = sup

@@ -48,6 +48,7 @@ from torchrelay.records.validation import (
     RECORD_LIMIT,
     RECORD_SCHEMA,
     ValidationRecord,
+    folder,
     read_records,
     remove_stale_temps,
 )
@@ -240,7 +241,7 @@ def run_one(
     """Run the command on checkpoint-<update> and record how it went (never raises for the command's failure)."""
     run_dir = run.path
     ckpt = run.checkpoint(update)
-    out = run.validation_of(update)
+    out = folder(run_dir, update)
     ensure_inside(run_dir, out, source="validation", hint=_LINK_HINT)
     previous = read_records(run_dir).get(update)
     out.mkdir(parents=True, exist_ok=True)

@@ -139,8 +139,9 @@ def check_parity(out: Path, ckpt: Path, run_dir: Path | None, options: ParityOpt
             hint="add --include PATH/config.json (the serving model's config)",
         )
     hooks = _load_hooks(options.hooks)
-    config = stored_config(RunDir(run_dir))
-    order, manifest, _sha = order_and_contract(run_dir)
+    run = RunDir(run_dir)
+    config = stored_config(run)
+    order, manifest, _sha = order_and_contract(run)
     indices = [int(i) for i in order.epoch_order(0)[: min(options.samples, len(manifest))]]
     dtype = _floating_dtype(out)
     exact = dtype == torch.float32

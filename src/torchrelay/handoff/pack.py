@@ -99,8 +99,9 @@ class PackResult:
     notes: list[str] = field(default_factory=list)  # what recovering an interrupted pack did
 
 
-def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) -> Path:
+def checkpoint_to_pack(run: RunDir, which: int | None, *, guard: bool = True) -> Path:
     """The complete checkpoint to pack: the newest, or checkpoint-N; refuses incomplete or (guard) handed-off ones."""
+    run_dir = run.path
     infos = list_checkpoints(run_dir)
     complete = [c for c in infos if c.complete]
     if which is None:
@@ -114,7 +115,7 @@ def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) 
         if not matches:
             have = ", ".join(str(c.update) for c in complete) or "none"
             raise PathError(
-                f"{RunDir(run_dir).checkpoint(which)} does not exist (complete: {have})",
+                f"{run.checkpoint(which)} does not exist (complete: {have})",
                 hint="pass --checkpoint with the update of a complete checkpoint, or latest",
             )
         chosen = matches[0]
@@ -165,8 +166,8 @@ def _pack(
         check_key(options.sign)
     contract = load_contract(rd.path)
     cfg = stored_config(rd)
-    notes = recover(rd.path, bundle)
-    ckpt = checkpoint_to_pack(rd.path, options.checkpoint)
+    notes = recover(rd, bundle)
+    ckpt = checkpoint_to_pack(rd, options.checkpoint)
     inventory = read_inventory(ckpt)
     update = int(inventory["update"])
     if bundle.exists() and (not bundle.is_dir() or any(bundle.iterdir())):
@@ -215,13 +216,14 @@ def _tmp_prefix(bundle: Path) -> str:
     return f".{bundle.name}.pack-tmp-"
 
 
-def recover(run_dir: Path, bundle: Path) -> list[str]:
+def recover(run: RunDir, bundle: Path) -> list[str]:
     """Clean up after a pack killed part-way (with the run's lock held); returns what was done.
 
     Only what is provably ours and unusable goes: temporaries, and a bundle that never got its SHA256SUMS and
     is named by a "packing" record (or by no record at all) of this run. A "packing" record whose bundle has its
     SHA256SUMS was killed just before its last write: it is finished, not rolled back.
     """
+    run_dir = run.path
     notes = [f"removed {name}, left by an interrupted pack" for name in clean_temporaries(run_dir)]
     bundle = Path(bundle)
     if bundle.parent.is_dir():
@@ -350,7 +352,7 @@ def _write_bundle(
     _write_json(written.manifest_info_path, manifest_info)
     fields = contract["fields"]
     code = {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}
-    code_dir = options.code_dir or recorded_code_dir(rd.path) or _checkout_here()
+    code_dir = options.code_dir or recorded_code_dir(rd) or _checkout_here()
     source = write_source(
         code,
         code_dir,
@@ -398,9 +400,10 @@ def _write_bundle(
     return result, entries
 
 
-def recorded_code_dir(run_dir: Path) -> Path | None:
+def recorded_code_dir(run: RunDir) -> Path | None:
     """Where the run's code lies, from what its segments recorded: the code directory (git top level, or the
     folder) of the newest recorded script that still exists."""
+    run_dir = run.path
     for seg in reversed(read_history(run_dir)):
         code = seg.get("code")
         script = code.get("script") if isinstance(code, dict) else None

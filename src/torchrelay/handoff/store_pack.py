@@ -65,12 +65,12 @@ def _pack(
     contract = load_contract(rd.path)
     cfg = stored_config(rd)
     # a local pack's recovery (no local bundle here: a name that matches none) cleans the run's own temporaries
-    notes = recover(rd.path, rd.path.parent / f".{rd.path.name}.store-pack")
-    for stale in rd.path.parent.glob(f"{_staging_prefix(rd.path)}*"):
+    notes = recover(rd, rd.path.parent / f".{rd.path.name}.store-pack")
+    for stale in rd.path.parent.glob(f"{_staging_prefix(rd)}*"):
         shutil.rmtree(stale, ignore_errors=True)
         notes.append(f"removed {stale}, left by an interrupted pack into a store")
     notes += _recover_store_pack(rd, url, store)
-    ckpt = checkpoint_to_pack(rd.path, options.checkpoint)
+    ckpt = checkpoint_to_pack(rd, options.checkpoint)
     inventory = read_inventory(ckpt)
     update = int(inventory["update"])
     if store.list_objects(url.key("") if url.prefix else ""):
@@ -80,7 +80,7 @@ def _pack(
         )
 
     lineage = new_id()
-    staging = rd.path.parent / f"{_staging_prefix(rd.path)}{lineage}"
+    staging = rd.path.parent / f"{_staging_prefix(rd)}{lineage}"
     staging.mkdir()
     try:
         # the checkpoint's files are hardlinked into the staging folder (copied only across file systems)
@@ -133,7 +133,8 @@ def store_jobs(jobs: int | None) -> int:
     return jobs or max(8, default_jobs())
 
 
-def _staging_prefix(run_dir: Path) -> str:
+def _staging_prefix(run: RunDir) -> str:
+    run_dir = run.path
     return f".{run_dir.name}.store-pack-"
 
 

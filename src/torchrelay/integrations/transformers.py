@@ -51,13 +51,14 @@ from torchrelay.records.ended import Ended
 from torchrelay.run import Run, Step
 
 
-def _manifest_samples(run_dir: Path, options: RelayOptions, existing: bool) -> int:
+def _manifest_samples(run: RunDir, options: RelayOptions, existing: bool) -> int:
     """How many samples the run's manifest lists: the script's file for a new run, else the run's own copy (the
     script's path may be the old cluster's; prepare rebased the copy and its data_root)."""
+    run_dir = run.path
     if not existing:
         return len(Manifest.load(options.manifest or "", options.data_root))
-    copy = RunDir(run_dir).manifest_path
-    cfg = stored_config(RunDir(run_dir))
+    copy = run.manifest_path
+    cfg = stored_config(run)
     return len(Manifest.load(copy, cfg.data_root, index=index_path(copy), root=run_dir))
 
 
@@ -218,11 +219,12 @@ class RelayTrainerMixin:
         folder = Path(tempfile.mkdtemp(prefix="torchrelay-hf-"))
         try:
             # A new run copies the manifest into itself; a resume reads its own copy, so none is written then.
-            existing = RunDir(run_dir).contract_path.is_file()
+            run = RunDir(run_dir)
+            existing = run.contract_path.is_file()
             samples = None
             if options.manifest is not None:
                 manifest: Path | str = options.manifest
-                samples = _manifest_samples(Path(run_dir), options, existing)
+                samples = _manifest_samples(run, options, existing)
             else:
                 manifest = MANIFEST_REL if existing else write_manifest(len(self.train_dataset), folder)
             parallel = parallel_identity(getattr(self, "accelerator", None))

@@ -51,18 +51,19 @@ class LedgerReport:
 
 def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
     """The run's global order, rebuilt from its stored config and contract."""
-    order, manifest, _ = order_and_contract(run_dir)
+    order, manifest, _ = order_and_contract(RunDir(run_dir))
     return order, manifest
 
 
-def order_and_contract(run_dir: Path, *, bound: bool = True) -> tuple[GlobalOrder, Manifest, str]:
+def order_and_contract(run: RunDir, *, bound: bool = True) -> tuple[GlobalOrder, Manifest, str]:
     """The run's global order, its manifest and its contract's SHA-256 (what a proof is valid for).
 
     bound: the manifest must be the one the contract binds (contract.contract_manifest), else IntegrityError naming
     it: the exposures name manifest lines, and a ledger of other lines proves nothing. Not for a run made before
     the contract recorded data.sha256 (not recorded: its resume reads every line, the ledger takes the index as
     before). The background prover of a live training passes False: that launch's rank 0 checked it at the open."""
-    rd = RunDir(run_dir)
+    run_dir = run.path
+    rd = run
     cfg = stored_config(rd)
     contract = load_contract(run_dir)
     fields = contract["fields"]
@@ -137,11 +138,12 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10, *, full: bool
     whole proof gives (any tail that is not clean, or not readable the fast way, is proven in full).
     """
     root = Path(run_dir)
-    order, manifest, contract_sha = order_and_contract(root)
+    run = RunDir(root)
+    order, manifest, contract_sha = order_and_contract(run)
     paths = rank_logs(root / TRAIN_DIR, "exposures")
     live = holder(root, "train") is not None
     if not full:
-        rep = _from_proof(root, order, manifest, contract_sha, paths, live)
+        rep = _from_proof(run, order, manifest, contract_sha, paths, live)
         if rep is not None:
             return rep
     logs = [_RankLog.read(rank, path) for rank, path in paths.items()]
@@ -165,7 +167,7 @@ def _settled(logs: list[_RankLog], live: bool) -> list[_RankLog]:
 
 
 def _from_proof(
-    root: Path,
+    run: RunDir,
     order: GlobalOrder,
     manifest: Manifest,
     contract_sha: str,
@@ -174,7 +176,7 @@ def _from_proof(
 ) -> LedgerReport | None:
     """The report from the newest matching proof and the logs' tails, when every tail is clean; else None."""
     by_name = {path.name: path for path in paths.values()}
-    proof = ledger_proof.newest(root, ledger_proof.identity(order, contract_sha), by_name)
+    proof = ledger_proof.newest(run, ledger_proof.identity(order, contract_sha), by_name)
     if proof is None:
         return None
     logs = []

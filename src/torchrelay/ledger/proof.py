@@ -216,12 +216,12 @@ def read_prefix(path: Path, begin: int, end: int) -> tuple[str, str, bytes] | No
 
 
 def newest(
-    run_dir: Path, ident: dict[str, Any], logs: dict[str, Path], *, before: int | None = None
+    run: RunDir, ident: dict[str, Any], logs: dict[str, Path], *, before: int | None = None
 ) -> Proof | None:
     """The newest proof (of a checkpoint older than `before`, when given) whose every prefix the logs still start
     with; None when there is none. Each log is read once, up to the longest prefix any proof names."""
     proofs = []
-    for ckpt in reversed(RunDir(run_dir).checkpoint_dirs()):
+    for ckpt in reversed(run.checkpoint_dirs()):
         update = parse_checkpoint_name(ckpt.name)
         if update is None or (before is not None and update >= before):
             continue
@@ -243,10 +243,10 @@ def newest(
     return None
 
 
-def proven_bytes(run_dir: Path) -> int:
+def proven_bytes(run: RunDir) -> int:
     """The bytes of log the newest proof file names (0 when there is none): where the spawner counts growth from.
     Not checked: it only decides when the next prover starts."""
-    for ckpt in reversed(RunDir(run_dir).checkpoint_dirs()):
+    for ckpt in reversed(run.checkpoint_dirs()):
         doc: Any = read_json_or_none(ckpt / LEDGER_PROOF, what=LEDGER_PROOF, root=ckpt, limit=_MAX_BYTES)
         try:
             total: int = sum(int(e["bytes"]) for e in doc["logs"].values())
@@ -262,8 +262,9 @@ class ProofSpawner:
     thread that committed (the persist thread for an async save): a few stats and at most one process start, which
     never fails the save."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self._run_dir = run_dir
+    def __init__(self, run: RunDir) -> None:
+        self._run = run
+        self._run_dir = run.path
         self._base: int | None = None  # the logs' bytes when the last prover started (or the newest proof's)
         self._alive: list[subprocess.Popen[bytes]] = []
 
@@ -276,7 +277,7 @@ class ProofSpawner:
             if total <= threshold:  # a small run: nothing to read, nothing to start
                 return
             if self._base is None:
-                self._base = proven_bytes(self._run_dir)
+                self._base = proven_bytes(self._run)
             if total - self._base <= threshold:
                 return
             self._alive = [p for p in self._alive if p.returncode is None]

@@ -35,15 +35,16 @@ def prove_checkpoint(run_dir: str | os.PathLike[str], update: int) -> Path | Non
     return its path, or None (nothing written) when the prefix is not exact or cannot be read the fast way. A
     checkpoint that is not there (any more) is a CheckpointError."""
     root = Path(run_dir)
-    ckpt = RunDir(root).checkpoint(update)
+    run = RunDir(root)
+    ckpt = run.checkpoint(update)
     if not (ckpt / INVENTORY).is_file():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (removed by retention?)")
-    order, manifest, contract_sha = order_and_contract(root, bound=False)  # (checked when the run opened)
+    order, manifest, contract_sha = order_and_contract(run, bound=False)  # (checked when the run opened)
     ident = ledger_proof.identity(order, contract_sha)
     paths = rank_logs(root / TRAIN_DIR, "exposures")
     by_name = {path.name: path for path in paths.values()}
     cuts = {path.name: end_of_update(path, update) for path in paths.values()}
-    start = ledger_proof.newest(root, ident, by_name, before=update)
+    start = ledger_proof.newest(run, ident, by_name, before=update)
     regions: dict[int, Exposures] = {}
     proven: dict[str, tuple[int, str]] = {}
     for rank, path in paths.items():

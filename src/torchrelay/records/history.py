@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from torchrelay.paths.layout import HISTORY_FILE
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.ended import Ended
 from torchrelay.records.reshard import LAYOUT_CHANGE_SCHEMA
 from torchrelay.util.durable import atomic_write_text
@@ -148,8 +149,9 @@ def close_crashed(segments: list[dict[str, Any]], last_update: int | None) -> li
     return segments
 
 
-def upsert(run_dir: Path, segment: dict[str, Any]) -> None:
+def upsert(run: RunDir, segment: dict[str, Any]) -> None:
     """Replace the record with the same id, or append it."""
+    run_dir = run.path
     segments = read_history(run_dir)
     for i, seg in enumerate(segments):
         if seg.get("segment") == segment["segment"]:

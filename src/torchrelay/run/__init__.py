@@ -144,7 +144,7 @@ class Run:
             verified=self.segment.resumed_tier in ("memory", "replica"),
         )
         self._saver = Saver(
-            self.dir.path,
+            self.dir,
             self.config,
             self._tracked,
             rank=self.rank,
@@ -197,7 +197,7 @@ class Run:
             if deadline:
                 left = deadline.at - time.time()
                 logger.info(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})")
-            upsert(self.dir.path, self.segment.to_dict())
+            upsert(self.dir, self.segment.to_dict())
 
     @property
     def manifest_path(self) -> Path:
@@ -305,7 +305,7 @@ class Run:
             seg.last_update = last_update
             seg.notes = seg.notes + self._notes
             try:
-                upsert(self.dir.path, seg.to_dict())
+                upsert(self.dir, seg.to_dict())
             except (OSError, RelayError) as exc:  # a full disk must not hide the error that ended the run
                 logger.warning(f"[torchrelay] could not record the segment in history.jsonl: {exc}")
         self._opener.unlock()
@@ -354,7 +354,7 @@ class Run:
         contract), so a launch with the hint's other setting would be refused again, as a change. The hint says
         so (on every rank, before rank 0 says it)."""
         if self._saver.last < 0:
-            start_over(error, self.dir.path)
+            start_over(error, self.dir)
 
     def __enter__(self) -> Run:
         return self

@@ -153,7 +153,7 @@ def reopen_run(
     that checkpoint); `config` None continues with the recorded configuration."""
     refuse_linked_logs(rd.train_dir)  # before anything is written: the logs are appended to and trimmed below
     stored = stored_config(rd)
-    check_lineage(rd.path)
+    check_lineage(rd)
     cfg = config if config is not None else stored
     kept: list[str] = []
     if config is not None and cfg.manifest != stored.manifest:
@@ -190,7 +190,7 @@ def reopen_run(
         logger.warning(f"[torchrelay] warning: {code_note}")
     rd.remove_stale_temps()
     history = read_history(rd.path)
-    tier = _newest_across_tiers(rd.path, cfg, check, world_size, history, holdings)
+    tier = _newest_across_tiers(rd, cfg, check, world_size, history, holdings)
     update, ckpt = tier.update, tier.checkpoint
     numerics_change = None
     if ckpt is not None and update < cfg.total_updates:  # refused before any write
@@ -216,7 +216,7 @@ def reopen_run(
         atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     if not manifest.index_current:  # the next launch, and the other ranks now, read no line
         manifest.save_index(rd.manifest_index_path)
-    reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None and tier.tier == DURABLE else None
+    reclaim_note = _reclaim(rd, ckpt) if ckpt is not None and tier.tier == DURABLE else None
     notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
     notes += tier.refused
     if restored:
@@ -266,7 +266,7 @@ class _Tiered:
 
 
 def _newest_across_tiers(
-    run_dir: Path,
+    run: RunDir,
     cfg: RelayConfig,
     check: Any,
     world_size: int,
@@ -275,7 +275,8 @@ def _newest_across_tiers(
 ) -> _Tiered:
     """The checkpoint a resume takes: this node's newest verified memory checkpoint when it is newer than the
     durable tier's (checkpoint/tiers.py), else the durable one; each refused candidate in one line, logged."""
-    lineage = read_lineage(run_dir).get("lineage")
+    run_dir = run.path
+    lineage = read_lineage(run).get("lineage")
     if lineage is None or check.layout_change:  # a layout change resumes from the durable tier, as before
         return _Tiered(check.checkpoint, check.update, DURABLE, [])
     binding = Binding(
@@ -288,7 +289,7 @@ def _newest_across_tiers(
     )
     segments = {str(s.get("segment")) for s in history}
     if holdings is not None:  # several nodes: each node's part, own or the partner's replica
-        return _across_nodes(run_dir, lineage, holdings, binding, check, segments)
+        return _across_nodes(run, lineage, holdings, binding, check, segments)
     choice = choose_memory(memory_root(lineage, run_dir), binding, check.update, segments)
     for line in choice.refused:
         logger.warning(f"[torchrelay] {line}; the next tier is used")
@@ -299,13 +300,14 @@ def _newest_across_tiers(
 
 
 def _across_nodes(
-    run_dir: Path,
+    run: RunDir,
     lineage: str,
     holdings: list[dict[str, Any]],
     binding: Binding,
     check: Any,
     segments: set[str],
 ) -> _Tiered:
+    run_dir = run.path
     picked = choose_nodes(holdings, binding, check.update, segments)
     for line in picked.refused:
         logger.warning(f"[torchrelay] {line}; the next tier is used")
@@ -326,7 +328,7 @@ def last_segment(history: list[dict[str, Any]]) -> str | None:
     return next((s.get("segment") for s in reversed(history) if s.get("ended") != "refused"), None)
 
 
-def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
+def _reclaim(run: RunDir, ckpt: Path) -> str | None:
     """Continuing a handed-off checkpoint on purpose (TORCHRELAY_RECLAIM=1) starts a new lineage, on record."""
     marker = ckpt / HANDED_OFF
     if not marker.exists():
@@ -335,9 +337,9 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
     handed = handed if isinstance(handed, dict) else {}
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     os.replace(marker, ckpt / f"{RECLAIMED_PREFIX}{stamp}.json")
-    old = read_lineage(run_dir)
+    old = read_lineage(run)
     new = {"lineage": new_id(), "parent_lineage": old.get("lineage")}
-    atomic_write_text(run_dir / LINEAGE_FILE, json.dumps(new))
+    atomic_write_text(run.lineage_path, json.dumps(new))
     return (
         f"reclaimed {ckpt.name}, handed off to bundle lineage {handed.get('lineage', '?')}: "
         f"new lineage {new['lineage']} (parent {old.get('lineage')})"
@@ -347,18 +349,18 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
 _LINEAGE = Schema({"lineage": str, "parent_lineage": (str, type(None))})
 
 
-def check_lineage(run_dir: Path) -> None:
+def check_lineage(run: RunDir) -> None:
     """lineage.json, where it is, as `create_run` writes it (a RecordError naming the file and field, exit 2): a
     forged one was written into every segment of history.jsonl, which then refused every later open."""
-    path = run_dir / LINEAGE_FILE
+    path = run.lineage_path
     if os.path.lexists(path):  # a run made before lineages has none
-        read_json(path, what="the run's lineage", root=run_dir, schema=_LINEAGE)
+        read_json(path, what="the run's lineage", root=run.path, schema=_LINEAGE)
 
 
-def read_lineage(run_dir: Path) -> dict[str, Any]:
+def read_lineage(run: RunDir) -> dict[str, Any]:
     """lineage.json's lineage and parent_lineage, each only where it is a string; none when unreadable, not JSON
     or not an object (a refused launch is recorded all the same; `check_lineage` refuses such a file)."""
-    lineage = read_json_or_none(run_dir / LINEAGE_FILE, what="the run's lineage", root=run_dir)
+    lineage = read_json_or_none(run.lineage_path, what="the run's lineage", root=run.path)
     if not isinstance(lineage, dict):
         return {}
     return {k: v for k, v in lineage.items() if k in _LINEAGE and isinstance(v, str)}

@@ -154,7 +154,7 @@ class SegmentOpener:
 
         def settle(err: RelayError) -> None:  # a failure of the local part, recorded by rank 0
             if outcome.checkpoint is None:  # nothing saved: the directory keeps this launch's settings
-                start_over(err, self.dir.path)
+                start_over(err, self.dir)
             self._settle(err, segment=replace(segment, hosts=[socket.gethostname()]))
 
         try:
@@ -287,7 +287,7 @@ class SegmentOpener:
     def _segment(self, start: Start, numerics: dict[str, Any]) -> Segment:
         """The record of the segment that starts here, as history.jsonl will hold it."""
         update, ckpt = start.update, start.checkpoint
-        lineage = read_lineage(self.dir.path)
+        lineage = read_lineage(self.dir)
         return Segment(
             segment=new_id(),
             parent=start.parent,
@@ -348,7 +348,7 @@ class SegmentOpener:
                 last = next(
                     (s["last_update"] for s in reversed(history) if isinstance(s.get("last_update"), int)), 0
                 )
-                lineage = read_lineage(self.dir.path)
+                lineage = read_lineage(self.dir)
                 segment = Segment(
                     segment=new_id(),
                     parent=last_segment(history),
@@ -409,10 +409,11 @@ def _other_node(gathered: list[tuple[str, dict[str, Any] | None]]) -> ConfigErro
     return None
 
 
-def start_over(error: RelayError, run_dir: Path) -> None:
+def start_over(error: RelayError, run: RunDir) -> None:
     """A refusal of a run with no checkpoint yet: its directory holds the refused launch's settings (its
     contract), so a launch with the setting the hint asks for would be refused again, as a change. The hint says
     how to start over (every rank amends it before rank 0 says it)."""
+    run_dir = run.path
     if error.exit_code != EXIT_REFUSED or "to start over" in (error.hint or ""):
         return
     again = f"no checkpoint was saved in {run_dir}, which keeps this launch's settings: to start over with others, remove it"

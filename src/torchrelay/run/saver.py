@@ -48,6 +48,7 @@ from torchrelay.errors import CheckpointError
 from torchrelay.ledger.proof import ProofSpawner
 from torchrelay.log import logger
 from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.train import RankLog
 from torchrelay.run.restore import Tracked
 from torchrelay.storage.durable import DurableSpawner, durable_url
@@ -67,7 +68,7 @@ class Saver:
 
     def __init__(
         self,
-        run_dir: Path,
+        run: RunDir,
         config: RelayConfig,
         tracked: Tracked,
         *,
@@ -83,6 +84,7 @@ class Saver:
         lineage: str | None = None,
         hosts: int = 1,
     ) -> None:
+        run_dir = run.path
         self._run_dir = run_dir
         self._config = config
         self._tracked = tracked
@@ -138,7 +140,7 @@ class Saver:
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
         self._peers = collective.own_group() if world_size > 1 and self._background else None
         # Rank 0 starts the ledger's background prover after a commit (ledger/proof.py): a process, never work here.
-        self._proofs = ProofSpawner(run_dir) if rank == 0 else None
+        self._proofs = ProofSpawner(run) if rank == 0 else None
         # TORCHRELAY_DURABLE: rank 0 copies each committed checkpoint into the store, in a process of its own
         self._durable = DurableSpawner(run_dir) if durable_url() is not None and rank == 0 else None
 
