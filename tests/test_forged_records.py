@@ -18,7 +18,7 @@ from torchrelay.checkpoint import state
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.errors import EXIT_REFUSED, IntegrityError, RecordError
 from torchrelay.manifest import Manifest, index_path
-from torchrelay.manifest.scan import scan
+from torchrelay.manifest.core import scan
 from torchrelay.paths.rundir import RunDir
 from torchrelay.run.directory import check_lineage, read_lineage
 from torchrelay.run.restore import Restore, Tracked
