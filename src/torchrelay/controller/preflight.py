@@ -28,7 +28,6 @@ from torchrelay.controller.plan import CheckSpec, Plan
 from torchrelay.errors import EXIT_REFUSED, RelayError
 from torchrelay.identity import find_code_dir, tree_note
 from torchrelay.manifest import Manifest
-from torchrelay.paths.rundir import RunDir
 from torchrelay.util import proctree
 
 GIB = 1024**3
@@ -314,7 +313,7 @@ def check_contract(plan: Plan, report: PreflightReport) -> tuple[dict[str, Any],
         validate_resume,  # imports torch: only when there is a run to check
     )
 
-    rd = RunDir(plan.run_path)
+    rd = plan.run
     if not rd.exists():
         report.add("contract", f"{rd.path} holds no run yet: the formal run creates it", skipped=True)
         return None

@@ -174,7 +174,7 @@ def validate_checkpoints(
     with RunLock(rd.path, "train").acquire(wait_s=envvars.LOCK_WAIT_S.get()):
         # records are read only from inside the run (read_json's root): none is written through a link out of it
         ensure_inside(rd.path, rd.validation_dir, source="validation", hint=_LINK_HINT)
-        remove_stale_temps(rd.path)  # a pass killed while writing a record or pending.json
+        remove_stale_temps(rd)  # a pass killed while writing a record or pending.json
         sel = select(rd, spec.updates, again=spec.again)
         report = ValidationReport(done_before=sel.done, missing=dict(sel.missing))
         for i, update in enumerate(sel.todo):

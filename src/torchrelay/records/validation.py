@@ -142,11 +142,11 @@ def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]
     return dict(sorted(out.items()))
 
 
-def remove_stale_temps(run_dir: str | os.PathLike[str]) -> list[Path]:
+def remove_stale_temps(rd: RunDir) -> list[Path]:
     """Remove what a validation pass killed mid-write left: the temporaries of `pending.json` and of each
     checkpoint's `record.json` (hold the run's lock: no other pass is writing them)."""
-    run = Path(run_dir)
-    root = RunDir(run).validation_dir
+    run = rd.path
+    root = rd.validation_dir
     if not root.is_dir() or not is_inside(run, root):  # the folders the pass writes in, and no other
         return []
     found = []
