@@ -144,3 +144,22 @@ def test_every_verb_s_help_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_offline_readers_resolve_and_the_light_ones_import_no_torch() -> None:
+    """torchrelay.readers is the public module of docs/CORE_API.md: every name it lists resolves, and the readers
+    that `status` and `ledger` use load without torch (the tensor readers bring it when asked for)."""
+    import subprocess
+    import sys
+
+    import torchrelay.readers as readers
+
+    assert all(callable(getattr(readers, name)) for name in readers.__all__)
+    code = (
+        "import sys\nimport torchrelay.readers as r\n"
+        "for name in ('RunDir', 'stored_config', 'summarize', 'prove', 'read_history', 'write_request'):\n"
+        "    getattr(r, name)\n"
+        "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
