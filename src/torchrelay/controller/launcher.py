@@ -389,7 +389,7 @@ class Controller:
             argv=training_argv(plan, run_dir, limits, env),
             cwd=plan.work_path,
             env=env,
-            run_dir=run_dir,
+            run_directory=run,
             limits=None if multi else limits,  # on several nodes each node's agent guards its own memory
             poll_s=min(plan.memory.poll_s, 0.5),
             ranks_ready=first_update_done(run, launched),

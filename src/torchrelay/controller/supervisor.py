@@ -60,7 +60,7 @@ class Supervisor:
     argv: Sequence[str]
     cwd: str | os.PathLike[str]
     env: dict[str, str]
-    run_dir: Path | None = None  # where a memory stop request is written
+    run_directory: RunDir | None = None  # where a memory stop request is written
     limits: MemoryLimits | None = None
     poll_s: float = 0.5
     ranks_ready: Callable[[], bool] = lambda: True
@@ -137,8 +137,8 @@ class Supervisor:
                     tree.end()
                     break
             # Before the run exists a request would make its directory non-empty: wait for it.
-            if memory == SOFT and not request_written and self.run_dir and RunDir(self.run_dir).exists():
-                write_request(self.run_dir, job=self.job, reason="memory")
+            if memory == SOFT and not request_written and self.run_directory and self.run_directory.exists():
+                write_request(self.run_directory.path, job=self.job, reason="memory")
                 request_written = True
             now = time.time()
             if ended_at is None and self.segment_ended():
@@ -323,13 +323,12 @@ def node_main(argv: Sequence[str] | None = None) -> int:
             soft_bytes=int(args.soft_gib * GIB), hard_bytes=int(max(args.hard_gib, args.soft_gib) * GIB)
         )
     run = RunDir(args.run_dir) if args.run_dir else None
-    run_dir = run.path if run else None
     started = time.time()
     sup = Supervisor(
         argv=command,
         cwd=os.getcwd(),
         env=dict(os.environ),
-        run_dir=run_dir,
+        run_directory=run,
         limits=limits,
         job=os.environ.get("SLURM_JOB_ID"),
         ranks_ready=first_update_done(run, started) if run else (lambda: True),
