@@ -1,4 +1,4 @@
-"""The per-update digest of the parameters (torchrelay/digests.py) against the update it follows.
+"""The per-update digest of the parameters (torchrelay/records/digests.py) against the update it follows.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src:tests python benchmarks/bench_digest.py --width 1024 --depth 8 --batch 64
     PYTHONPATH=src:tests python benchmarks/bench_digest.py --device cuda --width 4096 --depth 16 --batch 4096

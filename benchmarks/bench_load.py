@@ -5,7 +5,7 @@ The state (`--layers` x Linear(width, width) + AdamW after one step, DDP on one 
 then, in this process: the cold read of the checkpoint's tensor files (`--streams` threads, pages dropped with
 posix_fadvise: bench_save's floor), DCP save + cold load of the same state (unless --no-dcp), one warm resume that
 is not counted (imports, CUDA streams), and a cold resume (Run.open + run.track) for each variant of
-LoadTuning's fields (tuning.py). Before each resume every tensor of the model and optimizer is zeroed; after it each
+LoadTuning's fields (config/tuning.py). Before each resume every tensor of the model and optimizer is zeroed; after it each
 must be `torch.equal` to its value at the save. Each row prints the wall time, its ratio to the cold read and to
 DCP load, and the load's own timings (seconds summed over the threads that spend them).
 
@@ -53,7 +53,7 @@ from benchlib import cpu_seconds, drop_caches  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io, verified_read  # noqa: E402
-from torchrelay.tuning import LoadTuning, SaveTuning  # noqa: E402
+from torchrelay.config.tuning import LoadTuning, SaveTuning  # noqa: E402
 from torchrelay.util import sha256_parts  # noqa: E402
 from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
 

@@ -51,7 +51,7 @@ from benchlib import cpu_seconds, drop_cache  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
 from torchrelay.checkpoint import dcp_io  # noqa: E402
-from torchrelay.tuning import LoadTuning  # noqa: E402
+from torchrelay.config.tuning import LoadTuning  # noqa: E402
 from torchrelay.util import sha256_parts  # noqa: E402
 
 

@@ -30,11 +30,11 @@ from benchlib import (
 )
 
 from torchrelay.checkpoint.inventory import write_inventory
-from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract, write_contract
+from torchrelay.config.relay import RelayConfig
 from torchrelay.handoff.pack import HANDED_OFF, PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, prepare
-from torchrelay.history import write_history
+from torchrelay.records.contract import build_contract, write_contract
+from torchrelay.records.history import write_history
 from torchrelay.util.hashing import default_jobs, sha256_file
 
 UPDATE = 10

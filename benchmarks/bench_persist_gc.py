@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import torchrelay as tr
-from torchrelay.tuning import SaveTuning
+from torchrelay.config.tuning import SaveTuning
 
 VARIANTS = ("off", "freeze", "defer", "disable")
 

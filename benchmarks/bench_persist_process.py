@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import torchrelay as tr
-from torchrelay import envvars
+from torchrelay.config import envvars
 
 VARIANTS = ("thread", "process")
 

@@ -57,8 +57,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
 from torchrelay.checkpoint import host_stage
+from torchrelay.config.tuning import SaveTuning
 from torchrelay.run import saver
-from torchrelay.tuning import SaveTuning
 
 GB = 1e9
 
@@ -666,10 +666,10 @@ def stall_phases() -> Any:
     """Time each part of a save's stall on the training thread (the functions the Saver calls, wrapped for the
     launch's length): the state dict, the copies issued, the RNG, DCP's plan, the writer's job, the wait for the
     copies to land, the logs."""
-    from torchrelay import rng
     from torchrelay.checkpoint import dcp_save
+    from torchrelay.checkpoint.state import rng
     from torchrelay.checkpoint.state import save as state_save
-    from torchrelay.train_records import RankLog
+    from torchrelay.records.train import RankLog
 
     # (where, what, the phase it counts as): each replaced by a timed call of itself for the launch's length
     timed = [

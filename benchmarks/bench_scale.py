@@ -17,7 +17,7 @@ Measured (each in its own process, peak RSS of that process; `import torchrelay`
 - status:      `torchrelay status RUN`
 - ledger:      `torchrelay ledger RUN` (proves every exposure exactly once)
 - prover_<N>, ledger_full, ledger_proven: after the open, each checkpoint proven in turn by the background prover's
-               command (`python -m torchrelay.ledger_prover RUN N`), then `ledger --full` and `ledger` (from the proof)
+               command (`python -m torchrelay.ledger.prover RUN N`), then `ledger --full` and `ledger` (from the proof)
 - big_create, big_open, big_open_rank: the same for a manifest of `--big-samples` samples (10 M)
 `--only create` measures only the big manifest: its pass alone (`Manifest.load`, numpy only; with `--one-process`
 also without reader processes: one core), with the reader processes' count and the largest one's peak RSS, then
@@ -77,9 +77,9 @@ t0 = time.perf_counter()
 from pathlib import Path
 from torchrelay.data.order import GlobalOrder
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import RunDir
+from torchrelay.readers import RunDir, stored_config
 rd = RunDir(sys.argv[1])
-cfg = rd.load_config()
+cfg = stored_config(rd)
 m = Manifest.load(rd.manifest_path, cfg.data_root, index=rd.manifest_index_path, sha256=sys.argv[2])
 assert m.indexed, "the index was not used"
 order = GlobalOrder(num_samples=len(m), seed=cfg.seed, global_batch=1024, kind=cfg.sampler)
@@ -131,11 +131,11 @@ print("seconds", round(time.perf_counter() - t0, 2), "hwm_kib", _hwm())
 
 def measure_run(base: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
     from torchrelay.manifest import Manifest
-    from torchrelay.rundir import RunDir
+    from torchrelay.readers import RunDir, stored_config
 
     rd = RunDir(run_dir)
     code = str(base / "code")
-    sha = Manifest.load(rd.manifest_path, rd.load_config().data_root, index=rd.manifest_index_path).sha256()
+    sha = Manifest.load(rd.manifest_path, stored_config(rd).data_root, index=rd.manifest_index_path).sha256()
     out: dict[str, dict[str, Any]] = {}
     # status and ledger first: opening trims the logs to the checkpoint
     out["status"] = measure(cli("status", str(run_dir)))
@@ -156,14 +156,14 @@ def measure_run(base: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
 def measure_proven(run_dir: Path) -> dict[str, dict[str, Any]]:
     """`ledger` once the checkpoints are proven (the provers rank 0 starts after a commit, run here in turn, oldest
     first: each from the one before), against `ledger --full` on the same (trimmed) logs."""
-    from torchrelay.layout import parse_checkpoint_name
-    from torchrelay.rundir import RunDir
+    from torchrelay.paths.layout import parse_checkpoint_name
+    from torchrelay.readers import RunDir
 
     out: dict[str, dict[str, Any]] = {}
     for ckpt in RunDir(run_dir).checkpoint_dirs():
         update = str(parse_checkpoint_name(ckpt.name))
         out[f"prover_{update}"] = measure(
-            [sys.executable, "-m", "torchrelay.ledger_prover", str(run_dir), update]
+            [sys.executable, "-m", "torchrelay.ledger.prover", str(run_dir), update]
         )
     out["ledger_full"] = measure(cli("ledger", "--full", str(run_dir)))
     out["ledger_proven"] = measure(cli("ledger", str(run_dir)))
@@ -173,7 +173,7 @@ def measure_proven(run_dir: Path) -> dict[str, dict[str, Any]]:
 def measure_big(base: Path, samples: int) -> dict[str, dict[str, Any]]:
     """A run created from a `samples`-sample manifest (every line read), reopened (index), another rank."""
     from torchrelay.manifest import Manifest
-    from torchrelay.rundir import RunDir
+    from torchrelay.readers import RunDir
 
     manifest, code, run_dir = lay_out(base, samples)
     cfg = _config(manifest, 100, 32, 32).to_dict()

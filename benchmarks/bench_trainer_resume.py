@@ -258,7 +258,7 @@ def worker_costs(
     """Seconds from the script's start to its first update done after a resume, per worker count and side: the
     sides of one repetition back to back, in an order that alternates (whoever goes first meets another load).
     keep: the rows so far are written there after each pair (a long run on a loaded machine)."""
-    from torchrelay.stop import write_request
+    from torchrelay.policy.stop import write_request
 
     base = Path(tempfile.mkdtemp(prefix="bench-trainer-workers-"))
     rows = []
@@ -377,7 +377,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-trainer-resume-"))
     try:
         made = base / "relay-made"
-        from torchrelay.stop import write_request
+        from torchrelay.policy.stop import write_request
 
         made.mkdir()
         write_request(made, at_update=1, reason="benchmark")

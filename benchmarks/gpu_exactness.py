@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers import EXAMPLES, launch, make_data, metrics, segments, write_config  # noqa: E402
 from torchrelay.checkpoint.reader import load_tensors  # noqa: E402
-from torchrelay.ledger import prove  # noqa: E402
-from torchrelay.stop import write_request  # noqa: E402
+from torchrelay.ledger.exposure import prove  # noqa: E402
+from torchrelay.policy.stop import write_request  # noqa: E402
 
 
 def main() -> int:

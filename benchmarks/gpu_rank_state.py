@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import EXAMPLES, launch, make_data, segments, write_config  # noqa: E402
 from torchrelay.audit.compare import load_checkpoint_tensors  # noqa: E402
 from torchrelay.checkpoint.state import read_trainer_state  # noqa: E402
-from torchrelay.stop import write_request  # noqa: E402
+from torchrelay.policy.stop import write_request  # noqa: E402
 
 SCRIPT = "exactness/rank_state.py"
 

@@ -101,7 +101,7 @@ def main() -> int:
     cli("stop", str(run), "--at-update", str(args.stop_at), "--before-start")
     launched = time.time()
     launch(run, out / "logs" / "launch-1.log", config)
-    from torchrelay.history import read_history
+    from torchrelay.records.history import read_history
 
     # The budget covers everything from torchrun's start: start-up (twice the first launch's, for slack) + training.
     startup = max(0.0, float(read_history(run)[0]["started"]) - launched)

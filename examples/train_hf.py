@@ -27,7 +27,7 @@ from train_lm import SourceBytes, collate, load_config  # the example LM's data 
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import torchrelay as tr
-from torchrelay.config import parse_assignments
+from torchrelay.config.relay import parse_assignments
 
 
 def hf_config(p: dict) -> LlamaConfig:

@@ -25,10 +25,10 @@ import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
-from torchrelay import kill_points  # noqa: E402
-from torchrelay.config import parse_assignments  # noqa: E402
+from torchrelay.config.relay import parse_assignments  # noqa: E402
 from torchrelay.errors import RelayError  # noqa: E402
-from torchrelay.rundir import RunDir  # noqa: E402
+from torchrelay.readers import RunDir, stored_config  # noqa: E402
+from torchrelay.util import kill_points  # noqa: E402
 
 
 class ByteLM(nn.Module):
@@ -118,7 +118,7 @@ def _device_of(args: argparse.Namespace) -> str:
     run_dir = os.environ.get("TORCHRELAY_RUN_DIR") or args.run_dir
     if run_dir and RunDir(run_dir).exists():
         try:  # read the guarded way (a link out of the run, a pipe, a hostile record: refused, never followed)
-            return str(RunDir(run_dir).load_config().params.get("device", "cpu"))
+            return str(stored_config(RunDir(run_dir)).params.get("device", "cpu"))
         except RelayError:
             return "cpu"  # Run.open reads it again and refuses it in one line, on every rank
     if args.config is not None:

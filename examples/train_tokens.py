@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchrelay as tr
-from torchrelay.config import parse_assignments
+from torchrelay.config.relay import parse_assignments
 
 
 class GPT(nn.Module):

@@ -23,7 +23,7 @@ from train_lm import ByteLM, SourceBytes, collate, lm_loss
 
 from torchrelay.checkpoint.reader import iter_model_tensors
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import RunDir
+from torchrelay.readers import RunDir, stored_config
 
 
 def main() -> int:
@@ -40,7 +40,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     rd = RunDir(args.checkpoint.resolve().parent)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     p = cfg.params
     manifest = Manifest.load(args.manifest or rd.manifest_path, cfg.data_root)
     model = ByteLM(p["d_model"], p["layers"], p["heads"], p["seq_len"], p["dropout"])

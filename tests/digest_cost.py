@@ -1,4 +1,4 @@
-"""What the per-update digest of the parameters (torchrelay/digests.py) costs against the update it follows.
+"""What the per-update digest of the parameters (torchrelay/records/digests.py) costs against the update it follows.
 
 Shared by tests/test_digests.py (toy size) and benchmarks/bench_digest.py (its docstring says how it is run).
 """
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torchrelay.digests import digest, parameters
+from torchrelay.records.digests import digest, parameters
 
 
 def measure(*, width: int, depth: int, batch: int, updates: int, device: str = "cpu") -> dict[str, Any]:

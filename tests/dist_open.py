@@ -21,8 +21,8 @@ import torch.distributed as dist
 import yaml
 
 import torchrelay as tr
-from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
+from torchrelay.paths.lock import RunLock
 from torchrelay.run.opening import SegmentOpener
 
 

@@ -28,12 +28,12 @@ import yaml
 from torch import nn
 
 import torchrelay as tr
-from torchrelay import rng
 from torchrelay.checkpoint import state as ckpt_state
+from torchrelay.checkpoint.state import rng
+from torchrelay.controller.validation import ValidationSpec, validate_checkpoints
 from torchrelay.errors import ConfigError
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.run import agreement, opening
-from torchrelay.validation import ValidationSpec, validate_checkpoints
 
 
 class Files(torch.utils.data.Dataset):

@@ -18,8 +18,8 @@ import boto3
 from helpers import launch_bg
 from kill_campaign import kill_job
 from torchrelay.checkpoint.inventory import INVENTORY
-from torchrelay.proctree import Tree
 from torchrelay.storage import durable
+from torchrelay.util.proctree import Tree
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchrelay as tr
-from torchrelay.config import parse_assignments
+from torchrelay.config.relay import parse_assignments
 
 HERE = Path(__file__).resolve().parent
 

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import launch, make_code_repo, make_data, write_config
 from torchrelay.handoff.pack import PackOptions, pack
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
 
 TOTAL = 16
 STOP_AT = 5

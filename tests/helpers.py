@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from torchrelay import proctree
+from torchrelay.util import proctree
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

@@ -34,9 +34,10 @@ from helpers import (
 )
 from torchrelay.checkpoint.commit import TMP_PREFIX
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.history import read_history
-from torchrelay.lock import LOCK_FILES, holder
-from torchrelay.proctree import Tree
+from torchrelay.paths.layout import LOCK_FILES
+from torchrelay.paths.lock import holder
+from torchrelay.records.history import read_history
+from torchrelay.util.proctree import Tree
 
 CKPT = re.compile(r"^checkpoint-(\d+)$")
 # Exit-2 errors of the library: a launch whose output names one of these was refused.
@@ -468,7 +469,7 @@ class Campaign:
         from torch import equal
 
         from torchrelay.checkpoint.reader import load_tensors
-        from torchrelay.ledger import prove
+        from torchrelay.ledger.exposure import prove
 
         assert self.baseline is not None
         total = self.total

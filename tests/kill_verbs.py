@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.proctree import Tree
+from torchrelay.util.proctree import Tree
 
 VERBS = ("pack", "prepare", "validate", "export")
 ATTEMPTS = 3  # moments tried for each kill until one lands while the command is still writing

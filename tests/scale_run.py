@@ -83,8 +83,8 @@ def make_run(
     from torchrelay.checkpoint import state as ckpt_state
     from torchrelay.checkpoint.commit import commit_checkpoint
     from torchrelay.checkpoint.retention import policy_for
-    from torchrelay.history import new_id, read_history, write_history
-    from torchrelay.train_records import exposure_line, exposure_widths
+    from torchrelay.records.history import new_id, read_history, write_history
+    from torchrelay.records.train import exposure_line, exposure_widths
 
     manifest, code, run_dir = lay_out(base, samples)
     # Opened at world size 1 with the whole global batch in gradient accumulation; the logs below are those of

@@ -34,18 +34,25 @@ from torchrelay.checkpoint.retention import (
 )
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
-from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract
+from torchrelay.config.relay import RelayConfig
 from torchrelay.controller.attempts import Attempts
 from torchrelay.controller.plan import Plan, load_plan
-from torchrelay.costmodel import validation_fits
+from torchrelay.controller.validation import (
+    ValidationSpec,
+    command_for,
+    run_one,
+    select,
+    validate_checkpoints,
+)
 from torchrelay.errors import ConfigError, UnsafeInput
 from torchrelay.export import ExportOptions, export_weights
 from torchrelay.manifest import Manifest
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import validation_fits
+from torchrelay.records.contract import build_contract
+from torchrelay.records.validation import read_pending, read_records
 from torchrelay.report import render
 from torchrelay.util.hashing import sha256_hex
-from torchrelay.validation import ValidationSpec, command_for, run_one, select, validate_checkpoints
-from torchrelay.validation_records import read_pending, read_records
 
 TOTAL = 30
 KEEP = {"total_updates": TOTAL, "warmup_updates": 2, "save_every": 5, "keep": 2, "keep_updates": [10, 20]}
@@ -328,12 +335,12 @@ def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, 
     assert report.left == {25: "the allocation's time ran out"}
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
-    assert select(fresh, [25]).todo == [25]  # interrupted: the next pass validates it again
+    assert select(RunDir(fresh), [25]).todo == [25]  # interrupted: the next pass validates it again
 
     # a command that exits 0 without metrics, and one past its own timeout, are failures
-    silent = run_one(fresh, 25, ValidationSpec(command="true", timeout_s=0))
+    silent = run_one(RunDir(fresh), 25, ValidationSpec(command="true", timeout_s=0))
     assert silent.status == "failed" and "wrote no metrics" in silent.reason
-    slow = run_one(fresh, 25, ValidationSpec(command="sleep 30", timeout_s=0.5))
+    slow = run_one(RunDir(fresh), 25, ValidationSpec(command="sleep 30", timeout_s=0.5))
     assert slow.status == "failed" and slow.reason == "took longer than timeout_s=0.5s; killed"
     assert slow.attempt == silent.attempt + 1
 
@@ -385,7 +392,7 @@ def test_validation_records_travel_in_a_bundle(
     prepared = tmp_path / "prepared"
     assert main(["prepare", str(bundle), "--run-dir", str(prepared)]) == 0
     assert read_records(prepared).keys() == read_records(copy).keys()
-    sel = select(prepared, [10, 30])
+    sel = select(RunDir(prepared), [10, 30])
     assert sel.done == [30] and sel.todo == [] and "no complete checkpoint" in sel.missing[10]
 
 

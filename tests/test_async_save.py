@@ -19,9 +19,9 @@ from torchrelay.checkpoint import hashing_writer, host_buffers, host_stage
 from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.hashing_writer import canonical_safetensors
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
+from torchrelay.config.tuning import SaveTuning
 from torchrelay.errors import IntegrityError
-from torchrelay.stop import write_request
-from torchrelay.tuning import SaveTuning
+from torchrelay.policy.stop import write_request
 
 
 def _config(example: dict[str, Path], **changes: Any) -> RelayConfig:

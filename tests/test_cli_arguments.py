@@ -13,7 +13,7 @@ import pytest
 from helpers import REPO
 from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.cli import main
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import ConfigError
 
 FIXTURE = REPO / "tests" / "fixtures" / "legacy-v0.1.0"

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import git, launch, segments
 from torchrelay.cli import main
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
 
 # every test here starts ranks: the launch tier (tests/conftest.py)
 pytestmark = pytest.mark.launch

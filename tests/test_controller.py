@@ -23,9 +23,9 @@ from torchrelay.controller.attempts import Attempts
 from torchrelay.controller.memguard import GIB, MemoryGuard, MemoryLimits
 from torchrelay.controller.plan import MemorySpec, Plan, load_plan, plan_diff
 from torchrelay.controller.supervisor import Supervisor
-from torchrelay.costmodel import CostModel, Measurements, parse_deadline
 from torchrelay.errors import ConfigError
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
+from torchrelay.policy.costmodel import CostModel, Measurements, parse_deadline
 
 CLI = [sys.executable, "-m", "torchrelay"]
 
@@ -453,7 +453,7 @@ def test_launch_moves_the_run_in_place_only_when_asked_and_records_who_asked(
     """2 ranks -> 1 (the plan's in-place fallback, `--devices 1`) -> 2 (`launch --reshard`): one run, the global
     batch kept, each move in history.jsonl with who asked, and `status` showing it; unasked, the move is refused."""
     from torchrelay.cli import main
-    from torchrelay.stop import write_request
+    from torchrelay.policy.stop import write_request
 
     config = write_config(tmp_path / "lm.yaml", example["manifest"], example["root"], total_updates=4)
     run = tmp_path / "run"

@@ -39,8 +39,8 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
 from torchrelay.errors import CheckpointError, ConfigError, UnsafeInput
-from torchrelay.ledger import prove
-from torchrelay.stop import write_request
+from torchrelay.ledger.exposure import prove
+from torchrelay.policy.stop import write_request
 
 U = 12  # the example's default schedule; it saves every 4 updates
 SCRIPT = "train_deepspeed.py"

@@ -1,4 +1,4 @@
-"""Per-update digests of the parameters (torchrelay/digests.py): bitwise, cheap, the same in two runs that are
+"""Per-update digests of the parameters (torchrelay/records/digests.py): bitwise, cheap, the same in two runs that are
 the same, and the first update where two runs part named."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 from digest_cost import measure
 from torchrelay import RelayConfig, Run
-from torchrelay.digests import digest, first_parting, read_digests
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
+from torchrelay.records.digests import digest, first_parting, read_digests
 
 
 def test_the_digest_sees_every_bit_and_rounding_that_cancels_in_a_sum():

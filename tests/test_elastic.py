@@ -34,14 +34,14 @@ from torchrelay.audit.drift import (
 )
 from torchrelay.audit.layout_audit import layout_verdict, likely_causes, with_world_size
 from torchrelay.audit.runner import AuditError
+from torchrelay.checkpoint.resume_check import validate_resume
 from torchrelay.cli import main
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import EXIT_REFUSED, ConfigError, ContractMismatch
-from torchrelay.ledger import prove
-from torchrelay.resume_check import validate_resume
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
 from torchrelay.run.exact_reduce import ExactReduction, check_layout, check_model
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
 
 TOTAL = 12
 STOPS = (4, 8)
@@ -149,7 +149,7 @@ def test_a_layout_change_is_refused_unless_asked_and_another_global_batch_always
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(relayed["straight"], run)
-    cfg = RunDir(run).load_config()
+    cfg = stored_config(RunDir(run))
     # not asked for: the checkpoint's layout, field by field
     with pytest.raises(ContractMismatch) as unasked:
         validate_resume(run, cfg.replace(grad_accum=4), 1, example["code"])

@@ -19,7 +19,7 @@ from helpers import launch, write_config
 from torchrelay.audit.drift import TOLERANCE_FACTOR, drift_of
 from torchrelay.audit.layout_audit import layout_verdict
 from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
 
 TOTAL, STOPS, WORLDS = 12, (4, 8), (2, 1, 2)
 KEEP = {"keep_updates": [STOPS[0], STOPS[0] + 1, STOPS[1] + 1, TOTAL]}

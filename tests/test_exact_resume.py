@@ -23,9 +23,9 @@ from torchrelay.checkpoint.dcp_io import read_metadata
 from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
-from torchrelay.ledger import prove
-from torchrelay.stop import write_request
-from torchrelay.summary import summarize
+from torchrelay.ledger.exposure import prove
+from torchrelay.policy.stop import write_request
+from torchrelay.records.summary import summarize
 from torchrelay.util.hashing import sha256_hex
 
 # every test here starts ranks: the launch tier (tests/conftest.py)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from torchrelay.errors import RelayError
-from torchrelay.train_records import (
+from torchrelay.records.train import (
     ExposureLog,
     RankLog,
     _exposures_by_line,

@@ -18,7 +18,8 @@ from torchrelay.checkpoint import state
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.errors import EXIT_REFUSED, IntegrityError, RecordError
 from torchrelay.manifest import Manifest, index_path
-from torchrelay.manifest.scan import scan
+from torchrelay.manifest.core import scan
+from torchrelay.paths.rundir import RunDir
 from torchrelay.run.directory import check_lineage, read_lineage
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.util.hashing import sha256_file
@@ -234,10 +235,10 @@ def test_a_forged_lineage_is_refused_at_open_and_never_written_into_history(
     run = make_run(tmp_path)
     (run / "lineage.json").write_text(json.dumps(doc))
     with pytest.raises(RecordError) as caught:
-        check_lineage(run)
+        check_lineage(RunDir(run))
     assert caught.value.exit_code == EXIT_REFUSED and caught.value.field == field
     assert "lineage.json" in str(caught.value) and len(str(caught.value).splitlines()) <= 2
-    kept = read_lineage(run)
+    kept = read_lineage(RunDir(run))
     assert all(isinstance(v, str) for v in kept.values()), kept
 
 

@@ -38,8 +38,8 @@ from test_deepspeed import engine_state
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, validate_complete, write_inventory
 from torchrelay.checkpoint.state import load_state, save_state
-from torchrelay.ledger import prove
-from torchrelay.stop import write_request
+from torchrelay.ledger.exposure import prove
+from torchrelay.policy.stop import write_request
 
 WORLD = 4
 

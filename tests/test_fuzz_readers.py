@@ -24,13 +24,14 @@ from torchrelay.checkpoint import dcp_io
 from torchrelay.checkpoint.handed_off import read_marker
 from torchrelay.checkpoint.inventory import inventory_entries, list_files, validate_complete, write_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.contract import CONTRACT_FILE, contract_sha256, load_contract
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import EXIT_REFUSED, RelayError, from_exception
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.verify import check_inventory, verify_bundle
-from torchrelay.history import read_history
-from torchrelay.rundir import Bundle, RunDir
-from torchrelay.stop import REQUEST_FILE, StopRequest, write_request
+from torchrelay.paths.rundir import Bundle, RunDir
+from torchrelay.policy.stop import REQUEST_FILE, StopRequest, write_request
+from torchrelay.records.contract import CONTRACT_FILE, contract_sha256, load_contract
+from torchrelay.records.history import read_history
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.safepath import walk_files
 from torchrelay.util.sums import SUMS_NAME, SumEntry, write_sums
@@ -383,7 +384,11 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
     contract.write_text(json.dumps(doc))
     config = run_dir / "config.json"
     fuzz_file(
-        outcome, config, config.read_bytes(), {"load_config": lambda: RunDir(run_dir).load_config()}, SEED + 8
+        outcome,
+        config,
+        config.read_bytes(),
+        {"load_config": lambda: stored_config(RunDir(run_dir))},
+        SEED + 8,
     )
 
     request = run_dir / REQUEST_FILE
@@ -400,12 +405,12 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import save as safetensors_save
 
-    from torchrelay import rng as rng_state
+    from torchrelay.checkpoint.resume_check import prepared_keys, prepared_layout
     from torchrelay.checkpoint.state import read_rank_statefuls, read_trainer_state
+    from torchrelay.checkpoint.state import rng as rng_state
     from torchrelay.controller.plan import read_plan_file
-    from torchrelay.resume_check import prepared_keys, prepared_layout
-    from torchrelay.validation_records import read_pending
-    from torchrelay.validation_records import read_records as read_validations
+    from torchrelay.records.validation import read_pending
+    from torchrelay.records.validation import read_records as read_validations
 
     relay_state = ckpt / "relay_state.json"
     relay_state.write_text(json.dumps({"format": 2, "loop": {"update": 3}, "statefuls": {"s": 1},
@@ -534,15 +539,14 @@ def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Pat
 
     from schema_cases import env_cases, field_cases, small
     from test_hostile_records import make_run
-    from torchrelay import envvars
-    from torchrelay.contract import CONTRACT_SCHEMA
+    from torchrelay.checkpoint.resume_check import PREPARE_RECORD_SCHEMA, prepared_layout
+    from torchrelay.config import envvars
     from torchrelay.controller.attempts import Attempts
-    from torchrelay.costmodel import MEASUREMENTS_SCHEMA
-    from torchrelay.history import SEGMENT_SCHEMA
     from torchrelay.manifest import Manifest, index_path
-    from torchrelay.manifest.core import INDEX_META_SCHEMA
-    from torchrelay.manifest.scan import scan
-    from torchrelay.resume_check import PREPARE_RECORD_SCHEMA, prepared_layout
+    from torchrelay.manifest.core import INDEX_META_SCHEMA, scan
+    from torchrelay.policy.costmodel import MEASUREMENTS_SCHEMA
+    from torchrelay.records.contract import CONTRACT_SCHEMA
+    from torchrelay.records.history import SEGMENT_SCHEMA
 
     out = FieldOutcome(findings=[])
     counts: dict[str, int] = {}
@@ -618,7 +622,7 @@ def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Pat
     validated = tmp_path / "v"
     (validated / "validation" / "checkpoint-8").mkdir(parents=True)
     target = validated / "validation" / "checkpoint-8" / "record.json"
-    from torchrelay.validation_records import RECORD_SCHEMA, read_records
+    from torchrelay.records.validation import RECORD_SCHEMA, read_records
 
     valid = {**small(RECORD_SCHEMA), "update": 8, "checkpoint": "checkpoint-8"}
     target.write_text(json.dumps(valid))

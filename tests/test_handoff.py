@@ -14,20 +14,21 @@ import pytest
 
 from handoff_fixtures import STOP_AT, TOTAL, Packed
 from helpers import assert_same_final_state, assert_same_logs, launch, segments
-from torchrelay import kill_points
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import read_marker
+from torchrelay.checkpoint.resume_check import validate_resume
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError, ForkRefused, RelayError
 from torchrelay.handoff.diff import diff
 from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import verify_bundle
-from torchrelay.ledger import prove
-from torchrelay.resume_check import validate_resume
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
+from torchrelay.util import kill_points
 
 # every test here starts ranks: the launch tier (tests/conftest.py)
 pytestmark = pytest.mark.launch
@@ -97,7 +98,7 @@ def test_fork_guard_refuses_source_and_second_pack(packed: Packed, tmp_path: Pat
     with pytest.raises(ForkRefused, match="already handed off"):
         pack(packed.source, tmp_path / "again", PackOptions(code_dir=packed.code))
     # reclaiming is explicit, and then the trainer's validation lets it through
-    cfg = RunDir(packed.source).load_config()
+    cfg = stored_config(RunDir(packed.source))
     mp = pytest.MonkeyPatch()
     mp.setenv("TORCHRELAY_RECLAIM", "1")
     try:
@@ -261,7 +262,7 @@ def test_hardlink_prepare_shares_checkpoint_files(packed: Packed, tmp_path: Path
 def test_diff_names_contract_fields(
     packed: Packed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torchrelay.contract import contract_sha256
+    from torchrelay.records.contract import contract_sha256
 
     other = tmp_path / "other"
     shutil.copytree(packed.bundle, other)
@@ -306,7 +307,7 @@ def test_reclaiming_the_source_starts_a_new_lineage_on_record(packed: Packed, tm
     seg = segments(source)[-1]
     assert seg["lineage"] == after["lineage"] and seg["command"][-4:-2] == ["--run-dir", str(source)]
     assert any(f"reclaimed checkpoint-{STOP_AT}" in note for note in seg["notes"])
-    from torchrelay.summary import summarize
+    from torchrelay.records.summary import summarize
 
     assert len(summarize(source)["lineages"]) == 2
     assert_same_final_state(packed.baseline, source, TOTAL)
@@ -363,7 +364,7 @@ def test_a_pack_killed_at_any_step_leaves_no_usable_bundle_without_its_record(
     """Defect: killed after the bundle's rename, before HANDED_OFF.json, a pack left a usable bundle and no fork
     guard (a second pack made a second lineage); killed inside the record's write, it wedged the trainer."""
     name = f"checkpoint-{STOP_AT}"
-    cfg = RunDir(packed.source).load_config()
+    cfg = stored_config(RunDir(packed.source))
     for step in PACK_STEPS:
         source = tmp_path / step.replace(":", "-") / "source"
         shutil.copytree(packed.source, source)

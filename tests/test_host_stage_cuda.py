@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchrelay.checkpoint import host_buffers, host_stage
-from torchrelay.tuning import SaveTuning
+from torchrelay.config.tuning import SaveTuning
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -35,8 +35,9 @@ from helpers import REPO
 from torchrelay.checkpoint import state
 from torchrelay.checkpoint.reader import load_statefuls
 from torchrelay.cli import main
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import EXIT_REFUSED, RelayError
-from torchrelay.lock import TRAIN_LOCK
+from torchrelay.paths.layout import TRAIN_LOCK
 from torchrelay.report.series import read_series
 from torchrelay.util.hashing import sha256_file
 from torchrelay.util.jsonl import LINE_LIMIT
@@ -490,7 +491,7 @@ def test_a_deepspeed_payload_is_refused_in_one_line(tmp_path: Path) -> None:
 def test_the_stop_request_never_follows_a_link_out_of_the_run(tmp_path: Path) -> None:
     """Defect 4: REQUEST_STOP linked to a file outside the run: its text is never read (it would reach
     history.jsonl's notes and status, which travel in bundles); the link still asks the run to stop."""
-    from torchrelay.stop import REQUEST_FILE, StopRequest
+    from torchrelay.policy.stop import REQUEST_FILE, StopRequest
 
     run = tmp_path / "run"
     run.mkdir()
@@ -529,7 +530,7 @@ def test_ledger_refuses_a_huge_line_at_the_bound_in_bounded_memory(tmp_path: Pat
         code = (
             "import resource, sys\n"
             "from torchrelay.cli import main\n"
-            "import torchrelay.ledger, torchrelay.summary, torchrelay.audit.verdict\n"
+            "import torchrelay.ledger.exposure, torchrelay.records.summary, torchrelay.audit.verdict\n"
             "print('BEFORE_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
             f"code = main([{verb!r}, {str(run)!r}])\n"
             "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
@@ -583,7 +584,7 @@ def test_a_padded_exposure_line_wider_than_its_layout_is_read_line_by_line(tmp_p
     """`{"u":2,"m":0,"i":[99999,   1,   2,   3]}` among padded lines: the fixed-column reader took the first id's
     width for every id and laid the columns past the line's end (numpy `cannot reshape`, a traceback out of
     `ledger` and `status --ledger`); now the line is read as JSON, and the ledger says what is wrong (exit 1)."""
-    from torchrelay.train_records import read_exposures
+    from torchrelay.records.train import read_exposures
 
     run = make_run(tmp_path)
     log = _padded(run)
@@ -686,7 +687,7 @@ def test_a_negative_seed_is_refused_in_one_line(tmp_path: Path) -> None:
     `status --ledger` ended in numpy's `ValueError: expected non-negative integer` (a traceback) where the order
     is drawn, as would the training of a run created so. Now the seed is refused where the configuration is
     read: one line naming the file and the field (exit 2)."""
-    from torchrelay.config import RelayConfig
+    from torchrelay.config.relay import RelayConfig
     from torchrelay.errors import ConfigError
 
     run = make_run(tmp_path)
@@ -721,7 +722,7 @@ def test_pack_and_the_resume_s_trim_read_a_hostile_log_line_without_a_traceback(
     the checkpoint) and the resume's trim of what lies past it (`trim_after`, on rank 0) ended in AttributeError,
     ValueError or RecursionError tracebacks; such a line is now what a line that is no JSON already was: no
     record of an update (left out of the bundle; moved aside by the trim with what follows the checkpoint)."""
-    from torchrelay.train_records import trim_after
+    from torchrelay.records.train import trim_after
 
     run = make_run(tmp_path)
     # the fixture's own data root: its manifest copy's paths lie under it, and `pack` proves the copy is the
@@ -1015,9 +1016,9 @@ def test_the_logs_a_run_appends_to_or_trims_are_never_written_through_a_link(tmp
     """A rank's exposure log linked to a file outside the run: the resume appended to that file and, resuming from
     an older checkpoint, cut it; a linked train/ was written through the same way. Now the resume refuses either
     in one line naming it before it writes anything (history.jsonl included), and so does every writer of a log."""
+    from torchrelay.paths.rundir import RunDir
+    from torchrelay.records.train import ExposureLog, RankLog, record_oom, trim_after
     from torchrelay.run.directory import reopen_run
-    from torchrelay.rundir import RunDir
-    from torchrelay.train_records import ExposureLog, RankLog, record_oom, trim_after
 
     run = make_run(tmp_path)
     train = run / "train"
@@ -1108,9 +1109,9 @@ Planter = Callable[[Path, Path, pytest.MonkeyPatch], Callable[[], Any]]
 
 def _killed_creation(tmp_path: Path) -> tuple[Any, Path]:
     """A configuration and a directory as a creation killed after its copy of the manifest left it."""
-    from torchrelay.rundir import RunDir
+    from torchrelay.paths.rundir import RunDir
 
-    config = RunDir(FIXTURE / "run").load_config()
+    config = stored_config(RunDir(FIXTURE / "run"))
     config = config.replace(
         manifest=str(FIXTURE / "data" / "manifest.jsonl"), data_root=str(FIXTURE / "data" / "root")
     )
@@ -1121,8 +1122,8 @@ def _killed_creation(tmp_path: Path) -> tuple[Any, Path]:
 
 
 def _plant_manifest_copy(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+    from torchrelay.paths.rundir import RunDir
     from torchrelay.run.directory import create_run
-    from torchrelay.rundir import RunDir
 
     config, run = _killed_creation(tmp_path)
     (run / "data" / "manifest.jsonl").symlink_to(victim)
@@ -1130,8 +1131,8 @@ def _plant_manifest_copy(tmp_path: Path, victim: Path, monkeypatch: pytest.Monke
 
 
 def _plant_data_folder(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
+    from torchrelay.paths.rundir import RunDir
     from torchrelay.run.directory import create_run
-    from torchrelay.rundir import RunDir
 
     config, run = _killed_creation(tmp_path)
     (run / "data").rmdir()
@@ -1141,7 +1142,8 @@ def _plant_data_folder(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyP
 
 
 def _plant_validation_log(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
-    from torchrelay import validation
+    from torchrelay.controller import validation
+    from torchrelay.paths.rundir import RunDir
 
     run = tmp_path / "run"
     shutil.copytree(FIXTURE / "run", run, symlinks=True)
@@ -1152,7 +1154,7 @@ def _plant_validation_log(tmp_path: Path, victim: Path, monkeypatch: pytest.Monk
             log.symlink_to(victim)
 
     monkeypatch.setattr(validation, "_remove_weights", plant)
-    return lambda: validation.run_one(run, 8, validation.ValidationSpec(command="echo WRITTEN"))
+    return lambda: validation.run_one(RunDir(run), 8, validation.ValidationSpec(command="echo WRITTEN"))
 
 
 def _plant_smoke_log(tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
@@ -1263,7 +1265,7 @@ def test_ledger_beside_a_training_proves_the_updates_every_rank_has_logged(tmp_p
     sample(s) missing`) in 18 of 42 runs: rank 0 had logged the update rank 1 had not yet. While the run's train
     lock is held the ledger now proves the updates every rank has gone past; a run no one trains is read whole, so
     the same line there is still a gap (exit 1)."""
-    from torchrelay.lock import RunLock
+    from torchrelay.paths.lock import RunLock
 
     run = make_run(tmp_path)
     log = run / "train" / "exposures-rank0.jsonl"

@@ -1,6 +1,6 @@
 """The incremental ledger (issue 22 goal 6): a checkpoint's LEDGER_PROOF.json stands for the prefix of the exposure
 logs it proved, and `torchrelay ledger` then says exactly what the full proof says, whatever was done to the proof
-or the logs. The provers are real processes (`python -m torchrelay.ledger_prover`, as rank 0 starts them), killed
+or the logs. The provers are real processes (`python -m torchrelay.ledger.prover`, as rank 0 starts them), killed
 for real; the run is written by tests/scale_run.py as the library writes it (4 ranks, 600 updates of 1,024, 19
 updates an epoch), with checkpoints at 300 and 600 (retention keeps two).
 """
@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 
 from scale_run import SRC, make_run
-from torchrelay import ledger_proof
 from torchrelay.checkpoint.inventory import check_files, read_inventory
 from torchrelay.cli import main
-from torchrelay.layout import LEDGER_PROOF
-from torchrelay.ledger import order_and_contract, prove
-from torchrelay.train_records import rank_logs
+from torchrelay.ledger import proof as ledger_proof
+from torchrelay.ledger.exposure import order_and_contract, prove
+from torchrelay.paths.layout import LEDGER_PROOF
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import rank_logs
 from torchrelay.util.durable import temp_prefix
 
 UPDATES, SAMPLES = 600, 20_000
@@ -35,11 +36,11 @@ ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
 
 def _prover(run: Path, update: int, *, arm: str | None = None) -> subprocess.CompletedProcess[str]:
     if arm is None:
-        cmd = [sys.executable, "-m", "torchrelay.ledger_prover", str(run), str(update)]
+        cmd = [sys.executable, "-m", "torchrelay.ledger.prover", str(run), str(update)]
     else:  # a crash test's kill point, armed in the prover's own process
         code = (
-            "import sys; from torchrelay import kill_points; kill_points.arm(sys.argv[1]); "
-            "from torchrelay.ledger_prover import main; sys.exit(main(sys.argv[2:]))"
+            "import sys; from torchrelay.util import kill_points; kill_points.arm(sys.argv[1]); "
+            "from torchrelay.ledger.prover import main; sys.exit(main(sys.argv[2:]))"
         )
         cmd = [sys.executable, "-c", code, arm, str(run), str(update)]
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
@@ -95,9 +96,9 @@ def _same_as_full(run: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, An
 
 
 def _newest(run: Path) -> int | None:
-    order, _, contract_sha = order_and_contract(run)
+    order, _, contract_sha = order_and_contract(RunDir(run))
     logs = {p.name: p for p in rank_logs(run / "train", "exposures").values()}
-    proof = ledger_proof.newest(run, ledger_proof.identity(order, contract_sha), logs)
+    proof = ledger_proof.newest(RunDir(run), ledger_proof.identity(order, contract_sha), logs)
     return None if proof is None else proof.update
 
 
@@ -254,7 +255,7 @@ def test_a_killed_prover_leaves_no_proof(
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torchrelay.ledger_prover", str(run), "600"],
+            [sys.executable, "-m", "torchrelay.ledger.prover", str(run), "600"],
             env=ENV,
             stderr=subprocess.PIPE,
         )
@@ -285,7 +286,7 @@ def _provers_of(run: Path) -> list[int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"torchrelay.ledger_prover" in argv and str(run).encode() in argv:
+        if b"torchrelay.ledger.prover" in argv and str(run).encode() in argv:
             out.append(int(pid))
     return out
 

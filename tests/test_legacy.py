@@ -29,7 +29,7 @@ import torch
 from helpers import git, launch, metrics, segments
 from torchrelay.checkpoint.reader import load_tensors
 from torchrelay.cli import main
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
 
 # every test here starts ranks: the launch tier (tests/conftest.py)
 pytestmark = pytest.mark.launch

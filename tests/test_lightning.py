@@ -27,7 +27,7 @@ from helpers import (
     wait_for_update,
 )
 from torchrelay.cli import main
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
 
 pytest.importorskip("pytorch_lightning")
 

@@ -19,13 +19,13 @@ from test_controller import CLI, launch_cli, write_plan
 from torchrelay.cli import main
 from torchrelay.controller.attempts import Attempts
 from torchrelay.errors import RunBusy, UnsafeInput
-from torchrelay.ledger import prove
-from torchrelay.lock import RunLock, holder
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.lock import RunLock, holder
 
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from torchrelay.lock import RunLock
+    from torchrelay.paths.lock import RunLock
     RunLock(sys.argv[1], sys.argv[2]).acquire(create_dir=True)
     print("held", flush=True)
     time.sleep(600)

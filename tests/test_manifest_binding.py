@@ -17,14 +17,14 @@ import torch
 from helpers import make_code_repo, make_data
 from test_hostile_records import _cli
 from torchrelay import RelayConfig, Run
-from torchrelay.contract import contract_sha256
 from torchrelay.errors import EXIT_REFUSED, ConfigError, ContractMismatch
 from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, prepare
-from torchrelay.history import read_history
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
 from torchrelay.manifest import Manifest, index_path
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
+from torchrelay.records.contract import contract_sha256
+from torchrelay.records.history import read_history
 
 BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
 

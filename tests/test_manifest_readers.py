@@ -17,8 +17,9 @@ import pytest
 from scale_run import write_manifest
 from torchrelay import manifest as M
 from torchrelay.errors import ConfigError
+from torchrelay.manifest import core as C
 from torchrelay.manifest import readers as R
-from torchrelay.manifest import scan as S
+from torchrelay.manifest.scan import Scanned
 
 ROOT = "/data/set"
 BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
@@ -76,8 +77,8 @@ def _same(a: M.Manifest, b: M.Manifest) -> None:
 def test_readers_find_what_one_process_finds_and_fingerprint_v1(tmp_path: Path) -> None:
     tricky = tmp_path / "tricky.jsonl"
     tricky.write_bytes(b"".join(tricky_lines()))
-    here = S.scan(tricky, ROOT, workers=1)
-    spread = S.scan(tricky, ROOT, workers=3, part=300)  # ~50 parts; the 3 KB lines span several
+    here = C.scan(tricky, ROOT, workers=1)
+    spread = C.scan(tricky, ROOT, workers=3, part=300)  # ~50 parts; the 3 KB lines span several
     _same(here, spread)
     # fingerprint v1 and the first bad length, as main computed them before the readers existed
     assert spread.sha256() == "e909b95738bff11be4a696828bd450067a5680cb5fadfbd1f8cc85334ae4b664"
@@ -89,8 +90,8 @@ def test_readers_find_what_one_process_finds_and_fingerprint_v1(tmp_path: Path) 
     # The benchmark's records: the one-parse-per-block path, the data root swapped in the canonical text.
     shaped = tmp_path / "b3000.jsonl"
     write_manifest(shaped, 3000)
-    m = S.scan(shaped, "/data/lingbot", workers=2, part=4096)
-    _same(S.scan(shaped, "/data/lingbot", workers=1), m)
+    m = C.scan(shaped, "/data/lingbot", workers=2, part=4096)
+    _same(C.scan(shaped, "/data/lingbot", workers=1), m)
     assert (
         m.fingerprint() == "fingerprint_v1:e2d4ef0b486896ca71869e3bfce405276532137c25bd2c0cae75448030df7e95"
     )
@@ -121,9 +122,9 @@ def test_a_refusal_from_a_later_part_names_its_file_and_line(tmp_path: Path, kin
     path.write_bytes(b"".join(lines))
     at = sum(map(len, lines[:41])) + bad.index(b"\xff") if kind == "not UTF-8" else 0
     with pytest.raises(ConfigError) as one:
-        S.scan(path, ROOT, workers=1)
+        C.scan(path, ROOT, workers=1)
     with pytest.raises(ConfigError) as spread:
-        S.scan(path, ROOT, workers=2, part=200)
+        C.scan(path, ROOT, workers=2, part=200)
     assert str(spread.value) == str(one.value)
     assert str(spread.value).startswith(f"{path}:42: {message.format(at=at)}")
 
@@ -132,19 +133,19 @@ def test_duplicate_ids_across_parts_and_forged_hash_collisions(tmp_path: Path) -
     path = tmp_path / "m.jsonl"
     lines = [json.dumps({"id": f"d{i}"}) for i in range(50)]
     path.write_text("\n".join(lines) + "\n")
-    m = S.scan(path, "", workers=2, part=64)
+    m = C.scan(path, "", workers=2, part=64)
     # Every id hashing alike (a 64-bit collision, forged): the ids are compared for real, so nothing is refused.
-    S._check_unique(m, np.zeros(len(m), dtype=np.int64))
+    C._check_unique(m, np.zeros(len(m), dtype=np.int64))
     lines[44] = lines[3]  # a repeat in a part far from the first
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=rf"^{path}:45: duplicate sample id 'd3'$"):
-        S.scan(path, "", workers=2, part=64)
+        C.scan(path, "", workers=2, part=64)
     data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     ends = np.flatnonzero(data == ord("\n"))
     starts = np.concatenate([[0], ends[:-1] + 1])
     repeated = M.Manifest(str(path), "", "", starts, ends - starts, "", None, None)
     with pytest.raises(ConfigError, match=rf"^{path}:45: duplicate sample id 'd3'$"):
-        S._check_unique(repeated, np.zeros(len(repeated), dtype=np.int64))  # found among forged collisions
+        C._check_unique(repeated, np.zeros(len(repeated), dtype=np.int64))  # found among forged collisions
 
 
 def test_a_reader_that_cannot_start_leaves_the_pass_to_this_process(
@@ -154,7 +155,7 @@ def test_a_reader_that_cannot_start_leaves_the_pass_to_this_process(
     path.write_bytes(b"".join(tricky_lines()))
     monkeypatch.setattr(R, "_READER", "import sys; sys.exit(3)")
     assert R.scan_parallel(path, ROOT, 2, 300) is None
-    _same(S.scan(path, ROOT, workers=2, part=300), S.scan(path, ROOT, workers=1))
+    _same(C.scan(path, ROOT, workers=2, part=300), C.scan(path, ROOT, workers=1))
 
 
 def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
@@ -166,10 +167,10 @@ def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
     monkeypatch.chdir(tmp_path)
     found = R.scan_parallel(path, ROOT, 2, 300)
     assert found is not None, "the readers failed: the working directory shadowed a module"
-    _same(found, S.scan(path, ROOT, workers=1))
+    _same(C._from_scanned(found), C.scan(path, ROOT, workers=1))
     deal = R._deal
 
-    def then_append(*args: object) -> M.Manifest:
+    def then_append(*args: object) -> Scanned:
         m = deal(*args)  # type: ignore[arg-type]
         with open(path, "ab") as f:
             f.write(b'{"id": "late"}\n')  # written while it was read
@@ -177,7 +178,7 @@ def test_readers_ignore_the_working_directory_and_see_a_change_to_the_file(
 
     monkeypatch.setattr(R, "_deal", then_append)
     with pytest.raises(ConfigError, match=rf"^data manifest {path} changed while it was read"):
-        S.scan(path, ROOT, workers=2, part=300)
+        C.scan(path, ROOT, workers=2, part=300)
 
 
 def test_load_uses_readers_for_a_big_file_unless_told_not_to(
@@ -188,7 +189,7 @@ def test_load_uses_readers_for_a_big_file_unless_told_not_to(
     calls: list[int] = []
     parallel = R.scan_parallel
 
-    def counted(p: Path, root: str, workers: int, part: int) -> M.Manifest | None:
+    def counted(p: Path, root: str, workers: int, part: int) -> Scanned | None:
         calls.append(workers)
         return parallel(p, root, workers, part)
 
@@ -196,8 +197,8 @@ def test_load_uses_readers_for_a_big_file_unless_told_not_to(
     monkeypatch.setattr(R, "reader_count", lambda: 3)
     M.Manifest.load(path, ROOT)
     assert calls == []  # below _PARALLEL_FROM: starting readers would cost more than they save
-    monkeypatch.setattr(S, "_PARALLEL_FROM", 1000)
-    _same(M.Manifest.load(path, ROOT), S.scan(path, ROOT, workers=1))
+    monkeypatch.setattr(C, "_PARALLEL_FROM", 1000)
+    _same(M.Manifest.load(path, ROOT), C.scan(path, ROOT, workers=1))
     assert calls == [3]
     M.Manifest.load(path, ROOT, readers=1)  # every rank at once (opening's fallback): no readers
     assert calls == [3]
@@ -215,8 +216,8 @@ def test_a_byte_order_mark_opening_the_file_is_no_part_of_the_first_record(tmp_p
     plain, marked = tmp_path / "a" / "plain.jsonl", tmp_path / "b" / "marked.jsonl"  # each its own index
     plain.write_bytes(body)
     marked.write_bytes(BOM + body)
-    want = S.scan(plain, ROOT, workers=1)
-    for got in (S.scan(marked, ROOT, workers=1), S.scan(marked, ROOT, workers=3, part=300)):
+    want = C.scan(plain, ROOT, workers=1)
+    for got in (C.scan(marked, ROOT, workers=1), C.scan(marked, ROOT, workers=3, part=300)):
         assert (got.fingerprint(), len(got), got._bad_length) == (
             want.fingerprint(),
             len(want),
@@ -246,11 +247,11 @@ def test_a_byte_order_mark_opening_the_file_is_no_part_of_the_first_record(tmp_p
     only = tmp_path / "only.jsonl"
     only.write_bytes(BOM + b"\n")
     with pytest.raises(ConfigError, match="lists no samples"):
-        S.scan(only, ROOT, workers=1)
+        C.scan(only, ROOT, workers=1)
     later = tmp_path / "later.jsonl"
     later.write_bytes(body.split(b"\n", 1)[0] + b"\n" + BOM + b'{"id": "z"}\n')
     with pytest.raises(ConfigError, match=r"later\.jsonl:2: not a JSON object"):
-        S.scan(later, ROOT, workers=1)
+        C.scan(later, ROOT, workers=1)
 
 
 def test_records_held_by_a_script_until_the_interpreter_ends_close_quietly(tmp_path: Path) -> None:

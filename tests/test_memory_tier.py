@@ -22,10 +22,10 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision, SaveVerdict
 from torchrelay.checkpoint.retention import EveryN, LatestN
 from torchrelay.checkpoint.tiers import capacity, memory_root
-from torchrelay.digests import read_digests
-from torchrelay.ledger import prove
-from torchrelay.proctree import Tree
-from torchrelay.summary import summarize
+from torchrelay.ledger.exposure import prove
+from torchrelay.records.digests import read_digests
+from torchrelay.records.summary import summarize
+from torchrelay.util.proctree import Tree
 
 U = 16  # the example's total_updates (save_every 8)
 

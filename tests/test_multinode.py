@@ -32,8 +32,8 @@ from test_controller import launch_cli, outcome_of, write_plan
 from torchrelay.cli import main
 from torchrelay.controller.preflight import PreflightReport, check_node_local, filesystem_of
 from torchrelay.controller.supervisor import Supervisor
-from torchrelay.ledger import prove
-from torchrelay.stop import write_request
+from torchrelay.ledger.exposure import prove
+from torchrelay.policy.stop import write_request
 
 SHM = Path("/dev/shm")  # a real tmpfs on every Linux
 

@@ -20,8 +20,8 @@ import torch
 from helpers import clean_env, launch, segments
 from torchrelay.cli import main
 from torchrelay.handoff.pack import PackOptions, pack
-from torchrelay.layout import PREPARE_RECORD
-from torchrelay.stop import write_request
+from torchrelay.paths.layout import PREPARE_RECORD
+from torchrelay.policy.stop import write_request
 
 HERE = (
     torch.backends.cpu.get_cpu_capability()
@@ -113,14 +113,14 @@ def test_prepare_warns_on_a_machine_of_other_numerics(
 
 
 def test_the_identity_names_what_decides_the_bits() -> None:
-    from torchrelay import numerics
+    from torchrelay.identity import numerics
 
     here = numerics.gather()
     assert here["cpu.capability"] == HERE and here["torch"] == torch.__version__
     assert here["cpu.threads"] == torch.get_num_threads() and here["deterministic"] is False
     assert (here["cuda"] is not None) == torch.cuda.is_available()
     # ATEN_CPU_CAPABILITY changes what torch dispatches, and the identity says so
-    probe = "import json; from torchrelay.numerics import gather; print(json.dumps(gather()))"
+    probe = "import json; from torchrelay.identity.numerics import gather; print(json.dumps(gather()))"
     env = clean_env(ATEN_CPU_CAPABILITY=OTHER[0])
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     there = json.loads(out.stdout)
@@ -130,7 +130,7 @@ def test_the_identity_names_what_decides_the_bits() -> None:
 
 
 def test_the_comparison_with_history() -> None:
-    from torchrelay import numerics
+    from torchrelay.identity import numerics
 
     a = {"cpu.capability": "AVX2", "torch": "2.13.0"}
     b = {"cpu.capability": "AVX512", "torch": "2.13.0"}
@@ -158,7 +158,7 @@ def test_the_comparison_with_history() -> None:
 
 
 def test_strict_numerics_is_a_runtime_field() -> None:
-    from torchrelay.config import RelayConfig
+    from torchrelay.config.relay import RelayConfig
     from torchrelay.errors import ConfigError
 
     cfg = RelayConfig(seed=0, micro_batch=1, total_updates=2, manifest="m.jsonl")
@@ -168,8 +168,8 @@ def test_strict_numerics_is_a_runtime_field() -> None:
 
 
 def test_the_audit_says_which_identity_its_verdict_holds_for() -> None:
-    from torchrelay import numerics
     from torchrelay.audit.verdict import Verdict, describe
+    from torchrelay.identity import numerics
 
     here = numerics.gather()
     there = {**here, "cpu.capability": "AVX2" if here["cpu.capability"] != "AVX2" else "AVX512"}

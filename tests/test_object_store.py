@@ -302,7 +302,7 @@ def _killed_at(step: str, argv: list[str]) -> None:
     """`torchrelay ARGV` in a forked child that SIGKILLs itself at `step` (kill_points.arm): a real kill."""
     import signal
 
-    from torchrelay import kill_points
+    from torchrelay.util import kill_points
 
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest

@@ -14,8 +14,8 @@ import torch
 from helpers import segments
 from torchrelay import RelayConfig, Run
 from torchrelay.cli import main
+from torchrelay.records.summary import summarize
 from torchrelay.report import render
-from torchrelay.summary import summarize
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
 

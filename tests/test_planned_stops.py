@@ -1,5 +1,5 @@
 """A planned stop (3 budget, 4 request, 5 signal, 6 memory) reads as one, not as torchrun's failure report: the
-filter of `torchrelay launch` and `python -m torchrelay.torchrun`, on torchrun's real output (issue 51)."""
+filter of `torchrelay launch` and `python -m torchrelay.controller.torchrun`, on torchrun's real output (issue 51)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_plain_torchrun_users_get_the_ranks_exit_code_without_the_report(tmp_pat
         # one write each: two ranks' prints share the pipe and interleaved word by word ('rankrank 1')
         "import os, sys\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\nsys.exit(int(sys.argv[1]))\n"
     )
-    cmd = [sys.executable, "-m", "torchrelay.torchrun", "--nproc_per_node=2", str(script)]
+    cmd = [sys.executable, "-m", "torchrelay.controller.torchrun", "--nproc_per_node=2", str(script)]
     out = run_tree([*cmd, "4"], timeout=120, env=clean_env(), cwd=tmp_path)
     assert out.returncode == 4, out.stdout + out.stderr
     assert sorted(out.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]

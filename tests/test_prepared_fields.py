@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from torchrelay.config import RelayConfig
+from torchrelay.checkpoint.resume_check import keep_prepared, prepared_keys
+from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import ConfigError
-from torchrelay.resume_check import keep_prepared, prepared_keys
 
 
 def config(**changes: object) -> RelayConfig:
@@ -63,7 +63,7 @@ def test_a_run_without_prepare_or_with_agreeing_config_keeps_nothing(tmp_path: P
 
 
 def test_an_override_of_a_contract_field_is_refused_in_one_line_a_runtime_one_is_not() -> None:
-    from torchrelay.resume_check import refuse_contract_overrides
+    from torchrelay.checkpoint.resume_check import refuse_contract_overrides
 
     stored = config(params={"lr": 0.1, "log_every": 1}, runtime_params=["log_every"])
 

@@ -23,7 +23,7 @@ from torchrelay.checkpoint.reader import load_statefuls, load_tensors
 from torchrelay.checkpoint.state import from_tree, load_state, read_trainer_state, to_tree
 from torchrelay.cli import main
 from torchrelay.errors import CheckpointError, ConfigError
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
 
 FORMAT1 = Path(__file__).parent / "fixtures" / "legacy-v0.1.0-state"
 

@@ -20,17 +20,17 @@ import pytest
 from helpers import launch
 from schema_cases import at_bounds
 from test_hostile_records import _cli, make_run
-from torchrelay import envvars
-from torchrelay.contract import CONTRACT_SCHEMA, contract_manifest, contract_sha256, load_contract
+from torchrelay.checkpoint.resume_check import PREPARE_RECORD_SCHEMA, prepared_layout
+from torchrelay.config import envvars
+from torchrelay.config.relay import stored_config
 from torchrelay.controller.attempts import Attempts
-from torchrelay.costmodel import MEASUREMENTS_SCHEMA, Measurements
 from torchrelay.errors import EXIT_REFUSED, ConfigError, RecordError
-from torchrelay.history import SEGMENT_SCHEMA, read_history, write_history
+from torchrelay.identity.numerics import check_resume
 from torchrelay.manifest import Manifest, index_path
-from torchrelay.manifest.core import INDEX_META_SCHEMA, index_root
-from torchrelay.manifest.scan import scan
-from torchrelay.numerics import check_resume
-from torchrelay.resume_check import PREPARE_RECORD_SCHEMA, prepared_layout
+from torchrelay.manifest.core import INDEX_META_SCHEMA, index_root, scan
+from torchrelay.policy.costmodel import MEASUREMENTS_SCHEMA, Measurements
+from torchrelay.records.contract import CONTRACT_SCHEMA, contract_manifest, contract_sha256, load_contract
+from torchrelay.records.history import SEGMENT_SCHEMA, read_history, write_history
 from torchrelay.util.records import LINE_LIMIT, check
 
 ROOT = "/data/root"
@@ -250,7 +250,7 @@ def test_a_numerics_value_at_its_bound_is_echoed_cut_and_the_history_stays_reada
 
 
 def test_a_schema_check_refuses_naming_the_nested_field() -> None:
-    from torchrelay.reshard import LAYOUT_CHANGE_SCHEMA
+    from torchrelay.records.reshard import LAYOUT_CHANGE_SCHEMA
 
     doc = {"to": {"world_size": 2, "micro_batch": 0, "grad_accum": 1}}
     with pytest.raises(RecordError, match=r"field 'layout_change\.to\.micro_batch': 0, below its least 1"):
@@ -292,8 +292,8 @@ def test_a_validation_record_past_its_bounds_is_written_cut_and_reads_back(tmp_p
     """A command's metrics were read up to 16 MiB and echoed into record.json (16 MiB at most, indented): a record
     its reader refused. Metrics past 1 MiB now fail the validation with a reason; the record is fitted to its
     schema (a command line or a reason cut)."""
-    from torchrelay.validation import _finish, _read_metrics
-    from torchrelay.validation_records import METRICS_LIMIT, ValidationRecord, read_records
+    from torchrelay.controller.validation import _finish, _read_metrics
+    from torchrelay.records.validation import METRICS_LIMIT, ValidationRecord, read_records
 
     out = tmp_path / "validation" / "checkpoint-8"
     out.mkdir(parents=True)
@@ -326,11 +326,11 @@ def test_a_contract_of_code_outside_any_checkout_loads(tmp_path: Path) -> None:
     """A run given no code directory records code.dirty as null (nothing to call dirty); the schema took only a
     boolean, so every verb that read such a run's contract (pack, verify, status) refused it as damaged."""
     from test_hostile_records import FIXTURE
-    from torchrelay.contract import build_contract, write_contract
-    from torchrelay.rundir import RunDir
+    from torchrelay.paths.rundir import RunDir
+    from torchrelay.records.contract import build_contract, write_contract
 
     source = RunDir(FIXTURE / "run")
-    cfg = source.load_config()
+    cfg = stored_config(source)
     manifest = Manifest.load(source.path / "data" / "manifest.jsonl", str(FIXTURE / "data"))
     contract = build_contract(cfg, 2, None, manifest)
     assert contract["fields"]["code.dirty"] is None

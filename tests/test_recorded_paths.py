@@ -15,10 +15,10 @@ import pytest
 from handoff_fixtures import Packed
 from helpers import git
 from test_security import resign_sums_only
-from torchrelay.contract import contract_sha256
 from torchrelay.errors import RelayError, UnsafeInput
 from torchrelay.handoff.prepare import PrepareOptions, prepare
 from torchrelay.identity import code_identity
+from torchrelay.records.contract import contract_sha256
 
 
 def _checkout(tmp_path: Path) -> tuple[Path, Path, str]:

@@ -26,9 +26,9 @@ from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import read_inventory, validate_complete
 from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.writer_process import WriterProcess
+from torchrelay.config.tuning import SaveTuning
 from torchrelay.controller.preflight import PreflightFailed, PreflightReport, check_disk
-from torchrelay.layout import SPARE_CHECKPOINT, checkpoint_name
-from torchrelay.tuning import SaveTuning
+from torchrelay.paths.layout import SPARE_CHECKPOINT, checkpoint_name
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -24,7 +24,7 @@ from nodes import Nodes, torchrun_2node
 from test_multinode import free_port, nodes, wait_all  # noqa: F401 - `nodes` is the fixture
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.replica import nodes_of
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
 
 U = 16  # the example's schedule (save_every 8)
 TARGET = Path("/tmp/torchrelay-test-memory")  # where each node sees its own memory folder

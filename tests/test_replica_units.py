@@ -246,7 +246,7 @@ def test_capacity_counts_each_node_s_part_and_the_replica_it_holds() -> None:
 def test_status_lists_the_replicas_a_node_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: `status` listed the node's own memory checkpoints only, never replica-node<n>/."""
     from test_hostile_records import _cli, make_run
-    from torchrelay.summary import summarize
+    from torchrelay.records.summary import summarize
 
     monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(tmp_path / "shm"))
     run = make_run(tmp_path)
@@ -279,7 +279,7 @@ def test_status_looks_for_the_memory_tier_under_the_newest_segment_s_lineage(
     """Before: the alphabetically last lineage of the history was taken, not the one the run trains under now (a
     reclaim or a fork starts a new one), so status looked in another run's memory folder."""
     from test_hostile_records import make_run
-    from torchrelay.summary import summarize
+    from torchrelay.records.summary import summarize
 
     monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(tmp_path / "shm"))
     run = make_run(tmp_path)

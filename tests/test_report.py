@@ -12,8 +12,8 @@ import pytest
 
 from helpers import launch, segments
 from torchrelay.cli import main
+from torchrelay.policy.stop import write_request
 from torchrelay.report import ReportError, render
-from torchrelay.stop import write_request
 
 SMALL = {"total_updates": 10, "save_every": 3, "warmup_updates": 2}
 

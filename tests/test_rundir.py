@@ -11,9 +11,9 @@ import pytest
 
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import IntegrityError
-from torchrelay.layout import checkpoint_name, parse_checkpoint_name
-from torchrelay.rundir import Bundle, RunDir
-from torchrelay.validation_records import read_records
+from torchrelay.paths.layout import checkpoint_name, parse_checkpoint_name
+from torchrelay.paths.rundir import Bundle, RunDir
+from torchrelay.records.validation import read_records
 
 HOSTILE = [
     "checkpoint-0007",  # a second name for update 7

@@ -15,7 +15,7 @@ from helpers import EXAMPLES, assert_same_final_state, git, launch, metrics
 from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.cli import main
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 from torchrelay.util.hashing import sha256_file
 
 TOTAL = 12

@@ -21,8 +21,8 @@ import yaml
 
 from torchrelay.cli import main
 from torchrelay.controller.plan import Plan
+from torchrelay.controller.slurm import BatchSpec, directive_value, render_batch_script
 from torchrelay.errors import ConfigError
-from torchrelay.slurm import BatchSpec, directive_value, render_batch_script
 from torchrelay.util import schema
 
 MARK = "PWNED"

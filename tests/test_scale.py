@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from scale_run import _HWM, cli, make_run, measure, write_manifest
-from torchrelay.ledger import order_for, prove
+from torchrelay.ledger.exposure import order_for, prove
 from torchrelay.manifest import Manifest, index_path
-from torchrelay.train_records import trim_after
+from torchrelay.records.train import trim_after
 
 UPDATES, BATCH, SAMPLES = 2000, 1024, 200_000
 

@@ -1,4 +1,4 @@
-"""The one configuration layer (util/schema.py) and the one place of the environment variables (envvars.py):
+"""The one configuration layer (util/schema.py) and the one place of the environment variables (config/envvars.py):
 located errors, a did-you-mean, bool never an int, the runtime rule as field metadata, the committed JSON schemas
 and docs/ENVIRONMENT.md equal to what the code generates. All in-process."""
 
@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 
 from helpers import REPO
-from torchrelay import envvars
 from torchrelay.commands import pack as pack_cli
 from torchrelay.commands import prepare as prepare_cli
-from torchrelay.config import RUNTIME_FIELDS, RelayConfig
-from torchrelay.contract import build_contract
+from torchrelay.config import envvars
+from torchrelay.config.relay import RUNTIME_FIELDS, RelayConfig
 from torchrelay.controller.plan import Plan, load_plan
 from torchrelay.controller.schemas import render, schemas
+from torchrelay.controller.slurm import BatchSpec, SlurmSpec
 from torchrelay.errors import ConfigError
 from torchrelay.handoff.pack import PackOptions
 from torchrelay.handoff.prepare import PrepareOptions
-from torchrelay.slurm import BatchSpec, SlurmSpec
+from torchrelay.records.contract import build_contract
 from torchrelay.util import schema
 
 BASE = {"seed": 1, "micro_batch": 2, "total_updates": 10, "manifest": "m.jsonl"}
@@ -179,10 +179,10 @@ def test_every_torchrelay_variable_is_declared_once_and_documented() -> None:
         if path.name == "envvars.py":
             continue  # the declarations themselves
         used |= set(re.findall(r"TORCHRELAY_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
-    assert used - set(names) == set(), "declare these in src/torchrelay/envvars.py"
+    assert used - set(names) == set(), "declare these in src/torchrelay/config/envvars.py"
     page = REPO / "docs" / "ENVIRONMENT.md"
     assert page.read_text() == envvars.markdown(), (
-        f"{page} is stale: run `python -m torchrelay.envvars > docs/ENVIRONMENT.md`"
+        f"{page} is stale: run `python -m torchrelay.config.envvars > docs/ENVIRONMENT.md`"
     )
 
 

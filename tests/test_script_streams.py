@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from torchrelay import RelayConfig, Run
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
 
 
 def _draws(example: dict[str, Path], run_dir: Path, *, seed: int = 3) -> list[tuple[float, float]]:

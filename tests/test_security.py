@@ -113,7 +113,7 @@ def test_planted_pickle_never_runs(packed: Packed, tmp_path: Path, place: str) -
     for verb in ("status", "ledger"):
         if verb in VERBS and _has_verb(verb):
             outcomes[verb] = _quiet(lambda v=verb: main([v, str(bundle)]))  # type: ignore[misc]
-    from torchrelay.ledger import prove
+    from torchrelay.ledger.exposure import prove
 
     outcomes["ledger-lib"] = _quiet(lambda: prove(bundle))
     run_dir = tmp_path / "run"
@@ -590,7 +590,7 @@ def test_shard_paths_outside_the_checkpoint_or_its_inventory_are_refused(
 @pytest.mark.launch
 def test_recorded_code_paths_never_lead_prepare_out_of_the_source(packed: Packed, tmp_path: Path) -> None:
     """The contract's code.untracked names files by path; from a bundle, '../x' or '/dev/zero' must not be read."""
-    from torchrelay.contract import contract_sha256
+    from torchrelay.records.contract import contract_sha256
 
     outside = tmp_path / "outside.py"
     outside.write_text("secret = 1\n")

@@ -28,8 +28,8 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.state import load_state, save_state
+from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import IntegrityError
-from torchrelay.tuning import LoadTuning
 from torchrelay.util import sha256_parts
 
 # The LoadTuning fields a test sets (monkeypatch.setitem: undone after it), passed to every load below.

@@ -17,9 +17,15 @@ from torchrelay.controller.argv import training_argv
 from torchrelay.controller.attempts import Attempts
 from torchrelay.controller.memguard import GIB, MemoryLimits
 from torchrelay.controller.plan import Plan
+from torchrelay.controller.slurm import (
+    BatchSpec,
+    parse_end_time,
+    render_batch_script,
+    rendezvous,
+    time_limit_minutes,
+)
 from torchrelay.errors import ConfigError
-from torchrelay.ledger import prove
-from torchrelay.slurm import BatchSpec, parse_end_time, render_batch_script, rendezvous, time_limit_minutes
+from torchrelay.ledger.exposure import prove
 
 U = 24
 FIRST_JOB_PACE = 2.0  # s an update at least: U of them outlast any first job's warning (see below)

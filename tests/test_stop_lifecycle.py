@@ -25,9 +25,16 @@ from torchrelay.controller.preflight import PreflightFailed, PreflightReport, ru
 from torchrelay.controller.supervisor import Supervisor
 from torchrelay.data.loader import RelayLoader, main_unguarded, start_forkserver
 from torchrelay.errors import EXIT_ERROR, EXIT_REQUEST, EXIT_SIGNAL, ConfigError, RelayError
-from torchrelay.lock import RunLock
-from torchrelay.proctree import Tree, survivors
-from torchrelay.stop import REQUEST_MAX_BYTES, SignalFlag, StopContext, StopRequest, deadline_from_env, decide
+from torchrelay.paths.lock import RunLock
+from torchrelay.policy.stop import (
+    REQUEST_MAX_BYTES,
+    SignalFlag,
+    StopContext,
+    StopRequest,
+    deadline_from_env,
+    decide,
+)
+from torchrelay.util.proctree import Tree, survivors
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -237,7 +244,7 @@ import json, sys, time
 import psutil, torch
 from torchrelay.data.loader import RankBatches, RelayLoader
 from torchrelay.data.order import GlobalOrder
-from torchrelay.stop import SignalFlag
+from torchrelay.policy.stop import SignalFlag
 
 
 class Squares(torch.utils.data.Dataset):

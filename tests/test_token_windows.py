@@ -19,7 +19,7 @@ from torchrelay.cli import main
 from torchrelay.data.sample import SampleContext
 from torchrelay.data.tokens import TokenWindows, token_manifest, window_offset, window_offsets
 from torchrelay.errors import ConfigError
-from torchrelay.ledger import order_for, prove
+from torchrelay.ledger.exposure import order_for, prove
 
 
 def _records(path: Path) -> list[dict]:

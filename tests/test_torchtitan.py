@@ -29,7 +29,7 @@ from helpers import (
 )
 from torchrelay.cli import main
 from torchrelay.errors import ConfigError
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
 
 pytest.importorskip("torchtitan.components.checkpointer")
 

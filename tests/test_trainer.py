@@ -38,7 +38,7 @@ from torchrelay.audit import RNG, verdict_for_run
 from torchrelay.audit.compare import load_checkpoint_tensors
 from torchrelay.audit.values import rng_tensors
 from torchrelay.cli import main
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
 
 U = 12  # the example's max_steps: 8 updates an epoch, so the schedule crosses into epoch 1
 # the example, its updates paced by TRAINER_PACE_S (a signal must land before the run ends)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from helpers import segments
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
 
 
 def _bench() -> Any:

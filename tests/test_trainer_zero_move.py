@@ -56,8 +56,8 @@ def test_trainer_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
     (DeepSpeed's gradient_accumulation_steps 2, the run's grad_accum 4: refused when the engine was tracked)."""
     from torchrelay.audit.layout_audit import layout_verdict
     from torchrelay.cli import main
-    from torchrelay.ledger import prove
-    from torchrelay.stop import write_request
+    from torchrelay.ledger.exposure import prove
+    from torchrelay.policy.stop import write_request
 
     if offload:
         from test_four_ranks import cpu_adam_or_skip
@@ -119,8 +119,8 @@ def test_trainer_zero2_prepared_for_two_ranks_from_a_bundle_of_four(
     ranks (no flag) reshards, derives accumulation 4 and finishes; the move recorded as asked by prepare and shown
     by `status`; the ledger exact."""
     from torchrelay.cli import main
-    from torchrelay.ledger import prove
-    from torchrelay.stop import write_request
+    from torchrelay.ledger.exposure import prove
+    from torchrelay.policy.stop import write_request
 
     code = _code(tmp_path)
     source, bundle, there = tmp_path / "source", tmp_path / "bundle", tmp_path / "there"
@@ -162,9 +162,9 @@ def test_trainer_accumulation_is_layout_while_the_global_batch_is_kept(tmp_path:
     ranks that passes 4 (or the script's 2, derived to 4) for a run made on 4 ranks with 2 is a layout change, and
     once moved it needs no flag; another global batch is refused naming its product, another LR as math. Before,
     the field was math: `gradient_accumulation_steps: 2 -> 4` refused the 2-rank launch that kept the batch."""
+    from torchrelay.checkpoint.resume_check import _check_math_and_layout
     from torchrelay.errors import ContractMismatch
-    from torchrelay.reshard import Layout
-    from torchrelay.resume_check import _check_math_and_layout
+    from torchrelay.records.reshard import Layout
 
     def check(recomputed: dict[str, Any], current: Layout, new: Layout, reshard: bool) -> None:
         recorded = _fields(4, 2, 2)

@@ -18,8 +18,7 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.select import latest_complete
 from torchrelay.cli import main
-from torchrelay.config import RelayConfig
-from torchrelay.contract import contract_diff
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import (
     EXIT_BUDGET,
@@ -30,9 +29,10 @@ from torchrelay.errors import (
     IntegrityError,
     UnsafeInput,
 )
-from torchrelay.history import Segment, read_history
 from torchrelay.manifest import Manifest
-from torchrelay.stop import StopContext, StopRequest, decide
+from torchrelay.policy.stop import StopContext, StopRequest, decide
+from torchrelay.records.contract import contract_diff
+from torchrelay.records.history import Segment, read_history
 
 
 def test_order_is_pure_and_world_size_independent() -> None:
@@ -191,14 +191,14 @@ def test_ledger_cli_fails_on_a_repeat(example: dict[str, Path], tmp_path: Path) 
 
 
 def test_non_utf8_run_files_are_named(tmp_path: Path) -> None:
-    from torchrelay.contract import load_contract
-    from torchrelay.history import read_history
-    from torchrelay.rundir import RunDir
+    from torchrelay.paths.rundir import RunDir
+    from torchrelay.records.contract import load_contract
+    from torchrelay.records.history import read_history
 
     for name in ("config.json", "resume_contract.json", "history.jsonl"):
         (tmp_path / name).write_bytes(b"\xff\xfe\x80 not utf-8")
     with pytest.raises(IntegrityError, match=r"config.json \(the run's configuration\): not UTF-8 text"):
-        RunDir(tmp_path).load_config()
+        stored_config(RunDir(tmp_path))
     with pytest.raises(
         IntegrityError, match=r"resume_contract.json \(the training contract\): not UTF-8 text"
     ):
@@ -208,7 +208,7 @@ def test_non_utf8_run_files_are_named(tmp_path: Path) -> None:
 
 
 def test_jsonl_skips_a_torn_last_line_and_names_a_bad_middle_line(tmp_path: Path) -> None:
-    from torchrelay.history import read_history
+    from torchrelay.records.history import read_history
     from torchrelay.util.jsonl import read_records
 
     path = tmp_path / "history.jsonl"
@@ -229,7 +229,7 @@ def test_jsonl_skips_a_torn_last_line_and_names_a_bad_middle_line(tmp_path: Path
 
 def test_the_ledger_names_a_damaged_exposure_line_instead_of_stopping_there(tmp_path: Path) -> None:
     # The ledger's reader used to stop silently at the first bad line: nothing after it was proven or named.
-    from torchrelay.ledger import prove
+    from torchrelay.ledger.exposure import prove
 
     run = tmp_path / "run"
     shutil.copytree(Path(__file__).parent / "fixtures" / "legacy-v0.1.0" / "run", run)
@@ -243,7 +243,7 @@ def test_the_ledger_names_a_damaged_exposure_line_instead_of_stopping_there(tmp_
 
 
 def test_one_map_between_end_states_and_exit_codes() -> None:
-    from torchrelay.ended import CLEAN_STOPS, Ended, ended_of, exit_code_of
+    from torchrelay.records.ended import CLEAN_STOPS, Ended, ended_of, exit_code_of
 
     for code in (0, 2, 3, 4, 5, 6):
         assert exit_code_of(ended_of(code)) == code
@@ -276,7 +276,7 @@ def test_kill_points_are_armed_in_the_process_never_by_the_environment() -> None
     import os
     import signal
 
-    from torchrelay import kill_points
+    from torchrelay.util import kill_points
 
     def child(arm: str | None) -> int:
         pid = os.fork()

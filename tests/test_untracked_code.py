@@ -21,10 +21,10 @@ import pytest
 
 from helpers import EXAMPLES, REPO, git, launch, segments
 from torchrelay.cli import main
-from torchrelay.contract import comparable, contract_diff
 from torchrelay.handoff.pack import PackOptions, pack
 from torchrelay.identity import code_changes, code_identity, running_files
-from torchrelay.stop import write_request
+from torchrelay.policy.stop import write_request
+from torchrelay.records.contract import comparable, contract_diff
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 
 from torchrelay.checkpoint import dcp_io, verified_read
 from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
+from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import ConfigError, IntegrityError
-from torchrelay.tuning import LoadTuning
 
 # The LoadTuning fields a test sets (monkeypatch.setitem: undone after it), passed to every load below.
 TUNING: dict[str, Any] = {}

@@ -32,8 +32,8 @@ from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.writer_process import WriterProcess
 from torchrelay.errors import CheckpointError
-from torchrelay.layout import checkpoint_name
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.layout import checkpoint_name
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -156,8 +156,8 @@ def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
     within the audit's bound of the reduction order (tests/test_elastic.py's criterion)."""
     from helpers import TORCHRUN, clean_env, make_code_repo, run_tree, segments
     from torchrelay.audit.layout_audit import layout_verdict
-    from torchrelay.ledger import prove
-    from torchrelay.stop import write_request
+    from torchrelay.ledger.exposure import prove
+    from torchrelay.policy.stop import write_request
 
     if offload:
         from test_four_ranks import cpu_adam_or_skip
@@ -224,7 +224,7 @@ def test_the_reshard_benchmark_runs_at_toy_size() -> None:
 
 
 def test_a_layout_change_accepts_zero2_and_refuses_zero3_naming_it(tmp_path: Path) -> None:
-    from torchrelay.resume_check import _per_rank_on_layout_change
+    from torchrelay.checkpoint.resume_check import _per_rank_on_layout_change
 
     notes = _per_rank_on_layout_change(tmp_path / "checkpoint-4", {"deepspeed": {"zero_stage": 2}})
     assert notes == [
@@ -242,8 +242,8 @@ def test_zero2_prepared_for_one_rank_from_a_bundle_of_two(example: dict[str, Pat
     finishes it, the move recorded as asked by prepare, the ledger exact."""
     from helpers import TORCHRUN, clean_env, make_code_repo, run_tree, segments
     from torchrelay.cli import main
-    from torchrelay.ledger import prove
-    from torchrelay.stop import write_request
+    from torchrelay.ledger.exposure import prove
+    from torchrelay.policy.stop import write_request
 
     def launch(code: Path, run: Path, nproc: int) -> Any:
         cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]

@@ -266,7 +266,7 @@ def _exposures(run_dir: Path, rank: int) -> list[str]:
 def compare(straight: Path, stopped: Path, nproc: int) -> dict[str, Any]:
     """Every tensor of the two final checkpoints torch.equal, the logs equal, the stopped run's ledger proved."""
     from torchrelay.checkpoint.reader import load_tensors
-    from torchrelay.ledger import prove
+    from torchrelay.ledger.exposure import prove
 
     a = load_tensors(straight / f"checkpoint-{UPDATES}")
     b = load_tensors(stopped / f"checkpoint-{UPDATES}")
@@ -300,7 +300,7 @@ def compare(straight: Path, stopped: Path, nproc: int) -> dict[str, Any]:
 
 def one_precision(opt: argparse.Namespace, precision: str) -> dict[str, Any]:
     """Uninterrupted versus stopped twice (request early, SIGTERM late) and resumed with other worker counts."""
-    from torchrelay.stop import write_request
+    from torchrelay.policy.stop import write_request
 
     base = opt.out / precision  # the logs
     straight, stopped = opt.work / precision / "straight", opt.work / precision / "stopped"

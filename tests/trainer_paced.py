@@ -1,6 +1,6 @@
 """A Trainer example (TRAINER_EXAMPLE, by default train_hf_trainer) with each update paced to TRAINER_PACE_S seconds,
 so that a signal lands before the end; `--kill-at PHASE:UPDATE:RANK` (taken off the example's own arguments)
-arms a crash test's kill inside a save (torchrelay.kill_points)."""
+arms a crash test's kill inside a save (torchrelay.util.kill_points)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from torchrelay import kill_points
+from torchrelay.util import kill_points
 
 
 class Pace(TrainerCallback):

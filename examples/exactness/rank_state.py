@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchrelay as tr
-from torchrelay.config import parse_assignments
+from torchrelay.config.relay import parse_assignments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the reference example's data and config
 from train_lm import SourceBytes, collate, load_config  # noqa: E402

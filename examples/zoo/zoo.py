@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
-from torchrelay.config import parse_assignments  # noqa: E402
+from torchrelay.config.relay import parse_assignments  # noqa: E402
 
 MEMBERS = (
     "bn_ddp",

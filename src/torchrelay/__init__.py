@@ -22,12 +22,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from torchrelay.config import RelayConfig
+    from torchrelay.config.relay import RelayConfig
     from torchrelay.data.sample import SampleContext, sample_dropout, sample_generator, sample_seed
     from torchrelay.data.tokens import TokenWindows, token_manifest
     from torchrelay.errors import install_excepthook
-    from torchrelay.lr_shape import warmup_cosine
     from torchrelay.run import Run, Step
+    from torchrelay.run.lr_shape import warmup_cosine
     from torchrelay.util.collective import agree
 
 # Importing torchrelay changes nothing in the process. The one-line report of an uncaught refusal (a configuration
@@ -35,11 +35,11 @@ if TYPE_CHECKING:
 # by RelayConfig and Run.open, the calls that can raise one, and by nothing else; a program of its own opts in with
 # tr.install_excepthook().
 _LAZY = {
-    "RelayConfig": "config",
+    "RelayConfig": "config.relay",
     "Run": "run",
     "Step": "run",
     "agree": "util.collective",
-    "warmup_cosine": "lr_shape",
+    "warmup_cosine": "run.lr_shape",
     "install_excepthook": "errors",
     "SampleContext": "data.sample",
     "sample_dropout": "data.sample",

@@ -9,7 +9,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from torchrelay import __version__, envvars
+from torchrelay import __version__
+from torchrelay.config import envvars
 from torchrelay.errors import EXIT_ERROR, ConfigError, RelayError, from_exception
 from torchrelay.log import configure
 from torchrelay.storage.url import SCHEMES, scheme_of

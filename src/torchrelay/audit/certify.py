@@ -1,5 +1,5 @@
 """`torchrelay certify RUN [--checkpoint N] [--updates K] -- LAUNCH…`: replay K updates from a checkpoint and compare
-the parameters' digests after each with those the training recorded (digests.py).
+the parameters' digests after each with those the training recorded (records/digests.py).
 
 A checkpoint's inventory proves its bytes are the bytes that were written, not that they are the state the
 training held: a fault while staging (a host buffer copied wrong, memory corrupted before the hashing) leaves a
@@ -20,15 +20,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay import numerics
 from torchrelay.audit.runner import AuditError, Launcher, run_segments, subprocess_launcher
-from torchrelay.contract import load_contract
-from torchrelay.digests import read_digests
+from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import ConfigError
-from torchrelay.history import read_history
-from torchrelay.layout import CONTRACT_FILE, checkpoint_name, parse_checkpoint_name
-from torchrelay.lock import LOCK_FILES
-from torchrelay.rundir import RunDir
+from torchrelay.identity import numerics
+from torchrelay.paths.layout import CONTRACT_FILE, LOCK_FILES, checkpoint_name, parse_checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.digests import read_digests
+from torchrelay.records.history import read_history
 
 CERTIFIED_DIR = "certified"  # beside the checkpoints: one record per certified checkpoint
 CERTIFICATE_FORMAT = 1
@@ -81,9 +81,10 @@ def read_certificate(run_dir: str | os.PathLike[str], update: int) -> dict[str, 
     return found if isinstance(found, dict) else None
 
 
-def _choose(run_dir: Path, recorded: dict[int, dict[int, str]], checkpoint: int | None, updates: int) -> int:
+def _choose(run: RunDir, recorded: dict[int, dict[int, str]], checkpoint: int | None, updates: int) -> int:
     """The checkpoint to certify: the one asked for, else the newest complete one with `updates` recorded after."""
-    complete = [c.update for c in RunDir(run_dir).checkpoints() if c.complete]
+    run_dir = run.path
+    complete = [c.update for c in list_checkpoints(run_dir) if c.complete]
     return choose(recorded, complete, checkpoint, updates, run_dir)
 
 
@@ -152,9 +153,10 @@ def compare(
     return None, [], compared
 
 
-def _copy_run(run_dir: Path, update: int, dest: Path) -> None:
+def _copy_run(run: RunDir, update: int, dest: Path) -> None:
     """A copy of the run that holds checkpoint-`update` as its newest (a copy, never links: a later save may
     write over a retired checkpoint's files)."""
+    run_dir = run.path
     dest.mkdir(parents=True)
     for entry in sorted(run_dir.iterdir()):
         found = parse_checkpoint_name(entry.name)
@@ -170,7 +172,8 @@ def _copy_run(run_dir: Path, update: int, dest: Path) -> None:
             shutil.copy2(entry, dest / entry.name)
 
 
-def _numerics_of_update(run_dir: Path, update: int) -> dict[str, Any] | None:
+def _numerics_of_update(run: RunDir, update: int) -> dict[str, Any] | None:
+    run_dir = run.path
     for seg in read_history(run_dir):
         first, last = seg.get("first_update"), seg.get("last_update")
         if isinstance(first, int) and isinstance(last, int) and first <= update <= last:
@@ -192,7 +195,8 @@ def certify(
     """Replay `updates` updates from `checkpoint` (default: the newest that has them recorded after it) with the
     launch command, compare the digests, and record the certificate beside the checkpoint."""
     root = Path(run_dir)
-    if not RunDir(root).contract_path.is_file():
+    run = RunDir(root)
+    if not run.contract_path.is_file():
         raise ConfigError(
             f"{root} is not a run directory (no {CONTRACT_FILE})",
             hint="pass the run directory whose checkpoint to certify",
@@ -210,12 +214,12 @@ def certify(
             f"{root / 'train'}: no per-update digests recorded (digests-rank*.jsonl)",
             hint="the run was trained by a torchrelay without them: train on with this version first",
         )
-    update = _choose(root, recorded, checkpoint, updates)
+    update = _choose(run, recorded, checkpoint, updates)
     owned = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="torchrelay-certify-")) if work_dir is None else Path(work_dir)
     try:
         replay = work / "replay"
-        _copy_run(root, update, replay)
+        _copy_run(run, update, replay)
         started = time.monotonic()
         run_segments(
             "certify",
@@ -230,7 +234,7 @@ def certify(
         seconds = time.monotonic() - started
         replayed = read_digests(replay)
         first, ranks, compared = compare(recorded, replayed, update + 1, update + updates)
-        ran, trained = _numerics_of_update(replay, update + 1), _numerics_of_update(root, update + 1)
+        ran, trained = _numerics_of_update(RunDir(replay), update + 1), _numerics_of_update(run, update + 1)
         same = (
             None
             if ran is None or trained is None

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import rank_logs
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import rank_logs
 from torchrelay.util.jsonl import iter_records
 
 # Wall-clock keys differ between any two runs; they say nothing about resumability.
@@ -182,15 +182,16 @@ def _record_first(result: LogComparison, update: int, rank: int, keys: list[str]
         result.keys = sorted(set(result.keys) | set(keys))
 
 
+def _train_dir(run_dir: Path) -> Path:
+    return RunDir(run_dir).train_dir
+
+
 def compare_metrics(
     a_dir: Path, b_dir: Path, atol: float = 0.0, ignore: frozenset[str] = frozenset()
 ) -> LogComparison:
     """Compare train/metrics-rank*.jsonl line by line, timing and ignored keys left out; note where each key parts."""
     result = LogComparison(what="metrics")
-    a_files, b_files = (
-        rank_logs(RunDir(a_dir).train_dir, "metrics"),
-        rank_logs(RunDir(b_dir).train_dir, "metrics"),
-    )
+    a_files, b_files = (rank_logs(_train_dir(d), "metrics") for d in (a_dir, b_dir))
     for rank in sorted(set(a_files) | set(b_files)):
         a_rows, b_rows = (
             _metrics_by_update(a_files.get(rank), ignore),
@@ -233,10 +234,7 @@ def _ledger_by_update(path: Path | None) -> dict[int, list[tuple[int, list[int]]
 def compare_ledgers(a_dir: Path, b_dir: Path) -> LogComparison:
     """Compare train/exposures-rank*.jsonl: the same manifest indices in the same micro-steps of the same updates."""
     result = LogComparison(what="ledger")
-    a_files, b_files = (
-        rank_logs(RunDir(a_dir).train_dir, "exposures"),
-        rank_logs(RunDir(b_dir).train_dir, "exposures"),
-    )
+    a_files, b_files = (rank_logs(_train_dir(d), "exposures") for d in (a_dir, b_dir))
     for rank in sorted(set(a_files) | set(b_files)):
         a_rows, b_rows = _ledger_by_update(a_files.get(rank)), _ledger_by_update(b_files.get(rank))
         for update in sorted(set(a_rows) | set(b_rows)):
@@ -371,9 +369,9 @@ def _compare_state_tensors(
 
 
 def compare_digests(a_dir: Path, b_dir: Path) -> LogComparison:
-    """Compare the per-update digests of the parameters (train/digests-rank*.jsonl, digests.py): the first update
+    """Compare the per-update digests of the parameters (train/digests-rank*.jsonl, records/digests.py): the first update
     after which the two runs hold other parameters on some rank, among the updates both recorded."""
-    from torchrelay.digests import first_parting, read_digests
+    from torchrelay.records.digests import first_parting, read_digests
 
     a, b = read_digests(a_dir), read_digests(b_dir)
     result = LogComparison(what="digests")

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from torchrelay.layout import checkpoint_name
+from torchrelay.paths.layout import checkpoint_name
 
 if TYPE_CHECKING:  # only for annotations: keeps `import torchrelay.audit` free of torch for status
     from torchrelay.audit.compare import LogComparison, StreamComparison, TensorComparison
@@ -53,7 +53,7 @@ class Evidence:
     streams: StreamComparison | None = None  # the probe's random-stream digests where segments began
     tensors_at: int | None = None  # the checkpoint `tensors` compares (the first that differs, else the last)
     final_equal: bool = True  # the last checkpoint's tensors are equal (a difference may have faded by then)
-    digests: LogComparison | None = None  # the parameters' per-update digests (digests.py)
+    digests: LogComparison | None = None  # the parameters' per-update digests (records/digests.py)
 
     @property
     def resumes(self) -> list[int]:

@@ -66,8 +66,8 @@ from typing import Any
 import torch
 
 from torchrelay.audit.step_probe import StepRounding
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import rank_logs
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import rank_logs
 from torchrelay.util.jsonl import iter_records
 
 TOLERANCE_FACTOR = 100.0

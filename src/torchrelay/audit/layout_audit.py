@@ -14,8 +14,8 @@ from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_
 from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
 from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR
-from torchrelay.layout import checkpoint_name
-from torchrelay.rundir import RunDir
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.records import read_json_or_none
 
 if TYPE_CHECKING:
@@ -179,9 +179,9 @@ def likely_causes(
     return causes
 
 
-def _elastic_exact(run_dir: Path) -> bool:
+def _elastic_exact(run: RunDir) -> bool:
     """Whether the run was made with `elastic: exact` (config.json)."""
-    cfg = read_json_or_none(RunDir(run_dir).config_path, what="the run's configuration", root=run_dir)
+    cfg = read_json_or_none(run.config_path, what="the run's configuration", root=run.path)
     return isinstance(cfg, dict) and cfg.get("elastic") == "exact"
 
 
@@ -199,17 +199,18 @@ def layout_verdict(
     from torchrelay.audit.compare import compare_checkpoints, load_checkpoint_tensors
 
     ledger = compare_ledgers(a, b)
-    reference = RunDir(a).checkpoint(stops[0])
+    run_a, run_b = RunDir(a), RunDir(b)
+    reference = run_a.checkpoint(stops[0])
     # the parameters at the move: DCP's model folder, or a DeepSpeed engine's files
     ref = reference if (reference / "model").is_dir() or (reference / DS_DIR).is_dir() else None
     compared = [p for p in points if p > stops[0]]
-    exact = _elastic_exact(a)
+    exact = _elastic_exact(run_a)
     # A step that depends on the layout (Muon on sharded matrices) is taken at each world size from the state at
     # the move: its own rounding joins each parameter's bound (audit/step_probe.py).
     if rounding is None and ref is not None and not exact:
         rounding = measure_step_rounding(ref, worlds)
     drift = {
-        p: measure_drift(RunDir(a).checkpoint(p), RunDir(b).checkpoint(p), p - stops[0], ref, rounding)
+        p: measure_drift(run_a.checkpoint(p), run_b.checkpoint(p), p - stops[0], ref, rounding)
         for p in compared
     }
     bits = {}
@@ -219,8 +220,8 @@ def layout_verdict(
                 d.name
                 for d in compare_checkpoints(
                     # the tensors only: generators and per-rank values are the layout's own
-                    RunDir(a).checkpoint(p),
-                    RunDir(b).checkpoint(p),
+                    run_a.checkpoint(p),
+                    run_b.checkpoint(p),
                     loader=load_checkpoint_tensors,
                 ).differing
             ]
@@ -251,7 +252,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
     import tempfile
 
     from torchrelay.audit.orchestrator import comparison_points
-    from torchrelay.reshard import RESHARD_ENV
+    from torchrelay.records.reshard import RESHARD_ENV
 
     if len(worlds) < 2 or any(not isinstance(w, int) or w < 1 for w in worlds):
         raise AuditError(

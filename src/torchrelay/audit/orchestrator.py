@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay import numerics
 from torchrelay.audit import compare, diagnose, probe, verdict
 from torchrelay.audit.runner import (
     AuditError,
@@ -26,10 +25,12 @@ from torchrelay.audit.runner import (
     subprocess_launcher,
 )
 from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError
-from torchrelay.history import read_history
-from torchrelay.layout import checkpoint_name
-from torchrelay.rundir import RunDir
+from torchrelay.identity import numerics
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.history import read_history
 from torchrelay.util.hashing import sha256_or_none
 
 TOP_TENSORS = 5
@@ -89,7 +90,7 @@ def _check_vary(run_dir: Path, vary: dict[str, list[Any]]) -> None:
     """Refuse, before the interrupted run, to vary a field the run's contract fixes (its resume would be refused)."""
     if not vary:
         return
-    cfg = RunDir(run_dir).load_config()
+    cfg = stored_config(RunDir(run_dir))
     for key in vary:
         dotted = key if key.startswith("params.") or key in cfg.to_dict() else f"params.{key}"
         if not cfg.is_runtime(dotted):

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.errors import RelayError
 from torchrelay.util.jsonl import read_records
 from torchrelay.util.safepath import open_writable, refuse_link

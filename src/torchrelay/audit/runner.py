@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.config import envvars
 from torchrelay.errors import RelayError
-from torchrelay.layout import checkpoint_name
-from torchrelay.proctree import end_tree
-from torchrelay.rundir import RunDir
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.util.proctree import end_tree
 from torchrelay.util.safepath import open_writable
 
 # How long a timed-out launch has to end on SIGTERM (ranks stop at their next boundary) before it is killed.
@@ -175,7 +175,7 @@ def said(log: Path) -> tuple[str, str | None] | None:
 
 def _last_segment(run_dir: Path) -> tuple[str | None, int | None]:
     """How the newest segment in history.jsonl ended, and its last update."""
-    from torchrelay.history import read_history
+    from torchrelay.records.history import read_history
 
     segments = read_history(run_dir)
     if not segments:
@@ -203,7 +203,7 @@ def run_segments(
     Every segment gets TORCHRELAY_OVERRIDES = the environment's, then `extra_overrides`, then the varied fields.
     argv_for(i): segment i's own command (0-based), e.g. on another number of ranks; else `launch` for every one.
     """
-    from torchrelay.stop import write_request
+    from torchrelay.policy.stop import write_request
 
     base_env = dict(os.environ if env is None else env)
     try:

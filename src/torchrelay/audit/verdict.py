@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from torchrelay.layout import checkpoint_label
-from torchrelay.numerics import describe as describe_numerics
-from torchrelay.numerics import fingerprint
+from torchrelay.identity.numerics import describe as describe_numerics
+from torchrelay.identity.numerics import fingerprint
+from torchrelay.paths.layout import checkpoint_label
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.hashing import sha256_json
 from torchrelay.util.records import read_json_or_none
@@ -58,7 +58,7 @@ class Verdict:
     ledger_equal: bool = True
     ledger_first_update: int | None = None
     ledger_detail: str = ""
-    # the parameters' per-update digests (digests.py): the first update after which they differ, None if never
+    # the parameters' per-update digests (records/digests.py): the first update after which they differ, None if never
     digests_compared: int = 0  # updates both runs recorded a digest for (0: none recorded)
     digests_first_update: int | None = None
     digests_detail: str = ""
@@ -271,7 +271,7 @@ def verdict_for_run(run_dir: str | Path) -> dict[str, Any] | None:
     own = root / AUDIT_FILE
     if own.is_file():
         return _shown(_read(own), "this run was audited", stale=False)
-    from torchrelay.history import read_history
+    from torchrelay.records.history import read_history
 
     segments = read_history(root)
     code = dict(segments[-1].get("code") or {}) if segments else {}

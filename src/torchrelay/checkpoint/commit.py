@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchrelay import kill_points
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.handed_off import clean_temporaries
 from torchrelay.checkpoint.inventory import inventory_entries, inventory_entry, list_files, write_inventory
@@ -25,13 +24,13 @@ from torchrelay.checkpoint.retention import AnyOf, PreservationPolicy, SavedNow,
 from torchrelay.checkpoint.storage import CheckpointStorage, as_storage
 from torchrelay.checkpoint.storage import wait_deletions as wait_deletions  # the segment's end waits for them
 from torchrelay.errors import CheckpointError, DiskFull, RelayError, one_line
-from torchrelay.layout import (
+from torchrelay.paths.layout import (
     DELETING_CHECKPOINT_PREFIX,
     SPARE_CHECKPOINT,
     TMP_CHECKPOINT_PREFIX,
     checkpoint_name,
 )
-from torchrelay.util import collective
+from torchrelay.util import collective, kill_points
 from torchrelay.util.durable import remove_entry
 
 TMP_PREFIX = TMP_CHECKPOINT_PREFIX
@@ -78,7 +77,9 @@ def commit_checkpoint(
     started = time.perf_counter() if started is None else started
     storage = as_storage(where)
     root = storage.root
-    hook = kill_points.save_hook(update, rank)  # a crash test's, when one armed this save (kill_points.py)
+    hook = kill_points.save_hook(
+        update, rank
+    )  # a crash test's, when one armed this save (util/kill_points.py)
     peers = collective.ranks(group)
     name = f"saving {checkpoint_name(update)}"
     tmp_box: list[Path] = []

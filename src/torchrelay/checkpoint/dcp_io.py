@@ -29,8 +29,8 @@ from torchrelay.checkpoint.dcp_metadata import read_metadata
 from torchrelay.checkpoint.inventory import safe_relpath
 from torchrelay.checkpoint.items import _parse_item, _refuse_transforms
 from torchrelay.checkpoint.verified_read import SafeReader
+from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import CheckpointError, IntegrityError, UnsafeInput
-from torchrelay.tuning import LoadTuning
 from torchrelay.util.gcpause import no_collections
 from torchrelay.util.safepath import open_regular
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from torchrelay.checkpoint.hashing_writer import Digests, HashingWriter
-from torchrelay.tuning import SaveTuning
+from torchrelay.config.tuning import SaveTuning
 from torchrelay.util import collective
 
 if (

@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.errors import RelayError
-from torchrelay.kill_points import kill_point
-from torchrelay.layout import CHECKPOINT_GLOB, parse_checkpoint_name
+from torchrelay.paths.layout import CHECKPOINT_GLOB, parse_checkpoint_name
 from torchrelay.util.durable import fsync_dir, open_temp
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.records import read_bounded
 
 HANDED_OFF = "HANDED_OFF.json"

@@ -20,10 +20,10 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from torchrelay import envvars
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.host_buffers import lower_priority
-from torchrelay.tuning import SaveTuning
+from torchrelay.config import envvars
+from torchrelay.config.tuning import SaveTuning
 from torchrelay.util.sha256_parts import PartHasher
 
 # Per-rank DCP files: about one per `SaveTuning.file_bytes` of tensors, at most 16 (a core each), one per tensor at

@@ -24,7 +24,7 @@ from torchrelay.checkpoint.host_buffers import (
     touch_shared,
 )
 from torchrelay.checkpoint.torch_compat import dtensor_like, dtensor_local
-from torchrelay.tuning import SaveTuning
+from torchrelay.config.tuning import SaveTuning
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

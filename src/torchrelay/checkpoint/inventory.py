@@ -14,7 +14,7 @@ from typing import Any
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.errors import IntegrityError, RecordError, UnsafeInput
-from torchrelay.layout import LEDGER_PROOF, PREPARE_RECORD  # tolerated in a checkpoint
+from torchrelay.paths.layout import LEDGER_PROOF, PREPARE_RECORD  # tolerated in a checkpoint
 from torchrelay.util import sha256_parts
 from torchrelay.util.durable import temp_prefix
 from torchrelay.util.hashing import default_jobs, sha256_many

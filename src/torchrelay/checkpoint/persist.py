@@ -29,10 +29,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from torchrelay import envvars, kill_points
 from torchrelay.checkpoint.hashing_writer import PERSISTING, HashingFileSystem, Watch
 from torchrelay.checkpoint.host_buffers import lower_priority
+from torchrelay.config import envvars
 from torchrelay.errors import CheckpointError, ConfigError
+from torchrelay.util import kill_points
 from torchrelay.util.meminfo import meminfo_kib
 
 # --- the deadline of a write that makes no progress ------------------------------------------------------

@@ -28,8 +28,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from torchrelay import envvars
-from torchrelay.layout import SPARE_CHECKPOINT, TMP_CHECKPOINT_PREFIX
+from torchrelay.config import envvars
+from torchrelay.paths.layout import SPARE_CHECKPOINT, TMP_CHECKPOINT_PREFIX
 from torchrelay.util.durable import remove_entry
 
 

@@ -40,8 +40,8 @@ from torchrelay.checkpoint.retention import PreservationPolicy
 from torchrelay.checkpoint.storage import LocalStorage
 from torchrelay.checkpoint.tiers import MEMORY, REPLICA_PREFIX, Binding, memory_root
 from torchrelay.errors import CheckpointError, IntegrityError, RelayError, UnsafeInput, one_line
-from torchrelay.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
 from torchrelay.log import logger
+from torchrelay.paths.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
 from torchrelay.util.records import JSON_LIMIT, parse_json
 from torchrelay.util.safepath import check_relative, is_inside, refuse_link, resolve_inside
 

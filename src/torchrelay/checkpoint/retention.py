@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 
 
 class PreservationPolicy(Protocol):

@@ -9,7 +9,7 @@ from pathlib import Path
 from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.errors import IntegrityError, UnsafeInput
-from torchrelay.layout import parse_checkpoint_name
+from torchrelay.paths.layout import parse_checkpoint_name
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 from torchrelay.checkpoint import recycle
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.errors import CheckpointError, RelayError
-from torchrelay.layout import DELETING_CHECKPOINT_PREFIX, TMP_CHECKPOINT_PREFIX, checkpoint_name
+from torchrelay.paths.layout import DELETING_CHECKPOINT_PREFIX, TMP_CHECKPOINT_PREFIX, checkpoint_name
 from torchrelay.util.durable import fsync_dir, remove_entry
 
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrelay import envvars
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.storage import LocalStorage
+from torchrelay.config import envvars
 from torchrelay.errors import RelayError, one_line
-from torchrelay.layout import checkpoint_name
+from torchrelay.paths.layout import checkpoint_name
 
 MEMORY, DURABLE = "memory", "durable"
 REPLICA_PREFIX = "replica-node"  # replica-node<n>/: the replica of node n's parts a node holds (replica.py)

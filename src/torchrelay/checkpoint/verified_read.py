@@ -33,8 +33,8 @@ from torchrelay.checkpoint.dcp_metadata import read_metadata
 from torchrelay.checkpoint.inventory import INVENTORY, safe_relpath
 from torchrelay.checkpoint.items import _narrow, _parse_item, _refuse_transforms
 from torchrelay.checkpoint.torch_compat import StorageInfo
+from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import CheckpointError, ConfigError, IntegrityError, UnsafeInput
-from torchrelay.tuning import LoadTuning
 from torchrelay.util import sha256_parts
 from torchrelay.util.hashing import default_jobs
 from torchrelay.util.meminfo import meminfo_kib

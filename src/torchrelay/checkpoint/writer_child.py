@@ -39,7 +39,7 @@ from torchrelay.checkpoint.hashing_writer import HashingWriter  # noqa: E402
 from torchrelay.checkpoint.host_buffers import BACKGROUND_NICE  # noqa: E402
 from torchrelay.checkpoint.persist import writeback_kib  # noqa: E402
 from torchrelay.checkpoint.writer_process import recv_fds, recv_msg, send_msg  # noqa: E402
-from torchrelay.tuning import SaveTuning  # noqa: E402
+from torchrelay.config.tuning import SaveTuning  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1
 

@@ -36,10 +36,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchrelay import envvars
 from torchrelay.checkpoint.hashing_writer import file_count, kick_bytes, persist_streams
 from torchrelay.checkpoint.host_stage import HostStage, SharedMap
 from torchrelay.checkpoint.persist import beat_seconds, stall_seconds
+from torchrelay.config import envvars
 from torchrelay.errors import CheckpointError, ConfigError
 
 CHILD_MODULE = "torchrelay.checkpoint.writer_child"

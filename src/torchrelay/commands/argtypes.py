@@ -7,7 +7,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-from torchrelay.layout import MAX_UPDATE
+from torchrelay.paths.layout import MAX_UPDATE
 from torchrelay.util.schema import INT_LIMIT
 from torchrelay.util.shown import visible
 
@@ -77,7 +77,7 @@ def updates_list(text: str) -> list[int]:
 
 def job_id(text: str) -> str:
     """A Slurm job id as a stop request holds one (stop.JOB_ID); anything else would read back as no job."""
-    from torchrelay.stop import JOB_ID
+    from torchrelay.policy.stop import JOB_ID
 
     if not JOB_ID.fullmatch(text):
         raise argparse.ArgumentTypeError(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrelay.audit import AuditError
 from torchrelay.commands.argtypes import count, positive_seconds, tolerance, updates_list
-from torchrelay.layout import MAX_UPDATE
+from torchrelay.paths.layout import MAX_UPDATE
 from torchrelay.util.schema import INT_LIMIT
 
 if TYPE_CHECKING:  # the runner pulls in torch

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from torchrelay.commands.argtypes import count, positive_seconds
-from torchrelay.layout import MAX_UPDATE
+from torchrelay.paths.layout import MAX_UPDATE
 
 
 def _options(parser: argparse.ArgumentParser) -> None:

@@ -6,9 +6,9 @@ import argparse
 from pathlib import Path
 
 from torchrelay.commands.argtypes import count, seconds
-from torchrelay.config import parse_assignments
-from torchrelay.costmodel import parse_deadline
-from torchrelay.slurm import PER_NODE_LIMIT
+from torchrelay.config.relay import parse_assignments
+from torchrelay.controller.slurm import PER_NODE_LIMIT
+from torchrelay.policy.costmodel import parse_deadline
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import json
 
 from rich.console import Console
 
-from torchrelay.ledger import prove
+from torchrelay.ledger.exposure import prove
 from torchrelay.util.shown import shown
 
 

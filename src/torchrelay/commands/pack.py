@@ -7,11 +7,11 @@ from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.commands.argtypes import update
-from torchrelay.contract import load_contract
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
-from torchrelay.lock import RunLock
-from torchrelay.rundir import Bundle
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import Bundle, RunDir
+from torchrelay.records.contract import load_contract
 from torchrelay.storage.url import parse_url, scheme_of
 from torchrelay.util import bars, schema
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     # A run still training is refused as such (RunBusy, exit 2) before any checkpoint is looked for: until its
     # first save committed, the look refused it as "no complete checkpoint" (exit 1). pack() takes the lock again.
     RunLock(args.run_dir, "train").acquire().release()
-    ckpt = checkpoint_to_pack(args.run_dir, options.checkpoint, guard=False)  # pack() itself guards
+    ckpt = checkpoint_to_pack(RunDir(args.run_dir), options.checkpoint, guard=False)  # pack() itself guards
     total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     url = parse_url(args.bundle) if scheme_of(args.bundle) else None
     with bars.byte_bar(f"pack {ckpt.name}", total) as advance:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from torchrelay.commands.verify import add_trust_arguments
-from torchrelay.config import parse_assignments
+from torchrelay.config.relay import parse_assignments
 from torchrelay.errors import EXIT_FINISHED, EXIT_REFUSED
 from torchrelay.handoff.prepare import PrepareOptions, PrepareRefused, prepare
 from torchrelay.handoff.verify import bundle_bytes

@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 
 from torchrelay.audit.verdict import shown_for_run
+from torchrelay.config.relay import stored_config
+from torchrelay.paths.rundir import RunDir
 from torchrelay.report import render
-from torchrelay.rundir import RunDir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     if Path(
         args.run_dir
     ).is_dir():  # a directory that holds no run is refused as such (exit 2), as by `status`
-        RunDir(args.run_dir).load_config()
+        stored_config(RunDir(args.run_dir))
     found = shown_for_run(args.run_dir)
     result = render(args.run_dir, args.out, audit=str(found["verdict"]) if found else None)
     print(f"report: {result.html}")

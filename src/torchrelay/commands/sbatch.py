@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from torchrelay.commands.argtypes import count
-from torchrelay.config import parse_assignments
+from torchrelay.config.relay import parse_assignments
 from torchrelay.controller.plan import load_plan
-from torchrelay.slurm import (
+from torchrelay.controller.slurm import (
     NODES_LIMIT,
     PER_NODE_LIMIT,
     BatchSpec,

@@ -14,13 +14,13 @@ from rich.table import Table
 from torchrelay.audit.verdict import shown_for_run
 from torchrelay.controller.attempts import describe_fallback, latest_fallback
 from torchrelay.errors import EXIT_ERROR, ConfigError, RecordError
-from torchrelay.history import read_history
-from torchrelay.layout import HISTORY_FILE, checkpoint_label, checkpoint_name
-from torchrelay.lock import describe, holder
-from torchrelay.numerics import describe as describe_numerics
-from torchrelay.numerics import fingerprint
-from torchrelay.reshard import describe_change
-from torchrelay.summary import summarize
+from torchrelay.identity.numerics import describe as describe_numerics
+from torchrelay.identity.numerics import fingerprint
+from torchrelay.paths.layout import HISTORY_FILE, checkpoint_label, checkpoint_name
+from torchrelay.paths.lock import describe, holder
+from torchrelay.records.history import read_history
+from torchrelay.records.reshard import describe_change
+from torchrelay.records.summary import summarize
 from torchrelay.util.shown import shown, visible
 
 

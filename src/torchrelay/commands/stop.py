@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from torchrelay.commands.argtypes import job_id, update
-from torchrelay.contract import load_contract
 from torchrelay.controller.supervisor import last_logged_update
 from torchrelay.errors import ConfigError
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
+from torchrelay.records.contract import load_contract
+from torchrelay.records.train import metrics_path
 from torchrelay.util.shown import visible
 
 
@@ -29,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
-    exists = RunDir(run_dir).contract_path.exists()
+    run = RunDir(args.run_dir)
+    run_dir = run.path
+    exists = run.contract_path.exists()
     if args.before_start:
         if exists:
             raise ConfigError(f"{run_dir} holds a run already", hint="drop --before-start")
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         load_contract(run_dir)  # a damaged contract is no run to stop: refused naming the file
         if args.at_update is not None:
-            _refuse_past(run_dir, args.at_update)
+            _refuse_past(run, args.at_update)
     path = write_request(args.run_dir, job=args.job, at_update=args.at_update)
     when = f"after update {args.at_update}" if args.at_update else "at the next update boundary"
     who = f"job {args.job}" if args.job else "whichever job runs it"
@@ -56,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_past(run_dir: Path, at_update: int) -> None:
+def _refuse_past(run: RunDir, at_update: int) -> None:
     """A request for an update the run has done already would stop it at its next boundary, not there."""
-    metrics = metrics_path(RunDir(run_dir).train_dir, 0)
+    metrics = metrics_path(run.train_dir, 0)
     done = last_logged_update(metrics)
     if done is not None and at_update <= done:
         raise ConfigError(

@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from torchrelay.commands.argtypes import seconds
+from torchrelay.controller.validation import ValidationSpec, validate_checkpoints
 from torchrelay.errors import EXIT_BUDGET, EXIT_ERROR, EXIT_FINISHED, ConfigError
-from torchrelay.layout import checkpoint_name
-from torchrelay.validation import ValidationSpec, validate_checkpoints
-from torchrelay.validation_records import KEPT, ValidationRecord, parse_updates
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.records.validation import KEPT, ValidationRecord, parse_updates
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

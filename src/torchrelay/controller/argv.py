@@ -25,7 +25,7 @@ def training_argv(
         rdzv = [] if user_rdzv else ["--standalone"]
         return [t.python, "-m", "torch.distributed.run", *rdzv, "--nnodes=1",
                 f"--nproc_per_node={t.nproc_per_node}", *t.torchrun_args, t.script, *t.args]  # fmt: skip
-    from torchrelay import slurm
+    from torchrelay.controller import slurm
 
     master, port, nodes = slurm.rendezvous(env, runner or slurm.run_command)
     if nodes != t.nnodes:

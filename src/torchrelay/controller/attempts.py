@@ -27,10 +27,10 @@ from typing import Any
 import yaml
 
 from torchrelay.controller.plan import plan_diff
-from torchrelay.costmodel import MEASUREMENTS_SCHEMA
 from torchrelay.errors import ConfigError, RelayError
-from torchrelay.layout import ATTEMPTS_DIR
-from torchrelay.rundir import RunDir
+from torchrelay.paths.layout import ATTEMPTS_DIR
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import MEASUREMENTS_SCHEMA
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.records import Schema, check, read_json
 from torchrelay.util.yaml_records import read_yaml
@@ -119,14 +119,15 @@ class Attempts:
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
-        self.final = RunDir(self.run_dir).attempts_dir
+        self.run = RunDir(self.run_dir)
+        self.final = self.run.attempts_dir
         self.staging = self.run_dir.parent / f".{self.run_dir.name}.{ATTEMPTS_DIR}"
         self.settle()
-        self.root = self.final if RunDir(self.run_dir).exists() or self.final.exists() else self.staging
+        self.root = self.final if self.run.exists() or self.final.exists() else self.staging
 
     def settle(self, attempt: Attempt | None = None) -> Attempt | None:
         """Move staged attempts into the run directory once it holds a run; returns `attempt` at its new place."""
-        if not self.staging.is_dir() or not RunDir(self.run_dir).exists():
+        if not self.staging.is_dir() or not self.run.exists():
             return attempt
         self.final.mkdir(exist_ok=True)
         for child in sorted(self.staging.iterdir()):

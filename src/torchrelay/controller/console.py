@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from torchrelay.layout import checkpoint_name
+from torchrelay.paths.layout import checkpoint_name
 
 if TYPE_CHECKING:
     from torchrelay.controller.attempts import Attempt, Outcome
     from torchrelay.controller.preflight import CheckResult
     from torchrelay.controller.smoke import SmokeResult
-    from torchrelay.costmodel import Measurements
-    from torchrelay.validation import ValidationRecord
+    from torchrelay.controller.validation import ValidationRecord
+    from torchrelay.policy.costmodel import Measurements
 
 
 class LaunchConsole:

@@ -19,9 +19,10 @@ from typing import Any
 
 from rich.console import Console
 
-from torchrelay import envvars
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.config import envvars
+from torchrelay.config.relay import stored_config
 from torchrelay.controller.argv import training_argv
 from torchrelay.controller.attempts import Attempt, Attempts, Outcome, describe_fallback
 from torchrelay.controller.console import LaunchConsole
@@ -37,8 +38,7 @@ from torchrelay.controller.supervisor import (
     last_logged_update,
     segment_ended,
 )
-from torchrelay.costmodel import CostModel, Measurements, earliest
-from torchrelay.ended import CLEAN_STOPS, exit_code_of
+from torchrelay.controller.validation import ValidationSpec, validate_checkpoints
 from torchrelay.errors import (
     EXIT_BUDGET,
     EXIT_ERROR,
@@ -48,14 +48,15 @@ from torchrelay.errors import (
     EXIT_SIGNAL,
     RelayError,
 )
-from torchrelay.history import read_history, upsert
-from torchrelay.layout import checkpoint_name
-from torchrelay.lock import RunLock
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import CostModel, Measurements, earliest
+from torchrelay.policy.stop import write_request
+from torchrelay.records.ended import CLEAN_STOPS, exit_code_of
+from torchrelay.records.history import read_history, upsert
+from torchrelay.records.train import metrics_path
 from torchrelay.util.safepath import open_writable
-from torchrelay.validation import ValidationSpec, validate_checkpoints
 
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
 STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
@@ -109,7 +110,7 @@ class Controller:
             attempt.write_json("fallback.json", fallback)
             attempt.note(describe_fallback(fallback))
             self.show.fallback(describe_fallback(fallback))
-        before = _saved_update(self.plan.run_path)
+        before = _saved_update(self.plan.run)
         outcome = Outcome(
             exit_code=EXIT_ERROR,
             ended="error",
@@ -127,7 +128,7 @@ class Controller:
                 outcome.ended = "refused" if exc.exit_code == EXIT_REFUSED else "error"
                 outcome.message = str(exc)
         outcome.stopped = self.req.clock()
-        outcome.updates_after = max(outcome.updates_after, _saved_update(self.plan.run_path))
+        outcome.updates_after = max(outcome.updates_after, _saved_update(self.plan.run))
         attempt = self.attempts.settle(attempt) or attempt
         attempt.finish(outcome)
         self.show.outcome(attempt, outcome)
@@ -139,8 +140,8 @@ class Controller:
         attempt.write_json("preflight.json", report.to_list())
         if self._interrupted(outcome, "before the smoke run"):
             return outcome
-        total = _total_updates(plan.run_path)
-        if total is not None and _saved_update(plan.run_path) >= total:
+        total = _total_updates(plan.run)
+        if total is not None and _saved_update(plan.run) >= total:
             # Nothing to train: a launch of a complete run only does what is left after training (validation).
             self.show.complete(total)
             attempt.note(f"the run was complete ({checkpoint_name(total)}) before this attempt")
@@ -229,7 +230,7 @@ class Controller:
         if not spec.run or spec.update_list is None:
             return
         try:
-            cfg = RunDir(self.plan.run_path).load_config().with_overrides(self.plan.train.overrides)
+            cfg = stored_config(self.plan.run).with_overrides(self.plan.train.overrides)
         except RelayError:
             return  # a new run: its configuration is the training script's until it starts
         unsure = unpreserved(cfg, spec.update_list)
@@ -261,6 +262,7 @@ class Controller:
     def _smoke(self, attempt: Attempt, outcome: Outcome) -> Measurements | None:
         plan, smoke = self.plan, self.plan.smoke
         smoke_dir = attempt.smoke_dir
+        smoke_run = RunDir(smoke_dir)
         overrides = smoke_overrides(plan.train.overrides, smoke.overrides, smoke.save_every)
         env = self._env({"TORCHRELAY_RUN_DIR": str(smoke_dir), "TORCHRELAY_OVERRIDES": json.dumps(overrides)})
         self.show.smoke_start(smoke.updates, plan.train.world_size, smoke_dir)
@@ -268,13 +270,13 @@ class Controller:
 
         def stop_at_updates() -> None:
             nonlocal requested
-            if not requested and RunDir(smoke_dir).exists():
+            if not requested and smoke_run.exists():
                 write_request(smoke_dir, at_update=smoke.updates, reason="smoke")
                 requested = True
 
         launched = self.req.clock()
         sup = self._supervisor(
-            env, smoke_dir, launched, on_poll=stop_at_updates, kill_at=launched + smoke.timeout_s
+            env, smoke_run, launched, on_poll=stop_at_updates, kill_at=launched + smoke.timeout_s
         )
         # A stop signal during the smoke is only recorded: the smoke ends by itself within a few updates, and its
         # measurements let the next attempt (e.g. the requeued job) skip it and spend its time on the formal run.
@@ -286,12 +288,12 @@ class Controller:
         if self._memory(outcome, result, attempt, "smoke"):
             return None
         try:
-            measured = evaluate(smoke_dir, launched, smoke.updates, result.returncode, result.tail)
+            measured = evaluate(smoke_run, launched, smoke.updates, result.returncode, result.tail)
         except SmokeFailed as exc:
             outcome.exit_code, outcome.ended, outcome.message = EXIT_ERROR, "smoke-failed", str(exc)
             return None
         finally:
-            discard(smoke_dir)
+            discard(smoke_run)
         m = measured.measurements
         attempt.write_json("measurements.json", m.to_dict())
         self.show.smoke_done(measured, m)
@@ -318,7 +320,7 @@ class Controller:
         launched = self.req.clock()
         # The training stops itself before the deadline; past it (plus a grace for the save) it is stopped.
         kill_at = None if deadline is None else deadline + FORMAL_GRACE_S
-        sup = self._supervisor(self._env(extra), plan.run_path, launched, kill_at=kill_at)
+        sup = self._supervisor(self._env(extra), plan.run, launched, kill_at=kill_at)
         result = self._supervise(sup)
         attempt = self.attempts.settle(attempt) or attempt
         if result.signals:
@@ -330,8 +332,8 @@ class Controller:
             self._note_history(launched, outcome.message, killed=outcome.ended == "memory-killed")
             return outcome
         outcome.ended = self._ended_since(launched, result)
-        total = _total_updates(plan.run_path)
-        if outcome.ended in CLEAN_STOPS and total is not None and _saved_update(plan.run_path) >= total:
+        total = _total_updates(plan.run)
+        if outcome.ended in CLEAN_STOPS and total is not None and _saved_update(plan.run) >= total:
             # A stop agreed at the last boundary: the run is complete; another job would only record that.
             attempt.note(f"stopped ({outcome.ended}) at its last update {total}: the run is complete")
             outcome.ended = "finished"
@@ -354,7 +356,7 @@ class Controller:
     def _deadline(self, now: float) -> float | None:
         slurm_end = None
         if self.job:
-            from torchrelay import slurm
+            from torchrelay.controller import slurm
 
             ask = self.req.time_left or (lambda job: slurm.job_end_time(job))
             try:
@@ -374,11 +376,12 @@ class Controller:
     def _supervisor(
         self,
         env: dict[str, str],
-        run_dir: Path,
+        run: RunDir,
         launched: float,
         on_poll: Callable[[], None] = lambda: None,
         kill_at: float | None = None,
     ) -> Supervisor:
+        run_dir = run.path
         plan = self.plan
         multi = plan.train.uses_srun
         limits = MemoryLimits.resolve(plan.memory, env=self.req.env)
@@ -386,11 +389,11 @@ class Controller:
             argv=training_argv(plan, run_dir, limits, env),
             cwd=plan.work_path,
             env=env,
-            run_dir=run_dir,
+            run_directory=run,
             limits=None if multi else limits,  # on several nodes each node's agent guards its own memory
             poll_s=min(plan.memory.poll_s, 0.5),
-            ranks_ready=first_update_done(run_dir, launched),
-            segment_ended=segment_ended(run_dir, launched),
+            ranks_ready=first_update_done(run, launched),
+            segment_ended=segment_ended(run, launched),
             on_poll=on_poll,
             forward_to="self" if multi else "children",
             kill_at=kill_at,
@@ -436,7 +439,7 @@ class Controller:
             # The ranks died without closing it; what they logged last is where the run stands.
             seg.update(ended="crash", exit_code=-9, stopped=self.req.clock())
             seg["last_update"] = last_logged_update(metrics_path(self.plan.run_path / "train", 0))
-        upsert(self.plan.run_path, seg)
+        upsert(self.plan.run, seg)
 
     def _ended_since(self, launched: float, result: Supervised) -> str:
         """How the segment this attempt started ended; 'finished', 'crash' or 'refused' when it wrote none."""
@@ -445,8 +448,8 @@ class Controller:
             ended = str(mine[-1].get("ended"))
             return "crash" if ended == "running" else ended
         codes = [int(c) for c in _TORCHRUN_EXIT.findall("\n".join(result.tail))]
-        total = _total_updates(self.plan.run_path)
-        if result.returncode == 0 and total is not None and _saved_update(self.plan.run_path) >= total:
+        total = _total_updates(self.plan.run)
+        if result.returncode == 0 and total is not None and _saved_update(self.plan.run) >= total:
             return "finished"  # a relaunch of a finished run records no segment
         if result.returncode == EXIT_REFUSED or EXIT_REFUSED in codes:
             return "refused"
@@ -468,15 +471,16 @@ def _export_options(export: Any, workdir: Path) -> Any:
     )
 
 
-def _total_updates(run_dir: Path) -> int | None:
+def _total_updates(run: RunDir) -> int | None:
     try:
-        return RunDir(run_dir).load_config().total_updates
+        return stored_config(run).total_updates
     except RelayError:
         return None
 
 
-def _saved_update(run_dir: Path) -> int:
+def _saved_update(run: RunDir) -> int:
     """The update of the newest complete checkpoint: the progress that survives."""
+    run_dir = run.path
     complete = [c.update for c in list_checkpoints(run_dir) if c.complete]
     return complete[-1] if complete else 0
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.controller.plan import MemorySpec
 from torchrelay.errors import ConfigError
 

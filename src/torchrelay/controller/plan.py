@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrelay.controller.slurm import NODES_LIMIT, PER_NODE_LIMIT, SlurmSpec
 from torchrelay.errors import ConfigError, RecordError
-from torchrelay.slurm import NODES_LIMIT, PER_NODE_LIMIT, SlurmSpec
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.yaml_records import read_yaml
@@ -215,7 +216,7 @@ class ValidateSpec:
     export: bool | dict[str, Any] = field(default=False, metadata={"json_schema": _EXPORT_SCHEMA})
 
     def __post_init__(self) -> None:
-        from torchrelay.validation_records import parse_updates
+        from torchrelay.records.validation import parse_updates
 
         schema.check(self, "plan.validate")
         parse_updates(self.updates, "plan validate.updates")
@@ -229,7 +230,7 @@ class ValidateSpec:
     @property
     def update_list(self) -> list[int] | None:
         """The named updates, or None for every kept checkpoint."""
-        from torchrelay.validation_records import parse_updates
+        from torchrelay.records.validation import parse_updates
 
         return parse_updates(self.updates, "plan validate.updates")
 
@@ -320,13 +321,16 @@ class Plan:
     def run_path(self) -> Path:
         return Path(self.run_dir)
 
+    @property
+    def run(self) -> RunDir:
+        """The run directory this plan trains, as the path model every reader of it takes."""
+        return RunDir(self.run_dir)
+
     def check_run_dir(self) -> None:
         """Refuse a run_dir that could not become this plan's run, before anything is written beside it (the
         controller's lock and attempts, the batch script): a file, or a directory that holds no torchrelay run and
         more than may come before one (what the training itself would refuse, after the launch wrote there)."""
-        from torchrelay.rundir import RunDir
-
-        rd = RunDir(self.run_dir)
+        rd = self.run
         if not os.path.lexists(rd.path) or (rd.path.is_dir() and rd.exists()):
             return
         if not rd.path.is_dir():

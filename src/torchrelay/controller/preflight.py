@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay import proctree
 from torchrelay.checkpoint.commit import stale_bytes
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.config.relay import stored_config
 from torchrelay.controller.plan import CheckSpec, Plan
 from torchrelay.errors import EXIT_REFUSED, RelayError
 from torchrelay.identity import find_code_dir, tree_note
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import RunDir
+from torchrelay.util import proctree
 
 GIB = 1024**3
 OUTPUT_LINES = 30  # lines of a failed check's output shown in the message
@@ -309,13 +309,15 @@ def check_node_local(
 def check_contract(plan: Plan, report: PreflightReport) -> tuple[dict[str, Any], Manifest] | None:
     """Run the trainer's own resume validation; returns the stored config (with the plan's overrides) and the
     run's manifest as the check read it, when the run exists."""
-    from torchrelay.resume_check import validate_resume  # imports torch: only when there is a run to check
+    from torchrelay.checkpoint.resume_check import (
+        validate_resume,  # imports torch: only when there is a run to check
+    )
 
-    rd = RunDir(plan.run_path)
+    rd = plan.run
     if not rd.exists():
         report.add("contract", f"{rd.path} holds no run yet: the formal run creates it", skipped=True)
         return None
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     if plan.train.overrides:
         cfg = cfg.with_overrides(plan.train.overrides)
     script = str(plan.work_path / plan.train.script)

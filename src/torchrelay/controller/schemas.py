@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 from torchrelay.controller.plan import EXTENSION_PREFIX, Plan
 from torchrelay.util.schema import json_schema
 

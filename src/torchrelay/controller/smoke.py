@@ -12,16 +12,15 @@ import math
 import re
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.costmodel import Measurements
 from torchrelay.errors import EXIT_ERROR, RelayError
-from torchrelay.history import read_history
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import Measurements
+from torchrelay.records.history import read_history
+from torchrelay.records.train import metrics_path
 from torchrelay.util.jsonl import iter_records
 
 # The last line of a Python traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ...".
@@ -48,10 +47,11 @@ def smoke_overrides(base: dict[str, Any], smoke: dict[str, Any], save_every: int
 
 
 def evaluate(
-    smoke_dir: Path, launched_at: float, updates: int, returncode: int, tail: list[str]
+    smoke: RunDir, launched_at: float, updates: int, returncode: int, tail: list[str]
 ) -> SmokeResult:
     """Judge a finished smoke run from its run directory; raises SmokeFailed naming what went wrong."""
-    train = RunDir(smoke_dir).train_dir
+    smoke_dir = smoke.path
+    train = smoke.train_dir
     rows = list(iter_records(metrics_path(train, 0))) if train.exists() else []
     history = read_history(smoke_dir)
     ended = history[-1].get("ended", "crash") if history else "crash"
@@ -102,7 +102,7 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def discard(smoke_dir: Path) -> None:
+def discard(smoke: RunDir) -> None:
     """Remove the smoke's checkpoints (the logs and history stay for the record)."""
-    for ckpt in RunDir(smoke_dir).checkpoint_dirs():
+    for ckpt in smoke.checkpoint_dirs():
         shutil.rmtree(ckpt, ignore_errors=True)

@@ -28,12 +28,12 @@ import psutil
 from torchrelay.controller.memguard import GIB, HARD, SOFT, MemoryGuard, MemoryLimits, tree_rss
 from torchrelay.controller.torchrun import TorchrunOutput
 from torchrelay.errors import RelayError
-from torchrelay.history import read_history
 from torchrelay.log import logger
-from torchrelay.proctree import Tree, survivors
-from torchrelay.rundir import RunDir
-from torchrelay.stop import write_request
-from torchrelay.train_records import metrics_path
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import write_request
+from torchrelay.records.history import read_history
+from torchrelay.records.train import metrics_path
+from torchrelay.util.proctree import Tree, survivors
 from torchrelay.util.safepath import open_regular
 
 # How long after a forwarded clean-stop signal, or after the hard deadline, before the tree is killed.
@@ -60,7 +60,7 @@ class Supervisor:
     argv: Sequence[str]
     cwd: str | os.PathLike[str]
     env: dict[str, str]
-    run_dir: Path | None = None  # where a memory stop request is written
+    run_directory: RunDir | None = None  # where a memory stop request is written
     limits: MemoryLimits | None = None
     poll_s: float = 0.5
     ranks_ready: Callable[[], bool] = lambda: True
@@ -137,8 +137,8 @@ class Supervisor:
                     tree.end()
                     break
             # Before the run exists a request would make its directory non-empty: wait for it.
-            if memory == SOFT and not request_written and self.run_dir and RunDir(self.run_dir).exists():
-                write_request(self.run_dir, job=self.job, reason="memory")
+            if memory == SOFT and not request_written and self.run_directory and self.run_directory.exists():
+                write_request(self.run_directory.path, job=self.job, reason="memory")
                 request_written = True
             now = time.time()
             if ended_at is None and self.segment_ended():
@@ -245,13 +245,14 @@ class SignalRelay:
         return bool(self.received)
 
 
-def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
+def first_update_done(run: RunDir, since: float) -> Callable[[], bool]:
     """True once a segment started after `since` is running and rank 0 has logged its first update.
 
     Then the ranks' signal handlers are in place, and a stop makes progress: every job of a requeued chain moves
     the run forward by at least one update (no endless requeues that only restart), and no checkpoint is written
     at the update the segment resumed from.
     """
+    run_dir = run.path
     ready = False
 
     def check() -> bool:
@@ -264,7 +265,7 @@ def first_update_done(run_dir: Path, since: float) -> Callable[[], bool]:
             if float(s.get("started") or 0) >= since - 1 and s.get("ended") == "running"
         ]
         if mine:
-            last = last_logged_update(metrics_path(RunDir(run_dir).train_dir, 0))
+            last = last_logged_update(metrics_path(run.train_dir, 0))
             ready = last is not None and last >= int(mine[-1].get("first_update") or 1)
         return ready
 
@@ -292,8 +293,9 @@ def last_logged_update(path: Path) -> int | None:
     return None
 
 
-def segment_ended(run_dir: Path, since: float) -> Callable[[], bool]:
+def segment_ended(run: RunDir, since: float) -> Callable[[], bool]:
     """True once a history segment started after `since` has recorded how it ended."""
+    run_dir = run.path
 
     def ended() -> bool:
         return any(
@@ -320,17 +322,17 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         limits = MemoryLimits(
             soft_bytes=int(args.soft_gib * GIB), hard_bytes=int(max(args.hard_gib, args.soft_gib) * GIB)
         )
-    run_dir = Path(args.run_dir) if args.run_dir else None
+    run = RunDir(args.run_dir) if args.run_dir else None
     started = time.time()
     sup = Supervisor(
         argv=command,
         cwd=os.getcwd(),
         env=dict(os.environ),
-        run_dir=run_dir,
+        run_directory=run,
         limits=limits,
         job=os.environ.get("SLURM_JOB_ID"),
-        ranks_ready=first_update_done(run_dir, started) if run_dir else (lambda: True),
-        segment_ended=segment_ended(run_dir, started) if run_dir else (lambda: False),
+        ranks_ready=first_update_done(run, started) if run else (lambda: True),
+        segment_ended=segment_ended(run, started) if run else (lambda: False),
     )
     with SignalRelay() as relay:
         relay.current = sup

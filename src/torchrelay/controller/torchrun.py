@@ -2,7 +2,7 @@
 
 torchrun reports any rank's non-zero exit as a failure: an `[ERROR] failed (exitcode: 3)` line, then a traceback of
 its own ending in `ChildFailedError` and a box naming the script FAILED, and it exits 1. A clean stop (3 budget,
-4 request, 5 signal, 6 memory) is no failure: `torchrelay launch` and `python -m torchrelay.torchrun` pass the
+4 request, 5 signal, 6 memory) is no failure: `torchrelay launch` and `python -m torchrelay.controller.torchrun` pass the
 output through a `TorchrunOutput`, which holds that report back and writes one line instead when every rank it
 names ended with a planned stop; any other report (a crash, a refusal) is written as torchrun wrote it.
 """
@@ -114,7 +114,7 @@ def ranks_exit(returncode: int, codes: Sequence[int]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m torchrelay.torchrun ARGS`: `torchrun ARGS` whose planned stops look like one, with their code."""
+    """`python -m torchrelay.controller.torchrun ARGS`: `torchrun ARGS` whose planned stops look like one, with their code."""
     args = list(sys.argv[1:] if argv is None else argv)
     # torchrun dies of SIGUSR1 (Slurm's warning signal reaches every process of the step): ignored, it waits for
     # its ranks, which install their own handler when the run opens (an ignored signal stays so across exec).
@@ -139,3 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     returncode = proc.wait()
     reader.join()
     return ranks_exit(returncode, output.codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

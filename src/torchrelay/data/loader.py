@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torchrelay.data.order import GlobalOrder
 from torchrelay.data.sample import SampleContext
 from torchrelay.errors import ConfigError
-from torchrelay.stop import STOP_SIGNALS
+from torchrelay.policy.stop import STOP_SIGNALS
 
 CONTEXTS = ("forkserver", "spawn", "fork")
 PR_SET_PDEATHSIG = 1

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from torchrelay import numerics
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError, ParityError, RelayError
-from torchrelay.ledger import order_and_contract
-from torchrelay.rundir import RunDir
+from torchrelay.identity import numerics
+from torchrelay.ledger.exposure import order_and_contract
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.hashing import sha256_hex
 
 HOOKS = ("training_model", "inputs", "training_logits")
@@ -138,8 +139,9 @@ def check_parity(out: Path, ckpt: Path, run_dir: Path | None, options: ParityOpt
             hint="add --include PATH/config.json (the serving model's config)",
         )
     hooks = _load_hooks(options.hooks)
-    config = RunDir(run_dir).load_config()
-    order, manifest, _sha = order_and_contract(run_dir)
+    run = RunDir(run_dir)
+    config = stored_config(run)
+    order, manifest, _sha = order_and_contract(run)
     indices = [int(i) for i in order.epoch_order(0)[: min(options.samples, len(manifest))]]
     dtype = _floating_dtype(out)
     exact = dtype == torch.float32

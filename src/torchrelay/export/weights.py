@@ -27,13 +27,13 @@ from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.reader import iter_model_tensors, model_tensor_specs
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.contract import load_contract
-from torchrelay.destinations import refuse_inside_runs, refuse_nested
 from torchrelay.errors import CheckpointError, ConfigError
 from torchrelay.export.parity import ParityOptions, check_parity
 from torchrelay.export.safetensors_stream import SafetensorsWriter, TensorSlot
-from torchrelay.layout import checkpoint_label, parse_checkpoint_name
-from torchrelay.rundir import RunDir
+from torchrelay.paths.destinations import refuse_inside_runs, refuse_nested
+from torchrelay.paths.layout import checkpoint_label, parse_checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
 from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import sha256_hex
 from torchrelay.util.records import read_json_or_none
@@ -166,6 +166,10 @@ def _some(names: list[str]) -> str:
     return f"the checkpoint's top-level modules are {roots[:12]}"
 
 
+def _holds_run(path: Path) -> bool:
+    return RunDir(path).contract_path.exists()
+
+
 def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | None]:
     """(checkpoint directory, the run or bundle directory holding it, if any) for a run, bundle or checkpoint."""
     source = Path(source)
@@ -173,9 +177,9 @@ def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | No
         if which is not None:
             raise ConfigError("export --checkpoint N applies to a run directory, not to a checkpoint")
         parent = source.parent
-        holder = parent if RunDir(parent).contract_path.exists() else None
+        holder = parent if _holds_run(parent) else None
         return source, holder
-    if not RunDir(source).contract_path.exists():
+    if not _holds_run(source):
         raise ConfigError(
             f"{source} is neither a run directory, a bundle nor a checkpoint-<N> directory",
             hint="pass RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoint-N",
@@ -236,10 +240,9 @@ def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> d
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
     if holder is not None:
-        contract = (
-            read_json_or_none(RunDir(holder).contract_path, what="the training contract", root=holder) or {}
-        )
-        lineage = read_json_or_none(RunDir(holder).lineage_path, what="the run's lineage", root=holder) or {}
+        run = RunDir(holder)
+        contract = read_json_or_none(run.contract_path, what="the training contract", root=holder) or {}
+        lineage = read_json_or_none(run.lineage_path, what="the run's lineage", root=holder) or {}
     fields = contract.get("fields", {}) if isinstance(contract, dict) else {}
     return {
         "run_dir": str(holder.resolve()) if holder is not None else None,

@@ -9,11 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import IntegrityError
 from torchrelay.handoff.copying import copy_many
 from torchrelay.handoff.verify import VerifyReport
-from torchrelay.layout import (
+from torchrelay.identity.numerics import compare_here, gather
+from torchrelay.log import logger
+from torchrelay.manifest import Manifest
+from torchrelay.paths.layout import (
     CONFIG_FILE,
     CONTRACT_FILE,
     HISTORY_FILE,
@@ -23,10 +26,7 @@ from torchrelay.layout import (
     TRAIN_DIR,
     VALIDATION_DIR,
 )
-from torchrelay.log import logger
-from torchrelay.manifest import Manifest
-from torchrelay.numerics import compare_here, gather
-from torchrelay.rundir import Bundle, RunDir
+from torchrelay.paths.rundir import Bundle, RunDir
 from torchrelay.util.durable import atomic_write_bytes
 from torchrelay.util.hashing import ByteCallback
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from torchrelay.layout import checkpoint_name
-from torchrelay.numerics import describe
+from torchrelay.identity.numerics import describe
+from torchrelay.paths.layout import checkpoint_name
 from torchrelay.util.dotted import flatten
 
 # Contract fields worth a line of their own in the invariants table, in this order.

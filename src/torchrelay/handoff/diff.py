@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.checkpoint.inventory import INVENTORY
-from torchrelay.config import is_runtime_key
-from torchrelay.contract import CONTRACT_FILE, contract_diff, contract_manifest, load_contract
+from torchrelay.config.relay import is_runtime_key
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
-from torchrelay.layout import parse_checkpoint_name
-from torchrelay.rundir import Bundle, RunDir
+from torchrelay.paths.layout import parse_checkpoint_name
+from torchrelay.paths.rundir import Bundle, RunDir
+from torchrelay.records.contract import CONTRACT_FILE, contract_diff, contract_manifest, load_contract
 from torchrelay.util.dotted import flatten
 from torchrelay.util.records import Schema, read_json, read_json_or_none
 
@@ -84,7 +84,8 @@ def load_side(path: Path) -> Side:
         root, checkpoint = path.parent, path.name
         doc = read_json_or_none(path / INVENTORY, what="checkpoint inventory", root=path)
         checkpoint_contract = doc.get("contract_sha256") if isinstance(doc, dict) else None
-    if not RunDir(root).contract_path.is_file():
+    rd = RunDir(root)
+    if not rd.contract_path.is_file():
         raise ConfigError(
             f"{path} is not a run directory, a bundle or a checkpoint (no {CONTRACT_FILE} at {root})",
             hint="pass a run dir, a bundle dir, or a run's checkpoint-N dir",
@@ -92,21 +93,19 @@ def load_side(path: Path) -> Side:
     contract = load_contract(root)
     try:
         # an object, or one line naming the file (flatten took a list or a number apart with an AttributeError)
-        config = read_json(
-            RunDir(root).config_path, what="the run's configuration", root=root, schema=Schema({})
-        )
+        config = read_json(rd.config_path, what="the run's configuration", root=root, schema=Schema({}))
     except OSError as exc:
-        raise IntegrityError(f"{RunDir(root).config_path} is unreadable: {exc}") from None
+        raise IntegrityError(f"{rd.config_path} is unreadable: {exc}") from None
     if Bundle(root).looks_like_one():
         kind = "bundle"
-    elif RunDir(root).prepare_record_path.is_file():
+    elif rd.prepare_record_path.is_file():
         kind = "prepared run"
     else:
         kind = "run"
     if checkpoint is not None:
         kind = f"checkpoint of a {kind}"
     fields, flat = dict(contract["fields"]), flatten(config)
-    data, problem = _data_as_resumed(root, fields, flat)
+    data, problem = _data_as_resumed(rd, fields, flat)
     return Side(
         path,
         kind,
@@ -123,13 +122,12 @@ def load_side(path: Path) -> Side:
 
 
 def _data_as_resumed(
-    root: Path, fields: dict[str, Any], flat_config: dict[str, Any]
+    rd: RunDir, fields: dict[str, Any], flat_config: dict[str, Any]
 ) -> tuple[dict[str, Any], str | None]:
     """The data fields of the contract as a resume recomputes them from the side's own copy of its manifest
     (data/manifest.jsonl, read under config.json's data_root; its index believed only for the bytes the contract
     binds), and None; or {} and why that copy cannot be read. Only the side's own copy: a path config.json names
     elsewhere is not read."""
-    rd = RunDir(root)
     data_root = flat_config.get("data_root")
     try:
         manifest = contract_manifest(

@@ -26,24 +26,25 @@ from torchrelay.checkpoint.handed_off import (
 from torchrelay.checkpoint.handed_off import TMP_PREFIX as MARKER_TMP_PREFIX
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.contract import load_contract
-from torchrelay.destinations import refuse_nested
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import CheckpointError, ConfigError, ForkRefused, IntegrityError, PathError
 from torchrelay.handoff.bundle_readme import render_readme
 from torchrelay.handoff.copying import CopyResult, copy_many, through_link
 from torchrelay.handoff.signing import bundle_digest, check_key, sign
 from torchrelay.handoff.source import write_source
-from torchrelay.history import new_id, read_history
 from torchrelay.identity import find_code_dir
-from torchrelay.kill_points import kill_point
-from torchrelay.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LEDGER_PROOF, MANIFEST_REL
-from torchrelay.lock import RunLock
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import Bundle, RunDir
-from torchrelay.train_records import copy_log, rank_logs, trim_copy
+from torchrelay.paths.destinations import refuse_nested
+from torchrelay.paths.layout import CONFIG_FILE, CONTRACT_FILE, HISTORY_FILE, LEDGER_PROOF, MANIFEST_REL
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import Bundle, RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.history import new_id, read_history
+from torchrelay.records.train import copy_log, rank_logs, trim_copy
 from torchrelay.util.durable import fsync_dir, temp_prefix
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.jsonl import iter_records
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.records import read_json_or_none
 from torchrelay.util.safepath import walk_files
 from torchrelay.util.sums import SumEntry, format_sums, write_sums
@@ -98,8 +99,9 @@ class PackResult:
     notes: list[str] = field(default_factory=list)  # what recovering an interrupted pack did
 
 
-def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) -> Path:
+def checkpoint_to_pack(run: RunDir, which: int | None, *, guard: bool = True) -> Path:
     """The complete checkpoint to pack: the newest, or checkpoint-N; refuses incomplete or (guard) handed-off ones."""
+    run_dir = run.path
     infos = list_checkpoints(run_dir)
     complete = [c for c in infos if c.complete]
     if which is None:
@@ -113,7 +115,7 @@ def checkpoint_to_pack(run_dir: Path, which: int | None, *, guard: bool = True) 
         if not matches:
             have = ", ".join(str(c.update) for c in complete) or "none"
             raise PathError(
-                f"{RunDir(run_dir).checkpoint(which)} does not exist (complete: {have})",
+                f"{run.checkpoint(which)} does not exist (complete: {have})",
                 hint="pass --checkpoint with the update of a complete checkpoint, or latest",
             )
         chosen = matches[0]
@@ -163,9 +165,9 @@ def _pack(
     if options.sign is not None:
         check_key(options.sign)
     contract = load_contract(rd.path)
-    cfg = rd.load_config()
-    notes = recover(rd.path, bundle)
-    ckpt = checkpoint_to_pack(rd.path, options.checkpoint)
+    cfg = stored_config(rd)
+    notes = recover(rd, bundle)
+    ckpt = checkpoint_to_pack(rd, options.checkpoint)
     inventory = read_inventory(ckpt)
     update = int(inventory["update"])
     if bundle.exists() and (not bundle.is_dir() or any(bundle.iterdir())):
@@ -214,13 +216,14 @@ def _tmp_prefix(bundle: Path) -> str:
     return f".{bundle.name}.pack-tmp-"
 
 
-def recover(run_dir: Path, bundle: Path) -> list[str]:
+def recover(run: RunDir, bundle: Path) -> list[str]:
     """Clean up after a pack killed part-way (with the run's lock held); returns what was done.
 
     Only what is provably ours and unusable goes: temporaries, and a bundle that never got its SHA256SUMS and
     is named by a "packing" record (or by no record at all) of this run. A "packing" record whose bundle has its
     SHA256SUMS was killed just before its last write: it is finished, not rolled back.
     """
+    run_dir = run.path
     notes = [f"removed {name}, left by an interrupted pack" for name in clean_temporaries(run_dir)]
     bundle = Path(bundle)
     if bundle.parent.is_dir():
@@ -349,7 +352,7 @@ def _write_bundle(
     _write_json(written.manifest_info_path, manifest_info)
     fields = contract["fields"]
     code = {k.removeprefix("code."): v for k, v in fields.items() if k.startswith("code.")}
-    code_dir = options.code_dir or recorded_code_dir(rd.path) or _checkout_here()
+    code_dir = options.code_dir or recorded_code_dir(rd) or _checkout_here()
     source = write_source(
         code,
         code_dir,
@@ -397,9 +400,10 @@ def _write_bundle(
     return result, entries
 
 
-def recorded_code_dir(run_dir: Path) -> Path | None:
+def recorded_code_dir(run: RunDir) -> Path | None:
     """Where the run's code lies, from what its segments recorded: the code directory (git top level, or the
     folder) of the newest recorded script that still exists."""
+    run_dir = run.path
     for seg in reversed(read_history(run_dir)):
         code = seg.get("code")
         script = code.get("script") if isinstance(code, dict) else None
@@ -417,7 +421,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     """Updates done/left, epoch, exposures, LR and mean losses at the stop, from the bundle's own copies."""
     summary: dict[str, Any] = {}
     try:
-        from torchrelay.summary import summarize  # type: ignore[import-not-found,unused-ignore]
+        from torchrelay.records.summary import summarize  # type: ignore[import-not-found,unused-ignore]
     except ImportError:  # the core's status summary is optional for packing; the basics follow below
         pass
     else:
@@ -455,7 +459,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     if lr is not None:
         summary.setdefault("lr", lr)
     try:
-        from torchrelay.ledger import prove
+        from torchrelay.ledger.exposure import prove
 
         summary.setdefault("ledger", prove(bundle_like).to_dict())
     except Exception as exc:  # noqa: BLE001 - as above

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import __version__
-from torchrelay.config import RelayConfig
-from torchrelay.destinations import refuse_nested
+from torchrelay.checkpoint.resume_check import PREPARE_RECORD_SCHEMA, ResumeCheck, validate_resume
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.handoff.assemble import (
     Hooks,
@@ -28,22 +28,23 @@ from torchrelay.handoff.assemble import (
     copy_source_manifest,
     numerics_here,
 )
+from torchrelay.handoff.bundle_records import BundleRecords, bundle_config, verified_records
 from torchrelay.handoff.copying import through_link
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
-from torchrelay.history import new_id
 from torchrelay.identity import tree_note
-from torchrelay.kill_points import kill_point
-from torchrelay.layout import CONFIG_FILE, MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.resume_check import PREPARE_RECORD_SCHEMA, ResumeCheck, validate_resume
-from torchrelay.rundir import Bundle, BundleRecords, RunDir, read_record
+from torchrelay.paths.destinations import refuse_nested
+from torchrelay.paths.layout import CONFIG_FILE, MANIFEST_REL
+from torchrelay.paths.rundir import Bundle, RunDir, read_record
+from torchrelay.records.history import new_id
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.durable import atomic_write_bytes, atomic_write_text, fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.records import check
 
 # Keys prepare owns itself: the manifest always lives in the run directory.
@@ -164,13 +165,14 @@ def _prepare(bundle: Bundle, options: PrepareOptions, hooks: Hooks, started: flo
     # Fail fast on what needs no hashing: a --set of a contract field, an unrelated run directory. The
     # configuration is read once, here; it is believed once SHA256SUMS vouched for the bytes it was read from.
     try:
-        early: RelayConfig | None = bundle.config()
+        early: RelayConfig | None = bundle_config(bundle)
     except (RelayError, ValueError):
         early = None  # a damaged file: the verification below names it
     if early is not None:
         apply_sets(early, options.sets)
     refuse_nested(bundle.path, "bundle", run_dir, "run directory")
-    _refuse_unrelated(run_dir)
+    run = RunDir(run_dir)
+    _refuse_unrelated(run)
 
     # Every byte against SHA256SUMS before any file of the bundle is believed.
     hooks.say("verifying the bundle against SHA256SUMS")
@@ -184,12 +186,12 @@ def _prepare(bundle: Bundle, options: PrepareOptions, hooks: Hooks, started: flo
     if not report.ok:
         raise PrepareRefused([f"bundle file {p}" for p in report.problems()])
 
-    records = bundle.verified_records(report.sums.digests())
+    records = verified_records(bundle, report.sums.digests())
     new_cfg, changes = apply_sets(records.config, options.sets)
 
-    existing = _existing_state(run_dir, records.info)
+    existing = _existing_state(run, records.info)
     if existing is not None:
-        return _recheck(run_dir, existing, changes, options, records.contract, hooks, started)
+        return _recheck(run, existing, changes, options, records.contract, hooks, started)
 
     _remove_stale_temporaries(run_dir.parent, f".{run_dir.name}.prepare-tmp-")
     tmp = run_dir.parent / f".{run_dir.name}.prepare-tmp-{new_id()}"
@@ -408,9 +410,10 @@ def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
                 shutil.rmtree(child, ignore_errors=True)
 
 
-def _refuse_unrelated(run_dir: Path) -> None:
+def _refuse_unrelated(run: RunDir) -> None:
     """Refuse at once a non-empty directory that no prepare wrote (the bundle's lineage is compared later)."""
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not RunDir(run_dir).prepare_record_path.is_file():
+    run_dir = run.path
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not run.prepare_record_path.is_file():
         shown = sorted(p.name for p in run_dir.iterdir())[:5]
         raise ConfigError(
             f"{run_dir} is not empty ({shown}) and was not prepared from a bundle",
@@ -418,15 +421,16 @@ def _refuse_unrelated(run_dir: Path) -> None:
         )
 
 
-def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | None:
+def _existing_state(run: RunDir, info: dict[str, Any]) -> dict[str, Any] | None:
     """None for a new or empty run dir; the record if it was prepared from this bundle; refuse otherwise."""
+    run_dir = run.path
     if not run_dir.exists():
         return None
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} exists and is not a directory", hint="choose another --run-dir")
     if not any(run_dir.iterdir()):
         return None
-    record_path = RunDir(run_dir).prepare_record_path
+    record_path = run.prepare_record_path
     if record_path.is_file():
         record = check(
             read_record(record_path, "the rebase record"),
@@ -448,7 +452,7 @@ def _existing_state(run_dir: Path, info: dict[str, Any]) -> dict[str, Any] | Non
 
 
 def _recheck(
-    run_dir: Path,
+    rd: RunDir,
     record: dict[str, Any],
     changes: dict[str, list[Any]],
     options: PrepareOptions,
@@ -457,6 +461,7 @@ def _recheck(
     started: float,
 ) -> PrepareResult:
     """A second prepare on the same directory changes nothing; it re-runs the trainer's validation."""
+    run_dir = rd.path
     if options.sets and changes != record.get("changes"):
         raise ConfigError(
             f"{run_dir} was already prepared from this bundle with {record.get('changes')}, not {changes}",
@@ -470,8 +475,7 @@ def _recheck(
             f"{run_dir} was already prepared from this bundle for {world_size} rank(s), not {options.world_size}",
             hint="prepare a new --run-dir for another world size",
         )
-    rd = RunDir(run_dir)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     recorded_code = record.get("code_dir")
     code_dir = options.code_dir or (run_dir / str(recorded_code) if recorded_code else None)
     # the bundle's extracted source lives inside the run dir (recorded relative): never run git there

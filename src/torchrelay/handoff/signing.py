@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 from torchrelay.errors import ConfigError, IntegrityError
-from torchrelay.layout import SIG_FILE
+from torchrelay.paths.layout import SIG_FILE
 
 NAMESPACE = "torchrelay-bundle"  # ssh-keygen -n: a signature made for anything else never verifies here
-SIG_NAME = SIG_FILE  # the name lives in layout.py
+SIG_NAME = SIG_FILE  # the name lives in paths/layout.py
 SIG_LIMIT = 64 << 10  # an SSH signature is a few hundred bytes
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torchrelay.errors import ConfigError, IntegrityError, UnsafeInput
 from torchrelay.identity import code_identity
-from torchrelay.layout import CONTRACT_FILE, SOURCE_DIR, SOURCE_MANIFEST
+from torchrelay.paths.layout import CONTRACT_FILE, SOURCE_DIR, SOURCE_MANIFEST
 from torchrelay.util.safepath import NAME_LIMIT, PATH_LIMIT, check_relative
 
 _SKIP = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}

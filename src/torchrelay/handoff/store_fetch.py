@@ -11,7 +11,7 @@ from torchrelay.errors import IntegrityError
 from torchrelay.handoff.prepare import PrepareOptions, PrepareResult, prepare
 from torchrelay.handoff.store_pack import store_jobs
 from torchrelay.handoff.store_read import read_store_bundle
-from torchrelay.history import new_id
+from torchrelay.records.history import new_id
 from torchrelay.storage.base import ObjectStore, open_store
 from torchrelay.storage.url import StoreURL
 from torchrelay.util.hashing import ByteCallback

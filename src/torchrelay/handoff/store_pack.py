@@ -19,20 +19,21 @@ from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED, HANDED_OFF, PACKING, read_marker, write_marker
 from torchrelay.checkpoint.inventory import read_inventory
-from torchrelay.contract import load_contract
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError, ForkRefused, IntegrityError
 from torchrelay.handoff.pack import PackOptions, PackResult, _who, _write_bundle, checkpoint_to_pack, recover
 from torchrelay.handoff.signing import SIG_NAME, bundle_digest, check_key, sign
 from torchrelay.handoff.store_read import PARTS_REL
-from torchrelay.history import new_id
-from torchrelay.kill_points import kill_point
-from torchrelay.lock import RunLock
-from torchrelay.rundir import RunDir
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.history import new_id
 from torchrelay.storage.base import ObjectStore, open_store
 from torchrelay.storage.transfer import upload_hashed
 from torchrelay.storage.url import StoreURL
 from torchrelay.util.durable import fsync_dir
 from torchrelay.util.hashing import ByteCallback, default_jobs
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.sha256_parts import PART_BYTES
 from torchrelay.util.sums import SUMS_NAME, SumEntry, format_sums
 
@@ -62,14 +63,14 @@ def _pack(
         check_key(options.sign)
     store.check_bucket()  # a missing bucket or refused credentials: said before any work
     contract = load_contract(rd.path)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     # a local pack's recovery (no local bundle here: a name that matches none) cleans the run's own temporaries
-    notes = recover(rd.path, rd.path.parent / f".{rd.path.name}.store-pack")
-    for stale in rd.path.parent.glob(f"{_staging_prefix(rd.path)}*"):
+    notes = recover(rd, rd.path.parent / f".{rd.path.name}.store-pack")
+    for stale in rd.path.parent.glob(f"{_staging_prefix(rd)}*"):
         shutil.rmtree(stale, ignore_errors=True)
         notes.append(f"removed {stale}, left by an interrupted pack into a store")
     notes += _recover_store_pack(rd, url, store)
-    ckpt = checkpoint_to_pack(rd.path, options.checkpoint)
+    ckpt = checkpoint_to_pack(rd, options.checkpoint)
     inventory = read_inventory(ckpt)
     update = int(inventory["update"])
     if store.list_objects(url.key("") if url.prefix else ""):
@@ -79,7 +80,7 @@ def _pack(
         )
 
     lineage = new_id()
-    staging = rd.path.parent / f"{_staging_prefix(rd.path)}{lineage}"
+    staging = rd.path.parent / f"{_staging_prefix(rd)}{lineage}"
     staging.mkdir()
     try:
         # the checkpoint's files are hardlinked into the staging folder (copied only across file systems)
@@ -132,7 +133,8 @@ def store_jobs(jobs: int | None) -> int:
     return jobs or max(8, default_jobs())
 
 
-def _staging_prefix(run_dir: Path) -> str:
+def _staging_prefix(run: RunDir) -> str:
+    run_dir = run.path
     return f".{run_dir.name}.store-pack-"
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from torchrelay.checkpoint.inventory import INVENTORY, beside_inventory, read_inventory
 from torchrelay.errors import IntegrityError, RecordError, UnsafeInput
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
-from torchrelay.layout import parse_checkpoint_name
+from torchrelay.paths.layout import parse_checkpoint_name
 from torchrelay.storage.base import ObjectInfo, ObjectStore
 from torchrelay.storage.transfer import read_objects
 from torchrelay.storage.url import StoreURL

@@ -16,8 +16,8 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.handoff.signing import SIG_LIMIT, SIG_NAME, bundle_digest, parse_digest, verify_signature
-from torchrelay.layout import parse_checkpoint_name
-from torchrelay.rundir import Bundle
+from torchrelay.paths.layout import parse_checkpoint_name
+from torchrelay.paths.rundir import Bundle
 from torchrelay.util.hashing import ByteCallback
 from torchrelay.util.records import read_bounded
 from torchrelay.util.sums import SUMS_LIMIT, SUMS_NAME, SumsReport, check_sums, listed_size, parse_sums

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from torchrelay.errors import RelayError
-from torchrelay.layout import CONTRACT_FILE, SOURCE_MANIFEST
+from torchrelay.paths.layout import CONTRACT_FILE, SOURCE_MANIFEST
 from torchrelay.util.hashing import sha256_or_none
 from torchrelay.util.safepath import read_regular
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchrelay.config import SAMPLERS, RelayConfig
+from torchrelay.config.relay import SAMPLERS, RelayConfig
 from torchrelay.errors import ConfigError
 
 # TrainingArguments fields that never change what is computed: where output and logs go, how often and whereto

@@ -35,9 +35,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from torchrelay import envvars
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
-from torchrelay.config import RelayConfig
+from torchrelay.config import envvars
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.loader import RelayLoader, start_forkserver
 from torchrelay.errors import EXIT_ERROR, ConfigError, RelayError
 from torchrelay.run import Run, Step

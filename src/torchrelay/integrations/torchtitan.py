@@ -36,7 +36,7 @@ from torchtitan.components.checkpointer import BaseCheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools import filesystem
 
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.tokens import TokenWindows
 from torchrelay.errors import EXIT_ERROR, ConfigError, RelayError
 from torchrelay.run import Run, Step

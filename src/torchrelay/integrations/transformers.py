@@ -31,10 +31,9 @@ from typing import Any
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from torchrelay import envvars
-from torchrelay.contract import load_contract
+from torchrelay.config import envvars
+from torchrelay.config.relay import stored_config
 from torchrelay.data.loader import RelayLoader, start_forkserver
-from torchrelay.ended import Ended
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.integrations.hf_contract import (
     RelayOptions,
@@ -44,21 +43,24 @@ from torchrelay.integrations.hf_contract import (
     relay_config,
     write_manifest,
 )
-from torchrelay.layout import MANIFEST_REL
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest, index_path
-from torchrelay.reshard import contract_global_batch
+from torchrelay.paths.layout import MANIFEST_REL
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.ended import Ended
+from torchrelay.records.reshard import contract_global_batch
 from torchrelay.run import Run, Step
-from torchrelay.rundir import RunDir
 
 
-def _manifest_samples(run_dir: Path, options: RelayOptions, existing: bool) -> int:
+def _manifest_samples(run: RunDir, options: RelayOptions, existing: bool) -> int:
     """How many samples the run's manifest lists: the script's file for a new run, else the run's own copy (the
     script's path may be the old cluster's; prepare rebased the copy and its data_root)."""
+    run_dir = run.path
     if not existing:
         return len(Manifest.load(options.manifest or "", options.data_root))
-    copy = RunDir(run_dir).manifest_path
-    cfg = RunDir(run_dir).load_config()
+    copy = run.manifest_path
+    cfg = stored_config(run)
     return len(Manifest.load(copy, cfg.data_root, index=index_path(copy), root=run_dir))
 
 
@@ -219,11 +221,12 @@ class RelayTrainerMixin:
         folder = Path(tempfile.mkdtemp(prefix="torchrelay-hf-"))
         try:
             # A new run copies the manifest into itself; a resume reads its own copy, so none is written then.
-            existing = RunDir(run_dir).contract_path.is_file()
+            run = RunDir(run_dir)
+            existing = run.contract_path.is_file()
             samples = None
             if options.manifest is not None:
                 manifest: Path | str = options.manifest
-                samples = _manifest_samples(Path(run_dir), options, existing)
+                samples = _manifest_samples(run, options, existing)
             else:
                 manifest = MANIFEST_REL if existing else write_manifest(len(self.train_dataset), folder)
             parallel = parallel_identity(getattr(self, "accelerator", None))

@@ -10,21 +10,20 @@ checked (a resume's rank 0, `ledger`), the index is believed only for the bytes 
 contract.contract_manifest): a copy re-pointed at another data root, or a run made before that field, is read line
 by line there.
 
-The package: `core` (the records and the saved index), `scan` (the pass over the lines, in this process),
-`readers` (the same pass in reader processes, for a big manifest).
+The package, bottom up: `scan` (the pass over the lines, in this process: checks, fingerprint), `readers` (the
+same pass in reader processes, for a big manifest), `core` (the records, the saved index, and `scan` choosing
+between the two passes).
 """
 
 from torchrelay.manifest.core import (
-    BOM,
-    FINGERPRINT_VERSION,
     INDEX_FORMAT,
     INDEX_NAME,
-    ROOT_TOKEN,
     Manifest,
     Records,
     index_path,
     index_root,
 )
+from torchrelay.manifest.scan import BOM, FINGERPRINT_VERSION, ROOT_TOKEN
 
 __all__ = [
     "BOM",

@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 
 from torchrelay.errors import ConfigError
-from torchrelay.manifest.core import Manifest
-from torchrelay.manifest.scan import _blocks, _LineError, _manifest, _refusal, _Scan
+from torchrelay.manifest.scan import Scanned, _blocks, _LineError, _refusal, _Scan, _scanned
 from torchrelay.util.hashing import default_jobs
 
 _MAX_READERS = 16
@@ -77,7 +76,7 @@ class _Changed(Exception):
     """The file changed while it was read."""
 
 
-def scan_parallel(path: Path, data_root: str, workers: int, part: int) -> Manifest | None:
+def scan_parallel(path: Path, data_root: str, workers: int, part: int) -> Scanned | None:
     """The pass over `path` by `workers` reader processes; None when they could not do it (then the caller
     reads it here: the result is the same, only slower)."""
     if not sys.executable:  # an embedded interpreter: no Python to start
@@ -157,7 +156,7 @@ class _HashThread:
 
 def _deal(
     path: Path, f: io.BufferedReader, data_root: str, procs: list[subprocess.Popen[bytes]], part: int
-) -> Manifest:
+) -> Scanned:
     raw, fp = _HashThread(), _HashThread()
     try:
         return _deal_hashed(path, f, data_root, procs, part, raw, fp)
@@ -174,7 +173,7 @@ def _deal_hashed(
     part: int,
     raw: _HashThread,
     fp: _HashThread,
-) -> Manifest:
+) -> Scanned:
     # Grown in place as the results come (as in one process): a list of parts' arrays joined at the end would
     # leave their memory to the allocator, not the system (+190 MB at 10 M lines, measured).
     starts, sizes, lengths, hashes = array("q"), array("q"), array("q"), array("q")
@@ -210,7 +209,7 @@ def _deal_hashed(
         has_length = has_length or got["has_length"]
     for proc in procs:
         _send(proc, -1, -1)
-    return _manifest(
+    return _scanned(
         path,
         data_root,
         raw.hexdigest(),

@@ -12,25 +12,36 @@ import json
 import re
 from array import array
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from torchrelay.errors import ConfigError
-from torchrelay.manifest.core import (
-    BOM,
-    FINGERPRINT_VERSION,
-    ROOT_TOKEN,
-    Manifest,
-    _map_strings,
-    _root_prefix,
-)
+
+ROOT_TOKEN = "${DATA_ROOT}"
+FINGERPRINT_VERSION = "fingerprint_v1"
+# A UTF-8 byte order mark opening the file (Windows tools write one): read past, no part of the first record. The
+# file's SHA-256 covers it (the bytes); the fingerprint, the records and the index's offsets do not.
+BOM = b"\xef\xbb\xbf"
+
+
+def _root_prefix(data_root: str) -> str:
+    return data_root.rstrip("/") + "/" if data_root else ""
+
+
+def _map_strings(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_strings(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_strings(v, fn) for v in obj]
+    return obj
+
 
 _BLOCK = 1 << 22
-# A manifest this big or bigger is parsed by reader processes (one per core this process may use, at most
-# readers._MAX_READERS), _PART bytes of lines at a time: below, starting them costs more than they save.
-_PARALLEL_FROM = 32 << 20
 _PART = 1 << 20  # a reader holds about 20 times its part while it works on it
 # str.splitlines() (what manifests were always split with) also breaks lines at these; a line holding one is
 # split the same way so that every manifest keeps its records, and their indices.
@@ -173,23 +184,7 @@ def _encoder() -> Any:
     return lambda obj: "".join(enc(obj, 0))
 
 
-def scan(path: Path, data_root: str, *, workers: int | None = None, part: int = _PART) -> Manifest:
-    """Read and check every line: UTF-8, one object with a string id each, ids unique; the fingerprint.
-
-    A big file is parsed by reader processes, `part` bytes of whole lines each (see `_scan_parallel`); a small
-    one, or where no process can be started, here."""
-    from torchrelay.manifest import readers
-
-    if workers is None:
-        workers = readers.reader_count() if _file_size(path) >= _PARALLEL_FROM else 1
-    if workers > 1:
-        found = readers.scan_parallel(path, data_root, workers, part)
-        if found is not None:
-            return found
-    return _scan_here(path, data_root)
-
-
-def _scan_here(path: Path, data_root: str) -> Manifest:
+def _scan_here(path: Path, data_root: str) -> Scanned:
     s = _Scan(data_root)
     raw = hashlib.sha256()
     lineno = 1
@@ -199,7 +194,7 @@ def _scan_here(path: Path, data_root: str) -> Manifest:
             lineno += data.count(b"\n")
     except _LineError as exc:
         raise _refusal(path, exc.lineno, exc) from None
-    return _manifest(
+    return _scanned(
         path,
         data_root,
         raw.hexdigest(),
@@ -216,7 +211,22 @@ def _refusal(path: Path, lineno: int, exc: _LineError) -> ConfigError:
     return ConfigError(f"{path}:{lineno}: {exc.message}", hint=exc.hint)
 
 
-def _manifest(
+@dataclass(frozen=True, slots=True)
+class Scanned:
+    """What one pass over a manifest's lines found; `core` makes it a Manifest once its ids are proven unique."""
+
+    path: Path
+    data_root: str
+    raw_sha256: str
+    starts: np.ndarray
+    sizes: np.ndarray
+    fingerprint: str
+    lengths: np.ndarray | None
+    bad_length: str | None
+    id_hashes: np.ndarray
+
+
+def _scanned(
     path: Path,
     data_root: str,
     raw_sha256: str,
@@ -226,15 +236,13 @@ def _manifest(
     lengths: np.ndarray | None,
     bad_length: tuple[int, str] | None,
     id_hashes: np.ndarray,
-) -> Manifest:
+) -> Scanned:
     if not len(starts):
         raise ConfigError(f"data manifest {path} lists no samples")
     bad = f"line {bad_length[0]}: {bad_length[1]}" if bad_length is not None else None
-    m = Manifest(
-        str(path), data_root, raw_sha256, starts, sizes, f"{FINGERPRINT_VERSION}:{fp_hex}", lengths, bad
+    return Scanned(
+        path, data_root, raw_sha256, starts, sizes, f"{FINGERPRINT_VERSION}:{fp_hex}", lengths, bad, id_hashes
     )
-    _check_unique(m, id_hashes)
-    return m
 
 
 def _parts(path: Path, size: int, raw: Any) -> Iterator[tuple[int, bytes]]:
@@ -271,28 +279,3 @@ def _blocks(path: Path, size: int = _BLOCK, f: io.BufferedReader | None = None) 
             f"data manifest {path} cannot be read ({exc.strerror or exc})", hint="check its permissions"
         ) from exc
     yield b""
-
-
-def _check_unique(m: Manifest, hashes: np.ndarray) -> None:
-    """Ids are unique: equal hashes are the only candidates, and their ids are compared for real."""
-    ranked = np.sort(hashes)  # a plain sort: half the time of an argsort, and almost always the end
-    same = ranked[1:][ranked[1:] == ranked[:-1]]
-    if not len(same):
-        return
-    candidates = np.flatnonzero(np.isin(hashes, same))
-    first: dict[str, int] = {}
-    repeated: list[int] = []
-    for i in candidates.tolist():  # ascending: the first of each id is met first
-        rid = m.id_of(i)
-        if rid in first:
-            repeated.append(i)
-        else:
-            first[rid] = i
-    if repeated:
-        i = min(repeated)
-        lineno, left = 1, int(m.records._starts[i])
-        with open(m.path, "rb") as f:
-            while left > 0 and (block := f.read(min(left, _BLOCK))):
-                lineno += block.count(b"\n")
-                left -= len(block)
-        raise ConfigError(f"{m.path}:{lineno}: duplicate sample id {m.id_of(i)!r}")

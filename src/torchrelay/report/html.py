@@ -7,7 +7,7 @@ import datetime as dt
 import html
 from pathlib import Path
 
-from torchrelay.layout import checkpoint_label
+from torchrelay.paths.layout import checkpoint_label
 from torchrelay.report.series import RunSeries, Segment
 from torchrelay.util.durable import atomic_write_text
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
-from torchrelay.history import read_history
-from torchrelay.numerics import describe
-from torchrelay.reshard import describe_change
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, metric_float, rank_logs
+from torchrelay.identity.numerics import describe
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.history import read_history
+from torchrelay.records.reshard import describe_change
+from torchrelay.records.train import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, metric_float, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 from torchrelay.util.safepath import open_regular
 
@@ -153,11 +153,12 @@ def _exposures(train_dir: Path) -> tuple[list[int], list[int], list[int]]:
     return updates, distinct, total
 
 
-def _manifest_size(run_dir: Path) -> int | None:
+def _manifest_size(run: RunDir) -> int | None:
     """The manifest's samples (its non-blank lines), counted on its bytes; None without a manifest. Opened as
     every file of a run directory is (no link, no pipe or device, nothing out of the run): a plain open read a
     symlink out of the run and raised a bare UnicodeDecodeError, naming no file, on a byte that was not UTF-8."""
-    path = RunDir(run_dir).manifest_path
+    run_dir = run.path
+    path = run.manifest_path
     if not os.path.lexists(path):
         return None
     fd, _ = open_regular(path, what="the data manifest", root=run_dir)
@@ -178,7 +179,8 @@ def read_series(run_dir: str | Path) -> RunSeries:
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "does not exist"
         raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
-    train_dir = RunDir(root).train_dir
+    run = RunDir(root)
+    train_dir = run.train_dir
     logs = rank_logs(train_dir, "metrics")
     per_rank = {rank: _by_update(read_records(p, schema=METRIC_SCHEMA)) for rank, p in logs.items()}
     if not per_rank or not any(per_rank.values()):
@@ -209,13 +211,14 @@ def read_series(run_dir: str | Path) -> RunSeries:
     series.segments = _segments(root)
     series.checkpoints = [c.update for c in list_checkpoints(root) if c.complete]
     series.exposure_updates, series.distinct_samples, series.total_exposures = _exposures(train_dir)
-    series.manifest_size = _manifest_size(root)
-    series.validation = _validation(root)
+    series.manifest_size = _manifest_size(run)
+    series.validation = _validation(run)
     return series
 
 
-def _validation(run_dir: Path) -> list[ValidationPoint]:
-    from torchrelay.validation_records import read_records
+def _validation(run: RunDir) -> list[ValidationPoint]:
+    run_dir = run.path
+    from torchrelay.records.validation import read_records
 
     points = []
     for record in read_records(run_dir).values():

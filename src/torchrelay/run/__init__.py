@@ -18,15 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrelay import rng
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
 from torchrelay.checkpoint.replica import settle_after_open
+from torchrelay.checkpoint.state import rng
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
-from torchrelay.config import RelayConfig
-from torchrelay.contract import canonical_json
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.loader import RelayLoader
-from torchrelay.digests import DigestLog, digests_path
-from torchrelay.ended import Ended, ended_of
 from torchrelay.errors import (
     EXIT_ERROR,
     EXIT_FINISHED,
@@ -35,16 +32,19 @@ from torchrelay.errors import (
     install_excepthook,
     run_opening,
 )
-from torchrelay.history import upsert
 from torchrelay.identity import find_code_dir
 from torchrelay.log import ensure_voice, logger, set_rank
-from torchrelay.reshard import rank_stream_seed, reshard_asked, reshard_asker
+from torchrelay.records.contract import canonical_json
+from torchrelay.records.digests import DigestLog, digests_path
+from torchrelay.records.ended import Ended, ended_of
+from torchrelay.records.history import upsert
+from torchrelay.records.reshard import rank_stream_seed, reshard_asked, reshard_asker
+from torchrelay.records.train import record_oom
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.loop import Loop, Step
 from torchrelay.run.opening import SegmentOpener, start_over
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver, first_estimate
-from torchrelay.train_records import record_oom
 from torchrelay.util import collective
 from torchrelay.util.finalize import freeze_at_exit
 from torchrelay.util.jsonl import iter_records
@@ -69,7 +69,7 @@ class Run:
         """Create the run, or validate and resume it from its newest complete checkpoint (every rank).
 
         reshard: this launch may continue on another layout (world size, micro_batch x grad_accum) with the same
-        global batch (reshard.py); None reads TORCHRELAY_RESHARD.
+        global batch (records/reshard.py); None reads TORCHRELAY_RESHARD.
 
         A refusal reaches every rank as the same RelayError; rank 0 prints it once and records the launch in
         history.jsonl as a segment that ended `refused` (exit 2), unless another writer holds the run.
@@ -121,7 +121,7 @@ class Run:
         # A relaunch of a finished run trains nothing and records nothing (steps() says so).
         self._finished_before = self.start_update >= self.config.total_updates
         self._tracked = Tracked()
-        # the parameters' digest after every update (digests.py): runs compared update by update
+        # the parameters' digest after every update (records/digests.py): runs compared update by update
         self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None
@@ -144,7 +144,7 @@ class Run:
             verified=self.segment.resumed_tier in ("memory", "replica"),
         )
         self._saver = Saver(
-            self.dir.path,
+            self.dir,
             self.config,
             self._tracked,
             rank=self.rank,
@@ -197,7 +197,7 @@ class Run:
             if deadline:
                 left = deadline.at - time.time()
                 logger.info(f"[torchrelay] deadline in {left:.1f}s ({deadline.source})")
-            upsert(self.dir.path, self.segment.to_dict())
+            upsert(self.dir, self.segment.to_dict())
 
     @property
     def manifest_path(self) -> Path:
@@ -305,7 +305,7 @@ class Run:
             seg.last_update = last_update
             seg.notes = seg.notes + self._notes
             try:
-                upsert(self.dir.path, seg.to_dict())
+                upsert(self.dir, seg.to_dict())
             except (OSError, RelayError) as exc:  # a full disk must not hide the error that ended the run
                 logger.warning(f"[torchrelay] could not record the segment in history.jsonl: {exc}")
         self._opener.unlock()
@@ -354,7 +354,7 @@ class Run:
         contract), so a launch with the hint's other setting would be refused again, as a change. The hint says
         so (on every rank, before rank 0 says it)."""
         if self._saver.last < 0:
-            start_over(error, self.dir.path)
+            start_over(error, self.dir)
 
     def __enter__(self) -> Run:
         return self

@@ -1,5 +1,5 @@
 """The stop agreement: at a boundary each rank proposes a stop code from the policies (request file, signal,
-budget/deadline, memory: see stop.py) and one all-reduce agrees on it, so that every rank stops after the same
+budget/deadline, memory: see policy/stop.py) and one all-reduce agrees on it, so that every rank stops after the same
 update. Boundaries are spaced adaptively so that agreeing costs under 0.1 % of update time.
 """
 
@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.log import logger
-from torchrelay.stop import REQUEST_FILE, SignalFlag, StopContext, StopRequest, decide, is_stale
+from torchrelay.policy.stop import REQUEST_FILE, SignalFlag, StopContext, StopRequest, decide, is_stale
 from torchrelay.util import collective
 
 

@@ -17,22 +17,27 @@ from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
 from torchrelay.checkpoint.replica import choose as choose_nodes
 from torchrelay.checkpoint.replica import replica_dir
+from torchrelay.checkpoint.resume_check import (
+    keep_prepared,
+    refuse_contract_overrides,
+    schedule_gate,
+    validate_resume,
+)
 from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, choose_memory, memory_root
-from torchrelay.config import RelayConfig
-from torchrelay.contract import build_contract, write_contract
+from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import ConfigError
-from torchrelay.history import close_crashed, new_id, read_history, write_history
 from torchrelay.identity import running_files, tree_note
-from torchrelay.layout import LINEAGE_FILE, MANIFEST_REL, checkpoint_name
+from torchrelay.identity.numerics import check_resume
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.numerics import check_resume
-from torchrelay.reshard import Layout
-from torchrelay.resume_check import keep_prepared, refuse_contract_overrides, schedule_gate, validate_resume
+from torchrelay.paths.layout import LINEAGE_FILE, MANIFEST_REL, checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import build_contract, write_contract
+from torchrelay.records.history import close_crashed, new_id, read_history, write_history
+from torchrelay.records.reshard import Layout
+from torchrelay.records.train import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.run.saver import last_save_seconds
-from torchrelay.rundir import RunDir
 from torchrelay.storage.durable import restore as restore_durable
-from torchrelay.train_records import metrics_path, refuse_linked_logs, trim_after
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import iter_records
 from torchrelay.util.records import Schema, read_json, read_json_or_none
@@ -147,8 +152,8 @@ def reopen_run(
     resume chosen, and the directory repaired where a crash left it (temporaries, an unclosed segment, logs past
     that checkpoint); `config` None continues with the recorded configuration."""
     refuse_linked_logs(rd.train_dir)  # before anything is written: the logs are appended to and trimmed below
-    stored = rd.load_config()
-    check_lineage(rd.path)
+    stored = stored_config(rd)
+    check_lineage(rd)
     cfg = config if config is not None else stored
     kept: list[str] = []
     if config is not None and cfg.manifest != stored.manifest:
@@ -185,7 +190,7 @@ def reopen_run(
         logger.warning(f"[torchrelay] warning: {code_note}")
     rd.remove_stale_temps()
     history = read_history(rd.path)
-    tier = _newest_across_tiers(rd.path, cfg, check, world_size, history, holdings)
+    tier = _newest_across_tiers(rd, cfg, check, world_size, history, holdings)
     update, ckpt = tier.update, tier.checkpoint
     numerics_change = None
     if ckpt is not None and update < cfg.total_updates:  # refused before any write
@@ -211,7 +216,7 @@ def reopen_run(
         atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     if not manifest.index_current:  # the next launch, and the other ranks now, read no line
         manifest.save_index(rd.manifest_index_path)
-    reclaim_note = _reclaim(rd.path, ckpt) if ckpt is not None and tier.tier == DURABLE else None
+    reclaim_note = _reclaim(rd, ckpt) if ckpt is not None and tier.tier == DURABLE else None
     notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
     notes += tier.refused
     if restored:
@@ -261,7 +266,7 @@ class _Tiered:
 
 
 def _newest_across_tiers(
-    run_dir: Path,
+    run: RunDir,
     cfg: RelayConfig,
     check: Any,
     world_size: int,
@@ -270,7 +275,8 @@ def _newest_across_tiers(
 ) -> _Tiered:
     """The checkpoint a resume takes: this node's newest verified memory checkpoint when it is newer than the
     durable tier's (checkpoint/tiers.py), else the durable one; each refused candidate in one line, logged."""
-    lineage = read_lineage(run_dir).get("lineage")
+    run_dir = run.path
+    lineage = read_lineage(run).get("lineage")
     if lineage is None or check.layout_change:  # a layout change resumes from the durable tier, as before
         return _Tiered(check.checkpoint, check.update, DURABLE, [])
     binding = Binding(
@@ -283,7 +289,7 @@ def _newest_across_tiers(
     )
     segments = {str(s.get("segment")) for s in history}
     if holdings is not None:  # several nodes: each node's part, own or the partner's replica
-        return _across_nodes(run_dir, lineage, holdings, binding, check, segments)
+        return _across_nodes(run, lineage, holdings, binding, check, segments)
     choice = choose_memory(memory_root(lineage, run_dir), binding, check.update, segments)
     for line in choice.refused:
         logger.warning(f"[torchrelay] {line}; the next tier is used")
@@ -294,13 +300,14 @@ def _newest_across_tiers(
 
 
 def _across_nodes(
-    run_dir: Path,
+    run: RunDir,
     lineage: str,
     holdings: list[dict[str, Any]],
     binding: Binding,
     check: Any,
     segments: set[str],
 ) -> _Tiered:
+    run_dir = run.path
     picked = choose_nodes(holdings, binding, check.update, segments)
     for line in picked.refused:
         logger.warning(f"[torchrelay] {line}; the next tier is used")
@@ -321,7 +328,7 @@ def last_segment(history: list[dict[str, Any]]) -> str | None:
     return next((s.get("segment") for s in reversed(history) if s.get("ended") != "refused"), None)
 
 
-def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
+def _reclaim(run: RunDir, ckpt: Path) -> str | None:
     """Continuing a handed-off checkpoint on purpose (TORCHRELAY_RECLAIM=1) starts a new lineage, on record."""
     marker = ckpt / HANDED_OFF
     if not marker.exists():
@@ -330,9 +337,9 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
     handed = handed if isinstance(handed, dict) else {}
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     os.replace(marker, ckpt / f"{RECLAIMED_PREFIX}{stamp}.json")
-    old = read_lineage(run_dir)
+    old = read_lineage(run)
     new = {"lineage": new_id(), "parent_lineage": old.get("lineage")}
-    atomic_write_text(run_dir / LINEAGE_FILE, json.dumps(new))
+    atomic_write_text(run.lineage_path, json.dumps(new))
     return (
         f"reclaimed {ckpt.name}, handed off to bundle lineage {handed.get('lineage', '?')}: "
         f"new lineage {new['lineage']} (parent {old.get('lineage')})"
@@ -342,18 +349,18 @@ def _reclaim(run_dir: Path, ckpt: Path) -> str | None:
 _LINEAGE = Schema({"lineage": str, "parent_lineage": (str, type(None))})
 
 
-def check_lineage(run_dir: Path) -> None:
+def check_lineage(run: RunDir) -> None:
     """lineage.json, where it is, as `create_run` writes it (a RecordError naming the file and field, exit 2): a
     forged one was written into every segment of history.jsonl, which then refused every later open."""
-    path = run_dir / LINEAGE_FILE
+    path = run.lineage_path
     if os.path.lexists(path):  # a run made before lineages has none
-        read_json(path, what="the run's lineage", root=run_dir, schema=_LINEAGE)
+        read_json(path, what="the run's lineage", root=run.path, schema=_LINEAGE)
 
 
-def read_lineage(run_dir: Path) -> dict[str, Any]:
+def read_lineage(run: RunDir) -> dict[str, Any]:
     """lineage.json's lineage and parent_lineage, each only where it is a string; none when unreadable, not JSON
     or not an object (a refused launch is recorded all the same; `check_lineage` refuses such a file)."""
-    lineage = read_json_or_none(run_dir / LINEAGE_FILE, what="the run's lineage", root=run_dir)
+    lineage = read_json_or_none(run.lineage_path, what="the run's lineage", root=run.path)
     if not isinstance(lineage, dict):
         return {}
     return {k: v for k, v in lineage.items() if k in _LINEAGE and isinstance(v, str)}

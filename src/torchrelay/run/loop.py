@@ -17,17 +17,17 @@ import torch
 
 from torchrelay.checkpoint.policy import SaveContext
 from torchrelay.checkpoint.tiers import MEMORY
-from torchrelay.config import RelayConfig
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.loader import RankBatches, RelayLoader
 from torchrelay.data.order import GlobalOrder
-from torchrelay.digests import DigestLog
 from torchrelay.errors import EXIT_FINISHED, ConfigError, PathError, RelayError, from_exception
 from torchrelay.log import logger
+from torchrelay.records.digests import DigestLog
+from torchrelay.records.train import ExposureLog, RankLog
 from torchrelay.run.agreement import StopAgreement
 from torchrelay.run.exact_reduce import EXACT, ExactReduction
 from torchrelay.run.restore import Restore, Tracked
 from torchrelay.run.saver import Saver
-from torchrelay.train_records import ExposureLog, RankLog
 from torchrelay.util import collective
 
 

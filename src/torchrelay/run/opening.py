@@ -17,23 +17,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torchrelay import __version__, envvars
+from torchrelay import __version__
 from torchrelay.checkpoint.persist import stall_seconds
 from torchrelay.checkpoint.replica import nodes_of, survey
-from torchrelay.config import RelayConfig
+from torchrelay.config import envvars
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.order import GlobalOrder
-from torchrelay.ended import Ended
 from torchrelay.errors import EXIT_REFUSED, ConfigError, RelayError, mark_reported, mark_shared
-from torchrelay.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
 from torchrelay.identity import fingerprint_differences, fingerprint_summary, node_fingerprint, versions
-from torchrelay.lock import RunLock
+from torchrelay.identity.numerics import gather
 from torchrelay.log import logger
 from torchrelay.manifest import Manifest
-from torchrelay.numerics import gather
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import Deadline, deadline_from_env, job_start
+from torchrelay.records.ended import Ended
+from torchrelay.records.history import ABSENT, Segment, close_crashed, new_id, read_history, write_history
+from torchrelay.records.train import ExposureLog, RankLog, exposure_widths, exposures_path, metrics_path
 from torchrelay.run.directory import Start, create_run, last_segment, read_lineage, reopen_run
-from torchrelay.rundir import RunDir
-from torchrelay.stop import Deadline, deadline_from_env, job_start
-from torchrelay.train_records import ExposureLog, RankLog, exposure_widths, exposures_path, metrics_path
 from torchrelay.util import collective
 
 
@@ -89,7 +90,7 @@ class SegmentOpener:
         asked_by: str = "reshard",
     ) -> None:
         self.rank = rank
-        self.reshard = reshard  # this launch may change the layout (reshard.py)
+        self.reshard = reshard  # this launch may change the layout (records/reshard.py)
         self.asked_by = asked_by  # who asked, as the move's record says
         self.world_size = world_size
         self.code_dir = code_dir
@@ -153,7 +154,7 @@ class SegmentOpener:
 
         def settle(err: RelayError) -> None:  # a failure of the local part, recorded by rank 0
             if outcome.checkpoint is None:  # nothing saved: the directory keeps this launch's settings
-                start_over(err, self.dir.path)
+                start_over(err, self.dir)
             self._settle(err, segment=replace(segment, hosts=[socket.gethostname()]))
 
         try:
@@ -286,7 +287,7 @@ class SegmentOpener:
     def _segment(self, start: Start, numerics: dict[str, Any]) -> Segment:
         """The record of the segment that starts here, as history.jsonl will hold it."""
         update, ckpt = start.update, start.checkpoint
-        lineage = read_lineage(self.dir.path)
+        lineage = read_lineage(self.dir)
         return Segment(
             segment=new_id(),
             parent=start.parent,
@@ -347,7 +348,7 @@ class SegmentOpener:
                 last = next(
                     (s["last_update"] for s in reversed(history) if isinstance(s.get("last_update"), int)), 0
                 )
-                lineage = read_lineage(self.dir.path)
+                lineage = read_lineage(self.dir)
                 segment = Segment(
                     segment=new_id(),
                     parent=last_segment(history),
@@ -408,10 +409,11 @@ def _other_node(gathered: list[tuple[str, dict[str, Any] | None]]) -> ConfigErro
     return None
 
 
-def start_over(error: RelayError, run_dir: Path) -> None:
+def start_over(error: RelayError, run: RunDir) -> None:
     """A refusal of a run with no checkpoint yet: its directory holds the refused launch's settings (its
     contract), so a launch with the setting the hint asks for would be refused again, as a change. The hint says
     how to start over (every rank amends it before rank 0 says it)."""
+    run_dir = run.path
     if error.exit_code != EXIT_REFUSED or "to start over" in (error.hint or ""):
         return
     again = f"no checkpoint was saved in {run_dir}, which keeps this launch's settings: to start over with others, remove it"

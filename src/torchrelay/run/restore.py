@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from torchrelay import rng
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
+from torchrelay.checkpoint.state import rng
+from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import RecordError
-from torchrelay.tuning import LoadTuning
 
 
 @dataclass(slots=True)

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from torchrelay import envvars, kill_points
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import declares_engine, is_engine
@@ -42,16 +41,18 @@ from torchrelay.checkpoint.tiers import (
     tier_at_open,
 )
 from torchrelay.checkpoint.writer_process import PROCESS, WriterProcess, can_share, writer_mode
-from torchrelay.config import RelayConfig
+from torchrelay.config import envvars
+from torchrelay.config.relay import RelayConfig
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import CheckpointError
-from torchrelay.layout import checkpoint_name
-from torchrelay.ledger_proof import ProofSpawner
+from torchrelay.ledger.proof import ProofSpawner
 from torchrelay.log import logger
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import RankLog
 from torchrelay.run.restore import Tracked
 from torchrelay.storage.durable import DurableSpawner, durable_url
-from torchrelay.train_records import RankLog
-from torchrelay.util import collective
+from torchrelay.util import collective, kill_points
 from torchrelay.util.records import read_json_or_none
 
 # After a segment's first update every object the process then holds (torch's modules, the model, the optimizer's
@@ -67,7 +68,7 @@ class Saver:
 
     def __init__(
         self,
-        run_dir: Path,
+        run: RunDir,
         config: RelayConfig,
         tracked: Tracked,
         *,
@@ -83,6 +84,7 @@ class Saver:
         lineage: str | None = None,
         hosts: int = 1,
     ) -> None:
+        run_dir = run.path
         self._run_dir = run_dir
         self._config = config
         self._tracked = tracked
@@ -137,8 +139,8 @@ class Saver:
         # A background persist talks over a gloo group of its own: never the training's (NCCL) group, and never
         # a group the training thread uses at the same time (every rank creates it here, in the same order).
         self._peers = collective.own_group() if world_size > 1 and self._background else None
-        # Rank 0 starts the ledger's background prover after a commit (ledger_proof.py): a process, never work here.
-        self._proofs = ProofSpawner(run_dir) if rank == 0 else None
+        # Rank 0 starts the ledger's background prover after a commit (ledger/proof.py): a process, never work here.
+        self._proofs = ProofSpawner(run) if rank == 0 else None
         # TORCHRELAY_DURABLE: rank 0 copies each committed checkpoint into the store, in a process of its own
         self._durable = DurableSpawner(run_dir) if durable_url() is not None and rank == 0 else None
 
@@ -208,7 +210,7 @@ class Saver:
             "samples_consumed": self._order.position(update),
             "epoch": update / self._order.updates_per_epoch,
             "world_size": self._world_size,
-            "micro_batch": self._config.micro_batch,  # the layout it is saved with (reshard.py)
+            "micro_batch": self._config.micro_batch,  # the layout it is saved with (records/reshard.py)
             "grad_accum": self._config.grad_accum,
             "global_batch": self._global_batch,
             "segment": self._segment,

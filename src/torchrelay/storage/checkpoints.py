@@ -18,7 +18,7 @@ from torchrelay.checkpoint.inventory import INVENTORY, check_inventory, part_sta
 from torchrelay.checkpoint.select import CheckpointInfo
 from torchrelay.checkpoint.storage import CheckpointStore
 from torchrelay.errors import ForkRefused, IntegrityError, UnsafeInput
-from torchrelay.layout import checkpoint_name, parse_checkpoint_name
+from torchrelay.paths.layout import checkpoint_name, parse_checkpoint_name
 from torchrelay.storage.base import ObjectInfo, ObjectStore
 from torchrelay.storage.transfer import read_objects, read_range_verified, upload_hashed
 from torchrelay.storage.url import StoreURL

@@ -26,12 +26,12 @@ import threading
 import time
 from pathlib import Path
 
-from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.select import list_checkpoints
+from torchrelay.config import envvars
 from torchrelay.errors import ForkRefused, RecordError, RelayError, one_line
 from torchrelay.log import logger
-from torchrelay.rundir import RunDir
+from torchrelay.paths.rundir import RunDir
 from torchrelay.storage.base import ObjectStore, open_store
 from torchrelay.storage.checkpoints import ObjectStorage
 from torchrelay.storage.url import StoreURL, parse_url

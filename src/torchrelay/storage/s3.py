@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.errors import ConfigError, PathError, RelayError, StoreError
 from torchrelay.storage.base import ObjectInfo
 from torchrelay.storage.url import StoreURL

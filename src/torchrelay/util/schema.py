@@ -8,7 +8,7 @@ Why our own and not pydantic or msgspec: docs/CONFIG.md (import time and message
 - `min`, `max`: the lowest and highest allowed number (`why`: the reason, shown when one is broken);
 - `choices`: the allowed values (`hint`: what they mean, shown when another is given);
 - `as_str`: scalars (and list items, mapping keys and values) are accepted and turned into strings (argv, env);
-- `runtime`: the field may change between segments (config.py: not part of the resume contract);
+- `runtime`: the field may change between segments (config/relay.py: not part of the resume contract);
 - `json_schema`: the field's schema, where its annotation is `Any`.
 
 Whatever the metadata, a number is finite (YAML's `.nan` and `.inf` are refused) and an int fits in 64 bits

@@ -11,10 +11,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from torchrelay import rng
 from torchrelay.checkpoint import dcp_io, ranks
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
 from torchrelay.checkpoint.inventory import INVENTORY, part_states, read_inventory, safe_relpath
+from torchrelay.checkpoint.state import rng
 from torchrelay.checkpoint.state.document import (
     STATE_DICT_OPTIONS,
     dcp_document,
@@ -35,8 +35,8 @@ from torchrelay.checkpoint.state.records import (
     state_path,
 )
 from torchrelay.checkpoint.state.trees import like_live, tree_of
+from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import CheckpointError, IntegrityError
-from torchrelay.tuning import LoadTuning
 from torchrelay.util import collective
 from torchrelay.util.hashing import sha256_many
 from torchrelay.util.records import exists as records_exists

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrelay import rng
 from torchrelay.checkpoint import dcp_save, ranks, recycle
 from torchrelay.checkpoint import deepspeed_engine as ds_engine
 from torchrelay.checkpoint.hashing_writer import write_bytes
 from torchrelay.checkpoint.host_stage import HostStage, specs_of
+from torchrelay.checkpoint.state import rng
 from torchrelay.checkpoint.state.document import dcp_document, split_optimizer, state_dicts
 from torchrelay.checkpoint.state.records import (
     MODEL_DIR,
@@ -30,7 +30,7 @@ from torchrelay.checkpoint.state.records import (
 )
 from torchrelay.checkpoint.state.trees import to_tree
 from torchrelay.checkpoint.writer_process import WriterProcess
-from torchrelay.tuning import SaveTuning
+from torchrelay.config.tuning import SaveTuning
 
 
 @dataclass

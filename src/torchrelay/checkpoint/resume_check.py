@@ -10,8 +10,12 @@ from typing import Any
 from torchrelay.checkpoint.handed_off import PACKING, RECLAIM_ENV, guarding_record
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.select import latest_complete
-from torchrelay.config import RelayConfig
-from torchrelay.contract import (
+from torchrelay.config.relay import RelayConfig, stored_config
+from torchrelay.errors import ConfigError, ContractMismatch, ForkRefused, RelayError
+from torchrelay.manifest import Manifest
+from torchrelay.paths.layout import PREPARE_RECORD
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import (
     build_contract,
     comparable,
     contract_changes,
@@ -19,10 +23,7 @@ from torchrelay.contract import (
     load_contract,
     runtime_changes,
 )
-from torchrelay.errors import ConfigError, ContractMismatch, ForkRefused, RelayError
-from torchrelay.layout import PREPARE_RECORD
-from torchrelay.manifest import Manifest
-from torchrelay.reshard import (
+from torchrelay.records.reshard import (
     GRAD_ACCUM_MIRRORS,
     LAYOUT_CHANGE_SCHEMA,
     LAYOUT_FIELDS,
@@ -35,7 +36,6 @@ from torchrelay.reshard import (
     refuse_unasked,
     resolve,
 )
-from torchrelay.rundir import RunDir
 from torchrelay.util.dotted import flatten
 from torchrelay.util.records import Field, Optional, Schema, read_json
 
@@ -104,12 +104,12 @@ def validate_resume(
     code_from_bundle: `code_dir` came out of a bundle, so no program (git) is run inside it.
     code_files: the running program's files (identity.running_files), when the trainer itself checks.
     reshard: this launch may change the layout (world size, micro_batch x grad_accum) with the same global batch
-    (reshard.py); `prepare --world-size` asks for it on the run it prepares. explicit: the config keys the launch
+    (records/reshard.py); `prepare --world-size` asks for it on the run it prepares. explicit: the config keys the launch
     overrode on purpose (a split the script merely repeats is the run's current one). asked_by: who asked for
     the move, recorded as its `asked_by` (reshard.reshard_asker).
     """
     rd = RunDir(run_dir)
-    stored = rd.load_config()
+    stored = stored_config(rd)
     recorded = load_contract(rd.path)
     fields = recorded["fields"]
     ckpt = latest_complete(rd.path)

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.errors import ContractMismatch
 from torchrelay.util.records import Field, Optional, Schema
 
@@ -195,7 +195,7 @@ def refuse_unasked(path: str, current: Layout, new: Layout) -> ContractMismatch:
     )
 
 
-_COUNT = 1 << 40  # a batch or an update: more than any run (contract.py)
+_COUNT = 1 << 40  # a batch or an update: more than any run (records/contract.py)
 LAYOUT_SCHEMA = Schema(
     {
         "world_size": Field(int, low=1, high=1 << 20),

@@ -1,7 +1,7 @@
 """validation/ of a run directory: each checkpoint's validation record and what the last pass left to do.
 
 The records only (layer of the run's files): the status summary, the report and `pack` read them without the
-validation runner (validation.py), which writes them.
+validation runner (controller/validation.py), which writes them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay.errors import ConfigError, RecordError
-from torchrelay.layout import parse_checkpoint_name
-from torchrelay.rundir import RunDir
+from torchrelay.paths.layout import parse_checkpoint_name
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.durable import remove_temps, temp_prefix
 from torchrelay.util.records import Field, Optional, Schema, check, read_json
 from torchrelay.util.safepath import is_inside
@@ -73,7 +73,7 @@ _NONE = type(None)
 _TIME = Optional(Field(float, low=0, high=1e12))  # unix seconds
 METRICS_LIMIT = 1 << 20  # bytes of JSON of a command's metrics: a page of numbers, far below RECORD_LIMIT
 # The fields status, report and pack read of a record, with their types and bounds (the rest are shown as they
-# are). `_finish` (validation.py) fits what it writes into them: a command line or a reason echoed from elsewhere
+# are). `_finish` (controller/validation.py) fits what it writes into them: a command line or a reason echoed from elsewhere
 # is cut, never written past what this reader takes.
 RECORD_SCHEMA = Schema({
     "update": Field(int, low=0, high=1 << 40),
@@ -142,11 +142,11 @@ def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]
     return dict(sorted(out.items()))
 
 
-def remove_stale_temps(run_dir: str | os.PathLike[str]) -> list[Path]:
+def remove_stale_temps(rd: RunDir) -> list[Path]:
     """Remove what a validation pass killed mid-write left: the temporaries of `pending.json` and of each
     checkpoint's `record.json` (hold the run's lock: no other pass is writing them)."""
-    run = Path(run_dir)
-    root = RunDir(run).validation_dir
+    run = rd.path
+    root = rd.validation_dir
     if not root.is_dir() or not is_inside(run, root):  # the folders the pass writes in, and no other
         return []
     found = []

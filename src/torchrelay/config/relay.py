@@ -8,9 +8,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchrelay.errors import ConfigError, install_excepthook
-from torchrelay.tuning import LoadTuning, SaveTuning
+from torchrelay.config.tuning import LoadTuning, SaveTuning
+from torchrelay.errors import ConfigError, IntegrityError, install_excepthook
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util import schema
+from torchrelay.util.records import read_json
 
 SAMPLERS = ("shuffled", "length_bucketed")
 ELASTIC_MODES = ("default", "exact")
@@ -71,7 +73,7 @@ class RelayConfig:
     # refuse any changed file of the code's tree, not only the program's (docs/CODE_IDENTITY.md); runtime: how
     # strictly a launch checks the code is no part of the math, and may tighten or loosen from one to the next
     strict_code: bool = field(default=False, metadata=RUNTIME)
-    # how fast saves and loads go (tuning.py): no byte saved or loaded changes, so they may differ per segment
+    # how fast saves and loads go (config/tuning.py): no byte saved or loaded changes, so they may differ per segment
     save_tuning: SaveTuning = field(
         default_factory=SaveTuning,
         metadata={**RUNTIME, "doc": "threads and buffers of a save (docs/CONFIG.md)"},
@@ -180,8 +182,21 @@ class RelayConfig:
         return self.micro_batch * self.grad_accum * world_size
 
 
-# The runtime-only fields, in declaration order (contract.py drops them from the contract).
+# The runtime-only fields, in declaration order (records/contract.py drops them from the contract).
 RUNTIME_FIELDS = schema.fields_with(RelayConfig, "runtime")
+
+
+def stored_config(run_dir: RunDir) -> RelayConfig:
+    """The stored (live) configuration of a run, with the manifest pointing into the run directory."""
+    try:
+        data = read_json(run_dir.config_path, what="the run's configuration")
+    except FileNotFoundError as exc:
+        raise IntegrityError(
+            f"{run_dir.config_path} is missing: {run_dir.path} holds no torchrelay run"
+        ) from exc
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{run_dir.config_path} does not hold a JSON object")
+    return RelayConfig.from_dict(data, source=str(run_dir.config_path))
 
 
 def is_runtime_key(key: str, runtime_params: Iterable[str]) -> bool:

@@ -14,14 +14,19 @@ LINEAGE_FILE = "lineage.json"
 HISTORY_FILE = "history.jsonl"
 DATA_DIR = "data"
 MANIFEST_REL = f"{DATA_DIR}/manifest.jsonl"  # the run's copy of its manifest
+INDEX_NAME = (
+    "manifest.index.npz"  # the saved index of the manifest, beside the run's copy, data/manifest.jsonl
+)
+TRAIN_LOCK = ".torchrelay-train.lock"  # the training's writer lock (paths/lock.py)
+LOCK_FILES = frozenset({TRAIN_LOCK})
 TRAIN_DIR = "train"  # per-rank metric and exposure logs
-VALIDATION_DIR = "validation"  # one record per validated checkpoint (validation_records.py owns the format)
+VALIDATION_DIR = "validation"  # one record per validated checkpoint (records/validation.py owns the format)
 ATTEMPTS_DIR = "attempts"  # the controller's record of each launch
-REQUEST_STOP = "REQUEST_STOP"  # a stop asked by touching this file (stop.py reads it)
+REQUEST_STOP = "REQUEST_STOP"  # a stop asked by touching this file (policy/stop.py reads it)
 SOURCE_DIR = "source"  # the run's exact code: a bundle's archives, a prepared run's extracted tree
 SOURCE_MANIFEST = "source_manifest.sha256"  # beside a bundle's (and a prepared run's) source tree
 PREPARE_RECORD = "REBASE_RECORD.json"  # written by `prepare` (handoff/prepare.py owns its format)
-# Written into a committed checkpoint by the ledger's background prover (ledger_proof.py owns its format).
+# Written into a committed checkpoint by the ledger's background prover (ledger/proof.py owns its format).
 LEDGER_PROOF = "LEDGER_PROOF.json"
 
 # --- a bundle: a run directory's files (above) at its top, and these ------------------------------------------

@@ -2,7 +2,7 @@
 
 Modules read a variable through its `Var` here, at the moment they need it (never at import time), so one rule
 holds for all: unset or empty is the default; a value that does not parse is a `ConfigError` naming the variable.
-docs/ENVIRONMENT.md is generated from this module (`python -m torchrelay.envvars > docs/ENVIRONMENT.md`;
+docs/ENVIRONMENT.md is generated from this module (`python -m torchrelay.config.envvars > docs/ENVIRONMENT.md`;
 tests/test_schema.py checks that the committed page is the generated one).
 """
 
@@ -329,7 +329,7 @@ def markdown() -> str:
     lines = [
         "# Environment variables",
         "",
-        "<!-- generated from src/torchrelay/envvars.py by `python -m torchrelay.envvars`; edit that module -->",
+        "<!-- generated from src/torchrelay/config/envvars.py by `python -m torchrelay.config.envvars`; edit that module -->",
         "",
         "Every `TORCHRELAY_*` variable torchrelay reads or sets. Unset or empty means the default; a value that",
         "does not parse, or lies outside its range, stops with one line naming the variable (exit 2), on whichever",
@@ -348,7 +348,7 @@ def markdown() -> str:
     lines += [
         "",
         "No variable arms a test hook: the crash tests' kill points are armed explicitly in the process they kill",
-        "(`torchrelay.kill_points.arm`; the example `train_lm.py --kill-at`).",
+        "(`torchrelay.util.kill_points.arm`; the example `train_lm.py --kill-at`).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -22,10 +22,8 @@ from typing import Any
 
 from torchrelay.errors import ConfigError, RunBusy
 from torchrelay.log import logger
+from torchrelay.paths.layout import TRAIN_LOCK
 from torchrelay.util.safepath import open_writable
-
-TRAIN_LOCK = ".torchrelay-train.lock"
-LOCK_FILES = frozenset({TRAIN_LOCK})
 
 
 def lock_path(run_dir: str | os.PathLike[str], role: str) -> Path:

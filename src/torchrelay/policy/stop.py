@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from torchrelay import envvars
+from torchrelay.config import envvars
 from torchrelay.errors import (
     EXIT_BUDGET,
     EXIT_MEMORY,
@@ -27,12 +27,12 @@ from torchrelay.errors import (
     PathError,
     UnsafeInput,
 )
-from torchrelay.layout import REQUEST_STOP
-from torchrelay.rundir import RunDir
+from torchrelay.paths.layout import REQUEST_STOP
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.safepath import open_regular
 
-REQUEST_FILE = REQUEST_STOP  # the name lives in layout.py
+REQUEST_FILE = REQUEST_STOP  # the name lives in paths/layout.py
 # The agreed stop code is the maximum over ranks; these values double as process exit codes.
 NONE = 0
 

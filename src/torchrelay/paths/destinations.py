@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import ConfigError
-from torchrelay.layout import CONTRACT_FILE
+from torchrelay.paths.layout import CONTRACT_FILE
 from torchrelay.util.safepath import is_inside
 
 

@@ -27,20 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.costmodel import validation_fits
+from torchrelay.config import envvars
+from torchrelay.config.relay import stored_config
 from torchrelay.errors import ConfigError, RelayError
 from torchrelay.identity import code_identity, find_code_dir
-from torchrelay.layout import checkpoint_name
-from torchrelay.lock import RunLock
-from torchrelay.rundir import RunDir
-from torchrelay.util.durable import atomic_write_text
-from torchrelay.util.hashing import sha256_hex
-from torchrelay.util.records import fit, read_json, read_json_or_none
-from torchrelay.util.safepath import ensure_inside, open_writable
-from torchrelay.validation_records import (
+from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.lock import RunLock
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.costmodel import validation_fits
+from torchrelay.records.validation import (
     KEPT,
     LOG,
     METRICS,
@@ -55,6 +52,10 @@ from torchrelay.validation_records import (
     read_records,
     remove_stale_temps,
 )
+from torchrelay.util.durable import atomic_write_text
+from torchrelay.util.hashing import sha256_hex
+from torchrelay.util.records import fit, read_json, read_json_or_none
+from torchrelay.util.safepath import ensure_inside, open_writable
 
 if TYPE_CHECKING:  # the export pulls in torch; status and plans read validation records without it
     from torchrelay.export import ExportOptions
@@ -98,11 +99,11 @@ class Selection:
     missing: dict[int, str] = field(default_factory=dict)  # update -> why there is nothing to validate
 
 
-def select(run_dir: Path, updates: list[int] | None, *, again: bool = False) -> Selection:
+def select(run: RunDir, updates: list[int] | None, *, again: bool = False) -> Selection:
     """Match the named updates (None: every complete checkpoint) against the run's checkpoints and records."""
-    complete = {c.update: c for c in list_checkpoints(run_dir) if c.complete}
-    records = read_records(run_dir)
-    total = RunDir(run_dir).load_config().total_updates
+    complete = {c.update: c for c in list_checkpoints(run.path) if c.complete}
+    records = read_records(run.path)
+    total = stored_config(run).total_updates
     reached = max(complete, default=0)
     sel = Selection()
     for update in sorted(complete) if updates is None else updates:
@@ -146,9 +147,9 @@ class ValidationReport:
         }
 
 
-def estimate_seconds(run_dir: Path, fallback: float) -> float:
+def estimate_seconds(run: RunDir, fallback: float) -> float:
     """The longest validation this run has measured (they are alike), else the given estimate."""
-    measured = [r.seconds for r in read_records(run_dir).values() if r.done and r.exit_code is not None]
+    measured = [r.seconds for r in read_records(run.path).values() if r.done and r.exit_code is not None]
     return max(measured) if measured else fallback
 
 
@@ -173,30 +174,30 @@ def validate_checkpoints(
     with RunLock(rd.path, "train").acquire(wait_s=envvars.LOCK_WAIT_S.get()):
         # records are read only from inside the run (read_json's root): none is written through a link out of it
         ensure_inside(rd.path, rd.validation_dir, source="validation", hint=_LINK_HINT)
-        remove_stale_temps(rd.path)  # a pass killed while writing a record or pending.json
-        sel = select(rd.path, spec.updates, again=spec.again)
+        remove_stale_temps(rd)  # a pass killed while writing a record or pending.json
+        sel = select(rd, spec.updates, again=spec.again)
         report = ValidationReport(done_before=sel.done, missing=dict(sel.missing))
         for i, update in enumerate(sel.todo):
             if should_stop():
                 report.left.update({u: "a stop signal arrived" for u in sel.todo[i:]})
                 break
-            estimate = estimate_seconds(rd.path, spec.estimate_s)
+            estimate = estimate_seconds(rd, spec.estimate_s)
             decision = validation_fits(estimate, deadline, clock(), margin_s)
             if not decision.go:
                 report.left.update({u: decision.why for u in sel.todo[i:]})
                 break
             on_event("start", update, None)
             end_by = None if deadline is None else deadline - margin_s
-            record = run_one(rd.path, update, spec, end_by=end_by, should_stop=should_stop, clock=clock)
+            record = run_one(rd, update, spec, end_by=end_by, should_stop=should_stop, clock=clock)
             report.records.append(record)
             if record.status == "interrupted":
                 report.left[update] = record.reason
             on_event("end", update, record)
-        write_pending(rd.path, spec, report, clock())
+        write_pending(rd, spec, report, clock())
     return report
 
 
-def write_pending(run_dir: Path, spec: ValidationSpec, report: ValidationReport, now: float) -> None:
+def write_pending(run: RunDir, spec: ValidationSpec, report: ValidationReport, now: float) -> None:
     doc = {
         "format": RECORD_FORMAT,
         "written": now,
@@ -205,7 +206,7 @@ def write_pending(run_dir: Path, spec: ValidationSpec, report: ValidationReport,
         "left": {str(k): v for k, v in sorted(report.left.items())},
         "missing": {str(k): v for k, v in sorted(report.missing.items())},
     }
-    where = RunDir(run_dir).validation_dir
+    where = run.validation_dir
     where.mkdir(exist_ok=True)
     atomic_write_text(where / PENDING, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
@@ -229,7 +230,7 @@ def _remove_weights(out: Path) -> None:
 
 
 def run_one(
-    run_dir: Path,
+    run: RunDir,
     update: int,
     spec: ValidationSpec,
     *,
@@ -238,7 +239,8 @@ def run_one(
     clock: Callable[[], float] = time.time,
 ) -> ValidationRecord:
     """Run the command on checkpoint-<update> and record how it went (never raises for the command's failure)."""
-    ckpt = RunDir(run_dir).checkpoint(update)
+    run_dir = run.path
+    ckpt = run.checkpoint(update)
     out = folder(run_dir, update)
     ensure_inside(run_dir, out, source="validation", hint=_LINK_HINT)
     previous = read_records(run_dir).get(update)
@@ -264,7 +266,7 @@ def run_one(
         host=socket.gethostname(),
         cwd=str(spec.cwd),
         code=_code_of(spec.cwd),
-        contract_sha256=_contract_sha(run_dir),
+        contract_sha256=_contract_sha(run),
     )
     try:
         validate_complete(ckpt, hashes=False)  # sizes: the trainer hashed it when it wrote it
@@ -406,6 +408,6 @@ def _code_of(cwd: Path) -> dict[str, Any]:
     return {"dir": str(top or cwd), "commit": None}
 
 
-def _contract_sha(run_dir: Path) -> str | None:
-    doc = read_json_or_none(RunDir(run_dir).contract_path, what="the training contract", root=run_dir)
+def _contract_sha(run: RunDir) -> str | None:
+    doc = read_json_or_none(run.contract_path, what="the training contract", root=run.path)
     return str(doc.get("sha256")) if isinstance(doc, dict) else None

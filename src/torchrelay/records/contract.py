@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torchrelay.config import RUNTIME_FIELDS, RelayConfig
+from torchrelay.config.relay import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.identity import CODE_FIELDS, code_changes, code_identity, versions
-from torchrelay.layout import CONTRACT_FILE
 from torchrelay.manifest import Manifest, index_root
+from torchrelay.paths.layout import CONTRACT_FILE
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
 from torchrelay.util.records import Field, Optional, Schema, check, read_json
@@ -298,7 +299,7 @@ def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_contract(
-    run_dir: Path,
+    run: RunDir,
     recomputed: dict[str, Any],
     recorded: dict[str, Any] | None = None,
     *,
@@ -306,6 +307,7 @@ def check_contract(
 ) -> dict[str, Any]:
     """Refuse with every differing field listed, or return the recorded contract (another changed file of the
     code's tree is no refusal unless strict_code: identity.code_changes)."""
+    run_dir = run.path
     recorded = recorded if recorded is not None else load_contract(run_dir)
     recomputed = comparable(recorded["fields"], recomputed)
     diffs, _ = contract_changes(recorded["fields"], recomputed["fields"], strict_code=strict_code)

@@ -10,9 +10,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Final
 
-from torchrelay.ended import Ended
-from torchrelay.layout import HISTORY_FILE
-from torchrelay.reshard import LAYOUT_CHANGE_SCHEMA
+from torchrelay.paths.layout import HISTORY_FILE
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.ended import Ended
+from torchrelay.records.reshard import LAYOUT_CHANGE_SCHEMA
 from torchrelay.util.durable import atomic_write_text
 from torchrelay.util.jsonl import read_records
 from torchrelay.util.records import Field, Optional, Schema, fit
@@ -94,7 +95,7 @@ class Segment:
 
 
 _NONE = type(None)
-_COUNT = 1 << 40  # updates: more than any run (contract.py)
+_COUNT = 1 << 40  # updates: more than any run (records/contract.py)
 _TIME = Field((float, _NONE), low=0, high=1e12)  # unix seconds
 _ID = Field((str, _NONE), length=200)
 # The types and bounds of what status, report and a bundle's README show of a segment: each may be absent (a
@@ -148,8 +149,9 @@ def close_crashed(segments: list[dict[str, Any]], last_update: int | None) -> li
     return segments
 
 
-def upsert(run_dir: Path, segment: dict[str, Any]) -> None:
+def upsert(run: RunDir, segment: dict[str, Any]) -> None:
     """Replace the record with the same id, or append it."""
+    run_dir = run.path
     segments = read_history(run_dir)
     for i, seg in enumerate(segments):
         if seg.get("segment") == segment["segment"]:

@@ -1,7 +1,7 @@
 """The exposure ledger: proof from the per-rank logs that every sample was seen exactly once, in order.
 
 `prove` reads every exposure (`full=True`), or, by default, starts from the newest checkpoint's LEDGER_PROOF.json
-whose prefixes the logs still hold (ledger_proof.py; written after a commit by ledger_prover.py) and reads only the
+whose prefixes the logs still hold (ledger/proof.py; written after a commit by ledger/prover.py) and reads only the
 tail after it. The report is the same either way: a proof exists only for a prefix in which every update is exact,
 and a tail that is not exact, or not readable the fast way, sends the ledger back to the whole proof, which words
 every problem as it always has."""
@@ -16,15 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from torchrelay import ledger_proof
-from torchrelay.contract import contract_manifest, load_contract
+from torchrelay.config.relay import stored_config
 from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import IntegrityError, RelayError
-from torchrelay.layout import TRAIN_DIR
-from torchrelay.lock import holder
+from torchrelay.ledger import proof as ledger_proof
 from torchrelay.manifest import Manifest
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import Exposures, rank_logs, read_exposures, read_exposures_from
+from torchrelay.paths.layout import TRAIN_DIR
+from torchrelay.paths.lock import holder
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import contract_manifest, load_contract
+from torchrelay.records.train import Exposures, rank_logs, read_exposures, read_exposures_from
 
 
 @dataclass(slots=True)
@@ -50,19 +51,20 @@ class LedgerReport:
 
 def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
     """The run's global order, rebuilt from its stored config and contract."""
-    order, manifest, _ = order_and_contract(run_dir)
+    order, manifest, _ = order_and_contract(RunDir(run_dir))
     return order, manifest
 
 
-def order_and_contract(run_dir: Path, *, bound: bool = True) -> tuple[GlobalOrder, Manifest, str]:
+def order_and_contract(run: RunDir, *, bound: bool = True) -> tuple[GlobalOrder, Manifest, str]:
     """The run's global order, its manifest and its contract's SHA-256 (what a proof is valid for).
 
     bound: the manifest must be the one the contract binds (contract.contract_manifest), else IntegrityError naming
     it: the exposures name manifest lines, and a ledger of other lines proves nothing. Not for a run made before
     the contract recorded data.sha256 (not recorded: its resume reads every line, the ledger takes the index as
     before). The background prover of a live training passes False: that launch's rank 0 checked it at the open."""
-    rd = RunDir(run_dir)
-    cfg = rd.load_config()
+    run_dir = run.path
+    rd = run
+    cfg = stored_config(rd)
     contract = load_contract(run_dir)
     fields = contract["fields"]
     index = rd.manifest_index_path
@@ -132,15 +134,16 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10, *, full: bool
 
     Streams: per-sample counters in numpy, one epoch at a time, never a Python object per exposure; 20 M exposures
     take seconds and a few hundred MB. Unless `full`, the newest checkpoint's proof that the logs still match
-    (ledger_proof.py) stands for the prefix it covers, and only the tail is read; the report is then the one the
+    (ledger/proof.py) stands for the prefix it covers, and only the tail is read; the report is then the one the
     whole proof gives (any tail that is not clean, or not readable the fast way, is proven in full).
     """
     root = Path(run_dir)
-    order, manifest, contract_sha = order_and_contract(root)
+    run = RunDir(root)
+    order, manifest, contract_sha = order_and_contract(run)
     paths = rank_logs(root / TRAIN_DIR, "exposures")
     live = holder(root, "train") is not None
     if not full:
-        rep = _from_proof(root, order, manifest, contract_sha, paths, live)
+        rep = _from_proof(run, order, manifest, contract_sha, paths, live)
         if rep is not None:
             return rep
     logs = [_RankLog.read(rank, path) for rank, path in paths.items()]
@@ -164,7 +167,7 @@ def _settled(logs: list[_RankLog], live: bool) -> list[_RankLog]:
 
 
 def _from_proof(
-    root: Path,
+    run: RunDir,
     order: GlobalOrder,
     manifest: Manifest,
     contract_sha: str,
@@ -173,7 +176,7 @@ def _from_proof(
 ) -> LedgerReport | None:
     """The report from the newest matching proof and the logs' tails, when every tail is clean; else None."""
     by_name = {path.name: path for path in paths.values()}
-    proof = ledger_proof.newest(root, ledger_proof.identity(order, contract_sha), by_name)
+    proof = ledger_proof.newest(run, ledger_proof.identity(order, contract_sha), by_name)
     if proof is None:
         return None
     logs = []

@@ -6,23 +6,20 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
-from torchrelay.config import RelayConfig
-from torchrelay.contract import load_contract
 from torchrelay.errors import IntegrityError
-from torchrelay.history import read_history
-from torchrelay.layout import (
+from torchrelay.paths.layout import (
     ATTEMPTS_DIR,
     BUNDLE_INFO,
     CONFIG_FILE,
     CONTRACT_FILE,
     DATA_DIR,
     HISTORY_FILE,
+    INDEX_NAME,
     LINEAGE_FILE,
+    LOCK_FILES,
     MANIFEST_INFO,
     MANIFEST_REL,
     PREPARE_RECORD,
@@ -38,10 +35,8 @@ from torchrelay.layout import (
     checkpoint_name,
     parse_checkpoint_name,
 )
-from torchrelay.lock import LOCK_FILES
-from torchrelay.manifest import INDEX_NAME
 from torchrelay.util.durable import remove_temps, temp_prefix
-from torchrelay.util.records import parse_json, read_json, read_json_or_none
+from torchrelay.util.records import parse_json, read_json_or_none
 from torchrelay.util.safepath import check_relative, is_inside, read_regular, resolve_inside
 
 # Files only the run's writer (who holds its lock) replaces, each by an atomic write; a writer killed mid-write
@@ -93,7 +88,7 @@ class RunDir:
         return [p for u, p in sorted((u, p) for u, p in found if u is not None) if p.is_dir()]
 
     def validation_of(self, update: int) -> Path:
-        """The folder of the validation record of the checkpoint of `update` (validation_records.py's format)."""
+        """The folder of the validation record of the checkpoint of `update` (records/validation.py's format)."""
         return self.validation_dir / checkpoint_name(update)
 
     def exists(self) -> bool:
@@ -145,21 +140,6 @@ class RunDir:
             found += [p for p in data.iterdir() if p.name.startswith(mine)]
         return [str(p.relative_to(self.path)) for p in remove_temps(found)]
 
-    def checkpoints(self) -> list[CheckpointInfo]:
-        return list_checkpoints(self.path)
-
-    def load_config(self) -> RelayConfig:
-        """The stored (live) configuration, with the manifest pointing into the run directory."""
-        try:
-            data = read_json(self.config_path, what="the run's configuration")
-        except FileNotFoundError as exc:
-            raise IntegrityError(
-                f"{self.config_path} is missing: {self.path} holds no torchrelay run"
-            ) from exc
-        if not isinstance(data, dict):
-            raise IntegrityError(f"{self.config_path} does not hold a JSON object")
-        return RelayConfig.from_dict(data, source=str(self.config_path))
-
 
 def _is_json_object(path: Path) -> bool:
     return isinstance(read_json_or_none(path, what=path.name), dict)
@@ -171,17 +151,6 @@ _BUNDLE_RECORD_LIMIT = (
 Digests = Mapping[str, tuple[str, int]]  # SHA256SUMS as verified: {relative path: (sha256, size)}
 
 
-@dataclass(frozen=True, slots=True)
-class BundleRecords:
-    """What `prepare` believes of a verified bundle: each record read once, from the bytes SHA256SUMS vouches for."""
-
-    info: dict[str, Any]  # bundle.json
-    contract: dict[str, Any]  # resume_contract.json (contract.load_contract)
-    config: RelayConfig  # config.json as packed
-    config_bytes: bytes  # its bytes, kept as the prepared run's config.json.orig
-    history: list[dict[str, Any]]  # history.jsonl's segments
-
-
 class Bundle:
     """A bundle directory (docs/FORMATS.md): a run directory's files at its top beside the ones `pack` adds
     (bundle.json, SHA256SUMS, data/manifest_info.json, source/), and their readers. `pack` writes it
@@ -191,7 +160,7 @@ class Bundle:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._config: tuple[RelayConfig, bytes] | None = None
+        self._config: tuple[dict[str, Any], bytes] | None = None
 
     def __fspath__(self) -> str:
         return os.fspath(self.path)
@@ -262,24 +231,18 @@ class Bundle:
         )
         return archives, prefix.as_posix()
 
-    def config(self) -> RelayConfig:
-        """The run's configuration as packed (config.json), read once: later calls return the same object (a
-        caller may read it before the verification, to refuse early; `verified_records` holds its bytes against
-        SHA256SUMS)."""
+    def config_record(self) -> tuple[dict[str, Any], bytes]:
+        """config.json as packed, and its bytes, read once: later calls return the same (a caller may read it
+        before the verification, to refuse early; `verified_config_bytes` holds the bytes against SHA256SUMS)."""
         if self._config is None:
-            doc, data = _read_object(self.path / CONFIG_FILE, "the run's configuration", None)
-            self._config = RelayConfig.from_dict(doc, source=CONFIG_FILE), data
-        return self._config[0]
+            self._config = _read_object(self.path / CONFIG_FILE, "the run's configuration", None)
+        return self._config
 
-    def verified_records(self, verified: Digests) -> BundleRecords:
-        """The records every use of a bundle needs, once `verify` checked it: each read once, refused unless its
-        bytes are the verified ones."""
-        config = self.config()
-        assert self._config is not None  # config() keeps the object and the bytes it was parsed from
-        data = self._config[1]
+    def verified_config_bytes(self, verified: Digests) -> bytes:
+        """The bytes `config_record` was read from, refused unless they are the verified ones."""
+        data = self.config_record()[1]
         _check_verified(self.path / CONFIG_FILE, data, _want(verified, CONFIG_FILE))
-        info = self.info(verified)
-        return BundleRecords(info, load_contract(self.path), config, data, read_history(self.path))
+        return data
 
 
 def read_record(path: Path, what: str) -> dict[str, Any]:

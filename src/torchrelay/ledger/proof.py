@@ -2,7 +2,7 @@
 `torchrelay ledger` hashes the proven prefix of each log and reads only the tail (docs/FORMATS.md, LEDGER_PROOF.json).
 
 After a checkpoint's commit rank 0 may start a prover (`ProofSpawner`, TORCHRELAY_LEDGER_PROOF_BYTES): a process of
-its own at the lowest CPU priority, importing no torch (ledger_prover.py), that proves the logs up to the checkpoint's
+its own at the lowest CPU priority, importing no torch (ledger/prover.py), that proves the logs up to the checkpoint's
 update from the newest earlier proof and writes LEDGER_PROOF.json into the checkpoint's directory, atomically. So
 retention removes a proof with its checkpoint, and after a resume from an older checkpoint its proof still covers
 the logs (a proof is about bytes: the prefix it read, each log's length and SHA-256). A proof exists only for a
@@ -30,21 +30,21 @@ from typing import Any
 
 import numpy as np
 
-from torchrelay import envvars
 from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.config import envvars
 from torchrelay.data.order import ORDER_VERSION, GlobalOrder
 from torchrelay.errors import RelayError, one_line
-from torchrelay.layout import LEDGER_PROOF, TRAIN_DIR, parse_checkpoint_name
 from torchrelay.log import logger
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import rank_logs
+from torchrelay.paths.layout import LEDGER_PROOF, TRAIN_DIR, parse_checkpoint_name
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import rank_logs
 from torchrelay.util.durable import atomic_write_bytes
 from torchrelay.util.records import read_bounded, read_json_or_none
 from torchrelay.util.safepath import open_regular
 
 PROOF_FORMAT = 1
 PROOF_KIND = "torchrelay ledger proof"
-PROVER_MODULE = "torchrelay.ledger_prover"
+PROVER_MODULE = "torchrelay.ledger.prover"
 # A proof holds a few hundred bytes a log and a bit a sample (compressed): 64 MiB is far past any run's.
 _MAX_BYTES = 64 << 20
 _HEX64 = frozenset("0123456789abcdef")
@@ -216,12 +216,12 @@ def read_prefix(path: Path, begin: int, end: int) -> tuple[str, str, bytes] | No
 
 
 def newest(
-    run_dir: Path, ident: dict[str, Any], logs: dict[str, Path], *, before: int | None = None
+    run: RunDir, ident: dict[str, Any], logs: dict[str, Path], *, before: int | None = None
 ) -> Proof | None:
     """The newest proof (of a checkpoint older than `before`, when given) whose every prefix the logs still start
     with; None when there is none. Each log is read once, up to the longest prefix any proof names."""
     proofs = []
-    for ckpt in reversed(RunDir(run_dir).checkpoint_dirs()):
+    for ckpt in reversed(run.checkpoint_dirs()):
         update = parse_checkpoint_name(ckpt.name)
         if update is None or (before is not None and update >= before):
             continue
@@ -243,10 +243,10 @@ def newest(
     return None
 
 
-def proven_bytes(run_dir: Path) -> int:
+def proven_bytes(run: RunDir) -> int:
     """The bytes of log the newest proof file names (0 when there is none): where the spawner counts growth from.
     Not checked: it only decides when the next prover starts."""
-    for ckpt in reversed(RunDir(run_dir).checkpoint_dirs()):
+    for ckpt in reversed(run.checkpoint_dirs()):
         doc: Any = read_json_or_none(ckpt / LEDGER_PROOF, what=LEDGER_PROOF, root=ckpt, limit=_MAX_BYTES)
         try:
             total: int = sum(int(e["bytes"]) for e in doc["logs"].values())
@@ -257,13 +257,14 @@ def proven_bytes(run_dir: Path) -> int:
 
 
 class ProofSpawner:
-    """Rank 0's: after a checkpoint's commit, starts a prover (`python -m torchrelay.ledger_prover RUN UPDATE`) when
+    """Rank 0's: after a checkpoint's commit, starts a prover (`python -m torchrelay.ledger.prover RUN UPDATE`) when
     the exposure logs grew by more than TORCHRELAY_LEDGER_PROOF_BYTES since the last one started. Called on the
     thread that committed (the persist thread for an async save): a few stats and at most one process start, which
     never fails the save."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self._run_dir = run_dir
+    def __init__(self, run: RunDir) -> None:
+        self._run = run
+        self._run_dir = run.path
         self._base: int | None = None  # the logs' bytes when the last prover started (or the newest proof's)
         self._alive: list[subprocess.Popen[bytes]] = []
 
@@ -276,7 +277,7 @@ class ProofSpawner:
             if total <= threshold:  # a small run: nothing to read, nothing to start
                 return
             if self._base is None:
-                self._base = proven_bytes(self._run_dir)
+                self._base = proven_bytes(self._run)
             if total - self._base <= threshold:
                 return
             self._alive = [p for p in self._alive if p.returncode is None]

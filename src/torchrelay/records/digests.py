@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchrelay.train_records import RankLog
+from torchrelay.records.train import RankLog
 from torchrelay.util.jsonl import iter_records
 
 # An element size to the integer type that reads its bits.

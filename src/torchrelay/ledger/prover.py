@@ -1,6 +1,6 @@
-"""The ledger's background prover: `python -m torchrelay.ledger_prover RUN_DIR UPDATE`, started by rank 0 after
+"""The ledger's background prover: `python -m torchrelay.ledger.prover RUN_DIR UPDATE`, started by rank 0 after
 checkpoint-UPDATE's commit (ledger_proof.ProofSpawner). It proves the exposure logs up to UPDATE from the newest
-earlier proof and writes checkpoint-UPDATE/LEDGER_PROOF.json (ledger_proof.py says what it holds and why).
+earlier proof and writes checkpoint-UPDATE/LEDGER_PROOF.json (ledger/proof.py says what it holds and why).
 
 It runs at the lowest CPU priority (nice 19, in the training job's own scheduling group: it takes what the ranks
 leave) and imports no torch. Every rank made its logs durable up to UPDATE before the checkpoint was committed
@@ -18,14 +18,14 @@ import os
 import sys
 from pathlib import Path
 
-from torchrelay import ledger_proof
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import CheckpointError, RelayError, one_line
-from torchrelay.kill_points import kill_point
-from torchrelay.layout import TRAIN_DIR
-from torchrelay.ledger import order_and_contract, prove_prefix
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import Exposures, end_of_update, parse_exposure_lines, rank_logs
+from torchrelay.ledger import proof as ledger_proof
+from torchrelay.ledger.exposure import order_and_contract, prove_prefix
+from torchrelay.paths.layout import TRAIN_DIR
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.train import Exposures, end_of_update, parse_exposure_lines, rank_logs
+from torchrelay.util.kill_points import kill_point
 
 LOWEST_PRIORITY = 19
 
@@ -35,15 +35,16 @@ def prove_checkpoint(run_dir: str | os.PathLike[str], update: int) -> Path | Non
     return its path, or None (nothing written) when the prefix is not exact or cannot be read the fast way. A
     checkpoint that is not there (any more) is a CheckpointError."""
     root = Path(run_dir)
-    ckpt = RunDir(root).checkpoint(update)
+    run = RunDir(root)
+    ckpt = run.checkpoint(update)
     if not (ckpt / INVENTORY).is_file():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (removed by retention?)")
-    order, manifest, contract_sha = order_and_contract(root, bound=False)  # (checked when the run opened)
+    order, manifest, contract_sha = order_and_contract(run, bound=False)  # (checked when the run opened)
     ident = ledger_proof.identity(order, contract_sha)
     paths = rank_logs(root / TRAIN_DIR, "exposures")
     by_name = {path.name: path for path in paths.values()}
     cuts = {path.name: end_of_update(path, update) for path in paths.values()}
-    start = ledger_proof.newest(root, ident, by_name, before=update)
+    start = ledger_proof.newest(run, ident, by_name, before=update)
     regions: dict[int, Exposures] = {}
     proven: dict[str, tuple[int, str]] = {}
     for rank, path in paths.items():
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: it runs as it is
         os.setpriority(os.PRIO_PROCESS, 0, LOWEST_PRIORITY)
     if len(args) != 2 or not args[1].isdigit():
-        print("usage: python -m torchrelay.ledger_prover RUN_DIR UPDATE", file=sys.stderr)
+        print("usage: python -m torchrelay.ledger.prover RUN_DIR UPDATE", file=sys.stderr)
         return 2
     run_dir, update = Path(args[0]), int(args[1])
     try:

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.checkpoint.storage import LocalStorage
 from torchrelay.checkpoint.tiers import held_replicas, memory_root
-from torchrelay.config import RelayConfig
-from torchrelay.contract import load_contract
-from torchrelay.history import read_history
-from torchrelay.ledger import prove
-from torchrelay.lock import holder
-from torchrelay.rundir import RunDir
-from torchrelay.train_records import (
+from torchrelay.config.relay import RelayConfig, stored_config
+from torchrelay.ledger.exposure import prove
+from torchrelay.paths.lock import holder
+from torchrelay.paths.rundir import RunDir
+from torchrelay.records.contract import load_contract
+from torchrelay.records.history import read_history
+from torchrelay.records.train import (
     count_ooms,
     is_objective,
     last_records,
@@ -24,7 +23,7 @@ from torchrelay.train_records import (
     metrics_path,
     read_ooms,
 )
-from torchrelay.validation_records import read_pending, read_records
+from torchrelay.records.validation import read_pending, read_records
 
 
 def _mean(values: list[float]) -> float | None:
@@ -39,7 +38,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     from every exposure line instead (`torchrelay ledger`: seconds and hundreds of MB at 20 M exposures).
     """
     rd = RunDir(run_dir)
-    cfg = rd.load_config()
+    cfg = stored_config(rd)
     records = last_records(metrics_path(rd.train_dir, 0), window)
     done = records[-1]["update"] if records else 0
     recent = records
@@ -118,7 +117,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
             for s in history
         ],
         "lineages": lineages,
-        # Live holders of the run's locks (torchrelay.lock): who trains it and which controller launched it.
+        # Live holders of the run's locks (torchrelay.paths.lock): who trains it and which controller launched it.
         "trained_by": holder(rd.path, "train"),
         "launched_by": holder(rd.path, "launch"),
     }
@@ -129,16 +128,17 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     out["running"] = out["trained_by"] is not None
     # A last segment still marked running with nobody holding the run ended without a word: a crash or a kill.
     out["ended_unrecorded"] = bool(history) and history[-1].get("ended") == "running" and not out["running"]
-    out["validation"] = _validation(rd.path)
+    out["validation"] = _validation(rd)
     # the newest segment's lineage: the one the next save writes under (`lineages` is sorted, not in order)
     current = next((s["lineage"] for s in reversed(history) if isinstance(s.get("lineage"), str)), None)
-    out["memory_tier"] = _memory_tier(rd.path, cfg.memory_every, current)
+    out["memory_tier"] = _memory_tier(rd, cfg.memory_every, current)
     return out
 
 
-def _memory_tier(run_dir: Path, every: int, lineage: str | None) -> dict[str, Any]:
+def _memory_tier(run: RunDir, every: int, lineage: str | None) -> dict[str, Any]:
     """The memory tier as this node holds it (checkpoint/tiers.py): where, how often, its checkpoints, and the
     replicas of other nodes' parts it holds (checkpoint/replica.py)."""
+    run_dir = run.path
     root = memory_root(lineage, run_dir) if lineage else None
     held = LocalStorage(root, spare=False).list_complete() if root is not None and root.is_dir() else []
     replicas = [
@@ -158,8 +158,9 @@ def _held(c: CheckpointInfo) -> dict[str, Any]:
     return {"update": c.update, "complete": c.complete, "reason": c.reason, "bytes": c.size}
 
 
-def _validation(run_dir: Path) -> dict[str, Any]:
+def _validation(run: RunDir) -> dict[str, Any]:
     """Each checkpoint's recorded validation (status, metrics, when, how long) and what is left to validate."""
+    run_dir = run.path
 
     records = [
         {
