@@ -56,7 +56,7 @@ from benchlib import drop_cache
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchrelay as tr
-from torchrelay.checkpoint import host_stage
+from torchrelay.checkpoint import host_buffers, host_stage
 from torchrelay.config.tuning import SaveTuning
 from torchrelay.run import saver
 
@@ -634,7 +634,7 @@ def persist_marks() -> Any:
         (saver.Saver, "_committed", "committed_hook"),
         # the reservation's own work on its thread: a page fault pass, a registration (cudaHostRegister)
         (host_stage, "touch", "reserve_touch"),
-        (host_stage._Locked, "register_range", "reserve_register"),
+        (host_buffers.Locked, "register_range", "reserve_register"),
     ]
     kept = []
     for owner, attr, name in steps:

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from torchrelay.config import envvars
+import torchrelay.config.envvars as envvars
 from torchrelay.errors import RelayError, from_exception, mark_reported, report
 from torchrelay.util.failures import Failure, agreed_error, is_agreed, mark_agreed, unwrap
 
