@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # here, not at the top: the controller imports torch (~2 s), which `launch --help` does not need
-    from torchrelay.controller.launcher import LaunchRequest, launch, process_started
+    from torchrelay.controller.launcher import LaunchRequest, launch
+    from torchrelay.controller.preflight import process_started
 
     request = LaunchRequest(
         plan_path=args.plan,

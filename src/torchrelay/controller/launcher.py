@@ -28,7 +28,7 @@ from torchrelay.controller.attempts import Attempt, Attempts, Outcome, describe_
 from torchrelay.controller.console import LaunchConsole
 from torchrelay.controller.memguard import MemoryLimits
 from torchrelay.controller.plan import Plan, load_plan
-from torchrelay.controller.preflight import PreflightReport, check_disk, run_preflight
+from torchrelay.controller.preflight import PreflightReport, check_disk, run_preflight, visible_devices
 from torchrelay.controller.smoke import SmokeFailed, discard, evaluate, smoke_overrides
 from torchrelay.controller.supervisor import (
     SignalRelay,
@@ -38,7 +38,7 @@ from torchrelay.controller.supervisor import (
     last_logged_update,
     segment_ended,
 )
-from torchrelay.controller.validation import ValidationSpec, validate_checkpoints
+from torchrelay.controller.validation import ValidationSpec, export_options, validate_checkpoints
 from torchrelay.errors import (
     EXIT_BUDGET,
     EXIT_ERROR,
@@ -189,7 +189,7 @@ class Controller:
             env=self._env(spec.env),
             timeout_s=spec.timeout_s,
             estimate_s=spec.estimate_s,
-            export=_export_options(spec.export, plan.work_path),
+            export=export_options(spec.export, plan.work_path),
         )
         try:
             report = validate_checkpoints(
@@ -456,21 +456,6 @@ class Controller:
         return "crash"
 
 
-def _export_options(export: Any, workdir: Path) -> Any:
-    """The plan's validate.export as ExportOptions (None: export only for a command that names {weights})."""
-    if export is False or export is None:
-        return None
-    from torchrelay.export import ExportOptions, parse_rename
-
-    given = export if isinstance(export, dict) else {}
-    return ExportOptions(
-        dtype=given.get("dtype"),
-        drop=list(given.get("drop") or []),
-        rename=[parse_rename(str(r)) for r in given.get("rename") or []],
-        include=[workdir / str(p) for p in given.get("include") or []],
-    )
-
-
 def _total_updates(run: RunDir) -> int | None:
     try:
         return stored_config(run).total_updates
@@ -483,23 +468,6 @@ def _saved_update(run: RunDir) -> int:
     run_dir = run.path
     complete = [c.update for c in list_checkpoints(run_dir) if c.complete]
     return complete[-1] if complete else 0
-
-
-def process_started() -> float:
-    """The unix time this process started (the `--budget` of `torchrelay launch` counts from it)."""
-    import psutil
-
-    try:
-        return float(psutil.Process().create_time())
-    except (psutil.Error, OSError):  # no /proc: the budget counts from now
-        return time.time()
-
-
-def visible_devices() -> int | None:
-    """The GPUs this process may use (CUDA_VISIBLE_DEVICES applied), or None without CUDA."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
 def launch(request: LaunchRequest, console: Console | None = None) -> Outcome:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -401,3 +402,20 @@ def run_preflight(
     for check in plan.preflight.checks:
         step(run_user_check, check, plan.work_path, env)
     return report
+
+
+def process_started() -> float:
+    """The unix time this process started (the `--budget` of `torchrelay launch` counts from it)."""
+    import psutil
+
+    try:
+        return float(psutil.Process().create_time())
+    except (psutil.Error, OSError):  # no /proc: the budget counts from now
+        return time.time()
+
+
+def visible_devices() -> int | None:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES applied), or None without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None

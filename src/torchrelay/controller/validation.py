@@ -411,3 +411,18 @@ def _code_of(cwd: Path) -> dict[str, Any]:
 def _contract_sha(run: RunDir) -> str | None:
     doc = read_json_or_none(run.contract_path, what="the training contract", root=run.path)
     return str(doc.get("sha256")) if isinstance(doc, dict) else None
+
+
+def export_options(export: Any, workdir: Path) -> Any:
+    """The plan's validate.export as ExportOptions (None: export only for a command that names {weights})."""
+    if export is False or export is None:
+        return None
+    from torchrelay.export import ExportOptions, parse_rename
+
+    given = export if isinstance(export, dict) else {}
+    return ExportOptions(
+        dtype=given.get("dtype"),
+        drop=list(given.get("drop") or []),
+        rename=[parse_rename(str(r)) for r in given.get("rename") or []],
+        include=[workdir / str(p) for p in given.get("include") or []],
+    )
