@@ -113,10 +113,11 @@ def torchrun_2node(
     env: dict[str, str] | None = None,
     logs: Path,
     binds: dict[int, list[tuple[Path, Path]]] | None = None,
+    args: list[str] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """One torchrun agent per node (`--nnodes 2`, one rank each, c10d rendezvous on the first node's address);
     returns the agents, each in a session of its own, its output in logs/<name>.log. `binds`: per slot, files
-    that node sees in place of the shared ones."""
+    that node sees in place of the shared ones; `args`: more of the script's arguments (`--kill-at ...`)."""
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     for slot in range(2):
@@ -128,6 +129,7 @@ def torchrun_2node(
             argv += ["--config", str(config)]
         for k, v in (sets or {}).items():
             argv += ["--set", f"{k}={v}"]
+        argv += args or []
         out: IO[bytes] = open(logs / f"{names[slot]}.log", "ab")  # noqa: SIM115 - the child holds it
         with out:
             procs.append(

@@ -570,6 +570,18 @@ def test_bench_durable_kills_runs_at_a_toy_size() -> None:
     assert got["bit_exact_tensors"] > 0 and got["committed_in_store"][-1] == 8, got
 
 
+@pytest.mark.full
+def test_bench_memory_kills_runs_at_a_toy_size() -> None:
+    """Three random kills of a 2-node job saving to memory every update (tests/memory_campaign.py), each relaunch
+    judged, the end compared bit for bit with an uninterrupted run."""
+    got = _last_json(_bench("bench_memory_kills.py", "--kills", "3", "--updates", "16", "--save-every", "8",
+                            "--pace", "0.3"))  # fmt: skip
+    assert got["kills"] == 3 and got["launches"] == 4 and got["unusable_states"] == 0, got
+    assert got["lost_max"] <= 2 and got["bit_exact_tensors"] > 0 and got["ledger_proved"] is True, got
+    tiers = {"memory", "replica", "durable"}
+    assert sum(got["landed"].values()) == 3 and set(got["resumed_tiers"]) <= tiers, got
+
+
 # --------------------------------------------------------------------- GPU-only: the part that needs no GPU
 
 

@@ -17,6 +17,7 @@ sent by their holders), checked against their inventory, and the ranks load that
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -38,10 +39,11 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.retention import PreservationPolicy
 from torchrelay.checkpoint.storage import LocalStorage
-from torchrelay.checkpoint.tiers import MEMORY, REPLICA_PREFIX, Binding, memory_root
+from torchrelay.checkpoint.tiers import MEMORY, REPLICA_PREFIX, Binding, held_replicas, memory_root
 from torchrelay.errors import CheckpointError, IntegrityError, RelayError, UnsafeInput, one_line
 from torchrelay.log import logger
 from torchrelay.paths.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
+from torchrelay.util.kill_points import kill_point
 from torchrelay.util.records import JSON_LIMIT, parse_json
 from torchrelay.util.safepath import check_relative, is_inside, refuse_link, resolve_inside
 
@@ -181,8 +183,12 @@ def _replicate(
         if not lead:
             return
         payload = _pack(final)
+        kill_point(f"send:{update}:{where.leader}")
         got = _swap(payload, where.partner * where.local, where.source * where.local, group)
-        keep_replica(root, update, got, source=where.source, node=where.node, retention=retention)
+        midway = functools.partial(kill_point, f"receive:{update}:{where.leader}")
+        keep_replica(
+            root, update, got, source=where.source, node=where.node, retention=retention, midway=midway
+        )
 
 
 def keep_replica(
@@ -193,6 +199,7 @@ def keep_replica(
     source: int,
     node: int,
     retention: PreservationPolicy,
+    midway: Callable[[], None] | None = None,
 ) -> Path | None:
     """Write the part node `source` sent (`got`, every byte the peer's) as replica-node<source>/ of this node's
     memory `root`, its marker last; a payload that is not a part of node `source` for `update` whose every file
@@ -207,7 +214,7 @@ def keep_replica(
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not is_inside(root, folder):  # a link on the way, planted after the check above
             raise UnsafeInput(f"{folder} (the replica folder of {peer}) leads outside {root}")
-        doc = receive_part(got, tmp, peer=peer, node=source, update=update)
+        doc = receive_part(got, tmp, peer=peer, node=source, update=update, midway=midway)
         doc["replica"] = {"held_on": socket.gethostname(), "node": node}
         published = LocalStorage(folder, spare=False).publish(tmp, update, lambda st: _write_doc(st, doc))
     except (RelayError, OSError) as exc:
@@ -245,7 +252,13 @@ def _pack(folder: Path) -> bytearray:
 
 
 def receive_part(
-    data: bytes | bytearray | memoryview, tmp: Path, *, peer: str, node: int, update: int
+    data: bytes | bytearray | memoryview,
+    tmp: Path,
+    *,
+    peer: str,
+    node: int,
+    update: int,
+    midway: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Write a part received from `peer` (as `_pack` makes it) into `tmp`, a folder made here (its inventory not
     yet); its inventory, checked as one read from disk is. Every byte is the peer's: the inventory bounded and
@@ -293,6 +306,9 @@ def receive_part(
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
+        if midway is not None:
+            midway()  # a crash test's moment: one file of the part written, the rest not (kill_points.py)
+            midway = None
     return doc
 
 
@@ -336,16 +352,17 @@ def survey(run_dir: Path, rank: int, world_size: int) -> dict[str, Any] | None:
         return {"node": where.node, "host": socket.gethostname(), "parts": []}
     root = memory_root(lineage, run_dir)
     parts: list[dict[str, Any]] = []
-    folders = [(where.node, root), (where.source, replica_dir(root, where.source))]
-    for source, folder in folders:
+    # a relaunch may number the nodes otherwise (torchrun's rendezvous numbers them as they join): what a node holds
+    # is named by the node its inventory says, its folder saying it only where the inventory cannot be read
+    folders = [(where.node, root, False), *((n, f, True) for n, f in held_replicas(root))]
+    for label, folder, is_replica in folders:
         if not folder.is_dir():
             continue
         clean_stale(folder)  # a save or a replication cut by a kill
         for info in LocalStorage(folder, spare=False).list_complete():
-            what = (
-                f"{'replica of node ' + str(source) if source != where.node else 'memory'} {info.path.name}"
-            )
-            item: dict[str, Any] = {"source": source, "held_by": where.node, "update": info.update, "doc": {}}
+            what = f"{'replica of node ' + str(label) if is_replica else 'memory'} {info.path.name}"
+            item: dict[str, Any] = {"source": label, "held_by": where.node, "replica": is_replica,
+                                    "update": info.update, "doc": {}}  # fmt: skip
             if not info.complete:
                 item["why"] = f"{what} on {socket.gethostname()} refused: {info.reason[:200]}"
             else:
@@ -353,6 +370,8 @@ def survey(run_dir: Path, rank: int, world_size: int) -> dict[str, Any] | None:
                     doc = validate_complete(info.path, hashes=True)
                     item["doc"] = {k: v for k, v in doc.items() if k != "files"}
                     item["why"] = None
+                    node = (doc.get("part") or {}).get("node")
+                    item["source"] = node if isinstance(node, int) and not isinstance(node, bool) else label
                 except (RelayError, OSError) as exc:
                     why = exc.message if isinstance(exc, RelayError) else one_line(exc)
                     item["why"] = f"{what} on {socket.gethostname()} refused: {why[:300]}"
@@ -384,26 +403,25 @@ def choose(
     for update in ups:
         plan: list[int] = []
         digests: set[str] = set()
+        replicas = False
         for m in range(nodes):
             held = None
-            for holder in (m, (m + 1) % nodes):
-                item = next(
-                    (p for p in holdings[holder]["parts"] if p["source"] == m and p["update"] == update), None
-                )
-                if item is None or (holder != m and nodes == 1):
-                    continue
+            # wherever it is (a relaunch may number the nodes otherwise): a node's own part first, a replica next
+            found = [(h, p) for h in range(nodes) for p in holdings[h]["parts"]
+                     if p["source"] == m and p["update"] == update]  # fmt: skip
+            for holder, item in sorted(found, key=lambda hp: (bool(hp[1].get("replica")), hp[0] != m)):
                 why = item["why"] or _bad(item, holdings[holder]["host"], binding, segments, m, nodes)
                 if why:
                     refused.append(why)
                     continue
                 held = holder
+                replicas = replicas or bool(item.get("replica"))
                 digests.add(item["doc"]["part"]["checkpoint_sha256"])
                 break
             if held is not None:  # every node is looked at: each refused part is said
                 plan.append(held)
         if len(plan) == nodes and len(digests) == 1:
-            tier = MEMORY if plan == list(range(nodes)) else REPLICA
-            return NodesChoice(update, plan, tier, refused)
+            return NodesChoice(update, plan, REPLICA if replicas else MEMORY, refused)
         if len(plan) == nodes:
             refused.append(
                 f"memory {checkpoint_name(update)} refused: its nodes' parts name different checkpoints"
@@ -415,7 +433,7 @@ def _bad(
     item: dict[str, Any], host: str, binding: Binding, segments: set[str], node: int, nodes: int
 ) -> str | None:
     doc = item["doc"]
-    kind = "memory" if item["held_by"] == node else f"replica of node {node}"
+    kind = f"replica of node {node}" if item.get("replica") else "memory"
     name = f"{kind} {checkpoint_name(item['update'])} on {host} refused"
     part = doc.get("part") or {}
     if part.get("node") != node or part.get("nodes") != nodes:
@@ -444,7 +462,7 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
     name = f"assembling memory {checkpoint_name(update)}"
     with peers.phase(name):
         if lead and root.is_dir():
-            for folder in (root, replica_dir(root, where.source)):
+            for folder in (root, *(f for _, f in held_replicas(root))):
                 for info in LocalStorage(folder, spare=False).list_complete() if folder.is_dir() else []:
                     if info.update > update:
                         shutil.rmtree(info.path, ignore_errors=True)
@@ -461,7 +479,7 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
         docs: list[dict[str, Any]] = []
         failed: BaseException | None = None
         for m, holder in enumerate(plan):
-            here = _held(root, m, holder, update) if where.node == holder else None
+            here = _held(root, m, update) if where.node == holder else None
             box = [_pack(here) if here is not None and rank == where.leader else None]
             src = holder * where.local
             _broadcast(box, src)
@@ -473,14 +491,16 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
             except (RelayError, OSError) as exc:
                 failed = exc
         if failed is not None:
+            _discard(tmp, len(plan))
             raise failed
         if lead:
             entries = [e for d in docs for e in d["files"]]
             want = docs[0]["part"]["checkpoint_sha256"]
             if _digest(entries) != want or set(list_files(tmp)) != {e["path"] for e in entries}:
-                raise IntegrityError(
-                    f"{tmp}: the assembled parts are not the checkpoint their inventories name"
-                )
+                _discard(tmp, len(plan))
+                held = ", ".join(str(_held(root, m, update) / INVENTORY) for m in range(len(plan)))
+                raise IntegrityError(f"{held}: the parts' files are not the checkpoint their field "
+                                     "'part.checkpoint_sha256' names")  # fmt: skip
             fields = {k: v for k, v in docs[0].items() if k not in ("files", "format", "part", "replica")}
             write_inventory(tmp, entries, **fields)
             if out.exists():
@@ -488,6 +508,12 @@ def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size:
             os.rename(tmp, out)
     logger.info(f"[torchrelay] memory {checkpoint_name(update)} assembled from nodes {plan} in {out}")
     return out
+
+
+def _discard(tmp: Path, nodes: int) -> None:
+    """A refused assembly leaves nothing: the checkpoint being assembled and each part received for it."""
+    for folder in (tmp, *(tmp.parent / f"{tmp.name}-node{m}" for m in range(nodes))):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _assemble_part(
@@ -525,9 +551,16 @@ def _merge(sub: Path, tmp: Path) -> None:
     shutil.rmtree(sub, ignore_errors=True)
 
 
-def _held(root: Path, source: int, holder: int, update: int) -> Path:
-    folder = root if source == holder else replica_dir(root, source)
-    return folder / checkpoint_name(update)
+def _held(root: Path, source: int, update: int) -> Path:
+    """Where this node holds node `source`'s part of `update`: its own memory when the part there is node
+    `source`'s (it was that node when it saved), else its replica of node `source`."""
+    own = root / checkpoint_name(update)
+    try:
+        if json.loads((own / INVENTORY).read_text())["part"]["node"] == source:
+            return own
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return replica_dir(root, source) / checkpoint_name(update)
 
 
 def _broadcast(box: list[Any], src: int) -> None:

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from torchrelay.checkpoint.deepspeed_engine import check_engine, is_engine
-from torchrelay.checkpoint.replica import settle_after_open
 from torchrelay.checkpoint.state import rng
 from torchrelay.checkpoint.torch_compat import settle_ddp_buckets
 from torchrelay.config.relay import RelayConfig
@@ -125,11 +124,8 @@ class Run:
         self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None
-        # several nodes: each node's memory loses the futures past this update; the chosen parts are assembled
-        assembled = settle_after_open(
-            self.dir.path, self.segment.lineage, self.rank, self.world_size, self.start_update, opened.plan
-        )
-        self.resume_from = assembled or self.resume_from
+        # several nodes: the chosen parts, assembled in each node's memory while opening (opening.py)
+        self.resume_from = self._opener.assembled or self.resume_from
         rederive = (
             rank_stream_seed(self.config.seed, self.start_update, self.rank, self.world_size)
             if self.layout_change

@@ -9,6 +9,7 @@ unless another writer holds the run (docs/FORMATS.md).
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.checkpoint.persist import stall_seconds
-from torchrelay.checkpoint.replica import nodes_of, survey
+from torchrelay.checkpoint.replica import nodes_of, settle_after_open, survey
 from torchrelay.config import envvars
 from torchrelay.config.relay import RelayConfig
 from torchrelay.data.order import GlobalOrder
@@ -95,6 +96,9 @@ class SegmentOpener:
         self.world_size = world_size
         self.code_dir = code_dir
         self.lock: RunLock | None = None
+        self.assembled: Path | None = (
+            None  # several nodes: the memory checkpoint assembled from the nodes' parts
+        )
         self._opened_at = time.time()
         self._rank0_manifest: Manifest | None = None
         run_dir = envvars.RUN_DIR.text() or run_dir
@@ -129,14 +133,35 @@ class SegmentOpener:
                     "reading the memory tiers", lambda: survey(self.dir.path, self.rank, self.world_size)
                 )
             holdings = [h for h in gathered_parts if h is not None]
-        try:
-            with ranks.phase("opening the run", settle=self._settle, name_rank=False, end=False):
-                outcome: Settled = ranks.broadcast(
-                    "opening the run", lambda: self.open_directory(config, overrides, holdings)
-                )
-        except BaseException:
-            self.unlock()  # an interrupt is not shared, and not recorded: the lock goes all the same
-            raise
+        refused: list[str] = []
+        while True:
+            try:
+                with ranks.phase("opening the run", settle=self._settle, name_rank=False, end=False):
+                    outcome: Settled = ranks.broadcast(
+                        "opening the run", functools.partial(self.open_directory, config, overrides, holdings)
+                    )
+            except BaseException:
+                self.unlock()  # an interrupt is not shared, and not recorded: the lock goes all the same
+                raise
+            try:  # several nodes: each node's memory loses the futures past this update; the parts assembled
+                self.assembled = settle_after_open(self.dir.path, outcome.segment.lineage, self.rank,
+                                                   self.world_size, outcome.update, outcome.plan)  # fmt: skip
+                break
+            except RelayError as exc:  # agreed: every rank raises it alike
+                if outcome.plan is None or holdings is None:
+                    self.unlock()
+                    raise
+                # a part that checked at its node but does not make the checkpoint at assembly (forged, or changed
+                # since): that update is refused on every rank and the open chooses again, the next tier then
+                line = (f"memory checkpoint-{outcome.update} assembled from nodes {outcome.plan} refused: "
+                        f"{exc.message[:400]}")  # fmt: skip
+                if self.rank == 0:
+                    logger.warning(f"[torchrelay] {line}; the next tier is used")
+                    self.unlock()
+                refused.append(line)
+                holdings = [{**h, "parts": [p for p in h["parts"] if p["update"] != outcome.update]}
+                            for h in holdings]  # fmt: skip
+        outcome.segment.notes = [*outcome.segment.notes, *refused]
         # What every rank does on its own (read the manifest, open its logs) can fail on one rank only: the
         # ranks agree on it in the same gather that collects the hosts.
         distributed = self.world_size > 1

@@ -23,6 +23,10 @@ WRITER = "writer"
 # (TORCHRELAY_PERSIST_STALL_S: checkpoint/writer_process.py, checkpoint/persist.py's Persister.wait).
 STALL = "stall"
 FAULTS = (WRITER, STALL)  # inside the write of a save, not of this process's own phases
+# `send:<update>:<rank>`, `receive:<update>:<rank>`: a node's first rank dies inside the memory tier's replication
+# of that update (checkpoint/replica.py): right before it sends its part to the partner node, or once the first
+# file of the part it receives is written (a half replica left in its memory)
+REPLICA_PHASES = ("send", "receive")
 
 _armed: str | None = None  # one moment per process: a crash test kills once
 
@@ -31,14 +35,13 @@ def arm(spec: str | None) -> None:
     """Kill this process at `spec` (None disarms): `<phase>:<update>:<rank>` of a save, a phase of SAVE_PHASES,
     `writer:<update>:<rank>` (that save's writer process, see WRITER), `stall:<update>:<rank>` (that save's write
     stops, see STALL), or a step of pack or prepare
-    (`pack:marked`, `prepare:renamed`)."""
+    (`pack:marked`, `prepare:renamed`), or a moment of the memory tier's replication (REPLICA_PHASES)."""
     global _armed
     if spec is not None and spec.count(":") == 2:
         phase, update, rank = spec.split(":")
-        if phase not in (*SAVE_PHASES, *FAULTS) or not update.isdigit() or not rank.isdigit():
-            raise ValueError(
-                f"kill point {spec!r}: expected <{'|'.join((*SAVE_PHASES, *FAULTS))}>:<update>:<rank>"
-            )
+        phases = (*SAVE_PHASES, *FAULTS, *REPLICA_PHASES)
+        if phase not in phases or not update.isdigit() or not rank.isdigit():
+            raise ValueError(f"kill point {spec!r}: expected <{'|'.join(phases)}>:<update>:<rank>")
     _armed = spec or None
 
 
@@ -62,7 +65,7 @@ def save_hook(update: int, rank: int) -> Callable[[str], None] | None:
     if _armed is None or _armed.count(":") != 2:  # none, or a step of pack or prepare
         return None
     phase, at_update, at_rank = _armed.split(":")
-    if phase in FAULTS or int(at_update) != update or int(at_rank) != rank:
+    if phase in (*FAULTS, *REPLICA_PHASES) or int(at_update) != update or int(at_rank) != rank:
         return None
 
     def hook(current: str) -> None:
