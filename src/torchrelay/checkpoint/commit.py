@@ -129,7 +129,7 @@ def commit_checkpoint(
 
             final = storage.publish(tmp, update, marker)
             tmp_box.clear()  # published: nothing to remove any more
-            _retain(storage, retention)
+            retain(storage, retention)
         elif hook:
             hook("rename")
         peers.exchange(name)  # every rank returns once the checkpoint is renamed
@@ -176,7 +176,7 @@ def _nearly_full(path: Path) -> bool:
     return usage.free < min(1 << 20, usage.total // 100) or usage.free < 64 << 10
 
 
-def _retain(storage: CheckpointStorage, retention: PreservationPolicy) -> None:
+def retain(storage: CheckpointStorage, retention: PreservationPolicy) -> None:
     """Delete the complete checkpoints the policy does not preserve; never the newest, never an incomplete or
     handed-off one (the fork guard's marker must stay where `pack` put it)."""
     complete = {c.update: c for c in storage.list_complete() if c.complete and not c.handed_off}

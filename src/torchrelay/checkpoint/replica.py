@@ -96,7 +96,7 @@ def _digest(entries: list[dict[str, Any]]) -> str:
 
 
 def _retain(folder: Path, retention: PreservationPolicy) -> None:
-    from torchrelay.checkpoint.commit import _retain as retain  # imports torch
+    from torchrelay.checkpoint.commit import retain  # imports torch
 
     retain(LocalStorage(folder, spare=False), retention)
 
