@@ -75,10 +75,11 @@ def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", "demo.py")
 
 
-# `pytest -n 2 --dist loadfile` (pytest-xdist) keeps each file's tests, and so its module fixtures' launches and
-# Slurm's jobs, on one worker. It is not the suite's default: on a loaded 2-core machine (load 14, 2026-12-02) two
-# of test_controller's timing tests failed under `-n 2` (the memory guard's 60 s kill, the budget's deadline), and
-# --dist loadgroup groups nothing on pytest 9.2 (pytest-xdist#1386): its tests go out one by one, as with `load`.
+# The suite runs on two pytest-xdist workers, a file per worker at a time (`-n 2 --dist loadfile`: a file's tests,
+# its module fixtures' launches and Slurm's jobs stay on one worker), then the tests marked `alone` with nothing
+# beside them (scripts/test.sh): test_controller's deadlines (the memory guard's 60 s kill, the budget's stop) failed
+# under `-n 2` on a 2-core machine at load 14. `--dist loadgroup` would group nothing on pytest 9.2
+# (pytest-xdist#1386).
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -115,6 +116,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "xdist_group(name): the tests pytest-xdist runs on one worker, in order"
     )
     config.addinivalue_line("markers", "launch: starts ranks (torchrun, spawn, the demo): the launch tier")
+    config.addinivalue_line(
+        "markers",
+        "alone: timing-sensitive: scripts/test.sh runs it after the two workers, with nothing beside it",
+    )
     real_popen = subprocess.Popen.__init__
 
     def checked_popen(self: subprocess.Popen[Any], args: Any, *a: Any, **kw: Any) -> None:

@@ -27,6 +27,9 @@ from torchrelay.errors import ConfigError
 from torchrelay.ledger.exposure import prove
 from torchrelay.policy.costmodel import CostModel, Measurements, parse_deadline
 
+# Its deadlines (the budget's stop, the memory guard's kill) are timed: run with nothing beside it (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 CLI = [sys.executable, "-m", "torchrelay"]
 
 
