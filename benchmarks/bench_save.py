@@ -630,7 +630,7 @@ def persist_marks() -> Any:
         (commit, "_complete_entries", "entries"),
         (commit, "write_inventory", "inventory"),
         (storage, "fsync_dir", "fsync_dir"),
-        (commit, "_retain", "retain"),
+        (commit, "retain", "retain"),
         (saver.Saver, "_committed", "committed_hook"),
         # the reservation's own work on its thread: a page fault pass, a registration (cudaHostRegister)
         (host_stage, "touch", "reserve_touch"),
