@@ -9,15 +9,13 @@ configuration, on SeaweedFS on 127.0.0.1 (tests/s3_server.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import boto3
+from benchlib import print_stamped
 
 import s3_server
 from durable_campaign import committed, run_campaign
@@ -85,12 +83,7 @@ def main() -> int:
             }
         finally:
             s3_server.stop(server)
-    result.update(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=f"{platform.node()} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",
-        command=" ".join(["python", *sys.argv]),
-    )
-    print(json.dumps(result, indent=1))
+    print_stamped(result)
     return 0
 
 

@@ -12,15 +12,13 @@ proved. Needs root (network namespaces; without them the nodes talk over the loo
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
+
+from benchlib import print_stamped
 
 from helpers import assert_same_final_state, assert_same_logs, launch, make_code_repo, make_data, write_config
 from memory_campaign import run_campaign
@@ -101,12 +99,7 @@ def main() -> int:
         nodes.down()
         shutil.rmtree(target, ignore_errors=True)
         shutil.rmtree(nodes.base, ignore_errors=True)
-    result.update(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=f"{platform.node()} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",
-        command=" ".join(["python", *sys.argv]),
-    )
-    print(json.dumps(result, indent=1))
+    print_stamped(result)
     return 0
 
 

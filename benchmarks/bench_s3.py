@@ -12,15 +12,13 @@ server: SeaweedFS on 127.0.0.1 (tests/s3_server.py), one file of --mib MiB.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import boto3
+from benchlib import print_stamped
 
 import s3_server
 from s3_measure import measure
@@ -47,12 +45,7 @@ def main() -> int:
             )
         finally:
             s3_server.stop(server)
-    result.update(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=f"{platform.node()} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",
-        command=" ".join(["python", *sys.argv]),
-    )
-    print(json.dumps(result, indent=1))
+    print_stamped(result)
     return 0
 
 

@@ -29,6 +29,19 @@ def machine() -> str:
     return f"nproc {os.cpu_count()}, {cpu}, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
+def print_stamped(result: dict[str, object]) -> None:
+    """A benchmark's result as JSON with when, where (host, cores, load) and by which command it was measured."""
+    import json
+    import sys
+
+    result.update(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        machine=f"{platform.node()} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",
+        command=" ".join(["python", *sys.argv]),
+    )
+    print(json.dumps(result, indent=1))
+
+
 def write_files(folder: Path, total_bytes: int, count: int, prefix: str = "shard") -> list[Path]:
     """`count` files of pseudo-random bytes adding up to `total_bytes` (a 64 MiB random block, rotated per file)."""
     folder.mkdir(parents=True, exist_ok=True)
