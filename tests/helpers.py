@@ -257,6 +257,15 @@ def metrics(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS} for x in lines if x.strip()]
 
 
+def last_logged(run: Path) -> int:
+    """The last update rank 0 logged (0 before the first, or while its log cannot be read)."""
+    try:
+        rows = metrics(run, 0)
+    except (OSError, ValueError):
+        return 0
+    return int(rows[-1]["update"]) if rows else 0
+
+
 def exposures(run_dir: Path, rank: int) -> list[str]:
     return (run_dir / "train" / f"exposures-rank{rank}.jsonl").read_text().splitlines()
 

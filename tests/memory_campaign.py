@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import metrics, segments
+from helpers import last_logged, segments
 from kill_campaign import kill_job
 from nodes import Nodes, torchrun_2node
 from torchrelay.paths.layout import TMP_CHECKPOINT_PREFIX
@@ -32,14 +32,6 @@ class Campaign:
     unusable: list[str] = field(default_factory=list)  # a relaunch that did not open, or refused a state
     returncodes: list[int] = field(default_factory=list)  # the last launch's agents
     seconds: float = 0.0
-
-
-def _last_logged(run: Path) -> int:
-    try:
-        rows = metrics(run, 0)
-    except (OSError, ValueError):
-        return 0
-    return int(rows[-1]["update"]) if rows else 0
 
 
 def _landed(run: Path, mems: list[Path]) -> str:
@@ -155,7 +147,7 @@ def run_campaign(
         start = seg.get("resumed_from") or 0
         target_update = start + 1 + rng.randint(0, 2)
         while (
-            _last_logged(run) < target_update
+            last_logged(run) < target_update
             and all(p.poll() is None for p in procs)
             and time.monotonic() < deadline
         ):
@@ -166,7 +158,7 @@ def run_campaign(
             break
         scope = rng.choice(SCOPES)
         landed = _kill(procs, trees, scope, run, mems)
-        pending = {"launch": out.launches, "scope": scope, "landed": landed, "last_logged": _last_logged(run)}
+        pending = {"launch": out.launches, "scope": scope, "landed": landed, "last_logged": last_logged(run)}
         out.kills.append(pending)
     out.seconds = time.perf_counter() - started
     return out

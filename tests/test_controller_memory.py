@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_same_final_state, assert_same_logs, clean_env, metrics, segments, write_config
+from helpers import (
+    assert_same_final_state,
+    assert_same_logs,
+    clean_env,
+    last_logged,
+    segments,
+    write_config,
+)
 from kill_campaign import kill_job
 from test_controller import CLI, launch_cli, outcome_of, write_plan
 from torchrelay.checkpoint.tiers import memory_root
@@ -32,14 +39,6 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(memory_root(lineage, run).parent, ignore_errors=True)
 
 
-def _last_logged(run: Path) -> int:
-    try:
-        rows = metrics(run, 0)
-    except (OSError, ValueError):
-        return 0
-    return int(rows[-1]["update"]) if rows else 0
-
-
 @pytest.mark.launch
 def test_the_controllers_relaunch_after_a_crash_resumes_from_the_memory_tier(
     example: dict[str, Path], baseline: Path, tmp_path: Path, run_dir: Path
@@ -51,11 +50,11 @@ def test_the_controllers_relaunch_after_a_crash_resumes_from_the_memory_tier(
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     tree = Tree(proc.pid)
     deadline = time.monotonic() + 240
-    while _last_logged(run_dir) < 11 and proc.poll() is None and time.monotonic() < deadline:
+    while last_logged(run_dir) < 11 and proc.poll() is None and time.monotonic() < deadline:
         tree.collect()
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()[0][-3000:]
-    killed_after = _last_logged(run_dir)
+    killed_after = last_logged(run_dir)
     kill_job(tree, proc)  # type: ignore[arg-type]
     assert killed_after < U, killed_after
     held = subprocess.run(
