@@ -36,14 +36,14 @@ def main() -> int:
     parser.add_argument("--pace", type=float, default=0.3)
     # a kill may land after update u is logged while the memory checkpoint of u is still written in the background
     # (the save overlaps the next update): that one update is counted beside K
-    parser.add_argument("--max-lost", type=int, default=0, help="the bound on lost updates (0: K + 1)")
+    parser.add_argument("--max-lost", type=int, default=0, help="the bound on lost updates (0: K)")
     parser.add_argument(
         "--budget-s", type=float, default=float("inf"), help="no new kill after this many seconds"
     )
     parser.add_argument("--seed", type=int, default=52)
     args = parser.parse_args()
     updates = args.updates or 2 * args.kills + 10
-    max_lost = args.max_lost or args.every + 1
+    max_lost = args.max_lost or args.every
     nodes = Nodes(Path(tempfile.mkdtemp(prefix="bench-memory-nodes-")))
     why = nodes.available()
     if why:

@@ -270,11 +270,15 @@ class Loop:
                 dt = time.perf_counter() - t0
                 recent.append(dt)
                 done += 1
-                if not it.failed:  # a rank that holds a failure logs nothing it did not read
-                    self._record(step, dt)
-                saver.after_update(done)  # the warm-up's side effects; the decision below is pure
                 # step.save_now, agreed among the ranks, saves durably whatever the schedule says
                 verdict = saver.policy.decide(SaveContext(done, cfg.total_updates, step.saving is not None))
+                if verdict.durable or verdict.memory:
+                    # The save before commits (and replicates) before this update is logged, where this save
+                    # would wait for it anyway: a kill then loses at most the updates since the last save point.
+                    saver.wait()
+                if not it.failed:  # a rank that holds a failure logs nothing it did not read
+                    self._record(step, dt)
+                saver.after_update(done)  # the warm-up's side effects
                 if verdict.durable:
                     saver.save(done, saved_now=step.saving)
                 elif verdict.memory:
