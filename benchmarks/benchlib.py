@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import resource
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,9 +33,6 @@ def machine() -> str:
 
 def print_stamped(result: dict[str, object]) -> None:
     """A benchmark's result as JSON with when, where (host, cores, load) and by which command it was measured."""
-    import json
-    import sys
-
     result.update(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine=f"{platform.node()} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchrelay.util.lazy import lazy_names
 
 __version__ = "0.1.0"
 __all__ = [
@@ -50,10 +52,5 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    # Lazy, so that light CLI verbs (status, stop, sbatch) start without importing torch.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"torchrelay.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'torchrelay' has no attribute {name!r}")
+# Lazy, so that light CLI verbs (status, stop, sbatch) start without importing torch.
+__getattr__ = lazy_names("torchrelay", _LAZY)

@@ -4,7 +4,9 @@ and may move."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchrelay.util.lazy import lazy_names
 
 __all__ = [
     "Manifest",
@@ -71,10 +73,4 @@ _LAZY = {
     "write_request": "policy.stop",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"torchrelay.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'torchrelay.readers' has no attribute {name!r}")
+__getattr__ = lazy_names("torchrelay.readers", _LAZY)

@@ -7,23 +7,15 @@ for (not at import: the environment variables below it are imported by the lowes
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchrelay.util.lazy import lazy_names
 
-_RELAY = frozenset(
-    {
-        "RelayConfig",
-        "parse_assignments",
-        "parse_value",
-        "is_runtime_key",
-        "RUNTIME_FIELDS",
-        "SAMPLERS",
-        "ELASTIC_MODES",
-    }
+_RELAY = (
+    "RelayConfig",
+    "parse_assignments",
+    "parse_value",
+    "is_runtime_key",
+    "RUNTIME_FIELDS",
+    "SAMPLERS",
+    "ELASTIC_MODES",
 )
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RELAY:
-        return getattr(importlib.import_module("torchrelay.config.relay"), name)
-    raise AttributeError(f"module 'torchrelay.config' has no attribute {name!r}")
+__getattr__ = lazy_names("torchrelay.config", dict.fromkeys(_RELAY, "config.relay"))
