@@ -1,13 +1,17 @@
-"""The memory tier on the CPU: what a memory checkpoint costs the loop, and what it saves a restart.
+"""The memory tier: what a memory checkpoint costs the loop, and what it saves a restart.
 
     python benchmarks/bench_memory_tier.py --d-model 512 --layers 8 --updates 30 --json out.json
+    PYTHONPATH=src python3 benchmarks/bench_memory_tier.py --device cuda --d-model 1536 --layers 24 \
+        --updates 60 --every 10
 
-One process (world size 1, gloo) of examples/train_lm.py, each measurement a fresh run directory:
+One process (world size 1, gloo or NCCL) of examples/train_lm.py, each measurement a fresh run directory:
 - the loop's gap between two updates (the `time` of update k minus that of k-1 minus k's `update_time`, from the
-  run's own metrics log): a plain loop (no save), a memory checkpoint after every update (`memory_every: 1`), a
-  durable checkpoint after every update (`save_every: 1`); blocked per save = the median gap minus the plain one;
+  run's own metrics log): a plain loop (no save), a memory checkpoint every `--every` updates (`memory_every`), a
+  durable checkpoint as often (`save_every`); blocked per save = the median gap minus the plain one; lost per save
+  = the mean interval between updates minus the plain one, times `--every` (a copy the next update's step waits
+  for is in it); the share of intervals over 1.1x their median, per loop;
 - restart to the first update after a SIGKILL: from the memory tier, and from the durable tier (a checkpoint of
-  the same state on disk), each from the relaunch's process start (imports included, the same for both) to the
+  the same state on disk, its pages dropped first), each from the relaunch's process start (imports included, the same for both) to the
   `time` its first update logged.
 """
 
@@ -55,6 +59,7 @@ def _config(out: Path, args: argparse.Namespace) -> Path:
     cfg.update(manifest=str(manifest), data_root=str(root), total_updates=args.updates, warmup_updates=1)
     cfg.update(micro_batch=2, grad_accum=1, save_every=args.updates)
     cfg["params"].update(d_model=args.d_model, layers=args.layers, heads=4, seq_len=32, dropout=0.0)
+    cfg["params"]["device"] = args.device
     path = out / "bench.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -88,12 +93,29 @@ def gaps(run: Path) -> list[float]:
     ][1:]  # the first gap holds the warm-up's start
 
 
-def _loop(out: Path, config: Path, name: str, sets: dict[str, Any]) -> float:
+def intervals(run: Path) -> list[float]:
+    """Seconds from each update's log line to the next one's: the update, the loop around it and a save's stall
+    (on a GPU the loss's `.item()` waits for the device each update, so a copy the step waits for is in it)."""
+    rows = _metrics(run)
+    return [
+        b["time"] - a["time"] for a, b in zip(rows, rows[1:], strict=False) if b["update"] == a["update"] + 1
+    ][1:]
+
+
+def _loop(out: Path, config: Path, name: str, sets: dict[str, Any]) -> dict[str, float]:
     run = out / name
     done = subprocess.run(_cmd(run, config, sets), env=_env(), capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-2000:]}")
-    return statistics.median(gaps(run))
+    times = intervals(run)
+    median = statistics.median(times)
+    return {
+        "gap_s": statistics.median(gaps(run)),
+        "interval_median_s": median,
+        "interval_mean_s": statistics.fmean(times),
+        "slow_share": sum(t > 1.1 * median for t in times) / len(times),
+        "updates_timed": len(times),
+    }
 
 
 def _killed_then_restarted(
@@ -116,6 +138,7 @@ def _killed_then_restarted(
     assert _saved(run, at, tier), f"{name}: checkpoint-{at} not saved in the {tier} tier before the kill"
     if tier == "durable":
         _forget_memory(run)
+        _drop_pages(run)  # a resume after a crash reads the checkpoint cold, from the disk
     started = time.time()
     # the first launch was paced (a runtime param: no bit changes) so that the kill lands mid-run; this one is not
     relaunch = _cmd(run, None, {"params.min_update_s": 0})
@@ -145,6 +168,19 @@ def _saved(run: Path, at: int, tier: str) -> bool:
     )
 
 
+def _drop_pages(run: Path) -> None:
+    """Evict the run directory's files from the page cache (written and fsynced: POSIX_FADV_DONTNEED drops them)."""
+    for f in run.rglob("*"):
+        if f.is_file():
+            with contextlib.suppress(OSError):
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def _forget_memory(run: Path) -> None:
     if (run / "lineage.json").exists():
         shutil.rmtree(_memory_root(run), ignore_errors=True)
@@ -155,17 +191,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--updates", type=int, default=20)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--every", type=int, default=1, help="updates between saves (memory_every, save_every)")
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     out = Path(tempfile.mkdtemp(prefix="bench-memory-", dir=args.dir))
     try:
         config = _config(out, args)
+        every = args.every
         plain = _loop(out, config, "plain", {})
-        memory = _loop(out, config, "memory", {"memory_every": 1})
-        durable = _loop(out, config, "durable", {"save_every": 1})
-        at = max(2, args.updates // 2)
-        from_memory = _killed_then_restarted(out, config, "restart-memory", {"memory_every": 1}, at, "memory")
+        memory = _loop(out, config, "memory", {"memory_every": every})
+        durable = _loop(out, config, "durable", {"save_every": every})
+        at = max(2, args.updates // 2 // every * every)
+        from_memory = _killed_then_restarted(
+            out, config, "restart-memory", {"memory_every": every}, at, "memory"
+        )
         from_disk = _killed_then_restarted(out, config, "restart-disk", {"save_every": at}, at, "durable")
         state_bytes = sum(
             f.stat().st_size
@@ -173,10 +214,16 @@ def main(argv: list[str] | None = None) -> int:
             if f.is_file()
         )
         result = {
+            "device": args.device,
+            "every": every,
             "state_bytes": state_bytes,
-            "gap_plain_s": plain,
-            "blocked_per_memory_save_s": memory - plain,
-            "blocked_per_durable_save_s": durable - plain,
+            "gap_plain_s": plain["gap_s"],
+            "blocked_per_memory_save_s": memory["gap_s"] - plain["gap_s"],
+            "blocked_per_durable_save_s": durable["gap_s"] - plain["gap_s"],
+            # what a save costs the loop in all, its next update's wait for the copies included (per save)
+            "lost_per_memory_save_s": (memory["interval_mean_s"] - plain["interval_mean_s"]) * every,
+            "lost_per_durable_save_s": (durable["interval_mean_s"] - plain["interval_mean_s"]) * every,
+            "loops": {"plain": plain, "memory": memory, "durable": durable},
             "restart_to_first_update_memory_s": from_memory,
             "restart_to_first_update_disk_s": from_disk,
         }

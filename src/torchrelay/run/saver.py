@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import declares_engine, is_engine
-from torchrelay.checkpoint.host_stage import HostStage
+from torchrelay.checkpoint.host_stage import HostStage, Landed
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision
@@ -127,6 +128,7 @@ class Saver:
         self._use_process = self._strategy == PROCESS
         self._tuning = config.save_tuning
         self._stage = HostStage(shared=self._use_process, tuning=self._tuning)
+        self._step_hook: Any = None  # `_step_waits_for`'s hook on every optimizer's step
         self._writer: WriterProcess | None = None
         self._persister = Persister(background=self._background)
         self._reserved = False
@@ -262,6 +264,9 @@ class Saver:
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
+        protected = self._step_protected()
+        self._stage.begin(protected)
+        landed: Landed | None = None
         with collective.ranks(group).phase(f"saving {checkpoint_name(update)}"):
             snap = ckpt_state.capture_state(
                 rank=self._rank,
@@ -275,7 +280,12 @@ class Saver:
             planned = snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
             if planned is not None and process is not None:
                 planned.prepare(process)  # and the writer's job of it: the persist thread only sends it
-            self._stage.synchronize()
+            if protected:
+                landed = self._stage.landed()
+            else:
+                self._stage.synchronize()
+        if landed is not None:
+            self._step_waits_for(landed)
         # The logs up to this update must be on disk before the checkpoint is committed, not before the loop goes
         # on: each log's lines go to the OS here, and its fsync (a journal commit) runs
         # first in the persist, not in the loop's stall.
@@ -285,8 +295,11 @@ class Saver:
                 log.flush()
 
         def write(tmp: Path, hook: Any) -> Any:
-            # copies a save before the buffers were all obtained left to the persist (`spill_to_device`):
-            # inside the commit protocol, whose failures reach every rank
+            # the copies still landing behind the next update (`overlap_copy`), then those a save before the
+            # buffers were all obtained left to the persist (`spill_to_device`): inside the commit protocol,
+            # whose failures (a failed copy's CUDA error too) reach every rank
+            if landed is not None:
+                landed.wait()
             self._stage.finish_deferred()
             return ckpt_state.write_snapshot(
                 snap, tmp, kill_hook=hook, group=group, background=background, process=process
@@ -310,6 +323,49 @@ class Saver:
 
         self._persister.submit(update, persist, rank=self._rank)
         return self._submitted(update, where, memory)
+
+    def _step_protected(self) -> frozenset[int]:
+        """The data pointers of the CUDA tensors only an optimizer's step changes (the optimizers' parameters and
+        state), when this save may copy them behind the next forward and backward (`SaveTuning.overlap_copy`):
+        every tracked optimizer a torch.optim.Optimizer, whose step runs the pre-hooks `_step_waits_for` adds.
+        Empty otherwise: every copy lands before the save returns."""
+        optimizers: Any = self._tracked.optimizer
+        listed: list[Any] = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        if (
+            not self._tuning.overlap_copy
+            or optimizers is None
+            or not torch.cuda.is_available()
+            or not torch.cuda.is_initialized()
+            or not all(isinstance(o, torch.optim.Optimizer) for o in listed)
+        ):
+            return frozenset()
+        from torchrelay.checkpoint.torch_compat import dtensor_local
+
+        def pointer(t: Any) -> int | None:
+            local = dtensor_local(t) if hasattr(t, "to_local") else t
+            return local.data_ptr() if isinstance(local, torch.Tensor) and local.is_cuda else None
+
+        found = {pointer(p) for o in listed for group in o.param_groups for p in group["params"]}
+        found |= {pointer(v) for o in listed for st in o.state.values() for v in st.values()}
+        found.discard(None)
+        return frozenset(p for p in found if p)
+
+    def _step_waits_for(self, landed: Landed) -> None:
+        """The next optimizer step of this process (any optimizer's: one the run does not track may change the
+        same parameters, on whatever stream it runs) waits on the device for the copies `landed` ends; the loop's
+        thread never blocks on them. Waiting on a landed event costs microseconds: every step waits until the next
+        save or the close removes the hook."""
+        self._drop_step_hook()
+
+        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            landed.before_step()
+
+        self._step_hook = register_optimizer_step_pre_hook(before_step)
+
+    def _drop_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def _submitted(self, update: int, where: Path | LocalStorage, memory: bool) -> Path:
         """The newest update saved (committed, or being committed), per tier; its path."""
@@ -405,6 +461,7 @@ class Saver:
             self.wait()
             committed = True
         finally:
+            self._drop_step_hook()
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
