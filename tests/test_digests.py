@@ -4,11 +4,15 @@ the same, and the first update where two runs part named."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from digest_cost import measure
 from torchrelay import RelayConfig, Run
+from torchrelay.checkpoint import host_stage
+from torchrelay.errors import IntegrityError
 from torchrelay.policy.stop import write_request
 from torchrelay.records.digests import digest, first_parting, read_digests
 
@@ -76,3 +80,36 @@ def test_the_digest_costs_a_small_share_of_a_toy_update():
     found = measure(width=64, depth=2, batch=16, updates=5)
     assert found["tensors"] == 6 and found["parameters"] == 2 * (64 * 64 + 64) + 65
     assert 0 < found["digest_s"] < found["update_s"], found
+
+
+def test_a_checkpoint_whose_files_agree_but_hold_other_values_is_refused_at_the_resume(
+    example: dict[str, Path], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A staging that writes zeros for one tensor (torchrec PR #4322's bug; a copy racing the next step is
+    alike): the checkpoint's files match their inventory, so only the state itself can tell. The resume compares
+    the parameters right after the load with the digest their update logged, and refuses in one line naming the
+    checkpoint and the log; the same resume of a true checkpoint goes on."""
+    true_copy = host_stage.HostStage._copy
+
+    def zeros_for_one(self: Any, key: str, src: torch.Tensor) -> torch.Tensor:
+        buf = true_copy(self, key, src)
+        if key.endswith("0.weight") and "state" not in key:
+            buf.zero_()
+        return buf
+
+    (tmp_path / "bad").mkdir()
+    write_request(tmp_path / "bad", at_update=2)
+    monkeypatch.setattr(host_stage.HostStage, "_copy", zeros_for_one)
+    _train(example, tmp_path / "bad")
+    monkeypatch.undo()
+    with pytest.raises(IntegrityError) as refused:
+        _train(example, tmp_path / "bad")
+    message = refused.value.message
+    assert "checkpoint-2" in message and "train/digests-rank0.jsonl" in message and "\n" not in message, (
+        message
+    )
+    (tmp_path / "good").mkdir()
+    write_request(tmp_path / "good", at_update=2)
+    _train(example, tmp_path / "good")
+    _train(example, tmp_path / "good")
+    assert sorted(read_digests(tmp_path / "good")[0]) == [1, 2, 3, 4, 5]

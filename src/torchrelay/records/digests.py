@@ -92,14 +92,51 @@ def parameters(model: torch.nn.Module | None) -> list[torch.Tensor]:
     return [] if model is None else list(model.parameters())
 
 
+def layout(params: list[torch.Tensor]) -> str:
+    """A short hash of what this rank holds of each parameter (its shard's shape and dtype, in order): two digests
+    are comparable only where it is the same (another parallelism at the same world size shards otherwise)."""
+    shapes = [(tuple(_local(t).shape), str(t.dtype)) for t in params]
+    return hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
+
+
 class DigestLog(RankLog):
-    """A rank's per-update digests: `{"u": update, "params": hex, "n": tensors}`."""
+    """A rank's per-update digests: `{"u": update, "params": hex, "n": tensors, "layout": hex}`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._layout: tuple[list[int], str] | None = None  # the parameters' ids and their layout, once
 
     def record(self, update: int, model: torch.nn.Module | None) -> None:
         params = parameters(model)
         if params:
             hex_digest, count = digest(params)
-            self.write({"u": update, "params": hex_digest, "n": count})
+            ids = [id(t) for t in params]
+            if self._layout is None or self._layout[0] != ids:
+                self._layout = (ids, layout(params))
+            self.write({"u": update, "params": hex_digest, "n": count, "layout": self._layout[1]})
+
+
+def recorded(path: Path, update: int) -> dict[str, Any] | None:
+    """The last record of `update` in one rank's digest log (None: none, e.g. a kill lost its buffered lines)."""
+    found = None
+    for row in iter_records(path) if path.is_file() else []:
+        if isinstance(row, dict) and row.get("u") == update and isinstance(row.get("params"), str):
+            found = row
+    return found
+
+
+def restored_differs(path: Path, update: int, model: torch.nn.Module | None) -> str | None:
+    """Whether the parameters just restored from checkpoint-<update> are not those update <update> trained, by
+    this rank's digest log: a line saying how, or None (equal, or nothing comparable recorded: no line of that
+    update, or one of another layout)."""
+    params = parameters(model)
+    row = recorded(path, update) if params else None
+    if row is None or row.get("layout") != layout(params) or row.get("n") != len(params):
+        return None
+    got, _ = digest(params)
+    if got == row["params"]:
+        return None
+    return f"the parameters restored hash to {got}, update {update} trained {row['params']} ({path.parent.name}/{path.name})"
 
 
 def read_digests(run_dir: Path) -> dict[int, dict[int, str]]:

@@ -138,6 +138,7 @@ class Run:
             rederive,
             self.config.load_tuning,
             verified=self.segment.resumed_tier in ("memory", "replica"),
+            digests=digests_path(self.dir.train_dir, self.rank),
         )
         self._saver = Saver(
             self.dir,

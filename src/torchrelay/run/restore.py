@@ -17,7 +17,8 @@ from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
 from torchrelay.checkpoint.state import rng
 from torchrelay.config.tuning import LoadTuning
-from torchrelay.errors import RecordError
+from torchrelay.errors import IntegrityError, RecordError
+from torchrelay.records.digests import restored_differs
 
 
 @dataclass(slots=True)
@@ -50,8 +51,10 @@ class Restore:
         rederive: int | None = None,
         tuning: LoadTuning | None = None,
         verified: bool = False,
+        digests: Path | None = None,
     ) -> None:
         self.checkpoint = checkpoint
+        self._digests = digests  # this rank's digest log: the restored parameters checked against it
         # A memory checkpoint is hashed whole at open, before it is chosen (checkpoint/tiers.py): not again here.
         self._verified = verified
         self._tuning = tuning
@@ -83,6 +86,18 @@ class Restore:
                 field="loop.update",
                 hint=f"restore it from a copy, or remove {self.checkpoint.name} to resume from an older checkpoint",
             )
+        # The state right after the load against the digest update u logged when it trained (records/digests.py):
+        # a checkpoint whose files agree with their inventory yet hold other values (a copy that raced the next
+        # step, a staging that wrote zeros) is refused here, not trained on. Same layout only (a reshard's shards
+        # differ); with no line of that update nothing is compared.
+        if self._digests is not None and self._rederive is None:
+            differs = restored_differs(self._digests, self.update, tracked.model)
+            if differs is not None:
+                raise IntegrityError(
+                    f"{self.checkpoint}: {differs}",
+                    hint=f"the checkpoint holds other values than its update trained: remove {self.checkpoint.name} "
+                    "to resume from an older checkpoint, and report it",
+                )
 
     def generators(self) -> None:
         """Load this rank's generators (Python, NumPy, torch CPU and CUDA): right before the first update."""
