@@ -52,7 +52,7 @@ from bench_save import (  # noqa: E402
 from benchlib import cpu_seconds, drop_caches  # noqa: E402
 
 import torchrelay as tr  # noqa: E402
-from torchrelay.checkpoint import dcp_io, verified_read  # noqa: E402
+from torchrelay.checkpoint import dcp_io, load_memory  # noqa: E402
 from torchrelay.config.tuning import LoadTuning, SaveTuning  # noqa: E402
 from torchrelay.util import sha256_parts  # noqa: E402
 from torchrelay.util.meminfo import meminfo_kib  # noqa: E402
@@ -533,7 +533,7 @@ def main() -> None:
                 print(f"[load] round {i + 1}: cold read by O_DIRECT {direct_floor:.3f} s", flush=True)
             if args.pattern_floor:
                 tuning = tuning_of({})  # the default load's knobs, not the last variant's
-                at_once = verified_read.files_at_once(tuning, max(sizes), verified_read.load_budget(tuning))
+                at_once = load_memory.files_at_once(tuning, max(sizes), load_memory.load_budget(tuning))
                 pattern = pattern_read(files, tuning.read_streams, at_once, tuning.chunk_bytes)
                 out.setdefault("round_pattern_floors_s", []).append(pattern)
                 out["pattern_at_once"] = at_once

@@ -14,17 +14,13 @@ import numpy as np
 import pytest
 
 from torchrelay.errors import RelayError
-from torchrelay.records.train import (
-    ExposureLog,
-    RankLog,
+from torchrelay.records.exposure_read import (
     _exposures_by_line,
     _parse_exposure_block,
     _parse_fixed_block,
-    exposure_widths,
     read_exposures,
-    trim_after,
-    trim_copy,
 )
+from torchrelay.records.train import ExposureLog, RankLog, exposure_widths, trim_after, trim_copy
 
 
 def _write(path: Path, lines: list[str]) -> Path:

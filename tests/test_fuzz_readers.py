@@ -543,7 +543,8 @@ def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Pat
     from torchrelay.config import envvars
     from torchrelay.controller.attempts import Attempts
     from torchrelay.manifest import Manifest, index_path
-    from torchrelay.manifest.core import INDEX_META_SCHEMA, scan
+    from torchrelay.manifest.core import scan
+    from torchrelay.manifest.index import INDEX_META_SCHEMA
     from torchrelay.policy.costmodel import MEASUREMENTS_SCHEMA
     from torchrelay.records.contract import CONTRACT_SCHEMA
     from torchrelay.records.history import SEGMENT_SCHEMA

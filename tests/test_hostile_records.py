@@ -584,7 +584,7 @@ def test_a_padded_exposure_line_wider_than_its_layout_is_read_line_by_line(tmp_p
     """`{"u":2,"m":0,"i":[99999,   1,   2,   3]}` among padded lines: the fixed-column reader took the first id's
     width for every id and laid the columns past the line's end (numpy `cannot reshape`, a traceback out of
     `ledger` and `status --ledger`); now the line is read as JSON, and the ledger says what is wrong (exit 1)."""
-    from torchrelay.records.train import read_exposures
+    from torchrelay.records.exposure_read import read_exposures
 
     run = make_run(tmp_path)
     log = _padded(run)

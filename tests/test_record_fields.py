@@ -27,7 +27,8 @@ from torchrelay.controller.attempts import Attempts
 from torchrelay.errors import EXIT_REFUSED, ConfigError, RecordError
 from torchrelay.identity.numerics import check_resume
 from torchrelay.manifest import Manifest, index_path
-from torchrelay.manifest.core import INDEX_META_SCHEMA, index_root, scan
+from torchrelay.manifest.core import scan
+from torchrelay.manifest.index import INDEX_META_SCHEMA, index_root
 from torchrelay.policy.costmodel import MEASUREMENTS_SCHEMA, Measurements
 from torchrelay.records.contract import CONTRACT_SCHEMA, contract_manifest, contract_sha256, load_contract
 from torchrelay.records.history import SEGMENT_SCHEMA, read_history, write_history

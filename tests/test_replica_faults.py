@@ -23,7 +23,7 @@ from nodes import Nodes
 from test_multinode import nodes, wait_all  # noqa: F401 - `nodes` is the fixture
 from test_replica import U, _kill_after, _launch, _parts, memories  # noqa: F401 - `memories` is the fixture
 from torchrelay.checkpoint.inventory import validate_complete
-from torchrelay.checkpoint.replica import choose
+from torchrelay.checkpoint.replica_resume import choose
 from torchrelay.checkpoint.tiers import Binding
 from torchrelay.ledger.exposure import prove
 from torchrelay.paths.layout import TMP_CHECKPOINT_PREFIX

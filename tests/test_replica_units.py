@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from torchrelay.checkpoint.inventory import INVENTORY, validate_complete, write_inventory
-from torchrelay.checkpoint.replica import _pack, keep_replica, receive_part, replica_dir, survey
+from torchrelay.checkpoint.replica import _pack, keep_replica, receive_part, replica_dir
+from torchrelay.checkpoint.replica_resume import survey
 from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.tiers import memory_root
 from torchrelay.errors import IntegrityError, RelayError

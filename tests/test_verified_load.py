@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchrelay.checkpoint import dcp_io, verified_read
+from torchrelay.checkpoint import dcp_io, load_file, load_memory, verified_read
 from torchrelay.checkpoint.inventory import INVENTORY_FORMAT
 from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import ConfigError, IntegrityError
@@ -195,7 +195,7 @@ def _count_slabs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The size of every slab the loads take from now on, in order."""
     sizes: list[int] = []
 
-    class Counted(verified_read._Slab):
+    class Counted(load_memory._Slab):
         def __init__(self, size: int) -> None:
             sizes.append(size)
             super().__init__(size)
@@ -215,7 +215,7 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
     _, read = _load(model, state, expected)  # the files the plan reads (a file of empty tensors is not read)
     assert len(read) >= 6
     largest = max(expected[name][1] for name in read)
-    monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
+    monkeypatch.setattr(load_memory, "_SLAB", largest)  # one file per slab
     monkeypatch.setitem(TUNING, "load_buffer", 3 * largest + 1)  # room for three: two read at once
     buffers = _count_slabs(monkeypatch)
     for files_at_once in (1, 3):
@@ -225,12 +225,12 @@ def test_many_files_share_a_few_slabs_reused_within_the_buffer(
         assert verified == read
         assert all(torch.equal(target[k], v) for k, v in state.items())
         # three slabs at most for all the files (fewer if a file was done before the next one came)
-        assert 1 <= len(buffers) <= 3 and set(buffers) == {verified_read._aligned(largest)}, buffers
+        assert 1 <= len(buffers) <= 3 and set(buffers) == {load_memory._aligned(largest)}, buffers
     monkeypatch.setitem(TUNING, "reuse_slabs", False)
     buffers.clear()
     target, _ = _load(model, state, expected)
     assert all(torch.equal(target[k], v) for k, v in state.items())
-    assert sorted(buffers) == sorted(verified_read._aligned(expected[name][1]) for name in read)
+    assert sorted(buffers) == sorted(load_memory._aligned(expected[name][1]) for name in read)
 
 
 def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_in_flight(
@@ -244,7 +244,7 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
     _, read = _load(model, state, expected)
     assert len(read) >= 6
     largest = max(expected[name][1] for name in read)
-    monkeypatch.setattr(verified_read, "_SLAB", largest)  # one file per slab
+    monkeypatch.setattr(load_memory, "_SLAB", largest)  # one file per slab
     monkeypatch.setitem(TUNING, "load_buffer", 100 * largest)
     buffers = _count_slabs(monkeypatch)
     loads: list[verified_read._Load] = []
@@ -255,7 +255,7 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
             super().run()
 
     monkeypatch.setattr(verified_read, "_Load", Seen)
-    slab = verified_read._aligned(largest)
+    slab = load_memory._aligned(largest)
     monkeypatch.setitem(TUNING, "read_streams", 4)
     # a thread per file (the budget holds a file for each): the files read at once are the reading threads
     for ahead in (0, 1):
@@ -276,7 +276,7 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
         assert 1 <= len(buffers) <= files_at_once + ahead, (files_at_once, ahead, buffers)
         assert loads[-1]._budget == (files_at_once + ahead) * slab
     # slabs of several small files: whole slabs, two at least (one is reused only once all its files are done)
-    monkeypatch.setattr(verified_read, "_SLAB", 4 * largest)
+    monkeypatch.setattr(load_memory, "_SLAB", 4 * largest)
     for files_at_once, ahead in ((1, 1), (8, 1)):
         monkeypatch.setitem(TUNING, "files_at_once", files_at_once)
         monkeypatch.setitem(TUNING, "rooms_ahead", ahead)
@@ -286,7 +286,7 @@ def test_a_buffer_larger_than_the_files_takes_no_more_new_memory_than_the_reads_
         assert big > slab  # each slab holds several files
         rooms = (files_at_once + ahead) * slab  # of the largest file
         assert loads[-1]._budget == max(2, -(-rooms // big)) * big, (files_at_once, loads[-1]._budget / big)
-    monkeypatch.setattr(verified_read, "_SLAB", largest)
+    monkeypatch.setattr(load_memory, "_SLAB", largest)
     monkeypatch.setitem(TUNING, "rooms_ahead", -1)
     buffers.clear()
     target, _ = _load(model, state, expected)
@@ -329,7 +329,7 @@ def test_reads_spread_over_the_first_files_at_once() -> None:
             mp.setitem(TUNING, "files_at_once", files_at_once)
             load = verified_read._Load(Path("."), {}, {}, None, None, LoadTuning(**TUNING))
         load._reading = [
-            verified_read._File(name, Path(name), 3 * LoadTuning().chunk_bytes - 1, None, [])
+            load_file._File(name, Path(name), 3 * LoadTuning().chunk_bytes - 1, None, [])
             for name in ("a", "b", "c")
         ]
         load._admitted_all = True
@@ -353,7 +353,7 @@ def test_a_damaged_file_among_many_is_refused_before_any_of_its_items_is_parsed(
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)
     largest = max(expected[name][1] for name in read)
-    monkeypatch.setattr(verified_read, "_SLAB", largest)
+    monkeypatch.setattr(load_memory, "_SLAB", largest)
     monkeypatch.setitem(TUNING, "load_buffer", 4 * largest)
     names = sorted(read)
     parsed: list[Path] = []
@@ -385,23 +385,23 @@ def test_the_buffer_is_a_share_of_the_memory_available_over_the_ranks_of_the_nod
 ) -> None:
     """LOAD_BUFFER 0: MEMORY_SHARE of MemAvailable, split between the LOCAL_WORLD_SIZE ranks that load at once;
     a LOAD_BUFFER set wins; a LOCAL_WORLD_SIZE that is not a count is refused naming it."""
-    available = verified_read._mem_available()
+    available = load_memory._mem_available()
     assert available is not None and available > 0  # Linux: /proc/meminfo has it
     monkeypatch.setitem(TUNING, "load_buffer", 0)
     monkeypatch.setitem(TUNING, "memory_share", 0.5)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    one = verified_read.load_budget(LoadTuning(**TUNING))
+    one = load_memory.load_budget(LoadTuning(**TUNING))
     assert abs(one - available // 2) < available // 20  # MemAvailable moves a little between the two reads
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    eight = verified_read.load_budget(LoadTuning(**TUNING))
+    eight = load_memory.load_budget(LoadTuning(**TUNING))
     assert abs(eight - available // 16) < available // 20
     assert eight < one
     monkeypatch.setitem(TUNING, "load_buffer", 12345)
-    assert verified_read.load_budget(LoadTuning(**TUNING)) == 12345
+    assert load_memory.load_budget(LoadTuning(**TUNING)) == 12345
     monkeypatch.setitem(TUNING, "load_buffer", 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE='two'"):
-        verified_read.load_budget(LoadTuning(**TUNING))
+        load_memory.load_budget(LoadTuning(**TUNING))
 
 
 def _reads_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, int]]:
@@ -460,13 +460,13 @@ def test_the_threads_read_a_file_each_where_the_buffer_holds_one_for_each_else_s
     monkeypatch.setitem(TUNING, "read_streams", 3)
     model, state, expected = _saved(tmp_path, files=8)
     _, read = _load(model, state, expected)
-    largest = verified_read._aligned(max(expected[name][1] for name in read))
-    assert verified_read.reads_per_file(LoadTuning(**TUNING), 8, largest, 3 * largest)
-    assert not verified_read.reads_per_file(LoadTuning(**TUNING), 8, largest, 3 * largest - 1)
-    assert verified_read.reads_per_file(
+    largest = load_memory._aligned(max(expected[name][1] for name in read))
+    assert load_memory.reads_per_file(LoadTuning(**TUNING), 8, largest, 3 * largest)
+    assert not load_memory.reads_per_file(LoadTuning(**TUNING), 8, largest, 3 * largest - 1)
+    assert load_memory.reads_per_file(
         LoadTuning(**TUNING), 2, largest, 2 * largest
     )  # fewer files than threads: each file its own
-    monkeypatch.setattr(verified_read, "_SLAB", largest)
+    monkeypatch.setattr(load_memory, "_SLAB", largest)
     for budget, per_file in ((3 * largest, True), (2 * largest, False)):
         monkeypatch.setitem(TUNING, "load_buffer", budget)
         seen = _reads_seen(monkeypatch)
@@ -474,7 +474,7 @@ def test_the_threads_read_a_file_each_where_the_buffer_holds_one_for_each_else_s
         monkeypatch.undo()  # os.open and os.preadv back; the settings again below
         monkeypatch.setitem(TUNING, "chunk_bytes", 1024)
         monkeypatch.setitem(TUNING, "read_streams", 3)
-        monkeypatch.setattr(verified_read, "_SLAB", largest)
+        monkeypatch.setattr(load_memory, "_SLAB", largest)
         assert verified == read and all(torch.equal(target[k], v) for k, v in state.items())
         threads: dict[str, set[str]] = {}
         for thread, name, _ in seen:
@@ -493,7 +493,7 @@ def test_short_of_memory_the_files_are_read_fewer_at_once_and_still_all_verified
     model, state, expected = _saved(tmp_path, files=4)
     _, read = _load(model, state, expected)
     largest = max(expected[name][1] for name in read)
-    monkeypatch.setattr(verified_read, "_SLAB", largest)
+    monkeypatch.setattr(load_memory, "_SLAB", largest)
     monkeypatch.setitem(TUNING, "load_buffer", largest)  # room for one file
     seen = _reads_seen(monkeypatch)
     target, verified = _load(model, state, expected)
@@ -576,8 +576,8 @@ def test_a_slab_gives_its_pages_back_when_freed_unless_a_view_of_it_is_still_hel
     """A slab's pages go back when the load frees it (dropped by MADV_DONTNEED in pieces, without the
     interpreter's lock, then the mapping unmapped); a tensor still viewing it (a traceback's frame) keeps every byte
     of it as it was, and nothing is dropped."""
-    monkeypatch.setattr(verified_read, "_FREE_STEP", 256 << 10)
-    libc = verified_read._libc()
+    monkeypatch.setattr(load_memory, "_FREE_STEP", 256 << 10)
+    libc = load_memory._libc()
     dropped: list[tuple[int, int]] = []
 
     class Spy:
@@ -585,12 +585,12 @@ def test_a_slab_gives_its_pages_back_when_freed_unless_a_view_of_it_is_still_hel
             return getattr(libc, name)
 
         def madvise(self, addr: int, size: int, advice: int) -> int:
-            if advice == verified_read._MADV_DONTNEED:
+            if advice == load_memory._MADV_DONTNEED:
                 dropped.append((addr, size))
             return int(libc.madvise(addr, size, advice))
 
-    monkeypatch.setattr(verified_read, "_LIBC", Spy())
-    slab = verified_read._Slab(1 << 20)
+    monkeypatch.setattr(load_memory, "_LIBC", Spy())
+    slab = load_memory._Slab(1 << 20)
     assert slab.mapping is not None and slab.base % 4096 == 0
     gone = weakref.ref(slab.mapping)
     slab.data.fill_(5)
@@ -602,7 +602,7 @@ def test_a_slab_gives_its_pages_back_when_freed_unless_a_view_of_it_is_still_hel
 
     assert of(slab) == [(slab.base + k * (256 << 10), 256 << 10) for k in range(4)]
     dropped.clear()  # the next mapping may lie where that one did
-    held = verified_read._Slab(1 << 20)
+    held = load_memory._Slab(1 << 20)
     view = held.data[4096:8192]
     held.data.fill_(3)
     held.free()  # a view is out: nothing is dropped
@@ -620,14 +620,14 @@ def test_a_script_that_exits_right_after_a_load_waits_for_the_slabs_to_be_freed(
     script = f"""
 import time, torch
 from pathlib import Path
-from torchrelay.checkpoint import dcp_io, verified_read
+from torchrelay.checkpoint import dcp_io, load_memory
 from torchrelay.checkpoint.dcp_metadata import read_metadata
-real = verified_read._Slab.free
+real = load_memory._Slab.free
 def slow(self):
     time.sleep(0.5)
     real(self)
     Path({str(done)!r}).write_text("yes")
-verified_read._Slab.free = slow
+load_memory._Slab.free = slow
 md = read_metadata(Path({str(model)!r}))
 state = {{k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}}
 dcp_io.load(state, Path({str(model)!r}), no_dist=True, expected={expected!r})

@@ -8,19 +8,13 @@ copied into their targets, on threads of their own while the next files are read
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import hashlib
-import mmap
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -30,14 +24,25 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from torchrelay.checkpoint.dcp_metadata import read_metadata
-from torchrelay.checkpoint.inventory import INVENTORY, safe_relpath
+from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.items import _narrow, _parse_item, _refuse_transforms
+from torchrelay.checkpoint.load_file import _DAMAGED, _File, describe
+from torchrelay.checkpoint.load_memory import (
+    _FALLBACK_BUFFER,
+    _aligned,
+    _free,
+    _Slab,
+    files_at_once,
+    load_budget,
+    reads_per_file,
+    slab_size,
+    slabs_budget,
+)
 from torchrelay.checkpoint.torch_compat import StorageInfo
 from torchrelay.config.tuning import LoadTuning
-from torchrelay.errors import CheckpointError, ConfigError, IntegrityError, UnsafeInput
+from torchrelay.errors import CheckpointError, IntegrityError
 from torchrelay.util import sha256_parts
 from torchrelay.util.hashing import default_jobs
-from torchrelay.util.meminfo import meminfo_kib
 from torchrelay.util.safepath import open_regular
 
 
@@ -88,178 +93,6 @@ class SafeReader(dcp.FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-
-_DAMAGED = "the file is damaged; restore it, or remove the checkpoint to resume from an older one"
-_FALLBACK_BUFFER = 4 << 30  # where /proc/meminfo is not there to read
-# Tried and removed (each lost to the default on the GPU hosts): O_DIRECT reads, prefaulting
-# slabs ahead of the reads, huge pages, page-locked slabs, fadvise, largest-first and fill-first orders.
-_MADV_DONTNEED = 4
-_FREE_STEP = 256 << 20
-# The size of a slab holding many small files (a slab is at least the largest file, so holds any file whole).
-_SLAB = 256 << 20
-_ALIGN = 4096
-
-
-def load_budget(tuning: LoadTuning) -> int:
-    """The bytes of host memory this rank's load may hold at once: `load_buffer` when set, else `memory_share` of
-    MemAvailable over the node's ranks (LOCAL_WORLD_SIZE, 1 outside torchrun)."""
-    if tuning.load_buffer > 0:
-        return tuning.load_buffer
-    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip() or "1"
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(
-            f"LOCAL_WORLD_SIZE={text!r}: not a positive integer; unset it or give the number of ranks on this node"
-        )
-    available = _mem_available()
-    if available is None:
-        return _FALLBACK_BUFFER
-    return max(1, int(available * tuning.memory_share) // int(text))
-
-
-def files_at_once(tuning: LoadTuning, largest: int, budget: int) -> int:
-    """The files the shared-chunk reads spread over at once: `files_at_once`, fewer where `budget` holds fewer
-    files of the `largest` size (one room kept for the next file)."""
-    room = max(1, budget // max(1, largest))
-    return max(1, min(tuning.files_at_once, room - 1))
-
-
-def reads_per_file(tuning: LoadTuning, files: int, largest: int, budget: int) -> bool:
-    """Whether each reading thread reads whole files (`per_file_reader`; where it is None: wherever `budget` holds
-    a file of the `largest` size for each reading thread, or each of the `files` where they are fewer)."""
-    if tuning.per_file_reader is not None:
-        return tuning.per_file_reader
-    return min(tuning.read_streams, files) * _aligned(largest) <= budget
-
-
-def _mem_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes, or None where there is none (not Linux)."""
-    got = meminfo_kib("MemAvailable")
-    return None if got is None else got["MemAvailable"] * 1024
-
-
-class _Slab:
-    """Host memory holding whole files one after another; its room is handed out again once they are all done."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.mapping: mmap.mmap | None = None
-        if hasattr(mmap, "MAP_PRIVATE"):
-            # a private anonymous mapping of its own, unmapped by `free` without the interpreter's lock (a
-            # torch.empty buffer is freed holding it, and the thread returning from the load waited for it)
-            self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
-            self.data = torch.frombuffer(
-                self.mapping, dtype=torch.uint8
-            )  # not zero-filled: read over before use
-            self.base = self.data.data_ptr()
-        else:
-            self.data = torch.empty(size, dtype=torch.uint8)
-        self.view = self.data.numpy().data.cast("B")
-        self.top = 0  # bytes handed out
-        self.files = 0  # files holding bytes of it
-
-    def free(self) -> None:
-        """Give the memory back (the load is done with it). A mapping nothing else views any more has its pages
-        dropped by madvise(MADV_DONTNEED) in _FREE_STEP pieces, each call without the interpreter's lock, so that
-        its unmapping then is quick: an unmapping frees every page holding the lock, while the thread returning
-        from the load (or the loop after it) waits. A view still held somewhere
-        (a traceback's frame) keeps the mapping whole until its last reference goes."""
-        with contextlib.suppress(BufferError):
-            self.view.release()
-        del self.data  # the tensor's storage held the mapping: now only this slab does, unless a view is out
-        mapping, self.mapping = self.mapping, None
-        if mapping is None or sys.getrefcount(mapping) > 2:  # this name and getrefcount's argument
-            return
-        with contextlib.suppress(AttributeError, OSError):
-            libc = _libc()
-            for off in range(0, self.size, _FREE_STEP):
-                libc.madvise(self.base + off, min(_FREE_STEP, self.size - off), _MADV_DONTNEED)
-
-    def place(self, size: int) -> memoryview | None:
-        """Room for `size` bytes, rounded up to _ALIGN, after those handed out, at an _ALIGN boundary; None where
-        there is none."""
-        if not self.files:
-            self.top = 0
-        start = -(-self.top // _ALIGN) * _ALIGN
-        room = _aligned(size)
-        if start + room > self.size:
-            return None
-        self.top = start + room
-        self.files += 1
-        return self.view[start : start + room]
-
-
-def _free(slabs: list[_Slab]) -> None:
-    for slab in slabs:
-        slab.free()
-    slabs.clear()
-
-
-def _aligned(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
-
-
-_LIBC: Any = None
-
-
-def _libc() -> Any:
-    """libc's madvise through ctypes (each call releases the GIL)."""
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _LIBC = libc
-    return _LIBC
-
-
-class _File:
-    """One file of the load: its bytes in memory, how much of them has arrived and been hashed."""
-
-    def __init__(
-        self,
-        rel: str,
-        path: Path,
-        size: int,
-        digest: str | None,
-        items: list[ReadItem],
-        parts: tuple[int, list[str]] | None = None,
-        chunk: int = 16 << 20,
-    ) -> None:
-        self.rel, self.path, self.size, self.digest, self.items = rel, path, size, digest, items
-        self.chunk = chunk  # bytes a read asks for (a part's, where the file is read in part)
-        self.chunks = -(-size // self.chunk)
-        self.todo = list(
-            range(self.chunks)
-        )  # the chunks to read, in order (fewer where the file is read in part)
-        self.issued = 0  # chunks of todo handed to a reading thread
-        self.served = -1  # when a chunk of it was last handed out (see _Load._next)
-        self.arrived = [False] * self.chunks
-        self.hashed = 0  # chunks hashed, in order
-        self.hashing = False  # a thread is hashing the arrived chunks: the others leave it to it
-        self.sha = hashlib.sha256()
-        self.lock = threading.Lock()
-        self.fd = -1
-        self.slab: _Slab | None = None
-        self.view = memoryview(b"")  # the file's bytes in its slab
-        # items not yet in their targets, and one more for the file's verification: its room goes back at 0
-        self.left = len(items) + 1
-        # verified in parts (util/sha256_parts.py): the part size and states, which parts are hashed and matched
-        self.part, self.states = parts if parts is not None else (0, [])
-        self.nparts = sha256_parts.part_count(size, self.part) if self.part else 0
-        self.part_started = [False] * self.nparts
-        self.part_ok = [False] * self.nparts
-        self.prefix = 0  # parts matched from the start: the items within them can be used
-        self.needed: list[
-            int
-        ] = []  # read in part (`partial_reads`): the parts holding its items, the only ones read
-        self.pending: list[
-            ReadItem
-        ] = []  # items waiting for their parts, by where their bytes end (_Load sorts)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class _Load:
@@ -324,19 +157,18 @@ class _Load:
         for thread in readers:
             thread.start()
         try:
-            files = [self._describe(rel, items) for rel, items in self.per_file.items()]
+            files = [
+                describe(self.root, rel, items, self.expected, self.storage, tuning)
+                for rel, items in self.per_file.items()
+            ]
             largest = max((f.size for f in files), default=0)
             total = sum(f.size for f in files)
             self._budget = load_budget(tuning)
-            self._slab_size = _aligned(max(largest, min(total, self._budget, _SLAB)))
+            self._slab_size = slab_size(largest, total, self._budget)
             self._at_once = files_at_once(tuning, largest, self._budget)
             self._per_file = reads_per_file(tuning, len(files), largest, self._budget)
-            ahead = tuning.rooms_ahead
-            if tuning.reuse_slabs and ahead >= 0 and self._slab_size:  # no more new memory than the reads use
-                reading = min(tuning.read_streams, len(files)) if self._per_file else self._at_once
-                # in whole slabs, two at least: a slab of small files is reused only once all of them are done
-                wanted = max(2 * self._slab_size, (reading + ahead) * _aligned(largest))
-                self._budget = min(self._budget, -(-wanted // self._slab_size) * self._slab_size)
+            reading = min(tuning.read_streams, len(files)) if self._per_file else self._at_once
+            self._budget = slabs_budget(tuning, self._budget, self._slab_size, reading, largest)
             for f in files:
                 if not self._admit(f):
                     break
@@ -377,62 +209,6 @@ class _Load:
             self.timeline["freed"] = time.perf_counter() - self._began
         if self._error is not None:
             raise self._error
-
-    def _describe(self, rel: str, items: list[ReadItem]) -> _File:
-        path = safe_relpath(self.root, rel, self.root / ".metadata")
-        parts: tuple[int, list[str]] | None = None
-        more: list[Any] = []
-        if self.expected is None:
-            digest, size = None, os.stat(path).st_size
-        elif rel in self.expected:
-            digest, size, *more = self.expected[rel]
-            if more and self.tuning.use_parts and sha256_parts.available():
-                parts = more[0]
-            # before any memory is sized by it: a size larger than the file's (a damaged or forged inventory)
-            # would have the slabs sized for it (a terabyte claimed: ENOMEM in a traceback). The reads check the
-            # size again, both ways, as they arrive.
-            try:
-                found = os.stat(path).st_size
-            except OSError:
-                found = size  # a file that is not there: its open says so, as before
-            if found < size:
-                raise IntegrityError(f"{path} has {found} bytes, the inventory says {size}", hint=_DAMAGED)
-        else:
-            raise UnsafeInput(f"{path}: not listed in the checkpoint's inventory; refusing to read it")
-        f = _File(rel, path, size, digest, items, parts, self.tuning.chunk_bytes)
-        if f.nparts:  # each item waits for the parts that hold its bytes, the earliest to end first
-            f.pending = sorted(items, key=self._end)
-            if self.tuning.partial_reads:
-                self._read_in_part(f)
-        return f
-
-    def _read_in_part(self, f: _File) -> None:
-        """Where the file's items lie in at most a third of its parts' bytes: read only those parts (f.needed,
-        and the chunks that hold them in f.todo)."""
-        needed: set[int] = set()
-        for req in f.items:
-            info = self.storage[req.storage_index]
-            start, length = int(info.offset), int(info.length)
-            if length > 0:
-                needed.update(range(start // f.part, (start + length - 1) // f.part + 1))
-        needed = {p for p in needed if p < f.nparts}  # an item past the end: its parse refuses it, as before
-        held = sum(min((p + 1) * f.part, f.size) - p * f.part for p in needed)
-        if not needed or 3 * held > f.size:
-            return
-        if (
-            f.part <= self.tuning.chunk_bytes and f.part % _ALIGN == 0
-        ):  # parts smaller than a read: a read a part, no more
-            f.chunk, f.chunks = f.part, f.nparts
-            f.arrived = [False] * f.chunks
-        chunks: set[int] = set()
-        for p in needed:
-            lo, hi = p * f.part, min((p + 1) * f.part, f.size)
-            chunks.update(range(lo // f.chunk, (hi - 1) // f.chunk + 1))
-        f.needed, f.todo = sorted(needed), sorted(chunks)
-
-    def _end(self, req: ReadItem) -> int:
-        info = self.storage[req.storage_index]
-        return int(info.offset) + int(info.length)
 
     def _admit(self, f: _File) -> bool:
         """Room for the file's bytes in a slab (a new one while the budget allows, or once enough of the files
@@ -560,11 +336,8 @@ class _Load:
         if f.nparts:
             self._arrived_in_parts(f, k)
             return
-        with f.lock:
-            f.arrived[k] = True
-            if f.hashing:
-                return
-            f.hashing = True
+        if not f.chunk_arrived(k):
+            return  # the thread hashing the file hashes this chunk too
         if self._hasher is not None:  # the reading thread goes back to reading at once
             self._hasher.submit(self._guard, self._hash, f)
         else:
@@ -575,19 +348,7 @@ class _Load:
 
     def _arrived_in_parts(self, f: _File, k: int) -> None:
         """Chunk k is in: hash each part it completes (on a hash thread, or this one without them)."""
-        first = k * f.chunk // f.part
-        last = (min((k + 1) * f.chunk, f.size) - 1) // f.part
-        ready = []
-        with f.lock:
-            f.arrived[k] = True
-            for p in range(first, last + 1):
-                lo = p * f.part // f.chunk
-                hi = -(-min((p + 1) * f.part, f.size) // f.chunk)
-                if f.needed and p not in f.needed:
-                    continue  # read in part: a part the chunk holds beside the needed ones is not checked
-                if not f.part_started[p] and all(f.arrived[lo:hi]):
-                    f.part_started[p] = True
-                    ready.append(p)
+        ready = f.parts_arrived(k)
         if not ready:
             return
         hasher = None if self.tuning.readers_hash_last and self._no_read_left(f, k) else self._hasher
@@ -618,55 +379,18 @@ class _Load:
                 f"{f.path} does not match its SHA-256 in {INVENTORY} (part {p}: bytes {lo}-{hi})",
                 hint=_DAMAGED,
             )
-        with f.lock:
-            f.part_ok[p] = True
-            if f.needed:  # read in part: an item is ready once every part holding its bytes matched
-                if not f.pending:
-                    return  # every item was handed out: the file is done
-                ready = [req for req in f.pending if self._parts_ok(f, req)]
-                f.pending = [req for req in f.pending if req not in ready]
-                complete = not f.pending and all(f.part_ok[q] for q in f.needed)
-            else:
-                before = f.prefix
-                while f.prefix < f.nparts and f.part_ok[f.prefix]:
-                    f.prefix += 1
-                complete = before < f.nparts == f.prefix
-                upto = f.size if complete else f.prefix * f.part
-                n = 0
-                while n < len(f.pending) and self._end(f.pending[n]) <= upto:
-                    n += 1
-                ready, f.pending = f.pending[:n], f.pending[n:]
+        ready, complete = f.part_matched(p, self.storage)
         for req in ready:
             self._parse.submit(self._guard, self._item, f, req)
         if complete:
             self._verified(f, by_parts=True)
 
-    def _parts_ok(self, f: _File, req: ReadItem) -> bool:
-        """Every part holding the item's bytes matched (under f.lock)."""
-        info = self.storage[req.storage_index]
-        start, length = int(info.offset), int(info.length)
-        if length <= 0:
-            return True  # no byte of the file: nothing to wait for
-        return all(f.part_ok[start // f.part : (start + length - 1) // f.part + 1])
-
     def _hash(self, f: _File) -> None:
         """Hash the file's arrived prefix (the caller set f.hashing); verify it once all of it is hashed."""
         t1 = time.perf_counter()
-        while True:  # a chunk that arrives meanwhile is left to this thread
-            with f.lock:
-                n = f.hashed
-                if n == f.chunks or not f.arrived[n]:
-                    f.hashing = False
-                    break
-            f.sha.update(f.view[n * f.chunk : min((n + 1) * f.chunk, f.size)])  # releases the GIL
-            with f.lock:
-                f.hashed = n + 1
+        f.hash_arrived()
         self._count("hash", time.perf_counter() - t1)
-        with f.lock:
-            complete = f.hashed == f.chunks and not f.hashing
-            if complete:
-                f.hashing = True  # once: no other thread verifies it again
-        if complete:
+        if f.hashed_all():
             self._verified(f)
 
     def _verified(self, f: _File, by_parts: bool = False) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrelay import __version__
-from torchrelay.checkpoint.resume_check import PREPARE_RECORD_SCHEMA, ResumeCheck, validate_resume
+from torchrelay.checkpoint.resume_check import ResumeCheck, validate_resume
 from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import ConfigError, IntegrityError, RelayError
 from torchrelay.handoff.assemble import (
@@ -30,6 +30,7 @@ from torchrelay.handoff.assemble import (
 )
 from torchrelay.handoff.bundle_records import BundleRecords, bundle_config, verified_records
 from torchrelay.handoff.copying import through_link
+from torchrelay.handoff.prepare_target import _existing_state, _refuse_unrelated, _remove_stale_temporaries
 from torchrelay.handoff.signing import parse_digest
 from torchrelay.handoff.source import extract_source
 from torchrelay.handoff.verify import VerifyReport, verify_bundle
@@ -38,14 +39,13 @@ from torchrelay.log import logger
 from torchrelay.manifest import Manifest
 from torchrelay.paths.destinations import refuse_nested
 from torchrelay.paths.layout import CONFIG_FILE, MANIFEST_REL
-from torchrelay.paths.rundir import Bundle, RunDir, read_record
+from torchrelay.paths.rundir import Bundle, RunDir
 from torchrelay.records.history import new_id
 from torchrelay.util import schema
 from torchrelay.util.dotted import flatten
 from torchrelay.util.durable import atomic_write_bytes, atomic_write_text, fsync_dir
 from torchrelay.util.hashing import ByteCallback, sha256_file
 from torchrelay.util.kill_points import kill_point
-from torchrelay.util.records import check
 
 # Keys prepare owns itself: the manifest always lives in the run directory.
 _MANAGED = {
@@ -400,55 +400,6 @@ def _external_names(sets: dict[str, Any]) -> set[str]:
     names = {k.split(".", 1)[1] for k in sets if k.startswith("external_files.")}
     whole = sets.get("external_files")
     return names | (set(whole) if isinstance(whole, dict) else set())
-
-
-def _remove_stale_temporaries(parent: Path, prefix: str) -> None:
-    """A prepare killed mid-way leaves only its temporary sibling; the next one removes it."""
-    if parent.is_dir():
-        for child in parent.iterdir():
-            if child.name.startswith(prefix) and child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-
-
-def _refuse_unrelated(run: RunDir) -> None:
-    """Refuse at once a non-empty directory that no prepare wrote (the bundle's lineage is compared later)."""
-    run_dir = run.path
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not run.prepare_record_path.is_file():
-        shown = sorted(p.name for p in run_dir.iterdir())[:5]
-        raise ConfigError(
-            f"{run_dir} is not empty ({shown}) and was not prepared from a bundle",
-            hint="choose a new or empty --run-dir; prepare never writes into an unrelated directory",
-        )
-
-
-def _existing_state(run: RunDir, info: dict[str, Any]) -> dict[str, Any] | None:
-    """None for a new or empty run dir; the record if it was prepared from this bundle; refuse otherwise."""
-    run_dir = run.path
-    if not run_dir.exists():
-        return None
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir} exists and is not a directory", hint="choose another --run-dir")
-    if not any(run_dir.iterdir()):
-        return None
-    record_path = run.prepare_record_path
-    if record_path.is_file():
-        record = check(
-            read_record(record_path, "the rebase record"),
-            PREPARE_RECORD_SCHEMA,
-            source=f"{record_path} (the rebase record)",
-        )
-        if record.get("bundle_lineage") == info.get("lineage"):
-            return record
-        raise ConfigError(
-            f"{run_dir} was prepared from another bundle (lineage {record.get('bundle_lineage')}, "
-            f"this bundle is {info.get('lineage')})",
-            hint="choose a new --run-dir",
-        )
-    shown = sorted(p.name for p in run_dir.iterdir())[:5]
-    raise ConfigError(
-        f"{run_dir} is not empty ({shown}) and was not prepared from this bundle",
-        hint="choose a new or empty --run-dir; prepare never writes into an unrelated directory",
-    )
 
 
 def _recheck(

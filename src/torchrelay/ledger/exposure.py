@@ -25,7 +25,8 @@ from torchrelay.paths.layout import TRAIN_DIR
 from torchrelay.paths.lock import holder
 from torchrelay.paths.rundir import RunDir
 from torchrelay.records.contract import contract_manifest, load_contract
-from torchrelay.records.train import Exposures, rank_logs, read_exposures, read_exposures_from
+from torchrelay.records.exposure_read import Exposures, read_exposures, read_exposures_from
+from torchrelay.records.train import rank_logs
 
 
 @dataclass(slots=True)

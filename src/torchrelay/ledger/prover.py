@@ -24,7 +24,8 @@ from torchrelay.ledger import proof as ledger_proof
 from torchrelay.ledger.exposure import order_and_contract, prove_prefix
 from torchrelay.paths.layout import TRAIN_DIR
 from torchrelay.paths.rundir import RunDir
-from torchrelay.records.train import Exposures, end_of_update, parse_exposure_lines, rank_logs
+from torchrelay.records.exposure_read import Exposures, end_of_update, parse_exposure_lines
+from torchrelay.records.train import rank_logs
 from torchrelay.util.kill_points import kill_point
 
 LOWEST_PRIORITY = 19

@@ -11,18 +11,12 @@ contract.contract_manifest): a copy re-pointed at another data root, or a run ma
 by line there.
 
 The package, bottom up: `scan` (the pass over the lines, in this process: checks, fingerprint), `readers` (the
-same pass in reader processes, for a big manifest), `core` (the records, the saved index, and `scan` choosing
-between the two passes).
+same pass in reader processes, for a big manifest), `index` (the saved index read with care: checked against the
+manifest's bytes), `core` (the records, the index saved and loaded, and `scan` choosing between the two passes).
 """
 
-from torchrelay.manifest.core import (
-    INDEX_FORMAT,
-    INDEX_NAME,
-    Manifest,
-    Records,
-    index_path,
-    index_root,
-)
+from torchrelay.manifest.core import INDEX_NAME, Manifest, Records, index_path
+from torchrelay.manifest.index import INDEX_FORMAT, index_root
 from torchrelay.manifest.scan import BOM, FINGERPRINT_VERSION, ROOT_TOKEN
 
 __all__ = [

@@ -12,9 +12,10 @@ from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import PathError, RelayError
 from torchrelay.identity.numerics import describe
 from torchrelay.paths.rundir import RunDir
+from torchrelay.records.exposure_read import EXPOSURE_SCHEMA
 from torchrelay.records.history import read_history
 from torchrelay.records.reshard import describe_change
-from torchrelay.records.train import EXPOSURE_SCHEMA, METRIC_SCHEMA, is_objective, metric_float, rank_logs
+from torchrelay.records.train import METRIC_SCHEMA, is_objective, metric_float, rank_logs
 from torchrelay.util.jsonl import iter_records, read_records
 from torchrelay.util.safepath import open_regular
 

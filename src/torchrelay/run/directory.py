@@ -15,8 +15,8 @@ from typing import Any
 
 from torchrelay.checkpoint.commit import clean_stale
 from torchrelay.checkpoint.handed_off import HANDED_OFF, RECLAIMED_PREFIX
-from torchrelay.checkpoint.replica import choose as choose_nodes
 from torchrelay.checkpoint.replica import replica_dir
+from torchrelay.checkpoint.replica_resume import choose as choose_nodes
 from torchrelay.checkpoint.resume_check import (
     keep_prepared,
     refuse_contract_overrides,
@@ -63,7 +63,7 @@ class Start:
     gate: str = ""  # the line that says which resume gate passed
     tier: str | None = None  # the tier the checkpoint came from (checkpoint/tiers.py); None: a new run
     plan: list[int] | None = (
-        None  # several nodes: the node holding each node's memory part (checkpoint/replica.py)
+        None  # several nodes: the node holding each node's memory part (checkpoint/replica_resume.py)
     )
 
 

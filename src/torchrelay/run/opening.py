@@ -20,7 +20,8 @@ from typing import Any
 
 from torchrelay import __version__
 from torchrelay.checkpoint.persist import stall_seconds
-from torchrelay.checkpoint.replica import nodes_of, settle_after_open, survey
+from torchrelay.checkpoint.replica import nodes_of
+from torchrelay.checkpoint.replica_resume import settle_after_open, survey
 from torchrelay.config import envvars
 from torchrelay.config.relay import RelayConfig
 from torchrelay.data.order import GlobalOrder
@@ -52,7 +53,7 @@ class Settled:
     last_save_s: float | None  # how long that checkpoint took to save
     manifest_sha256: str  # the manifest's, so that the other ranks read only its index
     tier: str | None = None  # the tier the checkpoint came from (checkpoint/tiers.py)
-    plan: list[int] | None = None  # several nodes: the node holding each node's memory part (replica.py)
+    plan: list[int] | None = None  # several nodes: which node holds each node's part (replica_resume.py)
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class Opened:
     order: GlobalOrder
     metrics_log: RankLog
     exposures_log: ExposureLog
-    plan: list[int] | None = None  # several nodes: the node holding each node's memory part (replica.py)
+    plan: list[int] | None = None  # several nodes: which node holds each node's part (replica_resume.py)
 
 
 class SegmentOpener:
