@@ -193,6 +193,10 @@ def main() -> int:
                 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
                 if step.update == p.get("crash_at_update") and first_attempt:
                     raise RuntimeError(f"crash_at_update={step.update} (test hook)")
+                # A test hook: rank 0 stops answering at this update, as a rank stuck in a collective; a signal cannot
+                # stop such a run, only a kill ends it (a Slurm requeue's SIGKILL after KillWait: tests/test_slurm.py).
+                while step.update == p.get("hang_at_update") and run.rank == 0:
+                    time.sleep(1)
                 total = 0.0
                 # Given the model, gradients are reduced only in the last micro-batch (DDP no_sync, FSDP2).
                 for micro, (xs, lengths) in step.micro_batches(model):

@@ -21,7 +21,7 @@ from kill_campaign import kill_job
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision, SaveVerdict
 from torchrelay.checkpoint.retention import EveryN, LatestN
-from torchrelay.checkpoint.tiers import capacity, memory_root
+from torchrelay.checkpoint.tiers import capacity, memory_root, missing_note
 from torchrelay.ledger.exposure import prove
 from torchrelay.records.digests import read_digests
 from torchrelay.records.summary import summarize
@@ -55,6 +55,26 @@ def test_capacity_keeps_reduces_or_refuses_in_one_line() -> None:
     )
     keep, line = capacity(3 * gib, 1, shm_free=100 * gib, ram_free=5 * gib)  # RAM, not /dev/shm, is short
     assert keep == 0 and line is not None and line.startswith("memory tier off for this segment"), line
+
+
+def test_a_memory_tier_found_empty_is_noted_only_where_it_missed_an_update(tmp_path: Path) -> None:
+    root = tmp_path / "shm" / "lineage" / "digest"
+    line = missing_note(root, memory_every=1, durable_update=8, reached=13)  # wiped between the launches
+    assert line is not None and "\n" not in line, line
+    assert line.startswith(
+        "no memory checkpoint past update 8 though the run reached update 13 (memory_every 1):"
+    )
+    assert f"{root} on " in line and line.endswith(" is gone (wiped since the last launch, another node, or the "
+                                                   "tier off for lack of room); resuming from the durable tier")  # fmt: skip
+    root.mkdir(parents=True)
+    assert "holds none" in (missing_note(root, 1, 8, 13) or "")
+    assert missing_note(root, 0, 8, 13) is None  # no memory tier
+    assert (
+        missing_note(root, 1, 8, 8) is None and missing_note(root, 1, 8, None) is None
+    )  # nothing past durable
+    # killed at 9: the save of 9 may have been cut (9 is logged once 8's committed): nothing was sure to be there
+    assert missing_note(root, 1, 8, 9) is None and missing_note(root, 1, 8, 10) is not None
+    assert missing_note(root, 4, 8, 15) is None and missing_note(root, 4, 8, 16) is not None  # 12 sure at 16
 
 
 # -------------------------------------------------------------------------------------------- real kills

@@ -5,13 +5,24 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from helpers import REPO, assert_same_final_state, clean_env, launch_bg, segments, write_config
+from helpers import (
+    REPO,
+    assert_same_final_state,
+    clean_env,
+    last_logged,
+    launch_bg,
+    segments,
+    write_config,
+)
 from test_controller import CLI, write_plan
 from torchrelay.controller.argv import training_argv
 from torchrelay.controller.attempts import Attempts
@@ -28,6 +39,7 @@ from torchrelay.errors import ConfigError
 from torchrelay.ledger.exposure import prove
 
 U = 24
+U_MEMORY = 16  # the example's total_updates (save_every 8)
 FIRST_JOB_PACE = 2.0  # s an update at least: U of them outlast any first job's warning (see below)
 PACE = 0.25
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
@@ -308,5 +320,107 @@ def test_two_node_job_stops_on_a_signal_requeues_and_ends_bit_exact(
     notes = json.loads((Attempts(run).all()[0].path / "outcome.json").read_text())["notes"]
     assert "forwarded SIGUSR1 to the ranks" in notes
     assert assert_same_final_state(tmp_path / "reference", run, total) > 10
+    report = prove(run)
+    assert report.ok and report.repeats == 0 and report.skipped == 0
+
+
+def _memory_checkpoint(root: Path, update: int) -> bool:
+    """Whether the memory tier under `root` (TORCHRELAY_MEMORY_ROOT) holds a complete checkpoint of `update`."""
+    return any(root.glob(f"*/*/checkpoint-{update}/COMPLETE.json"))
+
+
+@pytest.mark.slurm
+def test_a_requeue_that_kills_resumes_from_the_memory_tier_and_a_wiped_one_from_durable(
+    example: dict[str, Path], slurm_up: str, tmp_path: Path
+) -> None:
+    """`scontrol requeue` of a running job: Slurm's requeue path, the one a preemption (PreemptMode=REQUEUE) and
+    a NODE_FAIL requeue of a batch job also take: SIGCONT and SIGTERM to every process of the job, SIGKILL
+    KillWait later, the same job pending again. It is crash-like when the ranks cannot stop within KillWait, as a
+    large model's durable save cannot: here rank 0 hangs (a test hook, a rank stuck in a collective). The job's
+    next run, on the same node, resumes from the memory tier; run again, requeued with its memory wiped between the
+    runs, it resumes from the durable tier with the reason noted; the end is bit-exact, the ledger proved."""
+    runtime = [
+        *yaml.safe_load((REPO / "examples" / "lm.yaml").read_text())["runtime_params"],
+        "hang_at_update",
+    ]
+    shm = Path("/dev/shm") / f"torchrelay-test-{tmp_path.name}"  # the plan names it: TORCHRELAY_MEMORY_ROOT
+
+    def lm_yaml(path: Path, hang: int) -> Path:  # a runtime param: no bit changes
+        return write_config(path, example["manifest"], example["root"], memory_every=1, runtime_params=runtime,
+                            **{"params.hang_at_update": hang})  # fmt: skip
+
+    config = lm_yaml(tmp_path / "lm.yaml", 11)
+    run = tmp_path / "runs" / "lm"
+    plan = write_plan(
+        tmp_path / "plan.yaml",
+        example["code"],
+        config,
+        run,
+        smoke={"when": "never"},
+        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": PACE + 0.05, "save_s": 0.5},
+        slurm={"time": "5", "job_name": "relay-memory", "max_requeues": 0},  # only Slurm's own requeues
+        train={"env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHRELAY_MEMORY_ROOT": str(shm)}},
+    )
+    sub = subprocess.run(
+        [*CLI, "sbatch", str(plan), "--submit"], capture_output=True, text=True, env=clean_env(), timeout=60
+    )
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job = re.search(r"submitted job (\d+)", sub.stdout).group(1)  # type: ignore[union-attr]
+    log = tmp_path / "runs" / f"lm.slurm-{job}.out"
+    reference = launch_bg(example["code"], tmp_path / "reference", config=lm_yaml(tmp_path / "ref.yaml", 0))
+    t0 = time.time()
+
+    def until(done: Any, what: str) -> None:
+        while not done():
+            state = job_state(job)
+            assert state not in FINAL_STATES and time.time() - t0 < 360, (
+                f"job {job} {state} before {what}:\n{log.read_text() if log.exists() else ''}"
+            )
+            time.sleep(0.2)
+
+    def requeue() -> None:
+        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+    try:
+        # rank 0 hangs at update 11, once the memory tier holds checkpoint-10 (durable: checkpoint-8)
+        until(lambda: last_logged(run) == 10 and _memory_checkpoint(shm, 10), "memory checkpoint-10")
+        lm_yaml(config, 14)  # the next run hangs at 14
+        requeue()
+        until(lambda: last_logged(run) == 13 and _memory_checkpoint(shm, 13), "memory checkpoint-13")
+        lm_yaml(config, 0)  # the last run finishes
+        requeue()
+        until(lambda: job_state(job) == "PENDING", "the second requeue")
+        shutil.rmtree(shm)  # wiped between the runs (an epilog, a reboot, a per-job /dev/shm)
+        state = "PENDING"
+        while time.time() - t0 < 360 and state not in FINAL_STATES:
+            state = job_state(job)
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    text = log.read_text()
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{text}"
+    assert reference.wait(timeout=120) == 0, reference.stdout.read() if reference.stdout else ""
+
+    assert text.count("DUE TO JOB REQUEUE") == 2 and "(restart 2)" in text, text
+    segs = segments(run)
+    assert [s["ended"] for s in segs] == ["crash", "crash", "finished"], segs
+    assert all(s["job"] == job for s in segs), segs
+    # the memory tier survived the requeue: resumed past the durable checkpoint-8, nothing lost
+    assert (segs[1]["resumed_tier"], segs[1]["resumed_from"]) == ("memory", 10), segs[1]
+    # wiped: the durable tier, and why
+    assert (segs[2]["resumed_tier"], segs[2]["resumed_from"]) == ("durable", 8), segs[2]
+    wiped = "no memory checkpoint past update 8 though the run reached update 13 (memory_every 1): "
+    assert any(n.startswith(wiped) and str(shm) in n for n in segs[2]["notes"]), segs[2]["notes"]
+    assert [s["runtime_changes"] for s in segs[1:]] == [
+        {"params.hang_at_update": [11, 14]},
+        {"params.hang_at_update": [14, 0]},
+    ], segs
+    shown = subprocess.run(
+        [*CLI, "status", str(run)], capture_output=True, text=True, env=clean_env(COLUMNS="200")
+    )
+    assert "resumed from the memory tier" in shown.stdout, shown.stdout + shown.stderr
+    assert assert_same_final_state(tmp_path / "reference", run, U_MEMORY) > 10
     report = prove(run)
     assert report.ok and report.repeats == 0 and report.skipped == 0

@@ -140,6 +140,22 @@ def choose_memory(root: Path, binding: Binding, durable_update: int, segments: s
     return Choice(chosen[0], chosen[1], refused)
 
 
+def missing_note(root: Path, memory_every: int, durable_update: int, reached: int | None) -> str | None:
+    """The line a resume notes when no memory checkpoint was found past the durable one although the run, having
+    logged `reached`, had committed one: its memory was wiped between the launches (a reboot, a job epilog, a
+    per-job /dev/shm, Slurm's job_container/tmpfs), or this is another node. None when the tier can have missed
+    nothing: an update is logged once the save before the newest one has committed (run/loop.py), so only the save
+    point before the last one logged is sure to be there."""
+    if memory_every <= 0 or reached is None or (reached // memory_every - 1) * memory_every <= durable_update:
+        return None
+    held = "holds none" if root.is_dir() else "is gone"
+    return (
+        f"no memory checkpoint past update {durable_update} though the run reached update {reached} "
+        f"(memory_every {memory_every}): {root} on {socket.gethostname()} {held} (wiped since the last launch, "
+        "another node, or the tier off for lack of room); resuming from the durable tier"
+    )
+
+
 def forget(lineage: str | None, run_dir: Path) -> None:
     """Delete this run's memory checkpoints on this node (a finished run, whose durable tier has the end)."""
     if lineage:

@@ -23,7 +23,7 @@ from torchrelay.checkpoint.resume_check import (
     schedule_gate,
     validate_resume,
 )
-from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, choose_memory, memory_root
+from torchrelay.checkpoint.tiers import DURABLE, MEMORY, Binding, choose_memory, memory_root, missing_note
 from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.errors import ConfigError
 from torchrelay.identity import running_files, tree_note
@@ -190,12 +190,12 @@ def reopen_run(
         logger.warning(f"[torchrelay] warning: {code_note}")
     rd.remove_stale_temps()
     history = read_history(rd.path)
-    tier = _newest_across_tiers(rd, cfg, check, world_size, history, holdings)
+    last_logged = max((int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None)
+    tier = _newest_across_tiers(rd, cfg, check, world_size, history, holdings, last_logged)
     update, ckpt = tier.update, tier.checkpoint
     numerics_change = None
     if ckpt is not None and update < cfg.total_updates:  # refused before any write
         numerics_change = check_resume(history, numerics, upto=update, strict=cfg.strict_numerics)
-    last_logged = max((int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None)
     write_history(rd.path, close_crashed(history, last_logged))
     archived = trim_after(rd.train_dir, update)
     manifest, repointed = check.manifest, None
@@ -272,13 +272,36 @@ def _newest_across_tiers(
     world_size: int,
     history: list[dict[str, Any]],
     holdings: list[dict[str, Any]] | None = None,
+    reached: int | None = None,
 ) -> _Tiered:
     """The checkpoint a resume takes: this node's newest verified memory checkpoint when it is newer than the
-    durable tier's (checkpoint/tiers.py), else the durable one; each refused candidate in one line, logged."""
-    run_dir = run.path
+    durable tier's (checkpoint/tiers.py), else the durable one; each refused candidate in one line, logged, and
+    so is a memory tier found empty though the run `reached` past the durable checkpoint an update it saves at."""
     lineage = read_lineage(run).get("lineage")
     if lineage is None or check.layout_change:  # a layout change resumes from the durable tier, as before
         return _Tiered(check.checkpoint, check.update, DURABLE, [])
+    tier = _memory_or_durable(run, lineage, cfg, check, world_size, history, holdings)
+    missing = None
+    if tier.tier == DURABLE and not tier.refused:
+        # the memory_every the run saved with, before a change this launch makes to it (a runtime field)
+        every = int(check.runtime_changes.get("memory_every", [cfg.memory_every])[0] or 0)
+        missing = missing_note(memory_root(lineage, run.path), every, check.update, reached)
+    if missing is None:
+        return tier
+    logger.warning(f"[torchrelay] {missing}")
+    return _Tiered(tier.checkpoint, tier.update, DURABLE, [missing])
+
+
+def _memory_or_durable(
+    run: RunDir,
+    lineage: str,
+    cfg: RelayConfig,
+    check: Any,
+    world_size: int,
+    history: list[dict[str, Any]],
+    holdings: list[dict[str, Any]] | None,
+) -> _Tiered:
+    run_dir = run.path
     binding = Binding(
         lineage=lineage,
         run_dir=str(run_dir),
