@@ -22,6 +22,7 @@ from torchrelay.checkpoint.inventory import read_inventory, validate_complete
 from torchrelay.config.tuning import SaveTuning
 from torchrelay.errors import IntegrityError
 from torchrelay.policy.stop import write_request
+from torchrelay.run.overlap import step_protected
 
 
 def _config(example: dict[str, Path], **changes: Any) -> RelayConfig:
@@ -491,13 +492,13 @@ def test_a_save_behind_the_next_update_makes_every_optimizers_step_wait_until_th
     )
     with Run.open(tmp_path / "run", _config(example), code_dir=example["code"]) as run:
         run.track(model=model, optimizer=tracked)
-        run._saver._step_waits_for(Landed("a"))  # type: ignore[arg-type]
+        run._saver.step_wait.arm(Landed("a"))  # type: ignore[arg-type]
         tracked.step()
         other.step()
-        run._saver._step_waits_for(Landed("b"))  # type: ignore[arg-type]
+        run._saver.step_wait.arm(Landed("b"))  # type: ignore[arg-type]
         tracked.step()
         assert (
-            run._saver._step_protected() == frozenset()
+            step_protected(tracked, run.config.save_tuning) == frozenset()
         )  # on the CPU every copy lands before the save returns
     tracked.step()
     assert waits == ["a", "a", "b"]

@@ -39,6 +39,28 @@ class Tracked:
         self.model, self.optimizer = model, optimizer
         self.statefuls = {name: adapt(name, obj) for name, obj in statefuls.items()}
 
+    def state_bytes(self) -> int:
+        """The bytes of this rank's model and optimizer tensors (its own shard of a distributed tensor)."""
+        from torch.distributed.tensor import DTensor
+
+        from torchrelay.checkpoint.torch_compat import dtensor_local
+
+        total = 0
+        docs = [self.model.state_dict() if self.model is not None else {}]
+        if self.optimizer is not None:
+            docs.append(self.optimizer.state_dict().get("state", {}))
+        stack: list[Any] = list(docs)
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, list | tuple):
+                stack.extend(item)
+            elif isinstance(item, torch.Tensor):
+                local = dtensor_local(item) if isinstance(item, DTensor) else item
+                total += local.numel() * local.element_size()
+        return total
+
 
 class Restore:
     """Restores one rank from the checkpoint rank 0 chose (nothing when the segment starts a new run)."""

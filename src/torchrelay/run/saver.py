@@ -18,9 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import declares_engine, is_engine
@@ -51,6 +48,7 @@ from torchrelay.log import logger
 from torchrelay.paths.layout import checkpoint_name
 from torchrelay.paths.rundir import RunDir
 from torchrelay.records.train import RankLog
+from torchrelay.run.overlap import StepWait, step_protected
 from torchrelay.run.restore import Tracked
 from torchrelay.storage.durable import DurableSpawner, durable_url
 from torchrelay.util import collective, kill_points
@@ -128,7 +126,9 @@ class Saver:
         self._use_process = self._strategy == PROCESS
         self._tuning = config.save_tuning
         self._stage = HostStage(shared=self._use_process, tuning=self._tuning)
-        self._step_hook: Any = None  # `_step_waits_for`'s hook on every optimizer's step
+        self.step_wait = (
+            StepWait()
+        )  # a save's copies behind the next update, waited for by every step (overlap.py)
         self._writer: WriterProcess | None = None
         self._persister = Persister(background=self._background)
         self._reserved = False
@@ -264,7 +264,7 @@ class Saver:
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
-        protected = self._step_protected()
+        protected = step_protected(self._tracked.optimizer, self._tuning)
         self._stage.begin(protected)
         landed: Landed | None = None
         with collective.ranks(group).phase(f"saving {checkpoint_name(update)}"):
@@ -285,7 +285,7 @@ class Saver:
             else:
                 self._stage.synchronize()
         if landed is not None:
-            self._step_waits_for(landed)
+            self.step_wait.arm(landed)
         # The logs up to this update must be on disk before the checkpoint is committed, not before the loop goes
         # on: each log's lines go to the OS here, and its fsync (a journal commit) runs
         # first in the persist, not in the loop's stall.
@@ -324,49 +324,6 @@ class Saver:
         self._persister.submit(update, persist, rank=self._rank)
         return self._submitted(update, where, memory)
 
-    def _step_protected(self) -> frozenset[int]:
-        """The data pointers of the CUDA tensors only an optimizer's step changes (the optimizers' parameters and
-        state), when this save may copy them behind the next forward and backward (`SaveTuning.overlap_copy`):
-        every tracked optimizer a torch.optim.Optimizer, whose step runs the pre-hooks `_step_waits_for` adds.
-        Empty otherwise: every copy lands before the save returns."""
-        optimizers: Any = self._tracked.optimizer
-        listed: list[Any] = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        if (
-            not self._tuning.overlap_copy
-            or optimizers is None
-            or not torch.cuda.is_available()
-            or not torch.cuda.is_initialized()
-            or not all(isinstance(o, torch.optim.Optimizer) for o in listed)
-        ):
-            return frozenset()
-        from torchrelay.checkpoint.torch_compat import dtensor_local
-
-        def pointer(t: Any) -> int | None:
-            local = dtensor_local(t) if hasattr(t, "to_local") else t
-            return local.data_ptr() if isinstance(local, torch.Tensor) and local.is_cuda else None
-
-        found = {pointer(p) for o in listed for group in o.param_groups for p in group["params"]}
-        found |= {pointer(v) for o in listed for st in o.state.values() for v in st.values()}
-        found.discard(None)
-        return frozenset(p for p in found if p)
-
-    def _step_waits_for(self, landed: Landed) -> None:
-        """The next optimizer step of this process (any optimizer's: one the run does not track may change the
-        same parameters, on whatever stream it runs) waits on the device for the copies `landed` ends; the loop's
-        thread never blocks on them. Waiting on a landed event costs microseconds: every step waits until the next
-        save or the close removes the hook."""
-        self._drop_step_hook()
-
-        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            landed.before_step()
-
-        self._step_hook = register_optimizer_step_pre_hook(before_step)
-
-    def _drop_step_hook(self) -> None:
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-
     def _submitted(self, update: int, where: Path | LocalStorage, memory: bool) -> Path:
         """The newest update saved (committed, or being committed), per tier; its path."""
         if memory:
@@ -403,7 +360,7 @@ class Saver:
             return True
         self._memory_sized = True
         group = self._peers.group if self._peers else None
-        mine = (_state_bytes(self._tracked), *node_free())
+        mine = (self._tracked.state_bytes(), *node_free())
         with collective.ranks(group).phase("sizing the memory tier"):
             gathered = collective.ranks(group).all_gather("sizing the memory tier", lambda: mine)
         keep, line = node_capacity(
@@ -461,7 +418,7 @@ class Saver:
             self.wait()
             committed = True
         finally:
-            self._drop_step_hook()
+            self.step_wait.drop()
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
@@ -493,29 +450,6 @@ def strategy(config: RelayConfig) -> str:
     if not config.async_save:
         return INLINE
     return PROCESS if writer_mode() == PROCESS and can_share() else THREAD
-
-
-def _state_bytes(tracked: Tracked) -> int:
-    """The bytes of this rank's model and optimizer tensors (its own shard of a distributed tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    from torchrelay.checkpoint.torch_compat import dtensor_local
-
-    total = 0
-    docs = [tracked.model.state_dict() if tracked.model is not None else {}]
-    if tracked.optimizer is not None:
-        docs.append(tracked.optimizer.state_dict().get("state", {}))
-    stack: list[Any] = list(docs)
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-        elif isinstance(item, torch.Tensor):
-            local = dtensor_local(item) if isinstance(item, DTensor) else item
-            total += local.numel() * local.element_size()
-    return total
 
 
 def _sync_logs(fds: list[int]) -> None:
