@@ -72,7 +72,7 @@ def test_every_checkpoint_holds_its_updates_state_while_the_copies_overlap_the_n
     example: dict[str, Path], tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    want = _train(example, run_dir, SaveTuning())
+    want = _train(example, run_dir, SaveTuning(overlap_copy=True))
     assert _differing(run_dir, want) == []
 
 
@@ -83,5 +83,5 @@ def test_the_control_without_the_steps_wait_catches_the_overwrite(
     (so the test above would see a missing wait)."""
     monkeypatch.setattr(host_stage.Landed, "before_step", lambda self: None)
     run_dir = tmp_path / "run"
-    want = _train(example, run_dir, SaveTuning())
+    want = _train(example, run_dir, SaveTuning(overlap_copy=True))
     assert _differing(run_dir, want) != []

@@ -429,7 +429,8 @@ class Landed:
 
     def before_step(self) -> None:
         """Make the current stream wait (on the device, not this thread) for the copies a step overwrites."""
-        if self.side is not None:
+        # a stream being captured into a CUDA graph runs nothing now: an outside event may not be waited on there
+        if self.side is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().wait_event(self.side)
 
 

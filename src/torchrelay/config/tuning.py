@@ -56,9 +56,10 @@ class SaveTuning:
     defer_threads: int = field(default=1, metadata={"min": 1, "doc": "threads that fill the spilled buffers"})
     touch_threads: int = field(default=4, metadata={"min": 1, "doc": "threads faulting in a shared buffer"})
     overlap_copy: bool = field(
-        default=True,
+        default=False,
         metadata={
-            "doc": "on a GPU, copy what only an optimizer's step changes while the next forward and backward run"
+            "doc": "on a GPU, copy what only an optimizer's step changes while the next forward and backward run "
+            "(off until measured on a GPU)"
         },
     )
     freeze_gc: bool = field(
