@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from torchrelay.audit.verdict import shown_for_run
 from torchrelay.config.relay import stored_config
@@ -19,12 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if Path(
-        args.run_dir
-    ).is_dir():  # a directory that holds no run is refused as such (exit 2), as by `status`
-        stored_config(RunDir(args.run_dir))
-    found = shown_for_run(args.run_dir)
-    result = render(args.run_dir, args.out, audit=str(found["verdict"]) if found else None)
+    run = RunDir(args.run_dir)
+    if run.path.is_dir():  # a directory that holds no run is refused as such (exit 2), as by `status`
+        stored_config(run)
+    found = shown_for_run(run)
+    result = render(run, args.out, audit=str(found["verdict"]) if found else None)
     print(f"report: {result.html}")
     for path in result.pngs():
         print(f"  plot: {path}")

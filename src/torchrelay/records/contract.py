@@ -265,16 +265,16 @@ def contract_changes(
     return sorted(diffs + refused), other
 
 
-def write_contract(run_dir: Path, contract: dict[str, Any]) -> None:
+def write_contract(run: RunDir, contract: dict[str, Any]) -> None:
     from torchrelay.util.durable import atomic_write_text
 
     recorded = {k: contract[k] for k in ("format", "fields", "sha256")}  # not "compat": it is no field
-    atomic_write_text(run_dir / CONTRACT_FILE, canonical_json(recorded) + "\n")
+    atomic_write_text(run.contract_path, canonical_json(recorded) + "\n")
 
 
-def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def load_contract(run_dir: str | os.PathLike[str] | RunDir) -> dict[str, Any]:
     """The recorded contract, checked against its own hash."""
-    path = Path(run_dir) / CONTRACT_FILE
+    path = RunDir.of(run_dir).contract_path
     try:
         data = read_json(path, what="the training contract")
     except FileNotFoundError as exc:
