@@ -167,7 +167,7 @@ def launch_plan(plan: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def last_outcome(run: Path) -> dict[str, Any]:
-    return json.loads((Attempts(run).all()[-1].path / "outcome.json").read_text())
+    return json.loads((Attempts(RunDir(run)).all()[-1].path / "outcome.json").read_text())
 
 
 @pytest.fixture(scope="module")

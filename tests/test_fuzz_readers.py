@@ -607,7 +607,7 @@ def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Pat
                   ("REBASE_RECORD.json", f"field '{field}"))  # fmt: skip
     counts["REBASE_RECORD.json"] = out.cases - before
 
-    attempts = Attempts(tmp_path / "a" / "run")
+    attempts = Attempts(RunDir(tmp_path / "a" / "run"))
     (attempts.root / "attempt_01").mkdir(parents=True)
     target = attempts.root / "attempt_01" / "measurements.json"
     measured = small(MEASUREMENTS_SCHEMA)

@@ -90,7 +90,7 @@ def test_measurements_outside_their_schema_are_refused_naming_the_field(
 ) -> None:
     """attempts/*/measurements.json went through float()/int() unchecked: a NaN reached every rank as
     TORCHRELAY_SAVE_ESTIMATE_S, which the user never set."""
-    attempts = Attempts(tmp_path / "run")
+    attempts = Attempts(RunDir(tmp_path / "run"))
     folder = attempts.root / "attempt_01"
     folder.mkdir(parents=True)
     good = Measurements(

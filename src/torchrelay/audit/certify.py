@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.audit.runner import AuditError, Launcher, run_segments, subprocess_launcher
+from torchrelay.audit.runner import AuditError, Launcher, fresh_run, run_segments, subprocess_launcher
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import ConfigError
 from torchrelay.identity import numerics
@@ -216,7 +216,7 @@ def certify(
     owned = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="torchrelay-certify-")) if work_dir is None else Path(work_dir)
     try:
-        replay = RunDir(work / "replay")
+        replay = fresh_run(work, "replay")
         _copy_run(run, update, replay.path)
         started = time.monotonic()
         run_segments(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrelay.audit import diagnose
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
-from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
+from torchrelay.audit.runner import AuditError, fresh_run, run_segments, subprocess_launcher
 from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.paths.layout import checkpoint_name
@@ -279,7 +279,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
     straight = run_segments(
         "uninterrupted",
         with_world_size(spec.launch, worlds[0]),
-        RunDir(work / "uninterrupted"),
+        fresh_run(work, "uninterrupted"),
         work / "logs",
         [target],
         vary={k: v[:1] for k, v in others.items()},
@@ -292,7 +292,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
     relayed = run_segments(
         "interrupted",
         spec.launch,
-        RunDir(work / "interrupted"),
+        fresh_run(work, "interrupted"),
         work / "logs",
         [*stops, target],
         vary=others,

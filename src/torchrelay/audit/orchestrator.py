@@ -21,6 +21,7 @@ from torchrelay.audit.runner import (
     SegmentLaunch,
     check_stops,
     choose_stops,
+    fresh_run,
     run_segments,
     subprocess_launcher,
 )
@@ -189,7 +190,7 @@ def run_audit(
         return run_segments(
             name,
             spec.launch,
-            RunDir(work / name),  # each run of the audit: a fresh directory
+            fresh_run(work, name),
             logs,
             stop_after,
             vary=vary,

@@ -132,6 +132,11 @@ class RunLaunches:
         return self.run.checkpoint(update)
 
 
+def fresh_run(work: Path, name: str) -> RunDir:
+    """The run directory the audit launches its run `name` in: `name` inside its work directory, new."""
+    return RunDir(work / name)
+
+
 def overrides_for(segment: int, vary: Mapping[str, Sequence[Any]], base: Mapping[str, Any]) -> dict[str, Any]:
     """The runtime overrides of segment i (0-based): each varied field cycles through its values."""
     out = dict(base)
