@@ -153,8 +153,9 @@ def _killed_then_restarted(
 
 def _memory_root(run: Path) -> Path:
     from torchrelay.checkpoint.tiers import memory_root
+    from torchrelay.paths.rundir import RunDir
 
-    return memory_root(json.loads((run / "lineage.json").read_text())["lineage"], run)
+    return memory_root(json.loads((run / "lineage.json").read_text())["lineage"], RunDir(run))
 
 
 def _saved(run: Path, at: int, tier: str) -> bool:

@@ -33,6 +33,7 @@ from torchrelay.checkpoint.inventory import write_inventory
 from torchrelay.config.relay import RelayConfig
 from torchrelay.handoff.pack import HANDED_OFF, PackOptions, pack
 from torchrelay.handoff.prepare import PrepareOptions, prepare
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.contract import build_contract, write_contract
 from torchrelay.records.history import write_history
 from torchrelay.util.hashing import default_jobs, sha256_file
@@ -50,10 +51,12 @@ def make_run(run: Path, total: int, files: int) -> list[Path]:
         seed=1, micro_batch=1, total_updates=100, manifest="data/manifest.jsonl", data_root="/data"
     )
     (run / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
-    write_contract(run, build_contract(cfg.replace(manifest=str(run / "data/manifest.jsonl")), 1, None))
+    write_contract(
+        RunDir(run), build_contract(cfg.replace(manifest=str(run / "data/manifest.jsonl")), 1, None)
+    )
     (run / "lineage.json").write_text(json.dumps({"lineage": "bench", "parent_lineage": None}))
     write_history(
-        run,
+        RunDir(run),
         [
             {
                 "segment": "s1",

@@ -83,6 +83,7 @@ def make_run(
     from torchrelay.checkpoint import state as ckpt_state
     from torchrelay.checkpoint.commit import commit_checkpoint
     from torchrelay.checkpoint.retention import policy_for
+    from torchrelay.paths.rundir import RunDir
     from torchrelay.records.history import new_id, read_history, write_history
     from torchrelay.records.train import exposure_line, exposure_widths
 
@@ -172,7 +173,7 @@ def make_run(
         )
         parent = seg["segment"]
         segments.append(seg)
-    write_history(run_dir, history[:0] + segments)
+    write_history(RunDir(run_dir), history[:0] + segments)
     return run_dir
 
 
@@ -225,6 +226,7 @@ _CLI = (
     + """
 import sys
 from torchrelay.cli import main
+from torchrelay.paths.rundir import RunDir
 code = main(sys.argv[1:])
 print("hwm_kib", _hwm())
 sys.exit(code)

@@ -167,7 +167,7 @@ def launch_plan(plan: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def last_outcome(run: Path) -> dict[str, Any]:
-    return json.loads((Attempts(run).all()[-1].path / "outcome.json").read_text())
+    return json.loads((Attempts(RunDir(run)).all()[-1].path / "outcome.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def test_retention_keeps_the_listed_updates_and_the_latest_two(
 
 @pytest.mark.launch
 def test_validation_runs_after_the_formal_run_and_records_each_checkpoint(kept_run: Path) -> None:
-    records = read_records(kept_run)
+    records = read_records(RunDir(kept_run))
     assert sorted(records) == [10, 20, 30]
     for update in (10, 30):
         r = records[update]
@@ -237,12 +237,12 @@ def test_validation_runs_after_the_formal_run_and_records_each_checkpoint(kept_r
 
 @pytest.mark.launch
 def test_a_second_launch_does_not_validate_again(kept_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    before = {u: r.started for u, r in read_records(kept_run).items()}
+    before = {u: r.started for u, r in read_records(RunDir(kept_run)).items()}
     segments_before = len(segments(kept_run))
     out = launch_plan(kept_run.parent / "plan.yaml")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "the run is complete (checkpoint-30): no smoke, no formal run" in out.stderr
-    assert {u: r.started for u, r in read_records(kept_run).items()} == before
+    assert {u: r.started for u, r in read_records(RunDir(kept_run)).items()} == before
     assert len(segments(kept_run)) == segments_before  # nothing was trained
     outcome = last_outcome(kept_run)
     assert outcome["validation"]["done_before"] == [10, 20, 30] and outcome["validation"]["validated"] == []
@@ -253,8 +253,8 @@ def test_a_second_launch_does_not_validate_again(kept_run: Path, capsys: pytest.
         f"{sys.executable} {EXAMPLES / 'validate_lm.py'} --checkpoint {{checkpoint}} --out {{metrics}}"
     )
     assert main(["validate", str(kept_run), "--cmd", example_validation]) == 0
-    assert sorted(read_records(kept_run)) == [10, 20, 25, 30]
-    metrics = read_records(kept_run)[25].metrics or {}
+    assert sorted(read_records(RunDir(kept_run))) == [10, 20, 25, 30]
+    metrics = read_records(RunDir(kept_run))[25].metrics or {}
     assert metrics.keys() == {"loss", "bits_per_byte", "samples"} and 0 < metrics["loss"] < 6
     # ... and hands a command the exported weights ({weights}, here without the head), removed afterwards
     weights_probe = (
@@ -276,7 +276,7 @@ def test_a_second_launch_does_not_validate_again(kept_run: Path, capsys: pytest.
         "head",
     ]
     assert main(argv) == 0
-    record = read_records(kept_run)[25]
+    record = read_records(RunDir(kept_run))[25]
     assert record.metrics == {"tensors": 16, "heads": 0} and record.attempt == 2
     assert not (kept_run / "validation" / "checkpoint-25" / "weights").exists()
     capsys.readouterr()
@@ -319,7 +319,7 @@ def test_validation_left_for_the_next_launch_when_time_is_short(kept_run: Path, 
     assert not [p for p in planted if os.path.lexists(p)]
     assert (v / "checkpoint-10" / "notes.txt").read_text() == "mine" and (v / ".pending.json.tmp-7").is_dir()
     assert report.records == [] and sorted(report.left) == [10, 25] and "s left <" in report.left[10]
-    assert read_pending(kept_run)["left"].keys() == {"10", "25"}
+    assert read_pending(RunDir(kept_run))["left"].keys() == {"10", "25"}
 
     # an unmeasured validation (a copy of the run without records) that outlives the deadline is stopped, its
     # whole process group, and stays to do
@@ -391,7 +391,7 @@ def test_validation_records_travel_in_a_bundle(
     # ... and arrive with it: the continuation knows checkpoint-30 is validated, and that 10 is not here
     prepared = tmp_path / "prepared"
     assert main(["prepare", str(bundle), "--run-dir", str(prepared)]) == 0
-    assert read_records(prepared).keys() == read_records(copy).keys()
+    assert read_records(RunDir(prepared)).keys() == read_records(RunDir(copy)).keys()
     sel = select(RunDir(prepared), [10, 30])
     assert sel.done == [30] and sel.todo == [] and "no complete checkpoint" in sel.missing[10]
 

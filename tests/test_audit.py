@@ -24,6 +24,7 @@ from torchrelay.audit import (
 )
 from torchrelay.audit.orchestrator import _check_vary
 from torchrelay.cli import main
+from torchrelay.paths.rundir import RunDir
 
 BROKEN = {
     "broken/unregistered_generator.py": RNG,
@@ -101,7 +102,7 @@ def test_good_example_is_equal_with_three_stops(code, example, tmp_path, capsys)
 
     # Varying a contract field would only get the resume refused: the audit says so before launching again.
     with pytest.raises(AuditError, match="--vary seed: not a runtime field of this run"):
-        _check_vary(work / "interrupted", {"seed": [1, 2]})
+        _check_vary(RunDir(work / "interrupted"), {"seed": [1, 2]})
 
 
 @pytest.mark.launch

@@ -34,6 +34,7 @@ from torchrelay.audit.runner import choose_stops
 from torchrelay.audit.verdict import save
 from torchrelay.cli import main
 from torchrelay.commands.audit import parse_vary
+from torchrelay.paths.rundir import RunDir
 
 
 def test_tensors_bit_for_bit_and_within_atol():
@@ -65,12 +66,15 @@ def _write_logs(run: Path, lrs: list[float], losses: list[float], ledger: list[l
 def test_logs_part_where_they_differ_and_ignore_timing(tmp_path):
     _write_logs(tmp_path / "a", [1.0] * 4, [4.0, 3.0, 2.0, 1.0], [[0], [1], [2], [3]])
     _write_logs(tmp_path / "b", [1.0, 1.0, 0.5, 0.5], [4.0, 3.0, 2.0, 1.5], [[0], [1], [3], [2]])
-    metrics = compare_metrics(tmp_path / "a", tmp_path / "a")
+    metrics = compare_metrics(RunDir(tmp_path / "a"), RunDir(tmp_path / "a"))
     assert metrics.equal
-    metrics = compare_metrics(tmp_path / "a", tmp_path / "b")
+    metrics = compare_metrics(RunDir(tmp_path / "a"), RunDir(tmp_path / "b"))
     assert (metrics.first_update, metrics.keys, metrics.first_by_key) == (3, ["lr"], {"lr": 3, "loss": 4})
-    assert compare_metrics(tmp_path / "a", tmp_path / "b", ignore=frozenset({"lr"})).first_update == 4
-    ledger = compare_ledgers(tmp_path / "a", tmp_path / "b")
+    assert (
+        compare_metrics(RunDir(tmp_path / "a"), RunDir(tmp_path / "b"), ignore=frozenset({"lr"})).first_update
+        == 4
+    )
+    ledger = compare_ledgers(RunDir(tmp_path / "a"), RunDir(tmp_path / "b"))
     assert ledger.first_update == 3 and "rank 0 update 3" in ledger.detail
 
 
@@ -460,12 +464,12 @@ def test_the_probe_lists_dropout_that_draws_and_digests_the_global_generators():
 def test_the_audit_names_the_first_update_after_which_the_parameters_part(tmp_path):
     from torchrelay.audit.compare import compare_digests
 
-    def write(run: str, digests: dict[int, list[str]]) -> Path:
+    def write(run: str, digests: dict[int, list[str]]) -> RunDir:
         (tmp_path / run / "train").mkdir(parents=True)
         for rank, rows in digests.items():
             lines = [json.dumps({"u": u, "params": d, "n": 4}) for u, d in enumerate(rows, start=1)]
             (tmp_path / run / "train" / f"digests-rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
-        return tmp_path / run
+        return RunDir(tmp_path / run)
 
     a = write("a", {0: ["a1", "a2", "a3", "a4"], 1: ["b1", "b2", "b3", "b4"]})
     assert compare_digests(a, write("same", {0: ["a1", "a2", "a3", "a4"], 1: ["b1", "b2", "b3", "b4"]})).equal

@@ -25,6 +25,7 @@ from torchrelay.controller.plan import MemorySpec, Plan, load_plan, plan_diff
 from torchrelay.controller.supervisor import Supervisor
 from torchrelay.errors import ConfigError
 from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
 from torchrelay.policy.costmodel import CostModel, Measurements, parse_deadline
 
 # Its deadlines (the budget's stop, the memory guard's kill) are timed: run with nothing beside it (tests/conftest.py).
@@ -62,7 +63,7 @@ def launch_cli(
 
 def outcome_of(run_dir: Path) -> dict[str, Any]:
     """outcome.json of the newest attempt (staged beside the run while it does not exist)."""
-    attempts = Attempts(run_dir).all()
+    attempts = Attempts(RunDir(run_dir)).all()
     assert attempts, f"no attempt recorded for {run_dir}"
     return json.loads((attempts[-1].path / "outcome.json").read_text())
 
@@ -240,7 +241,7 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
         validate_complete(ckpt)
         outcome = outcome_of(run)
         assert (outcome["exit_code"], outcome["ended"], outcome["stage"]) == (3, "budget", "formal")
-        assert outcome["updates_after"] == seg["last_update"] and len(Attempts(run).all()) == number
+        assert outcome["updates_after"] == seg["last_update"] and len(Attempts(RunDir(run)).all()) == number
 
     first, second = segments(run)
     assert (
@@ -249,7 +250,7 @@ def test_budget_stops_cleanly_and_the_next_launch_continues(example: dict[str, P
     assert second["runtime_changes"] == {"num_workers": [0, 1]}
     report = prove(run)
     assert report.prefix_ok and report.repeats == 0 and report.skipped == 0
-    attempt = Attempts(run).all()[1]
+    attempt = Attempts(RunDir(run)).all()[1]
     assert json.loads((attempt.path / "overrides.json").read_text()) == {"train.overrides.num_workers": 1}
     assert json.loads((attempt.path / "plan.diff.json").read_text()) == [
         ["train.overrides.num_workers", None, 1]
@@ -433,7 +434,7 @@ def test_launch_on_too_few_devices_runs_the_fallback_as_a_run_of_its_own(
     assert not run.exists()  # the primary's run was not started
     (seg,) = segments(fallback_run)
     assert (seg["world_size"], seg["ended"], seg["last_update"]) == (1, "finished", 4)
-    (attempt,) = Attempts(fallback_run).all()
+    (attempt,) = Attempts(RunDir(fallback_run)).all()
     recorded = json.loads((attempt.path / "fallback.json").read_text())
     assert (
         recorded["fallback"] == "one-rank"

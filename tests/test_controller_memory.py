@@ -25,6 +25,7 @@ from kill_campaign import kill_job
 from test_controller import CLI, launch_cli, outcome_of, write_plan
 from torchrelay.checkpoint.tiers import memory_root
 from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.proctree import Tree
 
 U = 16
@@ -36,7 +37,7 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
     yield run
     if (run / "lineage.json").exists():  # whatever memory tier the test left in /dev/shm
         lineage = json.loads((run / "lineage.json").read_text())["lineage"]
-        shutil.rmtree(memory_root(lineage, run).parent, ignore_errors=True)
+        shutil.rmtree(memory_root(lineage, RunDir(run)).parent, ignore_errors=True)
 
 
 @pytest.mark.launch

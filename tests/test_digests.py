@@ -13,6 +13,7 @@ from digest_cost import measure
 from torchrelay import RelayConfig, Run
 from torchrelay.checkpoint import host_stage
 from torchrelay.errors import IntegrityError
+from torchrelay.paths.rundir import RunDir
 from torchrelay.policy.stop import write_request
 from torchrelay.records.digests import digest, first_parting, read_digests
 
@@ -66,13 +67,15 @@ def test_two_runs_are_compared_update_by_update_and_part_where_they_differ(examp
     _train(example, tmp_path / "relayed")
     _train(example, tmp_path / "relayed")
     _train(example, tmp_path / "lr", lr_from_3=0.1001)
-    a = read_digests(tmp_path / "a")
+    a = read_digests(RunDir(tmp_path / "a"))
     assert (
         sorted(a[0]) == [1, 2, 3, 4, 5] and len(set(a[0].values())) == 5
     )  # each update moves the parameters
-    assert first_parting(a, read_digests(tmp_path / "b")) == (None, [])
-    assert read_digests(tmp_path / "relayed") == a  # a resumed run writes what the uninterrupted one did
-    assert first_parting(a, read_digests(tmp_path / "lr")) == (3, [0])
+    assert first_parting(a, read_digests(RunDir(tmp_path / "b"))) == (None, [])
+    assert (
+        read_digests(RunDir(tmp_path / "relayed")) == a
+    )  # a resumed run writes what the uninterrupted one did
+    assert first_parting(a, read_digests(RunDir(tmp_path / "lr"))) == (3, [0])
 
 
 def test_the_digest_costs_a_small_share_of_a_toy_update():

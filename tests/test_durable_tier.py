@@ -19,6 +19,7 @@ from helpers import assert_same_final_state, assert_same_logs, segments
 from s3_server import S3Server
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import ForkRefused, IntegrityError
+from torchrelay.paths.rundir import RunDir
 from torchrelay.storage import durable
 from torchrelay.storage.url import parse_url
 
@@ -43,16 +44,16 @@ def test_sync_commits_last_keeps_one_writer_and_restores_verified(tmp_path: Path
     url = parse_url(f"s3://{s3_bucket}/tier")
     local = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))  # what retention kept
     assert len(local) >= 2 and local[-1] == 6, local
-    notes = durable.sync(run, url)
+    notes = durable.sync(RunDir(run), url)
     assert notes == [f"checkpoint-{u} copied to {url}" for u in local]
     keys = _keys(s3_bucket, "tier/")
     assert "tier/WRITER.json" in keys and all(f"tier/checkpoint-{u}/{INVENTORY}" in keys for u in local)
-    assert durable.sync(run, url) == [], "nothing new"
+    assert durable.sync(RunDir(run), url) == [], "nothing new"
 
     # local retention dropped the older one: the store follows, since checkpoint-6 is committed there
     old = local[-2]
     shutil.rmtree(run / f"checkpoint-{old}")
-    assert durable.sync(run, url) == [
+    assert durable.sync(RunDir(run), url) == [
         f"checkpoint-{old} removed from {url} (checkpoint-6 is committed there)"
     ]
     assert not [k for k in _keys(s3_bucket, "tier/") if k.startswith(f"tier/checkpoint-{old}/")]
@@ -60,15 +61,15 @@ def test_sync_commits_last_keeps_one_writer_and_restores_verified(tmp_path: Path
     # a second run into the same prefix is refused, never interleaved
     other = _run(tmp_path / "b", [2])
     with pytest.raises(ForkRefused, match="durable tier of another run"):
-        durable.sync(other, url)
+        durable.sync(RunDir(other), url)
 
     # the local checkpoints lost: the resume's restore downloads the newest, verified, into place
     saved = {p.name: p.read_bytes() for p in (run / "checkpoint-6").iterdir() if p.is_file()}
     for ckpt in run.glob("checkpoint-*"):
         shutil.rmtree(ckpt)
-    assert durable.restore(run, url) == f"checkpoint-6 restored from {url}, verified part by part"
+    assert durable.restore(RunDir(run), url) == f"checkpoint-6 restored from {url}, verified part by part"
     assert {p.name: p.read_bytes() for p in (run / "checkpoint-6").iterdir() if p.is_file()} == saved
-    assert durable.restore(run, url) is None, "nothing to do once the newest is here"
+    assert durable.restore(RunDir(run), url) is None, "nothing to do once the newest is here"
 
     # an object of the store's newest changed: the restore refuses it and leaves nothing behind
     shutil.rmtree(run / "checkpoint-6")
@@ -78,7 +79,7 @@ def test_sync_commits_last_keeps_one_writer_and_restores_verified(tmp_path: Path
     body[len(body) // 2] ^= 1
     s3.put_object(Bucket=s3_bucket, Key=victim, Body=bytes(body))
     with pytest.raises(IntegrityError, match="was not restored"):
-        durable.restore(run, url)
+        durable.restore(RunDir(run), url)
     assert not (run / "checkpoint-6").exists() and not list(run.glob(".checkpoint-6.restore-tmp"))
 
 
@@ -92,16 +93,18 @@ def test_an_uncommitted_upload_is_ignored_and_removed_after_a_newer_commit(
     s3 = boto3.client("s3", endpoint_url=os.environ["TORCHRELAY_S3_ENDPOINT"])
     for update in (2, 8):
         s3.put_object(Bucket=s3_bucket, Key=f"half/checkpoint-{update}/stray.distcp", Body=b"a killed upload")
-    assert durable.restore(run, url) is None, "nothing is committed in the store"
-    durable.sync(run, url)
+    assert durable.restore(RunDir(run), url) is None, "nothing is committed in the store"
+    durable.sync(RunDir(run), url)
     keys = _keys(s3_bucket, "half/")
     assert f"half/checkpoint-6/{INVENTORY}" in keys
     assert not [k for k in keys if "checkpoint-2/" in k] and "half/checkpoint-8/stray.distcp" in keys
     # a later kill's leftover, older than the newest commit: the next sync removes it before anything else
     s3.put_object(Bucket=s3_bucket, Key="half/checkpoint-4/stray.distcp", Body=b"a killed upload")
-    assert durable.sync(run, url) == [f"checkpoint-4: an upload that never committed removed from {url}"]
+    assert durable.sync(RunDir(run), url) == [
+        f"checkpoint-4: an upload that never committed removed from {url}"
+    ]
     shutil.rmtree(run / "checkpoint-6")
-    assert durable.restore(run, url) == f"checkpoint-6 restored from {url}, verified part by part"
+    assert durable.restore(RunDir(run), url) == f"checkpoint-6 restored from {url}, verified part by part"
     assert not (run / "checkpoint-8").exists()
 
 
@@ -137,7 +140,7 @@ def test_a_checkpoint_removed_by_retention_while_copied_is_skipped_and_the_next_
     url = parse_url(f"s3://{s3_bucket}/retained")
     old = run / f"checkpoint-{local[0]}"
     store = _RetentionMidCopy(open_store(url), old)
-    notes = durable.sync(run, url, store)
+    notes = durable.sync(RunDir(run), url, store)
     assert notes[0] == f"{old.name}: removed by the run's retention while it was copied; skipped", notes
     assert notes[1:] == [f"checkpoint-{u} copied to {url}" for u in local[1:]]
     keys = _keys(s3_bucket, "retained/")

@@ -103,7 +103,7 @@ def test_a_moved_run_sees_the_same_samples_and_drifts_only_by_rounding(relayed: 
         assert change["to"]["world_size"] * change["to"]["grad_accum"] == 4
         assert change["rng"].startswith("re-derived")
 
-    ledger = compare_ledgers(straight, moved)
+    ledger = compare_ledgers(RunDir(straight), RunDir(moved))
     drift = measure_drift(
         straight / f"checkpoint-{TOTAL}",
         moved / f"checkpoint-{TOTAL}",
@@ -115,7 +115,9 @@ def test_a_moved_run_sees_the_same_samples_and_drifts_only_by_rounding(relayed: 
     )
     print(f"[{relayed['dtype']}, ranks {worlds}] {drift.line()}")
     assert ledger.compared == TOTAL and ledger.equal, ledger.detail
-    assert len(micro_batches_by_update(moved)[TOTAL]) == 4  # 4 micro-batches of 4 samples, on any layout
+    assert (
+        len(micro_batches_by_update(RunDir(moved))[TOTAL]) == 4
+    )  # 4 micro-batches of 4 samples, on any layout
     assert prove(moved).ok
     assert drift.dtype == relayed["dtype"]
     assert drift.within, drift.line()
@@ -205,8 +207,8 @@ def test_prepare_moves_a_bundle_to_one_rank_with_the_same_samples(
     assert (seg["resumed_from"], seg["ended"], seg["world_size"]) == (STOP_AT, "finished", 1)
     assert seg["layout_change"]["asked_by"] == "prepare"
     # the same samples in the same updates as the uninterrupted 2-rank run (micro-batches of 2 now, not 4)
-    by_update = micro_batches_by_update(run)
-    baseline = micro_batches_by_update(packed.baseline)
+    by_update = micro_batches_by_update(RunDir(run))
+    baseline = micro_batches_by_update(RunDir(packed.baseline))
     assert by_update.keys() == baseline.keys() == set(range(1, PACKED_TOTAL + 1))
     assert all(
         sorted(i for g in by_update[u] for i in g) == sorted(i for g in baseline[u] for i in g)

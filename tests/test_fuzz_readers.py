@@ -440,19 +440,23 @@ def test_every_reader_refuses_garbage_in_one_line(tmp_path: Path) -> None:
     record.parent.mkdir(parents=True)
     record.write_text(json.dumps({"update": 3, "checkpoint": "checkpoint-3", "command": "c", "status": "ok",
                                   "metrics": {"loss": 1.0}, "seconds": 1.0, "code": {}}))  # fmt: skip
-    fuzz_file(outcome, record, record.read_bytes(), {"validation records": lambda: read_validations(run_dir)},
+    fuzz_file(outcome, record, record.read_bytes(), {"validation records": lambda: read_validations(RunDir(run_dir))},
               SEED + 15)  # fmt: skip
     pending = run_dir / "validation" / "pending.json"
     pending.write_text(json.dumps({"format": 1, "left": {"4": "budget"}, "missing": {}, "command": "c"}))
     fuzz_file(
-        outcome, pending, pending.read_bytes(), {"read_pending": lambda: read_pending(run_dir)}, SEED + 16
+        outcome,
+        pending,
+        pending.read_bytes(),
+        {"read_pending": lambda: read_pending(RunDir(run_dir))},
+        SEED + 16,
     )
     rebase = run_dir / "REBASE_RECORD.json"
     rebase.write_text(json.dumps({"format": 1, "changes": {"data_root": ["/a", "/b"]}, "layout_change":
                                   {"at_update": 3, "to": {"world_size": 1, "micro_batch": 2, "grad_accum": 1}}}))  # fmt: skip
     reads = {
-        "prepared_keys": lambda: prepared_keys(run_dir),
-        "prepared_layout": lambda: prepared_layout(run_dir, 3),
+        "prepared_keys": lambda: prepared_keys(RunDir(run_dir)),
+        "prepared_layout": lambda: prepared_layout(RunDir(run_dir), 3),
     }
     fuzz_file(outcome, rebase, rebase.read_bytes(), reads, SEED + 17)
     plan = run_dir / "plan.yaml"
@@ -596,15 +600,15 @@ def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Pat
     record = small(PREPARE_RECORD_SCHEMA)
     record["layout_change"]["at_update"] = 3
     (prepared / "REBASE_RECORD.json").write_text(json.dumps(record))
-    out.accepted("rebase", lambda: prepared_layout(prepared, 3))
+    out.accepted("rebase", lambda: prepared_layout(RunDir(prepared), 3))
     before = out.cases
     for field, label, doc in field_cases(PREPARE_RECORD_SCHEMA, record):
         (prepared / "REBASE_RECORD.json").write_text(json.dumps(doc))
-        out.judge(f"REBASE_RECORD {field} [{label}]", lambda: prepared_layout(prepared, 3),
+        out.judge(f"REBASE_RECORD {field} [{label}]", lambda: prepared_layout(RunDir(prepared), 3),
                   ("REBASE_RECORD.json", f"field '{field}"))  # fmt: skip
     counts["REBASE_RECORD.json"] = out.cases - before
 
-    attempts = Attempts(tmp_path / "a" / "run")
+    attempts = Attempts(RunDir(tmp_path / "a" / "run"))
     (attempts.root / "attempt_01").mkdir(parents=True)
     target = attempts.root / "attempt_01" / "measurements.json"
     measured = small(MEASUREMENTS_SCHEMA)
@@ -627,13 +631,13 @@ def test_every_field_of_every_record_out_of_its_schema_is_one_line(tmp_path: Pat
 
     valid = {**small(RECORD_SCHEMA), "update": 8, "checkpoint": "checkpoint-8"}
     target.write_text(json.dumps(valid))
-    out.accepted("validation record", lambda: read_records(validated))
+    out.accepted("validation record", lambda: read_records(RunDir(validated)))
     before = out.cases
     for field, label, doc in field_cases(RECORD_SCHEMA, valid):
         target.write_text(json.dumps(doc))
         out.judge(
             f"validation {field} [{label}]",
-            lambda: read_records(validated),
+            lambda: read_records(RunDir(validated)),
             ("record.json", f"field '{field}"),
         )
     counts["validation record.json"] = out.cases - before

@@ -1147,7 +1147,7 @@ def _plant_validation_log(tmp_path: Path, victim: Path, monkeypatch: pytest.Monk
 
     run = tmp_path / "run"
     shutil.copytree(FIXTURE / "run", run, symlinks=True)
-    log = validation.folder(run, 8) / validation.LOG
+    log = RunDir(run).validation_of(8) / validation.LOG
 
     def plant(out: Path) -> None:  # right after the pass removed an earlier attempt's log
         if not os.path.lexists(log):

@@ -21,6 +21,7 @@ from torchrelay.controller.attempts import Attempts
 from torchrelay.errors import RunBusy, UnsafeInput
 from torchrelay.ledger.exposure import prove
 from torchrelay.paths.lock import RunLock, holder
+from torchrelay.paths.rundir import RunDir
 
 HOLD = textwrap.dedent(
     """
@@ -169,7 +170,7 @@ def test_second_controller_is_refused_before_it_records_an_attempt(
         out = launch_cli(plan)
         assert out.returncode == 2, out.stdout + out.stderr
         assert f"in use by a controller: pid {child.pid}" in out.stderr
-        assert Attempts(run).all() == [] and not run.exists()
+        assert Attempts(RunDir(run)).all() == [] and not run.exists()
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()

@@ -23,6 +23,7 @@ from torchrelay.checkpoint.policy import SaveContext, SaveDecision, SaveVerdict
 from torchrelay.checkpoint.retention import EveryN, LatestN
 from torchrelay.checkpoint.tiers import capacity, memory_root, missing_note
 from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.digests import read_digests
 from torchrelay.records.summary import summarize
 from torchrelay.util.proctree import Tree
@@ -90,11 +91,11 @@ def tier_runs(tmp_path: Path) -> Iterator[list[Path]]:
             else None
         )
         if lineage:
-            shutil.rmtree(memory_root(lineage, run).parent, ignore_errors=True)
+            shutil.rmtree(memory_root(lineage, RunDir(run)).parent, ignore_errors=True)
 
 
 def _memory_root(run: Path) -> Path:
-    return memory_root(json.loads((run / "lineage.json").read_text())["lineage"], run)
+    return memory_root(json.loads((run / "lineage.json").read_text())["lineage"], RunDir(run))
 
 
 def _last_logged(run: Path) -> int:
@@ -125,7 +126,7 @@ def _kill_at(example: dict[str, Path], run: Path, update: int, **kw: Any) -> int
 def _assert_same_digests(baseline: Path, run: Path) -> None:
     """Every update's parameter digest, on every rank, as the uninterrupted run's: those up to each resumed
     checkpoint were on disk before the kill (the saves hand the digest log to the OS as they do the others)."""
-    want, got = read_digests(baseline), read_digests(run)
+    want, got = read_digests(RunDir(baseline)), read_digests(RunDir(run))
     missing = {r: sorted(set(want[r]) - set(got.get(r, {}))) for r in want}
     assert not any(missing.values()), f"updates without a digest per rank: {missing}"
     assert got == want

@@ -10,6 +10,7 @@ import pytest
 from torchrelay.checkpoint.resume_check import keep_prepared, prepared_keys
 from torchrelay.config.relay import RelayConfig
 from torchrelay.errors import ConfigError
+from torchrelay.paths.rundir import RunDir
 
 
 def config(**changes: object) -> RelayConfig:
@@ -41,25 +42,27 @@ def test_prepared_fields_win_over_the_scripts_config(tmp_path: Path) -> None:
         runtime_params=["log_every"],
         num_workers=4,
     )
-    cfg, notes = keep_prepared(run, stored, script, {})
+    cfg, notes = keep_prepared(RunDir(run), stored, script, {})
     assert (cfg.data_root, cfg.external_files, cfg.params["log_every"]) == ("/b", {"teacher": "/b/t"}, 5)
     assert cfg.num_workers == 4  # not set by prepare: the script may change it, as on any run
     assert len(notes) == 3 and notes[0].startswith("kept data_root='/b' set by prepare (REBASE_RECORD.json)")
     assert "the script's config says '/a'" in notes[0]
 
     # An explicit override (--set, TORCHRELAY_OVERRIDES) decides instead: nothing is kept for those keys.
-    cfg, notes = keep_prepared(run, stored, script, {"data_root": "/c", "log_every": 9, "external_files": {}})
+    cfg, notes = keep_prepared(
+        RunDir(run), stored, script, {"data_root": "/c", "log_every": 9, "external_files": {}}
+    )
     assert cfg.data_root == "/a" and cfg.params["log_every"] == 1 and notes == []
 
 
 def test_a_run_without_prepare_or_with_agreeing_config_keeps_nothing(tmp_path: Path) -> None:
     stored, script = config(data_root="/b"), config(data_root="/a")
-    assert keep_prepared(tmp_path, stored, script, {}) == (script, [])
+    assert keep_prepared(RunDir(tmp_path), stored, script, {}) == (script, [])
     run = prepared(tmp_path, {"data_root": ["/a", "/b"]})
-    assert keep_prepared(run, stored, stored, {}) == (stored, [])
+    assert keep_prepared(RunDir(run), stored, stored, {}) == (stored, [])
     (run / "REBASE_RECORD.json").write_text("{torn")
     with pytest.raises(ConfigError, match="REBASE_RECORD.json cannot be read"):
-        prepared_keys(run)
+        prepared_keys(RunDir(run))
 
 
 def test_an_override_of_a_contract_field_is_refused_in_one_line_a_runtime_one_is_not() -> None:

@@ -29,6 +29,7 @@ from torchrelay.identity.numerics import check_resume
 from torchrelay.manifest import Manifest, index_path
 from torchrelay.manifest.core import scan
 from torchrelay.manifest.index import INDEX_META_SCHEMA, index_root
+from torchrelay.paths.rundir import RunDir
 from torchrelay.policy.costmodel import MEASUREMENTS_SCHEMA, Measurements
 from torchrelay.records.contract import CONTRACT_SCHEMA, contract_manifest, contract_sha256, load_contract
 from torchrelay.records.history import SEGMENT_SCHEMA, read_history, write_history
@@ -74,10 +75,10 @@ def test_a_rebase_record_layout_of_infinity_is_refused_naming_its_field(tmp_path
     }
     (tmp_path / "REBASE_RECORD.json").write_text(json.dumps(record))
     with pytest.raises(ConfigError, match=r"field 'layout_change\.to\.world_size': inf, not a finite number"):
-        prepared_layout(tmp_path, 8)
+        prepared_layout(RunDir(tmp_path), 8)
     record["layout_change"]["to"]["world_size"] = 2  # type: ignore[index]
     (tmp_path / "REBASE_RECORD.json").write_text(json.dumps(record))
-    layout = prepared_layout(tmp_path, 8)
+    layout = prepared_layout(RunDir(tmp_path), 8)
     assert layout is not None and layout.world_size == 2
 
 
@@ -90,7 +91,7 @@ def test_measurements_outside_their_schema_are_refused_naming_the_field(
 ) -> None:
     """attempts/*/measurements.json went through float()/int() unchecked: a NaN reached every rank as
     TORCHRELAY_SAVE_ESTIMATE_S, which the user never set."""
-    attempts = Attempts(tmp_path / "run")
+    attempts = Attempts(RunDir(tmp_path / "run"))
     folder = attempts.root / "attempt_01"
     folder.mkdir(parents=True)
     good = Measurements(
@@ -207,11 +208,11 @@ def test_each_record_written_at_its_bounds_reads_back(tmp_path: Path) -> None:
     """Each record with every field at its bound, written by its writer (history.jsonl) or as its writer writes it
     (JSON), is read back whole by its reader; past its bounds, the history writer cuts what it echoes."""
     segment = {**at_bounds(SEGMENT_SCHEMA), "first_update": 1}
-    write_history(tmp_path, [segment])
+    write_history(RunDir(tmp_path), [segment])
     assert (tmp_path / "history.jsonl").stat().st_size < LINE_LIMIT
     assert read_history(tmp_path) == [segment]
     past = {**segment, "notes": ["n" * 100_000] * 5000, "numerics": {"cpu.model": "m" * (25 << 20)}}
-    write_history(tmp_path, [past])
+    write_history(RunDir(tmp_path), [past])
     (back,) = read_history(tmp_path)
     assert len(back["notes"]) == 1024 and all(len(n) <= 4096 for n in back["notes"])
     assert len(json.dumps(back["numerics"])) <= 64 << 10
@@ -236,11 +237,13 @@ def test_a_numerics_value_at_its_bound_is_echoed_cut_and_the_history_stays_reada
     takes at most 64 KiB of numerics, and the echo is cut (numerics.SHOWN characters a value)."""
     before = {"cpu.model": "m" * 60_000, "torch": "2.0"}
     seg = {"segment": "a", "first_update": 1, "last_update": 8, "ended": "finished", "numerics": before}
-    write_history(tmp_path, [seg])
+    write_history(RunDir(tmp_path), [seg])
     history = read_history(tmp_path)
     change = check_resume(history, {"cpu.model": "other", "torch": "2.0"}, upto=8, strict=False)
     assert change is not None and len(json.dumps(change)) < 2000
-    write_history(tmp_path, [*history, {"segment": "b", "first_update": 9, "numerics_change": change}])
+    write_history(
+        RunDir(tmp_path), [*history, {"segment": "b", "first_update": 9, "numerics_change": change}]
+    )
     assert [s["segment"] for s in read_history(tmp_path)] == ["a", "b"]
     # a numerics string past its bound, written by hand, is refused in one line naming the field
     (tmp_path / "history.jsonl").write_text(
@@ -304,7 +307,7 @@ def test_a_validation_record_past_its_bounds_is_written_cut_and_reads_back(tmp_p
     record = ValidationRecord(update=8, checkpoint="checkpoint-8", command="c" * (1 << 20), status="ok",
                               reason="r" * (1 << 20), metrics={"loss": 1.0, "n": "x" * (METRICS_LIMIT - 100)})  # fmt: skip
     _finish(out, record, time.time)
-    back = read_records(tmp_path)[8]
+    back = read_records(RunDir(tmp_path))[8]
     assert len(back.command) == 1 << 16 and back.metrics == record.metrics
 
 
@@ -317,7 +320,7 @@ def test_a_segment_code_past_its_bound_keeps_its_commit_and_reads_back(tmp_path:
         "first_update": 1,
         "code": {"commit": "c" * 40, "tree": "t" * 40, "changed": files},
     }
-    write_history(tmp_path, [segment])
+    write_history(RunDir(tmp_path), [segment])
     (back,) = read_history(tmp_path)
     assert back["code"]["commit"] == "c" * 40 and back["code"]["tree"] == "t" * 40
     assert isinstance(back["code"]["changed"], str) and len(back["code"]["changed"]) <= 200
@@ -335,5 +338,5 @@ def test_a_contract_of_code_outside_any_checkout_loads(tmp_path: Path) -> None:
     manifest = Manifest.load(source.path / "data" / "manifest.jsonl", str(FIXTURE / "data"))
     contract = build_contract(cfg, 2, None, manifest)
     assert contract["fields"]["code.dirty"] is None
-    write_contract(tmp_path, contract)
+    write_contract(RunDir(tmp_path), contract)
     assert load_contract(tmp_path)["fields"]["code.dirty"] is None

@@ -20,6 +20,7 @@ from torchrelay.checkpoint.replica_resume import survey
 from torchrelay.checkpoint.retention import LatestN
 from torchrelay.checkpoint.tiers import memory_root
 from torchrelay.errors import IntegrityError, RelayError
+from torchrelay.paths.rundir import RunDir
 
 UPDATE = 7
 FILES = {"model/__0_0.distcp": b"weights" * 100, "rank0.json": b'{"rng": 1}'}
@@ -181,7 +182,7 @@ def test_part_and_replica_fields_of_a_held_inventory_are_one_line(
     run = tmp_path / "run"
     run.mkdir()
     (run / "lineage.json").write_text(json.dumps({"lineage": "L1", "parent_lineage": None}))
-    root = memory_root("L1", run)
+    root = memory_root("L1", RunDir(run))
     part = _part(tmp_path)
     doc = json.loads((part / INVENTORY).read_text())
     doc[field] = value
@@ -190,7 +191,7 @@ def test_part_and_replica_fields_of_a_held_inventory_are_one_line(
     part.rename(root / "checkpoint-7")
     with pytest.raises(IntegrityError, match=f"field '{field}"):
         validate_complete(root / "checkpoint-7")
-    held = survey(run, 0, 2)
+    held = survey(RunDir(run), 0, 2)
     assert held is not None and len(held["parts"]) == 1, held
     why = held["parts"][0]["why"]
     assert why and f"field '{field}" in why and "\n" not in why, why
@@ -252,7 +253,7 @@ def test_status_lists_the_replicas_a_node_holds(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(tmp_path / "shm"))
     run = make_run(tmp_path)
     lineage = summarize(run)["lineages"][-1]
-    root = memory_root(lineage, run)
+    root = memory_root(lineage, RunDir(run))
     root.mkdir(parents=True)
     _part(tmp_path, node=0).rename(root / "checkpoint-7")
     assert keep_replica(root, UPDATE, _pack(_part(tmp_path, node=1)), source=1, node=0, retention=LatestN(1))
@@ -289,4 +290,4 @@ def test_status_looks_for_the_memory_tier_under_the_newest_segment_s_lineage(
     newer = "0" * len(last["lineage"])  # sorts before the first lineage
     history.write_text(history.read_text() + json.dumps({**last, "lineage": newer}) + "\n")
     tier = summarize(run)["memory_tier"]
-    assert tier["root"] == str(memory_root(newer, run)), tier
+    assert tier["root"] == str(memory_root(newer, RunDir(run))), tier

@@ -67,7 +67,7 @@ def test_the_readers_of_checkpoints_ignore_other_names(tmp_path: Path) -> None:
         (tmp_path / "validation" / name / "record.json").write_text("{}")
     assert list_checkpoints(tmp_path) == []
     assert RunDir(tmp_path).checkpoint_dirs() == []
-    assert read_records(tmp_path) == {}
+    assert read_records(RunDir(tmp_path)) == {}
     (tmp_path / "checkpoint-7").mkdir()
     assert [c.update for c in list_checkpoints(tmp_path)] == [7]
     assert RunDir(tmp_path).checkpoint_dirs() == [tmp_path / "checkpoint-7"]

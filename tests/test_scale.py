@@ -20,6 +20,7 @@ import pytest
 from scale_run import _HWM, cli, make_run, measure, write_manifest
 from torchrelay.ledger.exposure import order_for, prove
 from torchrelay.manifest import Manifest, index_path
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.train import trim_after
 
 UPDATES, BATCH, SAMPLES = 2000, 1024, 200_000
@@ -78,7 +79,7 @@ def test_ledger_proves_2m_exposures_in_bounded_memory(scale_run: Path) -> None:
     r = _measure(cli("ledger", "--json", str(scale_run)))
     rep = _json(r)
     assert rep["ok"] and rep["exposures"] == UPDATES * BATCH and rep["updates"] == UPDATES
-    order, _ = order_for(scale_run)
+    order, _ = order_for(RunDir(scale_run))
     seen = np.zeros(SAMPLES, dtype=bool)
     for update in range(0, UPDATES, order.updates_per_epoch):  # each epoch's samples, the last one's in part
         epoch, left = order.epoch_of(update), min(UPDATES - update, order.updates_per_epoch)

@@ -37,6 +37,7 @@ from torchrelay.controller.slurm import (
 )
 from torchrelay.errors import ConfigError
 from torchrelay.ledger.exposure import prove
+from torchrelay.paths.rundir import RunDir
 
 U = 24
 U_MEMORY = 16  # the example's total_updates (save_every 8)
@@ -204,7 +205,7 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
     assert starts == [str(i) for i in range(len(starts))] and len(starts) >= 2, text
     assert "USR1 received" in text and f"requeueing job {job}" in text, text
     segs = segments(run)
-    assert len(segs) == len(starts) == len(Attempts(run).all()), text
+    assert len(segs) == len(starts) == len(Attempts(RunDir(run)).all()), text
     assert all(s["job"] == job for s in segs)
     assert segs[0]["runtime_changes"] == {} and segs[1]["runtime_changes"] == {
         "params.min_update_s": [FIRST_JOB_PACE, 0]
@@ -317,7 +318,7 @@ def test_two_node_job_stops_on_a_signal_requeues_and_ends_bit_exact(
     assert all(s["job"] == job and s["ranks_by_host"] == {"n1": [0], "n2": [1]} for s in segs), segs
     assert segs[1]["resumed_from"] == segs[0]["last_update"] < total
     assert segs[1]["runtime_changes"] == {"params.min_update_s": [PACE, 0]}, segs[1]
-    notes = json.loads((Attempts(run).all()[0].path / "outcome.json").read_text())["notes"]
+    notes = json.loads((Attempts(RunDir(run)).all()[0].path / "outcome.json").read_text())["notes"]
     assert "forwarded SIGUSR1 to the ranks" in notes
     assert assert_same_final_state(tmp_path / "reference", run, total) > 10
     report = prove(run)

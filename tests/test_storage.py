@@ -30,6 +30,7 @@ from torchrelay.checkpoint.storage import (
 )
 from torchrelay.checkpoint.tiers import Binding, choose_memory, forget, memory_root
 from torchrelay.errors import IntegrityError
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.sha256_parts import MIN_PART_BYTES, PartHasher
 
 
@@ -80,7 +81,7 @@ def test_the_newest_verified_memory_checkpoint_is_chosen_and_a_refused_one_says_
 ) -> None:
     monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(tmp_path / "shm"))
     run = tmp_path / "run"
-    root = memory_root("lin", run)
+    root = memory_root("lin", RunDir(run))
     root.mkdir(parents=True)
     storage = LocalStorage(root, spare=False)
     good = _binding(run)
@@ -105,7 +106,7 @@ def test_the_newest_verified_memory_checkpoint_is_chosen_and_a_refused_one_says_
     assert other.checkpoint is None and other.refused == [
         "memory checkpoint-9 refused: its segment 's1' is not in this run's history"
     ]
-    forget("lin", run)
+    forget("lin", RunDir(run))
     assert not root.exists() and not root.parent.exists()
 
 
@@ -114,7 +115,7 @@ def test_a_memory_checkpoint_of_another_host_is_refused(
 ) -> None:
     monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(tmp_path / "shm"))
     run = tmp_path / "run"
-    root = memory_root("lin", run)
+    root = memory_root("lin", RunDir(run))
     root.mkdir(parents=True)
     good = _binding(run)
     info = {**good.info(), "contract_sha256": good.contract_sha256, "segment": "s1", "host": "elsewhere"}

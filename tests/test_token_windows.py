@@ -20,6 +20,7 @@ from torchrelay.data.sample import SampleContext
 from torchrelay.data.tokens import TokenWindows, token_manifest, window_offset, window_offsets
 from torchrelay.errors import ConfigError
 from torchrelay.ledger.exposure import order_for, prove
+from torchrelay.paths.rundir import RunDir
 
 
 def _records(path: Path) -> list[dict]:
@@ -94,7 +95,7 @@ def test_a_token_stream_run_resumes_bit_for_bit_with_another_worker_count(tmp_pa
     # every sample once, in order; and the windows each rank read are those the proven order derives
     report = prove(stopped)
     assert report.prefix_ok and report.repeats == 0 and report.skipped == 0
-    order, manifest = order_for(stopped)
+    order, manifest = order_for(RunDir(stopped))
     per_micro = 2 * 4  # world size x micro_batch
     for rank in (0, 1):
         for row in metrics(stopped, rank):

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchrelay.audit.runner import AuditError, Launcher, run_segments, subprocess_launcher
+from torchrelay.audit.runner import AuditError, Launcher, fresh_run, run_segments, subprocess_launcher
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.errors import ConfigError
 from torchrelay.identity import numerics
@@ -69,23 +69,22 @@ class Certificate:
         return asdict(self)
 
 
-def certificate_path(run_dir: str | os.PathLike[str], update: int) -> Path:
-    return Path(run_dir) / CERTIFIED_DIR / f"{checkpoint_name(update)}.json"
+def certificate_path(run: RunDir, update: int) -> Path:
+    return run.path / CERTIFIED_DIR / f"{checkpoint_name(update)}.json"
 
 
-def read_certificate(run_dir: str | os.PathLike[str], update: int) -> dict[str, Any] | None:
+def read_certificate(run_dir: str | os.PathLike[str] | RunDir, update: int) -> dict[str, Any] | None:
     """The recorded certificate of checkpoint `update`, or None."""
     from torchrelay.util.records import read_json_or_none
 
-    found = read_json_or_none(certificate_path(run_dir, update), what="a checkpoint's certificate")
+    found = read_json_or_none(certificate_path(RunDir.of(run_dir), update), what="a checkpoint's certificate")
     return found if isinstance(found, dict) else None
 
 
 def _choose(run: RunDir, recorded: dict[int, dict[int, str]], checkpoint: int | None, updates: int) -> int:
     """The checkpoint to certify: the one asked for, else the newest complete one with `updates` recorded after."""
-    run_dir = run.path
-    complete = [c.update for c in list_checkpoints(run_dir) if c.complete]
-    return choose(recorded, complete, checkpoint, updates, run_dir)
+    complete = [c.update for c in list_checkpoints(run) if c.complete]
+    return choose(recorded, complete, checkpoint, updates, run.path)
 
 
 def choose(
@@ -173,8 +172,7 @@ def _copy_run(run: RunDir, update: int, dest: Path) -> None:
 
 
 def _numerics_of_update(run: RunDir, update: int) -> dict[str, Any] | None:
-    run_dir = run.path
-    for seg in read_history(run_dir):
+    for seg in read_history(run):
         first, last = seg.get("first_update"), seg.get("last_update")
         if isinstance(first, int) and isinstance(last, int) and first <= update <= last:
             found = seg.get("numerics")
@@ -183,7 +181,7 @@ def _numerics_of_update(run: RunDir, update: int) -> dict[str, Any] | None:
 
 
 def certify(
-    run_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | RunDir,
     launch: list[str],
     *,
     checkpoint: int | None = None,
@@ -194,21 +192,21 @@ def certify(
 ) -> Certificate:
     """Replay `updates` updates from `checkpoint` (default: the newest that has them recorded after it) with the
     launch command, compare the digests, and record the certificate beside the checkpoint."""
-    root = Path(run_dir)
-    run = RunDir(root)
+    run = RunDir.of(run_dir)
+    root = run.path
     if not run.contract_path.is_file():
         raise ConfigError(
             f"{root} is not a run directory (no {CONTRACT_FILE})",
             hint="pass the run directory whose checkpoint to certify",
         )
-    load_contract(root)  # a damaged contract: refused, naming the file
+    load_contract(run)  # a damaged contract: refused, naming the file
     if not launch:
         raise AuditError(
             "no launch command", hint="put it after --, e.g. -- torchrun --nproc_per_node=2 train.py"
         )
     if updates < 1:
         raise AuditError(f"--updates {updates}: replay at least one update")
-    recorded = read_digests(root)
+    recorded = read_digests(run)
     if not any(recorded.values()):
         raise AuditError(
             f"{root / 'train'}: no per-update digests recorded (digests-rank*.jsonl)",
@@ -218,8 +216,8 @@ def certify(
     owned = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="torchrelay-certify-")) if work_dir is None else Path(work_dir)
     try:
-        replay = work / "replay"
-        _copy_run(run, update, replay)
+        replay = fresh_run(work, "replay")
+        _copy_run(run, update, replay.path)
         started = time.monotonic()
         run_segments(
             "certify",
@@ -234,7 +232,7 @@ def certify(
         seconds = time.monotonic() - started
         replayed = read_digests(replay)
         first, ranks, compared = compare(recorded, replayed, update + 1, update + updates)
-        ran, trained = _numerics_of_update(RunDir(replay), update + 1), _numerics_of_update(run, update + 1)
+        ran, trained = _numerics_of_update(replay, update + 1), _numerics_of_update(run, update + 1)
         same = (
             None
             if ran is None or trained is None
@@ -254,12 +252,12 @@ def certify(
     finally:
         if owned:
             shutil.rmtree(work, ignore_errors=True)
-    _record(root, cert)
+    _record(run, cert)
     return cert
 
 
-def _record(run_dir: Path, cert: Certificate) -> None:
-    path = certificate_path(run_dir, cert.checkpoint)
+def _record(run: RunDir, cert: Certificate) -> None:
+    path = certificate_path(run, cert.checkpoint)
     path.parent.mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:

@@ -182,16 +182,12 @@ def _record_first(result: LogComparison, update: int, rank: int, keys: list[str]
         result.keys = sorted(set(result.keys) | set(keys))
 
 
-def _train_dir(run_dir: Path) -> Path:
-    return RunDir(run_dir).train_dir
-
-
 def compare_metrics(
-    a_dir: Path, b_dir: Path, atol: float = 0.0, ignore: frozenset[str] = frozenset()
+    a_dir: RunDir, b_dir: RunDir, atol: float = 0.0, ignore: frozenset[str] = frozenset()
 ) -> LogComparison:
     """Compare train/metrics-rank*.jsonl line by line, timing and ignored keys left out; note where each key parts."""
     result = LogComparison(what="metrics")
-    a_files, b_files = (rank_logs(_train_dir(d), "metrics") for d in (a_dir, b_dir))
+    a_files, b_files = (rank_logs(d.train_dir, "metrics") for d in (a_dir, b_dir))
     for rank in sorted(set(a_files) | set(b_files)):
         a_rows, b_rows = (
             _metrics_by_update(a_files.get(rank), ignore),
@@ -231,10 +227,10 @@ def _ledger_by_update(path: Path | None) -> dict[int, list[tuple[int, list[int]]
     return {u: sorted(v) for u, v in rows.items()}
 
 
-def compare_ledgers(a_dir: Path, b_dir: Path) -> LogComparison:
+def compare_ledgers(a_dir: RunDir, b_dir: RunDir) -> LogComparison:
     """Compare train/exposures-rank*.jsonl: the same manifest indices in the same micro-steps of the same updates."""
     result = LogComparison(what="ledger")
-    a_files, b_files = (rank_logs(_train_dir(d), "exposures") for d in (a_dir, b_dir))
+    a_files, b_files = (rank_logs(d.train_dir, "exposures") for d in (a_dir, b_dir))
     for rank in sorted(set(a_files) | set(b_files)):
         a_rows, b_rows = _ledger_by_update(a_files.get(rank)), _ledger_by_update(b_files.get(rank))
         for update in sorted(set(a_rows) | set(b_rows)):
@@ -368,7 +364,7 @@ def _compare_state_tensors(
             result.lost.setdefault(update, []).extend(lost)
 
 
-def compare_digests(a_dir: Path, b_dir: Path) -> LogComparison:
+def compare_digests(a_dir: RunDir, b_dir: RunDir) -> LogComparison:
     """Compare the per-update digests of the parameters (train/digests-rank*.jsonl, records/digests.py): the first update
     after which the two runs hold other parameters on some rank, among the updates both recorded."""
     from torchrelay.records.digests import first_parting, read_digests

@@ -91,17 +91,17 @@ class LedgerDiff:
         return not self.differing
 
 
-def micro_batches_by_update(run_dir: Path) -> dict[int, list[tuple[int, ...]]]:
+def micro_batches_by_update(run: RunDir) -> dict[int, list[tuple[int, ...]]]:
     """Per update, its micro-batches as sorted tuples of manifest indices, sorted (no rank, no micro-step)."""
     out: dict[int, list[tuple[int, ...]]] = {}
-    for _rank, path in rank_logs(RunDir(run_dir).train_dir, "exposures").items():
+    for _rank, path in rank_logs(run.train_dir, "exposures").items():
         for row in iter_records(path):
             if isinstance(row.get("u"), int):
                 out.setdefault(int(row["u"]), []).append(tuple(sorted(int(i) for i in row.get("i") or [])))
     return {u: sorted(groups) for u, groups in sorted(out.items())}
 
 
-def compare_ledgers(a: Path, b: Path) -> LedgerDiff:
+def compare_ledgers(a: RunDir, b: RunDir) -> LedgerDiff:
     """The same samples in the same micro-batches of the same updates, in both runs."""
     ga, gb = micro_batches_by_update(a), micro_batches_by_update(b)
     differing = [u for u in sorted(set(ga) | set(gb)) if ga.get(u) != gb.get(u)]

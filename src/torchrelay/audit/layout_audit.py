@@ -5,13 +5,14 @@ tolerance, the buffers by theirs; every bit under `elastic: exact`), with the li
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrelay.audit import diagnose
 from torchrelay.audit.drift import TOLERANCE_FACTOR, Drift, LedgerDiff, compare_ledgers, measure_drift
-from torchrelay.audit.runner import AuditError, run_segments, subprocess_launcher
+from torchrelay.audit.runner import AuditError, fresh_run, run_segments, subprocess_launcher
 from torchrelay.audit.step_probe import StepRounding, measure_step_rounding
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR
 from torchrelay.paths.layout import checkpoint_name
@@ -186,8 +187,8 @@ def _elastic_exact(run: RunDir) -> bool:
 
 
 def layout_verdict(
-    a: Path,
-    b: Path,
+    a: str | os.PathLike[str] | RunDir,
+    b: str | os.PathLike[str] | RunDir,
     worlds: list[int],
     stops: list[int],
     points: list[int],
@@ -198,8 +199,8 @@ def layout_verdict(
     `rounding`: a layout-dependent step's rounding measured before (else measured here from `a` at the move)."""
     from torchrelay.audit.compare import compare_checkpoints, load_checkpoint_tensors
 
-    ledger = compare_ledgers(a, b)
-    run_a, run_b = RunDir(a), RunDir(b)
+    run_a, run_b = RunDir.of(a), RunDir.of(b)  # a test's or a trainer's own paths, or the audit's runs
+    ledger = compare_ledgers(run_a, run_b)
     reference = run_a.checkpoint(stops[0])
     # the parameters at the move: DCP's model folder, or a DeepSpeed engine's files
     ref = reference if (reference / "model").is_dir() or (reference / DS_DIR).is_dir() else None
@@ -232,15 +233,15 @@ def layout_verdict(
         stops=list(stops),
         ledger=ledger,
         drift=drift,
-        run_dirs={"uninterrupted": str(a), "interrupted": str(b)},
+        run_dirs={"uninterrupted": str(run_a.path), "interrupted": str(run_b.path)},
         exact=exact,
         bit_differing=bits,
     )
     if not audit.ok:
         from torchrelay.audit.compare import compare_streams
 
-        probe = a.parent / "probe"  # run_layout_audit's probe records, where it ran one
-        facts = compare_streams(probe / a.name, probe / b.name) if probe.is_dir() else None
+        probe = run_a.path.parent / "probe"  # run_layout_audit's probe records, where it ran one
+        facts = compare_streams(probe / run_a.path.name, probe / run_b.path.name) if probe.is_dir() else None
         audit.causes = likely_causes(ledger, drift, facts)
     return audit
 
@@ -278,7 +279,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
     straight = run_segments(
         "uninterrupted",
         with_world_size(spec.launch, worlds[0]),
-        work / "uninterrupted",
+        fresh_run(work, "uninterrupted"),
         work / "logs",
         [target],
         vary={k: v[:1] for k, v in others.items()},
@@ -291,7 +292,7 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
     relayed = run_segments(
         "interrupted",
         spec.launch,
-        work / "interrupted",
+        fresh_run(work, "interrupted"),
         work / "logs",
         [*stops, target],
         vary=others,
@@ -302,4 +303,4 @@ def run_layout_audit(spec: Any, worlds: list[int], on_segment: Any = None) -> La
         on_segment=on_segment,
         extra_overrides={"keep_updates": keep},
     )
-    return layout_verdict(straight.run_dir, relayed.run_dir, worlds, stops, points)
+    return layout_verdict(straight.run, relayed.run, worlds, stops, points)

@@ -21,6 +21,7 @@ from torchrelay.audit.runner import (
     SegmentLaunch,
     check_stops,
     choose_stops,
+    fresh_run,
     run_segments,
     subprocess_launcher,
 )
@@ -86,11 +87,11 @@ def find_script(launch: Sequence[str]) -> str | None:
     return None
 
 
-def _check_vary(run_dir: Path, vary: dict[str, list[Any]]) -> None:
+def _check_vary(run: RunDir, vary: dict[str, list[Any]]) -> None:
     """Refuse, before the interrupted run, to vary a field the run's contract fixes (its resume would be refused)."""
     if not vary:
         return
-    cfg = stored_config(RunDir(run_dir))
+    cfg = stored_config(run)
     for key in vary:
         dotted = key if key.startswith("params.") or key in cfg.to_dict() else f"params.{key}"
         if not cfg.is_runtime(dotted):
@@ -109,12 +110,12 @@ def comparison_points(stops: Sequence[int], updates: int) -> list[int]:
 
 
 def compare_points(
-    a: Path, b: Path, points: Sequence[int], atol: float
+    a: RunDir, b: RunDir, points: Sequence[int], atol: float
 ) -> dict[int, compare.TensorComparison]:
     """The tensors of checkpoint-P of both runs for each P; a missing one is an AuditError naming it."""
     out = {}
     for point in points:
-        ca, cb = RunDir(a).checkpoint(point), RunDir(b).checkpoint(point)
+        ca, cb = a.checkpoint(point), b.checkpoint(point)
         missing = [c for c in (ca, cb) if not (c / INVENTORY).is_file()]
         if missing:
             raise AuditError(
@@ -126,7 +127,9 @@ def compare_points(
     return out
 
 
-def _difference(a: Path, b: Path, points: Sequence[int], atol: float, ignore: frozenset[str]) -> str | None:
+def _difference(
+    a: RunDir, b: RunDir, points: Sequence[int], atol: float, ignore: frozenset[str]
+) -> str | None:
     """Where run b parts from run a (metrics, then ledger, then tensors), or None when bit for bit equal."""
     metrics = compare.compare_metrics(a, b, atol, ignore)
     if not metrics.equal:
@@ -141,7 +144,7 @@ def _difference(a: Path, b: Path, points: Sequence[int], atol: float, ignore: fr
     return None
 
 
-def _numerics_of(*run_dirs: Path) -> list[dict[str, Any]]:
+def _numerics_of(*run_dirs: RunDir) -> list[dict[str, Any]]:
     """The distinct numerics identities the audited runs' segments recorded, in order of first use."""
     seen: dict[str, dict[str, Any]] = {}
     for run_dir in run_dirs:
@@ -187,7 +190,7 @@ def run_audit(
         return run_segments(
             name,
             spec.launch,
-            work / name,
+            fresh_run(work, name),
             logs,
             stop_after,
             vary=vary,
@@ -202,10 +205,10 @@ def run_audit(
 
     first_values = {k: v[:1] for k, v in spec.vary.items()}
     straight = launch("uninterrupted", [target], first_values)
-    _check_vary(straight.run_dir, spec.vary)
+    _check_vary(straight.run, spec.vary)
     relayed = launch("interrupted", [*stops, target], spec.vary)
 
-    a, b = straight.run_dir, relayed.run_dir
+    a, b = straight.run, relayed.run
     by_point = compare_points(a, b, points, spec.atol)
     differing_at = [p for p, t in by_point.items() if not t.equal]
     tensors_at = differing_at[0] if differing_at else target
@@ -220,7 +223,7 @@ def run_audit(
 
     def rerun() -> str | None:
         again = launch("uninterrupted-again", [target], first_values)
-        return _difference(a, again.run_dir, points, spec.atol, ignore)
+        return _difference(a, again.run, points, spec.atol, ignore)
 
     evidence = diagnose.Evidence(
         stops=stops,
@@ -288,7 +291,7 @@ def run_audit(
     )
     keep = spec.keep or not owned or not equal
     if keep:
-        result.run_dirs = {"uninterrupted": str(a), "interrupted": str(b)}
+        result.run_dirs = {"uninterrupted": str(a.path), "interrupted": str(b.path)}
         if (work / "uninterrupted-again").is_dir():
             result.run_dirs["uninterrupted-again"] = str(work / "uninterrupted-again")
     verdict.save(result)

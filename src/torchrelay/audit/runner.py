@@ -125,11 +125,16 @@ class RunLaunches:
     """A run directory and the launches that wrote it."""
 
     name: str
-    run_dir: Path
+    run: RunDir
     segments: list[SegmentLaunch] = field(default_factory=list)
 
     def checkpoint(self, update: int) -> Path:
-        return RunDir(self.run_dir).checkpoint(update)
+        return self.run.checkpoint(update)
+
+
+def fresh_run(work: Path, name: str) -> RunDir:
+    """The run directory the audit launches its run `name` in: `name` inside its work directory, new."""
+    return RunDir(work / name)
 
 
 def overrides_for(segment: int, vary: Mapping[str, Sequence[Any]], base: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,11 +178,11 @@ def said(log: Path) -> tuple[str, str | None] | None:
     return None
 
 
-def _last_segment(run_dir: Path) -> tuple[str | None, int | None]:
+def _last_segment(run: RunDir) -> tuple[str | None, int | None]:
     """How the newest segment in history.jsonl ended, and its last update."""
     from torchrelay.records.history import read_history
 
-    segments = read_history(run_dir)
+    segments = read_history(run)
     if not segments:
         return None, None
     return segments[-1].get("ended"), segments[-1].get("last_update")
@@ -186,7 +191,7 @@ def _last_segment(run_dir: Path) -> tuple[str | None, int | None]:
 def run_segments(
     name: str,
     launch: Sequence[str],
-    run_dir: Path,
+    run: RunDir,
     log_dir: Path,
     stop_after: Sequence[int],
     *,
@@ -211,22 +216,22 @@ def run_segments(
     except json.JSONDecodeError as exc:
         raise AuditError(f"TORCHRELAY_OVERRIDES is not JSON ({exc.msg})", hint="unset it or fix it") from exc
     base_overrides.update(extra_overrides or {})
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run.path.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
-    result = RunLaunches(name=name, run_dir=run_dir)
+    result = RunLaunches(name=name, run=run)
     for index, stop in enumerate(stop_after):
         overrides = overrides_for(index, vary or {}, base_overrides)
         # Written before the launch: Run.open accepts a fresh directory holding only the request.
-        write_request(run_dir, at_update=stop, reason="audit")
+        write_request(run, at_update=stop, reason="audit")
         seg_env = base_env | {
-            "TORCHRELAY_RUN_DIR": str(run_dir),
+            "TORCHRELAY_RUN_DIR": str(run.path),
             "TORCHRELAY_OVERRIDES": json.dumps(overrides),
         }
         log = log_dir / f"{name}-segment{index + 1}.log"
         started = time.monotonic()
         code = launcher(argv_for(index) if argv_for else launch, seg_env, log, timeout_s)
         # torchrun reports any failing worker as exit 1, so how the segment ended is read from history.jsonl.
-        ended, last_update = _last_segment(run_dir)
+        ended, last_update = _last_segment(run)
         seg = SegmentLaunch(index + 1, stop, overrides, code, time.monotonic() - started, log, ended)
         result.segments.append(seg)
         if on_segment is not None:
@@ -245,7 +250,7 @@ def run_segments(
             )
         if not (result.checkpoint(stop) / INVENTORY).is_file():
             raise AuditError(
-                f"{name} run, segment {index + 1}: no complete {checkpoint_name(stop)} in {run_dir} after the stop",
+                f"{name} run, segment {index + 1}: no complete {checkpoint_name(stop)} in {run.path} after the stop",
                 hint="the script must save and stop at the update boundary the request names",
             )
     return result

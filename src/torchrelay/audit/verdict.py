@@ -250,7 +250,7 @@ def code_key(code: dict[str, Any]) -> str:
     return sha256_json(code)
 
 
-def shown_for_run(run_dir: str | Path) -> dict[str, Any] | None:
+def shown_for_run(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """`verdict_for_run`, or None where the audit record cannot be read: status and report never fail over it."""
     try:
         found = verdict_for_run(run_dir)
@@ -259,7 +259,7 @@ def shown_for_run(run_dir: str | Path) -> dict[str, Any] | None:
     return dict(found) if found else None
 
 
-def verdict_for_run(run_dir: str | Path) -> dict[str, Any] | None:
+def verdict_for_run(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The last audit verdict that applies to a run directory, for `torchrelay status`; None if none applies.
 
     In order: the run's own AUDIT.json (an audited run); the verdict for the run's script when history.jsonl

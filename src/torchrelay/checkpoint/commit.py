@@ -37,10 +37,11 @@ TMP_PREFIX = TMP_CHECKPOINT_PREFIX
 DELETING_PREFIX = DELETING_CHECKPOINT_PREFIX
 
 
-def clean_stale(run_dir: Path) -> list[str]:
-    """Remove temporaries a crashed save, delete or pack left behind (rank 0, at start, before any check)."""
-    removed = clean_temporaries(run_dir)  # of a hand-off record a killed pack was writing
-    for child in run_dir.iterdir():
+def clean_stale(root: Path) -> list[str]:
+    """Remove temporaries a crashed save, delete or pack left behind in `root` (a folder of checkpoints: a run
+    directory, a memory tier's root or a replica's), rank 0, at start, before any check."""
+    removed = clean_temporaries(root)  # of a hand-off record a killed pack was writing
+    for child in root.iterdir():
         if _is_stale(child.name) and child.is_dir():
             remove_entry(child)  # a link of such a name goes itself, never what it points to
             removed.append(child.name)
@@ -191,13 +192,13 @@ def _delete(paths: list[Path]) -> None:
         remove_entry(path)  # a link or a file planted under such a name: itself only
 
 
-def stale_bytes(run_dir: Path) -> int:
+def stale_bytes(root: Path) -> int:
     """Bytes held by what the next start removes (`clean_stale`): a killed segment's spare, a killed save's
     temporary, a deletion cut short; files only, never through a link."""
     total = 0
-    if not run_dir.is_dir():
+    if not root.is_dir():
         return 0
-    for child in run_dir.iterdir():
+    for child in root.iterdir():
         if _is_stale(child.name) and child.is_dir() and not child.is_symlink():
             for folder, _dirs, files in os.walk(child):
                 for name in files:
@@ -206,12 +207,12 @@ def stale_bytes(run_dir: Path) -> int:
     return total
 
 
-def drop_spare(run_dir: Path) -> None:
+def drop_spare(root: Path) -> None:
     """Delete the run's spare (rank 0, at a segment's end): a run at rest holds what retention keeps, no more."""
-    spare = recycle.spare_path(run_dir)
+    spare = recycle.spare_path(root)
     # a folder, or whatever was planted under its name: itself, never through a link
     if os.path.lexists(spare):
-        doomed = run_dir / f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}"
+        doomed = root / f"{DELETING_PREFIX}spare-{os.getpid()}-{time.time_ns()}"
         with contextlib.suppress(OSError):  # what is left is removed at the next start (clean_stale)
             os.rename(spare, doomed)
             _delete([doomed])

@@ -60,10 +60,10 @@ def write_marker(ckpt: Path, record: dict[str, Any], *, step: str) -> None:
     fsync_dir(ckpt)
 
 
-def clean_temporaries(run_dir: Path) -> list[str]:
+def clean_temporaries(root: Path) -> list[str]:
     """Remove the temporaries of a record write that was killed; they are ours, and a leftover is no refusal."""
     removed = []
-    for ckpt in run_dir.glob(CHECKPOINT_GLOB):
+    for ckpt in root.glob(CHECKPOINT_GLOB):
         if parse_checkpoint_name(ckpt.name) is None or not ckpt.is_dir() or ckpt.is_symlink():
             continue
         for child in ckpt.iterdir():

@@ -80,21 +80,21 @@ def _plain(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
-def keep_as_spare(run_dir: Path, retired: Path, doomed_name: str) -> bool:
+def keep_as_spare(root: Path, retired: Path, doomed_name: str) -> bool:
     """Make `retired` (a checkpoint folder retention just renamed out of readers' sight) the run's spare; the
     spare it replaces is renamed to `doomed_name`, for the caller's deletion (rank 0, after the commit's rename).
     Best effort: False, and `retired` left where it is for deletion, when a rename fails (the checkpoint just
     committed is complete whatever happens here)."""
-    spare = spare_path(run_dir)
+    spare = spare_path(root)
     try:
         if os.path.lexists(spare):
-            os.rename(spare, run_dir / doomed_name)
+            os.rename(spare, root / doomed_name)
         os.rename(retired, spare)
     except OSError:
         return False
     return True
 
 
-def spare_path(run_dir: Path) -> Path:
+def spare_path(root: Path) -> Path:
     """Where a run's spare lives (it may not exist)."""
-    return run_dir / SPARE_CHECKPOINT
+    return root / SPARE_CHECKPOINT

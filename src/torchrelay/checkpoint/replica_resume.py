@@ -30,13 +30,14 @@ from torchrelay.checkpoint.tiers import MEMORY, Binding, held_replicas, memory_r
 from torchrelay.errors import IntegrityError, RelayError, UnsafeInput, one_line
 from torchrelay.log import logger
 from torchrelay.paths.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.safepath import resolve_inside
 
 REPLICA = "replica"
 RESUME_PREFIX = "resume-"
 
 
-def survey(run_dir: Path, rank: int, world_size: int) -> dict[str, Any] | None:
+def survey(run_dir: RunDir, rank: int, world_size: int) -> dict[str, Any] | None:
     """A node's first rank at open: every part and replica its memory holds, each verified (sizes, SHA-256)."""
     from torchrelay.checkpoint.commit import clean_stale  # imports torch
 
@@ -44,7 +45,7 @@ def survey(run_dir: Path, rank: int, world_size: int) -> dict[str, Any] | None:
     if rank != where.leader:
         return None
     try:
-        lineage = json.loads((run_dir / "lineage.json").read_text())["lineage"]
+        lineage = json.loads(run_dir.lineage_path.read_text())["lineage"]
     except (OSError, ValueError, KeyError, TypeError):
         return {"node": where.node, "host": socket.gethostname(), "parts": []}
     root = memory_root(lineage, run_dir)
@@ -143,7 +144,7 @@ def _bad(
     return f"{name}: {bad}" if bad else None
 
 
-def settle_after_open(run_dir: Path, lineage: str | None, rank: int, world_size: int, update: int,
+def settle_after_open(run_dir: RunDir, lineage: str | None, rank: int, world_size: int, update: int,
                       plan: list[int] | None) -> Path | None:  # fmt: skip
     """Every rank after a multi-node open: each node's memory loses what lies past the update resumed from (a
     future the resume threw away); with a `plan`, the chosen parts are assembled in each node's memory and its

@@ -87,7 +87,7 @@ def check_fork_guard(ckpt: Path) -> None:
 
 
 def validate_resume(
-    run_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | RunDir,
     cfg: RelayConfig,
     world_size: int,
     code_dir: str | os.PathLike[str] | None = None,
@@ -108,11 +108,11 @@ def validate_resume(
     overrode on purpose (a split the script merely repeats is the run's current one). asked_by: who asked for
     the move, recorded as its `asked_by` (reshard.reshard_asker).
     """
-    rd = RunDir(run_dir)
+    rd = RunDir.of(run_dir)
     stored = stored_config(rd)
-    recorded = load_contract(rd.path)
+    recorded = load_contract(rd)
     fields = recorded["fields"]
-    ckpt = latest_complete(rd.path)
+    ckpt = latest_complete(rd)
     update = 0
     doc: dict[str, Any] | None = None
     if ckpt is not None:
@@ -120,7 +120,7 @@ def validate_resume(
         update = int(doc["update"])
     state = _trainer_state(ckpt)
     current = checkpoint_layout(state.get("loop"), fields)
-    prepared = prepared_layout(rd.path, update)
+    prepared = prepared_layout(rd, update)
     by_prepare = prepared is not None and prepared.world_size == world_size  # asked for once, by prepare
     reshard = reshard or by_prepare
     new, notes = resolve(
@@ -299,9 +299,9 @@ def _prepare_record(path: Path) -> Any:
         ) from None
 
 
-def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | None:
+def prepared_layout(run: RunDir, update: int) -> Layout | None:
     """The layout `prepare --world-size` set for the checkpoint of `update` (REBASE_RECORD.json), or None."""
-    path = RunDir(run_dir).prepare_record_path
+    path = run.prepare_record_path
     record = _prepare_record(path)
     if record is None:
         return None
@@ -315,9 +315,9 @@ def prepared_layout(run_dir: str | os.PathLike[str], update: int) -> Layout | No
         raise ConfigError(f"{path}: layout_change.to is malformed ({exc})") from exc
 
 
-def prepared_keys(run_dir: str | os.PathLike[str]) -> list[str]:
+def prepared_keys(run: RunDir) -> list[str]:
     """The runtime fields `prepare` set on this run directory (REBASE_RECORD.json `changes`), dotted."""
-    record = _prepare_record(RunDir(run_dir).prepare_record_path)
+    record = _prepare_record(run.prepare_record_path)
     if record is None:
         return []
     changes = record.get("changes") if isinstance(record, dict) else None
@@ -352,7 +352,7 @@ def _overridden(key: str, overrides: dict[str, Any]) -> bool:
 
 
 def keep_prepared(
-    run_dir: str | os.PathLike[str], stored: RelayConfig, cfg: RelayConfig, overrides: dict[str, Any]
+    run: RunDir, stored: RelayConfig, cfg: RelayConfig, overrides: dict[str, Any]
 ) -> tuple[RelayConfig, list[str]]:
     """The script's configuration with every field that `prepare` set taken from the run's stored config.
 
@@ -361,7 +361,7 @@ def keep_prepared(
     unless this launch overrides them explicitly (`overrides`, TORCHRELAY_OVERRIDES, a script's --set). Returns
     the configuration and one note per field kept.
     """
-    keys = prepared_keys(run_dir)
+    keys = prepared_keys(run)
     if not keys:
         return cfg, []
     have, want = flatten(cfg.to_dict()), flatten(stored.to_dict())

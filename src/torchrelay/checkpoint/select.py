@@ -10,6 +10,7 @@ from torchrelay.checkpoint.handed_off import HANDED_OFF
 from torchrelay.checkpoint.inventory import INVENTORY, read_inventory
 from torchrelay.errors import IntegrityError, UnsafeInput
 from torchrelay.paths.layout import parse_checkpoint_name
+from torchrelay.paths.rundir import RunDir
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +27,9 @@ class CheckpointInfo:
     saved_now: str = ""  # why step.save_now asked for it (its inventory's `saved_now`): retention keeps it
 
 
-def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
+def list_checkpoints(run_dir: str | os.PathLike[str] | RunDir) -> list[CheckpointInfo]:
     """Every `checkpoint-N/`, oldest first, with whether its inventory is present and readable."""
-    root = Path(run_dir)
+    root = RunDir.of(run_dir).path
     out: list[CheckpointInfo] = []
     if not root.is_dir():
         return out
@@ -53,7 +54,7 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointInfo]:
     return sorted(out, key=lambda c: c.update)
 
 
-def latest_complete(run_dir: str | os.PathLike[str]) -> Path | None:
+def latest_complete(run_dir: str | os.PathLike[str] | RunDir) -> Path | None:
     """The newest checkpoint with a valid inventory; one without is never chosen. A newer one whose inventory is
     there but damaged is refused (IntegrityError naming the file): resuming from an older one would replace it at
     its update, so the user decides (restore the file, or remove that checkpoint)."""

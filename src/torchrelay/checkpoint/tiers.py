@@ -27,24 +27,25 @@ from torchrelay.checkpoint.storage import LocalStorage
 from torchrelay.config import envvars
 from torchrelay.errors import RelayError, one_line
 from torchrelay.paths.layout import checkpoint_name
+from torchrelay.paths.rundir import RunDir
 
 MEMORY, DURABLE = "memory", "durable"
 REPLICA_PREFIX = "replica-node"  # replica-node<n>/: the replica of node n's parts a node holds (replica.py)
 
 
-def memory_root(lineage: str, run_dir: Path) -> Path:
+def memory_root(lineage: str, run: RunDir) -> Path:
     """Where this run's memory checkpoints live on this node: by lineage, then by run directory (a copy of a run
     directory shares its lineage, never its memory checkpoints)."""
     base = Path(envvars.MEMORY_ROOT.get() or "/dev/shm/torchrelay")
-    where = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    where = hashlib.sha256(str(run.path.resolve()).encode()).hexdigest()[:12]
     return base / lineage / where
 
 
-def memory_storage(lineage: str, run_dir: Path) -> LocalStorage:
+def memory_storage(lineage: str, run: RunDir) -> LocalStorage:
     """The memory tier's storage, its folder made (owner only) if it is not there. The checkpoint retention
     retires stays as the spare the next memory save writes over (recycle.py): no tmpfs pages allocated and zeroed
     per save; it is one of the keep + 1 slots the capacity check counts."""
-    root = memory_root(lineage, run_dir)
+    root = memory_root(lineage, run)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     return LocalStorage(root, spare=True)
 
@@ -156,10 +157,10 @@ def missing_note(root: Path, memory_every: int, durable_update: int, reached: in
     )
 
 
-def forget(lineage: str | None, run_dir: Path) -> None:
+def forget(lineage: str | None, run: RunDir) -> None:
     """Delete this run's memory checkpoints on this node (a finished run, whose durable tier has the end)."""
     if lineage:
-        root = memory_root(lineage, run_dir)
+        root = memory_root(lineage, run)
         shutil.rmtree(root, ignore_errors=True)
         with contextlib.suppress(OSError):
             root.parent.rmdir()  # the lineage's folder, once no run directory of it has a memory tier here

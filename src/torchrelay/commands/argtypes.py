@@ -8,10 +8,16 @@ import math
 from collections.abc import Callable
 
 from torchrelay.paths.layout import MAX_UPDATE
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util.schema import INT_LIMIT
 from torchrelay.util.shown import visible
 
 JOBS_LIMIT = 1024  # hashing or copying threads: far past the cores of any node
+
+
+def run_directory(text: str) -> RunDir:
+    """A verb's RUN_DIR, as the path model every reader below takes (whether it holds a run is the verb's check)."""
+    return RunDir(text)
 
 
 def count(low: int, high: int = INT_LIMIT) -> Callable[[str], int]:

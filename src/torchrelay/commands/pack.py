@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from torchrelay.checkpoint.handed_off import HANDED_OFF
-from torchrelay.commands.argtypes import update
+from torchrelay.commands.argtypes import run_directory, update
 from torchrelay.errors import EXIT_FINISHED
 from torchrelay.handoff.pack import PackOptions, checkpoint_to_pack, pack
 from torchrelay.paths.lock import RunLock
@@ -21,7 +21,7 @@ def _checkpoint(text: str) -> int | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=Path, help="the stopped run directory")
+    parser.add_argument("run_dir", type=run_directory, help="the stopped run directory")
     parser.add_argument(
         "bundle", help="the bundle directory to write (new or empty), or s3://BUCKET/PREFIX (an empty prefix)"
     )
@@ -33,22 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = schema.from_namespace(PackOptions, args)
-    load_contract(
-        args.run_dir
-    )  # a path that holds no run is refused as such, before any checkpoint is looked for
+    run_dir: RunDir = args.run_dir
+    load_contract(run_dir)  # a path that holds no run is refused as such, before any checkpoint is looked for
     # A run still training is refused as such (RunBusy, exit 2) before any checkpoint is looked for: until its
     # first save committed, the look refused it as "no complete checkpoint" (exit 1). pack() takes the lock again.
-    RunLock(args.run_dir, "train").acquire().release()
-    ckpt = checkpoint_to_pack(RunDir(args.run_dir), options.checkpoint, guard=False)  # pack() itself guards
+    RunLock(run_dir.path, "train").acquire().release()
+    ckpt = checkpoint_to_pack(run_dir, options.checkpoint, guard=False)  # pack() itself guards
     total = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     url = parse_url(args.bundle) if scheme_of(args.bundle) else None
     with bars.byte_bar(f"pack {ckpt.name}", total) as advance:
         if url is not None:
             from torchrelay.handoff.store_pack import pack_to_store
 
-            result = pack_to_store(args.run_dir, url, options, on_bytes=advance)
+            result = pack_to_store(run_dir, url, options, on_bytes=advance)
         else:
-            result = pack(args.run_dir, Path(args.bundle), options, on_bytes=advance)
+            result = pack(run_dir, Path(args.bundle), options, on_bytes=advance)
     where = str(url) if url is not None else str(result.bundle)
     for note in result.notes:
         print(f"recovered: {note}")

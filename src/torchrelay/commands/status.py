@@ -5,19 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from torchrelay.audit.verdict import shown_for_run
+from torchrelay.commands.argtypes import run_directory
 from torchrelay.controller.attempts import describe_fallback, latest_fallback
 from torchrelay.errors import EXIT_ERROR, ConfigError, RecordError
 from torchrelay.identity.numerics import describe as describe_numerics
 from torchrelay.identity.numerics import fingerprint
-from torchrelay.paths.layout import HISTORY_FILE, checkpoint_label, checkpoint_name
+from torchrelay.paths.layout import checkpoint_label, checkpoint_name
 from torchrelay.paths.lock import describe, holder
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.history import read_history
 from torchrelay.records.reshard import describe_change
 from torchrelay.records.summary import summarize
@@ -25,7 +26,7 @@ from torchrelay.util.shown import shown, visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", type=run_directory)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(
         "--ledger",
@@ -54,14 +55,14 @@ def _duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def _last_exit(run_dir: str) -> int:
-    history = read_history(run_dir)
+def _last_exit(run: RunDir) -> int:
+    history = read_history(run)
     if not history:
-        raise ConfigError(f"{run_dir} has no segment yet", hint="launch the run first")
+        raise ConfigError(f"{run.path} has no segment yet", hint="launch the run first")
     last = history[-1]
     code = last.get("exit_code")
     if code is None:  # still running, or killed before it could record its end
-        running = holder(run_dir, "train") is not None
+        running = holder(run.path, "train") is not None
         print(
             f"segment {visible(last.get('segment'))}: "
             f"{'running' if running else 'ended unrecorded (killed or crashed)'}"
@@ -75,7 +76,7 @@ def _last_exit(run_dir: str) -> int:
         return EXIT_ERROR
     if code > 255:  # no process exits so: sys.exit would take it modulo 256 (256 read as 0, finished)
         raise RecordError(
-            str(Path(run_dir) / HISTORY_FILE),
+            str(run.history_path),
             f"the last segment's exit code {code} is no process's exit code (0 to 255)",
             field="exit_code",
             hint="the file is damaged or not what it should be; restore it from a copy",
@@ -159,11 +160,12 @@ def _state(s: dict[str, object]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    run: RunDir = args.run_dir
     if args.last_exit:
-        return _last_exit(args.run_dir)
-    s = summarize(args.run_dir, ledger=args.ledger)
-    s["audit"] = shown_for_run(args.run_dir)  # the summary is the run's; the verdict is the audit's
-    s["fallback"] = latest_fallback(args.run_dir)  # started by `launch` as a plan's fallback
+        return _last_exit(run)
+    s = summarize(run, ledger=args.ledger)
+    s["audit"] = shown_for_run(run)  # the summary is the run's; the verdict is the audit's
+    s["fallback"] = latest_fallback(run)  # started by `launch` as a plan's fallback
     if args.json:
         # JSON as every parser reads it: a NaN or infinite loss (a diverged run) or metric is null, not `NaN`
         print(json.dumps(_finite(s), indent=1, sort_keys=True, allow_nan=False))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchrelay.commands.argtypes import job_id, update
+from torchrelay.commands.argtypes import job_id, run_directory, update
 from torchrelay.controller.supervisor import last_logged_update
 from torchrelay.errors import ConfigError
 from torchrelay.paths.rundir import RunDir
@@ -15,7 +15,7 @@ from torchrelay.util.shown import visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", type=run_directory)
     p.add_argument(
         "--job", type=job_id, help="honoured only by this Slurm job id (others ignore and report it)"
     )
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run = RunDir(args.run_dir)
+    run: RunDir = args.run_dir
     run_dir = run.path
     exists = run.contract_path.exists()
     if args.before_start:
@@ -46,10 +46,10 @@ def run(args: argparse.Namespace) -> int:
             hint="pass the run directory the trainer uses, or --before-start for a run not launched yet",
         )
     else:
-        load_contract(run_dir)  # a damaged contract is no run to stop: refused naming the file
+        load_contract(run)  # a damaged contract is no run to stop: refused naming the file
         if args.at_update is not None:
             _refuse_past(run, args.at_update)
-    path = write_request(args.run_dir, job=args.job, at_update=args.at_update)
+    path = write_request(run, job=args.job, at_update=args.at_update)
     when = f"after update {args.at_update}" if args.at_update else "at the next update boundary"
     who = f"job {args.job}" if args.job else "whichever job runs it"
     print(f"wrote {visible(path)}: {who} will save a complete checkpoint and stop {when}")

@@ -117,9 +117,9 @@ class Attempts:
     `.<name>.attempts/` and `settle()` moves them in once the formal run has created it.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.run_dir = Path(run_dir)
-        self.run = RunDir(self.run_dir)
+    def __init__(self, run: RunDir) -> None:
+        self.run_dir = run.path
+        self.run = run
         self.final = self.run.attempts_dir
         self.staging = self.run_dir.parent / f".{self.run_dir.name}.{ATTEMPTS_DIR}"
         self.settle()
@@ -206,10 +206,10 @@ def describe_fallback(fallback: dict[str, Any]) -> str:
     )
 
 
-def latest_fallback(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+def latest_fallback(run: RunDir) -> dict[str, Any] | None:
     """fallback.json of the run's newest attempt that has one: the run was started as a plan's fallback
     (reads only: a status must not settle staged attempts)."""
-    root = RunDir(run_dir).attempts_dir
+    root = run.attempts_dir
     numbered = [(int(m.group(1)), c) for c in root.glob("attempt_*") if (m := _NAME.match(c.name))]
     for _, folder in sorted(numbered, reverse=True):
         data = Attempt(folder, 0).read_json("fallback.json")

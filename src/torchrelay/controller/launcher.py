@@ -93,7 +93,7 @@ class Controller:
         self.req = request
         self.show = LaunchConsole(console)
         self.plan: Plan = plan or load_plan(request.plan_path, request.sets)
-        self.attempts = Attempts(self.plan.run_path)
+        self.attempts = Attempts(self.plan.run)
         self.job = request.env.get("SLURM_JOB_ID") or None
         self.relay = SignalRelay()
 

@@ -29,6 +29,7 @@ from torchrelay.controller.plan import CheckSpec, Plan
 from torchrelay.errors import EXIT_REFUSED, RelayError
 from torchrelay.identity import find_code_dir, tree_note
 from torchrelay.manifest import Manifest
+from torchrelay.paths.rundir import RunDir
 from torchrelay.util import proctree
 
 GIB = 1024**3
@@ -64,9 +65,9 @@ class PreflightReport:
         ]
 
 
-def checkpoint_bytes(run_dir: str | os.PathLike[str]) -> int:
+def checkpoint_bytes(run: RunDir) -> int:
     """Size of the newest complete checkpoint (sum of its COMPLETE.json sizes), 0 when there is none."""
-    complete = [c for c in list_checkpoints(run_dir) if c.complete]
+    complete = [c for c in list_checkpoints(run) if c.complete]
     return complete[-1].size if complete else 0
 
 
@@ -391,7 +392,7 @@ def run_preflight(
         return out
 
     resumed = step(check_contract, plan)
-    step(check_disk, plan.run_path, checkpoint_bytes(plan.run_path), plan.preflight.checkpoints_ahead)
+    step(check_disk, plan.run_path, checkpoint_bytes(plan.run), plan.preflight.checkpoints_ahead)
     step(check_node_local, plan.run_path, env, plan.train.nnodes)
     if resumed is not None:
         stored, manifest = resumed

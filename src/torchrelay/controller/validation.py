@@ -48,7 +48,6 @@ from torchrelay.records.validation import (
     RECORD_LIMIT,
     RECORD_SCHEMA,
     ValidationRecord,
-    folder,
     read_records,
     remove_stale_temps,
 )
@@ -101,8 +100,8 @@ class Selection:
 
 def select(run: RunDir, updates: list[int] | None, *, again: bool = False) -> Selection:
     """Match the named updates (None: every complete checkpoint) against the run's checkpoints and records."""
-    complete = {c.update: c for c in list_checkpoints(run.path) if c.complete}
-    records = read_records(run.path)
+    complete = {c.update: c for c in list_checkpoints(run) if c.complete}
+    records = read_records(run)
     total = stored_config(run).total_updates
     reached = max(complete, default=0)
     sel = Selection()
@@ -149,7 +148,7 @@ class ValidationReport:
 
 def estimate_seconds(run: RunDir, fallback: float) -> float:
     """The longest validation this run has measured (they are alike), else the given estimate."""
-    measured = [r.seconds for r in read_records(run.path).values() if r.done and r.exit_code is not None]
+    measured = [r.seconds for r in read_records(run).values() if r.done and r.exit_code is not None]
     return max(measured) if measured else fallback
 
 
@@ -157,7 +156,7 @@ _LINK_HINT = "replace the link with a folder (or remove it): validation records 
 
 
 def validate_checkpoints(
-    run_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | RunDir,
     spec: ValidationSpec,
     *,
     deadline: float | None = None,
@@ -168,7 +167,7 @@ def validate_checkpoints(
 ) -> ValidationReport:
     """Validate every selected checkpoint not validated yet, oldest first, while the cost model says one more fits
     before `deadline`; what does not fit (or follows a stop) is left, and written to `validation/pending.json`."""
-    rd = RunDir(run_dir)
+    rd = RunDir.of(run_dir)  # the `validate` verb's and the controller's entry
     if not rd.exists():
         raise ConfigError(f"{rd.path} holds no torchrelay run", hint="validate a run directory")
     with RunLock(rd.path, "train").acquire(wait_s=envvars.LOCK_WAIT_S.get()):
@@ -241,9 +240,9 @@ def run_one(
     """Run the command on checkpoint-<update> and record how it went (never raises for the command's failure)."""
     run_dir = run.path
     ckpt = run.checkpoint(update)
-    out = folder(run_dir, update)
+    out = run.validation_of(update)
     ensure_inside(run_dir, out, source="validation", hint=_LINK_HINT)
-    previous = read_records(run_dir).get(update)
+    previous = read_records(run).get(update)
     out.mkdir(parents=True, exist_ok=True)
     for name in (METRICS, LOG):
         (out / name).unlink(missing_ok=True)  # a result of an earlier attempt must not pass for this one's

@@ -125,10 +125,10 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((ref.exp() * (ref - oth)).sum(-1).mean())
 
 
-def check_parity(out: Path, ckpt: Path, run_dir: Path | None, options: ParityOptions) -> dict[str, Any]:
+def check_parity(out: Path, ckpt: Path, run: RunDir | None, options: ParityOptions) -> dict[str, Any]:
     """Compare the export in `out` with the training model of `ckpt` on the run's first samples; the record for
     torchrelay_export.json, or ParityError. Exact when the exported floating tensors are float32."""
-    if run_dir is None:
+    if run is None:
         raise ConfigError(
             f"export --parity needs the run's data: export {ckpt.parent} (the run directory or bundle), not a "
             "checkpoint alone"
@@ -139,7 +139,6 @@ def check_parity(out: Path, ckpt: Path, run_dir: Path | None, options: ParityOpt
             hint="add --include PATH/config.json (the serving model's config)",
         )
     hooks = _load_hooks(options.hooks)
-    run = RunDir(run_dir)
     config = stored_config(run)
     order, manifest, _sha = order_and_contract(run)
     indices = [int(i) for i in order.epoch_order(0)[: min(options.samples, len(manifest))]]

@@ -166,37 +166,33 @@ def _some(names: list[str]) -> str:
     return f"the checkpoint's top-level modules are {roots[:12]}"
 
 
-def _holds_run(path: Path) -> bool:
-    return RunDir(path).contract_path.exists()
-
-
-def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, Path | None]:
+def resolve_checkpoint(source: Path, which: int | None) -> tuple[Path, RunDir | None]:
     """(checkpoint directory, the run or bundle directory holding it, if any) for a run, bundle or checkpoint."""
     source = Path(source)
-    if (source / INVENTORY).exists() or parse_checkpoint_name(source.name) is not None:
+    alone = (source / INVENTORY).exists() or parse_checkpoint_name(source.name) is not None
+    run = RunDir(source.parent if alone else source)  # a bundle's top holds a run directory's files too
+    if alone:
         if which is not None:
             raise ConfigError("export --checkpoint N applies to a run directory, not to a checkpoint")
-        parent = source.parent
-        holder = parent if _holds_run(parent) else None
-        return source, holder
-    if not _holds_run(source):
+        return source, run if run.exists() else None
+    if not run.exists():
         raise ConfigError(
             f"{source} is neither a run directory, a bundle nor a checkpoint-<N> directory",
             hint="pass RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoint-N",
         )
-    load_contract(source)  # a damaged contract holds no run to export from: refused, naming the file
-    complete = [c for c in list_checkpoints(source) if c.complete]
+    load_contract(run)  # a damaged contract holds no run to export from: refused, naming the file
+    complete = [c for c in list_checkpoints(run) if c.complete]
     if which is None:
         if not complete:
             raise CheckpointError(f"{source} has no complete checkpoint to export")
-        return complete[-1].path, source
+        return complete[-1].path, run
     match = [c for c in complete if c.update == which]
     if not match:
         have = ", ".join(str(c.update) for c in complete) or "none"
         raise CheckpointError(
             f"{source / checkpoint_label(which)} is not a complete checkpoint (complete: {have})"
         )
-    return match[0].path, source
+    return match[0].path, run
 
 
 def _shards(slots: list[TensorSlot], limit: int) -> list[list[TensorSlot]]:
@@ -236,16 +232,15 @@ def export_code(code: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _provenance(ckpt: Path, holder: Path | None, inventory: dict[str, Any]) -> dict[str, Any]:
+def _provenance(ckpt: Path, run: RunDir | None, inventory: dict[str, Any]) -> dict[str, Any]:
     contract: dict[str, Any] = {}
     lineage: dict[str, Any] = {}
-    if holder is not None:
-        run = RunDir(holder)
-        contract = read_json_or_none(run.contract_path, what="the training contract", root=holder) or {}
-        lineage = read_json_or_none(run.lineage_path, what="the run's lineage", root=holder) or {}
+    if run is not None:
+        contract = read_json_or_none(run.contract_path, what="the training contract", root=run.path) or {}
+        lineage = read_json_or_none(run.lineage_path, what="the run's lineage", root=run.path) or {}
     fields = contract.get("fields", {}) if isinstance(contract, dict) else {}
     return {
-        "run_dir": str(holder.resolve()) if holder is not None else None,
+        "run_dir": str(run.path.resolve()) if run is not None else None,
         "checkpoint": ckpt.name,
         "update": inventory.get("update"),
         "inventory_sha256": sha256_hex(ckpt / INVENTORY),

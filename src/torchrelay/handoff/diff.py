@@ -84,13 +84,13 @@ def load_side(path: Path) -> Side:
         root, checkpoint = path.parent, path.name
         doc = read_json_or_none(path / INVENTORY, what="checkpoint inventory", root=path)
         checkpoint_contract = doc.get("contract_sha256") if isinstance(doc, dict) else None
-    rd = RunDir(root)
+    rd = RunDir(root)  # the `diff` verb's side, once its checkpoint (if one was named) is set apart
     if not rd.contract_path.is_file():
         raise ConfigError(
             f"{path} is not a run directory, a bundle or a checkpoint (no {CONTRACT_FILE} at {root})",
             hint="pass a run dir, a bundle dir, or a run's checkpoint-N dir",
         )
-    contract = load_contract(root)
+    contract = load_contract(rd)
     try:
         # an object, or one line naming the file (flatten took a list or a number apart with an AttributeError)
         config = read_json(rd.config_path, what="the run's configuration", root=root, schema=Schema({}))

@@ -135,23 +135,25 @@ def checkpoint_to_pack(run: RunDir, which: int | None, *, guard: bool = True) ->
 
 
 def pack(
-    run_dir: Path, bundle: Path, options: PackOptions, on_bytes: ByteCallback | None = None
+    run_dir: str | os.PathLike[str] | RunDir,
+    bundle: Path,
+    options: PackOptions,
+    on_bytes: ByteCallback | None = None,
 ) -> PackResult:
     """Write `bundle` from `run_dir`'s checkpoint, then mark that checkpoint HANDED_OFF in the source run.
 
     Packing holds the run's writer lock: a run still training is refused (it would go on past the handed-off
     checkpoint, a fork), and no training can start until the checkpoint is marked.
     """
-    lock = RunLock(Path(run_dir), "train").acquire()
+    rd = RunDir.of(run_dir)  # the `pack` verb's, or a program's path
+    lock = RunLock(rd.path, "train").acquire()
     try:
-        return _pack(Path(run_dir), bundle, options, on_bytes)
+        return _pack(rd, bundle, options, on_bytes)
     finally:
         lock.release()
 
 
-def _pack(
-    run_dir: Path, bundle: Path, options: PackOptions, on_bytes: ByteCallback | None = None
-) -> PackResult:
+def _pack(rd: RunDir, bundle: Path, options: PackOptions, on_bytes: ByteCallback | None = None) -> PackResult:
     """The steps, ordered so that a kill at any moment leaves no usable bundle or a recorded hand-off:
 
     1. every file but SHA256SUMS into a temporary sibling; 2. rename it into place (not usable yet: no SHA256SUMS);
@@ -159,12 +161,11 @@ def _pack(
     A later pack rolls back what an interrupted one left (checkpoint/handed_off.py says how).
     """
     started = time.perf_counter()
-    rd = RunDir(Path(run_dir))
     bundle = through_link(Path(bundle))
     refuse_nested(rd.path, "run directory", bundle, "bundle")
     if options.sign is not None:
         check_key(options.sign)
-    contract = load_contract(rd.path)
+    contract = load_contract(rd)
     cfg = stored_config(rd)
     notes = recover(rd, bundle)
     ckpt = checkpoint_to_pack(rd, options.checkpoint)
@@ -362,7 +363,7 @@ def _write_bundle(
         strict_code=cfg.strict_code,
     )
     result.warnings.extend(source.warnings)
-    progress = training_progress(out, update, cfg.total_updates)
+    progress = training_progress(written.run, update, cfg.total_updates)
     _write_json(written.progress_path, progress)
     source_lineage = read_json_or_none(rd.lineage_path, what=rd.lineage_path.name)
     source_lineage = source_lineage if isinstance(source_lineage, dict) else {}
@@ -417,7 +418,7 @@ def _checkout_here() -> Path | None:
     return cwd if (cwd / ".git").exists() else None
 
 
-def training_progress(bundle_like: Path, update: int, total_updates: int) -> dict[str, Any]:
+def training_progress(bundle_like: RunDir, update: int, total_updates: int) -> dict[str, Any]:
     """Updates done/left, epoch, exposures, LR and mean losses at the stop, from the bundle's own copies."""
     summary: dict[str, Any] = {}
     try:
@@ -436,7 +437,7 @@ def training_progress(bundle_like: Path, update: int, total_updates: int) -> dic
     losses: dict[int, list[float]] = {}
     objectives: dict[str, dict[int, list[float]]] = {}
     lr = None
-    for _rank, path in rank_logs(RunDir(bundle_like).train_dir, "metrics").items():
+    for _rank, path in rank_logs(bundle_like.train_dir, "metrics").items():
         for rec in iter_records(path):
             u = int(rec.get("update", 0))
             if isinstance(rec.get("loss"), (int, float)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ from torchrelay.util.sums import SUMS_NAME, SumEntry, format_sums
 
 
 def pack_to_store(
-    run_dir: Path,
+    run_dir: str | os.PathLike[str] | RunDir,
     url: StoreURL,
     options: PackOptions,
     on_bytes: ByteCallback | None = None,
@@ -48,9 +49,10 @@ def pack_to_store(
     """Pack `run_dir`'s checkpoint into the store at `url` (an empty prefix of an existing bucket), then mark that
     checkpoint HANDED_OFF; holds the run's writer lock throughout, as a local pack does."""
     store = store or open_store(url, jobs=store_jobs(options.jobs))
-    lock = RunLock(Path(run_dir), "train").acquire()
+    rd = RunDir.of(run_dir)  # the `pack` verb's, or a program's path
+    lock = RunLock(rd.path, "train").acquire()
     try:
-        return _pack(RunDir(Path(run_dir)), url, options, store, on_bytes)
+        return _pack(rd, url, options, store, on_bytes)
     finally:
         lock.release()
 

@@ -21,7 +21,6 @@ from torchrelay.data.order import GlobalOrder
 from torchrelay.errors import IntegrityError, RelayError
 from torchrelay.ledger import proof as ledger_proof
 from torchrelay.manifest import Manifest
-from torchrelay.paths.layout import TRAIN_DIR
 from torchrelay.paths.lock import holder
 from torchrelay.paths.rundir import RunDir
 from torchrelay.records.contract import contract_manifest, load_contract
@@ -50,9 +49,9 @@ class LedgerReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def order_for(run_dir: Path) -> tuple[GlobalOrder, Manifest]:
+def order_for(run: RunDir) -> tuple[GlobalOrder, Manifest]:
     """The run's global order, rebuilt from its stored config and contract."""
-    order, manifest, _ = order_and_contract(RunDir(run_dir))
+    order, manifest, _ = order_and_contract(run)
     return order, manifest
 
 
@@ -130,7 +129,9 @@ def _narrow(values: np.ndarray) -> np.ndarray:
     return values.astype(np.int32) if fits else values
 
 
-def prove(run_dir: str | os.PathLike[str], max_problems: int = 10, *, full: bool = False) -> LedgerReport:
+def prove(
+    run_dir: str | os.PathLike[str] | RunDir, max_problems: int = 10, *, full: bool = False
+) -> LedgerReport:
     """Compare what the ranks logged with the global order, update by update.
 
     Streams: per-sample counters in numpy, one epoch at a time, never a Python object per exposure; 20 M exposures
@@ -138,11 +139,10 @@ def prove(run_dir: str | os.PathLike[str], max_problems: int = 10, *, full: bool
     (ledger/proof.py) stands for the prefix it covers, and only the tail is read; the report is then the one the
     whole proof gives (any tail that is not clean, or not readable the fast way, is proven in full).
     """
-    root = Path(run_dir)
-    run = RunDir(root)
+    run = RunDir.of(run_dir)
     order, manifest, contract_sha = order_and_contract(run)
-    paths = rank_logs(root / TRAIN_DIR, "exposures")
-    live = holder(root, "train") is not None
+    paths = rank_logs(run.train_dir, "exposures")
+    live = holder(run.path, "train") is not None
     if not full:
         rep = _from_proof(run, order, manifest, contract_sha, paths, live)
         if rep is not None:

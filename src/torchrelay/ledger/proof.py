@@ -35,7 +35,7 @@ from torchrelay.config import envvars
 from torchrelay.data.order import ORDER_VERSION, GlobalOrder
 from torchrelay.errors import RelayError, one_line
 from torchrelay.log import logger
-from torchrelay.paths.layout import LEDGER_PROOF, TRAIN_DIR, parse_checkpoint_name
+from torchrelay.paths.layout import LEDGER_PROOF, parse_checkpoint_name
 from torchrelay.paths.rundir import RunDir
 from torchrelay.records.train import rank_logs
 from torchrelay.util.durable import atomic_write_bytes
@@ -264,7 +264,6 @@ class ProofSpawner:
 
     def __init__(self, run: RunDir) -> None:
         self._run = run
-        self._run_dir = run.path
         self._base: int | None = None  # the logs' bytes when the last prover started (or the newest proof's)
         self._alive: list[subprocess.Popen[bytes]] = []
 
@@ -273,7 +272,7 @@ class ProofSpawner:
             threshold = envvars.LEDGER_PROOF_BYTES.get()
             if threshold < 0:
                 return
-            total = sum(p.stat().st_size for p in rank_logs(self._run_dir / TRAIN_DIR, "exposures").values())
+            total = sum(p.stat().st_size for p in rank_logs(self._run.train_dir, "exposures").values())
             if total <= threshold:  # a small run: nothing to read, nothing to start
                 return
             if self._base is None:
@@ -283,13 +282,13 @@ class ProofSpawner:
             self._alive = [p for p in self._alive if p.returncode is None]
             if len(self._alive) >= MAX_PROVERS:
                 return
-            self._alive.append(spawn(self._run_dir, update))
+            self._alive.append(spawn(self._run, update))
             self._base = total
         except (OSError, RelayError) as exc:
             logger.warning(f"[torchrelay] no ledger prover for update {update}: {one_line(exc)}")
 
 
-def spawn(run_dir: Path, update: int) -> subprocess.Popen[bytes]:
+def spawn(run: RunDir, update: int) -> subprocess.Popen[bytes]:
     """Start the prover of checkpoint-<update>, detached from the caller's output; a thread of the caller reaps it
     when it ends (it may outlive the caller: nothing waits for it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -297,7 +296,7 @@ def spawn(run_dir: Path, update: int) -> subprocess.Popen[bytes]:
     src = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(
-        [sys.executable, "-m", PROVER_MODULE, str(run_dir), str(update)],
+        [sys.executable, "-m", PROVER_MODULE, str(run.path), str(update)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -22,7 +22,6 @@ from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.errors import CheckpointError, RelayError, one_line
 from torchrelay.ledger import proof as ledger_proof
 from torchrelay.ledger.exposure import order_and_contract, prove_prefix
-from torchrelay.paths.layout import TRAIN_DIR
 from torchrelay.paths.rundir import RunDir
 from torchrelay.records.exposure_read import Exposures, end_of_update, parse_exposure_lines
 from torchrelay.records.train import rank_logs
@@ -31,18 +30,16 @@ from torchrelay.util.kill_points import kill_point
 LOWEST_PRIORITY = 19
 
 
-def prove_checkpoint(run_dir: str | os.PathLike[str], update: int) -> Path | None:
+def prove_checkpoint(run: RunDir, update: int) -> Path | None:
     """Write checkpoint-<update>/LEDGER_PROOF.json if every update up to `update` logged exactly its samples;
     return its path, or None (nothing written) when the prefix is not exact or cannot be read the fast way. A
     checkpoint that is not there (any more) is a CheckpointError."""
-    root = Path(run_dir)
-    run = RunDir(root)
     ckpt = run.checkpoint(update)
     if not (ckpt / INVENTORY).is_file():
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (removed by retention?)")
     order, manifest, contract_sha = order_and_contract(run, bound=False)  # (checked when the run opened)
     ident = ledger_proof.identity(order, contract_sha)
-    paths = rank_logs(root / TRAIN_DIR, "exposures")
+    paths = rank_logs(run.train_dir, "exposures")
     by_name = {path.name: path for path in paths.values()}
     cuts = {path.name: end_of_update(path, update) for path in paths.values()}
     start = ledger_proof.newest(run, ident, by_name, before=update)
@@ -83,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2 or not args[1].isdigit():
         print("usage: python -m torchrelay.ledger.prover RUN_DIR UPDATE", file=sys.stderr)
         return 2
-    run_dir, update = Path(args[0]), int(args[1])
+    run, update = RunDir(args[0]), int(args[1])  # the spawner's process: the run directory and the update
     try:
-        _take_turn(run_dir / TRAIN_DIR)
-        written = prove_checkpoint(run_dir, update)
+        _take_turn(run.train_dir)
+        written = prove_checkpoint(run, update)
     except (
         OSError,
         RelayError,

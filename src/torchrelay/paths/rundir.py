@@ -55,11 +55,16 @@ class RunDir:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
+    @classmethod
+    def of(cls, where: str | os.PathLike[str] | RunDir) -> RunDir:
+        """`where` as a RunDir: a caller's path becomes one once, where it enters; a RunDir passes through."""
+        return where if isinstance(where, RunDir) else cls(where)
+
     def __fspath__(self) -> str:
         return os.fspath(self.path)
 
     def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r})"
+        return f"{type(self).__name__}({str(self.path)!r})"
 
     config_path = property(lambda self: self.path / CONFIG_FILE)
     contract_path = property(lambda self: self.path / CONTRACT_FILE)

@@ -138,13 +138,13 @@ def _text(value: Any, default: str) -> str:
 
 
 def write_request(
-    run_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | RunDir,
     job: str | None = None,
     at_update: int | None = None,
     reason: str = "user",
 ) -> Path:
     """Ask the run in `run_dir` to save and stop (at the next boundary, or after `at_update`)."""
-    path = RunDir(run_dir).request_stop_path
+    path = RunDir.of(run_dir).request_stop_path
     if path.is_dir() and not path.is_symlink():  # os.replace would name its temporary, not this
         raise PathError(
             f"{path} is a directory, not a stop request",

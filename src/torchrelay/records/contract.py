@@ -12,7 +12,7 @@ from torchrelay.config.relay import RUNTIME_FIELDS, RelayConfig
 from torchrelay.errors import ConfigError, ContractMismatch, IntegrityError
 from torchrelay.identity import CODE_FIELDS, code_changes, code_identity, versions
 from torchrelay.manifest import Manifest, index_root
-from torchrelay.paths.layout import CONTRACT_FILE
+from torchrelay.paths.layout import CONTRACT_FILE  # noqa: F401 - a name its readers (diff, the tests) import from here
 from torchrelay.paths.rundir import RunDir
 from torchrelay.util.dotted import flatten
 from torchrelay.util.hashing import canonical_json, sha256_hex, sha256_json
@@ -265,16 +265,16 @@ def contract_changes(
     return sorted(diffs + refused), other
 
 
-def write_contract(run_dir: Path, contract: dict[str, Any]) -> None:
+def write_contract(run: RunDir, contract: dict[str, Any]) -> None:
     from torchrelay.util.durable import atomic_write_text
 
     recorded = {k: contract[k] for k in ("format", "fields", "sha256")}  # not "compat": it is no field
-    atomic_write_text(run_dir / CONTRACT_FILE, canonical_json(recorded) + "\n")
+    atomic_write_text(run.contract_path, canonical_json(recorded) + "\n")
 
 
-def load_contract(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def load_contract(run_dir: str | os.PathLike[str] | RunDir) -> dict[str, Any]:
     """The recorded contract, checked against its own hash."""
-    path = Path(run_dir) / CONTRACT_FILE
+    path = RunDir.of(run_dir).contract_path
     try:
         data = read_json(path, what="the training contract")
     except FileNotFoundError as exc:
@@ -307,12 +307,11 @@ def check_contract(
 ) -> dict[str, Any]:
     """Refuse with every differing field listed, or return the recorded contract (another changed file of the
     code's tree is no refusal unless strict_code: identity.code_changes)."""
-    run_dir = run.path
-    recorded = recorded if recorded is not None else load_contract(run_dir)
+    recorded = recorded if recorded is not None else load_contract(run)
     recomputed = comparable(recorded["fields"], recomputed)
     diffs, _ = contract_changes(recorded["fields"], recomputed["fields"], strict_code=strict_code)
     if diffs:
-        raise ContractMismatch(str(run_dir / CONTRACT_FILE), diffs)
+        raise ContractMismatch(str(run.contract_path), diffs)
     return recorded
 
 

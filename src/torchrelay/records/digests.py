@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from torchrelay.paths.rundir import RunDir
 from torchrelay.records.train import RankLog
 from torchrelay.util.jsonl import iter_records
 
@@ -139,10 +140,10 @@ def restored_differs(path: Path, update: int, model: torch.nn.Module | None) -> 
     return f"the parameters restored hash to {got}, update {update} trained {row['params']} ({path.parent.name}/{path.name})"
 
 
-def read_digests(run_dir: Path) -> dict[int, dict[int, str]]:
+def read_digests(run: RunDir) -> dict[int, dict[int, str]]:
     """`{rank: {update: digest}}` of a run directory (the last line of each update wins)."""
     out: dict[int, dict[int, str]] = {}
-    train = Path(run_dir) / "train"
+    train = run.train_dir
     for path in sorted(train.glob("digests-rank*.jsonl")) if train.is_dir() else []:
         rank = int(path.stem.removeprefix("digests-rank"))
         rows: dict[int, str] = {}

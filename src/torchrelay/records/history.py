@@ -7,7 +7,6 @@ import os
 import uuid
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from pathlib import Path
 from typing import Any, Final
 
 from torchrelay.paths.layout import HISTORY_FILE
@@ -122,17 +121,17 @@ SEGMENT_SCHEMA = Schema({
 })  # fmt: skip
 
 
-def read_history(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_history(run_dir: str | os.PathLike[str] | RunDir) -> list[dict[str, Any]]:
     """The segment records of history.jsonl, each checked against SEGMENT_SCHEMA; none when it does not exist
     (see util.jsonl for a torn line)."""
-    return read_records(Path(run_dir) / HISTORY_FILE, schema=SEGMENT_SCHEMA)
+    return read_records(RunDir.of(run_dir).history_path, schema=SEGMENT_SCHEMA)
 
 
-def write_history(run_dir: Path, segments: list[dict[str, Any]]) -> None:
+def write_history(run: RunDir, segments: list[dict[str, Any]]) -> None:
     """Rewrite the whole (small) file atomically, each segment fitted into SEGMENT_SCHEMA's bounds (what
     read_history accepts)."""
     lines = (json.dumps(fit(s, SEGMENT_SCHEMA), sort_keys=True) + "\n" for s in segments)
-    atomic_write_text(run_dir / HISTORY_FILE, "".join(lines))
+    atomic_write_text(run.history_path, "".join(lines))
 
 
 def new_id() -> str:
@@ -151,12 +150,11 @@ def close_crashed(segments: list[dict[str, Any]], last_update: int | None) -> li
 
 def upsert(run: RunDir, segment: dict[str, Any]) -> None:
     """Replace the record with the same id, or append it."""
-    run_dir = run.path
-    segments = read_history(run_dir)
+    segments = read_history(run)
     for i, seg in enumerate(segments):
         if seg.get("segment") == segment["segment"]:
             segments[i] = segment
             break
     else:
         segments.append(segment)
-    write_history(run_dir, segments)
+    write_history(run, segments)

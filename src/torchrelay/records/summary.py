@@ -30,14 +30,16 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: bool = False) -> dict[str, Any]:
+def summarize(
+    run_dir: str | os.PathLike[str] | RunDir, window: int = 100, *, ledger: bool = False
+) -> dict[str, Any]:
     """Updates done/left, epoch fraction, exposures, LR, recent loss and speed, ETA, checkpoints, segments.
 
     What it reads does not grow with the run: the tail of rank 0's metrics, the contract, the history and the
     checkpoints' records. Exposures are the schedule's (updates done x global batch); `ledger=True` proves them
     from every exposure line instead (`torchrelay ledger`: seconds and hundreds of MB at 20 M exposures).
     """
-    rd = RunDir(run_dir)
+    rd = RunDir.of(run_dir)
     cfg = stored_config(rd)
     records = last_records(metrics_path(rd.train_dir, 0), window)
     done = records[-1]["update"] if records else 0
@@ -47,14 +49,14 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
     times = [metric_float(r["update_time"]) for r in recent if isinstance(r.get("update_time"), int | float)]
     left = cfg.total_updates - done
     mean_time = _mean(times)
-    fields = load_contract(rd.path)["fields"]
+    fields = load_contract(rd)["fields"]
     batch, samples = int(fields["global_batch"]), int(fields["data.samples"])
     per_epoch = max(samples // batch, 1)
     epoch = (done - 1) // per_epoch if done else 0
-    proof = prove(rd.path) if ledger else None
-    ckpts = list_checkpoints(rd.path)
+    proof = prove(rd) if ledger else None
+    ckpts = list_checkpoints(rd)
     kept = _kept_because(cfg, ckpts)
-    history = read_history(rd.path)
+    history = read_history(rd)
     lineages = sorted({str(s["lineage"]) for s in history if s.get("lineage")})
     out: dict[str, Any] = {
         "run_dir": str(rd.path),
@@ -138,8 +140,7 @@ def summarize(run_dir: str | os.PathLike[str], window: int = 100, *, ledger: boo
 def _memory_tier(run: RunDir, every: int, lineage: str | None) -> dict[str, Any]:
     """The memory tier as this node holds it (checkpoint/tiers.py): where, how often, its checkpoints, and the
     replicas of other nodes' parts it holds (checkpoint/replica.py)."""
-    run_dir = run.path
-    root = memory_root(lineage, run_dir) if lineage else None
+    root = memory_root(lineage, run) if lineage else None
     held = LocalStorage(root, spare=False).list_complete() if root is not None and root.is_dir() else []
     replicas = [
         {"source": source, **_held(c)}
@@ -160,16 +161,14 @@ def _held(c: CheckpointInfo) -> dict[str, Any]:
 
 def _validation(run: RunDir) -> dict[str, Any]:
     """Each checkpoint's recorded validation (status, metrics, when, how long) and what is left to validate."""
-    run_dir = run.path
-
     records = [
         {
             k: r.to_dict()[k]
             for k in ("update", "status", "reason", "metrics", "seconds", "started", "attempt")
         }
-        for r in read_records(run_dir).values()
+        for r in read_records(run).values()
     ]
-    return {"records": records, "pending": read_pending(run_dir)}
+    return {"records": records, "pending": read_pending(run)}
 
 
 def _kept_because(cfg: RelayConfig, ckpts: list[CheckpointInfo]) -> dict[int, str]:

@@ -115,15 +115,11 @@ def parse_updates(value: Any, source: str = "validate.updates") -> list[int] | N
     return sorted(set(value))
 
 
-def folder(run_dir: str | os.PathLike[str], update: int) -> Path:
-    return RunDir(run_dir).validation_of(update)
-
-
-def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]:
+def read_records(run: RunDir) -> dict[int, ValidationRecord]:
     """Every recorded validation, by update. A folder without a record holds none (a validation killed mid-way:
     the record is written atomically, last); a record that is there but unreadable, or not a record, is damage:
     one RecordError naming the file and the field."""
-    root = RunDir(run_dir).validation_dir
+    root = run.validation_dir
     out: dict[int, ValidationRecord] = {}
     if not root.is_dir():
         return out
@@ -133,7 +129,7 @@ def read_records(run_dir: str | os.PathLike[str]) -> dict[int, ValidationRecord]
         path = child / RECORD
         if not os.path.lexists(path):
             continue
-        data = read_json(path, what="a validation record", root=run_dir, limit=RECORD_LIMIT)
+        data = read_json(path, what="a validation record", root=run.path, limit=RECORD_LIMIT)
         record = ValidationRecord.from_dict(data, source=str(path))
         if record.update != parse_checkpoint_name(child.name):
             raise RecordError(str(path), f"says update {record.update}, in {child.name}", field="update",
@@ -158,11 +154,11 @@ def remove_stale_temps(rd: RunDir) -> list[Path]:
     return remove_temps(found)
 
 
-def read_pending(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_pending(run: RunDir) -> dict[str, Any] | None:
     """What the last validation pass left to do (`pending.json`), or None without one."""
-    path = RunDir(run_dir).validation_dir / PENDING
+    path = run.validation_dir / PENDING
     if not os.path.lexists(path):
         return None
     return read_json(
-        path, what="what validation left to do", root=run_dir, limit=RECORD_LIMIT, schema=PENDING_SCHEMA
+        path, what="what validation left to do", root=run.path, limit=RECORD_LIMIT, schema=PENDING_SCHEMA
     )

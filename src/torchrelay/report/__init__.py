@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchrelay.errors import PathError, UnsafeInput
+from torchrelay.paths.rundir import RunDir
 from torchrelay.report.series import ReportError, RunSeries, read_series
 from torchrelay.util.safepath import is_inside
 
@@ -31,7 +32,7 @@ class ReportResult:
 
 
 def render(
-    run_dir: str | Path, out_dir: str | Path | None = None, *, audit: str | None = None
+    run_dir: str | os.PathLike[str] | RunDir, out_dir: str | Path | None = None, *, audit: str | None = None
 ) -> ReportResult:
     """Draw the run in `run_dir` into `out_dir` (default RUN_DIR/report): overview.png, one PNG per plot, report.html.
 
@@ -40,9 +41,10 @@ def render(
     from torchrelay.report.html import write_html
     from torchrelay.report.plots import draw_overview, draw_panel, draw_validation, panels_for
 
-    series = read_series(run_dir)
-    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
-    if out_dir is None and (out.is_symlink() or not is_inside(Path(run_dir), out)):
+    run = RunDir.of(run_dir)
+    series = read_series(run)
+    out = Path(out_dir) if out_dir is not None else run.path / "report"
+    if out_dir is None and (out.is_symlink() or not is_inside(run.path, out)):
         # the run directory's own folder, not one a link in it leads to (the user's --out may be a link of theirs)
         raise UnsafeInput(
             f"{out} is a symbolic link (to {os.path.realpath(out)}); refusing to write the report through it",

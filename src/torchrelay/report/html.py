@@ -104,11 +104,11 @@ def write_html(
     figures = "\n".join(_image(title, png) for title, png in images.values())
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<title>torchrelay report: {html.escape(series.run_dir.name)}</title>
+<title>torchrelay report: {html.escape(series.run.path.name)}</title>
 <style>{_STYLE}</style></head>
 <body>
-<h1>torchrelay report: {html.escape(series.run_dir.name)}</h1>
-<p class="muted">{html.escape(str(series.run_dir.resolve()))} · first segment started {started}</p>
+<h1>torchrelay report: {html.escape(series.run.path.name)}</h1>
+<p class="muted">{html.escape(str(series.run.path.resolve()))} · first segment started {started}</p>
 <p>{html.escape(summary)}</p>
 <p>Resumability audit: {html.escape(audit or "none recorded for this run's code (run `torchrelay audit`)")}</p>
 <h2>Segments</h2>

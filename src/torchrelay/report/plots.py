@@ -214,7 +214,7 @@ def panels_for(series: RunSeries) -> dict[str, tuple[str, Drawer]]:
 
 def _title(series: RunSeries) -> str:
     return (
-        f"{series.run_dir.name}: updates {series.updates[0]}–{series.updates[-1]}, "
+        f"{series.run.path.name}: updates {series.updates[0]}–{series.updates[-1]}, "
         f"{len(series.segments)} segment(s), {len(series.checkpoints)} checkpoint(s)"
     )
 
@@ -266,7 +266,7 @@ def draw_panel(name: str, series: RunSeries, path: Path) -> Path:
     ax = fig.subplots()
     drawer(ax, series)
     _decorate(ax, series, labels=True)
-    ax.set_title(f"{title} — {series.run_dir.name}", fontsize=11, loc="left", pad=16)
+    ax.set_title(f"{title} — {series.run.path.name}", fontsize=11, loc="left", pad=16)
     ax.set_xlabel("update")
     fig.tight_layout(rect=(0, _legend_inches(series) / height, 1, 1))
     return _finish(fig, series, path)
@@ -296,7 +296,7 @@ def draw_validation(series: RunSeries, path: Path, max_metrics: int = 6) -> Path
         axes[0, 0].legend(loc="best", fontsize=8)
     axes[-1, 0].set_xticks(sorted({p.update for p in series.validation}))
     axes[-1, 0].set_xlabel("update (checkpoint)")
-    fig.suptitle(f"{series.run_dir.name}: validation of {len(series.validation)} checkpoint(s)", fontsize=11)
+    fig.suptitle(f"{series.run.path.name}: validation of {len(series.validation)} checkpoint(s)", fontsize=11)
     fig.tight_layout()
     _save(fig, path)
     return path

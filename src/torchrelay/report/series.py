@@ -71,7 +71,7 @@ class ValidationPoint:
 class RunSeries:
     """Everything the plots need, per update; missing values are NaN."""
 
-    run_dir: Path
+    run: RunDir
     updates: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     # per objective (every logged `loss_<name>`, e.g. loss_g3 and loss_a1), the mean over ranks
@@ -109,9 +109,9 @@ def _by_update(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _segments(run_dir: Path) -> list[Segment]:
+def _segments(run: RunDir) -> list[Segment]:
     segments = []
-    for index, row in enumerate(read_history(run_dir), start=1):
+    for index, row in enumerate(read_history(run), start=1):
         hosts = row.get("hosts") or []
         segments.append(
             Segment(
@@ -174,13 +174,13 @@ def _manifest_size(run: RunDir) -> int | None:
     return count + started
 
 
-def read_series(run_dir: str | Path) -> RunSeries:
+def read_series(run_dir: str | os.PathLike[str] | RunDir) -> RunSeries:
     """Read metrics (loss averaged over ranks, LR and speed from rank 0), segments, checkpoints and exposures."""
-    root = Path(run_dir)
+    run = RunDir.of(run_dir)
+    root = run.path
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "does not exist"
         raise PathError(f"{root} {what}: no run directory there", hint="pass the directory given to Run.open")
-    run = RunDir(root)
     train_dir = run.train_dir
     logs = rank_logs(train_dir, "metrics")
     per_rank = {rank: _by_update(read_records(p, schema=METRIC_SCHEMA)) for rank, p in logs.items()}
@@ -189,7 +189,7 @@ def read_series(run_dir: str | Path) -> RunSeries:
             f"{train_dir}: no metrics-rank*.jsonl lines yet",
             hint="report on a run that has logged at least one update (step.log)",
         )
-    series = RunSeries(run_dir=root, ranks=len(per_rank))
+    series = RunSeries(run=run, ranks=len(per_rank))
     first_rank = next(iter(per_rank.values()))
     series.updates = sorted(set().union(*(rows.keys() for rows in per_rank.values())))
     names = sorted({k for rows in per_rank.values() for row in rows.values() for k in row if is_objective(k)})
@@ -209,8 +209,8 @@ def read_series(run_dir: str | Path) -> RunSeries:
         finite_times = [t for t in times if math.isfinite(t)]
         series.update_time.append(max(finite_times) if finite_times else math.nan)
         series.samples_per_s.append(_float(row.get("samples_per_s")))
-    series.segments = _segments(root)
-    series.checkpoints = [c.update for c in list_checkpoints(root) if c.complete]
+    series.segments = _segments(run)
+    series.checkpoints = [c.update for c in list_checkpoints(run) if c.complete]
     series.exposure_updates, series.distinct_samples, series.total_exposures = _exposures(train_dir)
     series.manifest_size = _manifest_size(run)
     series.validation = _validation(run)
@@ -218,11 +218,10 @@ def read_series(run_dir: str | Path) -> RunSeries:
 
 
 def _validation(run: RunDir) -> list[ValidationPoint]:
-    run_dir = run.path
     from torchrelay.records.validation import read_records
 
     points = []
-    for record in read_records(run_dir).values():
+    for record in read_records(run).values():
         numeric = {
             k: float(v)
             for k, v in (record.metrics or {}).items()

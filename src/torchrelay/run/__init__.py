@@ -162,7 +162,7 @@ class Run:
         )
         deadline = opened.deadline
         self._agreement = StopAgreement(
-            self.dir.path,
+            self.dir,
             rank=self.rank,
             world_size=self.world_size,
             total_updates=self.config.total_updates,

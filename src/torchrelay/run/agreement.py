@@ -13,7 +13,8 @@ from pathlib import Path
 
 from torchrelay.config import envvars
 from torchrelay.log import logger
-from torchrelay.policy.stop import REQUEST_FILE, SignalFlag, StopContext, StopRequest, decide, is_stale
+from torchrelay.paths.rundir import RunDir
+from torchrelay.policy.stop import SignalFlag, StopContext, StopRequest, decide, is_stale
 from torchrelay.util import collective
 
 
@@ -22,7 +23,7 @@ class StopAgreement:
 
     def __init__(
         self,
-        run_dir: Path,
+        run: RunDir,
         *,
         rank: int,
         world_size: int,
@@ -31,7 +32,7 @@ class StopAgreement:
         save_estimate: Callable[[], float],
         notes: list[str],
     ) -> None:
-        self._run_dir = run_dir
+        self._run = run
         self._rank = rank
         self._distributed = world_size > 1
         self._total = total_updates
@@ -120,7 +121,7 @@ class StopAgreement:
         return verdict.code
 
     def _read_request(self) -> StopRequest | None:
-        path = self._run_dir / REQUEST_FILE
+        path = self._run.request_stop_path
         try:
             st = os.lstat(path)  # a link is a request StopRequest.read refuses to follow, not its target
         except FileNotFoundError:
@@ -133,7 +134,7 @@ class StopAgreement:
     def consume_request(self, archive: Path) -> None:
         """Rank 0, after a stop the request asked for: move the request file into `archive`, so that the next
         launch does not stop at once."""
-        src = self._run_dir / REQUEST_FILE
+        src = self._run.request_stop_path
         if os.path.lexists(src):
             archive.mkdir(parents=True, exist_ok=True)
             os.replace(src, archive / f"REQUEST_STOP-{int(time.time() * 1000)}.json")

@@ -106,7 +106,7 @@ def create_run(
     )
     atomic_write_text(rd.config_path, json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     atomic_write_text(rd.path / LINEAGE_FILE, json.dumps({"lineage": new_id(), "parent_lineage": None}))
-    write_contract(rd.path, contract)  # last: from here on the directory holds a run
+    write_contract(rd, contract)  # last: from here on the directory holds a run
     return Start(
         config=cfg,
         contract_sha=contract["sha256"],
@@ -159,21 +159,21 @@ def reopen_run(
     if config is not None and cfg.manifest != stored.manifest:
         cfg = cfg.replace(manifest=stored.manifest)  # the run's own copy, unless overridden below
     if config is not None:
-        cfg, kept = keep_prepared(rd.path, stored, cfg, overrides)  # prepare's fields win
+        cfg, kept = keep_prepared(rd, stored, cfg, overrides)  # prepare's fields win
         for note in kept:
             logger.warning(f"[torchrelay] warning: {note}")
     cfg = cfg.with_overrides(overrides) if overrides else cfg
     refuse_contract_overrides(stored, cfg, overrides)
     clean_stale(rd.path)  # our own leftovers (a killed save or pack) are removed, never refused
     # TORCHRELAY_DURABLE: the store's newest committed checkpoint, downloaded verified when this directory lacks it
-    restored = restore_durable(rd.path)
+    restored = restore_durable(rd)
     if restored:
         logger.info(f"[torchrelay] {restored}")
     # The script and the modules it imported from the code directory, tracked by git or not.
     # Names and sizes only here: every rank hashes the files it loads as it reads them (run.track), so no
     # rank waits while this one reads the whole checkpoint
     check = validate_resume(
-        rd.path,
+        rd,
         cfg,
         world_size,
         code_dir,
@@ -189,14 +189,14 @@ def reopen_run(
     if code_note:
         logger.warning(f"[torchrelay] warning: {code_note}")
     rd.remove_stale_temps()
-    history = read_history(rd.path)
+    history = read_history(rd)
     last_logged = max((int(r["update"]) for r in iter_records(metrics_path(rd.train_dir, 0))), default=None)
     tier = _newest_across_tiers(rd, cfg, check, world_size, history, holdings, last_logged)
     update, ckpt = tier.update, tier.checkpoint
     numerics_change = None
     if ckpt is not None and update < cfg.total_updates:  # refused before any write
         numerics_change = check_resume(history, numerics, upto=update, strict=cfg.strict_numerics)
-    write_history(rd.path, close_crashed(history, last_logged))
+    write_history(rd, close_crashed(history, last_logged))
     archived = trim_after(rd.train_dir, update)
     manifest, repointed = check.manifest, None
     if not manifest.written_under(cfg.data_root) and _is_own_copy(rd, manifest):
@@ -285,7 +285,7 @@ def _newest_across_tiers(
     if tier.tier == DURABLE and not tier.refused:
         # the memory_every the run saved with, before a change this launch makes to it (a runtime field)
         every = int(check.runtime_changes.get("memory_every", [cfg.memory_every])[0] or 0)
-        missing = missing_note(memory_root(lineage, run.path), every, check.update, reached)
+        missing = missing_note(memory_root(lineage, run), every, check.update, reached)
     if missing is None:
         return tier
     logger.warning(f"[torchrelay] {missing}")
@@ -313,7 +313,7 @@ def _memory_or_durable(
     segments = {str(s.get("segment")) for s in history}
     if holdings is not None:  # several nodes: each node's part, own or the partner's replica
         return _across_nodes(run, lineage, holdings, binding, check, segments)
-    choice = choose_memory(memory_root(lineage, run_dir), binding, check.update, segments)
+    choice = choose_memory(memory_root(lineage, run), binding, check.update, segments)
     for line in choice.refused:
         logger.warning(f"[torchrelay] {line}; the next tier is used")
     if choice.checkpoint is None:
@@ -330,13 +330,12 @@ def _across_nodes(
     check: Any,
     segments: set[str],
 ) -> _Tiered:
-    run_dir = run.path
     picked = choose_nodes(holdings, binding, check.update, segments)
     for line in picked.refused:
         logger.warning(f"[torchrelay] {line}; the next tier is used")
     if picked.update is None:
         return _Tiered(check.checkpoint, check.update, DURABLE, picked.refused)
-    where = memory_root(lineage, run_dir)  # rank 0's node: its part (or a replica) names the save's seconds
+    where = memory_root(lineage, run)  # rank 0's node: its part (or a replica) names the save's seconds
     held = where if picked.plan[0] == 0 else replica_dir(where, 0)
     logger.info(
         f"[torchrelay] resuming from the {picked.tier} tier: update {picked.update}, parts {picked.plan}"

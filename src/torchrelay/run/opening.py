@@ -131,7 +131,7 @@ class SegmentOpener:
         if nodes_of(self.rank, self.world_size).nodes > 1:  # what each node's memory holds, verified there
             with ranks.phase("reading the memory tiers"):
                 gathered_parts = ranks.all_gather(
-                    "reading the memory tiers", lambda: survey(self.dir.path, self.rank, self.world_size)
+                    "reading the memory tiers", lambda: survey(self.dir, self.rank, self.world_size)
                 )
             holdings = [h for h in gathered_parts if h is not None]
         refused: list[str] = []
@@ -145,7 +145,7 @@ class SegmentOpener:
                 self.unlock()  # an interrupt is not shared, and not recorded: the lock goes all the same
                 raise
             try:  # several nodes: each node's memory loses the futures past this update; the parts assembled
-                self.assembled = settle_after_open(self.dir.path, outcome.segment.lineage, self.rank,
+                self.assembled = settle_after_open(self.dir, outcome.segment.lineage, self.rank,
                                                    self.world_size, outcome.update, outcome.plan)  # fmt: skip
                 break
             except RelayError as exc:  # agreed: every rank raises it alike
@@ -403,7 +403,7 @@ class SegmentOpener:
                 stopped=time.time(),
                 notes=[*segment.notes, err.message[:2000]],
             )
-            write_history(self.dir.path, [*close_crashed(history, None), segment.to_dict()])
+            write_history(self.dir, [*close_crashed(history, None), segment.to_dict()])
         except (OSError, RelayError) as exc:
             logger.warning(f"[torchrelay] could not record the refused launch in history.jsonl: {exc}")
 

@@ -84,6 +84,7 @@ class Saver:
         hosts: int = 1,
     ) -> None:
         run_dir = run.path
+        self._run = run
         self._run_dir = run_dir
         self._config = config
         self._tracked = tracked
@@ -111,7 +112,7 @@ class Saver:
         if why and rank == 0:
             logger.warning(f"[torchrelay] {why}")
         if on and lineage:
-            self._memory = memory_storage(lineage, run_dir)
+            self._memory = memory_storage(lineage, run)
             said_once(rank, world_size)
         self.policy = SaveDecision(
             config.save_every, self._retention, config.memory_every if self._memory else 0
@@ -144,7 +145,7 @@ class Saver:
         # Rank 0 starts the ledger's background prover after a commit (ledger/proof.py): a process, never work here.
         self._proofs = ProofSpawner(run) if rank == 0 else None
         # TORCHRELAY_DURABLE: rank 0 copies each committed checkpoint into the store, in a process of its own
-        self._durable = DurableSpawner(run_dir) if durable_url() is not None and rank == 0 else None
+        self._durable = DurableSpawner(run) if durable_url() is not None and rank == 0 else None
 
     def due(self, done: int) -> bool:
         """The loop's two calls in one: `after_update(done)`, then whether `policy` saves `done` durably."""
@@ -435,7 +436,7 @@ class Saver:
                 and self._memory is not None
                 and 0 <= self._memory_last <= self.last
             ):
-                forget(self._lineage, self._run_dir)  # the durable tier holds a newer (or the same) update
+                forget(self._lineage, self._run)  # the durable tier holds a newer (or the same) update
             wait_deletions()
             if self._durable is not None and not self._persister.stuck:
                 self._durable.close()  # the newest checkpoint reaches the store before the run ends

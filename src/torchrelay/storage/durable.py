@@ -49,15 +49,15 @@ def durable_url() -> StoreURL | None:
     return parse_url(text) if text else None
 
 
-def _lineage(run_dir: Path) -> str:
-    doc = read_json_or_none(RunDir(run_dir).lineage_path, what="lineage.json")
+def _lineage(run: RunDir) -> str:
+    doc = read_json_or_none(run.lineage_path, what="lineage.json")
     return str(doc.get("lineage")) if isinstance(doc, dict) else ""
 
 
-def acquire_lease(store: ObjectStore, url: StoreURL, run_dir: Path) -> None:
+def acquire_lease(store: ObjectStore, url: StoreURL, run: RunDir) -> None:
     """Make this run the prefix's one writer, or refuse: another run's WRITER.json is there."""
-    lineage = _lineage(run_dir)
-    doc = {"lineage": lineage, "run_dir": str(run_dir), "host": socket.gethostname(), "since": time.time()}
+    lineage = _lineage(run)
+    doc = {"lineage": lineage, "run_dir": str(run.path), "host": socket.gethostname(), "since": time.time()}
     if store.put_if_absent(url.key(LEASE), (json.dumps(doc, sort_keys=True) + "\n").encode()):
         return
     try:
@@ -75,7 +75,7 @@ def acquire_lease(store: ObjectStore, url: StoreURL, run_dir: Path) -> None:
     )
 
 
-def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None = None) -> list[str]:
+def sync(run: RunDir, url: StoreURL | None = None, store: ObjectStore | None = None) -> list[str]:
     """Upload every complete local checkpoint the store lacks (oldest first), then apply retention there;
     returns what was done, one line each."""
     url = url or durable_url()
@@ -83,7 +83,7 @@ def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None =
         return []
     store = store or open_store(url, jobs=JOBS)
     store.check_bucket()
-    acquire_lease(store, url, run_dir)
+    acquire_lease(store, url, run)
     storage = ObjectStorage(store, url, jobs=JOBS)
     stored = {c.update: c for c in storage.list_complete()}
     committed = {u for u, c in stored.items() if c.complete}
@@ -96,7 +96,7 @@ def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None =
             storage.delete([update])
             notes.append(f"checkpoint-{update}: an upload that never committed removed from {url}")
     stored = {u: c for u, c in stored.items() if newest is None or u >= newest or u in committed}
-    local = list_checkpoints(run_dir)
+    local = list_checkpoints(run)
     for info in local:
         if info.complete and info.update not in committed:
             try:
@@ -122,8 +122,8 @@ def sync(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None =
     return notes
 
 
-def restore(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | None = None) -> str | None:
-    """Download the store's newest committed checkpoint into `run_dir` when it has no complete checkpoint as new:
+def restore(run: RunDir, url: StoreURL | None = None, store: ObjectStore | None = None) -> str | None:
+    """Download the store's newest committed checkpoint into `run` when it has no complete checkpoint as new:
     each part checked against the inventory's SHA-256 states as it arrives, into a temporary folder renamed into
     place once every file matched (the local commit). Returns what was done, None when nothing was needed."""
     url = url or durable_url()
@@ -133,13 +133,13 @@ def restore(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | Non
     store.check_bucket()
     storage = ObjectStorage(store, url, jobs=JOBS)
     committed = [c.update for c in storage.list_complete() if c.complete]
-    local = [c.update for c in list_checkpoints(run_dir) if c.complete]
+    local = [c.update for c in list_checkpoints(run) if c.complete]
     if not committed or max(committed) <= max(local, default=-1):
         return None
     update = max(committed)
     name = f"checkpoint-{update}"
-    final = run_dir / name
-    tmp = run_dir / f".{name}.restore-tmp"
+    final = run.checkpoint(update)
+    tmp = run.path / f".{name}.restore-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # a killed restore's
     tmp.mkdir()
     try:
@@ -154,7 +154,7 @@ def restore(run_dir: Path, url: StoreURL | None = None, store: ObjectStore | Non
         if final.exists():  # an incomplete local copy of the same update: the verified one replaces it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        fsync_dir(run_dir)
+        fsync_dir(run.path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -165,8 +165,8 @@ class DurableSpawner:
     """Rank 0's: after each commit, a sync in a process of its own (one at a time; a commit meanwhile is
     picked up by the next); `close` waits for it and syncs once more in this process."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self._run_dir = run_dir
+    def __init__(self, run: RunDir) -> None:
+        self._run = run
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
@@ -179,7 +179,7 @@ class DurableSpawner:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", MODULE, str(self._run_dir)],
+                    [sys.executable, "-m", MODULE, str(self._run.path)],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
@@ -196,7 +196,7 @@ class DurableSpawner:
             if self._proc is not None:
                 self._proc.wait()
             try:
-                for note in sync(self._run_dir):
+                for note in sync(self._run):
                     logger.info(f"[torchrelay] durable tier: {note}")
             except (RelayError, OSError) as exc:
                 logger.warning(f"[torchrelay] durable tier: the last sync failed: {one_line(exc)}")
@@ -204,7 +204,7 @@ class DurableSpawner:
 
 def _main(argv: list[str]) -> int:
     try:
-        sync(Path(argv[0]))
+        sync(RunDir(argv[0]))  # the spawner's process: its one argument is the run directory
     except (RelayError, OSError):
         return 1  # the next commit's sync, or the run's close, tries again and says why
     return 0
