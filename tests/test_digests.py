@@ -115,4 +115,4 @@ def test_a_checkpoint_whose_files_agree_but_hold_other_values_is_refused_at_the_
     write_request(tmp_path / "good", at_update=2)
     _train(example, tmp_path / "good")
     _train(example, tmp_path / "good")
-    assert sorted(read_digests(tmp_path / "good")[0]) == [1, 2, 3, 4, 5]
+    assert sorted(read_digests(RunDir(tmp_path / "good"))[0]) == [1, 2, 3, 4, 5]
