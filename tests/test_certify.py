@@ -43,13 +43,14 @@ def _files_sha(ckpt: Path) -> str:
     return h.hexdigest()
 
 
-def _corrupt_a_weight_and_rehash(ckpt: Path) -> str:
-    """Change one element of the largest model tensor in its DCP file, then write the inventory again over the
-    changed bytes: what a fault in staging, before the hashing, leaves (the checkpoint verifies)."""
+def _corrupt_a_weight_and_rehash(ckpt: Path, prefix: str = "model.") -> str:
+    """Change one element of the largest tensor named `prefix`... (a weight; `optim.`: an optimizer's moment) in
+    its DCP file, then write the inventory again over the changed bytes: what a fault in staging, before the
+    hashing, leaves (the checkpoint verifies)."""
     model = ckpt / "model"
     md = dcp_io.read_metadata(model)
     index, info = max(
-        ((i, s) for i, s in md.storage_data.items() if i.fqn.startswith("model.")), key=lambda p: p[1].length
+        ((i, s) for i, s in md.storage_data.items() if i.fqn.startswith(prefix)), key=lambda p: p[1].length
     )
     path = model / info.relative_path
     data = bytearray(path.read_bytes())
@@ -84,7 +85,9 @@ def test_certify_reproduces_the_recorded_updates_and_names_where_a_corrupt_check
     assert _files_sha(run / "checkpoint-8") == before  # the checkpoint is never touched
     assert not (run / "checkpoint-10").exists()  # the replay ran on a copy
 
-    name = _corrupt_a_weight_and_rehash(run / "checkpoint-8")
+    # a moment of the optimizer: the load cannot tell (the digest covers the parameters), the replay's first
+    # update can
+    name = _corrupt_a_weight_and_rehash(run / "checkpoint-8", "optim.")
     assert validate_complete(run / "checkpoint-8")["update"] == 8  # every file matches its inventory
     code = main(["certify", str(run), "--checkpoint", "8", "--updates", "2", "--", *launch])
     said = capsys.readouterr()
@@ -94,6 +97,16 @@ def test_certify_reproduces_the_recorded_updates_and_names_where_a_corrupt_check
         "checkpoint-8: NOT certified: the replay parts from the training at update 9 (rank(s) 0, 1)"
     ], (said.out, said.err[-3000:])
     assert read_certificate(run, 8)["certified"] is False
+    # a weight: the replay's load itself refuses it (the parameters once loaded against update 8's digest)
+    name = _corrupt_a_weight_and_rehash(run / "checkpoint-8")
+    code = main(["certify", str(run), "--checkpoint", "8", "--updates", "2", "--", *launch])
+    said = capsys.readouterr()
+    assert code == 1, (name, said.out, said.err[-3000:])
+    assert said.out.strip().splitlines() == [
+        "checkpoint-8: NOT certified: its parameters, once loaded, are not those update 8 trained (the replay's "
+        "load refused it)"
+    ], (said.out, said.err[-3000:])
+    assert read_certificate(run, 8)["loaded_differs"] is True
 
 
 def test_certify_chooses_by_the_updates_recorded_not_by_every_rank_that_ever_recorded(tmp_path: Path) -> None:

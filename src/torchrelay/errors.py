@@ -74,6 +74,11 @@ class IntegrityError(RelayError):
     exit_code = EXIT_REFUSED
 
 
+class StateMismatch(IntegrityError):
+    """A checkpoint whose files match their inventory, yet whose state, once loaded, is not what its update trained
+    (the parameters' per-update digest, records/digests.py)."""
+
+
 class RecordError(IntegrityError):
     """A record on disk (JSON, a JSONL line, a safetensors header, a YAML plan) that is not what its reader
     expects: the message names the file, and the line and field where there is one (util/records.py)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from torchrelay.audit.runner import AuditError, Launcher, fresh_run, run_segments, subprocess_launcher
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.errors import ConfigError
+from torchrelay.errors import ConfigError, StateMismatch
 from torchrelay.identity import numerics
 from torchrelay.paths.layout import CONTRACT_FILE, LOCK_FILES, checkpoint_name, parse_checkpoint_name
 from torchrelay.paths.rundir import RunDir
@@ -50,6 +50,8 @@ class Certificate:
     launch: list[str] = field(default_factory=list)
     seconds: float = 0.0  # the replay's launch
     numerics_same: bool | None = None  # the replay ran with the numerics identity of the recorded updates
+    # the replay's load refused the checkpoint: its parameters, once loaded, are not those its update trained
+    loaded_differs: bool = False
     time: float = field(default_factory=time.time)
     format: int = CERTIFICATE_FORMAT
 
@@ -61,7 +63,13 @@ class Certificate:
                 f"{name}: certified: {self.updates} update(s) replayed from it reproduce the recorded digests "
                 f"bit for bit ({self.compared} compared, {self.seconds:.1f}s)"
             )
-        where = f"update {self.first_differing} (rank(s) {', '.join(map(str, self.ranks))})"
+        ranks = f"rank(s) {', '.join(map(str, self.ranks))}"
+        if self.loaded_differs:
+            return (
+                f"{name}: NOT certified: its parameters, once loaded, are not those update {self.checkpoint} trained "
+                "(the replay's load refused it)"
+            )
+        where = f"update {self.first_differing} ({ranks})"
         other = "; the replay ran with another numerics identity" if self.numerics_same is False else ""
         return f"{name}: NOT certified: the replay parts from the training at {where}{other}"
 
@@ -219,16 +227,33 @@ def certify(
         replay = fresh_run(work, "replay")
         _copy_run(run, update, replay.path)
         started = time.monotonic()
-        run_segments(
-            "certify",
-            launch,
-            replay,
-            work / "logs",
-            [update + updates],
-            timeout_s=timeout_s,
-            launcher=launcher,
-            extra_overrides={"keep_updates": [update + updates]},
-        )
+        try:
+            run_segments(
+                "certify",
+                launch,
+                replay,
+                work / "logs",
+                [update + updates],
+                timeout_s=timeout_s,
+                launcher=launcher,
+                extra_overrides={"keep_updates": [update + updates]},
+            )
+        except AuditError:
+            refused = _refused_at_load(replay)
+            if not refused:
+                raise
+            cert = Certificate(
+                checkpoint=update,
+                updates=updates,
+                certified=False,
+                first_differing=update,
+                ranks=refused,
+                launch=list(launch),
+                seconds=time.monotonic() - started,
+                loaded_differs=True,
+            )
+            _record(run, cert)
+            return cert
         seconds = time.monotonic() - started
         replayed = read_digests(replay)
         first, ranks, compared = compare(recorded, replayed, update + 1, update + updates)
@@ -254,6 +279,19 @@ def certify(
             shutil.rmtree(work, ignore_errors=True)
     _record(run, cert)
     return cert
+
+
+def _refused_at_load(replay: RunDir) -> list[int]:
+    """The ranks whose load of the replay's checkpoint found parameters other than its update trained (their
+    notes in the replay's last segment name StateMismatch: at least the first to raise it), or none."""
+    segments = read_history(replay) if replay.history_path.is_file() else []
+    notes = segments[-1].get("notes", []) if segments else []
+    ranks = set()
+    for note in notes:
+        head, _, rest = str(note).partition(": ")
+        if rest.startswith(f"{StateMismatch.__name__}:") and head.startswith("rank ") and head[5:].isdigit():
+            ranks.add(int(head[5:]))
+    return sorted(ranks)
 
 
 def _record(run: RunDir, cert: Certificate) -> None:

@@ -17,7 +17,7 @@ from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
 from torchrelay.checkpoint.state import rng
 from torchrelay.config.tuning import LoadTuning
-from torchrelay.errors import IntegrityError, RecordError
+from torchrelay.errors import RecordError, StateMismatch
 from torchrelay.records.digests import restored_differs
 
 
@@ -115,7 +115,7 @@ class Restore:
         if self._digests is not None and self._rederive is None:
             differs = restored_differs(self._digests, self.update, tracked.model)
             if differs is not None:
-                raise IntegrityError(
+                raise StateMismatch(
                     f"{self.checkpoint}: {differs}",
                     hint=f"the checkpoint holds other values than its update trained: remove {self.checkpoint.name} "
                     "to resume from an older checkpoint, and report it",
