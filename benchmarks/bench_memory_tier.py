@@ -194,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=20)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--every", type=int, default=1, help="updates between saves (memory_every, save_every)")
-    p.add_argument("--overlap", action="store_true", help="and the memory loop with save_tuning.overlap_copy")
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -204,11 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         every = args.every
         plain = _loop(out, config, "plain", {})
         memory = _loop(out, config, "memory", {"memory_every": every})
-        overlap = (
-            _loop(out, config, "memory-overlap", {"memory_every": every, "save_tuning.overlap_copy": "true"})
-            if args.overlap
-            else None
-        )
         durable = _loop(out, config, "durable", {"save_every": every})
         at = max(2, args.updates // 2 // every * every)
         from_memory = _killed_then_restarted(
@@ -230,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             # what a save costs the loop in all, its next update's wait for the copies included (per save)
             "lost_per_memory_save_s": (memory["interval_mean_s"] - plain["interval_mean_s"]) * every,
             "lost_per_durable_save_s": (durable["interval_mean_s"] - plain["interval_mean_s"]) * every,
-            "lost_per_memory_save_overlapped_s": None
-            if overlap is None
-            else (overlap["interval_mean_s"] - plain["interval_mean_s"]) * every,
-            "loops": {"plain": plain, "memory": memory, "durable": durable, "memory_overlap": overlap},
+            "loops": {"plain": plain, "memory": memory, "durable": durable},
             "restart_to_first_update_memory_s": from_memory,
             "restart_to_first_update_disk_s": from_disk,
         }

@@ -22,7 +22,6 @@ from torchrelay.checkpoint.inventory import read_inventory, validate_complete
 from torchrelay.config.tuning import SaveTuning
 from torchrelay.errors import IntegrityError
 from torchrelay.policy.stop import write_request
-from torchrelay.run.overlap import step_protected
 
 
 def _config(example: dict[str, Path], **changes: Any) -> RelayConfig:
@@ -468,37 +467,3 @@ def test_a_failure_of_any_rank_in_the_plan_or_the_write_is_raised_on_every_rank(
     back = {"model": {f"w{i}": torch.zeros(64) for i in range(6)}}
     dcp.load(back, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
     assert all(torch.equal(back["model"][f"w{i}"], torch.arange(64.0) * (i + 1)) for i in range(6))
-
-
-def test_a_save_behind_the_next_update_makes_every_optimizers_step_wait_until_the_close(
-    example: dict[str, Path], tmp_path: Path
-) -> None:
-    """The plumbing of SaveTuning.overlap_copy that runs without a GPU: after a save whose copies land behind the
-    next update, the step of every optimizer in the process (one the run does not track too) waits for them first,
-    until the next save replaces the wait or the close removes it (the copies themselves: test_overlap_cuda.py)."""
-    waits: list[str] = []
-
-    class Landed:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def before_step(self) -> None:
-            waits.append(self.name)
-
-    model = torch.nn.Linear(4, 4)
-    tracked, other = (
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        torch.optim.SGD([torch.nn.Parameter(torch.ones(2))]),
-    )
-    with Run.open(tmp_path / "run", _config(example), code_dir=example["code"]) as run:
-        run.track(model=model, optimizer=tracked)
-        run._saver.step_wait.arm(Landed("a"))  # type: ignore[arg-type]
-        tracked.step()
-        other.step()
-        run._saver.step_wait.arm(Landed("b"))  # type: ignore[arg-type]
-        tracked.step()
-        assert (
-            step_protected(tracked, run.config.save_tuning) == frozenset()
-        )  # on the CPU every copy lands before the save returns
-    tracked.step()
-    assert waits == ["a", "a", "b"]

@@ -243,22 +243,20 @@ def test_the_save_and_load_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert any(name.startswith("torchrelay resume") for name in got["loads"]), got["loads"]
 
 
-@pytest.mark.full  # nine processes of train_lm.py, two of them SIGKILLed: 22 s idle, about 80 s on a busy machine
+@pytest.mark.full  # eight processes of train_lm.py, two of them SIGKILLed: 22 s idle, about 80 s on a busy machine
 def test_bench_memory_tier_runs_at_a_toy_size(tmp_path: Path) -> None:
     """bench_memory_tier.py: a plain loop, memory and durable saves every update, and the restarts from each tier
     after a SIGKILL (each asserts the tier it resumed from), every figure in its JSON."""
     out = tmp_path / "memory.json"
     _bench("bench_memory_tier.py", "--d-model", "32", "--layers", "1", "--updates", "8", "--every", "2",
-           "--overlap", "--dir", tmp_path, "--json", out)  # fmt: skip
+           "--dir", tmp_path, "--json", out)  # fmt: skip
     got = json.loads(out.read_text())
     assert _positive(got["state_bytes"], got["restart_to_first_update_memory_s"]), got
     assert _positive(got["restart_to_first_update_disk_s"]), got
     assert {"blocked_per_memory_save_s", "blocked_per_durable_save_s", "lost_per_memory_save_s"} <= set(
         got
     ), got
-    assert got["loops"]["memory_overlap"]["updates_timed"] > 0, (
-        got
-    )  # the --set of save_tuning.overlap_copy ran
+    assert got["loops"]["memory"]["updates_timed"] > 0 and 0 <= got["loops"]["memory"]["slow_share"] <= 1, got
 
 
 def test_bench_load_runs_at_a_toy_size_and_its_goal_is_judged(tmp_path: Path) -> None:

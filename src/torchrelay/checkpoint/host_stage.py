@@ -81,9 +81,6 @@ class HostStage:
         self._deferred: dict[str, torch.Tensor] = {}
         self.allocated_bytes = 0
         self.unlocked = 0  # buffers of CUDA tensors CUDA would not page-lock (their copies are synchronous)
-        # `begin`: data pointers of the tensors only an optimizer's step changes, copied on `_side`
-        self._protected: frozenset[int] = frozenset()
-        self._side: torch.cuda.Stream | None = None
 
     @staticmethod
     def _pinned(t: torch.Tensor) -> bool:
@@ -311,29 +308,6 @@ class HostStage:
 
         self._start(register)
 
-    def begin(self, protected: frozenset[int] = frozenset()) -> None:
-        """A save's copies start. Those of CUDA tensors whose data pointer is in `protected` (what only an
-        optimizer's step changes) go on a stream of their own, after everything the loop queued so far, so that the
-        next update's forward and backward run while they land; the step must wait for `landed()` first. Every
-        other copy (buffers a forward changes, statefuls) stays on the loop's stream, ahead of the next forward."""
-        self._protected = protected
-        if protected:
-            if self._side is None:
-                self._side = torch.cuda.Stream()
-            self._side.wait_stream(torch.cuda.current_stream())
-
-    def landed(self) -> Landed:
-        """Where the copies issued since `begin` complete; ends the save's copies (`synchronize` is then not
-        needed: `Landed.wait` before reading the buffers)."""
-        loop = torch.cuda.Event()
-        loop.record()
-        side = None
-        if self._protected and self._side is not None:
-            side = torch.cuda.Event()
-            side.record(self._side)
-        self._protected = frozenset()
-        return Landed(loop, side)
-
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host tensor with `t`'s values, in this key's buffer (call `synchronize` before reading it). A tensor
         with no buffer yet may be left to the persist (`spill_to_device`): the buffer returned then holds its values
@@ -342,10 +316,6 @@ class HostStage:
         if _is_dtensor(t):
             return dtensor_like(self.copy(key, dtensor_local(t)), t)
         src = t.detach()
-        if self._side is not None and src.is_cuda and src.data_ptr() in self._protected:
-            with torch.cuda.stream(self._side):
-                src.record_stream(self._side)  # its memory is not handed out again before the copy read it
-                return self._copy(key, src)
         return self._copy(key, src)
 
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
@@ -412,26 +382,6 @@ class HostStage:
             self._small.clear()
             self._bufs.clear()
             self.allocated_bytes = 0
-
-
-class Landed:
-    """The end of a save's copies (`HostStage.landed`): on the loop's stream, and on the stream of the copies only
-    a step may overwrite (None when there were none)."""
-
-    def __init__(self, loop: torch.cuda.Event, side: torch.cuda.Event | None) -> None:
-        self.loop, self.side = loop, side
-
-    def wait(self) -> None:
-        """Block this thread until every copy landed in its host buffer."""
-        self.loop.synchronize()
-        if self.side is not None:
-            self.side.synchronize()
-
-    def before_step(self) -> None:
-        """Make the current stream wait (on the device, not this thread) for the copies a step overwrites."""
-        # a stream being captured into a CUDA graph runs nothing now: an outside event may not be waited on there
-        if self.side is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream().wait_event(self.side)
 
 
 def specs_of(obj: Any) -> list[Spec]:

@@ -55,13 +55,6 @@ class SaveTuning:
     )
     defer_threads: int = field(default=1, metadata={"min": 1, "doc": "threads that fill the spilled buffers"})
     touch_threads: int = field(default=4, metadata={"min": 1, "doc": "threads faulting in a shared buffer"})
-    overlap_copy: bool = field(
-        default=False,
-        metadata={
-            "doc": "on a GPU, copy what only an optimizer's step changes while the next forward and backward run "
-            "(off until measured on a GPU)"
-        },
-    )
     freeze_gc: bool = field(
         default=True, metadata={"doc": "gc.freeze the heap after a segment's first update (until the close)"}
     )

@@ -21,7 +21,7 @@ from typing import Any
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_deletions
 from torchrelay.checkpoint.deepspeed_engine import declares_engine, is_engine
-from torchrelay.checkpoint.host_stage import HostStage, Landed
+from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
 from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision
@@ -48,7 +48,6 @@ from torchrelay.log import logger
 from torchrelay.paths.layout import checkpoint_name
 from torchrelay.paths.rundir import RunDir
 from torchrelay.records.train import RankLog
-from torchrelay.run.overlap import StepWait, step_protected
 from torchrelay.run.restore import Tracked
 from torchrelay.storage.durable import DurableSpawner, durable_url
 from torchrelay.util import collective, kill_points
@@ -127,9 +126,6 @@ class Saver:
         self._use_process = self._strategy == PROCESS
         self._tuning = config.save_tuning
         self._stage = HostStage(shared=self._use_process, tuning=self._tuning)
-        self.step_wait = (
-            StepWait()
-        )  # a save's copies behind the next update, waited for by every step (overlap.py)
         self._writer: WriterProcess | None = None
         self._persister = Persister(background=self._background)
         self._reserved = False
@@ -265,9 +261,6 @@ class Saver:
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
         # fails here joins the exchange its peers wait in (the comparison of ranks, the plan, the phase's end), and
         # every rank raises the same error on its training thread, before any rank hands the save to its thread.
-        protected = step_protected(self._tracked.optimizer, self._tuning)
-        self._stage.begin(protected)
-        landed: Landed | None = None
         with collective.ranks(group).phase(f"saving {checkpoint_name(update)}"):
             snap = ckpt_state.capture_state(
                 rank=self._rank,
@@ -281,12 +274,7 @@ class Saver:
             planned = snap.plan(group)  # DCP's plan, across ranks, while the copies land (dcp_save.py)
             if planned is not None and process is not None:
                 planned.prepare(process)  # and the writer's job of it: the persist thread only sends it
-            if protected:
-                landed = self._stage.landed()
-            else:
-                self._stage.synchronize()
-        if landed is not None:
-            self.step_wait.arm(landed)
+            self._stage.synchronize()
         # The logs up to this update must be on disk before the checkpoint is committed, not before the loop goes
         # on: each log's lines go to the OS here, and its fsync (a journal commit) runs
         # first in the persist, not in the loop's stall.
@@ -296,11 +284,8 @@ class Saver:
                 log.flush()
 
         def write(tmp: Path, hook: Any) -> Any:
-            # the copies still landing behind the next update (`overlap_copy`), then those a save before the
-            # buffers were all obtained left to the persist (`spill_to_device`): inside the commit protocol,
-            # whose failures (a failed copy's CUDA error too) reach every rank
-            if landed is not None:
-                landed.wait()
+            # copies a save before the buffers were all obtained left to the persist (`spill_to_device`):
+            # inside the commit protocol, whose failures reach every rank
             self._stage.finish_deferred()
             return ckpt_state.write_snapshot(
                 snap, tmp, kill_hook=hook, group=group, background=background, process=process
@@ -419,7 +404,6 @@ class Saver:
             self.wait()
             committed = True
         finally:
-            self.step_wait.drop()
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
