@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from benchlib import drop_cache
 
 HERE = Path(__file__).resolve()
 EXAMPLES = HERE.parents[1] / "examples"
@@ -138,7 +139,7 @@ def _killed_then_restarted(
     assert _saved(run, at, tier), f"{name}: checkpoint-{at} not saved in the {tier} tier before the kill"
     if tier == "durable":
         _forget_memory(run)
-        _drop_pages(run)  # a resume after a crash reads the checkpoint cold, from the disk
+        drop_cache(run)  # a resume after a crash reads the checkpoint cold, from the disk
     started = time.time()
     # the first launch was paced (a runtime param: no bit changes) so that the kill lands mid-run; this one is not
     relaunch = _cmd(run, None, {"params.min_update_s": 0})
@@ -167,19 +168,6 @@ def _saved(run: Path, at: int, tier: str) -> bool:
         for p in where.glob("checkpoint-*/COMPLETE.json")
         if p.is_file()
     )
-
-
-def _drop_pages(run: Path) -> None:
-    """Evict the run directory's files from the page cache (written and fsynced: POSIX_FADV_DONTNEED drops them)."""
-    for f in run.rglob("*"):
-        if f.is_file():
-            with contextlib.suppress(OSError):
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
 
 
 def _forget_memory(run: Path) -> None:

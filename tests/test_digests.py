@@ -92,7 +92,7 @@ def test_a_checkpoint_whose_files_agree_but_hold_other_values_is_refused_at_the_
     alike): the checkpoint's files match their inventory, so only the state itself can tell. The resume compares
     the parameters right after the load with the digest their update logged, and refuses in one line naming the
     checkpoint and the log; the same resume of a true checkpoint goes on."""
-    true_copy = host_stage.HostStage._copy
+    true_copy = host_stage.HostStage.copy
 
     def zeros_for_one(self: Any, key: str, src: torch.Tensor) -> torch.Tensor:
         buf = true_copy(self, key, src)
@@ -102,7 +102,7 @@ def test_a_checkpoint_whose_files_agree_but_hold_other_values_is_refused_at_the_
 
     (tmp_path / "bad").mkdir()
     write_request(tmp_path / "bad", at_update=2)
-    monkeypatch.setattr(host_stage.HostStage, "_copy", zeros_for_one)
+    monkeypatch.setattr(host_stage.HostStage, "copy", zeros_for_one)
     _train(example, tmp_path / "bad")
     monkeypatch.undo()
     with pytest.raises(IntegrityError) as refused:

@@ -252,28 +252,27 @@ def certify(
                 seconds=time.monotonic() - started,
                 loaded_differs=True,
             )
-            _record(run, cert)
-            return cert
-        seconds = time.monotonic() - started
-        replayed = read_digests(replay)
-        first, ranks, compared = compare(recorded, replayed, update + 1, update + updates)
-        ran, trained = _numerics_of_update(replay, update + 1), _numerics_of_update(run, update + 1)
-        same = (
-            None
-            if ran is None or trained is None
-            else numerics.fingerprint(ran) == numerics.fingerprint(trained)
-        )
-        cert = Certificate(
-            checkpoint=update,
-            updates=updates,
-            certified=first is None,
-            first_differing=first,
-            ranks=ranks,
-            compared=compared,
-            launch=list(launch),
-            seconds=seconds,
-            numerics_same=same,
-        )
+        else:
+            seconds = time.monotonic() - started
+            replayed = read_digests(replay)
+            first, ranks, compared = compare(recorded, replayed, update + 1, update + updates)
+            ran, trained = _numerics_of_update(replay, update + 1), _numerics_of_update(run, update + 1)
+            same = (
+                None
+                if ran is None or trained is None
+                else numerics.fingerprint(ran) == numerics.fingerprint(trained)
+            )
+            cert = Certificate(
+                checkpoint=update,
+                updates=updates,
+                certified=first is None,
+                first_differing=first,
+                ranks=ranks,
+                compared=compared,
+                launch=list(launch),
+                seconds=seconds,
+                numerics_same=same,
+            )
     finally:
         if owned:
             shutil.rmtree(work, ignore_errors=True)

@@ -316,9 +316,6 @@ class HostStage:
         if _is_dtensor(t):
             return dtensor_like(self.copy(key, dtensor_local(t)), t)
         src = t.detach()
-        return self._copy(key, src)
-
-    def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
         self._deferred.pop(key, None)  # a clone a failed persist left is not this save's
         buf = self._buffer(key, src)
         if buf is None:

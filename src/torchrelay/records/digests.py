@@ -117,11 +117,18 @@ class DigestLog(RankLog):
             self.write({"u": update, "params": hex_digest, "n": count, "layout": self._layout[1]})
 
 
+def _rows(path: Path) -> Iterable[dict[str, Any]]:
+    """One rank's digest log, the lines that name an update and a digest (in order: the last of an update wins)."""
+    for row in iter_records(path) if path.is_file() else []:
+        if isinstance(row, dict) and isinstance(row.get("u"), int) and isinstance(row.get("params"), str):
+            yield row
+
+
 def recorded(path: Path, update: int) -> dict[str, Any] | None:
     """The last record of `update` in one rank's digest log (None: none, e.g. a kill lost its buffered lines)."""
     found = None
-    for row in iter_records(path) if path.is_file() else []:
-        if isinstance(row, dict) and row.get("u") == update and isinstance(row.get("params"), str):
+    for row in _rows(path):
+        if row["u"] == update:
             found = row
     return found
 
@@ -146,11 +153,7 @@ def read_digests(run: RunDir) -> dict[int, dict[int, str]]:
     train = run.train_dir
     for path in sorted(train.glob("digests-rank*.jsonl")) if train.is_dir() else []:
         rank = int(path.stem.removeprefix("digests-rank"))
-        rows: dict[int, str] = {}
-        for row in iter_records(path):
-            if isinstance(row, dict) and isinstance(row.get("u"), int) and isinstance(row.get("params"), str):
-                rows[row["u"]] = row["params"]
-        out[rank] = rows
+        out[rank] = {row["u"]: row["params"] for row in _rows(path)}
     return out
 
 
