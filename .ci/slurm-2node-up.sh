@@ -69,23 +69,21 @@ PartitionName=spare Nodes=n1,n2,n3 MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
 )
 
-if [ -s "$conf" ] && all_in 'idle|mix|alloc|drain|drng'; then  # a test may have drained one
-  if [ "$(cat "$conf")" = "$conf_text" ]; then
-    if [ -z "$(squeue -h 2>/dev/null)" ]; then
-      # a node drained by a test that was killed before it resumed it would leave a two-node job pending
-      for n in $(sinfo -h -N -p spare -t drain -o %n 2>/dev/null); do
-        scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true
-      done
-    fi
-    log "already up: $(sinfo -h -N -p spare -o '%n %t' | tr '\n' ' ')"
-    exit 0
+if [ -s "$conf" ] && [ "$(cat "$conf")" = "$conf_text" ] && all_in 'idle|mix|alloc|drain|drng'; then
+  if [ -z "$(squeue -h 2>/dev/null)" ]; then
+    # a node drained by a test that was killed before it resumed it would leave a two-node job pending
+    for n in $(sinfo -h -N -p spare -t drain -o %n 2>/dev/null); do
+      scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true
+    done
   fi
-  if [ -n "$(squeue -h 2>/dev/null)" ]; then
-    log "up with an older configuration, kept: a job runs there ($(squeue -h -o %i | tr '\n' ' '))"
-    exit 0
-  fi
-  log "configuration changed: restarting"
+  log "already up: $(sinfo -h -N -p spare -o '%n %t' | tr '\n' ' ')"
+  exit 0
 fi
+if [ -s "$conf" ] && [ -n "$(squeue -h 2>/dev/null)" ]; then
+  log "up with an older configuration or a node not up, kept: a job runs there ($(squeue -h -o %i | tr '\n' ' '))"
+  exit 0
+fi
+[ -s "$conf" ] && log "configuration changed or a node not up: restarting"
 
 pgrep -u munge -x munged >/dev/null 2>&1 || {
   log "munged is not running: run .ci/slurm-up.sh first"
