@@ -175,3 +175,30 @@ def test_a_relaunch_that_numbers_the_nodes_otherwise_still_resumes_from_their_me
         lost, binding, 8, {"s"}
     )  # node a lost, node b now node 1: node 0's part of 9 from its replica
     assert (got.update, got.plan, got.tier, got.refused) == (9, [1, 1], "replica", []), got
+
+
+def test_a_part_taken_from_a_replica_is_a_note_of_the_segment(tmp_path: Path) -> None:
+    """A replacement node holds nothing: its part comes from the replica its partner holds, and the segment's
+    notes say so (which node's part, from where), beside `resumed_tier` "replica"."""
+    from types import SimpleNamespace
+
+    from torchrelay.paths.rundir import RunDir
+    from torchrelay.run.directory import _across_nodes
+
+    binding = Binding(
+        lineage="L", run_dir="/r", contract_sha256="c", world_size=2, micro_batch=1, grad_accum=1
+    )
+    replaced = [_holding(0, "n1", [(0, 10, False), (1, 10, True)]), _holding(1, "n3", [])]
+    got = _across_nodes(
+        RunDir(tmp_path), "L", replaced, binding, SimpleNamespace(checkpoint=None, update=8), {"s"}
+    )
+    assert (got.update, got.plan, got.tier) == (10, [0, 0], "replica"), got
+    assert got.notes == ["node 1's part of memory checkpoint-10 from its replica on n1 (node 0)"], got.notes
+    same = [
+        _holding(0, "n1", [(0, 10, False), (1, 10, True)]),
+        _holding(1, "n2", [(1, 10, False), (0, 10, True)]),
+    ]
+    got = _across_nodes(
+        RunDir(tmp_path), "L", same, binding, SimpleNamespace(checkpoint=None, update=8), {"s"}
+    )
+    assert (got.plan, got.tier, got.notes) == ([0, 1], "memory", []), got

@@ -227,8 +227,9 @@ def test_short_job_is_signalled_requeued_and_ends_bit_exact(
 
 @pytest.fixture(scope="session")
 def slurm_two(slurm_up: str) -> str:
-    """A second Slurm with two nodes, n1 and n2, each a slurmd in a network namespace of its own
-    (.ci/slurm-2node-up.sh; it leaves the one-node cluster alone). Returns its SLURM_CONF."""
+    """A second Slurm with two nodes, n1 and n2 (its default partition), each a slurmd in a network namespace of
+    its own, and a spare n3 in partition `spare` only (.ci/slurm-2node-up.sh; it leaves the one-node cluster
+    alone). Returns its SLURM_CONF."""
     out = subprocess.run(
         ["bash", str(REPO / ".ci" / "slurm-2node-up.sh")], capture_output=True, text=True, timeout=300
     )
@@ -423,5 +424,145 @@ def test_a_requeue_that_kills_resumes_from_the_memory_tier_and_a_wiped_one_from_
     )
     assert "resumed from the memory tier" in shown.stdout, shown.stdout + shown.stderr
     assert assert_same_final_state(tmp_path / "reference", run, U_MEMORY) > 10
+    report = prove(run)
+    assert report.ok and report.repeats == 0 and report.skipped == 0
+
+
+SLURM2 = Path("/run/torchrelay-slurm2")  # .ci/slurm-2node-up.sh's base: pid files, and each node's scratch
+
+
+def on_node(node: str, path: Path) -> Path:
+    """`path` as node `node` of the two-node cluster sees it: through its slurmd's root, in the mount namespace
+    where that node's scratch tmpfs is mounted (the host sees an empty folder there)."""
+    pid = (SLURM2 / f"slurmd-{node}.pid").read_text().strip()
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd", f"{node}: pid {pid} is not its slurmd"
+    return Path(f"/proc/{pid}/root") / path.relative_to("/")
+
+
+def _held(root: Path, update: int, sub: str = "") -> bool:
+    """Whether memory root `root` (as a node sees it) holds a complete `update`: its own part, or under `sub`
+    (replica-node<n>) the replica of node n's."""
+    return any(root.glob(f"*/*/{sub + '/' if sub else ''}checkpoint-{update}/COMPLETE.json"))
+
+
+@pytest.mark.slurm
+def test_a_two_node_requeue_resumes_from_memory_and_a_replacement_node_from_its_partners_replica(
+    example: dict[str, Path], slurm_two: str, tmp_path: Path
+) -> None:
+    """Two nodes, one rank each, the memory tier in each node's own scratch (a tmpfs only that node sees), every
+    part replicated to the partner. `scontrol requeue` while rank 0 hangs (the ranks SIGKILLed after KillWait):
+    the job's next run, on the same nodes, resumes from the memory tier, each node its own part. Then n2 is lost
+    (drained, its memory wiped) and the job requeued: it runs on n1 and the spare n3, n3 (node 1) empty-handed
+    takes node 1's part from the replica n1 holds. The end is bit-exact, the ledger proved, each tier on record."""
+    total = 12
+    runtime = [
+        *yaml.safe_load((REPO / "examples" / "lm.yaml").read_text())["runtime_params"],
+        "hang_at_update",
+    ]
+    # the same path on each node, in the scratch tmpfs each node has of its own
+    memory = SLURM2 / "scratch" / f"torchrelay-memory-{tmp_path.name}"
+
+    def lm_yaml(path: Path, hang: int) -> Path:  # a runtime param: no bit changes
+        return write_config(path, example["manifest"], example["root"], total_updates=total, save_every=4,
+                            memory_every=1, async_save=True, runtime_params=runtime,
+                            **{"params.hang_at_update": hang})  # fmt: skip
+
+    config = lm_yaml(tmp_path / "lm.yaml", 7)  # durable checkpoints 4, 8, 12; memory ones in between
+    run = tmp_path / "runs" / "lm"
+    plan = write_plan(
+        tmp_path / "plan.yaml",
+        example["code"],
+        config,
+        run,
+        smoke={"when": "never"},
+        budget={"margin_s": 3.0, "startup_s": 5.0, "update_s": PACE + 0.05, "save_s": 0.5},
+        # partition `spare`: n1 and n2, n3 only once one of them is out
+        slurm={"time": "5", "job_name": "relay-replica", "max_requeues": 0, "partition": "spare"},
+        train={
+            "nnodes": 2,
+            "nproc_per_node": 1,
+            "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHRELAY_MEMORY_ROOT": str(memory)},
+        },
+    )
+    env = clean_env(SLURM_CONF=slurm_two)
+    sub = subprocess.run(
+        [*CLI, "sbatch", str(plan), "--submit"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job = re.search(r"submitted job (\d+)", sub.stdout).group(1)  # type: ignore[union-attr]
+    log = tmp_path / "runs" / f"lm.slurm-{job}.out"
+    reference = launch_bg(example["code"], tmp_path / "reference", config=lm_yaml(tmp_path / "ref.yaml", 0))
+    t0 = time.time()
+
+    def until(done: Any, what: str) -> None:
+        while not done():
+            state = job_state(job, env)
+            assert state not in FINAL_STATES and time.time() - t0 < 300, (
+                f"job {job} {state} before {what}:\n{log.read_text() if log.exists() else ''}"
+            )
+            time.sleep(0.2)
+
+    def scontrol(*args: str) -> None:
+        out = subprocess.run(["scontrol", *args], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+
+    def saved(update: int) -> bool:
+        """Both nodes hold their part of `update` and the partner's replica of it."""
+        n1, n2 = on_node("n1", memory), on_node("n2", memory)
+        return (_held(n1, update) and _held(n2, update) and _held(n1, update, "replica-node1")
+                and _held(n2, update, "replica-node0"))  # fmt: skip
+
+    state = "PENDING"
+    try:
+        # rank 0 hangs at update 7 once both nodes hold memory checkpoint-6 (durable: checkpoint-4)
+        until(lambda: last_logged(run) == 6 and saved(6), "memory checkpoint-6 on n1 and n2")
+        lm_yaml(config, 11)  # the next run hangs at 11
+        scontrol("requeue", job)
+        until(lambda: last_logged(run) == 10 and saved(10), "memory checkpoint-10 on n1 and n2")
+        # n2 is lost: drained (the job's next run goes to n1 and the spare n3), its memory gone
+        scontrol("update", "nodename=n2", "state=drain", "reason=torchrelay test: n2 lost")
+        lm_yaml(config, 0)  # the last run finishes
+        scontrol("requeue", job)
+        until(lambda: job_state(job, env) == "PENDING", "the second requeue")
+        shutil.rmtree(on_node("n2", memory))
+        assert not _held(on_node("n3", memory), 10), "n3 held a part before it ever ran the job"
+        while time.time() - t0 < 300 and state not in FINAL_STATES:
+            state = job_state(job, env)
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, env=env)
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], capture_output=True, env=env)
+        for node in ("n1", "n2", "n3"):
+            shutil.rmtree(on_node(node, memory), ignore_errors=True)
+    text = log.read_text()
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{text}"
+    assert reference.wait(timeout=120) == 0, reference.stdout.read() if reference.stdout else ""
+
+    assert "(restart 2) on n1" in text, text
+    segs = segments(run)
+    assert [s["ended"] for s in segs] == ["crash", "crash", "finished"], segs
+    assert all(s["job"] == job for s in segs), segs
+    hosts = [s["ranks_by_host"] for s in segs]
+    assert hosts == [{"n1": [0], "n2": [1]}, {"n1": [0], "n2": [1]}, {"n1": [0], "n3": [1]}], hosts
+    # the requeue on the same nodes: each node's own part, past the durable checkpoint-4
+    assert (segs[1]["resumed_tier"], segs[1]["resumed_from"]) == ("memory", 6), segs[1]
+    # the replacement: node 1's part from n1's replica of it, past the durable checkpoint-8, and said so
+    assert (segs[2]["resumed_tier"], segs[2]["resumed_from"]) == ("replica", 10), segs[2]
+    from_replica = "node 1's part of memory checkpoint-10 from its replica on n1 (node 0)"
+    assert from_replica in segs[2]["notes"] and not any("replica" in n for n in segs[1]["notes"]), segs
+    # each rank names what it loads: the parts assembled in its own node's memory (on n3: all sent by n1)
+    for rank, update in ((0, 6), (1, 6), (0, 10), (1, 10)):
+        tier = "memory" if update == 6 else "replica"
+        said = (
+            rf"\[rank {rank}\] resuming from the {tier} tier: {re.escape(str(memory))}/\S+/resume-{update}\n"
+        )
+        assert re.search(said, text), (said, text)
+    shown = subprocess.run(
+        [*CLI, "status", str(run)], capture_output=True, text=True, env=clean_env(COLUMNS="250")
+    )
+    table = " ".join(shown.stdout.replace("\u2502", " ").split())  # a note wrapped in its cell, read whole
+    for line in ("resumed from the memory tier", "resumed from the replica tier", from_replica):
+        assert line in table, shown.stdout + shown.stderr
+    assert assert_same_final_state(tmp_path / "reference", run, total) > 10
     report = prove(run)
     assert report.ok and report.repeats == 0 and report.skipped == 0

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +80,14 @@ def survey(run_dir: RunDir, rank: int, world_size: int) -> dict[str, Any] | None
 @dataclass(frozen=True, slots=True)
 class NodesChoice:
     """The update a multi-node resume takes from memory (None: the durable tier), which node holds each node's
-    part (`plan[n]`), the tier (MEMORY: every part its own node's; REPLICA: one or more from a partner)."""
+    part (`plan[n]`), the tier (MEMORY: every part its own node's; REPLICA: one or more from a partner), and one
+    line per part taken from a replica (the segment notes it: the history says which node's part came whence)."""
 
     update: int | None
     plan: list[int]
     tier: str
     refused: list[str]
+    from_replicas: list[str] = field(default_factory=list)
 
 
 def choose(
@@ -101,7 +103,7 @@ def choose(
     for update in ups:
         plan: list[int] = []
         digests: set[str] = set()
-        replicas = False
+        replicas: list[str] = []
         for m in range(nodes):
             held = None
             # wherever it is (a relaunch may number the nodes otherwise): a node's own part first, a replica next
@@ -113,13 +115,15 @@ def choose(
                     refused.append(why)
                     continue
                 held = holder
-                replicas = replicas or bool(item.get("replica"))
+                if item.get("replica"):
+                    replicas.append(f"node {m}'s part of memory {checkpoint_name(update)} from its replica on "
+                                    f"{holdings[holder]['host']} (node {holder})")  # fmt: skip
                 digests.add(item["doc"]["part"]["checkpoint_sha256"])
                 break
             if held is not None:  # every node is looked at: each refused part is said
                 plan.append(held)
         if len(plan) == nodes and len(digests) == 1:
-            return NodesChoice(update, plan, REPLICA if replicas else MEMORY, refused)
+            return NodesChoice(update, plan, REPLICA if replicas else MEMORY, refused, replicas)
         if len(plan) == nodes:
             refused.append(
                 f"memory {checkpoint_name(update)} refused: its nodes' parts name different checkpoints"

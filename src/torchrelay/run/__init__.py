@@ -124,8 +124,11 @@ class Run:
         self._digests = DigestLog(digests_path(self.dir.train_dir, self.rank))
         change = self.segment.layout_change
         self.layout_change = change if isinstance(change, dict) else None
-        # several nodes: the chosen parts, assembled in each node's memory while opening (opening.py)
-        self.resume_from = self._opener.assembled or self.resume_from
+        # several nodes: the chosen parts, assembled in each node's memory while opening (opening.py); the line each
+        # rank says names that, not where rank 0's node held node 0's part (a path a replacement node never had)
+        if self._opener.assembled is not None:
+            self.resume_from = self._opener.assembled
+            self.gate = f"resuming from the {self.segment.resumed_tier} tier: {self.resume_from}"
         rederive = (
             rank_stream_seed(self.config.seed, self.start_update, self.rank, self.world_size)
             if self.layout_change

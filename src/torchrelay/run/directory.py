@@ -218,7 +218,7 @@ def reopen_run(
         manifest.save_index(rd.manifest_index_path)
     reclaim_note = _reclaim(rd, ckpt) if ckpt is not None and tier.tier == DURABLE else None
     notes = [f"trimmed logs past update {update} into {archived.relative_to(rd.path)}"] if archived else []
-    notes += tier.refused
+    notes += tier.notes
     if restored:
         notes.append(restored)
     if reclaim_note:
@@ -261,7 +261,7 @@ class _Tiered:
     checkpoint: Path | None
     update: int
     tier: str
-    refused: list[str]
+    notes: list[str]  # the refused candidates, and the parts taken from a replica
     plan: list[int] | None = None
 
 
@@ -282,7 +282,7 @@ def _newest_across_tiers(
         return _Tiered(check.checkpoint, check.update, DURABLE, [])
     tier = _memory_or_durable(run, lineage, cfg, check, world_size, history, holdings)
     missing = None
-    if tier.tier == DURABLE and not tier.refused:
+    if tier.tier == DURABLE and not tier.notes:
         # the memory_every the run saved with, before a change this launch makes to it (a runtime field)
         every = int(check.runtime_changes.get("memory_every", [cfg.memory_every])[0] or 0)
         missing = missing_note(memory_root(lineage, run), every, check.update, reached)
@@ -340,9 +340,8 @@ def _across_nodes(
     logger.info(
         f"[torchrelay] resuming from the {picked.tier} tier: update {picked.update}, parts {picked.plan}"
     )
-    return _Tiered(
-        held / checkpoint_name(picked.update), picked.update, picked.tier, picked.refused, picked.plan
-    )
+    notes = [*picked.refused, *picked.from_replicas]
+    return _Tiered(held / checkpoint_name(picked.update), picked.update, picked.tier, notes, picked.plan)
 
 
 def last_segment(history: list[dict[str, Any]]) -> str | None:
