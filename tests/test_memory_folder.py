@@ -251,3 +251,28 @@ def test_one_ranks_unusable_folder_turns_the_tier_off_on_every_rank() -> None:
     assert keep == 0 and line == f"memory tier off for this segment: {bad}; the durable tier saves as before"
     keep, line = tier_verdict([(3 * gib, gib, gib, None)] * 2, 2, 1)  # the capacity check as before
     assert keep == 0 and line is not None and line.startswith("memory tier off for this segment: 2 slots")
+
+
+def test_a_node_whose_folder_others_may_write_in_offers_no_part_at_a_multinode_open(
+    chosen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The survey a node's first rank makes at a multi-node open reads nothing in a folder not the user's alone
+    (a part planted there would be offered to the choice), in one line; the next tier is then used."""
+    from test_replica_units import _part
+    from torchrelay.checkpoint.replica_resume import survey
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "lineage.json").write_text(json.dumps({"lineage": LINEAGE, "parent_lineage": None}))
+    root = memory_root(LINEAGE, RunDir(run))
+    root.mkdir(parents=True, mode=0o700)
+    _part(tmp_path).rename(root / "checkpoint-7")
+    assert len((survey(RunDir(run), 0, 2) or {})["parts"]) == 1  # the user's own folder: offered
+    os.chmod(root.parent, 0o777)
+    with caplog.at_level("WARNING", logger="torchrelay"):
+        held = survey(RunDir(run), 0, 2)
+    assert held is not None and held["parts"] == [], held  # before: the part was offered
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"memory tier refused: {root.parent} on " in lines[0], lines
+    assert "is writable by others (mode 0777)" in lines[0], lines
