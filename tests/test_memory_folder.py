@@ -276,3 +276,15 @@ def test_a_node_whose_folder_others_may_write_in_offers_no_part_at_a_multinode_o
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and f"memory tier refused: {root.parent} on " in lines[0], lines
     assert "is writable by others (mode 0777)" in lines[0], lines
+
+
+def test_status_lists_nothing_from_a_folder_not_the_users_alone(chosen: Path, tmp_path: Path) -> None:
+    from torchrelay.records.summary import _memory_tier
+
+    run = RunDir(tmp_path / "run")
+    root = memory_root(LINEAGE, run)
+    (root / "checkpoint-7").mkdir(parents=True)
+    assert [c["update"] for c in _memory_tier(run, 1, LINEAGE)["checkpoints"]] == [7]
+    os.chmod(root.parent, 0o777)
+    tier = _memory_tier(run, 1, LINEAGE)
+    assert tier["checkpoints"] == [] and f"{root.parent} on " in tier["refused"], tier  # before: listed
