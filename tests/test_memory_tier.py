@@ -6,6 +6,7 @@ uninterrupted run with its ledger proved; the save decision and the capacity che
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -151,6 +152,12 @@ def test_sigkill_resumes_from_memory_and_a_flipped_byte_falls_back_to_durable(
     sets = {"memory_every": 1, "params.min_update_s": 0.2}  # paced (no bit changes): the kills land mid-run
     last = _kill_at(example, run, 10, config=example["config"], sets=sets)
     root = _memory_root(run)
+    for folder in (
+        root,
+        root.parent,
+        root.parent.parent,
+    ):  # /dev/shm/torchrelay-<uid>/<lineage>/<run>: no one
+        assert folder.stat().st_mode & 0o7777 == 0o700, folder  # else reaches a file in it, whatever its mode
     held = sorted(root.glob("checkpoint-*"))
     assert len(held) == 1 and (held[0] / "COMPLETE.json").exists(), held  # memory_keep 1
     saved = int(held[0].name.split("-")[1])
@@ -221,6 +228,48 @@ def test_random_kills_lose_at_most_k_updates_and_end_bit_exact(
     assert seg["resumed_from"] >= last - 2, (seg, last)
     lost.append(last - seg["resumed_from"])
     assert lost and max(lost) <= 2, lost
+    assert_same_final_state(baseline, run, U)
+    assert_same_logs(baseline, run)
+    _assert_same_digests(baseline, run)
+    assert prove(run).ok
+
+
+@pytest.mark.launch
+def test_a_memory_folder_another_user_took_over_is_refused_and_the_run_ends_on_the_durable_tier(
+    example: dict[str, Path], baseline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed mid-run with its memory tier; then its lineage's folder belongs to another user and everyone may write
+    in it (a checkpoint could have been planted there): the relaunch reads nothing in it (one line: refused) and
+    runs its segment on the durable tier (one line: off), both in its history; nothing in that folder is deleted,
+    and the run ends bit for bit as the uninterrupted one. Before: the relaunch resumed from that folder."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the folder is handed to another user (chown)")
+    shm = tmp_path / "shm"  # TORCHRELAY_MEMORY_ROOT: the user's choice; the folders made under it are checked
+    shm.mkdir()
+    env = {"TORCHRELAY_MEMORY_ROOT": str(shm)}
+    monkeypatch.setenv("TORCHRELAY_MEMORY_ROOT", str(shm))
+    run = tmp_path / "run"
+    _kill_at(example, run, 10, config=example["config"], sets={"memory_every": 1, "params.min_update_s": 0.2},
+             env=env)  # fmt: skip
+    root = _memory_root(run)
+    held = sorted(root.glob("checkpoint-*"))
+    assert held and all(int(c.name.split("-")[1]) > 8 for c in held), held
+    taken = root.parent  # the lineage's folder
+    os.chown(taken, 65534, 65534)
+    os.chmod(taken, 0o777)
+
+    out = _finish(example, run, sets={"params.min_update_s": 0}, env=env)
+    seg = segments(run)[1]
+    assert seg["resumed_tier"] == "durable" and seg["resumed_from"] == 8, seg
+    refused = [n for n in seg["notes"] if n.startswith("memory tier refused: ")]
+    off = [n for n in seg["notes"] if n.startswith("memory tier off for this segment: ")]
+    assert len(refused) == 1 and len(off) == 1, seg["notes"]
+    for line in refused + off:
+        assert "\n" not in line and f"{taken} on " in line and "belongs to uid 65534" in line, line
+        assert "TORCHRELAY_MEMORY_ROOT" in line, line
+    said = (out.stdout + out.stderr).count("memory tier off for this segment: ")
+    assert said == 1, out.stdout[-3000:]
+    assert all(c.is_dir() for c in held)  # another user's folder: nothing in it deleted
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
     _assert_same_digests(baseline, run)

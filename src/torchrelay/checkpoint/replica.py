@@ -33,7 +33,7 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.retention import PreservationPolicy
 from torchrelay.checkpoint.storage import LocalStorage
-from torchrelay.checkpoint.tiers import REPLICA_PREFIX
+from torchrelay.checkpoint.tiers import REPLICA_PREFIX, root_problem
 from torchrelay.errors import CheckpointError, IntegrityError, RelayError, UnsafeInput, one_line
 from torchrelay.log import logger
 from torchrelay.paths.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
@@ -202,7 +202,10 @@ def keep_replica(
     try:
         refuse_link(root, what="the memory tier's folder")
         refuse_link(folder, what=f"the replica folder of {peer}")
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # this node's folders, made and checked at the tier's first save, and the replica's: this user's alone
+        problem = root_problem(folder, make=True, below=root.parent)
+        if problem is not None:
+            raise UnsafeInput(problem)
         if not is_inside(root, folder):  # a link on the way, planted after the check above
             raise UnsafeInput(f"{folder} (the replica folder of {peer}) leads outside {root}")
         doc = receive_part(got, tmp, peer=peer, node=source, update=update, midway=midway)

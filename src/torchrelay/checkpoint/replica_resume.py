@@ -26,7 +26,7 @@ from torchrelay.checkpoint.inventory import (
 )
 from torchrelay.checkpoint.replica import _digest, _pack, nodes_of, receive_part, replica_dir
 from torchrelay.checkpoint.storage import LocalStorage
-from torchrelay.checkpoint.tiers import MEMORY, Binding, held_replicas, memory_root
+from torchrelay.checkpoint.tiers import MEMORY, Binding, held_replicas, memory_root, root_problem
 from torchrelay.errors import IntegrityError, RelayError, UnsafeInput, one_line
 from torchrelay.log import logger
 from torchrelay.paths.layout import TMP_CHECKPOINT_PREFIX, checkpoint_name
@@ -50,6 +50,10 @@ def survey(run_dir: RunDir, rank: int, world_size: int) -> dict[str, Any] | None
         return {"node": where.node, "host": socket.gethostname(), "parts": []}
     root = memory_root(lineage, run_dir)
     parts: list[dict[str, Any]] = []
+    problem = root_problem(root, make=False)  # nothing is read in a folder not this user's alone
+    if problem is not None:
+        logger.warning(f"[torchrelay] memory tier refused: {problem}; the next tier is used")
+        return {"node": where.node, "host": socket.gethostname(), "parts": []}
     # a relaunch may number the nodes otherwise (torchrun's rendezvous numbers them as they join): what a node holds
     # is named by the node its inventory says, its folder saying it only where the inventory cannot be read
     folders = [(where.node, root, False), *((n, f, True) for n, f in held_replicas(root))]
@@ -162,8 +166,10 @@ def settle_after_open(run_dir: RunDir, lineage: str | None, rank: int, world_siz
     lead = rank == where.leader
     peers = collective.ranks()
     name = f"assembling memory {checkpoint_name(update)}"
+    # a folder not this user's alone: nothing in it is deleted, nothing assembled there (the next tier is used)
+    problem = root_problem(root, make=plan is not None) if lead else None
     with peers.phase(name):
-        if lead and root.is_dir():
+        if lead and problem is None and root.is_dir():
             for folder in (root, *(f for _, f in held_replicas(root))):
                 for info in LocalStorage(folder, spare=False).list_complete() if folder.is_dir() else []:
                     if info.update > update:
@@ -174,12 +180,9 @@ def settle_after_open(run_dir: RunDir, lineage: str | None, rank: int, world_siz
             return None
         out = root / f"{RESUME_PREFIX}{update}"
         tmp = root / f"{TMP_CHECKPOINT_PREFIX}{RESUME_PREFIX}{update}-{os.getpid()}"
-        if lead:
-            root.mkdir(
-                parents=True, exist_ok=True, mode=0o700
-            )  # a replacement node's memory holds nothing yet
         docs: list[dict[str, Any]] = []
-        failed: BaseException | None = None
+        # a replacement node's memory holds nothing yet: its folders were made above (root_problem)
+        failed: BaseException | None = UnsafeInput(problem) if problem is not None else None
         for m, holder in enumerate(plan):
             here = _held(root, m, update) if where.node == holder else None
             box = [_pack(here) if here is not None and rank == where.leader else None]
@@ -193,7 +196,8 @@ def settle_after_open(run_dir: RunDir, lineage: str | None, rank: int, world_siz
             except (RelayError, OSError) as exc:
                 failed = exc
         if failed is not None:
-            _discard(tmp, len(plan))
+            if problem is None:
+                _discard(tmp, len(plan))
             raise failed
         if lead:
             entries = [e for d in docs for e in d["files"]]

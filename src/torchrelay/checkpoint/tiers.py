@@ -1,7 +1,7 @@
 """The node-local memory tier: checkpoints every `memory_every` updates in /dev/shm, with the durable tier's proof.
 
 A memory checkpoint is written by the same commit protocol into another storage (storage.LocalStorage over
-/dev/shm/torchrelay/<lineage>/<run>/): tmpfs outlives the training processes, so a SIGKILL of every rank leaves it,
+/dev/shm/torchrelay-<uid>/<lineage>/<run>/): tmpfs outlives the training processes, so a SIGKILL of every rank leaves it,
 and a relaunch on the same node resumes from it instead of from the run directory. Its inventory is the durable
 one's (sizes, SHA-256, part states, marker last) plus what binds it to this run: lineage, run directory, segment,
 contract digest, world layout and host. At open, rank 0 takes the newest memory checkpoint newer than the newest
@@ -9,6 +9,11 @@ durable one only after hashing every file and checking every binding; anything e
 next candidate (in the end the durable tier) is used. Memory checkpoints are never packed, handed off, validated or
 exported: those read the run directory only. Memory checkpoints past the chosen update (a future a resume threw
 away) are deleted at open, so none of them can be chosen later against a shorter history.
+
+/dev/shm is every user's and every job's: each user's tier is a folder of its own (TORCHRELAY_MEMORY_ROOT, the
+user's choice, or /dev/shm/torchrelay-<uid>), and every folder torchrelay makes below the shared one is made 0700
+and checked before anything in it is written, read or deleted (util/private_dir.py): a folder another user made or
+could write in turns the tier off for the segment in one line, the durable tier saving as before.
 """
 
 from __future__ import annotations
@@ -25,28 +30,58 @@ from typing import Any
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.storage import LocalStorage
 from torchrelay.config import envvars
-from torchrelay.errors import RelayError, one_line
+from torchrelay.errors import RelayError, UnsafeInput, one_line
 from torchrelay.paths.layout import checkpoint_name
 from torchrelay.paths.rundir import RunDir
+from torchrelay.util.private_dir import private_folder
 
 MEMORY, DURABLE = "memory", "durable"
 REPLICA_PREFIX = "replica-node"  # replica-node<n>/: the replica of node n's parts a node holds (replica.py)
 
 
+SHARED = Path("/dev/shm")  # every user's and every job's (1777)
+
+
+def memory_base() -> tuple[Path, Path]:
+    """(the folder trusted as it is, the folder memory roots are made in): TORCHRELAY_MEMORY_ROOT (the user's
+    choice) for both, else /dev/shm and this user's own folder in it, /dev/shm/torchrelay-<uid>."""
+    chosen = envvars.MEMORY_ROOT.get()
+    if chosen:
+        return Path(chosen), Path(chosen)
+    return SHARED, SHARED / f"torchrelay-{os.geteuid()}"
+
+
 def memory_root(lineage: str, run: RunDir) -> Path:
     """Where this run's memory checkpoints live on this node: by lineage, then by run directory (a copy of a run
     directory shares its lineage, never its memory checkpoints)."""
-    base = Path(envvars.MEMORY_ROOT.get() or "/dev/shm/torchrelay")
     where = hashlib.sha256(str(run.path.resolve()).encode()).hexdigest()[:12]
-    return base / lineage / where
+    return memory_base()[1] / lineage / where
+
+
+def root_problem(root: Path, *, make: bool, below: Path | None = None) -> str | None:
+    """Why the memory tier must not use `root` on this node (one line naming the folder and what to do), or
+    None: each folder torchrelay makes below the trusted one, made 0700 where `make`, must be a real folder of
+    this user's that no one else may write (util/private_dir.py). A folder outside the tier's base is checked
+    from below `below` (its parent by default) down."""
+    trusted = memory_base()[0]
+    if root.is_relative_to(trusted) and root != trusted:
+        below = trusted
+    why = private_folder(root, below=below or root.parent, make=make)
+    if why is None:
+        return None
+    return (f"{why[0]} on {socket.gethostname()} {why[1]}: another user's folder, or one "
+            "others could write in, is never used; remove it if it is not yours, or set TORCHRELAY_MEMORY_ROOT "
+            "to a folder of your own")  # fmt: skip
 
 
 def memory_storage(lineage: str, run: RunDir) -> LocalStorage:
-    """The memory tier's storage, its folder made (owner only) if it is not there. The checkpoint retention
-    retires stays as the spare the next memory save writes over (recycle.py): no tmpfs pages allocated and zeroed
-    per save; it is one of the keep + 1 slots the capacity check counts."""
+    """The memory tier's storage, its folders made (owner only) and checked (`root_problem`: UnsafeInput with its
+    line). The checkpoint retention retires stays as the spare the next memory save writes over (recycle.py): no
+    tmpfs pages allocated and zeroed per save; it is one of the keep + 1 slots the capacity check counts."""
     root = memory_root(lineage, run)
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    problem = root_problem(root, make=True)
+    if problem is not None:
+        raise UnsafeInput(problem)
     return LocalStorage(root, spare=True)
 
 
@@ -112,6 +147,9 @@ def choose_memory(root: Path, binding: Binding, durable_update: int, segments: s
     storage = LocalStorage(root, spare=False)
     refused: list[str] = []
     chosen: tuple[Path, int] | None = None
+    problem = root_problem(root, make=False)  # nothing is read or deleted in a folder not this user's alone
+    if problem is not None:
+        return Choice(None, durable_update, [f"memory tier refused: {problem}"])
     if root.is_dir():
         clean_stale(root)  # a save cut by the kill
         for info in reversed(storage.list_complete()):
@@ -187,6 +225,18 @@ def capacity(
     )
 
 
+def tier_verdict(
+    per_rank: list[tuple[int, int, int, str | None]], local: int, keep: int
+) -> tuple[int, str | None]:
+    """What every rank decides alike at the tier's first save from what each gathered (state bytes, bytes free in
+    /dev/shm, RAM available, `root_problem` of its node's root): a folder unfit on any node turns the tier off in
+    that node's line, else `node_capacity`."""
+    problem = next((r[3] for r in per_rank if r[3]), None)
+    if problem is not None:
+        return 0, f"memory tier off for this segment: {problem}; the durable tier saves as before"
+    return node_capacity([(r[0], r[1], r[2]) for r in per_rank], local, keep)
+
+
 def node_capacity(per_rank: list[tuple[int, int, int]], local: int, keep: int) -> tuple[int, str | None]:
     """`capacity` on every node of a launch of `local` ranks a node, from each rank's (state bytes, bytes free in
     /dev/shm, RAM available): node n holds a slot of its own part (its ranks' states) and, on several nodes, one of
@@ -232,7 +282,7 @@ def tier_at_open(
 
 def node_free() -> tuple[int, int]:
     """Bytes free in the memory tier's file system and RAM available on this node."""
-    base = Path(envvars.MEMORY_ROOT.get() or "/dev/shm")
+    base = memory_base()[0]
     while not base.exists():
         base = base.parent
     st = os.statvfs(base)

@@ -236,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
             shown(str(ck.get("kept") or "-")),
         )
     memory = s.get("memory_tier") or {}
+    if memory.get("refused"):
+        c.add_row("-", f"[red]memory tier refused[/]: {shown(str(memory['refused']))}", "-", "-")
     for ck in memory.get("checkpoints") or []:
         state = "complete" if ck["complete"] else f"[red]incomplete[/]: {shown(str(ck['reason']))}"
         c.add_row(

@@ -238,7 +238,8 @@ RECYCLE = Var(
 )  # fmt: skip
 MEMORY_ROOT = Var(
     "TORCHRELAY_MEMORY_ROOT", "path", None, "where the memory tier keeps its checkpoints on each node (default "
-    "/dev/shm/torchrelay; a tmpfs: it must outlive the training processes, docs/CHECKPOINTS.md)",
+    "/dev/shm/torchrelay-<uid>, a folder of the user's own; a tmpfs: it must outlive the training processes; the "
+    "folders torchrelay makes under it are made 0700 and must be the user's alone, docs/CHECKPOINTS.md)",
 )  # fmt: skip
 PERSIST_STALL_S = Var(
     "TORCHRELAY_PERSIST_STALL_S", "float", 300.0, "how long a rank's checkpoint write may go without progress "

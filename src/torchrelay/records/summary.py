@@ -8,7 +8,7 @@ from typing import Any
 from torchrelay.checkpoint.retention import decide, policy_for
 from torchrelay.checkpoint.select import CheckpointInfo, list_checkpoints
 from torchrelay.checkpoint.storage import LocalStorage
-from torchrelay.checkpoint.tiers import held_replicas, memory_root
+from torchrelay.checkpoint.tiers import held_replicas, memory_root, root_problem
 from torchrelay.config.relay import RelayConfig, stored_config
 from torchrelay.ledger.exposure import prove
 from torchrelay.paths.lock import holder
@@ -139,8 +139,18 @@ def summarize(
 
 def _memory_tier(run: RunDir, every: int, lineage: str | None) -> dict[str, Any]:
     """The memory tier as this node holds it (checkpoint/tiers.py): where, how often, its checkpoints, and the
-    replicas of other nodes' parts it holds (checkpoint/replica.py)."""
+    replicas of other nodes' parts it holds (checkpoint/replica.py); nothing listed from a folder not the user's
+    alone (`refused`: the line saying why)."""
     root = memory_root(lineage, run) if lineage else None
+    refused = root_problem(root, make=False) if root is not None else None
+    if refused is not None:
+        return {
+            "memory_every": every,
+            "root": str(root),
+            "checkpoints": [],
+            "replicas": [],
+            "refused": refused,
+        }
     held = LocalStorage(root, spare=False).list_complete() if root is not None and root.is_dir() else []
     replicas = [
         {"source": source, **_held(c)}

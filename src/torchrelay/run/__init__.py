@@ -162,6 +162,7 @@ class Run:
             estimate=first_estimate(opened.last_save_s),
             lineage=self.segment.lineage,
             hosts=len(self.hosts),
+            notes=self._notes,
         )
         deadline = opened.deadline
         self._agreement = StopAgreement(

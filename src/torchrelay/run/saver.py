@@ -33,10 +33,11 @@ from torchrelay.checkpoint.tiers import (
     MEMORY,
     Binding,
     forget,
-    memory_storage,
-    node_capacity,
+    memory_root,
     node_free,
+    root_problem,
     tier_at_open,
+    tier_verdict,
 )
 from torchrelay.checkpoint.writer_process import PROCESS, WriterProcess, can_share, writer_mode
 from torchrelay.config import envvars
@@ -81,6 +82,7 @@ class Saver:
         estimate: float,
         lineage: str | None = None,
         hosts: int = 1,
+        notes: list[str] | None = None,
     ) -> None:
         run_dir = run.path
         self._run = run
@@ -104,14 +106,16 @@ class Saver:
         self._memory_sized = False
         self._memory_last = -1  # the newest update in the memory tier this segment
         self._lineage = lineage
+        self._notes = notes if notes is not None else []  # the segment's notes (rank 0's reach its history)
         where = nodes_of(rank, world_size)
         self._nodes, self._local = where.nodes, where.local
         on, why = tier_at_open(config.memory_every, lineage, hosts=hosts, nodes=self._nodes,
                                async_save=config.async_save, deepspeed=declares_engine(config.params))  # fmt: skip
-        if why and rank == 0:
-            logger.warning(f"[torchrelay] {why}")
+        if why:
+            self._say(why)
         if on and lineage:
-            self._memory = memory_storage(lineage, run)
+            # its folders are made and checked at the first memory save, by every rank alike (_memory_fits)
+            self._memory = LocalStorage(memory_root(lineage, run), spare=True)
             said_once(rank, world_size)
         self.policy = SaveDecision(
             config.save_every, self._retention, config.memory_every if self._memory else 0
@@ -336,29 +340,43 @@ class Saver:
         )
 
     def _memory_fits(self) -> bool:
-        """Whether the memory tier saves, its slots checked against every node once, at its first save: what each
-        node holds (its ranks' states, and on several nodes the replica of its partner's) against that node's
-        /dev/shm and RAM (the ranks decide alike from the same numbers). Too little room on any node reduces
-        `memory_keep` or turns the tier off, in one line naming the node, before a byte is written."""
+        """Whether the memory tier saves, checked on every node once, at its first save: each node's folder made and
+        checked (tiers.root_problem: this user's alone), and what each node holds (its ranks' states, and on
+        several nodes the replica of its partner's) against that node's /dev/shm and RAM. The ranks decide alike
+        from what they all gathered: a folder unfit on any node turns the tier off, too little room on any node
+        reduces `memory_keep` or turns it off, in one line naming the node (in the segment's notes), before a byte
+        is written."""
         if self._memory is None:
             return False
         if self._memory_sized:
             return True
         self._memory_sized = True
         group = self._peers.group if self._peers else None
-        mine = (self._tracked.state_bytes(), *node_free())
+        root = self._memory.root
+
+        def mine() -> tuple[int, int, int, str | None]:
+            return (self._tracked.state_bytes(), *node_free(), root_problem(root, make=True))
+
         with collective.ranks(group).phase("sizing the memory tier"):
-            gathered = collective.ranks(group).all_gather("sizing the memory tier", lambda: mine)
-        keep, line = node_capacity(
-            [(int(g[0]), int(g[1]), int(g[2])) for g in gathered], self._local, self._memory_keep
+            gathered = collective.ranks(group).all_gather("sizing the memory tier", mine)
+        keep, line = tier_verdict(
+            [(int(g[0]), int(g[1]), int(g[2]), g[3] and str(g[3])) for g in gathered],
+            self._local,
+            self._memory_keep,
         )
-        if line and self._rank == 0:
-            logger.warning(f"[torchrelay] {line}")
+        if line:
+            self._say(line)
         self._memory_keep = keep
         if keep == 0:
             self._memory = None
             self.policy = SaveDecision(self._config.save_every, self._retention)
         return keep > 0
+
+    def _say(self, line: str) -> None:
+        """A line every rank met alike about the memory tier: logged once (rank 0), in the segment's notes."""
+        if self._rank == 0:
+            logger.warning(f"[torchrelay] {line}")
+            self._notes.append(line)
 
     def _committed(self, update: int) -> None:
         """After checkpoint-<update> is committed (on the thread that committed it): the ledger's prover, maybe."""
