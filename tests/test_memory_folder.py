@@ -288,3 +288,27 @@ def test_status_lists_nothing_from_a_folder_not_the_users_alone(chosen: Path, tm
     os.chmod(root.parent, 0o777)
     tier = _memory_tier(run, 1, LINEAGE)
     assert tier["checkpoints"] == [] and f"{root.parent} on " in tier["refused"], tier  # before: listed
+
+
+def test_the_error_marker_folder_is_checked_by_the_same_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """errors._first_to_say: the rank that makes a launch's marker in /tmp/torchrelay-<uid> says an error every
+    rank meets, the others stay quiet. A folder others may write in (here ours, 0777, a marker already planted in
+    it) would silence every rank: it is refused by private_dir's check, and every rank then says the error."""
+    import tempfile
+
+    from torchrelay import errors
+
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    monkeypatch.setattr(errors, "_launch_key", lambda: "launch-1")
+    folder = shared / f"torchrelay-{os.getuid()}"
+    assert errors._first_to_say(3) is True and errors._first_to_say(1) is False  # the first rank only
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    folder.chmod(0o777)
+    (folder / "said-launch-2").touch()  # planted by someone who could write there
+    monkeypatch.setattr(errors, "_launch_key", lambda: "launch-2")
+    assert errors._first_to_say(2) is True and errors._first_to_say(0) is True

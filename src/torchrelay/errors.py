@@ -310,15 +310,17 @@ def _first_to_say(rank: int) -> bool:
     if key is None:
         return rank == 0
     import tempfile
+    from pathlib import Path
 
-    folder = os.path.join(tempfile.gettempdir(), f"torchrelay-{os.getuid()}")
+    from torchrelay.util.private_dir import private_folder
+
+    shared = Path(tempfile.gettempdir())
+    folder = shared / f"torchrelay-{os.getuid()}"
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        info = os.lstat(folder)
-        if info.st_uid != os.getuid() or not os.path.isdir(folder) or os.path.islink(folder):
-            return True
+        if private_folder(folder, below=shared, make=True) is not None:
+            return True  # another user's, a link, or writable by others: no marker there
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        os.close(os.open(os.path.join(folder, f"said-{key}"), flags, 0o600))
+        os.close(os.open(folder / f"said-{key}", flags, 0o600))
         return True
     except FileExistsError:
         return False
