@@ -150,3 +150,7 @@ def test_a_wiped_node_resumes_from_its_partners_replica_and_a_flipped_byte_falls
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
     assert prove(run).ok
+    # the run finished with its durable end: each node's first rank freed its node's tier (its part, the replica it
+    # held, the assembled resume), and the lineage's folder with it; nothing of the run is left in either memory
+    left = {str(m.name): sorted(str(p.relative_to(m)) for p in m.rglob("*")) for m in memories}
+    assert left == {"memory-node0": [], "memory-node1": []}, left

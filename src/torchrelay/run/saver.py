@@ -434,11 +434,14 @@ class Saver:
                 drop_spare(self._run_dir)
             if (
                 committed
-                and self._rank == 0
+                and self._rank % self._local == 0
                 and self._memory is not None
                 and 0 <= self._memory_last <= self.last
             ):
-                forget(self._lineage, self._run)  # the durable tier holds a newer (or the same) update
+                # the durable tier holds a newer (or the same) update: each node's first rank frees its node's tier
+                # (its part, the replicas it holds, an assembled resume), every rank having decided alike; a node
+                # whose first rank died first keeps a tier that `torchrelay stop --forget-memory --stale` frees
+                forget(self._lineage, self._run)
             wait_deletions()
             if self._durable is not None and not self._persister.stuck:
                 self._durable.close()  # the newest checkpoint reaches the store before the run ends
