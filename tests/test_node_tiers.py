@@ -171,3 +171,33 @@ def test_bad_memory_flags_are_one_line_and_exit_2(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err and "Traceback" not in err and len(err.splitlines()) <= 2, err
+
+
+def test_a_controller_ending_frees_its_runs_stale_tier_and_says_what_it_leaves(
+    tmp_path: Path, mem: Path
+) -> None:
+    finished = _run(tmp_path / "finished", [8], finished=True)
+    stale = _tier(finished, [8])
+    crashed = _run(tmp_path / "crashed", [8])
+    kept = _tier(crashed, [11])
+    launch = RunLock(finished.path, "launch").acquire()  # the controller's own lock: not a user of the tier
+    try:
+        (freed,) = node_tiers.at_controller_end(finished.path)
+        assert (
+            not stale.exists() and freed.startswith("memory tier freed on ") and "its run finished" in freed
+        )
+    finally:
+        launch.release()
+    (left,) = node_tiers.at_controller_end(crashed.path)
+    assert (
+        kept.is_dir() and left.startswith("memory tier left on ") and "--forget-memory` frees it" in left
+    ), left
+    train = RunLock(
+        crashed.path, "train"
+    ).acquire()  # a training still holding the run: its tier is never freed
+    (crashed.path / "history.jsonl").unlink(missing_ok=True)
+    write_history(crashed, [{"segment": "a", "ended": "finished"}])
+    try:
+        assert node_tiers.at_controller_end(crashed.path) == [] and kept.is_dir()
+    finally:
+        train.release()

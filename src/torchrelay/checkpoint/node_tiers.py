@@ -40,6 +40,7 @@ from torchrelay.paths.rundir import RunDir
 from torchrelay.records.history import read_history
 
 LIVE, STALE, KEPT, REFUSED = "live", "stale", "kept", "refused"
+LOCKS = ("train", "launch")  # the run's locks whose holder makes its tier live (paths/lock.py)
 _DIGEST = 12  # hex characters of a run directory's digest (tiers.memory_root)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -96,9 +97,10 @@ def tiers_root() -> Path:
     return memory_base()[1]
 
 
-def scan(now: float | None = None) -> list[NodeTier]:
-    """Every memory tier of this user's on this node, judged (module doc); a folder not this user's alone is listed
-    `refused` with its line and nothing in it read."""
+def scan(now: float | None = None, locks: tuple[str, ...] = LOCKS) -> list[NodeTier]:
+    """Every memory tier of this user's on this node, judged (module doc; `locks`: the run locks that make a tier
+    live, the controller leaving out its own); a folder not this user's alone is listed `refused` with its line
+    and nothing in it read."""
     base = tiers_root()
     now = time.time() if now is None else now
     found: list[NodeTier] = []
@@ -109,11 +111,11 @@ def scan(now: float | None = None) -> list[NodeTier]:
             continue
         for root in sorted(lineage.iterdir()):
             if len(root.name) == _DIGEST and all(c in "0123456789abcdef" for c in root.name):
-                found.append(judge(root, now))
+                found.append(judge(root, now, locks))
     return found
 
 
-def judge(root: Path, now: float) -> NodeTier:
+def judge(root: Path, now: float, locks: tuple[str, ...] = LOCKS) -> NodeTier:
     """What one tier holds and whether it is live, stale or kept (module doc)."""
     tier = NodeTier(root=str(root), lineage=root.parent.name, run_dir=None)
     problem = root_problem(root, make=False)
@@ -132,7 +134,7 @@ def judge(root: Path, now: float) -> NodeTier:
     tier.run_dir = _bound_run_dir(inventories, root.name)
     tier.bytes, newest = _usage(root)
     tier.age_s = max(0.0, now - newest)
-    tier.verdict, tier.why = _verdict(tier, root)
+    tier.verdict, tier.why = _verdict(tier, root, locks)
     return tier
 
 
@@ -182,11 +184,11 @@ def _in_use(root: Path) -> bool:
     return False
 
 
-def _verdict(tier: NodeTier, root: Path) -> tuple[str, str]:
+def _verdict(tier: NodeTier, root: Path, locks: tuple[str, ...]) -> tuple[str, str]:
     if _in_use(root):
         return LIVE, f"a process on {socket.gethostname()} uses it"
     if tier.run_dir is not None:
-        for role in ("train", "launch"):
+        for role in locks:
             who = holder(tier.run_dir, role)
             if who is not None:
                 return LIVE, f"the run's {role} lock is held by {describe(who, command=False)}"
@@ -211,7 +213,7 @@ def _verdict(tier: NodeTier, root: Path) -> tuple[str, str]:
     return KEPT, f"update {max(held)} is newer than the durable tier: a relaunch on this node resumes from it"
 
 
-def forget(tier: NodeTier) -> int:
+def forget(tier: NodeTier, locks: tuple[str, ...] = LOCKS) -> int:
     """Free one tier (never a live one: RunBusy) after checking its folders are this user's alone (UnsafeInput
     otherwise, tiers.root_problem's line); the bytes freed. Its lineage's folder goes too once empty."""
     root = Path(tier.root)
@@ -229,7 +231,7 @@ def forget(tier: NodeTier) -> int:
             line = f"a process on {socket.gethostname()} uses {root}"
             raise RunBusy(tier.run_dir or root, "train", {}, line) from None
         if tier.run_dir is not None:
-            for role in ("train", "launch"):
+            for role in locks:
                 who = holder(tier.run_dir, role)
                 if who is not None:
                     raise RunBusy(tier.run_dir, role, who, describe(who))
@@ -246,3 +248,24 @@ def of_run(run_dir: str | os.PathLike[str], tiers: list[NodeTier]) -> list[NodeT
     """The tiers of `run_dir` (any lineage) among `tiers`."""
     digest = run_digest(run_dir)
     return [t for t in tiers if Path(t.root).name == digest]
+
+
+def at_controller_end(run_dir: str | os.PathLike[str]) -> list[str]:
+    """What a controller on one node (`torchrelay launch`, holding the run's launch lock), ending, does with its
+    run's memory tiers on this node, one line each: a stale one (the run finished, or stopped with its durable
+    save, and a rank could not free it) freed; a kept one (newer than the durable tier: a failure it does not
+    retry) left for a relaunch here, with the command that frees it."""
+    lines, host = [], socket.gethostname()
+    for tier in of_run(run_dir, scan(locks=("train",))):
+        size = f"{tier.bytes / 1e6:.1f} MB"
+        if tier.verdict == STALE:
+            try:
+                forget(tier, locks=("train",))
+            except (RunBusy, UnsafeInput) as exc:
+                lines.append(f"memory tier {tier.root} on {host} left: {exc.message}")
+                continue
+            lines.append(f"memory tier freed on {host} ({size}): {tier.why}")
+        elif tier.verdict == KEPT:
+            lines.append(f"memory tier left on {host} ({size}): {tier.why}; "
+                         f"`torchrelay stop {run_dir} --forget-memory` frees it")  # fmt: skip
+    return lines
