@@ -12,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from helpers import assert_same_final_state, assert_same_logs, segments, wait_fo
 from nodes import Nodes, torchrun_2node
 from test_multinode import free_port, nodes, wait_all  # noqa: F401 - `nodes` is the fixture
 from torchrelay.checkpoint.inventory import validate_complete
+from torchrelay.checkpoint.node_tiers import KEPT, LIVE, scan
 from torchrelay.checkpoint.replica import nodes_of
 from torchrelay.ledger.exposure import prove
 
@@ -75,8 +76,11 @@ def _launch(
     )
 
 
-def _kill_after(run: Path, update: int, procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGKILL every process of both nodes once rank 0 logged `update` and a later memory save was replicated."""
+def _kill_after(
+    run: Path, update: int, procs: list[subprocess.Popen[bytes]], meanwhile: Callable[[], None] | None = None
+) -> None:
+    """SIGKILL every process of both nodes once rank 0 logged `update` and a later memory save was replicated
+    (`meanwhile`: called then, the ranks still running)."""
     before = len(segments(run)) if (run / "history.jsonl").exists() else 0
     deadline = time.monotonic() + 240
     while (
@@ -84,6 +88,8 @@ def _kill_after(run: Path, update: int, procs: list[subprocess.Popen[bytes]]) ->
     ) and time.monotonic() < deadline:
         time.sleep(0.05)  # this launch's segment opened: the logs were trimmed to its checkpoint
     wait_for_update(run, update, procs[0], timeout=240)  # type: ignore[arg-type]
+    if meanwhile is not None:
+        meanwhile()
     doomed = [psutil.Process(p.pid) for p in procs]
     doomed += [
         c for p in doomed for c in p.children(recursive=True)
@@ -93,6 +99,13 @@ def _kill_after(run: Path, update: int, procs: list[subprocess.Popen[bytes]]) ->
             proc.send_signal(signal.SIGKILL)
     psutil.wait_procs(doomed, timeout=30)
     wait_all(procs)
+
+
+def _node_view(mem: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None, str]]:
+    """(verdict, run directory, why) of each tier `status --memory` shows on the node whose memory is `mem`."""
+    with monkeypatch.context() as m:
+        m.setenv("TORCHRELAY_MEMORY_ROOT", str(mem))
+        return [(t.verdict, t.run_dir, t.why) for t in scan()]
 
 
 def _parts(mem: Path, sub: str = "") -> list[Path]:
@@ -106,13 +119,20 @@ def test_a_wiped_node_resumes_from_its_partners_replica_and_a_flipped_byte_falls
     nodes: Nodes,  # noqa: F811
     tmp_path: Path,
     memories: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run, logs = tmp_path / "run", tmp_path / "logs"
     paced = {"memory_every": 1, "params.min_update_s": 0.3}
+    seen: list[list[tuple[str, str | None, str]]] = []
 
     # (c) node 1's memory wiped and node 0's replica of it damaged: refused in one line, the durable tier used
     _kill_after(run, 11, _launch(nodes, example, run, ["node-a", "node-b"], memories, logs,
-                                 config=example["config"], sets=paced))  # fmt: skip
+                                 config=example["config"], sets=paced),
+                meanwhile=lambda: seen.append(_node_view(memories[1], monkeypatch)))  # fmt: skip
+    # while it ran, node 1's tier was held by its rank (its flock, not the run lock: never freed); killed, it is
+    # kept (newer than durable)
+    assert [(v, r) for v, r, _ in seen[0]] == [(LIVE, str(run))] and seen[0][0][2].endswith("uses it"), seen
+    assert [(v, r) for v, r, _ in _node_view(memories[1], monkeypatch)] == [(KEPT, str(run))]
     replicas = [p.parent for p in _parts(memories[0], "") if "replica-node1" in str(p)]
     assert len(replicas) == 1 and _parts(memories[1]), (
         list(memories[0].rglob("*")),
@@ -150,3 +170,7 @@ def test_a_wiped_node_resumes_from_its_partners_replica_and_a_flipped_byte_falls
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
     assert prove(run).ok
+    # the run finished with its durable end: each node's first rank freed its node's tier (its part, the replica it
+    # held, the assembled resume), and the lineage's folder with it; nothing of the run is left in either memory
+    left = {str(m.name): sorted(str(p.relative_to(m)) for p in m.rglob("*")) for m in memories}
+    assert left == {"memory-node0": [], "memory-node1": []}, left

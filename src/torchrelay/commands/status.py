@@ -1,4 +1,4 @@
-"""`torchrelay status RUN_DIR [--json | --last-exit]`."""
+"""`torchrelay status RUN_DIR [--json | --last-exit]`; `torchrelay status --memory [RUN_DIR] [--json]`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchrelay.audit.verdict import shown_for_run
+from torchrelay.commands import memory as memory_tiers
 from torchrelay.commands.argtypes import run_directory
 from torchrelay.controller.attempts import describe_fallback, latest_fallback
 from torchrelay.errors import EXIT_ERROR, ConfigError, RecordError
@@ -26,8 +27,14 @@ from torchrelay.util.shown import shown, visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", type=run_directory)
+    p.add_argument("run_dir", type=run_directory, nargs="?")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="this user's memory tiers on this node, every run's (RUN_DIR: that run's): run directory, lineage, "
+        "updates held, size, age, and whether it is live, stale (free it: stop --forget-memory --stale) or kept",
+    )
     p.add_argument(
         "--ledger",
         action="store_true",
@@ -160,6 +167,11 @@ def _state(s: dict[str, object]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.memory:
+        if args.last_exit or args.ledger:
+            raise ConfigError("status --memory takes no --last-exit or --ledger", hint="drop them")
+        return memory_tiers.show(args)
+    memory_tiers.check_memory_flags(args, "status")
     run: RunDir = args.run_dir
     if args.last_exit:
         return _last_exit(run)

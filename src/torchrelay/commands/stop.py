@@ -1,9 +1,11 @@
-"""`torchrelay stop RUN_DIR [--job ID] [--at-update N] [--before-start]`."""
+"""`torchrelay stop RUN_DIR [--job ID] [--at-update N] [--before-start]`; `torchrelay stop --forget-memory
+(RUN_DIR | --stale)`."""
 
 from __future__ import annotations
 
 import argparse
 
+from torchrelay.commands import memory
 from torchrelay.commands.argtypes import job_id, run_directory, update
 from torchrelay.controller.supervisor import last_logged_update
 from torchrelay.errors import ConfigError
@@ -15,7 +17,7 @@ from torchrelay.util.shown import visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", type=run_directory)
+    p.add_argument("run_dir", type=run_directory, nargs="?")
     p.add_argument(
         "--job", type=job_id, help="honoured only by this Slurm job id (others ignore and report it)"
     )
@@ -25,9 +27,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the run does not exist yet: leave the request for its first launch (the directory may be new or empty)",
     )
+    p.add_argument(
+        "--forget-memory",
+        action="store_true",
+        help="free RUN_DIR's memory tier on this node (whatever it holds; never while a run uses it), or with "
+        "--stale every stale one of this user's (see status --memory)",
+    )
+    p.add_argument(
+        "--stale", action="store_true", help="with --forget-memory: every stale memory tier on this node"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.forget_memory:
+        return memory.free(args)
+    if args.stale:
+        raise ConfigError("stop --stale goes with --forget-memory", hint="pass --forget-memory --stale")
+    memory.check_memory_flags(args, "stop")
     run: RunDir = args.run_dir
     run_dir = run.path
     exists = run.contract_path.exists()

@@ -7,6 +7,7 @@ controller's exit code — 0 finished, 3 budget, 4 request, 5 signal, 6 memory, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
+from torchrelay.checkpoint.node_tiers import at_controller_end
 from torchrelay.checkpoint.retention import unpreserved
 from torchrelay.checkpoint.select import list_checkpoints
 from torchrelay.config import envvars
@@ -57,6 +59,7 @@ from torchrelay.records.ended import CLEAN_STOPS, exit_code_of
 from torchrelay.records.history import read_history, upsert
 from torchrelay.records.train import metrics_path
 from torchrelay.util.safepath import open_writable
+from torchrelay.util.shown import shown
 
 # Variables the controller sets itself for each stage; inherited values must not leak into a stage.
 STAGE_VARS = ("TORCHRELAY_RUN_DIR", "TORCHRELAY_OVERRIDES", "TORCHRELAY_DEADLINE", "TORCHRELAY_BUDGET_S")
@@ -127,6 +130,11 @@ class Controller:
                 outcome.exit_code = exc.exit_code
                 outcome.ended = "refused" if exc.exit_code == EXIT_REFUSED else "error"
                 outcome.message = str(exc)
+        if not self.plan.train.uses_srun:  # one node: its memory tier is here (several: the epilog's, docs)
+            with contextlib.suppress(RelayError, OSError):
+                for line in at_controller_end(self.plan.run_path):
+                    outcome.notes.append(line)
+                    self.show.warning(shown(line))
         outcome.stopped = self.req.clock()
         outcome.updates_after = max(outcome.updates_after, _saved_update(self.plan.run))
         attempt = self.attempts.settle(attempt) or attempt

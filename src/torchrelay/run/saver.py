@@ -23,6 +23,7 @@ from torchrelay.checkpoint.commit import commit_checkpoint, drop_spare, wait_del
 from torchrelay.checkpoint.deepspeed_engine import declares_engine, is_engine
 from torchrelay.checkpoint.host_stage import HostStage
 from torchrelay.checkpoint.inventory import INVENTORY
+from torchrelay.checkpoint.node_tiers import hold, release
 from torchrelay.checkpoint.persist import Persister
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision
 from torchrelay.checkpoint.replica import commit_parts, nodes_of, said_once
@@ -105,6 +106,9 @@ class Saver:
         self._memory_keep = config.memory_keep
         self._memory_sized = False
         self._memory_last = -1  # the newest update in the memory tier this segment
+        self._hold: int | None = (
+            None  # a shared flock on the tier's folder: `torchrelay stop --forget-memory` waits
+        )
         self._lineage = lineage
         self._notes = notes if notes is not None else []  # the segment's notes (rank 0's reach its history)
         where = nodes_of(rank, world_size)
@@ -116,6 +120,9 @@ class Saver:
         if on and lineage:
             # its folders are made and checked at the first memory save, by every rank alike (_memory_fits)
             self._memory = LocalStorage(memory_root(lineage, run), spare=True)
+            self._hold = hold(
+                self._memory.root
+            )  # the folder a resume came from (else made at the first save)
             said_once(rank, world_size)
         self.policy = SaveDecision(
             config.save_every, self._retention, config.memory_every if self._memory else 0
@@ -367,6 +374,8 @@ class Saver:
         if line:
             self._say(line)
         self._memory_keep = keep
+        if keep > 0 and self._hold is None:
+            self._hold = hold(root)
         if keep == 0:
             self._memory = None
             self.policy = SaveDecision(self._config.save_every, self._retention)
@@ -434,11 +443,16 @@ class Saver:
                 drop_spare(self._run_dir)
             if (
                 committed
-                and self._rank == 0
+                and self._rank % self._local == 0
                 and self._memory is not None
                 and 0 <= self._memory_last <= self.last
             ):
-                forget(self._lineage, self._run)  # the durable tier holds a newer (or the same) update
+                # the durable tier holds a newer (or the same) update: each node's first rank frees its node's tier
+                # (its part, the replicas it holds, an assembled resume), every rank having decided alike; a node
+                # whose first rank died first keeps a tier that `torchrelay stop --forget-memory --stale` frees
+                forget(self._lineage, self._run)
+            release(self._hold)
+            self._hold = None
             wait_deletions()
             if self._durable is not None and not self._persister.stuck:
                 self._durable.close()  # the newest checkpoint reaches the store before the run ends
