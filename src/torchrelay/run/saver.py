@@ -106,9 +106,8 @@ class Saver:
         self._memory_keep = config.memory_keep
         self._memory_sized = False
         self._memory_last = -1  # the newest update in the memory tier this segment
-        self._hold: int | None = (
-            None  # a shared flock on the tier's folder: `torchrelay stop --forget-memory` waits
-        )
+        # a shared flock on the tier's folder while this rank may use it: `torchrelay stop --forget-memory` waits
+        self._hold: int | None = None
         self._lineage = lineage
         self._notes = notes if notes is not None else []  # the segment's notes (rank 0's reach its history)
         where = nodes_of(rank, world_size)
@@ -120,9 +119,8 @@ class Saver:
         if on and lineage:
             # its folders are made and checked at the first memory save, by every rank alike (_memory_fits)
             self._memory = LocalStorage(memory_root(lineage, run), spare=True)
-            self._hold = hold(
-                self._memory.root
-            )  # the folder a resume came from (else made at the first save)
+            # held from the start where a resume came from the folder (else it is made at the first save)
+            self._hold = hold(self._memory.root)
             said_once(rank, world_size)
         self.policy = SaveDecision(
             config.save_every, self._retention, config.memory_every if self._memory else 0
