@@ -78,6 +78,30 @@ def test_a_memory_tier_found_empty_is_noted_only_where_it_missed_an_update(tmp_p
     assert missing_note(root, 4, 8, 15) is None and missing_note(root, 4, 8, 16) is not None  # 12 sure at 16
 
 
+def test_the_memory_tiers_sizing_counts_every_optimizer_of_a_list() -> None:
+    """run.track(optimizer=[muon, adamw]) (examples/train_lm.py's LingBot shape): the first memory save sizes
+    the tier from the bytes of each optimizer's state, as the save itself writes them all (it raised
+    AttributeError: 'list' object has no attribute 'state_dict')."""
+    import torch
+
+    from torchrelay.run.restore import Tracked
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opts = [torch.optim.AdamW(model[0].parameters()), torch.optim.SGD(model[1].parameters(), momentum=0.9)]
+    model(torch.ones(1, 4)).sum().backward()
+    for opt in opts:
+        opt.step()
+    floats = sum(p.numel() for p in model.parameters())  # 23 parameters' floats
+    alone = Tracked()
+    alone.register(model, None, {})
+    assert alone.state_bytes() == 4 * floats
+    both = Tracked()
+    both.register(model, opts, {})  # type: ignore[arg-type]  # Run.track takes a list of optimizers
+    adam = 2 * 4 * model[0].weight.numel() + 2 * 4 * model[0].bias.numel() + 2 * 4  # moments, each step
+    sgd = 4 * (model[1].weight.numel() + model[1].bias.numel())  # momentum buffers
+    assert both.state_bytes() == 4 * floats + adam + sgd
+
+
 # -------------------------------------------------------------------------------------------- real kills
 @pytest.fixture
 def tier_runs(tmp_path: Path) -> Iterator[list[Path]]:

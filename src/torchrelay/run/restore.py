@@ -16,6 +16,7 @@ import torch
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
 from torchrelay.checkpoint.state import rng
+from torchrelay.checkpoint.state.document import optimizers_of
 from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import RecordError, StateMismatch
 from torchrelay.records.digests import restored_differs
@@ -47,8 +48,8 @@ class Tracked:
 
         total = 0
         docs = [self.model.state_dict() if self.model is not None else {}]
-        if self.optimizer is not None:
-            docs.append(self.optimizer.state_dict().get("state", {}))
+        # run.track takes one optimizer or a list of them (Muon on the matrices, AdamW on the rest)
+        docs += [opt.state_dict().get("state", {}) for opt in optimizers_of(self.optimizer)]
         stack: list[Any] = list(docs)
         while stack:
             item = stack.pop()
