@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,5 +200,36 @@ def test_fsdp2_muon_killed_resumes_from_the_memory_tier_bit_exact(
     out = run_tree(
         torchrun_cmd(code, run, sets={"params.min_update_s": 0}), timeout=300, env=clean_env(), cwd=code
     )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _assert_resumed_from_memory_and_equal(ref, run, held, 16)
+
+
+# ------------------------------------------------------------------------------------- nanoGPT's token loop
+def test_tokens_killed_resumes_from_the_memory_tier_bit_exact(tmp_path: Path, tier_runs: list[Path]) -> None:
+    """examples/train_tokens.py (16 updates, an evaluation every 4 whose new best saves durably through
+    step.save_now, its best loss a stateful of the script's own): killed with memory ahead of every durable save."""
+    dest = tmp_path / "code"
+    dest.mkdir()
+    shutil.copyfile(REPO / "tests" / "tokens_paced.py", dest / "tokens_paced.py")
+    code = make_code_repo(dest, scripts=("train_tokens.py",))
+    data = tmp_path / "data"
+    made = run_tree(
+        [sys.executable, str(code / "train_tokens.py"), "--make-data", str(data)],
+        timeout=120,
+        env=clean_env(),
+    )
+    assert made.returncode == 0, made.stderr
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    tier_runs += [ref, run]
+    sets, args = {"total_updates": 16, "params.eval_interval": 4}, ("--data", str(data))
+    out = run_tree(
+        torchrun_cmd(code, ref, sets=sets, script="tokens_paced.py", args=args),
+        timeout=300, env=clean_env(), cwd=code,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    tier = {**sets, "memory_every": 1, "save_every": 8}
+    cmd = torchrun_cmd(code, run, sets=tier, script="tokens_paced.py", args=args)
+    held = _kill_once_memory_leads(cmd, run, {"TOKENS_PACE_S": "0.3"}, code, past=8)
+    out = run_tree(torchrun_cmd(code, run, script="tokens_paced.py"), timeout=300, env=clean_env(), cwd=code)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     _assert_resumed_from_memory_and_equal(ref, run, held, 16)
