@@ -136,6 +136,31 @@ def test_trainer_killed_resumes_from_the_memory_tier_bit_exact(
     _assert_resumed_from_memory_and_equal(ref, run, held, 12)
 
 
+def test_trainer_deepspeed_zero2_killed_resumes_from_the_memory_tier_bit_exact(
+    tmp_path: Path, tier_runs: list[Path]
+) -> None:
+    """examples/train_hf_trainer_deepspeed.py (Trainer(deepspeed=...), ZeRO-2 on CPU): the engine writes its own
+    files inline, into the memory tier's checkpoint as into a durable one; on one node the tier runs
+    (tiers.tier_at_open turns it off on several, in one line: tests/test_replica_units.py)."""
+    pytest.importorskip("deepspeed")
+    dest = tmp_path / "code"
+    dest.mkdir()
+    shutil.copyfile(REPO / "tests" / "trainer_paced.py", dest / "trainer_paced.py")
+    code = make_code_repo(dest, scripts=("train_hf_trainer_deepspeed.py",))
+    ds = {"TRAINER_EXAMPLE": "train_hf_trainer_deepspeed", "DS_ACCELERATOR": "cpu"}
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    tier_runs += [ref, run]
+    out = run_tree(_trainer_cmd(code, ref), timeout=400, env=clean_env(**ds), cwd=code)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    env = {**ds, "TORCHRELAY_OVERRIDES": TIER, "TRAINER_PACE_S": "0.3"}
+    held = _kill_once_memory_leads(_trainer_cmd(code, run), run, env, code, past=8)
+    out = run_tree(
+        _trainer_cmd(code, run), timeout=400, env=clean_env(**ds, TORCHRELAY_OVERRIDES=TIER), cwd=code
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _assert_resumed_from_memory_and_equal(ref, run, held, 12)
+
+
 # ----------------------------------------------------------------------------------------------- Lightning
 @pytest.fixture(scope="module")
 def lightning_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -157,20 +182,17 @@ def test_lightning_killed_resumes_from_the_memory_tier_bit_exact(
     lightning_code: Path, tmp_path: Path, tier_runs: list[Path]
 ) -> None:
     """examples/train_lightning.py (12 updates over 3 epochs, save_every 4) with the tier on through
-    TORCHRELAY_OVERRIDES: killed in its third epoch, resumed there from memory."""
+    TORCHRELAY_OVERRIDES: killed in its third epoch, resumed there from memory by a launch without the tier."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     tier_runs += [ref, run]
     out = run_tree(_lightning_cmd(lightning_code, ref), timeout=300, env=clean_env(), cwd=lightning_code)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     env = {"TORCHRELAY_OVERRIDES": TIER, "LIGHTNING_PACE_S": "0.3"}
     held = _kill_once_memory_leads(_lightning_cmd(lightning_code, run), run, env, lightning_code, past=8)
-    out = run_tree(
-        _lightning_cmd(lightning_code, run),
-        timeout=300,
-        env=clean_env(TORCHRELAY_OVERRIDES=TIER),
-        cwd=lightning_code,
-    )
+    # launched again as the example is (no memory tier, durable every 4): the memory checkpoint still serves
+    out = run_tree(_lightning_cmd(lightning_code, run), timeout=300, env=clean_env(), cwd=lightning_code)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert segments(run)[-1]["runtime_changes"] == {"memory_every": [1, 0], "save_every": [8, 4]}
     _assert_resumed_from_memory_and_equal(ref, run, held, 12)
 
 

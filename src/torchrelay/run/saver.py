@@ -103,6 +103,7 @@ class Saver:
         self._memory_keep = config.memory_keep
         self._memory_sized = False
         self._memory_last = -1  # the newest update in the memory tier this segment
+        self._durable_last = -1  # the newest durable save this segment
         self._lineage = lineage
         where = nodes_of(rank, world_size)
         self._nodes, self._local = where.nodes, where.local
@@ -315,7 +316,7 @@ class Saver:
         if memory:
             self._memory_last = update
         else:
-            self.last = update
+            self.last = self._durable_last = update
         return as_storage(where).root / checkpoint_name(update)
 
     def _saved(self, update: int, seconds: float, memory: bool) -> None:
@@ -414,12 +415,10 @@ class Saver:
             self._froze = False
             if self._rank == 0 and not self._persister.stuck:  # a stuck persist may still be writing into it
                 drop_spare(self._run_dir)
-            if (
-                committed
-                and self._rank == 0
-                and self._memory is not None
-                and 0 <= self._memory_last <= self.last
-            ):
+            # A durable save of this segment is newer than any memory checkpoint an earlier segment left (the open
+            # deleted those past its resume point): the tier goes once it holds nothing newer, whether or not this
+            # launch saves to it (a relaunch without memory_every that resumed from it leaves none behind).
+            if committed and self._rank == 0 and self._durable_last >= max(self._memory_last, 0):
                 forget(self._lineage, self._run)  # the durable tier holds a newer (or the same) update
             wait_deletions()
             if self._durable is not None and not self._persister.stuck:
