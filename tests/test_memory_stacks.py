@@ -161,6 +161,28 @@ def test_trainer_deepspeed_zero2_killed_resumes_from_the_memory_tier_bit_exact(
     _assert_resumed_from_memory_and_equal(ref, run, held, 12)
 
 
+def test_trainer_fsdp2_killed_resumes_from_the_memory_tier_bit_exact(
+    tmp_path: Path, tier_runs: list[Path]
+) -> None:
+    """tests/trainer_fsdp2.py's worker: Trainer with FSDP2 through accelerate (fully_shard per decoder layer, each
+    rank saving its DTensor shards of the model and AdamW's moments), 12 updates, save_steps 4."""
+    import argparse
+
+    import trainer_fsdp2 as bench
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    tier_runs += [ref, run]
+    opt = argparse.Namespace(nproc=2, device="cpu", pace=0.0)
+    assert bench._launch(opt, ref, "fp32", 0, tmp_path / "ref.log") == 0, bench._tail(tmp_path / "ref.log")
+    paced = bench._cmd(argparse.Namespace(nproc=2, device="cpu", pace=0.3), run, "fp32", 0)
+    held = _kill_once_memory_leads(paced, run, {"TORCHRELAY_OVERRIDES": TIER}, REPO, past=8)
+    out = run_tree(
+        bench._cmd(opt, run, "fp32", 0), timeout=300, env=clean_env(TORCHRELAY_OVERRIDES=TIER), cwd=REPO
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _assert_resumed_from_memory_and_equal(ref, run, held, 12)
+
+
 # ----------------------------------------------------------------------------------------------- Lightning
 @pytest.fixture(scope="module")
 def lightning_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
