@@ -1,5 +1,6 @@
-"""The memory tier (issue 52) under training code torchrelay did not write: Hugging Face Trainer, Lightning, FSDP2
-with Muon (LingBot's shape) and nanoGPT's token loop. Each run saves to memory every update and durably less often,
+"""The memory tier (issue 52) under training code torchrelay did not write: Hugging Face Trainer (plain, with
+DeepSpeed ZeRO-2, with FSDP2 through accelerate), Lightning, FSDP2 with Muon (LingBot's shape) and nanoGPT's token
+loop. Each run saves to memory every update and durably less often,
 is SIGKILLed whole (launcher, ranks, workers) once its memory tier holds a checkpoint newer than its durable one,
 and is launched again: the relaunch resumes from the memory tier, every update's parameter digest on every rank
 (records/digests.py) equals the uninterrupted run's, the end is bit for bit the uninterrupted run's and the ledger
@@ -64,10 +65,11 @@ def _newest(root: Path) -> int:
 def _kill_once_memory_leads(cmd: list[str], run: Path, env: dict[str, str], cwd: Path, past: int) -> int:
     """Launch `cmd`, SIGKILL the whole job once the memory tier holds a checkpoint past update `past` and past the
     newest durable one; returns the newest memory checkpoint the kill left."""
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(**env), cwd=cwd,
-        start_new_session=True,
-    )  # fmt: skip
+    log = run.with_name(f"{run.name}-killed.log")  # a file, not a pipe no one reads while the job runs
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=clean_env(**env), cwd=cwd, start_new_session=True
+        )
     tree = Tree(proc.pid)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -77,7 +79,7 @@ def _kill_once_memory_leads(cmd: list[str], run: Path, env: dict[str, str], cwd:
             if memory > max(past, _newest(run)):
                 break
         time.sleep(0.01)
-    assert proc.poll() is None, f"the job ended first: {proc.stdout.read()[-4000:] if proc.stdout else ''}"
+    assert proc.poll() is None, f"the job ended first: {log.read_text()[-4000:]}"
     kill_job(tree, proc)  # type: ignore[arg-type]
     held, durable = _newest(_memory_root(run)), _newest(run)
     assert held > durable, (held, durable)

@@ -150,3 +150,5 @@ def test_a_wiped_node_resumes_from_its_partners_replica_and_a_flipped_byte_falls
     assert_same_final_state(baseline, run, U)
     assert_same_logs(baseline, run)
     assert prove(run).ok
+    # the finished run's memory tier is given back on every node: parts and replicas alike
+    assert [list(m.rglob("checkpoint-*")) for m in memories] == [[], []]

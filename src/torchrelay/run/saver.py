@@ -417,8 +417,10 @@ class Saver:
                 drop_spare(self._run_dir)
             # A durable save of this segment is newer than any memory checkpoint an earlier segment left (the open
             # deleted those past its resume point): the tier goes once it holds nothing newer, whether or not this
-            # launch saves to it (a relaunch without memory_every that resumed from it leaves none behind).
-            if committed and self._rank == 0 and self._durable_last >= max(self._memory_last, 0):
+            # launch saves to it (a relaunch without memory_every that resumed from it leaves none behind), on
+            # every node (each node's first rank: its part and the replica it holds).
+            first = self._rank % self._local == 0
+            if committed and first and self._durable_last >= max(self._memory_last, 0):
                 forget(self._lineage, self._run)  # the durable tier holds a newer (or the same) update
             wait_deletions()
             if self._durable is not None and not self._persister.stuck:
