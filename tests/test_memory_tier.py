@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_same_final_state, assert_same_logs, launch, launch_bg, metrics, segments
+from helpers import assert_same_final_state, assert_same_logs, clean_env, launch, launch_bg, metrics, segments
 from kill_campaign import kill_job
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.checkpoint.policy import SaveContext, SaveDecision, SaveVerdict
@@ -77,6 +78,30 @@ def test_a_memory_tier_found_empty_is_noted_only_where_it_missed_an_update(tmp_p
     # killed at 9: the save of 9 may have been cut (9 is logged once 8's committed): nothing was sure to be there
     assert missing_note(root, 1, 8, 9) is None and missing_note(root, 1, 8, 10) is not None
     assert missing_note(root, 4, 8, 15) is None and missing_note(root, 4, 8, 16) is not None  # 12 sure at 16
+
+
+def test_the_memory_tiers_sizing_counts_every_optimizer_of_a_list() -> None:
+    """run.track(optimizer=[muon, adamw]) (examples/train_lm.py's LingBot shape): the first memory save sizes
+    the tier from the bytes of each optimizer's state, as the save itself writes them all (it raised
+    AttributeError: 'list' object has no attribute 'state_dict')."""
+    import torch
+
+    from torchrelay.run.restore import Tracked
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opts = [torch.optim.AdamW(model[0].parameters()), torch.optim.SGD(model[1].parameters(), momentum=0.9)]
+    model(torch.ones(1, 4)).sum().backward()
+    for opt in opts:
+        opt.step()
+    floats = sum(p.numel() for p in model.parameters())  # 23 parameters' floats
+    alone = Tracked()
+    alone.register(model, None, {})
+    assert alone.state_bytes() == 4 * floats
+    both = Tracked()
+    both.register(model, opts, {})  # type: ignore[arg-type]  # Run.track takes a list of optimizers
+    adam = 2 * 4 * model[0].weight.numel() + 2 * 4 * model[0].bias.numel() + 2 * 4  # moments, each step
+    sgd = 4 * (model[1].weight.numel() + model[1].bias.numel())  # momentum buffers
+    assert both.state_bytes() == 4 * floats + adam + sgd
 
 
 # -------------------------------------------------------------------------------------------- real kills
@@ -274,3 +299,19 @@ def test_a_memory_folder_another_user_took_over_is_refused_and_the_run_ends_on_t
     assert_same_logs(baseline, run)
     _assert_same_digests(baseline, run)
     assert prove(run).ok
+
+
+@pytest.mark.full  # a fresh interpreter importing deepspeed and building its engine: 10-20 s
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_memory_tiers_sizing_counts_a_deepspeed_engines_optimizer(stage: int) -> None:
+    """A DeepSpeed engine is tracked as the model (its optimizer is the engine's own): the sizing counted the
+    model's tensors only, a quarter of what the engine's save writes under ZeRO-2 (the fp32 partition and both
+    moments), so the capacity check passed a tier that did not fit. Now within a few percent of the files."""
+    pytest.importorskip("deepspeed")
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("deepspeed_sizing.py")), str(stage)],
+        capture_output=True, text=True, timeout=300, env={**clean_env(), "DS_ACCELERATOR": "cpu"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.9 * sizes["written"] <= sizes["counted"] <= 1.5 * sizes["written"], sizes

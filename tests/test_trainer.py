@@ -449,3 +449,26 @@ def test_the_forkserver_preloads_what_a_trainer_script_imports(tmp_path: Path) -
     assert {"json", "torch", "transformers", "torchrelay.data.loader"} <= set(names), names
     assert "transformers.models.gpt2.configuration_gpt2" in names and "transformers.training_args" in names
     assert "numpy.polynomial" not in names and "__main__" not in names
+
+
+def test_relay_options_turn_the_memory_tier_on() -> None:
+    """RelayOptions(memory_every, memory_keep) reach the run's config (TrainingArguments has no such field; before,
+    only TORCHRELAY_OVERRIDES turned the tier on for a Trainer run); a bad value is refused naming the field."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from torchrelay.errors import ConfigError
+    from torchrelay.integrations.hf_contract import RelayOptions, relay_config
+
+    args = TrainingArguments(output_dir="/a", use_cpu=True, report_to="none", max_steps=4, save_steps=2)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+
+    def config(**options: Any) -> Any:
+        given = RelayOptions(dataset_fingerprint="d", **options)
+        return relay_config(args, model, list(range(16)), given, 1, "manifest.jsonl")
+
+    cfg = config(memory_every=1, memory_keep=2)
+    assert (cfg.memory_every, cfg.memory_keep, cfg.save_every) == (1, 2, 2)
+    assert (config().memory_every, config().memory_keep) == (0, 1)  # off unless asked for
+    assert cfg.is_runtime("memory_every") and cfg.is_runtime("memory_keep")
+    with pytest.raises(ConfigError, match="memory_keep"):
+        config(memory_every=1, memory_keep=0)

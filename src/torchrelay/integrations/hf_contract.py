@@ -142,6 +142,11 @@ class RelayOptions:
     # the run's order: "shuffled", or "length_bucketed" (global batches of similar manifest `length`)
     sampler: str = "shuffled"
     bucket_size: int = 64  # length_bucketed: batches sorted by length within this many global batches
+    # The memory tier (docs/CHECKPOINTS.md): also save every `memory_every` updates into node-local memory, keeping
+    # `memory_keep` there; 0: off. TrainingArguments has no such field (save_steps is the durable `save_every`).
+    # Runtime fields: a launch may change them.
+    memory_every: int = 0
+    memory_keep: int = 1
     # This launch may continue the run on another number of ranks with the same global batch (docs/ELASTIC.md);
     # None reads TORCHRELAY_RESHARD (`torchrelay launch --reshard` sets it). Not part of the contract.
     reshard: bool | None = None
@@ -438,6 +443,8 @@ def relay_config(
         bucket_size=options.bucket_size,
         num_workers=int(args.dataloader_num_workers),
         save_every=save_every(args, total, per_epoch),
+        memory_every=options.memory_every,
+        memory_keep=options.memory_keep,
         keep=max(2, int(limit)) if limit else max(2, total),
         pins=sorted(set(pins + list(options.pins))),
         external_files=dict(options.external_files),

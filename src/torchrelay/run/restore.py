@@ -15,7 +15,9 @@ import torch
 
 from torchrelay.checkpoint import state as ckpt_state
 from torchrelay.checkpoint.adapters import adapt
+from torchrelay.checkpoint.deepspeed_engine import is_engine
 from torchrelay.checkpoint.state import rng
+from torchrelay.checkpoint.state.document import optimizers_of
 from torchrelay.config.tuning import LoadTuning
 from torchrelay.errors import RecordError, StateMismatch
 from torchrelay.records.digests import restored_differs
@@ -46,9 +48,16 @@ class Tracked:
         from torchrelay.checkpoint.torch_compat import dtensor_local
 
         total = 0
-        docs = [self.model.state_dict() if self.model is not None else {}]
-        if self.optimizer is not None:
-            docs.append(self.optimizer.state_dict().get("state", {}))
+        docs: list[Any] = [self.model.state_dict() if self.model is not None else {}]
+        # run.track takes one optimizer or a list of them (Muon on the matrices, AdamW on the rest)
+        docs += [opt.state_dict().get("state", {}) for opt in optimizers_of(self.optimizer)]
+        if is_engine(self.model):
+            # A DeepSpeed engine saves its optimizer too: ZeRO's wrapper holds the torch optimizer over this rank's
+            # partition, whose parameters are the fp32 partition it saves beside the moments (stage 0: the model's).
+            wrapper = getattr(self.model, "optimizer", None)
+            base = getattr(wrapper, "optimizer", wrapper)
+            if isinstance(base, torch.optim.Optimizer):
+                docs += [list(base.state.values()), [g["params"] for g in base.param_groups]]
         stack: list[Any] = list(docs)
         while stack:
             item = stack.pop()

@@ -106,6 +106,7 @@ class Saver:
         self._memory_keep = config.memory_keep
         self._memory_sized = False
         self._memory_last = -1  # the newest update in the memory tier this segment
+        self._durable_last = -1  # the newest durable save this segment
         # a shared flock on the tier's folder while this rank may use it: `torchrelay stop --forget-memory` waits
         self._hold: int | None = None
         self._lineage = lineage
@@ -324,7 +325,7 @@ class Saver:
         if memory:
             self._memory_last = update
         else:
-            self.last = update
+            self.last = self._durable_last = update
         return as_storage(where).root / checkpoint_name(update)
 
     def _saved(self, update: int, seconds: float, memory: bool) -> None:
@@ -439,16 +440,14 @@ class Saver:
             self._froze = False
             if self._rank == 0 and not self._persister.stuck:  # a stuck persist may still be writing into it
                 drop_spare(self._run_dir)
-            if (
-                committed
-                and self._rank % self._local == 0
-                and self._memory is not None
-                and 0 <= self._memory_last <= self.last
-            ):
-                # the durable tier holds a newer (or the same) update: each node's first rank frees its node's tier
-                # (its part, the replicas it holds, an assembled resume), every rank having decided alike; a node
-                # whose first rank died first keeps a tier that `torchrelay stop --forget-memory --stale` frees
-                forget(self._lineage, self._run)
+            # A durable save of this segment is newer than any memory checkpoint an earlier segment left (the open
+            # deleted those past its resume point): the tier goes once it holds nothing newer, whether or not this
+            # launch saves to it (a relaunch without memory_every that resumed from it leaves none behind), on
+            # every node (each node's first rank: its part and the replica it holds); a node whose first rank
+            # died first keeps a tier that `torchrelay stop --forget-memory --stale` frees.
+            first = self._rank % self._local == 0
+            if committed and first and self._durable_last >= max(self._memory_last, 0):
+                forget(self._lineage, self._run)  # the durable tier holds a newer (or the same) update
             release(self._hold)
             self._hold = None
             wait_deletions()
