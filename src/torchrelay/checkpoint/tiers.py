@@ -196,9 +196,12 @@ def missing_note(root: Path, memory_every: int, durable_update: int, reached: in
 
 
 def forget(lineage: str | None, run: RunDir) -> None:
-    """Delete this run's memory checkpoints on this node (a finished run, whose durable tier has the end)."""
+    """Delete this run's memory checkpoints on this node (a finished run, whose durable tier has the end); nothing
+    in a folder that is not this user's alone (`root_problem`: another user's, or one others may write in)."""
     if lineage:
         root = memory_root(lineage, run)
+        if root_problem(root, make=False) is not None:
+            return
         shutil.rmtree(root, ignore_errors=True)
         with contextlib.suppress(OSError):
             root.parent.rmdir()  # the lineage's folder, once no run directory of it has a memory tier here
