@@ -23,20 +23,20 @@ from helpers import REPO, TORCHRUN, clean_env, make_code_repo, run_tree, segment
 SCRIPT = "train_hf_trainer_offload.py"
 
 
-def _code(tmp_path: Path) -> Path:
+def trainer_code(tmp_path: Path) -> Path:
     (tmp_path / "code").mkdir()
     shutil.copyfile(REPO / "tests" / "trainer_paced.py", tmp_path / "code" / "trainer_paced.py")
     return make_code_repo(tmp_path / "code", (SCRIPT,))
 
 
-def _launch(code: Path, run: Path, nproc: int, *args: str, **env: str) -> Any:
+def launch_trainer(code: Path, run: Path, nproc: int, *args: str, **env: str) -> Any:
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]
     cmd += [str(code / "trainer_paced.py"), "--output-dir", str(run), *args]
     environ = clean_env(DS_ACCELERATOR="cpu", TRAINER_EXAMPLE=SCRIPT.removesuffix(".py"), **env)
     return run_tree(cmd, timeout=900, env=environ, cwd=code)
 
 
-def _tail(out: Any) -> str:
+def tail_of(out: Any) -> str:
     return str(out.stdout[-4000:] + out.stderr[-4000:])
 
 
@@ -49,12 +49,12 @@ def stopped_on_four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     from torchrelay.policy.stop import write_request
 
     base = tmp_path_factory.mktemp("stopped-on-four")
-    code, run = _code(base), base / "run"
+    code, run = trainer_code(base), base / "run"
     run.mkdir()
     write_request(run, at_update=2)
-    out = _launch(code, run, 4, "--offload", "none")
-    assert segments(run)[-1]["last_update"] == 2, _tail(out)
-    assert (run / "checkpoint-2" / "COMPLETE.json").exists(), _tail(out)
+    out = launch_trainer(code, run, 4, "--offload", "none")
+    assert segments(run)[-1]["last_update"] == 2, tail_of(out)
+    assert (run / "checkpoint-2" / "COMPLETE.json").exists(), tail_of(out)
     shutil.copytree(run, base / "source")
     assert main(["pack", str(base / "source"), str(base / "bundle")]) == 0
     return {"code": code, "run": run, "bundle": base / "bundle"}
@@ -77,9 +77,9 @@ def move_4_to_2_to_4(
         if stop is not None:
             write_request(run, at_update=stop)
         started = time.monotonic()
-        out = _launch(code, run, nproc, *mode, *flag, **env)
+        out = launch_trainer(code, run, nproc, *mode, *flag, **env)
         shown.append(f"{nproc} ranks to update {stop or 6}: {time.monotonic() - started:.0f} s")
-        assert (run / f"checkpoint-{stop or 6}" / "COMPLETE.json").exists(), _tail(out)
+        assert (run / f"checkpoint-{stop or 6}" / "COMPLETE.json").exists(), tail_of(out)
     segs = segments(run)
     assert [(s["world_size"], s["last_update"], s["ended"]) for s in segs] == [
         (4, 2, "request"),
@@ -118,10 +118,10 @@ def test_trainer_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
     4: refused when the engine was tracked). With offload: tests/test_trainer_zero_offload.py."""
     code, straight = stopped_on_four["code"], tmp_path / "straight"
     started = time.monotonic()
-    out = _launch(code, straight, 4, "--offload", "none", "--save-steps", "2")  # checkpoints 2, 4, 6
+    out = launch_trainer(code, straight, 4, "--offload", "none", "--save-steps", "2")  # checkpoints 2, 4, 6
     shown = [f"uninterrupted, 4 ranks: {time.monotonic() - started:.0f} s"]
-    assert out.returncode == 0, _tail(out)
-    assert out.stdout.count("DeepSpeedZeroOptimizer > AdamW") == 4, _tail(out)
+    assert out.returncode == 0, tail_of(out)
+    assert out.stdout.count("DeepSpeedZeroOptimizer > AdamW") == 4, tail_of(out)
     move_4_to_2_to_4(code, straight, stopped_on_four["run"], False, capsys, shown)
 
 
@@ -140,8 +140,8 @@ def test_trainer_zero2_prepared_for_two_ranks_from_a_bundle_of_four(
     assert (
         main(["prepare", str(stopped_on_four["bundle"]), "--run-dir", str(there), "--world-size", "2"]) == 0
     )
-    out = _launch(next((there / "source").iterdir()), there, 2, "--offload", "none")
-    assert out.returncode == 0, _tail(out)
+    out = launch_trainer(next((there / "source").iterdir()), there, 2, "--offload", "none")
+    assert out.returncode == 0, tail_of(out)
     segs = segments(there)
     assert [(s["world_size"], s["ended"]) for s in segs] == [(4, "request"), (2, "finished")]
     change = segs[-1]["layout_change"]

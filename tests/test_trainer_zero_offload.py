@@ -22,7 +22,7 @@ import torch
 from helpers import assert_same_logs, segments
 from test_deepspeed import engine_state
 from test_four_ranks import cpu_adam_or_skip
-from test_trainer_zero_move import _code, _launch, _tail, move_4_to_2_to_4
+from test_trainer_zero_move import launch_trainer, move_4_to_2_to_4, tail_of, trainer_code
 from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG
 from torchrelay.checkpoint.inventory import validate_complete
 from torchrelay.ledger.exposure import prove
@@ -38,13 +38,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The uninterrupted 4-rank run with CPU Adam (checkpoints 2, 4, 6), once for the module, and its code."""
     cpu_adam_or_skip()
     base = tmp_path_factory.mktemp("offload")
-    code, whole = _code(base), base / "whole"
+    code, whole = trainer_code(base), base / "whole"
     started = time.monotonic()
-    out = _launch(code, whole, WORLD, *OFFLOAD, "--save-steps", "2")
-    assert out.returncode == 0, _tail(out)
+    out = launch_trainer(code, whole, WORLD, *OFFLOAD, "--save-steps", "2")
+    assert out.returncode == 0, tail_of(out)
     # the engine steps DeepSpeed's CPU Adam, on every rank
     chain = "OPTIMIZER DeepSpeedOptimizerWrapper > DeepSpeedZeroOptimizer > DeepSpeedCPUAdam"
-    assert out.stdout.count(chain) == WORLD, _tail(out)
+    assert out.stdout.count(chain) == WORLD, tail_of(out)
     return {"code": code, "whole": whole, "seconds": time.monotonic() - started}
 
 
@@ -63,14 +63,14 @@ def test_trainer_zero2_cpu_adam_on_4_ranks_stopped_late_and_resumed_with_a_worke
     code, whole, run = uninterrupted["code"], uninterrupted["whole"], tmp_path / "run"
     run.mkdir()
     write_request(run, at_update=STOP)
-    out = _launch(code, run, WORLD, *OFFLOAD)
-    assert out.returncode != 0 and segments(run)[-1]["ended"] == "request", _tail(out)
+    out = launch_trainer(code, run, WORLD, *OFFLOAD)
+    assert out.returncode != 0 and segments(run)[-1]["ended"] == "request", tail_of(out)
     assert segments(run)[-1]["last_update"] == STOP
     listed = {e["path"] for e in validate_complete(run / f"checkpoint-{STOP}")["files"]}
     parts = {f"{DS_DIR}/{DS_TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD)}
     assert parts <= listed and {f"rng/rank-{r}.safetensors" for r in range(WORLD)} <= listed
-    out = _launch(code, run, WORLD, *OFFLOAD, "--workers", "1")
-    assert out.returncode == 0, _tail(out)
+    out = launch_trainer(code, run, WORLD, *OFFLOAD, "--workers", "1")
+    assert out.returncode == 0, tail_of(out)
     segs = segments(run)
     assert [s["ended"] for s in segs] == ["request", "finished"] and segs[-1]["resumed_from"] == STOP
     assert segs[-1]["world_size"] == WORLD
@@ -105,10 +105,10 @@ def test_trainer_zero2_cpu_adam_moves_4_to_2_to_4_in_place_proven_and_the_ledger
     run.mkdir()
     write_request(run, at_update=2)
     started = time.monotonic()
-    out = _launch(code, run, WORLD, *OFFLOAD)
+    out = launch_trainer(code, run, WORLD, *OFFLOAD)
     shown = [
         f"uninterrupted, 4 ranks: {uninterrupted['seconds']:.0f} s",
         f"4 ranks to update 2: {time.monotonic() - started:.0f} s",
     ]
-    assert (run / "checkpoint-2" / "COMPLETE.json").exists(), _tail(out)
+    assert (run / "checkpoint-2" / "COMPLETE.json").exists(), tail_of(out)
     move_4_to_2_to_4(code, uninterrupted["whole"], run, True, capsys, shown)
