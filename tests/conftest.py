@@ -79,7 +79,16 @@ _LAUNCHERS = ("torchrun", "torch.distributed.run", "sbatch", "srun", "demo.sh", 
 # its module fixtures' launches and Slurm's jobs stay on one worker), then the tests marked `alone` with nothing
 # beside them (scripts/test.sh): test_controller's deadlines (the memory guard's 60 s kill, the budget's stop) failed
 # under `-n 2` on a 2-core machine at load 14. `--dist loadgroup` would group nothing on pytest 9.2
-# (pytest-xdist#1386).
+# (pytest-xdist#1386). The files go out longest first (tests/xdist_order.py).
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist_order import heavy_first
+
+    return heavy_first(config, log)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

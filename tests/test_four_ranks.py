@@ -1,9 +1,8 @@
 """Four ranks, as the G3A1 run had (issue 21), and DeepSpeed's CPU Adam, its optimizer.
 
 - examples/train_hf_trainer_offload.py: Trainer + DeepSpeed ZeRO-2 with `offload_optimizer: cpu`
-  (DeepSpeedCPUAdam), a tiny Qwen3 with an adapter at 10x the learning rate, on 4 CPU ranks: stopped by a request
-  late (update 5 of 6) and resumed with a loader worker, every tensor (each of the 4 ZeRO partitions) equal to the
-  uninterrupted 4-rank run's, each sample once.
+  (DeepSpeedCPUAdam) on 4 CPU ranks, stopped late and resumed with a loader worker: tests/test_trainer_zero_offload.py
+  (it shares its uninterrupted run with the move 4 -> 2 -> 4 there).
 - examples/train_lm.py, the plain torchrelay loop, on 4 ranks: stopped late and resumed with other workers,
   bit for bit.
 - DeepSpeedCPUAdam in a plain loop (no engine): saved and loaded by torchrelay, it steps on bit for bit.
@@ -24,19 +23,12 @@ import pytest
 import torch
 
 from helpers import (
-    REPO,
-    TORCHRUN,
     assert_same_final_state,
     assert_same_logs,
-    clean_env,
     launch,
-    make_code_repo,
-    run_tree,
     segments,
 )
-from test_deepspeed import engine_state
-from torchrelay.checkpoint.deepspeed_engine import DS_DIR, DS_TAG
-from torchrelay.checkpoint.inventory import inventory_entries, list_files, validate_complete, write_inventory
+from torchrelay.checkpoint.inventory import inventory_entries, list_files, write_inventory
 from torchrelay.checkpoint.state import load_state, save_state
 from torchrelay.ledger.exposure import prove
 from torchrelay.policy.stop import write_request
@@ -137,74 +129,3 @@ def test_plain_loop_on_4_ranks_stopped_late_and_resumed_with_a_worker_is_bit_exa
     assert_same_logs(whole, run, ranks=WORLD)
     ledger = prove(run)
     assert ledger.ok and ledger.exposures == prove(whole).exposures and ledger.repeats == prove(whole).repeats
-
-
-# Trainer + ZeRO-2 + CPU Adam: examples/train_hf_trainer_offload.py through tests/trainer_paced.py (which says which
-# optimizer steps); 6 updates of 16 samples (2 a micro-batch, 2 micro-batches, 4 ranks) from a 64-sample set
-HF_SCRIPT = "train_hf_trainer_offload.py"
-U, STOP = 6, 5
-
-
-def _hf(code: Path, run: Path, *args: str) -> tuple[int, str]:
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={WORLD}", "--monitor_interval=0.5"]
-    cmd += [str(code / "trainer_paced.py"), "--output-dir", str(run), *args]
-    env = clean_env(DS_ACCELERATOR="cpu", TRAINER_EXAMPLE=HF_SCRIPT.removesuffix(".py"))
-    out = run_tree(cmd, timeout=900, env=env, cwd=code)
-    return out.returncode, out.stdout[-6000:] + out.stderr[-4000:]
-
-
-@pytest.mark.launch
-@pytest.mark.timeout(
-    1500
-)  # three launches of 4 ranks that each import transformers and DeepSpeed: minutes under load
-def test_trainer_zero2_cpu_adam_on_4_ranks_stopped_late_and_resumed_with_a_worker_is_bit_exact(
-    tmp_path: Path,
-) -> None:
-    """The G3A1 shape on its world size: stopped by a request after update 5 of 6 and resumed with 1 loader worker
-    per rank instead of none, every tensor of the engine's checkpoint (the model, each of the 4 ranks' ZeRO
-    partitions of the CPU-offloaded optimizer, the LR scheduler) and its counters equal to the uninterrupted
-    4-rank run's; the ledger exact. Without the CPU Adam replay (deepspeed_engine.replay_cpu_adam) the resumed
-    update parts from the uninterrupted one in the last bits."""
-    cpu_adam_or_skip()
-    (tmp_path / "code").mkdir()
-    shutil.copyfile(REPO / "tests" / "trainer_paced.py", tmp_path / "code" / "trainer_paced.py")
-    code = make_code_repo(tmp_path / "code", (HF_SCRIPT,))
-    whole, run = tmp_path / "whole", tmp_path / "run"
-    started = time.monotonic(), _cpu()
-    rc, out = _hf(code, whole)
-    assert rc == 0, out
-    _seconds(started, "Trainer + ZeRO-2 offload, 4 ranks, uninterrupted")
-    # the engine steps DeepSpeed's CPU Adam, on every rank
-    assert (
-        out.count("OPTIMIZER DeepSpeedOptimizerWrapper > DeepSpeedZeroOptimizer > DeepSpeedCPUAdam") == WORLD
-    ), out
-    run.mkdir()
-    write_request(run, at_update=STOP)
-    rc, out = _hf(code, run)
-    assert rc != 0 and segments(run)[-1]["ended"] == "request", out
-    assert segments(run)[-1]["last_update"] == STOP
-    listed = {e["path"] for e in validate_complete(run / f"checkpoint-{STOP}")["files"]}
-    parts = {f"{DS_DIR}/{DS_TAG}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD)}
-    assert parts <= listed and {f"rng/rank-{r}.safetensors" for r in range(WORLD)} <= listed
-    rc, out = _hf(code, run, "--workers", "1")
-    assert rc == 0, out
-    _seconds(started, "Trainer + ZeRO-2 offload, 4 ranks, all three launches")
-    segs = segments(run)
-    assert [s["ended"] for s in segs] == ["request", "finished"] and segs[-1]["resumed_from"] == STOP
-    assert segs[-1]["world_size"] == WORLD
-
-    want, want_counters = engine_state(whole / f"checkpoint-{U}")
-    have, have_counters = engine_state(run / f"checkpoint-{U}")
-    assert want.keys() == have.keys()
-    assert {k.split(".")[0] for k in want if k.startswith("optim@")} == {
-        f"optim@rank{r}" for r in range(WORLD)
-    }
-    differ = [k for k in want if not torch.equal(want[k], have[k])]
-    assert not differ, f"{len(differ)} of {len(want)} tensors differ, e.g. {differ[:3]}"
-    assert want_counters == have_counters and want_counters["global_steps"] == U
-    assert_same_logs(
-        whole, run, ranks=WORLD
-    )  # the loss and both learning rates at every update, each rank's ids
-    ledger = prove(run)
-    # 6 updates of 16 samples from 64: one epoch whole, half of the next, no sample twice in one
-    assert ledger.ok and ledger.exposures == U * 16 and ledger.distinct == 64 and ledger.repeats == 0

@@ -1,8 +1,9 @@
 """Hugging Face Trainer + DeepSpeed ZeRO-2 moved to another number of ranks with the same global batch (issue 49).
 
 examples/train_hf_trainer_offload.py (a tiny Qwen3 with an adapter at 10x the learning rate, no dropout) on gloo
-ranks, with `offload_optimizer: cpu` (DeepSpeedCPUAdam) and without (torch AdamW inside the ZeRO optimizer):
-moved 4 -> 2 -> 4 in place, and 4 -> 2 through `prepare --world-size`. RelayTrainer derives Trainer's and the
+ranks without offload (torch AdamW inside the ZeRO optimizer): moved 4 -> 2 -> 4 in place, and 4 -> 2 through
+`prepare --world-size`, both from one launch stopped on 4 ranks; with `offload_optimizer: cpu` (DeepSpeedCPUAdam):
+tests/test_trainer_zero_offload.py, through move_4_to_2_to_4 here. RelayTrainer derives Trainer's and the
 DeepSpeed configuration's gradient accumulation from the run (2 -> 4 -> 2), the engine's partitions are resharded
 and proven at load (gathered masters and both moments bit-equal), the ledger is exact and the continued run is
 within the audit's criterion of the uninterrupted 4-rank run.
@@ -22,69 +23,63 @@ from helpers import REPO, TORCHRUN, clean_env, make_code_repo, run_tree, segment
 SCRIPT = "train_hf_trainer_offload.py"
 
 
-def _code(tmp_path: Path) -> Path:
+def trainer_code(tmp_path: Path) -> Path:
     (tmp_path / "code").mkdir()
     shutil.copyfile(REPO / "tests" / "trainer_paced.py", tmp_path / "code" / "trainer_paced.py")
     return make_code_repo(tmp_path / "code", (SCRIPT,))
 
 
-def _launch(code: Path, run: Path, nproc: int, *args: str, **env: str) -> Any:
+def launch_trainer(code: Path, run: Path, nproc: int, *args: str, **env: str) -> Any:
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]
     cmd += [str(code / "trainer_paced.py"), "--output-dir", str(run), *args]
     environ = clean_env(DS_ACCELERATOR="cpu", TRAINER_EXAMPLE=SCRIPT.removesuffix(".py"), **env)
     return run_tree(cmd, timeout=900, env=environ, cwd=code)
 
 
-def _tail(out: Any) -> str:
+def tail_of(out: Any) -> str:
     return str(out.stdout[-4000:] + out.stderr[-4000:])
 
 
-@pytest.mark.launch
-@pytest.mark.timeout(1800)  # four launches of 4 and 2 ranks that each import transformers and DeepSpeed
-@pytest.mark.parametrize(
-    "offload",
-    [False, pytest.param(True, marks=pytest.mark.full)],
-    ids=["zero2", "zero2-cpu-offload"],
-)
-def test_trainer_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
-    tmp_path: Path, offload: bool, capsys: pytest.CaptureFixture[str]
+@pytest.fixture(scope="module")
+def stopped_on_four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The Trainer run without offload stopped by a request after update 2 on 4 ranks, once for the module: the
+    run the move test continues in place, and a bundle packed from a copy of it that the prepare test moves to 2
+    ranks (the same launch both tests began with; packing marks its checkpoint handed off, hence the copy)."""
+    from torchrelay.cli import main
+    from torchrelay.policy.stop import write_request
+
+    base = tmp_path_factory.mktemp("stopped-on-four")
+    code, run = trainer_code(base), base / "run"
+    run.mkdir()
+    write_request(run, at_update=2)
+    out = launch_trainer(code, run, 4, "--offload", "none")
+    assert segments(run)[-1]["last_update"] == 2, tail_of(out)
+    assert (run / "checkpoint-2" / "COMPLETE.json").exists(), tail_of(out)
+    shutil.copytree(run, base / "source")
+    assert main(["pack", str(base / "source"), str(base / "bundle")]) == 0
+    return {"code": code, "run": run, "bundle": base / "bundle"}
+
+
+def move_4_to_2_to_4(
+    code: Path, straight: Path, run: Path, offload: bool, capsys: pytest.CaptureFixture[str], shown: list[str]
 ) -> None:
-    """The uninterrupted 4-rank Trainer run against the same run stopped at updates 2 and 4 and moved 4 -> 2 -> 4
-    (TORCHRELAY_RESHARD=1, what `launch --reshard` sets): Trainer's accumulation follows the run, each move is
-    proven at load, recorded and shown by `status`; the ledger exact, every parameter within the audit's bound.
-    Before RelayTrainer derived the accumulation, the 2-rank launch trained 8-sample updates against the run's 16
-    (DeepSpeed's gradient_accumulation_steps 2, the run's grad_accum 4: refused when the engine was tracked)."""
+    """`run`, stopped by a request after update 2 on 4 ranks, moved to 2 ranks to update 4 and back to 4 ranks to
+    the end, against `straight` (the uninterrupted 4-rank run, checkpoints every 2): the moves recorded and
+    proven, the ledger exact, every parameter within the audit's bound, `status` showing the move."""
     from torchrelay.audit.layout_audit import layout_verdict
     from torchrelay.cli import main
     from torchrelay.ledger.exposure import prove
     from torchrelay.policy.stop import write_request
 
-    if offload:
-        from test_four_ranks import cpu_adam_or_skip
-
-        cpu_adam_or_skip()
-    code = _code(tmp_path)
     mode = ["--offload", "cpu" if offload else "none"]
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    started = time.monotonic()
-    out = _launch(code, straight, 4, *mode, "--save-steps", "2")  # checkpoints 2, 4, 6: the audit's reference
-    shown = [f"uninterrupted, 4 ranks: {time.monotonic() - started:.0f} s"]
-    assert out.returncode == 0, _tail(out)
-    inner = "DeepSpeedCPUAdam" if offload else "AdamW"
-    assert out.stdout.count(f"DeepSpeedZeroOptimizer > {inner}") == 4, _tail(out)
-    run.mkdir()
     # asked for by the variable (what `launch --reshard` sets), then by the script's RelayOptions(reshard=True)
-    for nproc, stop, flag, env in (
-        (4, 2, [], {}),
-        (2, 4, [], {"TORCHRELAY_RESHARD": "1"}),
-        (4, None, ["--reshard"], {}),
-    ):
+    for nproc, stop, flag, env in ((2, 4, [], {"TORCHRELAY_RESHARD": "1"}), (4, None, ["--reshard"], {})):
         if stop is not None:
             write_request(run, at_update=stop)
         started = time.monotonic()
-        out = _launch(code, run, nproc, *mode, *flag, **env)
+        out = launch_trainer(code, run, nproc, *mode, *flag, **env)
         shown.append(f"{nproc} ranks to update {stop or 6}: {time.monotonic() - started:.0f} s")
-        assert (run / f"checkpoint-{stop or 6}" / "COMPLETE.json").exists(), _tail(out)
+        assert (run / f"checkpoint-{stop or 6}" / "COMPLETE.json").exists(), tail_of(out)
     segs = segments(run)
     assert [(s["world_size"], s["last_update"], s["ended"]) for s in segs] == [
         (4, 2, "request"),
@@ -111,27 +106,42 @@ def test_trainer_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
 
 
 @pytest.mark.launch
+@pytest.mark.timeout(1800)  # launches of 4 and 2 ranks that each import transformers and DeepSpeed
+def test_trainer_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
+    stopped_on_four: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The uninterrupted 4-rank Trainer run (torch AdamW inside the ZeRO optimizer) against the same run stopped at
+    updates 2 and 4 and moved 4 -> 2 -> 4 (TORCHRELAY_RESHARD=1, what `launch --reshard` sets): Trainer's
+    accumulation follows the run, each move is proven at load, recorded and shown by `status`; the ledger exact,
+    every parameter within the audit's bound. Before RelayTrainer derived the accumulation, the 2-rank launch
+    trained 8-sample updates against the run's 16 (DeepSpeed's gradient_accumulation_steps 2, the run's grad_accum
+    4: refused when the engine was tracked). With offload: tests/test_trainer_zero_offload.py."""
+    code, straight = stopped_on_four["code"], tmp_path / "straight"
+    started = time.monotonic()
+    out = launch_trainer(code, straight, 4, "--offload", "none", "--save-steps", "2")  # checkpoints 2, 4, 6
+    shown = [f"uninterrupted, 4 ranks: {time.monotonic() - started:.0f} s"]
+    assert out.returncode == 0, tail_of(out)
+    assert out.stdout.count("DeepSpeedZeroOptimizer > AdamW") == 4, tail_of(out)
+    move_4_to_2_to_4(code, straight, stopped_on_four["run"], False, capsys, shown)
+
+
+@pytest.mark.launch
 @pytest.mark.timeout(1200)
 def test_trainer_zero2_prepared_for_two_ranks_from_a_bundle_of_four(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    stopped_on_four: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`prepare --world-size 2` of a Trainer ZeRO-2 run stopped on 4 ranks: the launch of the bundle's code on 2
     ranks (no flag) reshards, derives accumulation 4 and finishes; the move recorded as asked by prepare and shown
     by `status`; the ledger exact."""
     from torchrelay.cli import main
     from torchrelay.ledger.exposure import prove
-    from torchrelay.policy.stop import write_request
 
-    code = _code(tmp_path)
-    source, bundle, there = tmp_path / "source", tmp_path / "bundle", tmp_path / "there"
-    source.mkdir()
-    write_request(source, at_update=2)
-    out = _launch(code, source, 4, "--offload", "none")
-    assert segments(source)[-1]["last_update"] == 2, _tail(out)
-    assert main(["pack", str(source), str(bundle)]) == 0
-    assert main(["prepare", str(bundle), "--run-dir", str(there), "--world-size", "2"]) == 0
-    out = _launch(next((there / "source").iterdir()), there, 2, "--offload", "none")
-    assert out.returncode == 0, _tail(out)
+    there = tmp_path / "there"
+    assert (
+        main(["prepare", str(stopped_on_four["bundle"]), "--run-dir", str(there), "--world-size", "2"]) == 0
+    )
+    out = launch_trainer(next((there / "source").iterdir()), there, 2, "--offload", "none")
+    assert out.returncode == 0, tail_of(out)
     segs = segments(there)
     assert [(s["world_size"], s["ended"]) for s in segs] == [(4, "request"), (2, "finished")]
     change = segs[-1]["layout_change"]

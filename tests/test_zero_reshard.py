@@ -146,49 +146,49 @@ def test_a_folder_is_resharded_into_files_deepspeed_names(tmp_path: Path) -> Non
 # --- launched: examples/train_deepspeed.py moved 4 -> 2 -> 4 ranks in place ------------------------------------
 
 
-@pytest.mark.launch
-@pytest.mark.parametrize("offload", [False, True], ids=["zero2", "zero2-cpu-offload"])
-def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
-    example: dict[str, Path], tmp_path: Path, offload: bool
-) -> None:
-    """The uninterrupted 4-rank run against the same run moved 4 -> 2 -> 4 after updates 2 and 4 (dropout 0: a
-    rank's dropout masks follow its re-derived RNG): each move proven at load, the ledger exact, each parameter
-    within the audit's bound of the reduction order (tests/test_elastic.py's criterion)."""
-    from helpers import TORCHRUN, clean_env, make_code_repo, run_tree, segments
+def launch_ds(example: dict[str, Path], code: Path, target: Path, nproc: int, *more: str, **env: str) -> Any:
+    """One torchrun launch of examples/train_deepspeed.py: 6 updates, dropout 0 (a rank's dropout masks follow its
+    re-derived RNG at a move), to its end or its stop."""
+    from helpers import TORCHRUN, clean_env, run_tree
+
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]
+    cmd += [
+        str(code / "train_deepspeed.py"),
+        "--run-dir",
+        str(target),
+        "--manifest",
+        str(example["manifest"]),
+    ]
+    cmd += ["--data-root", str(example["root"]), "--updates", "6", "--dropout", "0", *more]
+    return run_tree(cmd, timeout=900, env=clean_env(DS_ACCELERATOR="cpu", **env), cwd=code)
+
+
+def stop_on_four(example: dict[str, Path], code: Path, run: Path, *more: str) -> None:
+    """The run's first launch, on 4 ranks, stopped by a request after update 2."""
+    from torchrelay.policy.stop import write_request
+
+    run.mkdir()
+    write_request(run, at_update=2)
+    out = launch_ds(example, code, run, 4, *more, TORCHRELAY_RESHARD="1")
+    assert (run / "checkpoint-2" / "COMPLETE.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def move_4_to_2_to_4(example: dict[str, Path], code: Path, straight: Path, run: Path, *more: str) -> None:
+    """`run`, stopped after update 2 on 4 ranks, moved to 2 ranks to update 4 and back to 4 ranks to the end,
+    against `straight`, the uninterrupted 4-rank run (launched here): each move proven at load, the ledger exact,
+    each parameter within the audit's bound of the reduction order (tests/test_elastic.py's criterion)."""
+    from helpers import segments
     from torchrelay.audit.layout_audit import layout_verdict
     from torchrelay.ledger.exposure import prove
     from torchrelay.policy.stop import write_request
 
-    if offload:
-        from test_four_ranks import cpu_adam_or_skip
-
-        cpu_adam_or_skip()
-    code = make_code_repo(tmp_path / "code", ("train_deepspeed.py",))
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    run.mkdir()
-    extra = ["--updates", "6", "--dropout", "0", *(["--offload"] if offload else [])]
-
-    def launch(target: Path, nproc: int, *more: str) -> Any:
-        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]
-        cmd += [
-            str(code / "train_deepspeed.py"),
-            "--run-dir",
-            str(target),
-            "--manifest",
-            str(example["manifest"]),
-        ]
-        cmd += ["--data-root", str(example["root"]), *extra, *more]
-        env = clean_env(DS_ACCELERATOR="cpu", TORCHRELAY_RESHARD="1")
-        return run_tree(cmd, timeout=900, env=env, cwd=code)
-
-    out = launch(
-        straight, 4, "--set", "keep_updates=[2]"
-    )  # its parameters at the move: the audit's reference
+    out = launch_ds(example, code, straight, 4, *more, "--set", "keep_updates=[2]", TORCHRELAY_RESHARD="1")
+    # its parameters at the move: the audit's reference
     assert (straight / "checkpoint-6" / "COMPLETE.json").exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    for nproc, stop in ((4, 2), (2, 4), (4, None)):
+    for nproc, stop in ((2, 4), (4, None)):
         if stop is not None:
             write_request(run, at_update=stop)
-        out = launch(run, nproc)
+        out = launch_ds(example, code, run, nproc, *more, TORCHRELAY_RESHARD="1")
         assert (run / f"checkpoint-{stop or 6}" / "COMPLETE.json").exists(), (
             out.stdout[-3000:] + out.stderr[-3000:]
         )
@@ -215,6 +215,35 @@ def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
     assert len(audit.drift[6].judged) == 5  # every parameter of the model, judged by its Adam moments
 
 
+@pytest.fixture(scope="module")
+def stopped_on_four(example: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The ZeRO-2 run (torch AdamW in the engine) stopped after update 2 on 4 ranks, once for the module: the run
+    the move test continues in place, and a bundle packed from a copy of it that the prepare test moves to 1 rank
+    (packing marks the packed checkpoint handed off, hence the copy)."""
+    import shutil
+
+    from helpers import make_code_repo
+    from torchrelay.cli import main
+
+    base = tmp_path_factory.mktemp("zero2-stopped-on-four")
+    code, run = make_code_repo(base / "code", ("train_deepspeed.py",)), base / "run"
+    stop_on_four(example, code, run)
+    shutil.copytree(run, base / "source")
+    assert main(["pack", str(base / "source"), str(base / "bundle")]) == 0
+    return {"code": code, "run": run, "bundle": base / "bundle"}
+
+
+@pytest.mark.launch
+def test_zero2_moves_4_to_2_to_4_in_place_proven_and_the_ledger_exact(
+    example: dict[str, Path], stopped_on_four: dict[str, Path], tmp_path: Path
+) -> None:
+    """The uninterrupted 4-rank run against the same run moved 4 -> 2 -> 4 after updates 2 and 4: each move proven
+    at load, the ledger exact, each parameter within the audit's bound. With CPU offload:
+    tests/test_zero_reshard_offload.py."""
+    code = stopped_on_four["code"]
+    move_4_to_2_to_4(example, code, tmp_path / "straight", stopped_on_four["run"])
+
+
 def test_the_reshard_benchmark_runs_at_toy_size() -> None:
     """bench_zero_reshard's measure at toy size, so it cannot rot: 4 partitions resharded for 2, proven."""
     from zero_partitions import measure
@@ -237,41 +266,26 @@ def test_a_layout_change_accepts_zero2_and_refuses_zero3_naming_it(tmp_path: Pat
 
 
 @pytest.mark.launch
-def test_zero2_prepared_for_one_rank_from_a_bundle_of_two(example: dict[str, Path], tmp_path: Path) -> None:
-    """`prepare --world-size 1` of a ZeRO-2 run stopped on 2 ranks: the first launch on 1 rank reshards and
-    finishes it, the move recorded as asked by prepare, the ledger exact."""
-    from helpers import TORCHRUN, clean_env, make_code_repo, run_tree, segments
+def test_zero2_prepared_for_one_rank_from_a_bundle_of_four(
+    example: dict[str, Path], stopped_on_four: dict[str, Path], tmp_path: Path
+) -> None:
+    """`prepare --world-size 1` of a ZeRO-2 run stopped on 4 ranks (the module's, packed): the first launch on 1
+    rank reshards and finishes it, the move recorded as asked by prepare, the ledger exact."""
+    from helpers import segments
     from torchrelay.cli import main
     from torchrelay.ledger.exposure import prove
-    from torchrelay.policy.stop import write_request
 
-    def launch(code: Path, run: Path, nproc: int) -> Any:
-        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "--monitor_interval=0.5"]
-        cmd += [
-            str(code / "train_deepspeed.py"),
-            "--run-dir",
-            str(run),
-            "--manifest",
-            str(example["manifest"]),
-        ]
-        cmd += ["--data-root", str(example["root"]), "--updates", "6"]
-        return run_tree(cmd, timeout=900, env=clean_env(DS_ACCELERATOR="cpu"), cwd=code)
-
-    code = make_code_repo(tmp_path / "code", ("train_deepspeed.py",))
-    source, bundle, there = tmp_path / "source", tmp_path / "bundle", tmp_path / "there"
-    source.mkdir()
-    write_request(source, at_update=3)
-    out = launch(code, source, 2)
-    assert segments(source)[-1]["last_update"] == 3, out.stdout[-3000:] + out.stderr[-3000:]
-    assert main(["pack", str(source), str(bundle)]) == 0
-    assert main(["prepare", str(bundle), "--run-dir", str(there), "--world-size", "1"]) == 0
-    out = launch(next((there / "source").iterdir()), there, 1)
+    there = tmp_path / "there"
+    assert (
+        main(["prepare", str(stopped_on_four["bundle"]), "--run-dir", str(there), "--world-size", "1"]) == 0
+    )
+    out = launch_ds(example, next((there / "source").iterdir()), there, 1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     segs = segments(there)
-    assert [(s["world_size"], s["ended"]) for s in segs] == [(2, "request"), (1, "finished")]
+    assert [(s["world_size"], s["ended"]) for s in segs] == [(4, "request"), (1, "finished")]
     change = segs[-1]["layout_change"]
     assert change["asked_by"] == "prepare" and (change["from"]["grad_accum"], change["to"]["grad_accum"]) == (
         2,
-        4,
+        8,
     )
     assert prove(there).ok
