@@ -16,6 +16,7 @@ HEAVY = (
     "tests/test_zero_reshard_offload.py",
     "tests/test_trainer_zero_offload.py",
     "tests/test_slurm.py",
+    "tests/test_memory_stacks.py",
     "tests/test_zero_reshard.py",
     "tests/test_trainer_zero_move.py",
     "tests/test_elastic_muon.py",
