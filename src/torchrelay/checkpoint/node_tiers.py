@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import shutil
 import socket
@@ -33,7 +32,7 @@ from typing import Any
 
 from torchrelay.checkpoint.inventory import read_inventory
 from torchrelay.checkpoint.select import list_checkpoints
-from torchrelay.checkpoint.tiers import held_replicas, memory_base, root_problem
+from torchrelay.checkpoint.tiers import RUN_DIGEST, held_replicas, memory_base, root_problem, run_digest
 from torchrelay.errors import RelayError, RunBusy, UnsafeInput
 from torchrelay.paths.lock import describe, holder
 from torchrelay.paths.rundir import RunDir
@@ -41,28 +40,28 @@ from torchrelay.records.history import read_history
 
 LIVE, STALE, KEPT, REFUSED = "live", "stale", "kept", "refused"
 LOCKS = ("train", "launch")  # the run's locks whose holder makes its tier live (paths/lock.py)
-_DIGEST = 12  # hex characters of a run directory's digest (tiers.memory_root)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def run_digest(run_dir: str | os.PathLike[str]) -> str:
-    """The folder name a run directory's memory tier has (tiers.memory_root)."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:_DIGEST]
+def _take(root: Path, op: int) -> int:
+    """The tier folder's descriptor, holding flock `op` without waiting; OSError where the folder cannot be opened,
+    BlockingIOError where another process holds a lock that excludes `op`."""
+    fd = os.open(root, _DIR)
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def hold(root: Path) -> int | None:
     """A shared flock on the tier's folder for as long as this process uses it (the descriptor, to `release`); None
     where it cannot be taken (no folder, or being freed: the run goes on without it)."""
     try:
-        fd = os.open(root, _DIR)
+        return _take(root, fcntl.LOCK_SH)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def release(fd: int | None) -> None:
@@ -110,7 +109,7 @@ def scan(now: float | None = None, locks: tuple[str, ...] = LOCKS) -> list[NodeT
         if not lineage.is_dir() or lineage.is_symlink():
             continue
         for root in sorted(lineage.iterdir()):
-            if len(root.name) == _DIGEST and all(c in "0123456789abcdef" for c in root.name):
+            if len(root.name) == RUN_DIGEST and all(c in "0123456789abcdef" for c in root.name):
                 found.append(judge(root, now, locks))
     return found
 
@@ -170,28 +169,31 @@ def _usage(root: Path) -> tuple[int, float]:
 def _in_use(root: Path) -> bool:
     """Whether a process holds the tier's folder (`hold`)."""
     try:
-        fd = os.open(root, _DIR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(_take(root, fcntl.LOCK_EX))
     except BlockingIOError:
         return True
     except OSError:
-        return False
-    finally:
-        os.close(fd)
+        pass
     return False
+
+
+def _run_lock(tier: NodeTier, locks: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
+    """(role, holder) of the first of the tier's run's `locks` that is held, or None."""
+    if tier.run_dir is None:
+        return None
+    for role in locks:
+        who = holder(tier.run_dir, role)
+        if who is not None:
+            return role, who
+    return None
 
 
 def _verdict(tier: NodeTier, root: Path, locks: tuple[str, ...]) -> tuple[str, str]:
     if _in_use(root):
         return LIVE, f"a process on {socket.gethostname()} uses it"
-    if tier.run_dir is not None:
-        for role in locks:
-            who = holder(tier.run_dir, role)
-            if who is not None:
-                return LIVE, f"the run's {role} lock is held by {describe(who, command=False)}"
+    locked = _run_lock(tier, locks)
+    if locked is not None:
+        return LIVE, f"the run's {locked[0]} lock is held by {describe(locked[1], command=False)}"
     held = tier.updates + [u for ups in tier.replicas.values() for u in ups]
     if not held:
         return STALE, "it holds no complete memory checkpoint"
@@ -221,20 +223,16 @@ def forget(tier: NodeTier, locks: tuple[str, ...] = LOCKS) -> int:
     if problem is not None:
         raise UnsafeInput(problem, hint="free it by hand once you know whose it is")
     try:
-        fd = os.open(root, _DIR)
+        fd = _take(root, fcntl.LOCK_EX)
     except FileNotFoundError:
         return 0
+    except BlockingIOError:
+        line = f"a process on {socket.gethostname()} uses {root}"
+        raise RunBusy(tier.run_dir or root, "train", {}, line) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            line = f"a process on {socket.gethostname()} uses {root}"
-            raise RunBusy(tier.run_dir or root, "train", {}, line) from None
-        if tier.run_dir is not None:
-            for role in locks:
-                who = holder(tier.run_dir, role)
-                if who is not None:
-                    raise RunBusy(tier.run_dir, role, who, describe(who))
+        locked = _run_lock(tier, locks)
+        if locked is not None:
+            raise RunBusy(tier.run_dir, locked[0], locked[1], describe(locked[1]))
         size = _usage(root)[0]
         shutil.rmtree(root, ignore_errors=True)
     finally:

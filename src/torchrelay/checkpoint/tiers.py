@@ -36,6 +36,7 @@ from torchrelay.paths.rundir import RunDir
 from torchrelay.util.private_dir import private_folder
 
 MEMORY, DURABLE = "memory", "durable"
+RUN_DIGEST = 12  # hex characters of the name of a run directory's folder (`run_digest`)
 REPLICA_PREFIX = "replica-node"  # replica-node<n>/: the replica of node n's parts a node holds (replica.py)
 
 
@@ -54,8 +55,12 @@ def memory_base() -> tuple[Path, Path]:
 def memory_root(lineage: str, run: RunDir) -> Path:
     """Where this run's memory checkpoints live on this node: by lineage, then by run directory (a copy of a run
     directory shares its lineage, never its memory checkpoints)."""
-    where = hashlib.sha256(str(run.path.resolve()).encode()).hexdigest()[:12]
-    return memory_base()[1] / lineage / where
+    return memory_base()[1] / lineage / run_digest(run.path)
+
+
+def run_digest(run_dir: str | os.PathLike[str]) -> str:
+    """The name of a run directory's folder in the memory tier: its resolved path's digest, RUN_DIGEST hex long."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:RUN_DIGEST]
 
 
 def root_problem(root: Path, *, make: bool, below: Path | None = None) -> str | None:
