@@ -2,14 +2,16 @@
 
     python benchmarks/bench_memory_tier.py --d-model 512 --layers 8 --updates 30 --json out.json
     PYTHONPATH=src python3 benchmarks/bench_memory_tier.py --device cuda --d-model 1536 --layers 24 \
-        --updates 60 --every 10
+        --updates 40 --every 10 --pace 0.5
 
 One process (world size 1, gloo or NCCL) of examples/train_lm.py, each measurement a fresh run directory:
 - the loop's gap between two updates (the `time` of update k minus that of k-1 minus k's `update_time`, from the
   run's own metrics log): a plain loop (no save), a memory checkpoint every `--every` updates (`memory_every`), a
-  durable checkpoint as often (`save_every`); blocked per save = the median gap minus the plain one; lost per save
-  = the mean interval between updates minus the plain one, times `--every` (a copy the next update's step waits
-  for is in it); the share of intervals over 1.1x their median, per loop;
+  durable checkpoint as often (`save_every`); stall per save = the median gap after a saved update minus the
+  plain loop's gap; blocked per save = the gaps from a saved update to the next save, minus as many of the plain
+  loop's (the stall, and the next save's wait for this one to commit); lost per save = the mean interval between
+  updates minus the plain one, times `--every` (a copy the next update's step waits for is in it); the share of
+  intervals over 1.1x their median, per loop; the device->host copy floor of the state's bytes;
 - restart to the first update after a SIGKILL: from the memory tier, and from the durable tier (a checkpoint of
   the same state on disk, its pages dropped first), each from the relaunch's process start (imports included, the same for both) to the
   `time` its first update logged.
@@ -84,14 +86,18 @@ def _metrics(run: Path) -> list[dict[str, Any]]:
     return out
 
 
-def gaps(run: Path) -> list[float]:
-    """The loop's time between updates, beyond the updates themselves (the save's stall is in it)."""
+def gaps(run: Path) -> dict[int, float]:
+    """The loop's time before each update beyond the update itself, by update: a save of update u is in u+1's (the
+    loop saves after logging u), the wait for the save before to commit in u's (the loop waits before logging a
+    saving update). The first update's gap, holding the warm-up's start, is left out."""
     rows = _metrics(run)
-    return [
-        b["time"] - a["time"] - b["update_time"]
+    gap = {
+        b["update"]: b["time"] - a["time"] - b["update_time"]
         for a, b in zip(rows, rows[1:], strict=False)
         if b["update"] == a["update"] + 1
-    ][1:]  # the first gap holds the warm-up's start
+    }
+    gap.pop(min(gap), None)
+    return gap
 
 
 def intervals(run: Path) -> list[float]:
@@ -103,19 +109,31 @@ def intervals(run: Path) -> list[float]:
     ][1:]
 
 
-def _loop(out: Path, config: Path, name: str, sets: dict[str, Any]) -> dict[str, float]:
+def _loop(out: Path, config: Path, name: str, sets: dict[str, Any], every: int) -> dict[str, float]:
     run = out / name
     done = subprocess.run(_cmd(run, config, sets), env=_env(), capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-2000:]}")
     times = intervals(run)
     median = statistics.median(times)
+    gap = gaps(run)
+    first, last = min(gap), max(gap)
+    # per save of update u: the loop's time beyond its updates from u's log line to the next save's (the stall of
+    # u, and the wait of the next save for u to commit); the saves whose window was all timed
+    windows = [
+        [gap[v] for v in range(u + 1, u + every + 1)]
+        for u in range(every, last + 1, every)
+        if u + 1 > first and u + every <= last and all(v in gap for v in range(u + 1, u + every + 1))
+    ]
     return {
-        "gap_s": statistics.median(gaps(run)),
+        "gap_s": statistics.median(gap.values()),
+        "stall_per_save_s": statistics.median(w[0] for w in windows) if windows else 0.0,
+        "window_gaps_s": statistics.median(sum(w) for w in windows) if windows else 0.0,
         "interval_median_s": median,
         "interval_mean_s": statistics.fmean(times),
         "slow_share": sum(t > 1.1 * median for t in times) / len(times),
         "updates_timed": len(times),
+        "saves_timed": len(windows),
     }
 
 
@@ -175,6 +193,28 @@ def _forget_memory(run: Path) -> None:
         shutil.rmtree(_memory_root(run), ignore_errors=True)
 
 
+def copy_floor(nbytes: int, device: str) -> float:
+    """The device->host copy of `nbytes` into page-locked buffers allocated beforehand (on the CPU a memcpy into a
+    buffer touched beforehand): the least a save can block the loop without overlapping it. Median of 3."""
+    import torch
+
+    pinned = device == "cuda"
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=pinned)
+    dst.zero_()
+    times = []
+    for _ in range(4):
+        if pinned:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return statistics.median(times[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=256)
@@ -182,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=20)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--every", type=int, default=1, help="updates between saves (memory_every, save_every)")
+    p.add_argument(
+        "--pace", type=float, default=0.0,
+        help="seconds an update takes at least in the timed loops (params.min_update_s: no bit changes), so that "
+        "a save's persist ends before the next save is due",
+    )  # fmt: skip
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -189,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _config(out, args)
         every = args.every
-        plain = _loop(out, config, "plain", {})
-        memory = _loop(out, config, "memory", {"memory_every": every})
-        durable = _loop(out, config, "durable", {"save_every": every})
+        paced = {"params.min_update_s": args.pace} if args.pace else {}
+        plain = _loop(out, config, "plain", paced, every)
+        memory = _loop(out, config, "memory", paced | {"memory_every": every}, every)
+        durable = _loop(out, config, "durable", paced | {"save_every": every}, every)
         at = max(2, args.updates // 2 // every * every)
         from_memory = _killed_then_restarted(
             out, config, "restart-memory", {"memory_every": every}, at, "memory"
@@ -205,10 +251,16 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "device": args.device,
             "every": every,
+            "pace_s": args.pace,
             "state_bytes": state_bytes,
+            "copy_floor_s": copy_floor(state_bytes, args.device),
             "gap_plain_s": plain["gap_s"],
-            "blocked_per_memory_save_s": memory["gap_s"] - plain["gap_s"],
-            "blocked_per_durable_save_s": durable["gap_s"] - plain["gap_s"],
+            # the save call's stall (in the gap after the saved update), and all the loop lost to a save beyond
+            # its updates (the stall, and the next save's wait for this one to commit), each against the plain loop
+            "stall_per_memory_save_s": memory["stall_per_save_s"] - plain["gap_s"],
+            "stall_per_durable_save_s": durable["stall_per_save_s"] - plain["gap_s"],
+            "blocked_per_memory_save_s": memory["window_gaps_s"] - every * plain["gap_s"],
+            "blocked_per_durable_save_s": durable["window_gaps_s"] - every * plain["gap_s"],
             # what a save costs the loop in all, its next update's wait for the copies included (per save)
             "lost_per_memory_save_s": (memory["interval_mean_s"] - plain["interval_mean_s"]) * every,
             "lost_per_durable_save_s": (durable["interval_mean_s"] - plain["interval_mean_s"]) * every,

@@ -257,6 +257,7 @@ def test_bench_memory_tier_runs_at_a_toy_size(tmp_path: Path) -> None:
         got
     ), got
     assert got["loops"]["memory"]["updates_timed"] > 0 and 0 <= got["loops"]["memory"]["slow_share"] <= 1, got
+    assert got["loops"]["memory"]["saves_timed"] >= 1 and _positive(got["copy_floor_s"]), got
 
 
 def test_bench_load_runs_at_a_toy_size_and_its_goal_is_judged(tmp_path: Path) -> None:

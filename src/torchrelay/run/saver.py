@@ -263,9 +263,11 @@ class Saver:
         group, background = (self._peers.group if self._peers else None), self._background
         if background:
             self._start_writer()
-        # The strategy holds for every save: a writer still starting (it imports torch) is waited for.
+        # A writer still starting (it imports torch: seconds) is not waited for: this save's files are written
+        # from the persist thread (the same bytes), and the loop goes on. Crash tests wait, to hit the writer.
         fault = kill_points.write_fault(update, self._rank)
-        process = self._writer if self._writer is not None and self._writer.ready(wait=True) else None
+        ready = self._writer is not None and self._writer.ready(wait=fault is not None)
+        process = self._writer if ready else None
         if process is not None:
             process.die, process.stall = fault == kill_points.WRITER, fault == kill_points.STALL
         # The staging is a phase of its own (util/collective.py), over the group the commit uses next: a rank that
