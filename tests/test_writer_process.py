@@ -657,7 +657,9 @@ def test_a_save_before_the_writer_has_started_does_not_wait_for_it(
             if done == 3:
                 assert not writer._ready, "the save waited for the writer's start"
             saver.wait()
-            assert bool(writer._mapped) == (done == 6), "checkpoint-3 is the thread's, checkpoint-6 the writer's"
+            assert bool(writer._mapped) == (done == 6), (
+                "checkpoint-3 is the thread's, checkpoint-6 the writer's"
+            )
             validate_complete(tmp_path / "run" / checkpoint_name(done))
     finally:
         run._end_segment(6)
