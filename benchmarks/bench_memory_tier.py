@@ -235,23 +235,33 @@ def main(argv: list[str] | None = None) -> int:
         config = _config(out, args)
         every = args.every
         paced = {"params.min_update_s": args.pace} if args.pace else {}
-        plain = _loop(out, config, "plain", paced, every)
-        memory = _loop(out, config, "memory", paced | {"memory_every": every}, every)
-        durable = _loop(out, config, "durable", paced | {"save_every": every}, every)
-        at = max(2, args.updates // 2 // every * every)
-        from_memory = _killed_then_restarted(
-            out, config, "restart-memory", {"memory_every": every}, at, "memory"
+        result: dict[str, Any] = {"device": args.device, "every": every, "pace_s": args.pace, "phase_s": {}}
+
+        def phase(name: str, run: Any) -> Any:
+            """Run one measurement; its wall time and the figures so far printed and written (a run cut short by
+            a time limit keeps what it measured)."""
+            t0 = time.perf_counter()
+            got = run()
+            result["phase_s"][name] = round(time.perf_counter() - t0, 1)
+            print(f"[bench] {name}: {json.dumps(got)} ({result['phase_s'][name]} s)", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1))
+            return got
+
+        loops = result["loops"] = {}
+        loops["plain"] = plain = phase("plain", lambda: _loop(out, config, "plain", paced, every))
+        loops["memory"] = memory = phase(
+            "memory", lambda: _loop(out, config, "memory", paced | {"memory_every": every}, every)
         )
-        from_disk = _killed_then_restarted(out, config, "restart-disk", {"save_every": at}, at, "durable")
+        loops["durable"] = durable = phase(
+            "durable", lambda: _loop(out, config, "durable", paced | {"save_every": every}, every)
+        )
         state_bytes = sum(
             f.stat().st_size
             for f in (out / "durable" / f"checkpoint-{args.updates}").rglob("*")
             if f.is_file()
         )
-        result = {
-            "device": args.device,
-            "every": every,
-            "pace_s": args.pace,
+        result |= {
             "state_bytes": state_bytes,
             "copy_floor_s": copy_floor(state_bytes, args.device),
             "gap_plain_s": plain["gap_s"],
@@ -264,13 +274,19 @@ def main(argv: list[str] | None = None) -> int:
             # what a save costs the loop in all, its next update's wait for the copies included (per save)
             "lost_per_memory_save_s": (memory["interval_mean_s"] - plain["interval_mean_s"]) * every,
             "lost_per_durable_save_s": (durable["interval_mean_s"] - plain["interval_mean_s"]) * every,
-            "loops": {"plain": plain, "memory": memory, "durable": durable},
-            "restart_to_first_update_memory_s": from_memory,
-            "restart_to_first_update_disk_s": from_disk,
         }
+        at = max(2, args.updates // 2 // every * every)
+        result["restart_to_first_update_memory_s"] = phase(
+            "restart from memory",
+            lambda: _killed_then_restarted(
+                out, config, "restart-memory", {"memory_every": every}, at, "memory"
+            ),
+        )
+        result["restart_to_first_update_disk_s"] = phase(
+            "restart from disk",
+            lambda: _killed_then_restarted(out, config, "restart-disk", {"save_every": at}, at, "durable"),
+        )
         print(json.dumps(result, indent=1))
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
     finally:
         for run in out.glob("*"):
             _forget_memory(run)
