@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda: _killed_then_restarted(out, config, "restart-disk", {"save_every": at}, at, "durable"),
         )
         print(json.dumps(result, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
     finally:
         for run in out.glob("*"):
             _forget_memory(run)
