@@ -117,13 +117,12 @@ def _loop(out: Path, config: Path, name: str, sets: dict[str, Any], every: int) 
     times = intervals(run)
     median = statistics.median(times)
     gap = gaps(run)
-    first, last = min(gap), max(gap)
     # per save of update u: the loop's time beyond its updates from u's log line to the next save's (the stall of
     # u, and the wait of the next save for u to commit); the saves whose window was all timed
     windows = [
         [gap[v] for v in range(u + 1, u + every + 1)]
-        for u in range(every, last + 1, every)
-        if u + 1 > first and u + every <= last and all(v in gap for v in range(u + 1, u + every + 1))
+        for u in range(every, max(gap) + 1, every)
+        if all(v in gap for v in range(u + 1, u + every + 1))
     ]
     return {
         "gap_s": statistics.median(gap.values()),

@@ -70,11 +70,13 @@ def git(cwd: Path, *args: str) -> str:
     ).stdout.strip()
 
 
-def make_code_repo(dest: Path, scripts: tuple[str, ...] = ("train_lm.py",)) -> Path:
-    """A git repo holding the example script(s): its commit is the run's code identity."""
+def make_code_repo(
+    dest: Path, scripts: tuple[str, ...] = ("train_lm.py",), wrappers: tuple[str, ...] = ()
+) -> Path:
+    """A git repo holding the example script(s), and `wrappers` from tests/ beside them (trainer_paced.py, ...):
+    its commit is the run's code identity."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in scripts:
-        src = EXAMPLES / name
+    for name, src in [(n, EXAMPLES / n) for n in scripts] + [(n, REPO / "tests" / n) for n in wrappers]:
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, target)

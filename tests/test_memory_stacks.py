@@ -106,9 +106,7 @@ def _assert_resumed_from_memory_and_equal(
 @pytest.fixture(scope="module")
 def trainer_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("trainer-code") / "code"
-    dest.mkdir()
-    shutil.copyfile(REPO / "tests" / "trainer_paced.py", dest / "trainer_paced.py")
-    return make_code_repo(dest, scripts=("train_hf_trainer.py",))
+    return make_code_repo(dest, ("train_hf_trainer.py",), wrappers=("trainer_paced.py",))
 
 
 def _trainer_cmd(code: Path, run: Path) -> list[str]:
@@ -145,10 +143,9 @@ def test_trainer_deepspeed_zero2_killed_resumes_from_the_memory_tier_bit_exact(
     files inline, into the memory tier's checkpoint as into a durable one; on one node the tier runs
     (tiers.tier_at_open turns it off on several, in one line: tests/test_replica_units.py)."""
     pytest.importorskip("deepspeed")
-    dest = tmp_path / "code"
-    dest.mkdir()
-    shutil.copyfile(REPO / "tests" / "trainer_paced.py", dest / "trainer_paced.py")
-    code = make_code_repo(dest, scripts=("train_hf_trainer_deepspeed.py",))
+    code = make_code_repo(
+        tmp_path / "code", ("train_hf_trainer_deepspeed.py",), wrappers=("trainer_paced.py",)
+    )
     ds = {"TRAINER_EXAMPLE": "train_hf_trainer_deepspeed", "DS_ACCELERATOR": "cpu"}
     ref, run = tmp_path / "ref", tmp_path / "run"
     tier_runs += [ref, run]
@@ -190,16 +187,11 @@ def test_trainer_fsdp2_killed_resumes_from_the_memory_tier_bit_exact(
 def lightning_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("pytorch_lightning")
     dest = tmp_path_factory.mktemp("lightning-code") / "code"
-    dest.mkdir()
-    shutil.copyfile(REPO / "tests" / "lightning_paced.py", dest / "lightning_paced.py")
-    return make_code_repo(dest, scripts=("train_lightning.py",))
+    return make_code_repo(dest, ("train_lightning.py",), wrappers=("lightning_paced.py",))
 
 
 def _lightning_cmd(code: Path, run: Path) -> list[str]:
-    return [
-        TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.5", str(code / "lightning_paced.py"),
-        "--run-dir", str(run),
-    ]  # fmt: skip
+    return torchrun_cmd(code, run, script="lightning_paced.py")
 
 
 def test_lightning_killed_resumes_from_the_memory_tier_bit_exact(
@@ -254,10 +246,7 @@ def test_fsdp2_muon_killed_resumes_from_the_memory_tier_bit_exact(
 def test_tokens_killed_resumes_from_the_memory_tier_bit_exact(tmp_path: Path, tier_runs: list[Path]) -> None:
     """examples/train_tokens.py (16 updates, an evaluation every 4 whose new best saves durably through
     step.save_now, its best loss a stateful of the script's own): killed with memory ahead of every durable save."""
-    dest = tmp_path / "code"
-    dest.mkdir()
-    shutil.copyfile(REPO / "tests" / "tokens_paced.py", dest / "tokens_paced.py")
-    code = make_code_repo(dest, scripts=("train_tokens.py",))
+    code = make_code_repo(tmp_path / "code", ("train_tokens.py",), wrappers=("tokens_paced.py",))
     data = tmp_path / "data"
     made = run_tree(
         [sys.executable, str(code / "train_tokens.py"), "--make-data", str(data)],
